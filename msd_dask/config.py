@@ -1,0 +1,428 @@
+"""Declarative service configuration: YAML or dict in, validated typed objects out.
+
+Every refusal raises :class:`~msd_dask.errors.ConfigError` naming the YAML key
+(``sources[1].weight``) and the reason.  Nothing here touches Dask; the only
+I/O is the optional check that each source's glob matches files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "BatchConfig",
+    "Config",
+    "CostConfig",
+    "ParallelConfig",
+    "SourceConfig",
+    "TokenizerConfig",
+    "WeightSchedule",
+    "load_config",
+]
+
+#: Known source formats (the readers registered in :mod:`msd_dask.formats`).
+KNOWN_FORMATS = ("parquet", "jsonl")
+KNOWN_TOKENIZERS = ("bytes",)
+MESH_AXES = ("tp", "cp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class WeightSchedule:
+    """A source weight over training steps.
+
+    ``kind`` is ``"constant"`` (one value), ``"piecewise"`` (``points`` are
+    ``(until, weight)`` pairs: the weight holds for steps ``< until``; the last
+    pair has ``until = inf``) or ``"linear"`` (``points`` are ``(step, weight)``
+    anchors, linearly interpolated, constant before the first and after the
+    last).
+    """
+
+    kind: str
+    points: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def constant(cls, weight: float) -> WeightSchedule:
+        return cls("constant", ((math.inf, float(weight)),))
+
+    def at(self, step: int) -> float:
+        """The weight in force at ``step``."""
+        if self.kind == "constant":
+            return self.points[0][1]
+        if self.kind == "piecewise":
+            for until, w in self.points:
+                if step < until:
+                    return w
+            return self.points[-1][1]
+        pts = self.points
+        if step <= pts[0][0]:
+            return pts[0][1]
+        for (s0, w0), (s1, w1) in zip(pts, pts[1:], strict=False):
+            if step <= s1:
+                return w0 + (w1 - w0) * (step - s0) / (s1 - s0)
+        return pts[-1][1]
+
+    def breakpoints(self) -> list[float]:
+        """Steps where the schedule changes slope or value (for validation)."""
+        return [p[0] for p in self.points if math.isfinite(p[0])]
+
+    def to_yaml(self) -> Any:
+        if self.kind == "constant":
+            return self.points[0][1]
+        if self.kind == "piecewise":
+            return [
+                {"until": int(u), "weight": w} if math.isfinite(u) else {"weight": w}
+                for u, w in self.points
+            ]
+        return [{"step": int(s), "weight": w} for s, w in self.points]
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """One data source: a glob of files in one format and its mixing weight."""
+
+    name: str
+    uri: str
+    format: str
+    weight: WeightSchedule
+    text_field: str = "text"
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    loaders: int = 1
+    shuffle_window: int = 4
+    read_ahead: int = 8
+    context: str = "short"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh: ``dp × cp × tp × pp`` ranks laid out in ``order``.
+
+    ``order`` lists the axes from fastest-varying to slowest, as in Megatron's
+    ``tp-cp-dp-pp`` default: global rank ``r`` has ``tp = r % tp`` and so on.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    order: str = "tp-cp-dp-pp"
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank, e.g. ``{"dp": 1, "tp": 0, ...}``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        out = {}
+        rest = rank
+        for axis in self.order.split("-"):
+            size = getattr(self, axis)
+            out[axis] = rest % size
+            rest //= size
+        return out
+
+    def ranks_of_dp(self, dp_rank: int) -> list[int]:
+        """All global ranks whose data-parallel coordinate is ``dp_rank``."""
+        return [r for r in range(self.world_size) if self.coords(r)["dp"] == dp_rank]
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    seq_len: int
+    micro_batches: int = 1
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    kind: str = "bytes"
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Per-document cost ``linear·L + quadratic·L²``.
+
+    The default ``quadratic`` is the ratio of causal attention to dense-layer
+    FLOPs of a transformer of hidden size 4096 (``1 / (12·4096)``).
+    """
+
+    linear: float = 1.0
+    quadratic: float = 1.0 / (12 * 4096)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated service configuration (see ``docs/config.md``)."""
+
+    name: str
+    sources: tuple[SourceConfig, ...]
+    batch: BatchConfig
+    seed: int = 0
+    parallel: ParallelConfig = ParallelConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    prefetch: int = 4
+    cost: CostConfig = CostConfig()
+    constructors: int = 0
+    timeout: float = 300.0
+    balance: str = "lpt"
+
+    def source(self, name: str) -> SourceConfig:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def weights_at(self, step: int) -> dict[str, float]:
+        """Normalised token shares of every source at ``step``."""
+        raw = {s.name: s.weight.at(step) for s in self.sources}
+        total = sum(raw.values())
+        return {k: v / total for k, v in raw.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict that :func:`load_config` turns back into this config."""
+        d = dataclasses.asdict(self)
+        d["sources"] = []
+        for s in self.sources:
+            sd = dataclasses.asdict(s)
+            sd["weight"] = s.weight.to_yaml()
+            sd["storage_options"] = dict(s.storage_options)
+            d["sources"].append(sd)
+        return d
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    if not isinstance(d, Mapping):
+        raise ConfigError(key or "<root>", f"must be a mapping, got {type(d).__name__}")
+    for k in d:
+        if k not in allowed:
+            where = f"{key}.{k}" if key else str(k)
+            raise ConfigError(where, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+    for k in required:
+        if k not in d:
+            where = f"{key}.{k}" if key else k
+            raise ConfigError(where, "is required")
+
+
+def _int(d: Mapping[str, Any], k: str, key: str, default: int, lo: int = 1) -> int:
+    v = d.get(k, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{key}.{k}" if key else k, f"must be an integer, got {v!r}")
+    if v < lo:
+        raise ConfigError(f"{key}.{k}" if key else k, f"must be >= {lo}, got {v}")
+    return v
+
+
+def _num(d: Mapping[str, Any], k: str, key: str, default: float, lo: float = 0.0) -> float:
+    v = d.get(k, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ConfigError(f"{key}.{k}" if key else k, f"must be a finite number, got {v!r}")
+    if v < lo:
+        raise ConfigError(f"{key}.{k}" if key else k, f"must be >= {lo}, got {v}")
+    return float(v)
+
+
+def _str(d: Mapping[str, Any], k: str, key: str, default: str | None = None) -> str:
+    v = d.get(k, default)
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{key}.{k}" if key else k, f"must be a non-empty string, got {v!r}")
+    return v
+
+
+def parse_weight(v: Any, key: str) -> WeightSchedule:
+    """Parse a weight: a number, or a schedule (list of points)."""
+    if isinstance(v, bool):
+        raise ConfigError(key, f"must be a number or a schedule, got {v!r}")
+    if isinstance(v, int | float):
+        if not math.isfinite(v) or v < 0:
+            raise ConfigError(key, f"must be a finite number >= 0, got {v!r}")
+        return WeightSchedule.constant(v)
+    if not isinstance(v, list) or not v:
+        raise ConfigError(key, f"must be a number or a non-empty list of schedule points, got {v!r}")
+    points: list[tuple[float, float]] = []
+    kinds = set()
+    for i, item in enumerate(v):
+        k = f"{key}[{i}]"
+        _check_keys(item, k, {"until", "step", "weight"}, {"weight"})
+        w = _num(item, "weight", k, 0.0)
+        if "step" in item:
+            kinds.add("linear")
+            points.append((_int(item, "step", k, 0, lo=0), w))
+        elif "until" in item:
+            kinds.add("piecewise")
+            points.append((_int(item, "until", k, 0, lo=1), w))
+        else:
+            if i != len(v) - 1:
+                raise ConfigError(k, "only the last schedule point may omit 'until'")
+            kinds.add("piecewise")
+            points.append((math.inf, w))
+    if len(kinds) != 1:
+        raise ConfigError(key, "a schedule uses either 'until' points or 'step' points, not both")
+    kind = kinds.pop()
+    steps = [p[0] for p in points]
+    if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        raise ConfigError(key, f"schedule steps must increase, got {steps}")
+    if kind == "piecewise" and math.isfinite(points[-1][0]):
+        raise ConfigError(f"{key}[{len(v) - 1}]", "the last point of a piecewise schedule "
+                          "must omit 'until' (the weight after the last step)")
+    return WeightSchedule(kind, tuple(points))
+
+
+def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
+    allowed = {f.name for f in dataclasses.fields(SourceConfig)}
+    _check_keys(d, key, allowed, {"name", "uri", "format"})
+    fmt = _str(d, "format", key)
+    if fmt not in KNOWN_FORMATS:
+        raise ConfigError(f"{key}.format", f"unknown format {fmt!r} (known: {', '.join(KNOWN_FORMATS)})")
+    so = d.get("storage_options", {})
+    if not isinstance(so, Mapping):
+        raise ConfigError(f"{key}.storage_options", "must be a mapping")
+    context = d.get("context", "short")
+    if context not in ("short", "long"):
+        raise ConfigError(f"{key}.context", f"must be 'short' or 'long', got {context!r}")
+    src = SourceConfig(
+        name=_str(d, "name", key),
+        uri=_str(d, "uri", key),
+        format=fmt,
+        weight=parse_weight(d.get("weight", 1.0), f"{key}.weight"),
+        text_field=_str(d, "text_field", key, "text"),
+        storage_options=dict(so),
+        loaders=_int(d, "loaders", key, 1),
+        shuffle_window=_int(d, "shuffle_window", key, 4),
+        read_ahead=_int(d, "read_ahead", key, 8),
+        context=context,
+    )
+    if check_files:
+        from .storage import list_files
+
+        try:
+            files = list_files(src.uri, src.storage_options)
+        except Exception as e:  # noqa: BLE001 - report any storage error against the key
+            raise ConfigError(f"{key}.uri", f"cannot list {src.uri!r}: {e}") from e
+        if not files:
+            raise ConfigError(f"{key}.uri", f"glob {src.uri!r} matches no file")
+    return src
+
+
+def _validate_weights(sources: tuple[SourceConfig, ...]) -> None:
+    steps = {0.0}
+    for s in sources:
+        steps.update(s.weight.breakpoints())
+        steps.update(b - 1 for b in s.weight.breakpoints() if b >= 1)
+    for st in sorted(steps) + [max(steps) + 1]:
+        if sum(s.weight.at(int(st)) for s in sources) <= 0:
+            raise ConfigError("sources", f"source weights sum to 0 at step {int(st)}")
+
+
+def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
+                check_files: bool = True) -> Config:
+    """Load and validate a service configuration.
+
+    Parameters
+    ----------
+    cfg : str, path, mapping or Config
+        A YAML file path, a YAML string containing a mapping, or an already
+        parsed mapping.  A :class:`Config` is returned as it is.
+    check_files : bool
+        Check that every source's ``uri`` matches at least one file.
+
+    Returns
+    -------
+    Config
+
+    Raises
+    ------
+    ConfigError
+        Naming the offending key and the reason.
+    """
+    if isinstance(cfg, Config):
+        return cfg
+    if isinstance(cfg, str | os.PathLike):
+        text = str(cfg)
+        if isinstance(cfg, os.PathLike) or "\n" not in text and os.path.exists(text):
+            with open(cfg, encoding="utf-8") as f:
+                text = f.read()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError("<root>", f"not valid YAML: {e}") from e
+    else:
+        data = cfg
+    return _parse(data, check_files)
+
+
+def _parse(d: Any, check_files: bool) -> Config:
+    allowed = {f.name for f in dataclasses.fields(Config)}
+    _check_keys(d, "", allowed, {"name", "sources", "batch"})
+    name = _str(d, "name", "")
+    par = d.get("parallel", {})
+    _check_keys(par, "parallel", {"dp", "tp", "cp", "pp", "order"})
+    order = par.get("order", "tp-cp-dp-pp")
+    if not isinstance(order, str) or sorted(order.split("-")) != sorted(MESH_AXES):
+        raise ConfigError("parallel.order", f"must order all of tp, cp, dp, pp joined by '-', got {order!r}")
+    parallel = ParallelConfig(
+        dp=_int(par, "dp", "parallel", 1), tp=_int(par, "tp", "parallel", 1),
+        cp=_int(par, "cp", "parallel", 1), pp=_int(par, "pp", "parallel", 1), order=order,
+    )
+    b = d["batch"]
+    _check_keys(b, "batch", {"seq_len", "micro_batches"}, {"seq_len"})
+    batch = BatchConfig(seq_len=_int(b, "seq_len", "batch", 0), micro_batches=_int(b, "micro_batches", "batch", 1))
+    tok = d.get("tokenizer", {})
+    _check_keys(tok, "tokenizer", {"kind"})
+    kind = tok.get("kind", "bytes")
+    if kind not in KNOWN_TOKENIZERS:
+        raise ConfigError("tokenizer.kind", f"unknown tokenizer {kind!r} (known: {', '.join(KNOWN_TOKENIZERS)})")
+    cost = d.get("cost", {})
+    _check_keys(cost, "cost", {"linear", "quadratic"})
+    cost_cfg = CostConfig(
+        linear=_num(cost, "linear", "cost", CostConfig.linear),
+        quadratic=_num(cost, "quadratic", "cost", CostConfig.quadratic),
+    )
+    if cost_cfg.linear == 0 and cost_cfg.quadratic == 0:
+        raise ConfigError("cost", "linear and quadratic cannot both be 0")
+    srcs = d["sources"]
+    if not isinstance(srcs, list) or not srcs:
+        raise ConfigError("sources", "must be a non-empty list of sources")
+    sources = tuple(_source(s, f"sources[{i}]", check_files) for i, s in enumerate(srcs))
+    seen: dict[str, int] = {}
+    for i, s in enumerate(sources):
+        if s.name in seen:
+            raise ConfigError(f"sources[{i}].name", f"duplicate source name {s.name!r} "
+                              f"(also sources[{seen[s.name]}])")
+        seen[s.name] = i
+    _validate_weights(sources)
+    seed = d.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")
+    balance = d.get("balance", "lpt")
+    from .balance import STRATEGIES
+
+    if balance not in STRATEGIES:
+        raise ConfigError("balance", f"unknown strategy {balance!r} (known: {', '.join(STRATEGIES)})")
+    return Config(
+        name=name,
+        sources=sources,
+        batch=batch,
+        seed=seed,
+        parallel=parallel,
+        tokenizer=TokenizerConfig(kind=kind),
+        prefetch=_int(d, "prefetch", "", 4),
+        cost=cost_cfg,
+        constructors=_int(d, "constructors", "", 0, lo=0),
+        timeout=_num(d, "timeout", "", 300.0, lo=0.001),
+        balance=balance,
+    )

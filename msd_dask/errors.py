@@ -1,0 +1,57 @@
+"""Exceptions raised by msd_dask.
+
+Narrow subclasses of built-in exceptions, so callers can catch what they
+expect (``ValueError`` for bad configuration, ``TimeoutError`` for a wait that
+ran out) without importing this module.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "DataError", "ServiceTimeoutError", "ServiceError"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid.
+
+    Parameters
+    ----------
+    key : str
+        Dotted path of the offending YAML key, e.g. ``sources[1].weight``.
+    reason : str
+        Why the value was refused.
+    """
+
+    def __init__(self, key: str, reason: str):
+        self.key = key
+        self.reason = reason
+        super().__init__(f"config key '{key}': {reason}")
+
+
+class DataError(ValueError):
+    """A source file or document cannot be read.
+
+    The message always names the source, the file and, where known, the row.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None,
+                 path: str | None = None, row: int | None = None):
+        self.source = source
+        self.path = path
+        self.row = row
+        where = []
+        if source is not None:
+            where.append(f"source '{source}'")
+        if path is not None:
+            where.append(f"file '{path}'")
+        if row is not None:
+            where.append(f"row {row}")
+        prefix = ", ".join(where)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class ServiceTimeoutError(TimeoutError):
+    """A wait inside the service ran past its timeout; the message says what for."""
+
+
+class ServiceError(RuntimeError):
+    """The data service is not in a state to answer (closed, not found, failed)."""
