@@ -1,0 +1,197 @@
+"""Data Constructor: a Dask actor that builds the batches of some DP ranks.
+
+For every planned step it fetches the step's pieces for its DP ranks straight
+from the loaders' workers (actor to actor, never through the client or the
+scheduler), packs them into rows, keeps the result, and puts a small ticket
+``{"step", "c", "dp"}`` into each member rank's ``distributed.Queue``.  A
+rank's reader claims the tensors from this actor directly
+(:meth:`DataConstructor.claim`), so no batch bytes pass through the scheduler.
+One batch is built per DP group, whatever the tensor/context/pipeline
+parallelism: every member rank claims the same build.
+
+At most ``prefetch`` steps are held unclaimed; :meth:`DataConstructor.submit`
+waits for room, which is the service's backpressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from .packing import pack_rows
+
+__all__ = ["DataConstructor", "queue_name"]
+
+
+def queue_name(service: str, rank: int) -> str:
+    """Name of the ``distributed.Queue`` of a global rank's tickets."""
+    return f"msd-{service}-rank-{rank}"
+
+
+#: A planned piece as sent to a constructor:
+#: (source, loader index, epoch, unit, row, start, end, chunk, key)
+WorkItem = tuple[str, int, int, int, int, int, int, int, str]
+
+
+class DataConstructor:
+    """Dask actor building and serving the batches of a set of DP ranks.
+
+    Parameters
+    ----------
+    service : str
+        The service name (queue names derive from it).
+    index : int
+        This constructor's index.
+    members : dict
+        ``{dp_rank: [global ranks of that DP group]}`` this constructor serves.
+    seq_len, pad_id, prefetch : int
+    """
+
+    def __init__(self, service: str, index: int, members: dict[int, list[int]], seq_len: int,
+                 pad_id: int, prefetch: int):
+        self.service = service
+        self.index = index
+        self.members = {int(k): [int(r) for r in v] for k, v in members.items()}
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        self.prefetch = prefetch
+        self.loaders: dict[str, list[Any]] = {}
+        self._queues: dict[int, Any] = {}
+        self._ready: dict[tuple[int, int], dict[str, Any]] = {}
+        self._unclaimed: dict[tuple[int, int], set[int]] = {}
+        self._held_steps: dict[int, int] = {}  # step -> DP batches of it not fully claimed
+        self._work: asyncio.Queue[tuple[int, dict[int, Any], dict[str, Any]]] | None = None
+        self._room: asyncio.Condition | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._error: str | None = None
+        self.published = defaultdict(int)
+        self.claimed = defaultdict(int)
+        self.last_claimed: dict[int, int] = {}
+        self.build_seconds = 0.0
+        self.fetch_seconds = 0.0
+        self.batches_built = 0
+
+    async def setup(self, loaders: dict[str, list[Any]]) -> None:
+        """Connect to the loaders and create the member ranks' queues."""
+        from distributed import Queue, get_client
+
+        self.loaders = loaders
+        client = get_client()
+        for ranks in self.members.values():
+            for r in ranks:
+                self._queues[r] = await Queue(queue_name(self.service, r), client=client)
+        self._work = asyncio.Queue()
+        self._room = asyncio.Condition()
+        self._task = asyncio.create_task(self._builder())
+
+    async def set_loaders(self, loaders: dict[str, list[Any]]) -> None:
+        """Replace the loader handles (after the coordinator re-created one)."""
+        self.loaders = loaders
+
+    # ------------------------------------------------------------- submission
+    async def submit(self, step: int, work: dict[int, list[list[WorkItem]]],
+                     info: dict[str, Any]) -> None:
+        """Accept a step's work for this constructor's DP ranks; waits for room."""
+        assert self._room is not None and self._work is not None
+        async with self._room:
+            await self._room.wait_for(lambda: len(self._held_steps) < self.prefetch)
+            self._held_steps[step] = len(work)
+        self._work.put_nowait((step, work, info))
+
+    async def _builder(self) -> None:
+        assert self._work is not None
+        while True:
+            step, work, info = await self._work.get()
+            try:
+                await self._build(step, work, info)
+            except Exception as e:  # noqa: BLE001 - turned into error tickets for the readers
+                self._error = f"constructor {self.index} failed to build step {step}: {e!r}"
+                for q in self._queues.values():
+                    await q.put({"error": self._error, "step": step})
+                return
+
+    async def _build(self, step: int, work: dict[int, list[list[WorkItem]]],
+                     info: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        # one fetch per loader for the whole step
+        requests: dict[tuple[str, int], list[tuple[int, int, int, int, int]]] = defaultdict(list)
+        where: dict[tuple[str, int], list[tuple[int, int, int]]] = defaultdict(list)
+        for dp, rows in work.items():
+            for m, row in enumerate(rows):
+                for j, (src, li, epoch, unit, r, start, end, _chunk, _key) in enumerate(row):
+                    requests[(src, li)].append((epoch, unit, r, start, end))
+                    where[(src, li)].append((dp, m, j))
+        keys = list(requests)
+        results = await asyncio.gather(
+            *(self.loaders[src][li].fetch(requests[(src, li)]) for src, li in keys))
+        t1 = time.perf_counter()
+        tokens: dict[tuple[int, int, int], np.ndarray] = {}
+        for k, arrays in zip(keys, results, strict=True):
+            for pos, arr in zip(where[k], arrays, strict=True):
+                tokens[pos] = arr
+        for dp, rows in work.items():
+            packed_rows = []
+            docs = []
+            for m, row in enumerate(rows):
+                packed_rows.append([(tokens[(dp, m, j)], it[6] - it[5]) for j, it in enumerate(row)])
+                docs.append([(it[0], it[8], it[7]) for it in row])
+            packed = pack_rows(packed_rows, self.seq_len, self.pad_id)
+            packed.update(step=step, dp=dp, documents=docs,
+                          cost=float(info["rank_cost"][dp]))
+            self._ready[(step, dp)] = packed
+            self._unclaimed[(step, dp)] = set(self.members[dp])
+        self.fetch_seconds += t1 - t0
+        self.build_seconds += time.perf_counter() - t1
+        self.batches_built += len(work)
+        for dp in work:
+            for r in self.members[dp]:
+                await self._queues[r].put({"step": step, "c": self.index, "dp": dp})
+                self.published[r] += 1
+
+    # ----------------------------------------------------------------- claims
+    async def claim(self, step: int, rank: int) -> dict[str, Any]:
+        """The batch of global ``rank`` for ``step`` (each member claims once)."""
+        assert self._room is not None
+        dp = next((d for d, rs in self.members.items() if rank in rs), None)
+        if dp is None:
+            raise KeyError(f"rank {rank} is not served by constructor {self.index}")
+        key = (int(step), dp)
+        if key not in self._ready:
+            raise KeyError(f"step {step} of rank {rank} is not held by constructor "
+                           f"{self.index} (already claimed, or never published)")
+        out = self._ready[key]
+        waiting = self._unclaimed[key]
+        waiting.discard(rank)
+        self.claimed[rank] += 1
+        self.last_claimed[rank] = int(step)
+        if not waiting:
+            del self._ready[key]
+            del self._unclaimed[key]
+            async with self._room:
+                self._held_steps[int(step)] -= 1
+                if self._held_steps[int(step)] <= 0:
+                    del self._held_steps[int(step)]
+                self._room.notify_all()
+        return out
+
+    async def stats(self) -> dict[str, Any]:
+        """Per-rank queue depth (published, not claimed), build timings, errors."""
+        return {
+            "index": self.index,
+            "held_steps": len(self._held_steps),
+            "queue_depth": {r: self.published[r] - self.claimed[r]
+                            for rs in self.members.values() for r in rs},
+            "last_claimed": dict(self.last_claimed),
+            "batches_built": self.batches_built,
+            "fetch_seconds": self.fetch_seconds,
+            "build_seconds": self.build_seconds,
+            "error": self._error,
+        }
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

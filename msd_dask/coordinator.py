@@ -1,0 +1,211 @@
+"""The Planner role on the cluster: a Dask actor driving the pure :class:`~msd_dask.plan.Planner`.
+
+It assigns units to loaders ahead of the stream, gathers their lengths,
+plans each step and hands every constructor the pieces of its DP ranks.
+Constructors accept at most ``prefetch`` unclaimed steps, so planning runs at
+most ``prefetch`` steps ahead of the slowest reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from .config import load_config
+from .constructor import WorkItem, queue_name
+from .errors import ServiceTimeoutError
+from .formats import Unit
+from .plan import Planner, StepPlan
+from .storage import SourceFiles
+from .stream import NeedMetadata
+
+__all__ = ["Coordinator"]
+
+
+class Coordinator:
+    """Dask actor holding the service's planner.
+
+    Parameters
+    ----------
+    config : dict
+        ``Config.to_dict()`` of the service.
+    units : dict
+        ``{source: [(path, part, row_offset), ...]}``, sorted.
+    roots : dict
+        ``{source: root directory}``; document keys are file paths relative to it.
+    state : dict, optional
+        A planner ``state_dict`` to resume from.
+    """
+
+    def __init__(self, config: dict[str, Any], units: dict[str, list[tuple[str, int, int]]],
+                 roots: dict[str, str], state: dict[str, Any] | None = None):
+        self.cfg = load_config(config, check_files=False)
+        self.units = {k: [Unit(*u) for u in v] for k, v in units.items()}
+        files = {k: SourceFiles(None, roots[k], []) for k in units}  # type: ignore[arg-type]
+        self._relpath = {k: [files[k].relpath(u.path) for u in v] for k, v in self.units.items()}
+        self.planner = Planner(self.cfg, self.units)
+        if state is not None:
+            self.planner.load_state_dict(state)
+        self.loaders: dict[str, list[Any]] = {}
+        self.constructors: list[Any] = []
+        self._owner: dict[tuple[str, int, int], int] = {}
+        self._next_loader: dict[str, int] = {}
+        self._meta: dict[tuple[str, int, int], np.ndarray] = {}
+        self._meta_tasks: dict[tuple[str, int, int], asyncio.Task[Any]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.error: str | None = None
+        self.history: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.imbalance_sum = 0.0
+        self.lower_bound_ratio_sum = 0.0
+        self.steps_planned = 0
+        self.started = time.time()
+
+    async def setup(self, loaders: dict[str, list[Any]], constructors: list[Any]) -> None:
+        """Hand over the actor handles of the loaders and constructors."""
+        self.loaders = loaders
+        self.constructors = constructors
+        self._next_loader = {k: 0 for k in loaders}
+
+    async def start(self) -> None:
+        """Start the planning loop (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    # ------------------------------------------------------------- internals
+    def _lookup(self, source: str, epoch: int, unit: int) -> np.ndarray:
+        m = self._meta.get((source, epoch, unit))
+        if m is None:
+            raise NeedMetadata(source, [(epoch, unit)])
+        return m
+
+    async def _assign_ahead(self) -> None:
+        keep: set[tuple[str, int, int]] = {(p.source, p.epoch, p.unit) for p in self.planner.carry}
+        for s in self.cfg.sources:
+            keys = self.planner.upcoming_units(s.name, s.read_ahead)
+            new: dict[int, list[tuple[int, int]]] = {}
+            n = len(self.loaders[s.name])
+            for e, u in keys:
+                k = (s.name, e, u)
+                keep.add(k)
+                if k not in self._owner:
+                    li = self._next_loader[s.name] % n
+                    self._next_loader[s.name] += 1
+                    self._owner[k] = li
+                    new.setdefault(li, []).append((e, u))
+            for li, ks in new.items():
+                await self.loaders[s.name][li].assign(ks)
+            for e, u in keys:
+                k = (s.name, e, u)
+                if k not in self._meta and k not in self._meta_tasks:
+                    loader = self.loaders[s.name][self._owner[k]]
+                    self._meta_tasks[k] = asyncio.ensure_future(loader.metadata(e, u))
+        for k in [k for k in self._owner if k not in keep]:
+            del self._owner[k]
+            self._meta.pop(k, None)
+
+    async def _await_meta(self, source: str, units: list[tuple[int, int]]) -> None:
+        for e, u in units:
+            k = (source, e, u)
+            task = self._meta_tasks.get(k)
+            if task is None:
+                await self._assign_ahead()
+                task = self._meta_tasks[k]
+            try:
+                lengths = await asyncio.wait_for(asyncio.shield(task), self.cfg.timeout)
+            except TimeoutError:
+                raise ServiceTimeoutError(
+                    f"loader {self._owner.get(k)} of source {source!r} did not report the "
+                    f"lengths of {self.units[source][u].path} (epoch {e}) within "
+                    f"{self.cfg.timeout:.0f}s") from None
+            del self._meta_tasks[k]
+            self._meta[k] = np.asarray(lengths)
+
+    def _split(self, plan: StepPlan) -> list[dict[int, list[list[WorkItem]]]]:
+        n = len(self.constructors)
+        work: list[dict[int, list[list[WorkItem]]]] = [{} for _ in range(n)]
+        for dp, rows in enumerate(plan.rows):
+            work[dp % n][dp] = [
+                [(p.source, self._owner[(p.source, p.epoch, p.unit)], p.epoch, p.unit, p.row,
+                  p.start, p.end, p.chunk, f"{self._relpath[p.source][p.unit]}:{p.row}")
+                 for p in row]
+                for row in rows
+            ]
+        return work
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                await self._assign_ahead()
+                try:
+                    plan = self.planner.plan_step(self._lookup)
+                except NeedMetadata as nm:
+                    await self._await_meta(nm.source, nm.units)
+                    continue
+                work = self._split(plan)
+                info = {"rank_cost": plan.rank_cost}
+                await asyncio.gather(*(c.submit(plan.step, w, info)
+                                       for c, w in zip(self.constructors, work, strict=True)))
+                self._record(plan)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported to every reader
+            self.error = f"planner failed at step {self.planner.step}: {e}"
+            await self._broadcast_error(self.error)
+
+    async def _broadcast_error(self, message: str) -> None:
+        from distributed import Queue, get_client
+
+        client = get_client()
+        for r in range(self.cfg.parallel.world_size):
+            q = await Queue(queue_name(self.cfg.name, r), client=client)
+            await q.put({"error": message})
+
+    def _record(self, plan: StepPlan) -> None:
+        self.steps_planned += 1
+        self.imbalance_sum += plan.imbalance
+        if plan.lower_bound > 0:
+            self.lower_bound_ratio_sum += max(plan.rank_cost) / plan.lower_bound
+        self.history.append({
+            "step": plan.step,
+            "imbalance": plan.imbalance,
+            "lower_bound": plan.lower_bound,
+            "max_cost": max(plan.rank_cost),
+            "tokens": plan.tokens_by_source(),
+            "weights": plan.weights,
+        })
+
+    # ---------------------------------------------------------------- queries
+    async def set_weights(self, weights: dict[str, float], from_step: int | None = None) -> int:
+        """Change the mix from ``from_step`` (default: the first unplanned step)."""
+        return self.planner.set_weights(weights, from_step)
+
+    async def state(self) -> dict[str, Any]:
+        """The planner's state after the last planned step."""
+        return self.planner.state_dict()
+
+    async def history_since(self, step: int) -> list[dict[str, Any]]:
+        return [h for h in self.history if h["step"] >= step]
+
+    async def stats(self) -> dict[str, Any]:
+        """Planner counters: steps, tokens per source, imbalance, weights in force."""
+        n = max(self.steps_planned, 1)
+        return {
+            "steps_planned": self.planner.step,
+            "tokens_planned": dict(self.planner.tokens),
+            "pieces_planned": dict(self.planner.pieces_planned),
+            "weights": self.planner.weights_at(self.planner.step),
+            "mean_imbalance": self.imbalance_sum / n,
+            "mean_max_over_lower_bound": self.lower_bound_ratio_sum / n,
+            "last": self.history[-1] if self.history else None,
+            "error": self.error,
+            "uptime": time.time() - self.started,
+        }

@@ -1,0 +1,210 @@
+"""Source Loader: a Dask actor that owns the file access of a share of one source.
+
+The coordinator assigns it ``(epoch, unit)`` keys in stream order; it reads
+each unit on a small thread pool (pyarrow and zstd release the GIL),
+tokenizes every document, reports the lengths (:meth:`SourceLoader.metadata`)
+and keeps the tokens until constructors fetch them
+(:meth:`SourceLoader.fetch`).  A document's tokens are dropped as soon as all
+its pieces have been fetched, so the loader holds at most the units assigned
+ahead of the planner (``read_ahead``).
+
+All methods are ``async``: they run on the worker's event loop, and calls
+from other actors never block a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .config import SourceConfig, TokenizerConfig
+from .errors import DataError
+from .formats import Unit, get_format
+from .storage import open_source
+from .tokenizer import make_tokenizer
+
+__all__ = ["SourceLoader", "read_unit"]
+
+
+def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any) -> list[np.ndarray]:
+    """Read and tokenize every row of ``unit``; one int32 array per row, in row order."""
+    fmt = get_format(src.format)
+    out = []
+    expected = unit.row_offset
+    for row, rec in fmt.read(fs, unit, [src.text_field]):
+        if row != expected:
+            raise DataError(f"rows out of order (expected {expected})", source=src.name,
+                            path=unit.path, row=row)
+        expected += 1
+        text = rec.get(src.text_field)
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"field '{src.text_field}' is not valid UTF-8: {e}",
+                                source=src.name, path=unit.path, row=row) from e
+        if not isinstance(text, str):
+            raise DataError(f"field '{src.text_field}' is {type(text).__name__}, not text",
+                            source=src.name, path=unit.path, row=row)
+        out.append(tokenizer.encode(text))
+    return out
+
+
+class _UnitData:
+    __slots__ = ("docs", "remaining", "lengths")
+
+    def __init__(self, docs: list[np.ndarray]):
+        self.docs: list[np.ndarray | None] = list(docs)
+        self.lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        self.remaining = self.lengths.copy()
+
+
+class SourceLoader:
+    """Dask actor reading one share of one source.
+
+    Parameters
+    ----------
+    source : dict
+        The source's config (``dataclasses.asdict`` of a SourceConfig, weight dropped).
+    units : list of tuple
+        The source's units as ``(path, part, row_offset)``, sorted.
+    tokenizer : dict
+        The tokenizer config.
+    index : int
+        This loader's index among the source's loaders.
+    threads : int
+        Size of the read pool.
+    """
+
+    def __init__(self, source: dict[str, Any], units: list[tuple[str, int, int]],
+                 tokenizer: dict[str, Any], index: int = 0, threads: int = 1):
+        from .config import WeightSchedule
+
+        source = dict(source)
+        source["weight"] = WeightSchedule.constant(1.0)
+        self.src = SourceConfig(**source)
+        self.units = [Unit(*u) for u in units]
+        self.index = index
+        self.tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
+        self._files = open_source(self.src.uri, self.src.storage_options)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"msd-load-{self.src.name}")
+        self._data: dict[tuple[int, int], _UnitData] = {}
+        self._ready: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        self._todo: asyncio.Queue[tuple[int, int]] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.docs_read = 0
+        self.tokens_read = 0
+        self.units_read = 0
+        self.read_seconds = 0.0
+        self.tokens_fetched = 0
+
+    # ------------------------------------------------------------ assignment
+    async def assign(self, keys: list[tuple[int, int]]) -> int:
+        """Queue ``(epoch, unit)`` keys for reading, in order; returns how many were new."""
+        loop = asyncio.get_running_loop()
+        if self._todo is None:
+            self._todo = asyncio.Queue()
+            self._task = asyncio.create_task(self._reader())
+        new = 0
+        for k in keys:
+            k = (int(k[0]), int(k[1]))
+            if k not in self._ready:
+                self._ready[k] = loop.create_future()
+                self._todo.put_nowait(k)
+                new += 1
+        return new
+
+    async def _reader(self) -> None:
+        assert self._todo is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            key = await self._todo.get()
+            fut = self._ready.get(key)
+            if fut is None or fut.done():
+                continue
+            t0 = time.perf_counter()
+            try:
+                docs = await loop.run_in_executor(
+                    self._pool, read_unit, self.src, self._files.fs, self.units[key[1]],
+                    self.tokenizer)
+            except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
+                if not fut.done():
+                    fut.set_exception(e)
+                continue
+            self.read_seconds += time.perf_counter() - t0
+            data = _UnitData(docs)
+            self._data[key] = data
+            self.units_read += 1
+            self.docs_read += len(docs)
+            self.tokens_read += int(data.lengths.sum())
+            if not fut.done():
+                fut.set_result(data.lengths)
+
+    # ---------------------------------------------------------------- serving
+    async def metadata(self, epoch: int, unit: int) -> np.ndarray:
+        """Token lengths of the unit's rows, once it is read (assigns it if needed)."""
+        key = (int(epoch), int(unit))
+        if key not in self._ready:
+            await self.assign([key])
+        return await asyncio.shield(self._ready[key])
+
+    async def fetch(self, requests: list[tuple[int, int, int, int, int]]) -> list[np.ndarray]:
+        """Tokens of planned pieces, given as ``(epoch, unit, row, start, end)``.
+
+        Returns ``doc[start:end + 1]`` for each (one token more than the piece
+        where the document goes on: the label of the piece's last token).  A
+        document is dropped once all of its tokens were fetched.
+        """
+        out = []
+        for epoch, unit, row, start, end in requests:
+            key = (int(epoch), int(unit))
+            if key not in self._ready:
+                await self.assign([key])
+            await asyncio.shield(self._ready[key])
+            data = self._data[key]
+            i = int(row) - self.units[key[1]].row_offset
+            doc = data.docs[i]
+            if doc is None:
+                raise DataError("document fetched after it was fully consumed",
+                                source=self.src.name, path=self.units[key[1]].path, row=int(row))
+            out.append(doc[int(start):int(end) + 1])
+            data.remaining[i] -= int(end) - int(start)
+            self.tokens_fetched += int(end) - int(start)
+            if data.remaining[i] <= 0:
+                data.docs[i] = None
+                if (data.remaining <= 0).all():
+                    del self._data[key]
+                    del self._ready[key]
+        return out
+
+    async def release(self, keys: list[tuple[int, int]]) -> None:
+        """Forget units the planner will not use (e.g. after a re-partition)."""
+        for k in keys:
+            key = (int(k[0]), int(k[1]))
+            self._data.pop(key, None)
+            fut = self._ready.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.cancel()
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters: documents and tokens read, units buffered, read seconds."""
+        return {
+            "source": self.src.name,
+            "index": self.index,
+            "docs_read": self.docs_read,
+            "tokens_read": self.tokens_read,
+            "units_read": self.units_read,
+            "units_buffered": len(self._data),
+            "tokens_buffered": int(sum(int(d.remaining.clip(0).sum()) for d in self._data.values())),
+            "read_seconds": self.read_seconds,
+            "tokens_fetched": self.tokens_fetched,
+        }
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)

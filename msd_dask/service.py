@@ -1,0 +1,312 @@
+"""The public face of a running service: :class:`DataService` and :class:`Reader`.
+
+``DataService.start`` discovers every source's units, places the roles as
+actors across the cluster's workers (coordinator, constructors, loaders) and
+publishes their handles under ``msd-<name>`` on the scheduler, so that any
+process can ``DataService.connect(address, name)`` and read a rank's batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .batch import Batch
+from .config import Config, load_config
+from .constructor import DataConstructor, queue_name
+from .coordinator import Coordinator
+from .errors import ServiceError, ServiceTimeoutError
+from .formats import get_format
+from .loader import SourceLoader
+from .storage import open_source
+from .tokenizer import PAD
+
+__all__ = ["DataService", "Reader", "discover_units"]
+
+_PREFIX = "msd-"
+
+
+def discover_units(cfg: Config, threads: int = 8) -> tuple[dict[str, list[tuple[str, int, int]]],
+                                                             dict[str, str]]:
+    """List every source's units (parquet footers are read here, in parallel).
+
+    Returns
+    -------
+    units : dict
+        ``{source: [(path, part, row_offset), ...]}``, sorted.
+    roots : dict
+        ``{source: root}`` for document keys.
+    """
+    units: dict[str, list[tuple[str, int, int]]] = {}
+    roots: dict[str, str] = {}
+    with ThreadPoolExecutor(threads) as ex:
+        for s in cfg.sources:
+            files = open_source(s.uri, s.storage_options)
+            fmt = get_format(s.format)
+            found = ex.map(lambda p, fs=files.fs, fmt=fmt: fmt.units(fs, p), files.paths)
+            units[s.name] = [(u.path, u.part, u.row_offset) for u in itertools.chain(*found)]
+            roots[s.name] = files.root
+    return units, roots
+
+
+def _source_payload(cfg: Config, name: str) -> dict[str, Any]:
+    d = next(s for s in cfg.to_dict()["sources"] if s["name"] == name)
+    d.pop("weight")
+    return d
+
+
+class DataService:
+    """A handle on a running msd_dask service.
+
+    Use :meth:`start` to launch one and :meth:`connect` to attach to one from a
+    training process.  Also a context manager: leaving it calls :meth:`close`.
+    """
+
+    def __init__(self, client: Any, cfg: Config, registry: dict[str, Any], *,
+                 owner: bool = False, cluster: Any = None):
+        self.client = client
+        self.config = cfg
+        self.name = cfg.name
+        self._registry = registry
+        self._owner = owner
+        self._cluster = cluster
+        self._closed = False
+        self.coordinator = registry["coordinator"].result()
+        self.constructors = [f.result() for f in registry["constructors"]]
+        self.loaders = {k: [f.result() for f in v] for k, v in registry["loaders"].items()}
+
+    # ----------------------------------------------------------------- start
+    @classmethod
+    def start(cls, cfg: Config | Mapping[str, Any] | str, address: str | None = None, *,
+              resume: Mapping[str, Any] | None = None, n_workers: int = 2,
+              threads_per_worker: int = 2, loader_threads: int = 1,
+              timeout: float | None = None) -> DataService:
+        """Start a service.
+
+        Parameters
+        ----------
+        cfg : Config, mapping or str
+            The configuration (see :func:`~msd_dask.load_config`).
+        address : str, optional
+            A running Dask scheduler; ``None`` starts an embedded ``LocalCluster``.
+        resume : dict, optional
+            A :meth:`state_dict` to continue from.
+        n_workers, threads_per_worker : int
+            Size of the embedded cluster (ignored with ``address``).
+        loader_threads : int
+            Read threads per source loader.
+        timeout : float, optional
+            How long to wait for workers (default: the config's ``timeout``).
+
+        Returns
+        -------
+        DataService
+        """
+        from distributed import Client, LocalCluster
+
+        cfg = load_config(cfg)
+        timeout = cfg.timeout if timeout is None else timeout
+        cluster = None
+        if address is None:
+            cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                                   processes=True, dashboard_address=":0")
+            address = cluster.scheduler_address
+        client = Client(address, direct_to_workers=True, timeout=timeout)
+        try:
+            key = _PREFIX + cfg.name
+            if key in client.list_datasets():
+                raise ServiceError(f"a service named {cfg.name!r} is already running on "
+                                   f"{address}; pick another 'name' or close it first")
+            client.wait_for_workers(1, timeout=timeout)
+            units, roots = discover_units(cfg)
+            registry = cls._place_roles(client, cfg, units, roots, resume, loader_threads)
+            client.publish_dataset(**{key: registry})
+            svc = cls(client, cfg, registry, owner=True, cluster=cluster)
+            svc.coordinator.setup(svc.loaders, svc.constructors).result()
+            for c in svc.constructors:
+                c.setup(svc.loaders).result()
+            svc.coordinator.start().result()
+            return svc
+        except BaseException:
+            client.close()
+            if cluster is not None:
+                cluster.close()
+            raise
+
+    @staticmethod
+    def _place_roles(client: Any, cfg: Config, units: dict[str, list[tuple[str, int, int]]],
+                     roots: dict[str, str], resume: Mapping[str, Any] | None,
+                     loader_threads: int) -> dict[str, Any]:
+        workers = sorted(client.scheduler_info()["workers"])
+        place = itertools.cycle(workers)
+        coordinator = client.submit(Coordinator, cfg.to_dict(), units, roots,
+                                    dict(resume) if resume else None, actor=True,
+                                    workers=[next(place)], pure=False)
+        n_c = cfg.constructors or min(cfg.parallel.dp, len(workers))
+        members: list[dict[int, list[int]]] = [{} for _ in range(n_c)]
+        for dp in range(cfg.parallel.dp):
+            members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
+        constructors = [
+            client.submit(DataConstructor, cfg.name, i, members[i], cfg.batch.seq_len, PAD,
+                          cfg.prefetch, actor=True, workers=[next(place)], pure=False)
+            for i in range(n_c)
+        ]
+        loaders = {
+            s.name: [
+                client.submit(SourceLoader, _source_payload(cfg, s.name), units[s.name],
+                              {"kind": cfg.tokenizer.kind}, i, loader_threads, actor=True,
+                              workers=[next(place)], pure=False)
+                for i in range(s.loaders)
+            ]
+            for s in cfg.sources
+        }
+        return {"config": cfg.to_dict(), "coordinator": coordinator,
+                "constructors": constructors, "loaders": loaders}
+
+    @classmethod
+    def connect(cls, address: str, name: str, *, timeout: float = 30.0) -> DataService:
+        """Attach to the running service ``name`` on the scheduler at ``address``."""
+        from distributed import Client
+
+        client = Client(address, direct_to_workers=True, timeout=timeout)
+        key = _PREFIX + name
+        deadline = time.monotonic() + timeout
+        while key not in client.list_datasets():
+            if time.monotonic() > deadline:
+                running = [d[len(_PREFIX):] for d in client.list_datasets()
+                           if str(d).startswith(_PREFIX)]
+                client.close()
+                raise ServiceError(f"no service named {name!r} on {address} after "
+                                   f"{timeout:.0f}s (running: {running or 'none'})")
+            time.sleep(0.2)
+        registry = client.get_dataset(key)
+        cfg = load_config(registry["config"], check_files=False)
+        return cls(client, cfg, registry)
+
+    # --------------------------------------------------------------- readers
+    def reader(self, rank: int, *, timeout: float | None = None) -> Reader:
+        """An iterator over the batches of global ``rank``."""
+        return Reader(self, rank, timeout=self.config.timeout if timeout is None else timeout)
+
+    # ------------------------------------------------------------ operations
+    def set_weights(self, weights: Mapping[str, float], from_step: int | None = None) -> int:
+        """Change the mix; returns the first step planned with the new weights."""
+        return int(self.coordinator.set_weights(dict(weights), from_step).result())
+
+    def stats(self) -> dict[str, Any]:
+        """Counters per source, per rank and for the planner.
+
+        Returns
+        -------
+        dict
+            ``sources``: documents and tokens read, tokens planned, loaders, share
+            of planned tokens against the weight; ``ranks``: queue depth and last
+            claimed step; ``planner``: steps, imbalance, errors.
+        """
+        planner = self.coordinator.stats().result()
+        loader_stats = {k: [ld.stats().result() for ld in v] for k, v in self.loaders.items()}
+        cons = [c.stats().result() for c in self.constructors]
+        total = sum(planner["tokens_planned"].values()) or 1
+        sources = {}
+        for s in self.config.sources:
+            ls = loader_stats[s.name]
+            sources[s.name] = {
+                "loaders": len(ls),
+                "docs_read": sum(x["docs_read"] for x in ls),
+                "tokens_read": sum(x["tokens_read"] for x in ls),
+                "tokens_buffered": sum(x["tokens_buffered"] for x in ls),
+                "tokens_planned": planner["tokens_planned"][s.name],
+                "share": planner["tokens_planned"][s.name] / total,
+                "weight": planner["weights"][s.name],
+                "read_seconds": sum(x["read_seconds"] for x in ls),
+            }
+        ranks: dict[int, dict[str, Any]] = {}
+        for c in cons:
+            for r, depth in c["queue_depth"].items():
+                ranks[int(r)] = {"queue_depth": depth,
+                                 "last_claimed": c["last_claimed"].get(r)}
+        return {"sources": sources, "ranks": ranks, "planner": planner,
+                "constructors": cons}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The planner's state after the last planned step (JSON-serialisable)."""
+        return dict(self.coordinator.state().result())
+
+    @property
+    def dashboard_link(self) -> str:
+        return str(self.client.dashboard_link)
+
+    # ---------------------------------------------------------------- close
+    def close(self) -> None:
+        """Stop the service (if this handle started it) and disconnect."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._owner and self.client.status == "running":
+                try:
+                    self.coordinator.stop().result(timeout=10)
+                    for c in self.constructors:
+                        c.close().result(timeout=10)
+                    for lds in self.loaders.values():
+                        for ld in lds:
+                            ld.close().result(timeout=10)
+                except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
+                    pass
+                self.client.unpublish_dataset(_PREFIX + self.name)
+        finally:
+            self.client.close()
+            if self._cluster is not None:
+                self._cluster.close()
+
+    def __enter__(self) -> DataService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Reader:
+    """Iterator over one global rank's batches (see :meth:`DataService.reader`)."""
+
+    def __init__(self, service: DataService, rank: int, *, timeout: float):
+        from distributed import Queue
+
+        cfg = service.config
+        if not 0 <= rank < cfg.parallel.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {cfg.parallel.world_size}) for "
+                             f"parallel {cfg.parallel}")
+        self.service = service
+        self.rank = rank
+        self.coords = cfg.parallel.coords(rank)
+        self.timeout = timeout
+        self.step: int | None = None
+        self._queue = Queue(queue_name(cfg.name, rank), client=service.client)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
+        try:
+            ticket = self._queue.get(timeout=self.timeout)
+        except TimeoutError:
+            raise ServiceTimeoutError(
+                f"rank {self.rank} waited {self.timeout:.0f}s for {waiting_for} of service "
+                f"{self.service.name!r}: no batch was published (planner or constructor stuck? "
+                f"see DataService.stats())") from None
+        if "error" in ticket:
+            raise ServiceError(f"service {self.service.name!r}: {ticket['error']}")
+        constructor = self.service.constructors[int(ticket["c"])]
+        try:
+            payload = constructor.claim(int(ticket["step"]), self.rank).result(
+                timeout=self.timeout)
+        except TimeoutError:
+            raise ServiceTimeoutError(
+                f"rank {self.rank}: constructor {ticket['c']} did not hand over step "
+                f"{ticket['step']} within {self.timeout:.0f}s") from None
+        self.step = int(ticket["step"])
+        return Batch.from_payload(payload, self.rank)
