@@ -32,6 +32,8 @@ class Batch:
         segment; ``key`` is ``"<path relative to the source root>:<row>"``.
     cost : float
         The rank's cost under the configured cost model.
+    epochs : list of list of int
+        The source epoch of each document in ``documents``.
     """
 
     step: int
@@ -42,6 +44,7 @@ class Batch:
     cu_seqlens: list[torch.Tensor]
     documents: list[list[tuple[str, str, int]]]
     cost: float
+    epochs: list[list[int]]
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any], rank: int) -> Batch:
@@ -55,6 +58,7 @@ class Batch:
             cu_seqlens=[torch.from_numpy(np.asarray(c, dtype=np.int32)) for c in payload["cu_seqlens"]],
             documents=[[(str(s), str(k), int(c)) for s, k, c in row] for row in payload["documents"]],
             cost=float(payload["cost"]),
+            epochs=[[int(e) for e in row] for row in payload["epochs"]],
         )
 
     @property

@@ -136,11 +136,13 @@ class DataConstructor:
         for dp, rows in work.items():
             packed_rows = []
             docs = []
+            epochs = []
             for m, row in enumerate(rows):
                 packed_rows.append([(tokens[(dp, m, j)], it[6] - it[5]) for j, it in enumerate(row)])
                 docs.append([(it[0], it[8], it[7]) for it in row])
+                epochs.append([it[2] for it in row])
             packed = pack_rows(packed_rows, self.seq_len, self.pad_id)
-            packed.update(step=step, dp=dp, documents=docs,
+            packed.update(step=step, dp=dp, documents=docs, epochs=epochs,
                           cost=float(info["rank_cost"][dp]))
             self._ready[(step, dp)] = packed
             self._unclaimed[(step, dp)] = set(self.members[dp])

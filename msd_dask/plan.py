@@ -152,21 +152,54 @@ class Planner:
         lengths = np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
         costs = self.cost(lengths)
         a = assign(lengths, costs, dp, mb, seq_len, cfg.balance)
+        rank, micro = a.rank.copy(), a.micro.copy()
+        self._place_carried(len(self.carry), lengths, rank, micro, seq_len)
         rows: list[list[list[Piece]]] = [[[] for _ in range(mb)] for _ in range(dp)]
         carry = []
         for i, p in enumerate(pieces):
-            r = int(a.rank[i])
+            r = int(rank[i])
             if r < 0:
                 carry.append(p)
             else:
-                rows[r][int(a.micro[i])].append(p)
+                rows[r][int(micro[i])].append(p)
                 self.tokens[p.source] += p.length
                 self.pieces_planned[p.source] += 1
         self.carry = carry
-        plan = StepPlan(self.step, rows, [float(c) for c in a.rank_cost],
-                        lower_bound(costs[a.placed], dp), weights)
+        placed = rank >= 0
+        rank_cost = np.bincount(rank[placed], weights=costs[placed], minlength=dp)
+        plan = StepPlan(self.step, rows, [float(c) for c in rank_cost],
+                        lower_bound(costs[placed], dp), weights)
         self.step += 1
         return plan
+
+    @staticmethod
+    def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro: np.ndarray,
+                       seq_len: int) -> None:
+        """Make sure pieces carried from the last step are placed now.
+
+        A carried piece the strategy left out takes the row of a new piece
+        (the shortest that makes room), which is carried instead; so no piece
+        waits more than one step.
+        """
+        for i in range(n_carried):
+            if rank[i] >= 0:
+                continue
+            placed = np.flatnonzero(rank >= 0)
+            used: dict[tuple[int, int], int] = {}
+            for j in placed:
+                k = (int(rank[j]), int(micro[j]))
+                used[k] = used.get(k, 0) + int(lengths[j])
+            best = -1
+            for j in placed:
+                if j < n_carried:
+                    continue
+                room = seq_len - used[(int(rank[j]), int(micro[j]))] + int(lengths[j])
+                if room >= lengths[i] and (best < 0 or lengths[j] < lengths[best]):
+                    best = int(j)
+            if best < 0:  # every row is full of carried pieces: cannot happen in practice
+                continue
+            rank[i], micro[i] = rank[best], micro[best]
+            rank[best] = micro[best] = -1
 
     def upcoming_units(self, source: str, n: int) -> list[tuple[int, int]]:
         """``(epoch, unit)`` the source's stream needs next (current window + ``n``)."""

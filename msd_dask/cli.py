@@ -1,0 +1,252 @@
+"""The ``msd-dask`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+EPILOG = """examples:
+  msd-dask demo-corpus data/demo              write the demo corpus (stdlib code + docstrings)
+  msd-dask validate configs/demo.yaml         check a config and list each source's files
+  msd-dask run configs/demo.yaml --steps 50   run the service and consume every rank locally
+  msd-dask serve configs/demo.yaml --scheduler tcp://head:8786
+                                              serve until interrupted; training jobs connect
+  msd-dask set-weights demo code=0.5 prose=0.5 --scheduler tcp://head:8786
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="msd-dask",
+        description="An elastic multi-source data service for foundation-model training on Dask.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="start the service, drive every rank as a consumer, "
+                       "print a summary")
+    r.add_argument("config", help="service config (YAML)")
+    r.add_argument("--scheduler", metavar="ADDR",
+                   help="address of a running Dask scheduler (default: an embedded LocalCluster)")
+    r.add_argument("--steps", type=int, default=50, help="steps to consume (default: 50)")
+    r.add_argument("--workers", type=int, default=2,
+                   help="workers of the embedded cluster (default: 2)")
+    r.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    s = sub.add_parser("serve", help="run the service until interrupted, for training jobs "
+                       "to connect")
+    s.add_argument("config", help="service config (YAML)")
+    s.add_argument("--scheduler", metavar="ADDR", required=True,
+                   help="address of the Dask scheduler")
+    s.add_argument("--resume", metavar="STATE_JSON",
+                   help="a state file written by `DataService.state_dict()` to continue from")
+
+    v = sub.add_parser("validate", help="check a config and list each source's files")
+    v.add_argument("config", help="service config (YAML)")
+
+    d = sub.add_parser("demo-corpus", help="write the demo corpus (standard-library code "
+                       "and docstrings)")
+    d.add_argument("out_dir", help="directory to write into (e.g. data/demo)")
+
+    w = sub.add_parser("set-weights", help="change the mix of a running service")
+    w.add_argument("name", help="service name")
+    w.add_argument("weights", nargs="+", metavar="SOURCE=WEIGHT")
+    w.add_argument("--scheduler", metavar="ADDR", required=True)
+    w.add_argument("--from-step", type=int, default=None,
+                   help="first step of the new mix (default: the first unplanned step)")
+
+    st = sub.add_parser("stats", help="print the counters of a running service as JSON")
+    st.add_argument("name", help="service name")
+    st.add_argument("--scheduler", metavar="ADDR", required=True)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``msd-dask``; returns the exit status."""
+    from .errors import ServiceError
+
+    args = _parser().parse_args(argv)
+    try:
+        return int(_COMMANDS[args.command](args) or 0)
+    except (ValueError, ServiceError, TimeoutError) as e:  # ConfigError, DataError too
+        print(f"msd-dask {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+# ------------------------------------------------------------------ commands
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .storage import list_files
+
+    cfg = load_config(args.config)
+    print(f"config {args.config}: OK (service {cfg.name!r}, {cfg.parallel.world_size} ranks, "
+          f"seq_len {cfg.batch.seq_len} x {cfg.batch.micro_batches} micro-batches)")
+    w = cfg.weights_at(0)
+    for s in cfg.sources:
+        files = list_files(s.uri, s.storage_options)
+        print(f"\nsource {s.name!r} ({s.format}, weight {w[s.name]:.3f} at step 0, "
+              f"{s.loaders} loader(s)): {len(files)} file(s)")
+        for f in files:
+            print(f"  {f}")
+    return 0
+
+
+def _demo_corpus(args: argparse.Namespace) -> int:
+    from .demo import write_demo_corpus
+
+    counts = write_demo_corpus(args.out_dir, progress=True)
+    for k, n in counts.items():
+        print(f"{k}: {n} documents")
+    print(f"written to {args.out_dir}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .service import DataService
+
+    t_start = time.perf_counter()
+    svc = DataService.start(args.config, args.scheduler, n_workers=args.workers)
+    with svc:
+        cfg = svc.config
+        world = cfg.parallel.world_size
+        readers = [svc.reader(r) for r in range(world)]
+        # one member per DP group counts the group's tokens
+        counting = {r for r in range(world)
+                    if all(v == 0 for k, v in cfg.parallel.coords(r).items() if k != "dp")}
+        tokens = 0
+        by_source: dict[str, int] = defaultdict(int)
+        imbalance = []
+        t0 = time.perf_counter()
+        for _ in tqdm(range(args.steps), desc=f"{cfg.name}: steps", unit="step"):
+            costs = []
+            for r, reader in enumerate(readers):
+                b = next(reader)
+                if r in counting:
+                    costs.append(b.cost)
+                    for m, docs in enumerate(b.documents):
+                        cu = b.cu_seqlens[m].tolist()
+                        for j, (src, _k, _c) in enumerate(docs):
+                            by_source[src] += cu[j + 1] - cu[j]
+                    tokens += b.num_tokens
+            mean = sum(costs) / len(costs)
+            imbalance.append(max(costs) / mean if mean else 1.0)
+        elapsed = time.perf_counter() - t0
+        weights = svc.stats()["planner"]["weights"]
+        summary = {
+            "service": cfg.name,
+            "steps": args.steps,
+            "ranks": world,
+            "seconds": elapsed,
+            "startup_seconds": t0 - t_start,
+            "tokens": tokens,
+            "tokens_per_second": tokens / elapsed if elapsed else 0.0,
+            "mix": {s: {"delivered": by_source[s] / max(tokens, 1), "weight": weights[s]}
+                    for s in weights},
+            "imbalance_mean": sum(imbalance) / len(imbalance),
+            "imbalance_max": max(imbalance),
+            "dashboard": svc.dashboard_link,
+        }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    print(f"\nsummary of service {s['service']!r}: {s['steps']} steps x {s['ranks']} ranks "
+          f"in {s['seconds']:.1f}s (start-up {s['startup_seconds']:.1f}s)")
+    print(f"  throughput : {s['tokens_per_second']:,.0f} tokens/s "
+          f"({s['tokens']:,} non-padding tokens per DP group)")
+    print("  token mix  : source        delivered   weight")
+    for name, m in s["mix"].items():
+        print(f"               {name:<13} {m['delivered']:9.3f} {m['weight']:8.3f}")
+    print(f"  imbalance  : max/mean rank cost per step: mean {s['imbalance_mean']:.3f}, "
+          f"worst {s['imbalance_max']:.3f}")
+    print(f"  dashboard  : {s['dashboard']}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .service import DataService
+
+    resume = None
+    if args.resume:
+        with open(args.resume, encoding="utf-8") as f:
+            resume = json.load(f)
+    svc = DataService.start(args.config, args.scheduler, resume=resume)
+    stop = {"now": False}
+
+    def _stop(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    print(f"serving {svc.name!r} on {args.scheduler}; connect with "
+          f"DataService.connect({args.scheduler!r}, {svc.name!r}). Ctrl-C stops.", flush=True)
+    with svc:
+        try:
+            while not stop["now"]:
+                time.sleep(1.0)
+                if svc.client.status != "running":
+                    raise SystemExit("msd-dask serve: lost the scheduler; restart the service "
+                                     "from the last DataService.state_dict()")
+                err = svc.stats()["planner"]["error"]
+                if err:
+                    print(f"msd-dask serve: error: {err}", file=sys.stderr)
+                    return 2
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _set_weights(args: argparse.Namespace) -> int:
+    from .service import DataService
+
+    weights = {}
+    for item in args.weights:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"msd-dask set-weights: expected SOURCE=WEIGHT, got {item!r}")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"msd-dask set-weights: weight of {name!r} is not a number: "
+                             f"{value!r}") from None
+    svc = DataService.connect(args.scheduler, args.name)
+    with svc:
+        step = svc.set_weights(weights, args.from_step)
+    print(f"weights {weights} take effect at step {step}")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from .service import DataService
+
+    with DataService.connect(args.scheduler, args.name) as svc:
+        print(json.dumps(svc.stats(), indent=2, default=str))
+    return 0
+
+
+_COMMANDS = {
+    "run": _run,
+    "serve": _serve,
+    "validate": _validate,
+    "demo-corpus": _demo_corpus,
+    "set-weights": _set_weights,
+    "stats": _stats,
+}
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Shared assertions on delivered batches: content, exactly-once, mix."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+import numpy as np
+
+from msd_dask.tokenizer import ByteTokenizer
+
+
+def record(batch: Any) -> dict[str, Any]:
+    """What tests keep of a Batch (picklable, small)."""
+    return {
+        "step": batch.step, "rank": batch.rank, "cost": batch.cost,
+        "input_ids": batch.input_ids.numpy().copy(), "labels": batch.labels.numpy().copy(),
+        "position_ids": batch.position_ids.numpy().copy(),
+        "cu_seqlens": [c.numpy().copy() for c in batch.cu_seqlens],
+        "documents": batch.documents, "epochs": batch.epochs,
+    }
+
+
+def check_content(records: list[dict[str, Any]], texts: dict[tuple[str, str], str],
+                  seq_len: int) -> dict[str, int]:
+    """Every segment's tokens equal its document's text; labels and positions are right.
+
+    Returns the tokens delivered per source.
+    """
+    tok = ByteTokenizer()
+    encoded: dict[tuple[str, str], np.ndarray] = {}
+    tokens: dict[str, int] = defaultdict(int)
+    for rec in records:
+        for m, docs in enumerate(rec["documents"]):
+            cu = rec["cu_seqlens"][m]
+            assert cu[0] == 0 and len(cu) == len(docs) + 1
+            for j, (src, key, chunk) in enumerate(docs):
+                if (src, key) not in encoded:
+                    encoded[(src, key)] = tok.encode(texts[(src, key)])
+                full = encoded[(src, key)]
+                a, b = int(cu[j]), int(cu[j + 1])
+                start = chunk * seq_len
+                seg = rec["input_ids"][m, a:b]
+                np.testing.assert_array_equal(seg, full[start:start + (b - a)],
+                                              err_msg=f"{src} {key} chunk {chunk}")
+                nxt = full[start + 1:start + 1 + (b - a)]
+                lab = rec["labels"][m, a:b]
+                np.testing.assert_array_equal(lab[:len(nxt)], nxt)
+                assert (lab[len(nxt):] == -100).all()
+                np.testing.assert_array_equal(rec["position_ids"][m, a:b], np.arange(b - a))
+                tokens[src] += b - a
+            used = int(cu[-1])
+            assert (rec["input_ids"][m, used:] == tok.pad_id).all()
+            assert (rec["labels"][m, used:] == -100).all()
+    return dict(tokens)
+
+
+def check_exactly_once(records: list[dict[str, Any]], texts: dict[tuple[str, str], str],
+                       seq_len: int) -> dict[str, int]:
+    """Every piece of a source is delivered exactly once per source epoch.
+
+    Complete epochs (all but the last one seen) must hold every piece of the
+    source exactly once; the last, partial epoch must hold no piece twice.
+    Returns the number of complete epochs per source.
+    """
+    tok = ByteTokenizer()
+    counts: dict[tuple[str, int], Counter[tuple[str, int]]] = defaultdict(Counter)
+    for rec in records:
+        for docs, eps in zip(rec["documents"], rec["epochs"], strict=True):
+            for (src, key, chunk), e in zip(docs, eps, strict=True):
+                counts[(src, e)][(key, chunk)] += 1
+    complete = {}
+    for src in {s for s, _ in counts}:
+        expected = Counter({(k, ch): 1 for (s, k), t in texts.items() if s == src
+                            for ch in range(-(-len(tok.encode(t)) // seq_len))})
+        epochs = sorted(e for s, e in counts if s == src)
+        assert epochs == list(range(len(epochs))), f"{src}: epochs {epochs} are not contiguous"
+        for e in epochs[:-1]:
+            assert counts[(src, e)] == expected, f"{src}: epoch {e} is not exactly-once"
+        last = counts[(src, epochs[-1])]
+        assert max(last.values()) == 1, f"{src}: a piece repeats inside epoch {epochs[-1]}"
+        assert set(last) <= set(expected), f"{src}: unknown pieces delivered"
+        complete[src] = len(epochs) - 1
+    return complete
+
+
+def shares(tokens: dict[str, int]) -> dict[str, float]:
+    total = sum(tokens.values())
+    return {k: v / total for k, v in tokens.items()}
