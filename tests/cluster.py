@@ -1,0 +1,63 @@
+"""Real ``dask scheduler`` / ``dask worker`` processes for integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def _wait_for(path: str, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) or os.path.getsize(path) == 0:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} was not ready after {timeout}s")
+        time.sleep(0.1)
+
+
+@contextmanager
+def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1) -> Iterator[dict]:
+    """Start a scheduler and ``n_workers`` worker processes on loopback.
+
+    Yields ``{"address": ..., "workers": [Popen, ...], "scheduler": Popen}``.
+    """
+    sched_file = os.path.join(tmp, "scheduler.json")
+    env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    procs: list[subprocess.Popen] = []
+    log = open(os.path.join(tmp, "cluster.log"), "ab")
+    try:
+        sched = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+             "--port", "0", "--dashboard-address", "127.0.0.1:0",
+             "--scheduler-file", sched_file], stdout=log, stderr=log, env=env)
+        procs.append(sched)
+        _wait_for(sched_file, sched, "dask scheduler")
+        with open(sched_file) as f:
+            address = json.load(f)["address"]
+        workers = []
+        for _ in range(n_workers):
+            w = subprocess.Popen(
+                [sys.executable, "-m", "distributed.cli.dask_worker", address,
+                 "--nthreads", str(nthreads), "--no-nanny", "--host", "127.0.0.1",
+                 "--dashboard-address", "127.0.0.1:0", "--memory-limit", "2GiB"],
+                stdout=log, stderr=log, env=env)
+            procs.append(w)
+            workers.append(w)
+        yield {"address": address, "workers": workers, "scheduler": sched}
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in reversed(procs):
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()

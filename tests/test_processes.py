@@ -1,0 +1,68 @@
+"""The way training jobs use it: real `dask scheduler`/`dask worker` processes, the service
+started by `msd-dask serve`, readers in separate Python processes connecting by name."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from checks import check_content, check_exactly_once, shares
+from cluster import dask_cluster
+from corpus import config, write_corpus
+
+pytestmark = pytest.mark.integration
+HERE = os.path.dirname(__file__)
+
+
+def test_serve_and_read_from_other_processes(tmp_path):
+    root = str(tmp_path / "corpus")
+    texts = write_corpus(root)
+    cfg = config(root, name="procs", parallel={"dp": 2, "tp": 2})
+    cfg_path = tmp_path / "svc.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    steps = 60
+    with dask_cluster(str(tmp_path), n_workers=2) as cl:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "msd_dask.cli", "serve", str(cfg_path),
+             "--scheduler", cl["address"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        try:
+            line = serve.stdout.readline()
+            assert "serving 'procs'" in line, line + serve.stdout.read()
+            env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            outs = [str(tmp_path / f"r{i}.pkl") for i in range(2)]
+            # ranks 0,1 share DP group 0 (tp=2); ranks 2,3 are DP group 1
+            readers = [subprocess.Popen([sys.executable, os.path.join(HERE, "reader_proc.py"),
+                                         cl["address"], "procs", ranks, str(steps), out], env=env)
+                       for ranks, out in zip(("0,2", "1,3"), outs, strict=True)]
+            for p in readers:
+                assert p.wait(240) == 0
+        finally:
+            serve.send_signal(signal.SIGINT)
+            serve.wait(30)
+    recs = []
+    for out in outs:
+        with open(out, "rb") as f:
+            recs.extend(pickle.load(f))
+    by_rank = {}
+    for r in recs:
+        by_rank.setdefault(r["rank"], []).append(r)
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    for rank, rs in by_rank.items():
+        assert [r["step"] for r in rs] == list(range(steps)), rank
+    # tensor-parallel peers receive the same batch; DP groups receive different ones
+    for a, b in zip(by_rank[0], by_rank[1], strict=True):
+        assert (a["input_ids"] == b["input_ids"]).all() and a["documents"] == b["documents"]
+    assert any((a["input_ids"] != b["input_ids"]).any()
+               for a, b in zip(by_rank[0], by_rank[2], strict=True))
+    group = by_rank[0] + by_rank[2]  # one member per DP group
+    tokens = check_content(group, texts, 512)
+    check_exactly_once(group, texts, 512)
+    got = shares(tokens)
+    assert abs(got["code"] - 0.7) < 0.05, got
