@@ -1,0 +1,157 @@
+"""JSON-lines reader: plain, gzip (``.gz``) or zstandard (``.zst``, ``.zstd``) files.
+
+A file is one unit; it is decompressed and parsed as a stream, one line at a time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from typing import IO, Any, Protocol
+
+import fsspec
+import zstandard
+
+from ..errors import DataError
+from . import Unit, register_format
+
+__all__ = ["JsonlFormat", "compression_of"]
+
+_BUFFER_SIZE = 1 << 20
+
+
+def compression_of(path: str) -> str | None:
+    """The compression a JSON-lines file uses, from its suffix.
+
+    Parameters
+    ----------
+    path : str
+        File name or path.
+
+    Returns
+    -------
+    str or None
+        ``"gzip"`` for ``.gz``, ``"zstd"`` for ``.zst``/``.zstd``, ``None`` otherwise.
+    """
+    lower = path.lower()
+    if lower.endswith(".gz"):
+        return "gzip"
+    if lower.endswith((".zst", ".zstd")):
+        return "zstd"
+    return None
+
+
+class _LineReader(Protocol):
+    def readline(self, size: int = -1, /) -> bytes: ...
+
+
+def _open_lines(stack: ExitStack, raw: IO[bytes], compression: str | None) -> _LineReader:
+    """A binary stream of the decompressed content of ``raw``, read line by line."""
+    if compression == "gzip":
+        return stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
+    if compression == "zstd":
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
+                                                           closefd=False)
+        stack.callback(reader.close)
+        # BufferedReader gives readline() over the reader's readinto().
+        return stack.enter_context(io.BufferedReader(reader, _BUFFER_SIZE))
+    # Not fsspec's own readline(): it reads a whole block (5 MiB on s3) per line.
+    return stack.enter_context(io.BufferedReader(raw, _BUFFER_SIZE))  # type: ignore[type-var]
+
+
+class JsonlFormat:
+    """JSON lines: one JSON object per line; blank lines are skipped.
+
+    Rows are 0-based line indices in the (decompressed) file, blank lines included, so a
+    row's index is its line number whether or not blank lines precede it.
+    """
+
+    name = "jsonl"
+
+    def units(self, fs: fsspec.AbstractFileSystem, path: str) -> list[Unit]:
+        """The whole file as a single unit.
+
+        Parameters
+        ----------
+        fs : fsspec.AbstractFileSystem
+            Filesystem holding the file (unused: the file is not opened).
+        path : str
+            The file, as ``fs`` names it.
+
+        Returns
+        -------
+        list of Unit
+            ``[Unit(path, 0, 0)]``.
+        """
+        return [Unit(path, 0, 0)]
+
+    def read(self, fs: fsspec.AbstractFileSystem, unit: Unit,
+             fields: Sequence[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(line_index, record)`` for every non-blank line of ``unit.path``.
+
+        Parameters
+        ----------
+        fs : fsspec.AbstractFileSystem
+            Filesystem holding ``unit.path``.
+        unit : Unit
+            The file to read (JSON-lines files have one unit).
+        fields : sequence of str
+            Keys to return; every record maps exactly these names to values.
+
+        Yields
+        ------
+        tuple of (int, dict)
+            The line's 0-based index in the file and its requested fields.
+
+        Raises
+        ------
+        DataError
+            For a line that is not valid UTF-8 or JSON, is not an object or lacks a
+            field (naming file and row), or a compressed stream that is corrupt (naming
+            the file).
+        """
+        path = unit.path
+        compression = compression_of(path)
+        with ExitStack() as stack:
+            raw = stack.enter_context(fs.open(path, "rb"))
+            lines = _open_lines(stack, raw, compression)
+            row = -1
+            while True:
+                try:
+                    line = lines.readline()
+                except (zstandard.ZstdError, gzip.BadGzipFile, zlib.error, EOFError) as exc:
+                    raise DataError(f"corrupt {compression} stream: {exc}", path=path) from exc
+                if not line:
+                    break
+                row += 1
+                if not line.strip():
+                    continue
+                yield row, _parse(line, fields, path, row)
+
+
+def _parse(line: bytes, fields: Sequence[str], path: str, row: int) -> dict[str, Any]:
+    try:
+        # A byte-order mark may only start the file.
+        text = line.decode("utf-8-sig" if row == 0 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"invalid UTF-8: {exc.reason} at byte {exc.start}",
+                        path=path, row=row) from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"invalid JSON: {exc.msg} at column {exc.colno}",
+                        path=path, row=row) from None
+    if not isinstance(obj, dict):
+        raise DataError(f"expected a JSON object, got {type(obj).__name__}",
+                        path=path, row=row)
+    try:
+        return {f: obj[f] for f in fields}
+    except KeyError as exc:
+        raise DataError(f"missing field '{exc.args[0]}'", path=path, row=row) from None
+
+
+register_format(JsonlFormat())

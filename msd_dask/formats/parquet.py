@@ -1,0 +1,126 @@
+"""Parquet reader: one unit per row group, reading only the requested columns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import DataError
+from . import Unit, register_format
+
+__all__ = ["ParquetFormat"]
+
+# Errors that say the storage, not the file's content, failed: they propagate as they are
+# so that callers may retry them.
+_STORAGE_ERRORS = (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)
+
+
+def _data_error(path: str, exc: BaseException) -> DataError:
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return DataError(f"cannot read parquet: {reason}", path=path)
+
+
+class ParquetFormat:
+    """Parquet files, split into row groups.
+
+    Each row group is one :class:`~msd_dask.formats.Unit`; reading a unit loads only that
+    row group and only the requested columns.  Values come back as Python objects
+    (``string`` columns as ``str``, ``binary`` columns as ``bytes``).
+    """
+
+    name = "parquet"
+
+    def units(self, fs: fsspec.AbstractFileSystem, path: str) -> list[Unit]:
+        """Split ``path`` into one unit per row group, in file order.
+
+        Parameters
+        ----------
+        fs : fsspec.AbstractFileSystem
+            Filesystem holding the file.
+        path : str
+            The file, as ``fs`` names it.
+
+        Returns
+        -------
+        list of Unit
+            ``Unit(path, part=i, row_offset=first row of group i)`` for every row group;
+            empty for a file without row groups.
+
+        Raises
+        ------
+        DataError
+            If the footer cannot be read (not a parquet file, truncated, corrupt).
+        """
+        with fs.open(path, "rb") as f:
+            try:
+                meta = pq.ParquetFile(f).metadata
+            except (pa.ArrowException, OSError) as exc:
+                if isinstance(exc, _STORAGE_ERRORS):
+                    raise
+                raise _data_error(path, exc) from exc
+        units = []
+        offset = 0
+        for i in range(meta.num_row_groups):
+            units.append(Unit(path, part=i, row_offset=offset))
+            offset += meta.row_group(i).num_rows
+        return units
+
+    def read(self, fs: fsspec.AbstractFileSystem, unit: Unit,
+             fields: Sequence[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(row, record)`` for every row of the row group ``unit.part``.
+
+        The row group is read (only ``fields``) and the file closed before the first
+        record is yielded, so an abandoned iterator holds no open file.
+
+        Parameters
+        ----------
+        fs : fsspec.AbstractFileSystem
+            Filesystem holding ``unit.path``.
+        unit : Unit
+            The row group to read, as returned by :meth:`units`.
+        fields : sequence of str
+            Columns to return; every record maps exactly these names to values.
+
+        Yields
+        ------
+        tuple of (int, dict)
+            The row's index within the file and its requested fields.
+
+        Raises
+        ------
+        DataError
+            If a field is not a column of the file (naming the unit's first row), or the
+            file cannot be read.
+        """
+        path = unit.path
+        columns = list(dict.fromkeys(fields))
+        with fs.open(path, "rb") as f:
+            try:
+                pf = pq.ParquetFile(f)
+                names = set(pf.schema_arrow.names)
+                missing = [c for c in columns if c not in names]
+                if missing:
+                    raise DataError(f"missing field '{missing[0]}'", path=path,
+                                    row=unit.row_offset)
+                if not 0 <= unit.part < pf.metadata.num_row_groups:
+                    raise DataError(f"no row group {unit.part} (the file has "
+                                    f"{pf.metadata.num_row_groups})", path=path)
+                num_rows = pf.metadata.row_group(unit.part).num_rows
+                table = pf.read_row_group(unit.part, columns=columns)
+                values = {c: table.column(c).to_pylist() for c in columns}
+            except DataError:
+                raise
+            except (pa.ArrowException, OSError) as exc:
+                if isinstance(exc, _STORAGE_ERRORS):
+                    raise
+                raise _data_error(path, exc) from exc
+        del table
+        for i in range(num_rows):
+            yield unit.row_offset + i, {c: values[c][i] for c in columns}
+
+
+register_format(ParquetFormat())

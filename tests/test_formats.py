@@ -1,0 +1,485 @@
+"""Conformance suite for every registered source format, plus per-format cases.
+
+Every format in :data:`msd_dask.formats.FORMATS` must have at least one writer in
+``WRITERS`` below; the shared tests then run against each writer's output, on the local
+filesystem and on fsspec's in-memory one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from msd_dask.errors import DataError
+from msd_dask.formats import FORMATS, Format, Unit, get_format
+from msd_dask.formats.jsonl import compression_of
+from msd_dask.storage import open_source
+
+# ---------------------------------------------------------------------------------------
+# The shared records and one writer per format variant
+# ---------------------------------------------------------------------------------------
+
+LONG_TEXT = "".join(f"paragraph {i}: the quick brown fox jumps over the lazy dog.\n"
+                    for i in range(5000))
+TEXTS = [
+    "hello world",
+    "naïve café — 日本語のテキスト — emoji 🎉🚀 — Ελληνικά",
+    "",
+    LONG_TEXT,
+    "line one\nline two\r\nline three\ttabbed",
+    'quotes " and backslashes \\ and {"json": "inside"}',
+    "separators \u2028 and \u2029 and nul \x00 inside",
+    "   leading and trailing blanks   ",
+    "short",
+    "the last record",
+]
+RECORDS = [{"text": t, "id": i, "meta": f"meta-{i}"} for i, t in enumerate(TEXTS)]
+ROW_GROUP_SIZE = 3  # parquet: 10 records -> row groups of 3, 3, 3, 1
+
+Writer = Callable[[fsspec.AbstractFileSystem, str, list[dict[str, Any]]], str]
+
+
+def write_parquet(fs: fsspec.AbstractFileSystem, stem: str, records: list[dict[str, Any]]) -> str:
+    path = stem + ".parquet"
+    table = pa.Table.from_pylist(records)
+    with fs.open(path, "wb") as f:
+        pq.write_table(table, f, row_group_size=ROW_GROUP_SIZE)
+    return path
+
+
+def _jsonl_bytes(records: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records)
+
+
+def write_jsonl(fs: fsspec.AbstractFileSystem, stem: str, records: list[dict[str, Any]]) -> str:
+    path = stem + ".jsonl"
+    fs.pipe_file(path, _jsonl_bytes(records))
+    return path
+
+
+def write_jsonl_gz(fs: fsspec.AbstractFileSystem, stem: str,
+                   records: list[dict[str, Any]]) -> str:
+    path = stem + ".jsonl.gz"
+    fs.pipe_file(path, gzip.compress(_jsonl_bytes(records), mtime=0))
+    return path
+
+
+def write_jsonl_zst(fs: fsspec.AbstractFileSystem, stem: str,
+                    records: list[dict[str, Any]]) -> str:
+    path = stem + ".jsonl.zst"
+    fs.pipe_file(path, zstandard.ZstdCompressor().compress(_jsonl_bytes(records)))
+    return path
+
+
+WRITERS: dict[str, dict[str, Writer]] = {
+    "parquet": {"parquet": write_parquet},
+    "jsonl": {"jsonl": write_jsonl, "jsonl.gz": write_jsonl_gz, "jsonl.zst": write_jsonl_zst},
+}
+
+CASES = [pytest.param((name, variant), id=variant)
+         for name in sorted(FORMATS)
+         for variant in (sorted(WRITERS[name]) if name in WRITERS else ["<no writer>"])]
+
+
+# ---------------------------------------------------------------------------------------
+# Fixtures and helpers
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def memory_fs() -> Iterator[tuple[fsspec.AbstractFileSystem, str]]:
+    fs = fsspec.filesystem("memory")
+    root = f"/test-formats-{uuid.uuid4().hex}"
+    fs.mkdir(root)
+    try:
+        yield fs, root
+    finally:
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+@pytest.fixture(params=["local", "memory"])
+def where(request: pytest.FixtureRequest, tmp_path: Any) -> tuple[fsspec.AbstractFileSystem, str]:
+    if request.param == "local":
+        return fsspec.filesystem("file"), tmp_path.as_posix()
+    return request.getfixturevalue("memory_fs")
+
+
+@pytest.fixture(params=CASES)
+def written(request: pytest.FixtureRequest, where: tuple[fsspec.AbstractFileSystem, str]
+            ) -> tuple[Format, fsspec.AbstractFileSystem, str]:
+    name, variant = request.param
+    if name not in WRITERS:
+        pytest.fail(f"format {name!r} is registered but tests/test_formats.py has no writer "
+                    "for it: add one to WRITERS")
+    fs, root = where
+    path = WRITERS[name][variant](fs, f"{root}/sample", RECORDS)
+    return get_format(name), fs, path
+
+
+def read_all(fmt: Format, fs: fsspec.AbstractFileSystem, path: str,
+             fields: Sequence[str]) -> list[tuple[int, dict[str, Any]]]:
+    return [item for unit in fmt.units(fs, path) for item in fmt.read(fs, unit, fields)]
+
+
+def corrupt_garbage(data: bytes) -> bytes:
+    return b"this is not a valid data file \x00\xff\xfe" * 50
+
+
+def corrupt_truncate(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def corrupt_flip(data: bytes) -> bytes:
+    middle = bytearray(data)
+    lo, hi = len(data) // 3, len(data) // 3 + 64
+    middle[lo:hi] = bytes(b ^ 0xA5 for b in middle[lo:hi])
+    return bytes(middle)
+
+
+class _Handle:
+    """A file object that remembers whether it was closed, delegating all else."""
+
+    def __init__(self, f: Any):
+        self._f = f
+        self.was_closed = False
+
+    def close(self) -> None:
+        self.was_closed = True
+        self._f.close()
+
+    def __enter__(self) -> _Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class TrackingFS:
+    """Delegates to a filesystem and remembers every file it opened.
+
+    Wraps the files rather than reading their ``closed``: fsspec's in-memory files never
+    report themselves closed (and ``open`` hands out the same object each time).
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem):
+        self._fs = fs
+        self.opened: list[_Handle] = []
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> _Handle:
+        handle = _Handle(self._fs.open(path, mode, **kwargs))
+        self.opened.append(handle)
+        return handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    def all_closed(self) -> bool:
+        return all(h.was_closed for h in self.opened)
+
+
+# ---------------------------------------------------------------------------------------
+# Conformance suite: every registered format
+# ---------------------------------------------------------------------------------------
+
+def test_every_format_has_a_writer() -> None:
+    assert set(FORMATS) >= {"parquet", "jsonl"}
+    assert set(FORMATS) <= set(WRITERS), "add a writer for each registered format"
+
+
+def test_format_names_match_registry() -> None:
+    for name, fmt in FORMATS.items():
+        assert fmt.name == name
+        assert get_format(name) is fmt
+    with pytest.raises(ValueError, match="unknown format"):
+        get_format("no-such-format")
+
+
+def test_units_cover_every_row_once_in_file_order(written: Any) -> None:
+    fmt, fs, path = written
+    units = fmt.units(fs, path)
+    assert units, "a non-empty file has at least one unit"
+    assert all(isinstance(u, Unit) and u.path == path for u in units)
+    assert [u.part for u in units] == list(range(len(units)))
+    offsets = [u.row_offset for u in units]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    rows: list[int] = []
+    for i, unit in enumerate(units):
+        unit_rows = [row for row, _ in fmt.read(fs, unit, ["text"])]
+        end = units[i + 1].row_offset if i + 1 < len(units) else float("inf")
+        assert all(unit.row_offset <= r < end for r in unit_rows)
+        rows.extend(unit_rows)
+    assert rows == list(range(len(RECORDS)))
+
+
+def test_read_returns_written_texts_and_rows(written: Any) -> None:
+    fmt, fs, path = written
+    got = read_all(fmt, fs, path, ["text"])
+    assert got == [(i, {"text": t}) for i, t in enumerate(TEXTS)]
+    assert all(type(rec["text"]) is str for _, rec in got)
+
+
+def test_read_returns_only_requested_fields(written: Any) -> None:
+    fmt, fs, path = written
+    got = read_all(fmt, fs, path, ["id", "text"])
+    assert got == [(i, {"id": i, "text": t}) for i, t in enumerate(TEXTS)]
+    assert [set(rec) for _, rec in read_all(fmt, fs, path, ["meta"])] == [{"meta"}] * len(TEXTS)
+    assert [rec for _, rec in read_all(fmt, fs, path, [])] == [{}] * len(TEXTS)
+
+
+def test_missing_field_names_file_and_row(written: Any) -> None:
+    fmt, fs, path = written
+    unit = fmt.units(fs, path)[-1]
+    with pytest.raises(DataError) as info:
+        list(fmt.read(fs, unit, ["text", "nope"]))
+    err = info.value
+    name = path.rsplit("/", 1)[-1]
+    assert name in str(err) and "nope" in str(err)
+    assert err.path == path
+    assert err.row == unit.row_offset
+    assert f"row {unit.row_offset}" in str(err)
+
+
+@pytest.mark.parametrize("corrupt", [corrupt_garbage, corrupt_truncate, corrupt_flip])
+def test_corrupt_file_raises_data_error(written: Any, corrupt: Callable[[bytes], bytes]) -> None:
+    fmt, fs, path = written
+    fs.pipe_file(path, corrupt(fs.cat_file(path)))
+    with pytest.raises(DataError) as info:
+        read_all(fmt, fs, path, ["text"])
+    assert path.rsplit("/", 1)[-1] in str(info.value)
+    assert info.value.path == path
+
+
+def test_file_handles_are_closed(written: Any) -> None:
+    fmt, fs, path = written
+    tracking = TrackingFS(fs)
+    units = fmt.units(tracking, path)
+    read_all(fmt, tracking, path, ["text"])
+    assert tracking.opened and tracking.all_closed()
+    # An abandoned iterator and a failed read leave nothing open either.
+    it = fmt.read(tracking, units[0], ["text"])
+    next(it)
+    it.close()
+    with pytest.raises(DataError):
+        list(fmt.read(tracking, units[0], ["nope"]))
+    assert tracking.all_closed()
+
+
+def test_reads_through_open_source_on_memory_fs(memory_fs: Any) -> None:
+    fs, root = memory_fs
+    for name, variants in WRITERS.items():
+        for variant, write in variants.items():
+            write(fs, f"{root}/{variant}/a", RECORDS[:5])
+            write(fs, f"{root}/{variant}/b", RECORDS[5:])
+            source = open_source(f"memory://{root}/{variant}/*")
+            assert len(source.paths) == 2
+            fmt = get_format(name)
+            texts = [rec["text"] for p in source.paths
+                     for _, rec in read_all(fmt, source.fs, p, ["text"])]
+            assert texts == TEXTS
+
+
+# ---------------------------------------------------------------------------------------
+# Parquet
+# ---------------------------------------------------------------------------------------
+
+PARQUET = get_format("parquet")
+LOCAL = fsspec.filesystem("file")
+
+
+def _parquet_file(tmp_path: Any, records: list[dict[str, Any]] = RECORDS) -> str:
+    return write_parquet(LOCAL, (tmp_path / "p").as_posix(), records)
+
+
+def test_parquet_one_unit_per_row_group(tmp_path: Any) -> None:
+    path = _parquet_file(tmp_path)
+    assert PARQUET.units(LOCAL, path) == [Unit(path, 0, 0), Unit(path, 1, 3),
+                                          Unit(path, 2, 6), Unit(path, 3, 9)]
+
+
+def test_parquet_middle_unit_reads_only_its_row_group(tmp_path: Any) -> None:
+    path = _parquet_file(tmp_path)
+    unit = PARQUET.units(LOCAL, path)[1]
+    assert list(PARQUET.read(LOCAL, unit, ["text", "id"])) == [
+        (i, {"text": TEXTS[i], "id": i}) for i in (3, 4, 5)]
+    # Wreck the data pages of every other row group, and of the unrequested column of this
+    # one: the unit still reads, so it never touched them.
+    meta = pq.ParquetFile(path).metadata
+    names = meta.schema.to_arrow_schema().names
+    data = bytearray(open(path, "rb").read())
+    for g in range(meta.num_row_groups):
+        for c in range(meta.num_columns):
+            if g == 1 and names[c] != "meta":
+                continue
+            col = meta.row_group(g).column(c)
+            start = min(o for o in (col.dictionary_page_offset, col.data_page_offset)
+                        if o is not None)
+            data[start:start + col.total_compressed_size] = b"\xff" * col.total_compressed_size
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    assert [r for r, _ in PARQUET.read(LOCAL, unit, ["text", "id"])] == [3, 4, 5]
+    with pytest.raises(DataError, match="cannot read parquet"):
+        list(PARQUET.read(LOCAL, unit, ["meta"]))
+    with pytest.raises(DataError, match="cannot read parquet"):
+        list(PARQUET.read(LOCAL, PARQUET.units(LOCAL, path)[0], ["text"]))
+
+
+def test_parquet_missing_field_names_first_row_of_unit(tmp_path: Any) -> None:
+    path = _parquet_file(tmp_path)
+    unit = PARQUET.units(LOCAL, path)[2]
+    with pytest.raises(DataError, match=r"p\.parquet', row 6: missing field 'title'"):
+        list(PARQUET.read(LOCAL, unit, ["text", "title"]))
+
+
+def test_parquet_keeps_python_types(tmp_path: Any) -> None:
+    records: list[dict[str, Any]] = [
+        {"text": "ü", "blob": b"\x00\xff", "n": 1.5, "tags": ["a", "b"]},
+        {"text": "", "blob": b"", "n": None, "tags": []},
+    ]
+    path = _parquet_file(tmp_path, records)
+    assert [rec for _, rec in read_all(PARQUET, LOCAL, path, ["text", "blob", "n", "tags"])] \
+        == records
+    large = (tmp_path / "large.parquet").as_posix()
+    pq.write_table(pa.table({"text": pa.array(["x", "y"], pa.large_string()),
+                             "blob": pa.array([b"1", b"2"], pa.large_binary())}), large)
+    assert read_all(PARQUET, LOCAL, large, ["text", "blob"]) == [
+        (0, {"text": "x", "blob": b"1"}), (1, {"text": "y", "blob": b"2"})]
+
+
+def test_parquet_without_row_groups_has_no_units(tmp_path: Any) -> None:
+    path = (tmp_path / "empty.parquet").as_posix()
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())])):
+        pass
+    assert PARQUET.units(LOCAL, path) == []
+
+
+def test_parquet_empty_file_is_data_error(tmp_path: Any) -> None:
+    path = (tmp_path / "zero.parquet").as_posix()
+    open(path, "wb").close()
+    with pytest.raises(DataError, match=r"zero\.parquet.*cannot read parquet"):
+        PARQUET.units(LOCAL, path)
+
+
+def test_parquet_missing_file_is_not_a_data_error(tmp_path: Any) -> None:
+    with pytest.raises(FileNotFoundError):
+        PARQUET.units(LOCAL, (tmp_path / "absent.parquet").as_posix())
+
+
+# ---------------------------------------------------------------------------------------
+# JSON lines
+# ---------------------------------------------------------------------------------------
+
+JSONL = get_format("jsonl")
+
+
+def _jsonl_file(tmp_path: Any, content: bytes, name: str = "f.jsonl") -> str:
+    path = (tmp_path / name).as_posix()
+    with open(path, "wb") as f:
+        f.write(content)
+    return path
+
+
+def _rows(path: str, fields: Sequence[str] = ("text",)) -> list[tuple[int, dict[str, Any]]]:
+    return read_all(JSONL, LOCAL, path, fields)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("a.jsonl", None), ("a.json", None), ("a.jsonl.gz", "gzip"), ("A.JSONL.GZ", "gzip"),
+    ("a.jsonl.zst", "zstd"), ("a.jsonl.zstd", "zstd"), ("dir.zst/a.jsonl", None),
+])
+def test_jsonl_compression_from_suffix(name: str, expected: str | None) -> None:
+    assert compression_of(name) == expected
+
+
+def test_jsonl_is_one_unit(tmp_path: Any) -> None:
+    path = _jsonl_file(tmp_path, b'{"text": "a"}\n')
+    assert JSONL.units(LOCAL, path) == [Unit(path, 0, 0)]
+
+
+def test_jsonl_blank_lines_are_skipped_but_counted(tmp_path: Any) -> None:
+    content = b'\n{"text": "a"}\n   \n\r\n{"text": "b"}\r\n\n{"text": "c"}'
+    path = _jsonl_file(tmp_path, content)
+    assert _rows(path) == [(1, {"text": "a"}), (4, {"text": "b"}), (6, {"text": "c"})]
+
+
+@pytest.mark.parametrize("line, reason", [
+    (b'{"text": "a"', "invalid JSON"),
+    (b'["text", "a"]', "expected a JSON object, got list"),
+    (b'"text"', "expected a JSON object, got str"),
+    (b'{"title": "a"}', "missing field 'text'"),
+    (b'{"text": "\xff\xfe"}', "invalid UTF-8"),
+])
+def test_jsonl_bad_line_names_file_and_row(tmp_path: Any, line: bytes, reason: str) -> None:
+    path = _jsonl_file(tmp_path, b'{"text": "ok"}\n\n' + line + b'\n{"text": "after"}\n')
+    with pytest.raises(DataError) as info:
+        _rows(path)
+    assert info.value.row == 2 and info.value.path == path
+    assert f"file '{path}', row 2: {reason}" in str(info.value)
+
+
+def test_jsonl_rows_before_a_bad_line_are_yielded(tmp_path: Any) -> None:
+    path = _jsonl_file(tmp_path, b'{"text": "ok"}\nnot json\n')
+    it = JSONL.read(LOCAL, Unit(path), ["text"])
+    assert next(it) == (0, {"text": "ok"})
+    with pytest.raises(DataError, match="row 1"):
+        next(it)
+
+
+def test_jsonl_byte_order_mark_at_start_is_accepted(tmp_path: Any) -> None:
+    path = _jsonl_file(tmp_path, b'\xef\xbb\xbf{"text": "a"}\n{"text": "b"}\n')
+    assert _rows(path) == [(0, {"text": "a"}), (1, {"text": "b"})]
+
+
+def test_jsonl_zst_with_several_frames(tmp_path: Any) -> None:
+    cctx = zstandard.ZstdCompressor()
+    content = b"".join(cctx.compress(_jsonl_bytes(RECORDS[i:i + 3])) for i in range(0, 10, 3))
+    path = _jsonl_file(tmp_path, content, "multi.jsonl.zst")
+    assert [rec["text"] for _, rec in _rows(path)] == TEXTS
+
+
+def test_jsonl_zst_streamed_from_writer_and_zstd_suffix(tmp_path: Any) -> None:
+    buf = io.BytesIO()
+    with zstandard.ZstdCompressor(level=3).stream_writer(buf, closefd=False) as w:
+        w.write(_jsonl_bytes(RECORDS))
+    path = _jsonl_file(tmp_path, buf.getvalue(), "s.jsonl.zstd")
+    assert [rec["text"] for _, rec in _rows(path)] == TEXTS
+
+
+@pytest.mark.parametrize("name, content", [
+    ("bad.jsonl.gz", b"\x1f\x8b\x08\x00garbage-after-gzip-magic" * 4),
+    ("plain.jsonl.gz", b'{"text": "not compressed"}\n'),
+    ("bad.jsonl.zst", b"\x28\xb5\x2f\xfd" + b"\xff" * 64),
+    ("plain.jsonl.zst", b'{"text": "not compressed"}\n'),
+])
+def test_jsonl_corrupt_stream_names_file(tmp_path: Any, name: str, content: bytes) -> None:
+    path = _jsonl_file(tmp_path, content, name)
+    with pytest.raises(DataError, match=rf"file '.*{name}'.*corrupt") as info:
+        _rows(path)
+    assert info.value.path == path
+
+
+def test_jsonl_truncated_gzip_is_data_error(tmp_path: Any) -> None:
+    data = gzip.compress(_jsonl_bytes(RECORDS))
+    path = _jsonl_file(tmp_path, data[:-10], "t.jsonl.gz")
+    with pytest.raises(DataError, match=r"t\.jsonl\.gz"):
+        _rows(path)
+
+
+@pytest.mark.parametrize("name, content", [
+    ("empty.jsonl", b""), ("blank.jsonl", b"\n \n"), ("empty.jsonl.gz", gzip.compress(b"")),
+    ("empty.jsonl.zst", zstandard.ZstdCompressor().compress(b"")), ("zero.jsonl.zst", b""),
+])
+def test_jsonl_empty_files_have_no_rows(tmp_path: Any, name: str, content: bytes) -> None:
+    assert _rows(_jsonl_file(tmp_path, content, name)) == []
