@@ -380,12 +380,14 @@ def _parse(d: Any, check_files: bool) -> Config:
     )
     b = d["batch"]
     _check_keys(b, "batch", {"seq_len", "micro_batches"}, {"seq_len"})
-    batch = BatchConfig(seq_len=_int(b, "seq_len", "batch", 0), micro_batches=_int(b, "micro_batches", "batch", 1))
+    batch = BatchConfig(seq_len=_int(b, "seq_len", "batch", 0),
+                        micro_batches=_int(b, "micro_batches", "batch", 1))
     tok = d.get("tokenizer", {})
     _check_keys(tok, "tokenizer", {"kind"})
     kind = tok.get("kind", "bytes")
     if kind not in KNOWN_TOKENIZERS:
-        raise ConfigError("tokenizer.kind", f"unknown tokenizer {kind!r} (known: {', '.join(KNOWN_TOKENIZERS)})")
+        raise ConfigError("tokenizer.kind",
+                          f"unknown tokenizer {kind!r} (known: {', '.join(KNOWN_TOKENIZERS)})")
     cost = d.get("cost", {})
     _check_keys(cost, "cost", {"linear", "quadratic"})
     cost_cfg = CostConfig(

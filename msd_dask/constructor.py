@@ -68,8 +68,8 @@ class DataConstructor:
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
         self._error: str | None = None
-        self.published = defaultdict(int)
-        self.claimed = defaultdict(int)
+        self.published: defaultdict[int, int] = defaultdict(int)
+        self.claimed: defaultdict[int, int] = defaultdict(int)
         self.last_claimed: dict[int, int] = {}
         self.build_seconds = 0.0
         self.fetch_seconds = 0.0

@@ -45,7 +45,7 @@ class Coordinator:
                  roots: dict[str, str], state: dict[str, Any] | None = None):
         self.cfg = load_config(config, check_files=False)
         self.units = {k: [Unit(*u) for u in v] for k, v in units.items()}
-        files = {k: SourceFiles(None, roots[k], []) for k in units}  # type: ignore[arg-type]
+        files = {k: SourceFiles(None, roots[k], []) for k in units}
         self._relpath = {k: [files[k].relpath(u.path) for u in v] for k, v in self.units.items()}
         self.planner = Planner(self.cfg, self.units)
         if state is not None:

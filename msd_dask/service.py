@@ -123,7 +123,7 @@ class DataService:
             client.wait_for_workers(1, timeout=timeout)
             units, roots = discover_units(cfg)
             registry = cls._place_roles(client, cfg, units, roots, resume, loader_threads)
-            client.publish_dataset(**{key: registry})
+            client.publish_dataset(registry, name=key)
             svc = cls(client, cfg, registry, owner=True, cluster=cluster)
             svc.coordinator.setup(svc.loaders, svc.constructors).result()
             for c in svc.constructors:

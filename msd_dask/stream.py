@@ -71,7 +71,7 @@ class Piece:
 
     @classmethod
     def from_tuple(cls, t: Sequence[Any]) -> Piece:
-        return cls(str(t[0]), *(int(x) for x in t[1:]))  # type: ignore[arg-type]
+        return cls(str(t[0]), *(int(x) for x in t[1:]))
 
 
 class NeedMetadata(LookupError):

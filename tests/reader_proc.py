@@ -9,8 +9,9 @@ from __future__ import annotations
 import pickle
 import sys
 
-from checks import record
 from msd_dask import DataService
+
+from checks import record
 
 
 def main() -> None:

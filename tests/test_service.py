@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from msd_dask import DataService, ServiceError, ServiceTimeoutError
+
 from checks import check_content, check_exactly_once, record, shares
 from corpus import config, write_corpus
-from msd_dask import DataService, ServiceError, ServiceTimeoutError
 
 pytestmark = pytest.mark.integration
 
