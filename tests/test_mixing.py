@@ -1,0 +1,131 @@
+"""Mixer: delivered token shares follow the weights in force."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from msd_dask.mixing import Mixer
+
+MAX_LEN = 512
+
+
+def names(n: int) -> list[str]:
+    return [f"s{i}" for i in range(n)]
+
+
+def run(m: Mixer, weights: dict[str, float], n: int, rng: np.random.Generator,
+        tokens: dict[str, int] | None = None) -> dict[str, int]:
+    """Take ``n`` pieces of random lengths; return the tokens taken per source."""
+    tokens = tokens if tokens is not None else dict.fromkeys(m.sources, 0)
+    for _ in range(n):
+        s = m.choose(weights)
+        k = int(rng.integers(1, MAX_LEN + 1))
+        m.take(s, k, weights)
+        tokens[s] += k
+    return tokens
+
+
+def shares(tokens: dict[str, int]) -> dict[str, float]:
+    total = sum(tokens.values())
+    return {s: t / total for s, t in tokens.items()}
+
+
+@pytest.mark.parametrize("ws", [
+    [0.5, 0.3, 0.2],
+    [0.05, 0.9, 0.05],
+    [0.25, 0.25, 0.25, 0.25],
+    [0.01, 0.99],
+    [0.7, 0.0, 0.3],
+    [1.0],
+])
+def test_long_run_token_shares(ws: list[float]) -> None:
+    src = names(len(ws))
+    w = dict(zip(src, ws, strict=True))
+    m = Mixer(src)
+    got = shares(run(m, w, 8000, np.random.default_rng(1)))
+    for s in src:
+        # Well within 1% (absolute): the deviation is bounded by credit / total tokens.
+        assert abs(got[s] - w[s]) <= 0.001, (s, got[s], w[s])
+    # Credits sum to zero and stay within a few piece lengths of it.
+    assert abs(sum(m.credit.values())) < 1e-6
+    assert max(abs(c) for c in m.credit.values()) <= len(src) * MAX_LEN
+
+
+def test_equal_weights_and_lengths_alternate() -> None:
+    m = Mixer(["a", "b"])
+    w = {"a": 0.5, "b": 0.5}
+    picks = []
+    for _ in range(10):
+        s = m.choose(w)
+        m.take(s, 100, w)
+        picks.append(s)
+    assert picks == ["a", "b"] * 5  # ties go to the earlier source
+
+
+def test_zero_weight_source_never_chosen() -> None:
+    src = names(3)
+    m = Mixer(src)
+    rng = np.random.default_rng(2)
+    w = {"s0": 0.5, "s1": 0.0, "s2": 0.5}
+    tokens = run(m, w, 3000, rng)
+    assert tokens["s1"] == 0
+    # Even with a large positive credit built up while it had a weight.
+    m = Mixer(src)
+    run(m, {"s0": 0.1, "s1": 0.8, "s2": 0.1}, 50, rng)
+    m.credit["s1"] = 10_000.0
+    m.credit["s0"] -= 5_000.0
+    m.credit["s2"] -= 5_000.0
+    assert run(m, w, 500, rng)["s1"] == 0
+
+
+def test_missing_weight_counts_as_zero() -> None:
+    m = Mixer(names(3))
+    tokens = run(m, {"s2": 1.0}, 200, np.random.default_rng(3))
+    assert tokens["s0"] == 0 and tokens["s1"] == 0 and tokens["s2"] > 0
+
+
+def test_all_zero_weights_raise() -> None:
+    m = Mixer(names(2))
+    with pytest.raises(ValueError):
+        m.choose({"s0": 0.0, "s1": 0.0})
+    with pytest.raises(ValueError):
+        m.choose({})
+
+
+def test_shares_follow_a_weight_change_quickly() -> None:
+    src = names(3)
+    m = Mixer(src)
+    rng = np.random.default_rng(4)
+    before = {"s0": 0.8, "s1": 0.1, "s2": 0.1}
+    after = {"s0": 0.1, "s1": 0.1, "s2": 0.8}
+    run(m, before, 3000, rng)
+    # Over the next 100 pieces (~25k tokens), the new weights already hold.
+    window = shares(run(m, after, 100, rng))
+    for s in src:
+        assert abs(window[s] - after[s]) < 0.06, (s, window[s], after[s])
+    # And over a longer stretch, tightly.
+    longer = shares(run(m, after, 3000, rng))
+    for s in src:
+        assert abs(longer[s] - after[s]) < 0.005
+
+
+def test_state_dict_round_trip() -> None:
+    src = names(3)
+    w = {"s0": 0.2, "s1": 0.3, "s2": 0.5}
+    rng = np.random.default_rng(5)
+    m = Mixer(src)
+    run(m, w, 77, rng)
+    state = json.loads(json.dumps(m.state_dict()))
+    m2 = Mixer(src)
+    m2.load_state_dict(state)
+    picks1, picks2 = [], []
+    for k in np.random.default_rng(6).integers(1, MAX_LEN, size=200):
+        for mm, picks in ((m, picks1), (m2, picks2)):
+            s = mm.choose(w)
+            mm.take(s, int(k), w)
+            picks.append(s)
+    assert picks1 == picks2
+    assert m.state_dict() == m2.state_dict()

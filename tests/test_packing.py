@@ -1,0 +1,95 @@
+"""pack_rows: input ids, labels, position ids and cu_seqlens of hand-built rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from msd_dask.packing import IGNORE_INDEX, pack_rows
+from msd_dask.tokenizer import EOD, PAD
+
+I = IGNORE_INDEX  # noqa: E741
+
+
+def arr(*xs: int) -> np.ndarray:
+    return np.asarray(xs, dtype=np.int32)
+
+
+def test_hand_built_rows() -> None:
+    rows = [
+        [
+            (arr(10, 11, 12, EOD), 4),       # a whole document (ends with EOD)
+            (arr(20, 21, 22, 23), 3),        # a chunk whose document continues with 23
+        ],
+        [
+            (arr(30, 31, 32, 33, 34, 35), 5),  # continues with 35
+            (arr(40, EOD), 2),
+            (arr(50), 1),                      # the last chunk of a document: one token
+        ],
+        [],                                    # an empty row: all padding
+    ]
+    out = pack_rows(rows, seq_len=10, pad_id=PAD)
+    ids, labels, pos, cu = (out["input_ids"], out["labels"], out["position_ids"],
+                            out["cu_seqlens"])
+    P = PAD
+    assert ids.shape == labels.shape == pos.shape == (3, 10)
+    assert ids.dtype == labels.dtype == pos.dtype == np.int64
+
+    assert ids[0].tolist() == [10, 11, 12, EOD, 20, 21, 22, P, P, P]
+    assert labels[0].tolist() == [11, 12, EOD, I, 21, 22, 23, I, I, I]
+    assert pos[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0, 0, 0]
+    assert cu[0].tolist() == [0, 4, 7]
+
+    assert ids[1].tolist() == [30, 31, 32, 33, 34, 40, EOD, 50, P, P]
+    assert labels[1].tolist() == [31, 32, 33, 34, 35, EOD, I, I, I, I]
+    assert pos[1].tolist() == [0, 1, 2, 3, 4, 0, 1, 0, 0, 0]
+    assert cu[1].tolist() == [0, 5, 7, 8]
+
+    assert ids[2].tolist() == [P] * 10
+    assert labels[2].tolist() == [I] * 10
+    assert pos[2].tolist() == [0] * 10
+    assert cu[2].tolist() == [0]
+
+    assert len(cu) == 3
+    assert all(c.dtype == np.int32 for c in cu)
+
+
+def test_labels_never_cross_pieces() -> None:
+    # Two whole documents back to back: the first's last label is -100, not 7.
+    out = pack_rows([[(arr(1, 2, 3), 3), (arr(7, 8), 2)]], seq_len=5, pad_id=PAD)
+    assert out["labels"][0].tolist() == [2, 3, I, 8, I]
+    assert out["cu_seqlens"][0].tolist() == [0, 3, 5]  # a full row ends at seq_len
+
+
+def test_row_exactly_full_with_continuation() -> None:
+    out = pack_rows([[(arr(5, 6, 7, 8, 9), 4)]], seq_len=4, pad_id=0)
+    assert out["input_ids"][0].tolist() == [5, 6, 7, 8]
+    assert out["labels"][0].tolist() == [6, 7, 8, 9]
+    assert out["position_ids"][0].tolist() == [0, 1, 2, 3]
+    assert out["cu_seqlens"][0].tolist() == [0, 4]
+
+
+def test_pad_id_is_used() -> None:
+    out = pack_rows([[(arr(1, 2), 2)]], seq_len=4, pad_id=999)
+    assert out["input_ids"][0].tolist() == [1, 2, 999, 999]
+    assert out["labels"][0].tolist() == [2, I, I, I]
+
+
+def test_overflow_raises() -> None:
+    with pytest.raises(ValueError, match="overflow"):
+        pack_rows([[(arr(1, 2, 3), 3), (arr(4, 5), 2)]], seq_len=4, pad_id=PAD)
+    with pytest.raises(ValueError):
+        pack_rows([[], [(arr(1, 2, 3, 4, 5), 5)]], seq_len=4, pad_id=PAD)
+
+
+def test_wrong_number_of_tokens_raises() -> None:
+    with pytest.raises(ValueError):
+        pack_rows([[(arr(1, 2, 3, 4), 2)]], seq_len=8, pad_id=PAD)
+    with pytest.raises(ValueError):
+        pack_rows([[(arr(1), 2)]], seq_len=8, pad_id=PAD)
+
+
+def test_no_rows() -> None:
+    out = pack_rows([], seq_len=8, pad_id=PAD)
+    assert out["input_ids"].shape == (0, 8)
+    assert out["cu_seqlens"] == []

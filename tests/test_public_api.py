@@ -1,0 +1,62 @@
+"""The public surface of msd_dask, and the pure core's independence from distributed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msd_dask
+
+EXPECTED = {
+    "Batch",
+    "Config",
+    "ConfigError",
+    "DataError",
+    "DataService",
+    "Reader",
+    "ServiceError",
+    "ServiceTimeoutError",
+    "load_config",
+}
+
+PURE_CORE = ["config", "stream", "mixing", "packing", "plan", "balance", "cost", "tokenizer"]
+
+
+def test_all_is_exactly_the_public_names() -> None:
+    assert len(msd_dask.__all__) == len(set(msd_dask.__all__))
+    assert set(msd_dask.__all__) == EXPECTED
+
+
+def test_public_names_are_importable() -> None:
+    for name in EXPECTED:
+        obj = getattr(msd_dask, name)
+        assert obj is not None
+    ns: dict[str, object] = {}
+    exec("from msd_dask import *", ns)
+    assert EXPECTED <= set(ns)
+
+
+def test_errors_are_builtin_subclasses() -> None:
+    assert issubclass(msd_dask.ConfigError, ValueError)
+    assert issubclass(msd_dask.DataError, ValueError)
+    assert issubclass(msd_dask.ServiceTimeoutError, TimeoutError)
+    assert issubclass(msd_dask.ServiceError, RuntimeError)
+
+
+def test_version() -> None:
+    assert isinstance(msd_dask.__version__, str) and msd_dask.__version__
+
+
+def test_pure_core_does_not_import_distributed() -> None:
+    code = (
+        "import importlib, json, sys\n"
+        f"for m in {PURE_CORE!r}:\n"
+        "    importlib.import_module('msd_dask.' + m)\n"
+        "print(json.dumps(sorted(k for k in sys.modules\n"
+        "                        if k == 'distributed' or k.startswith('distributed.'))))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == []
