@@ -259,6 +259,9 @@ def parse_weight(v: Any, key: str) -> WeightSchedule:
         k = f"{key}[{i}]"
         _check_keys(item, k, {"until", "step", "weight"}, {"weight"})
         w = _num(item, "weight", k, 0.0)
+        if "step" in item and "until" in item:
+            raise ConfigError(k, "a schedule point has either 'step' (a ramp point) or 'until' "
+                              "(a constant segment), not both")
         if "step" in item:
             kinds.add("linear")
             points.append((_int(item, "step", k, 0, lo=0), w))

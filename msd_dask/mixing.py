@@ -3,9 +3,10 @@
 A credit scheme (smooth weighted round robin over tokens): every time ``n``
 tokens are taken from source ``s``, each source ``t`` earns ``w_t · n`` credit
 and ``s`` pays ``n``.  The next piece comes from the source with the most
-credit.  Credits always sum to zero and stay within one piece's length of it,
-so over any window of steps the delivered token shares follow the weights in
-force, including weights that change with a schedule or a live re-mix.
+credit.  Credits always sum to zero and stay bounded (within about the number
+of sources times the longest piece), so over any window of steps the
+delivered token shares follow the weights in force, including weights that
+change with a schedule or a live re-mix.
 """
 
 from __future__ import annotations

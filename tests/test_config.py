@@ -227,9 +227,6 @@ def test_schedule_mixing_until_and_step(data_dir: Path) -> None:
     refused(d, "sources[0].weight")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "config.parse_weight: a point with both 'step' and 'until' takes the 'step' branch and "
-    "silently drops 'until', so an all-'step' schedule with one such point loads"))
 def test_schedule_point_with_both_until_and_step_is_refused(data_dir: Path) -> None:
     d = base(data_dir)
     d["sources"][0]["weight"] = [{"step": 0, "until": 10, "weight": 0.5},
