@@ -23,7 +23,8 @@ def _wait_for(path: str, proc: subprocess.Popen, what: str, timeout: float = 60)
 
 
 @contextmanager
-def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1) -> Iterator[dict]:
+def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
+                 preload: str | None = None) -> Iterator[dict]:
     """Start a scheduler and ``n_workers`` worker processes on loopback.
 
     Yields ``{"address": ..., "workers": [Popen, ...], "scheduler": Popen}``.
@@ -36,7 +37,8 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1) -> Iterator[di
         sched = subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
              "--port", "0", "--dashboard-address", "127.0.0.1:0",
-             "--scheduler-file", sched_file], stdout=log, stderr=log, env=env)
+             "--scheduler-file", sched_file, *(["--preload", preload] if preload else [])],
+            stdout=log, stderr=log, env=env)
         procs.append(sched)
         _wait_for(sched_file, sched, "dask scheduler")
         with open(sched_file) as f:

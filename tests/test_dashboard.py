@@ -1,0 +1,72 @@
+"""The scheduler plugin: the /msd/status page in a real headless browser, and /metrics."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from msd_dask import DataService
+
+from cluster import dask_cluster
+from corpus import config, write_corpus
+
+pytestmark = pytest.mark.integration
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome", "chromium-headless-shell"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("CI"):
+        pytest.fail("headless Chromium is required in CI (.ci/run installs Debian's chromium)")
+    pytest.skip("no Chromium on this machine (apt-get install chromium)")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def test_status_page_and_metrics(tmp_path):
+    browser = _chromium()
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    with dask_cluster(str(tmp_path), n_workers=1, preload="msd_dask.plugin") as cl:
+        with DataService.start(config(root, name="dash"), cl["address"]) as svc:
+            port = svc.client.scheduler_info()["services"]["dashboard"]
+            base = f"http://127.0.0.1:{port}"
+            readers = [svc.reader(r) for r in range(2)]
+            for _ in range(20):
+                for rd in readers:
+                    next(rd)
+            deadline = time.monotonic() + 30
+            while '"dash"' not in _get(base + "/msd/api/status"):
+                assert time.monotonic() < deadline, "the plugin never reported the service"
+                time.sleep(0.5)
+            metrics = _get(base + "/metrics")
+            for src in ("code", "prose"):
+                assert f'msd_source_weight{{service="dash",source="{src}"}}' in metrics
+                assert f'msd_source_loaders{{service="dash",source="{src}"}}' in metrics
+            assert 'msd_rank_queue_depth{rank="0",service="dash"}' in metrics or \
+                   'msd_rank_queue_depth{service="dash",rank="0"}' in metrics
+            dom = subprocess.run(
+                [browser, "--headless", "--no-sandbox", "--disable-gpu",
+                 "--virtual-time-budget=5000", "--dump-dom", base + "/msd/status"],
+                capture_output=True, text=True, timeout=120).stdout
+            assert 'id="svc-dash"' in dom, dom[:2000]
+            for src in ("code", "prose"):
+                assert f"<td>{src}</td>" in dom
+            shot = tmp_path / "status.png"
+            subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                            "--virtual-time-budget=5000", "--window-size=1000,700",
+                            f"--screenshot={shot}", base + "/msd/status"],
+                           capture_output=True, timeout=120)
+            assert shot.exists() and shot.stat().st_size > 1000
+            if os.environ.get("MSD_SAVE_SCREENSHOT"):
+                shutil.copy(shot, os.environ["MSD_SAVE_SCREENSHOT"])
