@@ -224,7 +224,7 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
             yield steps
             yield imb
 
-    REGISTRY.register(_Collector())  # type: ignore[arg-type]
+    REGISTRY.register(_Collector())
 
 
 def dask_setup(scheduler: Any) -> None:
