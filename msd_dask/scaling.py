@@ -1,0 +1,126 @@
+"""How many loaders each source gets (pure, no Dask).
+
+The policy combines a proactive and a reactive rule, with hysteresis:
+
+proactive
+    A source must supply ``demand = weight_ahead × consumption`` tokens/s,
+    where ``weight_ahead`` is the largest weight its schedule (and live
+    re-mixes) give it over the look-ahead window, and ``consumption`` is the
+    service's token rate.  One loader supplies ``threads / seconds_per_token``
+    tokens/s (measured), so the source needs
+    ``ceil(headroom × demand / per_loader)`` loaders.
+reactive
+    When the planner spent more than ``starve_fraction`` of the last window
+    waiting for a source's data, that source is the bottleneck: one more
+    loader than it has now.
+hysteresis
+    Scaling up happens at once (after ``cooldown`` seconds since the source's
+    last change); scaling down only after the smaller target has held for
+    ``scale_down_after`` seconds, one loader at a time.
+
+Every target is clamped to ``[min_loaders, max_loaders]`` of the source.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target"]
+
+
+@dataclass(frozen=True)
+class SourceLoad:
+    """What the service measured about one source over the last window.
+
+    Attributes
+    ----------
+    loaders : int
+        Loaders serving the source now.
+    weight_ahead : float
+        Largest normalised weight of the source over the look-ahead window.
+    consumption : float
+        Tokens per second the whole service delivered over the window.
+    seconds_per_token : float
+        Loader read + preprocess seconds per token (0 when not measured yet).
+    threads : int
+        Read threads per loader.
+    starved : float
+        Fraction of the window the planner waited for this source's data.
+    """
+
+    loaders: int
+    weight_ahead: float
+    consumption: float
+    seconds_per_token: float
+    threads: int = 1
+    starved: float = 0.0
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """Knobs of the loader policy (``scaling:`` in the config)."""
+
+    min_loaders: int = 1
+    max_loaders: int = 8
+    headroom: float = 1.25
+    starve_fraction: float = 0.05
+    cooldown: float = 5.0
+    scale_down_after: float = 30.0
+    limits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def bounds(self, source: str) -> tuple[int, int]:
+        return self.limits.get(source, (self.min_loaders, self.max_loaders))
+
+
+def proactive_target(load: SourceLoad, headroom: float) -> int:
+    """Loaders the source needs to supply its demand with ``headroom``."""
+    if load.seconds_per_token <= 0 or load.consumption <= 0 or load.weight_ahead <= 0:
+        return 0
+    per_loader = load.threads / load.seconds_per_token
+    return math.ceil(headroom * load.weight_ahead * load.consumption / per_loader)
+
+
+class Scaler:
+    """Turns measured loads into loader counts, with hysteresis.
+
+    Parameters
+    ----------
+    policy : ScalingPolicy
+    """
+
+    def __init__(self, policy: ScalingPolicy):
+        self.policy = policy
+        self._changed: dict[str, float] = {}
+        self._low_since: dict[str, float] = {}
+
+    def target(self, source: str, load: SourceLoad) -> int:
+        """The count the rules ask for now, before hysteresis."""
+        lo, hi = self.policy.bounds(source)
+        want = proactive_target(load, self.policy.headroom)
+        if load.starved > self.policy.starve_fraction:
+            want = max(want, load.loaders + 1)
+        return max(lo, min(hi, want))
+
+    def decide(self, now: float, loads: Mapping[str, SourceLoad]) -> dict[str, int]:
+        """Loader counts to apply at time ``now`` (only sources that change)."""
+        out: dict[str, int] = {}
+        for source, load in loads.items():
+            want = self.target(source, load)
+            last = self._changed.get(source, -math.inf)
+            if want > load.loaders:
+                self._low_since.pop(source, None)
+                if now - last >= self.policy.cooldown:
+                    out[source] = want
+                    self._changed[source] = now
+            elif want < load.loaders:
+                since = self._low_since.setdefault(source, now)
+                if now - since >= self.policy.scale_down_after and \
+                        now - last >= self.policy.cooldown:
+                    out[source] = load.loaders - 1
+                    self._changed[source] = now
+                    self._low_since[source] = now
+            else:
+                self._low_since.pop(source, None)
+        return out

@@ -1,0 +1,77 @@
+"""The loader policy: proactive sizing, reactive bottleneck rule, hysteresis, bounds."""
+
+from __future__ import annotations
+
+from msd_dask.scaling import Scaler, ScalingPolicy, SourceLoad, proactive_target
+
+
+def load(**kw):
+    base = dict(loaders=1, weight_ahead=0.5, consumption=1000.0, seconds_per_token=0.001,
+                threads=1, starved=0.0)
+    base.update(kw)
+    return SourceLoad(**base)
+
+
+def test_proactive_sizes_to_demand_times_cost():
+    # demand 0.5 * 1000 = 500 tok/s; one loader supplies 1000 tok/s -> 1 with headroom 1.25
+    assert proactive_target(load(), 1.25) == 1
+    # 20x costlier per token: one loader supplies 50 tok/s -> ceil(1.25 * 500 / 50) = 13
+    assert proactive_target(load(seconds_per_token=0.02), 1.25) == 13
+    # two threads per loader halve it
+    assert proactive_target(load(seconds_per_token=0.02, threads=2), 1.25) == 7
+    # unmeasured cost or no demand asks for nothing (the minimum applies later)
+    assert proactive_target(load(seconds_per_token=0.0), 1.25) == 0
+    assert proactive_target(load(weight_ahead=0.0), 1.25) == 0
+
+
+def test_weight_ramp_ahead_scales_up_before_it_starts():
+    s = Scaler(ScalingPolicy(max_loaders=16))
+    now_low = s.decide(0.0, {"img": load(weight_ahead=0.1, seconds_per_token=0.01)})
+    assert now_low == {"img": 2}  # ceil(1.25 * 0.1 * 1000 / 100)
+    ahead = s.decide(10.0, {"img": load(loaders=2, weight_ahead=0.5, seconds_per_token=0.01)})
+    assert ahead == {"img": 7}
+
+
+def test_reactive_rule_adds_one_to_a_starved_source():
+    s = Scaler(ScalingPolicy())
+    assert s.decide(0.0, {"a": load(loaders=2, seconds_per_token=0.0, starved=0.3)}) == {"a": 3}
+    # below the threshold nothing happens
+    s = Scaler(ScalingPolicy())
+    assert s.decide(0.0, {"a": load(loaders=1, seconds_per_token=0.0, starved=0.01)}) == {}
+
+
+def test_bounds_clamp_targets():
+    s = Scaler(ScalingPolicy(min_loaders=2, max_loaders=4))
+    assert s.decide(0.0, {"a": load(seconds_per_token=1.0)}) == {"a": 4}
+    s = Scaler(ScalingPolicy(limits={"a": (3, 3)}))
+    assert s.decide(0.0, {"a": load(loaders=1)}) == {"a": 3}
+
+
+def test_hysteresis_no_flapping():
+    p = ScalingPolicy(cooldown=5.0, scale_down_after=30.0)
+    s = Scaler(p)
+    # demand oscillates around one loader's capacity: up once, then no flapping down
+    changes = []
+    loaders = 1
+    for t in range(0, 120):
+        spt = 0.0021 if t % 2 else 0.0019  # 1.25*500/(1/spt) ~ 1.3 / 1.2 -> 2 either way
+        d = s.decide(float(t), {"a": load(loaders=loaders, seconds_per_token=spt)})
+        if d:
+            changes.append((t, d["a"]))
+            loaders = d["a"]
+    assert changes == [(0, 2)]
+
+
+def test_scale_down_waits_then_steps_one_at_a_time():
+    p = ScalingPolicy(cooldown=5.0, scale_down_after=30.0)
+    s = Scaler(p)
+    changes = []
+    loaders = 6
+    for t in range(0, 200):
+        d = s.decide(float(t), {"a": load(loaders=loaders)})  # needs 1
+        if d:
+            changes.append((t, d["a"]))
+            loaders = d["a"]
+    assert changes[0] == (30, 5)
+    assert [c[1] for c in changes] == [5, 4, 3, 2, 1]
+    assert all(b[0] - a[0] >= 30 for a, b in zip(changes, changes[1:], strict=False))
