@@ -1,0 +1,65 @@
+"""msd_dask.torch.MsdIterableDataset through a torch DataLoader, on an embedded LocalCluster."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from msd_dask import DataService
+from msd_dask.torch import MsdIterableDataset
+
+from corpus import config, write_corpus
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("corpus"))
+    write_corpus(root)
+    with DataService.start(config(root, name="torchtest"), n_workers=1,
+                           threads_per_worker=2) as svc:
+        yield svc
+
+
+def test_dataloader_yields_the_readers_batches(service):
+    addr = service.client.scheduler.address
+    datasets = [MsdIterableDataset(addr, "torchtest", r, steps=3) for r in range(2)]
+    loaders = [iter(DataLoader(ds, batch_size=None, num_workers=0)) for ds in datasets]
+    try:
+        for step in range(3):
+            for rank, it in enumerate(loaders):
+                b = next(it)
+                assert b["step"] == step and b["rank"] == rank
+                assert b["input_ids"].dtype == torch.long and b["input_ids"].shape == (2, 512)
+                assert b["labels"].shape == b["position_ids"].shape == (2, 512)
+                assert len(b["cu_seqlens"]) == 2 and b["cu_seqlens"][0].dtype == torch.int32
+                assert b["cu_seqlens"][0][0] == 0
+                assert b["num_tokens"] == sum(int(c[-1]) for c in b["cu_seqlens"])
+                assert len(b["documents"][0]) == len(b["cu_seqlens"][0]) - 1
+        for it in loaders:  # steps=3: the iteration ends by itself
+            with pytest.raises(StopIteration):
+                next(it)
+        # a second iteration continues where the first stopped, and state_dict says where
+        assert datasets[0].state_dict() == {"rank": 0, "step": 2}
+        assert next(iter(datasets[1]))["step"] == 3
+        assert next(iter(datasets[0]))["step"] == 3
+    finally:
+        for ds in datasets:
+            ds.close()
+
+
+def test_pickles_unconnected_and_refuses_loader_workers(service):
+    addr = service.client.scheduler.address
+    ds = pickle.loads(pickle.dumps(MsdIterableDataset(addr, "torchtest", 0, steps=1)))
+    assert ds.state_dict() == {"rank": 0, "step": None}
+    ds.load_state_dict({"rank": 0, "step": 7})
+    assert ds.state_dict() == {"rank": 0, "step": 7}
+    with pytest.raises(ValueError, match="rank 1"):
+        MsdIterableDataset(addr, "torchtest", 0).load_state_dict({"rank": 1, "step": 0})
+    with pytest.raises(RuntimeError, match="num_workers=0"):
+        next(iter(DataLoader(ds, batch_size=None, num_workers=1,
+                             multiprocessing_context="spawn")))
