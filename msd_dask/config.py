@@ -8,8 +8,10 @@ I/O is the optional check that each source's glob matches files.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +29,13 @@ __all__ = [
     "TokenizerConfig",
     "WeightSchedule",
     "load_config",
+    "resolve_import_path",
 ]
 
 #: Known source formats (the readers registered in :mod:`msd_dask.formats`).
 KNOWN_FORMATS = ("parquet", "jsonl")
-KNOWN_TOKENIZERS = ("bytes",)
+KNOWN_TOKENIZERS = ("bytes", "hf")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 MESH_AXES = ("tp", "cp", "dp", "pp")
 
 
@@ -99,6 +103,9 @@ class SourceConfig:
     shuffle_window: int = 4
     read_ahead: int = 8
     context: str = "short"
+    #: ``"package.module:function"`` called as ``fn(text, record) -> str | None``
+    #: on every document before tokenizing (``None`` drops the document).
+    preprocess: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +151,30 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class TokenizerConfig:
+    """Which tokenizer turns text into ids (see :mod:`msd_dask.tokenizer`).
+
+    ``kind`` is ``"bytes"`` (UTF-8 bytes, the default) or ``"hf"`` (a Hugging
+    Face ``tokenizer.json`` at the fsspec ``path``).  ``eod_id`` / ``pad_id``
+    override the end-of-document and padding ids an ``hf`` tokenizer would
+    otherwise take from its special tokens.
+    """
+
     kind: str = "bytes"
+    path: str | None = None
+    eod_id: int | None = None
+    pad_id: int | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def resolve_import_path(spec: str) -> Any:
+    """The object ``"package.module:attr"`` names (imports the module)."""
+    if not _IMPORT_PATH.match(spec):
+        raise ValueError(f"{spec!r} is not of the form 'package.module:function'")
+    mod, attr = spec.split(":", 1)
+    obj: Any = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -196,6 +226,10 @@ class Config:
             sd["weight"] = s.weight.to_yaml()
             sd["storage_options"] = dict(s.storage_options)
             d["sources"].append(sd)
+        d["tokenizer"] = {k: v for k, v in dataclasses.asdict(self.tokenizer).items()
+                          if v is not None and (v != {} or k != "storage_options")}
+        if self.tokenizer.kind == "bytes":
+            d["tokenizer"] = {"kind": "bytes"}
         return d
 
     def replace(self, **changes: Any) -> Config:
@@ -308,6 +342,7 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         shuffle_window=_int(d, "shuffle_window", key, 4),
         read_ahead=_int(d, "read_ahead", key, 8),
         context=context,
+        preprocess=_preprocess(d, key),
     )
     if check_files:
         from .storage import list_files
@@ -319,6 +354,52 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         if not files:
             raise ConfigError(f"{key}.uri", f"glob {src.uri!r} matches no file")
     return src
+
+
+def _preprocess(d: Mapping[str, Any], key: str) -> str | None:
+    spec = d.get("preprocess")
+    if spec is None:
+        return None
+    k = f"{key}.preprocess"
+    if not isinstance(spec, str) or not _IMPORT_PATH.match(spec):
+        raise ConfigError(k, f"must be an import path 'package.module:function', got {spec!r}")
+    try:
+        fn = resolve_import_path(spec)
+    except Exception as e:  # noqa: BLE001 - any import failure is a config error
+        raise ConfigError(k, f"cannot import {spec!r}: {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise ConfigError(k, f"{spec!r} is a {type(fn).__name__}, not a function")
+    return spec
+
+
+def _tokenizer(tok: Any, check_files: bool) -> TokenizerConfig:
+    _check_keys(tok, "tokenizer", {"kind", "path", "eod_id", "pad_id", "storage_options"})
+    kind = tok.get("kind", "bytes")
+    if kind not in KNOWN_TOKENIZERS:
+        raise ConfigError("tokenizer.kind",
+                          f"unknown tokenizer {kind!r} (known: {', '.join(KNOWN_TOKENIZERS)})")
+    so = tok.get("storage_options", {})
+    if not isinstance(so, Mapping):
+        raise ConfigError("tokenizer.storage_options", "must be a mapping")
+    ids: dict[str, int | None] = {}
+    for k in ("eod_id", "pad_id"):
+        ids[k] = None if tok.get(k) is None else _int(tok, k, "tokenizer", 0, lo=0)
+    if kind == "bytes":
+        for k in ("path", "eod_id", "pad_id", "storage_options"):
+            if k in tok:
+                raise ConfigError(f"tokenizer.{k}", "only applies to kind 'hf' (the byte "
+                                  "tokenizer has fixed ids: 256 ends a document, 257 pads)")
+        return TokenizerConfig()
+    cfg = TokenizerConfig(kind=kind, path=_str(tok, "path", "tokenizer"), storage_options=dict(so),
+                          **ids)
+    if check_files:
+        from .tokenizer import make_tokenizer
+
+        try:
+            make_tokenizer(cfg)
+        except Exception as e:  # noqa: BLE001 - report any load failure against the key
+            raise ConfigError("tokenizer.path", f"cannot load tokenizer {cfg.path!r}: {e}") from e
+    return cfg
 
 
 def _validate_weights(sources: tuple[SourceConfig, ...]) -> None:
@@ -385,12 +466,7 @@ def _parse(d: Any, check_files: bool) -> Config:
     _check_keys(b, "batch", {"seq_len", "micro_batches"}, {"seq_len"})
     batch = BatchConfig(seq_len=_int(b, "seq_len", "batch", 0),
                         micro_batches=_int(b, "micro_batches", "batch", 1))
-    tok = d.get("tokenizer", {})
-    _check_keys(tok, "tokenizer", {"kind"})
-    kind = tok.get("kind", "bytes")
-    if kind not in KNOWN_TOKENIZERS:
-        raise ConfigError("tokenizer.kind",
-                          f"unknown tokenizer {kind!r} (known: {', '.join(KNOWN_TOKENIZERS)})")
+    tokenizer = _tokenizer(d.get("tokenizer", {}), check_files)
     cost = d.get("cost", {})
     _check_keys(cost, "cost", {"linear", "quadratic"})
     cost_cfg = CostConfig(
@@ -424,7 +500,7 @@ def _parse(d: Any, check_files: bool) -> Config:
         batch=batch,
         seed=seed,
         parallel=parallel,
-        tokenizer=TokenizerConfig(kind=kind),
+        tokenizer=tokenizer,
         prefetch=_int(d, "prefetch", "", 4),
         cost=cost_cfg,
         constructors=_int(d, "constructors", "", 0, lo=0),

@@ -15,13 +15,15 @@ from other actors never block a thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from .config import SourceConfig, TokenizerConfig
+from .config import SourceConfig, TokenizerConfig, resolve_import_path
 from .errors import DataError
 from .formats import Unit, get_format
 from .storage import open_source
@@ -30,9 +32,27 @@ from .tokenizer import make_tokenizer
 __all__ = ["SourceLoader", "read_unit"]
 
 
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def _preprocessor(spec: str) -> Callable[[str, dict[str, Any]], str | None]:
+    fn = resolve_import_path(spec)
+    if not callable(fn):
+        raise TypeError(f"preprocess {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
 def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any) -> list[np.ndarray]:
-    """Read and tokenize every row of ``unit``; one int32 array per row, in row order."""
+    """Read and tokenize every row of ``unit``; one int32 array per row, in row order.
+
+    With ``src.preprocess`` set, ``fn(text, record)`` runs on every document
+    first: a string replaces the text, ``None`` drops the document (its row
+    keeps an empty placeholder array, so its length is 0 and the stream skips
+    it; row indexes do not move).
+    """
     fmt = get_format(src.format)
+    prep = _preprocessor(src.preprocess) if src.preprocess else None
     out = []
     expected = unit.row_offset
     for row, rec in fmt.read(fs, unit, [src.text_field]):
@@ -50,6 +70,19 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any) -> list[np
         if not isinstance(text, str):
             raise DataError(f"field '{src.text_field}' is {type(text).__name__}, not text",
                             source=src.name, path=unit.path, row=row)
+        if prep is not None:
+            try:
+                text = prep(text, rec)
+            except Exception as e:  # noqa: BLE001 - any failure of user code names the row
+                raise DataError(f"preprocess {src.preprocess!r} raised {type(e).__name__}: {e}",
+                                source=src.name, path=unit.path, row=row) from e
+            if text is None:
+                out.append(_EMPTY)
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"preprocess {src.preprocess!r} returned "
+                                f"{type(text).__name__}, not str or None",
+                                source=src.name, path=unit.path, row=row)
         out.append(tokenizer.encode(text))
     return out
 
@@ -90,6 +123,8 @@ class SourceLoader:
         self.units = [Unit(*u) for u in units]
         self.index = index
         self.tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
+        if self.src.preprocess:
+            _preprocessor(self.src.preprocess)  # fail at start, not at the first unit
         self._files = open_source(self.src.uri, self.src.storage_options)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"msd-load-{self.src.name}")
         self._data: dict[tuple[int, int], _UnitData] = {}

@@ -8,6 +8,7 @@ process can ``DataService.connect(address, name)`` and read a rank's batches.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Mapping
@@ -22,7 +23,7 @@ from .errors import ServiceError, ServiceTimeoutError
 from .formats import get_format
 from .loader import SourceLoader
 from .storage import open_source
-from .tokenizer import PAD
+from .tokenizer import make_tokenizer
 
 __all__ = ["DataService", "Reader", "discover_units"]
 
@@ -145,19 +146,21 @@ class DataService:
         coordinator = client.submit(Coordinator, cfg.to_dict(), units, roots,
                                     dict(resume) if resume else None, actor=True,
                                     workers=[next(place)], pure=False)
+        tok_cfg = dataclasses.asdict(cfg.tokenizer)
+        pad_id = make_tokenizer(cfg.tokenizer).pad_id
         n_c = cfg.constructors or min(cfg.parallel.dp, len(workers))
         members: list[dict[int, list[int]]] = [{} for _ in range(n_c)]
         for dp in range(cfg.parallel.dp):
             members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
         constructors = [
-            client.submit(DataConstructor, cfg.name, i, members[i], cfg.batch.seq_len, PAD,
+            client.submit(DataConstructor, cfg.name, i, members[i], cfg.batch.seq_len, pad_id,
                           cfg.prefetch, actor=True, workers=[next(place)], pure=False)
             for i in range(n_c)
         ]
         loaders = {
             s.name: [
                 client.submit(SourceLoader, _source_payload(cfg, s.name), units[s.name],
-                              {"kind": cfg.tokenizer.kind}, i, loader_threads, actor=True,
+                              tok_cfg, i, loader_threads, actor=True,
                               workers=[next(place)], pure=False)
                 for i in range(s.loaders)
             ]

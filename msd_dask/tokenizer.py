@@ -1,15 +1,42 @@
-"""Tokenizers, chosen by ``tokenizer.kind`` in the config."""
+"""Tokenizers, chosen by ``tokenizer.kind`` in the config.
+
+* ``bytes`` (default): :class:`ByteTokenizer`, UTF-8 bytes as ids.
+* ``hf``: :class:`HFTokenizer`, a Hugging Face ``tokenizer.json`` (the
+  ``tokenizers`` library) read from any fsspec ``path``.
+
+Every tokenizer has ``encode(text) -> int32 ids + [eod_id]``, ``decode(ids)``
+(end-of-document and padding ids dropped), ``eod_id``, ``pad_id`` and
+``vocab_size``.
+"""
 
 from __future__ import annotations
+
+from typing import Any, Protocol
 
 import numpy as np
 
 from .config import TokenizerConfig
 
-__all__ = ["ByteTokenizer", "make_tokenizer", "EOD", "PAD"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer", "EOD", "PAD",
+           "EOD_TOKENS", "PAD_TOKENS"]
 
 EOD = 256
 PAD = 257
+
+#: Special tokens taken as end-of-document, in order of preference.
+EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|end_of_text|>", "eos")
+#: Special tokens taken as padding, in order of preference.
+PAD_TOKENS = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>", "pad")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eod_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids: np.ndarray | list[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -33,8 +60,75 @@ class ByteTokenizer:
         return bytes(arr[arr < 256].astype(np.uint8)).decode("utf-8")
 
 
-def make_tokenizer(cfg: TokenizerConfig) -> ByteTokenizer:
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json``.
+
+    The end-of-document id is ``eod_id`` when given, else the first of
+    :data:`EOD_TOKENS` the vocabulary has; the padding id is ``pad_id`` when
+    given, else the first of :data:`PAD_TOKENS`, else the tokenizer's own
+    padding id, else the end-of-document id.  ``encode`` adds no special
+    tokens of the tokenizer's post-processor (BOS etc.), only the EOD id.
+
+    Parameters
+    ----------
+    path : str
+        fsspec path (``file``, ``s3://`` ...) of a ``tokenizer.json``.
+    eod_id, pad_id : int, optional
+    storage_options : dict, optional
+        For the filesystem of ``path``.
+    """
+
+    def __init__(self, path: str, eod_id: int | None = None, pad_id: int | None = None,
+                 storage_options: dict[str, Any] | None = None):
+        import fsspec
+        from tokenizers import Tokenizer as _HF
+
+        with fsspec.open(path, "r", encoding="utf-8", **dict(storage_options or {})) as f:
+            self._tok = _HF.from_str(f.read())
+        self.path = path
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.eod_id = self._pick(eod_id, EOD_TOKENS, "eod_id")
+        pad = self._pick(pad_id, PAD_TOKENS, None)
+        if pad < 0 and self._tok.padding is not None:
+            pad = int(self._tok.padding["pad_id"])
+        self.pad_id = self.eod_id if pad < 0 else pad
+
+    def _pick(self, given: int | None, names: tuple[str, ...], key: str | None) -> int:
+        if given is not None:
+            if not 0 <= given < self.vocab_size:
+                raise ValueError(f"{key or 'id'} {given} is outside the vocabulary "
+                                 f"[0, {self.vocab_size}) of {self.path}")
+            return int(given)
+        for name in names:
+            i = self._tok.token_to_id(name)
+            if i is not None:
+                return int(i)
+        if key is not None:
+            raise ValueError(f"{self.path} has none of the special tokens {list(names)}; "
+                             f"set tokenizer.{key}")
+        return -1
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` followed by the end-of-document id, as int32."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        out = np.empty(len(ids) + 1, dtype=np.int32)
+        out[:-1] = ids
+        out[-1] = self.eod_id
+        return out
+
+    def decode(self, ids: np.ndarray | list[int]) -> str:
+        """Text of ``ids``; end-of-document and padding ids are dropped."""
+        arr = np.asarray(ids)
+        arr = arr[(arr != self.eod_id) & (arr != self.pad_id)]
+        return str(self._tok.decode([int(i) for i in arr], skip_special_tokens=False))
+
+
+def make_tokenizer(cfg: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
     """Build the tokenizer a config names."""
     if cfg.kind == "bytes":
         return ByteTokenizer()
+    if cfg.kind == "hf":
+        if not cfg.path:
+            raise ValueError("tokenizer kind 'hf' needs a 'path' to a tokenizer.json")
+        return HFTokenizer(cfg.path, cfg.eod_id, cfg.pad_id, dict(cfg.storage_options))
     raise ValueError(f"unknown tokenizer kind {cfg.kind!r}")

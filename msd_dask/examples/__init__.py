@@ -1,0 +1,1 @@
+"""Small examples to use from a service config (e.g. ``preprocess`` functions)."""
