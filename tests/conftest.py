@@ -1,0 +1,61 @@
+"""Shared fixtures: a loopback S3 server (moto's server mode) in its own process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """Start ``python -m moto.server`` on 127.0.0.1 for the session.
+
+    Yields ``{"endpoint_url", "key", "secret", "storage_options"}``; the
+    credentials reach s3fs only through ``storage_options`` (no AWS variables
+    are set in this process).
+    """
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_DEFAULT_REGION="us-east-1")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port), "-H", "127.0.0.1"],
+                            stdout=log, stderr=log, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto server exited with {proc.returncode}")
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("moto server did not answer within 60s") from None
+                time.sleep(0.2)
+        options = {"key": "testing", "secret": "testing",
+                   "client_kwargs": {"endpoint_url": endpoint}}
+        yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
+               "storage_options": options}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
