@@ -157,6 +157,13 @@ class DataConstructor:
     # ----------------------------------------------------------------- claims
     async def claim(self, step: int, rank: int) -> dict[str, Any]:
         """The batch of global ``rank`` for ``step`` (each member claims once)."""
+        return await self._take(step, rank)
+
+    async def skip(self, step: int, rank: int) -> None:
+        """Mark ``step`` claimed by ``rank`` without sending it (a resumed rank had it)."""
+        await self._take(step, rank)
+
+    async def _take(self, step: int, rank: int) -> dict[str, Any]:
         assert self._room is not None
         dp = next((d for d, rs in self.members.items() if rank in rs), None)
         if dp is None:

@@ -10,20 +10,57 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
 
 from .config import load_config
 from .constructor import WorkItem, queue_name
-from .errors import ServiceTimeoutError
+from .errors import ServiceError, ServiceTimeoutError
 from .formats import Unit
 from .plan import Planner, StepPlan
 from .storage import SourceFiles
 from .stream import NeedMetadata
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "STATE_FORMAT", "make_state", "planner_state"]
+
+#: Version tag of :meth:`DataService.state_dict`'s output.
+STATE_FORMAT = "msd_dask.state/1"
+
+
+def make_state(cfg: Any, step: int, planner: dict[str, Any]) -> dict[str, Any]:
+    """The service state after ``step``: a versioned, JSON-able wrapper of a planner state."""
+    return {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
+            "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
+            "step": int(step), "planner": planner}
+
+
+def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Check a resume ``state`` against ``cfg`` and return its planner state.
+
+    Raises
+    ------
+    ServiceError
+        For an unknown format, a different seed, ``seq_len`` or set of sources.
+    """
+    if not isinstance(state, dict) or "planner" not in state or "format" not in state:
+        raise ServiceError("resume: not a DataService.state_dict() (no 'format'/'planner' key)")
+    if state["format"] != STATE_FORMAT:
+        raise ServiceError(f"resume: state format {state['format']!r} is not supported "
+                           f"(this version reads {STATE_FORMAT!r})")
+    if int(state["seed"]) != cfg.seed:
+        raise ServiceError(f"resume: the state was taken with seed {state['seed']} (service "
+                           f"{state.get('name')!r}) but the config has seed {cfg.seed}; the "
+                           "stream order depends on the seed, so it cannot continue exactly")
+    if int(state["seq_len"]) != cfg.batch.seq_len:
+        raise ServiceError(f"resume: the state was taken with batch.seq_len {state['seq_len']} "
+                           f"but the config has {cfg.batch.seq_len} (documents are chunked by it)")
+    names = [s.name for s in cfg.sources]
+    if sorted(state["sources"]) != sorted(names):
+        raise ServiceError(f"resume: the state has sources {sorted(state['sources'])} but the "
+                           f"config has {sorted(names)}")
+    return dict(state["planner"])
 
 
 class Coordinator:
@@ -38,7 +75,7 @@ class Coordinator:
     roots : dict
         ``{source: root directory}``; document keys are file paths relative to it.
     state : dict, optional
-        A planner ``state_dict`` to resume from.
+        A :meth:`DataService.state_dict` (or a bare planner state) to resume from.
     """
 
     def __init__(self, config: dict[str, Any], units: dict[str, list[tuple[str, int, int]]],
@@ -49,7 +86,15 @@ class Coordinator:
         self._relpath = {k: [files[k].relpath(u.path) for u in v] for k, v in self.units.items()}
         self.planner = Planner(self.cfg, self.units)
         if state is not None:
-            self.planner.load_state_dict(state)
+            self.planner.load_state_dict(
+                planner_state(self.cfg, state) if "format" in state else state)
+        #: step the service started at (resumed services do not start at 0)
+        self.first_step = self.planner.step
+        #: planner state after each recent step, for :meth:`state_at`; bounded because
+        #: planning runs at most ``prefetch`` (+1 in flight) steps ahead of any reader
+        self._snapshots: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._keep = 2 * self.cfg.prefetch + 16
+        self._snapshot(self.planner.step - 1)
         self.loaders: dict[str, list[Any]] = {}
         self.constructors: list[Any] = []
         self._owner: dict[tuple[str, int, int], int] = {}
@@ -154,6 +199,7 @@ class Coordinator:
                 info = {"rank_cost": plan.rank_cost}
                 await asyncio.gather(*(c.submit(plan.step, w, info)
                                        for c, w in zip(self.constructors, work, strict=True)))
+                self._snapshot(plan.step)
                 self._record(plan)
         except asyncio.CancelledError:
             raise
@@ -188,9 +234,37 @@ class Coordinator:
         """Change the mix from ``from_step`` (default: the first unplanned step)."""
         return self.planner.set_weights(weights, from_step)
 
+    def _snapshot(self, step: int) -> None:
+        self._snapshots[step] = self.planner.state_dict()
+        while len(self._snapshots) > self._keep:
+            self._snapshots.popitem(last=False)
+
     async def state(self) -> dict[str, Any]:
         """The planner's state after the last planned step."""
         return self.planner.state_dict()
+
+    async def start_step(self) -> int:
+        """The first step this service plans (not 0 after a resume)."""
+        return self.first_step
+
+    async def state_at(self, step: int) -> dict[str, Any]:
+        """The service state after ``step`` (see :func:`make_state`).
+
+        Raises
+        ------
+        ValueError
+            If ``step`` was not planned yet, or is older than the snapshots held.
+        """
+        step = int(step)
+        if step not in self._snapshots:
+            held = list(self._snapshots)
+            if step > held[-1]:
+                raise ValueError(f"state of step {step} is not available: step {step} is not "
+                                 f"planned yet (last planned step: {held[-1]})")
+            raise ValueError(f"state of step {step} is no longer held (the service keeps the "
+                             f"last {self._keep} steps: {held[0]}..{held[-1]}); take state "
+                             "closer to the readers' position")
+        return make_state(self.cfg, step, self._snapshots[step])
 
     async def history_since(self, step: int) -> list[dict[str, Any]]:
         return [h for h in self.history if h["step"] >= step]

@@ -18,7 +18,7 @@ from typing import Any
 from .batch import Batch
 from .config import Config, load_config
 from .constructor import DataConstructor, queue_name
-from .coordinator import Coordinator
+from .coordinator import Coordinator, planner_state
 from .errors import ServiceError, ServiceTimeoutError
 from .formats import get_format
 from .loader import SourceLoader
@@ -94,7 +94,9 @@ class DataService:
         address : str, optional
             A running Dask scheduler; ``None`` starts an embedded ``LocalCluster``.
         resume : dict, optional
-            A :meth:`state_dict` to continue from.
+            A :meth:`state_dict` to continue from: the first step served is the one
+            after the state's ``step``.  Refused (:class:`ServiceError`) if it was taken
+            with another seed, ``seq_len`` or set of sources.
         n_workers, threads_per_worker : int
             Size of the embedded cluster (ignored with ``address``).
         loader_threads : int
@@ -109,6 +111,8 @@ class DataService:
         from distributed import Client, LocalCluster
 
         cfg = load_config(cfg)
+        if resume is not None:
+            planner_state(cfg, dict(resume))  # refuse a mismatched state before starting
         timeout = cfg.timeout if timeout is None else timeout
         cluster = None
         if address is None:
@@ -234,9 +238,38 @@ class DataService:
         return {"sources": sources, "ranks": ranks, "planner": planner,
                 "constructors": cons}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The planner's state after the last planned step (JSON-serialisable)."""
-        return dict(self.coordinator.state().result())
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """The data-plane state after ``step``, to :meth:`start` again from (JSON-serialisable).
+
+        Parameters
+        ----------
+        step : int, optional
+            The last step the resumed service must not serve again.  Default: the
+            last step every reader has consumed (so nothing any rank trained on is
+            served twice; ranks that read further get those steps again).
+
+        Returns
+        -------
+        dict
+            ``{"format", "name", "seed", "seq_len", "sources", "step", "planner"}``.
+
+        Raises
+        ------
+        ValueError
+            If ``step`` is not planned yet or no longer held (the service keeps
+            the planner state of the last ``2 × prefetch + 16`` steps).
+        """
+        if step is None:
+            step = self.consumed_step()
+        return dict(self.coordinator.state_at(int(step)).result())
+
+    def consumed_step(self) -> int:
+        """The last step every rank has claimed (one before the first step if some has none)."""
+        first = int(self.coordinator.start_step().result())
+        last: dict[int, int] = {}
+        for c in self.constructors:
+            last.update({int(r): int(s) for r, s in c.stats().result()["last_claimed"].items()})
+        return min(last.get(r, first - 1) for r in range(self.config.parallel.world_size))
 
     @property
     def dashboard_link(self) -> str:
@@ -287,12 +320,35 @@ class Reader:
         self.coords = cfg.parallel.coords(rank)
         self.timeout = timeout
         self.step: int | None = None
+        self._skip_through = -1
         self._queue = Queue(queue_name(cfg.name, rank), client=service.client)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"rank", "step"}``: the last step this reader returned (``None``: none yet)."""
+        step = self.step if self.step is not None else (
+            self._skip_through if self._skip_through >= 0 else None)
+        return {"rank": self.rank, "step": step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
+        if state.get("rank", self.rank) != self.rank:
+            raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
+        if state.get("step") is not None:
+            self._skip_through = int(state["step"])
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
+        while True:
+            ticket = self._ticket()
+            if int(ticket["step"]) > self._skip_through:
+                break
+            # already consumed before a restart: release it without moving the tensors
+            self.service.constructors[int(ticket["c"])].skip(int(ticket["step"]), self.rank)
+        return self._claim(ticket)
+
+    def _ticket(self) -> dict[str, Any]:
         waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
         try:
             ticket = self._queue.get(timeout=self.timeout)
@@ -303,6 +359,9 @@ class Reader:
                 f"see DataService.stats())") from None
         if "error" in ticket:
             raise ServiceError(f"service {self.service.name!r}: {ticket['error']}")
+        return dict(ticket)
+
+    def _claim(self, ticket: dict[str, Any]) -> Batch:
         constructor = self.service.constructors[int(ticket["c"])]
         try:
             payload = constructor.claim(int(ticket["step"]), self.rank).result(
