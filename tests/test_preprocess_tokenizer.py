@@ -216,3 +216,17 @@ def test_service_with_hf_tokenizer_decodes_to_source_text(corpus, bpe):
             assert tok.decode(ids) == texts[(src, key)]
             complete += 1
     assert complete > 50, complete
+
+
+def test_train_demo_tokenizer_script(corpus, tmp_path):
+    import runpy
+
+    root, texts = corpus
+    mod = runpy.run_path(str(__import__("pathlib").Path(__file__).parents[1]
+                             / "scripts" / "train_demo_tokenizer.py"))
+    out = str(tmp_path / "bpe.json")
+    mod["main"]([root, out, "--vocab", "320"])
+    tok = make_tokenizer(TokenizerConfig(kind="hf", path=out))
+    assert tok.vocab_size == 320 and tok.eod_id == 0 and tok.pad_id == 1
+    text = texts[("prose", "part-0.jsonl.zst:3")]
+    assert tok.decode(tok.encode(text)) == text
