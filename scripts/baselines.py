@@ -1,0 +1,184 @@
+"""Per-rank data loaders that users run today, set up the way their docs recommend.
+
+Shared by ``bench_memory.py`` and ``bench_train.py``.  Every baseline reads the
+same sources as msd_dask (the demo corpus, or its sources replicated under
+other names), tokenizes with the same :class:`msd_dask.tokenizer.ByteTokenizer`,
+mixes with the same weights, and packs its own documents sequentially into
+``micro_batches × seq_len`` rows with :func:`msd_dask.packing.pack_rows`, so a
+batch has exactly the fields of an msd_dask batch (``input_ids``, ``labels``,
+``position_ids``, ``cu_seqlens``).
+
+Hugging Face ``datasets`` (:func:`hf_loader`)
+    ``load_dataset(<"parquet"|"json">, data_files=..., split="train",
+    streaming=True)`` per source, ``interleave_datasets(probabilities=weights,
+    stopping_strategy="all_exhausted")``, ``shuffle(buffer_size=1000)``,
+    ``split_dataset_by_node(rank, world_size)``, then a ``torch`` ``DataLoader``
+    with ``W`` workers per rank (the HF dataset shards itself across the loader
+    workers); packing happens in the loader workers, as in the usual
+    "pack the stream" wrappers.
+
+MosaicML ``streaming`` is not here: ``mosaicml-streaming`` 0.13 installs, but
+    it needs ``transformers<5``, ``numpy<2.2`` and ``torchvision``, which conflict
+    with ``datasets`` 5.2 (``huggingface_hub>=1.31``) and the CPU build of torch
+    in this environment (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+__all__ = ["SourceSpec", "demo_sources", "pack_stream", "hf_dataset", "hf_loader",
+           "source_config"]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source: a name, its format (``parquet`` or ``jsonl``), files and mix weight."""
+
+    name: str
+    format: str
+    files: tuple[str, ...]
+    weight: float
+    pattern: str
+
+
+def demo_sources(root: str = "data/demo", replicas: int = 1,
+                 weights: tuple[float, float] = (0.6, 0.4)) -> list[SourceSpec]:
+    """The demo's ``code`` and ``prose`` sources, replicated ``replicas`` times.
+
+    Replica ``i`` is a separate source (``code<i>``, ``prose<i>``) over the same
+    files, with the weights divided evenly among replicas.
+    """
+    code = f"{root}/code/*.parquet"
+    prose = f"{root}/prose/*.jsonl.zst"
+    out = []
+    for i in range(replicas):
+        suffix = "" if replicas == 1 else str(i)
+        out.append(SourceSpec(f"code{suffix}", "parquet", tuple(sorted(glob.glob(code))),
+                              weights[0] / replicas, code))
+        out.append(SourceSpec(f"prose{suffix}", "jsonl", tuple(sorted(glob.glob(prose))),
+                              weights[1] / replicas, prose))
+    for s in out:
+        if not s.files:
+            raise FileNotFoundError(f"no files for {s.pattern}: run `msd-dask demo-corpus {root}`")
+    return out
+
+
+def source_config(base: dict[str, Any], sources: list[SourceSpec]) -> dict[str, Any]:
+    """An msd_dask config dict from ``base`` with its sources replaced by ``sources``.
+
+    Each new source copies the settings (loaders, text field ...) of the base
+    source with the same format.
+    """
+    by_format = {s["format"]: s for s in base["sources"]}
+    cfg = dict(base)
+    cfg["sources"] = []
+    for s in sources:
+        d = dict(by_format[s.format])
+        d.update(name=s.name, uri=s.pattern, weight=s.weight)
+        cfg["sources"].append(d)
+    return cfg
+
+
+# ----------------------------------------------------------------------- packing
+def pack_stream(texts: Iterable[str], seq_len: int, micro_batches: int) -> Iterator[dict[str, Any]]:
+    """Tokenize documents in order and pack them sequentially into batches.
+
+    Rows are filled back to back; a document that does not fit is split and
+    continues at the start of the next row (the usual "concatenate and chunk"
+    packing, keeping document boundaries in ``cu_seqlens``).
+
+    Yields
+    ------
+    dict
+        ``input_ids``, ``labels``, ``position_ids`` (``torch.long``,
+        ``[micro_batches, seq_len]``), ``cu_seqlens`` (list of int32 tensors) and
+        ``num_tokens``.
+    """
+    from msd_dask.packing import pack_rows
+    from msd_dask.tokenizer import PAD, ByteTokenizer
+
+    tok = ByteTokenizer()
+    rows: list[list[tuple[np.ndarray, int]]] = []
+    row: list[tuple[np.ndarray, int]] = []
+    used = 0
+    for text in texts:
+        ids = tok.encode(text)
+        pos = 0
+        while pos < len(ids):
+            n = min(seq_len - used, len(ids) - pos)
+            row.append((ids[pos:pos + n + 1], n))  # +1: the label when the document goes on
+            used += n
+            pos += n
+            if used == seq_len:
+                rows.append(row)
+                row, used = [], 0
+                if len(rows) == micro_batches:
+                    b = pack_rows(rows, seq_len, PAD)
+                    rows = []
+                    yield {"input_ids": torch.from_numpy(b["input_ids"]),
+                           "labels": torch.from_numpy(b["labels"]),
+                           "position_ids": torch.from_numpy(b["position_ids"]),
+                           "cu_seqlens": [torch.from_numpy(c) for c in b["cu_seqlens"]],
+                           "num_tokens": seq_len * micro_batches}
+
+
+class _Packed(torch.utils.data.IterableDataset):
+    """Packs the texts of an iterable dataset (re-iterated with a new epoch when it ends)."""
+
+    def __init__(self, ds: Any, seq_len: int, micro_batches: int, epochs: int | None = None):
+        super().__init__()
+        self.ds, self.seq_len, self.micro_batches, self.epochs = ds, seq_len, micro_batches, epochs
+
+    def _texts(self) -> Iterator[str]:
+        epoch = 0
+        while self.epochs is None or epoch < self.epochs:
+            if hasattr(self.ds, "set_epoch"):
+                self.ds.set_epoch(epoch)
+            n = 0
+            for ex in self.ds:
+                n += 1
+                yield ex["text"]
+            if n == 0:  # this loader worker was given no shard
+                return
+            epoch += 1
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return pack_stream(self._texts(), self.seq_len, self.micro_batches)
+
+
+# ----------------------------------------------------------------------- Hugging Face
+def hf_dataset(sources: list[SourceSpec], rank: int, world_size: int, seed: int = 0) -> Any:
+    """The rank's ``datasets.IterableDataset`` of ``{"text"}`` examples."""
+    import datasets
+    from datasets import interleave_datasets, load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    datasets.logging.set_verbosity_error()
+    parts = []
+    for s in sources:
+        builder = "parquet" if s.format == "parquet" else "json"
+        ds = load_dataset(builder, data_files=list(s.files), split="train", streaming=True)
+        parts.append(ds.select_columns(["text"]))
+    total = sum(s.weight for s in sources)
+    ds = interleave_datasets(parts, probabilities=[s.weight / total for s in sources], seed=seed,
+                             stopping_strategy="all_exhausted")
+    ds = ds.shuffle(seed=seed, buffer_size=1000)
+    return split_dataset_by_node(ds, rank=rank, world_size=world_size)
+
+
+def hf_loader(sources: list[SourceSpec], rank: int, world_size: int, workers: int,
+              seq_len: int, micro_batches: int, seed: int = 0,
+              prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
+    """A rank's HF-streaming ``DataLoader`` (``batch_size=None``: batches are packed)."""
+    ds = _Packed(hf_dataset(sources, rank, world_size, seed), seq_len, micro_batches)
+    kw: dict[str, Any] = {"prefetch_factor": prefetch_factor, "persistent_workers": True} \
+        if workers > 0 else {}
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, **kw)

@@ -1,0 +1,313 @@
+"""Loader memory (PSS) of per-rank HF ``datasets`` streaming loaders against msd_dask, side by side.
+
+``R`` ranks × ``W`` DataLoader workers per rank × ``S`` sources, every one a
+real process.  The ``S`` sources are the demo's ``code`` and ``prose``
+replicated ``S/2`` times as separate sources (same files, their own names,
+weights divided evenly: 0.6 / 0.4 in total), so a per-rank loader opens the
+state of every source in every loader worker, as it would with ``S`` real
+sources.  Sequence length and micro-batches are the demo config's.
+
+Baseline (``scripts/baselines.py``): ``R`` rank processes, each with a
+``DataLoader(num_workers=W)`` over ``split_dataset_by_node(interleave_datasets(
+[load_dataset(..., streaming=True) per source], probabilities))``; the loader
+workers tokenize and pack.
+
+msd_dask: a ``dask scheduler`` and ``--dask-workers`` ``dask worker``
+processes hosting the roles, the process that started the service (it holds
+the service's client, like ``msd-dask serve``), and ``R`` training processes
+each reading its rank through ``msd_dask.torch.MsdIterableDataset``.
+
+Every rank consumes ``--warm`` batches, then all processes hold still and
+their PSS (``psutil.Process.memory_full_info().pss``: private pages plus each
+shared page divided by the number of processes mapping it) is summed, three
+samples one second apart, mean taken.  A bare ``python -c "import torch"``
+process runs alongside in each phase; "reader adds" is a reader process's PSS
+minus the bare one's.  Reported:
+
+* baseline total: rank processes + their loader workers (what the ranks hold,
+  the training process's own python+torch included);
+* baseline loaders: the same minus one bare process per rank (what the
+  loaders add to the training processes);
+* msd_dask: scheduler + workers + the starting process + ``R`` × what a reader
+  adds.
+
+    python scripts/bench_memory.py --quick      # (R, W, S) = (8, 2, 8)
+    python scripts/bench_memory.py              # (16, 4, 16)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+GiB = 1024 ** 3
+
+
+# ------------------------------------------------------------------ children
+def _hold(msg: str = "ready") -> None:
+    print(msg, flush=True)
+    sys.stdin.readline()
+
+
+def child_bare() -> None:
+    import torch  # noqa: F401
+
+    _hold()
+
+
+def child_hf(a: argparse.Namespace) -> None:
+    import baselines
+
+    sources = baselines.demo_sources(a.root, replicas=a.sources // 2)
+    dl = baselines.hf_loader(sources, a.rank, a.ranks, a.workers, a.seq_len, a.micro_batches,
+                             seed=a.rank)
+    it = iter(dl)
+    for _ in range(a.warm):
+        next(it)
+    _hold()
+    os._exit(0)  # do not wait for the loader workers to drain
+
+
+def child_serve(a: argparse.Namespace) -> None:
+    import baselines
+
+    from msd_dask import DataService, load_config
+
+    base = load_config(a.config).to_dict()
+    cfg = baselines.source_config(base, baselines.demo_sources(a.root, replicas=a.sources // 2))
+    cfg["name"] = "benchmem"
+    cfg["parallel"] = {"dp": a.ranks}
+    cfg["batch"] = {"seq_len": a.seq_len, "micro_batches": a.micro_batches}
+    svc = DataService.start(cfg, a.address)
+    _hold()
+    svc.close()
+
+
+def child_reader(a: argparse.Namespace) -> None:
+    from torch.utils.data import DataLoader
+
+    from msd_dask.torch import MsdIterableDataset
+
+    ds = MsdIterableDataset(a.address, "benchmem", a.rank, connect_timeout=120)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=0))
+    for _ in range(a.warm):
+        next(it)
+    _hold()
+    os._exit(0)
+
+
+# ------------------------------------------------------------------ parent
+class Procs:
+    """Child processes of this script, each in its own session, stopped by pid."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, key: str, args: list[str]) -> None:
+        self.procs[key] = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+    def wait_ready(self, keys: list[str], timeout: float) -> None:
+        import psutil
+
+        deadline = time.monotonic() + timeout
+        for k in keys:
+            p = self.procs[k]
+            while True:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{k} not ready after {timeout:.0f}s")
+                if psutil.virtual_memory().available < 2 * GiB:
+                    raise MemoryError("less than 2 GiB of memory left: stopping")
+                import select
+
+                r, _, _ = select.select([p.stdout], [], [], 1.0)
+                if r:
+                    line = p.stdout.readline()  # type: ignore[union-attr]
+                    if line.strip() == "ready":
+                        break
+                    if line == "" and p.poll() is not None:
+                        raise RuntimeError(f"{k} exited with {p.returncode}")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            try:
+                p.stdin.write("\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 30
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the child's own session: it and its loader workers
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.procs.clear()
+
+
+def pss_tree(pid: int) -> tuple[int, int]:
+    """(PSS of the process, PSS of its descendants) in bytes."""
+    import psutil
+
+    p = psutil.Process(pid)
+    own = p.memory_full_info().pss
+    kids = 0
+    for c in p.children(recursive=True):
+        try:
+            kids += c.memory_full_info().pss
+        except psutil.NoSuchProcess:
+            pass
+    return own, kids
+
+
+def sample(pids: dict[str, int], n: int = 3) -> dict[str, tuple[float, float]]:
+    """Mean (own, descendants) PSS per key over ``n`` samples one second apart."""
+    acc = {k: [0.0, 0.0] for k in pids}
+    for i in range(n):
+        if i:
+            time.sleep(1.0)
+        for k, pid in pids.items():
+            own, kids = pss_tree(pid)
+            acc[k][0] += own / n
+            acc[k][1] += kids / n
+    return {k: (v[0], v[1]) for k, v in acc.items()}
+
+
+def run_baseline(a: argparse.Namespace, common: list[str], timeout: float) -> dict[str, float]:
+    procs = Procs()
+    try:
+        procs.start("bare", ["--child", "bare"])
+        for r in range(a.ranks):
+            procs.start(f"rank{r}", ["--child", "hf", "--rank", str(r), *common])
+        procs.wait_ready(list(procs.procs), timeout)
+        time.sleep(2.0)
+        m = sample({k: p.pid for k, p in procs.procs.items()})
+    finally:
+        procs.stop()
+    bare = m.pop("bare")[0]
+    ranks = sum(v[0] for v in m.values())
+    workers = sum(v[1] for v in m.values())
+    return {"bare": bare, "ranks": ranks, "workers": workers, "total": ranks + workers,
+            "loaders": ranks - a.ranks * bare + workers}
+
+
+def run_msd(a: argparse.Namespace, common: list[str], timeout: float) -> dict[str, float]:
+    from bench_scheduler_bytes import _start_cluster, _stop
+
+    with tempfile.TemporaryDirectory() as tmp:
+        address, cluster = _start_cluster(tmp, a.dask_workers, count=False)
+        procs = Procs()
+        try:
+            procs.start("serve", ["--child", "serve", "--address", address, *common])
+            procs.wait_ready(["serve"], timeout)
+            procs.start("bare", ["--child", "bare"])
+            for r in range(a.ranks):
+                procs.start(f"rank{r}", ["--child", "reader", "--rank", str(r),
+                                         "--address", address, *common])
+            procs.wait_ready([k for k in procs.procs if k != "serve"], timeout)
+            time.sleep(2.0)
+            pids = {k: p.pid for k, p in procs.procs.items()}
+            pids["scheduler"] = cluster[0].pid
+            for i, w in enumerate(cluster[1:]):
+                pids[f"worker{i}"] = w.pid
+            m = sample(pids)
+        finally:
+            procs.stop()
+            _stop(cluster)
+    bare = m["bare"][0]
+    readers = [m[f"rank{r}"][0] for r in range(a.ranks)]
+    out = {"bare": bare, "scheduler": m["scheduler"][0],
+           "workers": sum(m[f"worker{i}"][0] for i in range(a.dask_workers)),
+           "serve": m["serve"][0], "reader_adds": sum(x - bare for x in readers) / a.ranks}
+    out["total"] = out["scheduler"] + out["workers"] + out["serve"] + a.ranks * out["reader_adds"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", "-R", type=int, default=16)
+    p.add_argument("--workers", "-W", type=int, default=4, help="DataLoader workers per rank")
+    p.add_argument("--sources", "-S", type=int, default=16, help="even: the demo's 2 sources × S/2")
+    p.add_argument("--quick", action="store_true", help="(R, W, S) = (8, 2, 8)")
+    p.add_argument("--smoke", action="store_true", help="(R, W, S) = (2, 1, 2), 1 warm batch (CI)")
+    p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--root", default="data/demo")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the config's")
+    p.add_argument("--micro-batches", type=int, default=None, help="default: the config's")
+    p.add_argument("--warm", type=int, default=3, help="batches each rank reads before measuring")
+    p.add_argument("--dask-workers", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", help="also write the results here")
+    # child roles
+    p.add_argument("--child", choices=["bare", "hf", "serve", "reader"], help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--address", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.ranks, a.workers, a.sources = 8, 2, 8
+    if a.smoke:
+        a.ranks, a.workers, a.sources, a.warm = 2, 1, 2, 1
+    if a.sources < 2 or a.sources % 2:
+        p.error("--sources must be even and at least 2")
+    if a.child:
+        {"bare": lambda: child_bare(), "hf": lambda: child_hf(a), "serve": lambda: child_serve(a),
+         "reader": lambda: child_reader(a)}[a.child]()
+        return 0
+
+    from msd_dask import load_config
+
+    cfg = load_config(a.config)
+    a.seq_len = a.seq_len or cfg.batch.seq_len
+    a.micro_batches = a.micro_batches or cfg.batch.micro_batches
+    common = ["--ranks", str(a.ranks), "--workers", str(a.workers), "--sources", str(a.sources),
+              "--config", a.config, "--root", a.root, "--seq-len", str(a.seq_len),
+              "--micro-batches", str(a.micro_batches), "--warm", str(a.warm)]
+    t0 = time.perf_counter()
+    hf = run_baseline(a, common, a.timeout)
+    msd = run_msd(a, common, a.timeout)
+    secs = time.perf_counter() - t0
+    mib = 1024 ** 2
+    print(f"(R, W, S) = ({a.ranks}, {a.workers}, {a.sources}); seq_len {a.seq_len} x "
+          f"{a.micro_batches} micro-batches; {a.warm} batches read per rank; "
+          f"{a.dask_workers} dask workers; {os.cpu_count()} cores; {secs:.0f} s")
+    print(f"bare python+torch process: {hf['bare'] / mib:.0f} MiB (baseline run), "
+          f"{msd['bare'] / mib:.0f} MiB (msd_dask run)")
+    print(f"{'pipeline':<48}{'PSS MiB':>10}")
+    rows = [
+        ("HF streaming: rank processes", hf["ranks"]),
+        (f"HF streaming: {a.ranks * a.workers} DataLoader workers", hf["workers"]),
+        ("HF streaming total (ranks + workers)", hf["total"]),
+        ("HF streaming loaders (total - R x bare)", hf["loaders"]),
+        ("msd_dask: scheduler", msd["scheduler"]),
+        (f"msd_dask: {a.dask_workers} workers (all roles)", msd["workers"]),
+        ("msd_dask: process that started the service", msd["serve"]),
+        (f"msd_dask: R x reader adds ({msd['reader_adds'] / mib:.0f} MiB each)",
+         a.ranks * msd["reader_adds"]),
+        ("msd_dask total", msd["total"]),
+    ]
+    for name, v in rows:
+        print(f"{name:<48}{v / mib:>10,.0f}")
+    print(f"ratio HF total / msd_dask: {hf['total'] / msd['total']:.1f}")
+    print(f"ratio HF loaders / msd_dask: {hf['loaders'] / msd['total']:.1f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"R": a.ranks, "W": a.workers, "S": a.sources, "hf": hf, "msd": msd}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

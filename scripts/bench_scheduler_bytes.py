@@ -1,0 +1,212 @@
+"""Bytes the Dask scheduler handles per delivered batch, for two batch sizes, side by side.
+
+The data path of msd_dask keeps tensors off the scheduler: a constructor puts
+a small ticket ``{"step", "c", "dp"}`` into a rank's ``distributed.Queue`` (on
+the scheduler) and the reader claims the tensors from the constructor's worker
+directly.  This script checks that claim by counting every byte the scheduler
+process reads from or writes to any TCP comm: the scheduler runs as its own
+process (``dask scheduler --preload`` of this file, which wraps
+``distributed.comm.tcp``'s read and write), two ``dask worker`` processes
+serve the roles, and this process consumes every rank's batches.
+
+For each ``seq_len`` it starts the service (the demo config, renamed), warms
+up, snapshots the scheduler's counters, consumes ``--steps`` steps from every
+rank, snapshots again.  Reported per delivered batch (one rank's batch of one
+step): the scheduler's bytes and messages (in + out), the same after
+subtracting the idle background (heartbeats etc., measured for a few seconds
+with no service running, scaled by the window's duration), and the bytes of
+the batch's tensors, which do not pass through the scheduler.
+
+    python scripts/bench_scheduler_bytes.py --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+# ---------------------------------------------------------------- scheduler side (preload)
+_COUNT = {"read_bytes": 0, "write_bytes": 0, "read_msgs": 0, "write_msgs": 0}
+
+
+def _install_counters() -> None:
+    import distributed.comm.tcp as tcp
+
+    if getattr(tcp, "_msd_counting", False):
+        return
+    orig_read_rw = tcp.read_bytes_rw
+    orig_read = tcp.TCP.read
+    orig_write = tcp.TCP.write
+
+    async def read_bytes_rw(stream: Any, n: int) -> Any:
+        _COUNT["read_bytes"] += int(n)
+        return await orig_read_rw(stream, n)
+
+    async def read(self: Any, deserializers: Any = None) -> Any:
+        msg = await orig_read(self, deserializers)
+        _COUNT["read_msgs"] += 1
+        _COUNT["read_bytes"] += 8  # the length prefix read with stream.read_bytes
+        return msg
+
+    async def write(self: Any, msg: Any, serializers: Any = None, on_error: str = "message") -> int:
+        n = await orig_write(self, msg, serializers, on_error)
+        _COUNT["write_msgs"] += 1
+        _COUNT["write_bytes"] += int(n or 0)
+        return n
+
+    tcp.read_bytes_rw = read_bytes_rw
+    tcp.TCP.read = read
+    tcp.TCP.write = write
+    tcp._msd_counting = True
+
+
+def dask_setup(scheduler: Any) -> None:  # called by `dask scheduler --preload <this file>`
+    _install_counters()
+    scheduler.handlers["msd_comm_bytes"] = lambda: dict(_COUNT)
+
+
+# ---------------------------------------------------------------- driver side
+def _snapshot(client: Any) -> dict[str, int]:
+    async def ask(rpc: Any) -> dict[str, int]:
+        return await rpc.msd_comm_bytes()
+
+    return dict(client.sync(ask, client.scheduler))
+
+
+def _diff(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: b[k] - a[k] for k in a}
+
+
+def _start_cluster(tmp: str, workers: int, count: bool = True) -> tuple[str, list[subprocess.Popen]]:
+    """A ``dask scheduler`` (counting its comm bytes if ``count``) and ``workers`` workers."""
+    sched_file = os.path.join(tmp, "scheduler.json")
+    log = open(os.path.join(tmp, "cluster.log"), "ab")
+    env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+         "--port", "0", "--dashboard-address", "127.0.0.1:0", "--scheduler-file", sched_file,
+         *(["--preload", os.path.abspath(__file__)] if count else [])],
+        stdout=log, stderr=log, env=env)]
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sched_file) or os.path.getsize(sched_file) == 0:
+        if procs[0].poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"scheduler did not start (see {tmp}/cluster.log)")
+        time.sleep(0.1)
+    with open(sched_file) as f:
+        address = json.load(f)["address"]
+    for _ in range(workers):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "2",
+             "--no-nanny", "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0",
+             "--memory-limit", "4GiB"], stdout=log, stderr=log, env=env))
+    return address, procs
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in reversed(procs):
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def measure(client: Any, address: str, cfg: dict[str, Any], steps: int, warmup: int,
+            background_rate: float) -> dict[str, Any]:
+    from msd_dask import DataService
+
+    world = cfg["parallel"]["dp"]
+    with DataService.start(cfg, address) as svc:
+        readers = [svc.reader(r) for r in range(world)]
+        tensor_bytes = 0
+        for _ in range(warmup):
+            for rd in readers:
+                next(rd)
+        time.sleep(1.0)  # let the planner and constructors refill their prefetch
+        a = _snapshot(client)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for rd in readers:
+                b = next(rd)
+                tensor_bytes += (b.input_ids.nbytes + b.labels.nbytes + b.position_ids.nbytes
+                                 + sum(c.nbytes for c in b.cu_seqlens))
+        elapsed = time.perf_counter() - t0
+        d = _diff(a, _snapshot(client))
+    batches = steps * world
+    total = d["read_bytes"] + d["write_bytes"]
+    return {"seq_len": cfg["batch"]["seq_len"], "batches": batches, "seconds": elapsed,
+            "bytes_per_batch": total / batches,
+            "bytes_per_batch_net": (total - background_rate * elapsed) / batches,
+            "msgs_per_batch": (d["read_msgs"] + d["write_msgs"]) / batches,
+            "tensor_bytes_per_batch": tensor_bytes / batches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", default="configs/demo.yaml")
+    p.add_argument("--seq-lens", default="1024,8192")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="15 steps")
+    p.add_argument("--smoke", action="store_true", help="5 steps, seq_len 256 and 1024 (CI)")
+    args = p.parse_args(argv)
+    from distributed import Client
+
+    from msd_dask import load_config
+
+    steps, seq_lens = args.steps, [int(s) for s in args.seq_lens.split(",")]
+    if args.quick:
+        steps = 15
+    if args.smoke:
+        steps, seq_lens, args.warmup = 5, [256, 1024], 2
+    base = load_config(args.config).to_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        address, procs = _start_cluster(tmp, args.workers)
+        try:
+            client = Client(address, timeout=60)
+            client.wait_for_workers(args.workers, timeout=60)
+            a = _snapshot(client)
+            t0 = time.perf_counter()
+            time.sleep(3.0)
+            idle = _diff(a, _snapshot(client))
+            background = (idle["read_bytes"] + idle["write_bytes"]) / (time.perf_counter() - t0)
+            rows = []
+            for sl in seq_lens:
+                cfg = json.loads(json.dumps(base))
+                cfg["name"] = f"schedbytes{sl}"
+                cfg["batch"]["seq_len"] = sl
+                rows.append(measure(client, address, cfg, steps, args.warmup, background))
+            client.close()
+        finally:
+            _stop(procs)
+    world = base["parallel"]["dp"]
+    print(f"config {args.config}: {world} ranks x {base['batch']['micro_batches']} micro-batches, "
+          f"{steps} steps per seq_len, {args.workers} workers; idle scheduler traffic "
+          f"{background:,.0f} B/s")
+    print(f"{'seq_len':>8}{'batches':>9}{'sched B/batch':>15}{'net of idle':>13}"
+          f"{'msgs/batch':>12}{'tensor B/batch':>16}{'sched/tensor':>14}")
+    for r in rows:
+        print(f"{r['seq_len']:>8}{r['batches']:>9}{r['bytes_per_batch']:>15,.0f}"
+              f"{r['bytes_per_batch_net']:>13,.0f}{r['msgs_per_batch']:>12.1f}"
+              f"{r['tensor_bytes_per_batch']:>16,.0f}"
+              f"{r['bytes_per_batch'] / r['tensor_bytes_per_batch']:>14.5f}")
+    lo, hi = rows[0], rows[-1]
+    print(f"ratio of scheduler bytes per batch, seq_len {hi['seq_len']} / {lo['seq_len']}: "
+          f"{hi['bytes_per_batch'] / lo['bytes_per_batch']:.2f} "
+          f"(tensor bytes: {hi['tensor_bytes_per_batch'] / lo['tensor_bytes_per_batch']:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
