@@ -1,0 +1,301 @@
+"""A small GPT trained with torch.distributed on CPU ranks, fed by a per-rank loader or by msd_dask.
+
+Both pipelines train the same model on the same corpus (the demo), byte
+tokenizer, mix (code 0.6 / prose 0.4), ``seq_len`` and micro-batches, one after
+the other in one run:
+
+* ``HF streaming``: every rank runs its own Hugging Face ``datasets`` streaming
+  loader (``scripts/baselines.py``: ``interleave_datasets`` +
+  ``split_dataset_by_node`` + a ``DataLoader`` with ``--loader-workers``
+  workers) and packs its own documents sequentially;
+* ``msd_dask``: a service on an embedded LocalCluster (``--dask-workers``
+  processes) with ``dp = R``; every rank reads through
+  ``msd_dask.torch.MsdIterableDataset`` in a ``DataLoader(batch_size=None,
+  num_workers=0)``.
+
+The model: ``--layers`` pre-norm transformer blocks, ``d_model`` 128, 4 heads,
+real per-document causal attention: ``scaled_dot_product_attention(is_causal=True)``
+on every ``cu_seqlens`` segment separately (cost ∝ Σ Lᵢ², as with varlen flash
+attention), padding cut off.  ``R`` ranks are ``torch.multiprocessing.spawn``
+processes with a ``gloo`` process group, one thread each; gradients are
+flattened and summed with one ``all_reduce`` per step.
+
+Per step every rank times: the data fetch (``next`` on its loader), forward +
+backward, the gradient ``all_reduce`` and the optimizer step.  Reported per
+pipeline over the timed steps (after ``--warmup``): steps/s and tokens/s (non
+padding tokens of all ranks), the share of step time ranks spent in the
+all-reduce, the share spent *waiting* there (all-reduce time minus a no-wait
+all-reduce of the same tensor, measured after training with the ranks lined up
+by a barrier: the rest is waiting for the slowest rank), the share spent
+fetching data, and the compute imbalance (max / mean forward+backward time over
+ranks, averaged over steps).
+
+    python scripts/bench_train.py --quick          # 2 ranks, 20 timed steps
+    python scripts/bench_train.py --ranks 2 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+# ------------------------------------------------------------------ model
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def attention(self, x: torch.Tensor, cu: list[int]) -> torch.Tensor:
+        n, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(x).view(n, 3, h, d // h).permute(1, 2, 0, 3)  # each [h, n, dh]
+        outs = [F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e], is_causal=True)
+                for s, e in zip(cu[:-1], cu[1:], strict=True) if e > s]
+        return self.proj(torch.cat(outs, dim=1).transpose(0, 1).reshape(n, d))
+
+    def forward(self, x: torch.Tensor, cu: list[int]) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x), cu)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A small GPT over one packed row at a time, attention restricted to each document."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, max_len: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def row_loss(self, ids: torch.Tensor, pos: torch.Tensor, labels: torch.Tensor,
+                 cu: list[int]) -> tuple[torch.Tensor, int]:
+        """Summed cross-entropy of one row (padding cut off) and its number of labels."""
+        used = cu[-1]
+        x = self.tok(ids[:used]) + self.pos(pos[:used])
+        for b in self.blocks:
+            x = b(x, cu)
+        logits = self.head(self.ln(x))
+        lab = labels[:used]
+        return F.cross_entropy(logits, lab, ignore_index=-100, reduction="sum"), int((lab != -100).sum())
+
+
+# ------------------------------------------------------------------ one rank
+def _rank_main(rank: int, a: dict[str, Any], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=a["ranks"],
+                            timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    model = TinyGPT(258, a["d_model"], a["layers"], 4, a["seq_len"])
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    if a["pipeline"] == "hf":
+        import baselines
+
+        loader = baselines.hf_loader(baselines.demo_sources(a["root"]), rank, a["ranks"],
+                                     a["loader_workers"], a["seq_len"], a["micro_batches"],
+                                     seed=a["seed"])
+    else:
+        from torch.utils.data import DataLoader
+
+        from msd_dask.torch import MsdIterableDataset
+
+        loader = DataLoader(MsdIterableDataset(a["address"], a["name"], rank, connect_timeout=120),
+                            batch_size=None, num_workers=0)
+    it = iter(loader)
+    recs = []
+    total = a["warmup"] + a["steps"]
+    dist.barrier()
+    t_start = None
+    for step in range(total):
+        if step == a["warmup"]:
+            dist.barrier()
+            t_start = time.perf_counter()
+        t0 = time.perf_counter()
+        b = next(it)
+        t1 = time.perf_counter()
+        loss_sum = torch.zeros(())
+        n_lab = 0
+        cost = 0
+        for m in range(b["input_ids"].shape[0]):
+            cu = [int(c) for c in b["cu_seqlens"][m]]
+            cost += sum((e - s) ** 2 for s, e in zip(cu[:-1], cu[1:], strict=True))
+            loss, n = model.row_loss(b["input_ids"][m], b["position_ids"][m], b["labels"][m], cu)
+            loss_sum = loss_sum + loss
+            n_lab += n
+        (loss_sum / max(n_lab, 1)).backward()
+        t2 = time.perf_counter()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        t3 = time.perf_counter()
+        flat /= a["ranks"]
+        off = 0
+        for p in params:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        t4 = time.perf_counter()
+        if step >= a["warmup"]:
+            tokens = sum(int(c[-1]) for c in b["cu_seqlens"])
+            recs.append({"data": t1 - t0, "compute": t2 - t1, "allreduce": t3 - t2,
+                         "opt": t4 - t3, "step": t4 - t0, "tokens": tokens, "sq": cost,
+                         "loss": float(loss_sum.detach()) / max(n_lab, 1)})
+    dist.barrier()
+    wall = time.perf_counter() - t_start if t_start is not None else 0.0
+    pure = []
+    for _ in range(a["pure_reps"]):  # the all-reduce with every rank already there
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(flat)
+        pure.append(time.perf_counter() - t)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"recs": recs, "wall": wall, "pure": statistics.median(pure),
+                   "params": sum(p.numel() for p in params)}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # loader workers and the service client need not be drained
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def train(pipeline: str, a: dict[str, Any]) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    a = dict(a, pipeline=pipeline, port=_free_port())
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_rank_main, args=(a, out), nprocs=a["ranks"], join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + a["timeout"]
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"{pipeline}: ranks did not finish within {a['timeout']:.0f}s")
+        ranks = []
+        for r in range(a["ranks"]):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    return summarize(ranks)
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    steps = len(ranks[0]["recs"])
+    wall = max(r["wall"] for r in ranks)
+    tokens = sum(rec["tokens"] for r in ranks for rec in r["recs"])
+    step_time = sum(rec["step"] for r in ranks for rec in r["recs"])
+
+    def share(key: str) -> float:
+        return sum(rec[key] for r in ranks for rec in r["recs"]) / step_time
+
+    wait = sum(max(0.0, rec["allreduce"] - r["pure"]) for r in ranks for rec in r["recs"])
+    imbalance = []
+    sq_imbalance = []
+    for i in range(steps):
+        c = [r["recs"][i]["compute"] for r in ranks]
+        imbalance.append(max(c) / (sum(c) / len(c)))
+        s = [r["recs"][i]["sq"] for r in ranks]
+        sq_imbalance.append(max(s) / max(sum(s) / len(s), 1))
+    return {"steps": steps, "wall": wall, "steps_per_s": steps / wall, "tokens_per_s": tokens / wall,
+            "allreduce_share": share("allreduce"), "wait_share": wait / step_time,
+            "data_share": share("data"), "compute_share": share("compute"),
+            "pure_allreduce_ms": 1e3 * statistics.mean(r["pure"] for r in ranks),
+            "compute_imbalance": statistics.mean(imbalance),
+            "sq_imbalance": statistics.mean(sq_imbalance),
+            "params": ranks[0]["params"],
+            "final_loss": statistics.mean(r["recs"][-1]["loss"] for r in ranks)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/demo.yaml")
+    p.add_argument("--root", default="data/demo")
+    p.add_argument("--ranks", "-R", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--loader-workers", type=int, default=1, help="baseline DataLoader workers per rank")
+    p.add_argument("--dask-workers", type=int, default=2)
+    p.add_argument("--pure-reps", type=int, default=20)
+    p.add_argument("--timeout", type=float, default=900, help="per pipeline")
+    p.add_argument("--quick", action="store_true", help="20 timed steps")
+    p.add_argument("--smoke", action="store_true", help="3 timed steps, seq_len 512 (CI)")
+    p.add_argument("--json", help="also write the results here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps = 20
+    if a.smoke:
+        a.steps, a.warmup, a.seq_len, a.pure_reps = 3, 1, 512, 5
+    from msd_dask import DataService, load_config
+
+    base = load_config(a.config).to_dict()
+    args = {k: v for k, v in vars(a).items() if k not in ("config", "json")}
+    args["seed"] = int(base["seed"])
+    t0 = time.perf_counter()
+    results = {"HF streaming (per rank)": train("hf", args)}
+    cfg = dict(base, name="benchtrain", parallel={"dp": a.ranks},
+               batch={"seq_len": a.seq_len, "micro_batches": a.micro_batches})
+    with DataService.start(cfg, n_workers=a.dask_workers, threads_per_worker=1) as svc:
+        args.update(address=svc.client.scheduler.address, name="benchtrain")
+        results["msd_dask"] = train("msd", args)
+        imb = svc.stats()["planner"]["mean_imbalance"]
+    secs = time.perf_counter() - t0
+    params = next(iter(results.values()))["params"]
+    print(f"{a.ranks} ranks (gloo, 1 thread each), {a.layers} layers d={a.d_model} "
+          f"({params / 1e6:.2f}M params), {a.micro_batches} x {a.seq_len} tokens per rank-step, "
+          f"{a.steps} timed steps after {a.warmup}; baseline {a.loader_workers} loader worker(s)/rank; "
+          f"msd_dask {a.dask_workers} dask workers; {os.cpu_count()} cores; {secs:.0f} s")
+    print(f"{'pipeline':<26}{'steps/s':>9}{'tokens/s':>10}{'allreduce':>11}{'wait':>7}"
+          f"{'data':>7}{'fwd+bwd':>9}{'imbal':>7}{'ΣL² imbal':>11}")
+    for name, r in results.items():
+        print(f"{name:<26}{r['steps_per_s']:>9.2f}{r['tokens_per_s']:>10,.0f}"
+              f"{r['allreduce_share']:>11.1%}{r['wait_share']:>7.1%}{r['data_share']:>7.1%}"
+              f"{r['compute_share']:>9.1%}{r['compute_imbalance']:>7.2f}{r['sq_imbalance']:>11.2f}")
+    hf, msd = results["HF streaming (per rank)"], results["msd_dask"]
+    print(f"no-wait all-reduce of the gradients: {hf['pure_allreduce_ms']:.2f} ms (HF run), "
+          f"{msd['pure_allreduce_ms']:.2f} ms (msd_dask run); msd_dask planner imbalance {imb:.3f}")
+    print(f"ratio msd_dask / HF: steps/s {msd['steps_per_s'] / hf['steps_per_s']:.2f}, "
+          f"tokens/s {msd['tokens_per_s'] / hf['tokens_per_s']:.2f}, wait share "
+          f"{msd['wait_share'] / hf['wait_share'] if hf['wait_share'] else math.nan:.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
