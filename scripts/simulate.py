@@ -1,0 +1,499 @@
+"""Simulator of synchronous data-parallel training: per-rank loaders against msd_dask (issue 7).
+
+N ranks train in lock step.  A rank's step time is its compute plus the time
+it waits for its own data; the step waits for the slowest rank.
+
+Compute
+    The cost model ``α·L + β·L²`` of :class:`msd_dask.cost.CostModel` in
+    seconds, derived from a stated model: dense layers ``24·H²·layers`` FLOPs
+    per token forward, causal attention ``2·L²·H·layers`` FLOPs per document
+    forward, both ×3 for forward + backward, divided by an achieved FLOP/s:
+    ``α = 72·H²·layers / F`` and ``β = 6·H·layers / F`` (so ``β/α = 1/(12·H)``).
+Documents
+    Per source, lognormal lengths (median, sigma: a heavy tail where a tiny
+    share of documents holds a large share of tokens), truncated at the
+    context length and chunked to ``seq_len`` (default: the context length).
+    Each source has a preprocessing cost in seconds per token.
+(a) Baseline: per-rank loaders
+    Each rank draws its own documents (source chosen at random per piece with
+    the token shares of the weights), packs them with
+    :func:`msd_dask.balance.sequential` and preprocesses them with its own
+    ``W`` workers: data time = Σ preprocessing cost / W, overlapped with the
+    previous step (the loader prefetches while the previous step runs, the
+    barrier included): wait = max(0, data − previous step time).
+(b) msd_dask
+    One global stream mixed by :class:`msd_dask.mixing.Mixer` fills the step's
+    ``dp × micro_batches × seq_len`` capacity (the planner's fill loop) and
+    :func:`msd_dask.balance.assign` places it with the configured default
+    strategy (``Config.balance``); pieces that fit nowhere are carried to the
+    front of the next step.  Loaders are pooled: ``N × W`` workers in total,
+    shared by demand, so the step waits only if the total preprocessing time
+    exceeds the pooled capacity over the previous step.
+
+Reported per (dp, context): imbalance (max/mean rank compute) of both, the
+baseline's stall fraction, speedups (compute balance only, stalls only,
+total = baseline step time / msd_dask step time), rows filled, and the
+wall-clock of the ``assign`` call per step.  Every parameter is printed first.
+
+    python scripts/simulate.py --quick
+    python scripts/simulate.py --dp 64 1024 16384 --context 4096 32768 131072 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from msd_dask.balance import assign, sequential
+from msd_dask.config import Config
+from msd_dask.cost import CostModel
+from msd_dask.mixing import Mixer
+
+__all__ = ["SourceSpec", "SimConfig", "CellResult", "simulate", "default_strategy", "model_coefficients",
+           "balance_bound", "main", "steps_for"]
+
+
+def default_strategy() -> str:
+    """The balance strategy a service uses when the config names none."""
+    return str(Config.__dataclass_fields__["balance"].default)
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source: token share, preprocessing seconds per token, lognormal lengths."""
+
+    name: str
+    weight: float
+    prep: float
+    median: float = 1024.0
+    sigma: float = 2.0
+
+
+DEFAULT_SOURCES = (SourceSpec("text", 0.7, 5e-7), SourceSpec("image", 0.3, 1e-5))
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    dp: int
+    context: int
+    seq_len: int = 0            # 0: the context length
+    micro_batches: int = 1
+    steps: int = 4
+    hidden: int = 4096
+    layers: int = 32
+    flops: float = 4e14         # achieved FLOP/s per rank
+    workers: int = 4            # loader workers per rank (baseline); pooled N×W for msd_dask
+    sources: tuple[SourceSpec, ...] = DEFAULT_SOURCES
+    strategy: str = field(default_factory=default_strategy)
+    seed: int = 0
+    plan_timeout: float = 0.0   # seconds per assign call, 0: none (then in process)
+
+    @property
+    def row(self) -> int:
+        return self.seq_len or self.context
+
+
+def model_coefficients(hidden: int, layers: int, flops: float) -> tuple[float, float]:
+    """``(α, β)`` in seconds: ``α·L + β·L²`` is a document's forward+backward time."""
+    alpha = 3 * 24 * hidden * hidden * layers / flops
+    beta = 3 * 2 * hidden * layers / flops
+    return alpha, beta
+
+
+def balance_bound(seq_len: int, hidden: int) -> float:
+    """Upper bound of the compute-balance gain with equal tokens per rank.
+
+    A rank of ``T`` tokens costs between ``α·T`` (tiny documents) and
+    ``α·T + β·T·seq_len`` (every piece ``seq_len`` long, as ``Σ l² ≤ seq_len·Σ l``);
+    the balanced step costs at least the mean ``≥ α·T``.  So
+    ``baseline max / msd_dask max ≤ 1 + (β/α)·seq_len = 1 + seq_len / (12·H)``.
+    """
+    return 1.0 + seq_len / (12.0 * hidden)
+
+
+class PieceSource:
+    """The deterministic piece stream of one source (lengths only), generated in blocks."""
+
+    def __init__(self, spec: SourceSpec, context: int, seq_len: int, seed: int, index: int):
+        self.spec, self.context, self.seq_len = spec, context, seq_len
+        self.rng = np.random.default_rng([seed, index])
+        self.buf = np.zeros(0, dtype=np.int64)
+        self.pos = 0
+
+    def _refill(self, need: int) -> None:
+        blocks = [self.buf[self.pos:]]
+        have = len(blocks[0])
+        while have < need:
+            n = max(need - have, 65536)
+            docs = np.exp(self.rng.normal(np.log(self.spec.median), self.spec.sigma, n))
+            docs = np.clip(np.ceil(docs), 1, self.context).astype(np.int64)
+            k = -(-docs // self.seq_len)                     # chunks per document
+            pieces = np.full(int(k.sum()), self.seq_len, dtype=np.int64)
+            last = np.cumsum(k) - 1
+            pieces[last] = docs - (k - 1) * self.seq_len
+            blocks.append(pieces)
+            have += len(pieces)
+        self.buf, self.pos = np.concatenate(blocks), 0
+
+    def take(self, n: int) -> np.ndarray:
+        if self.pos + n > len(self.buf):
+            self._refill(n)
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def peek_block(self, n: int) -> np.ndarray:
+        if self.pos + n > len(self.buf):
+            self._refill(n)
+        return self.buf[self.pos:self.pos + n]
+
+
+@dataclass
+class CellResult:
+    """One (dp, context) cell; msd_dask fields are ``nan`` when the planner ran past its time limit."""
+
+    cfg: SimConfig
+    steps_run: int
+    pieces_per_step: float
+    imb_base: float          # mean over steps of max/mean rank compute
+    imb_msd: float
+    stall_frac_base: float   # share of the baseline's time spent waiting for data
+    stall_frac_msd: float
+    speedup_balance: float   # Σ max compute (baseline) / Σ max compute (msd_dask)
+    speedup_stalls: float    # Σ baseline step time / Σ baseline compute-only step time
+    speedup_total: float     # Σ baseline step time / Σ msd_dask step time
+    speedup_ideal: float     # Σ baseline step time / Σ (lower bound of any assignment, no stalls)
+    fill_base: float         # useful tokens / capacity
+    fill_msd: float
+    plan_ms: float           # wall-clock of the assign call per step
+    plan_timed_out: bool
+    bound: float
+    per_step: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def tokens_gain(self) -> float:
+        """Useful tokens per second, msd_dask over baseline (total speedup × fill ratio)."""
+        return self.speedup_total * self.fill_msd / self.fill_base
+
+
+def _msd_fill(streams: list[PieceSource], mixer: Mixer, weights: dict[str, float], budget: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The planner's fill loop: mixer order until the next piece would exceed ``budget`` tokens."""
+    names = [s.spec.name for s in streams]
+    index = {n: i for i, n in enumerate(names)}
+    lengths: list[int] = []
+    srcs: list[int] = []
+    total = 0
+    blocks = {n: streams[index[n]].peek_block(4096).tolist() for n in names}
+    used = dict.fromkeys(names, 0)
+    while True:
+        src = mixer.choose(weights)
+        if used[src] == len(blocks[src]):
+            streams[index[src]].take(used[src])
+            blocks[src], used[src] = streams[index[src]].peek_block(65536).tolist(), 0
+        n = blocks[src][used[src]]
+        if total + n > budget:
+            break
+        used[src] += 1
+        mixer.take(src, n, weights)
+        lengths.append(n)
+        srcs.append(index[src])
+        total += n
+    for src in names:
+        streams[index[src]].take(used[src])
+    return np.asarray(lengths, dtype=np.int64), np.asarray(srcs, dtype=np.int64)
+
+
+def _base_fill(streams: list[PieceSource], probs: np.ndarray, rng: np.random.Generator, budget: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-rank loaders' draws: source at random per piece, until ``budget`` tokens."""
+    mean_len = max(1.0, float(np.mean([s.peek_block(4096).mean() for s in streams])))
+    out_l: list[np.ndarray] = []
+    out_s: list[np.ndarray] = []
+    left = budget
+    while left > 0:
+        n = int(left / mean_len * 1.2) + 64
+        choice = rng.choice(len(streams), size=n, p=probs)
+        lens = np.empty(n, dtype=np.int64)
+        counts = np.bincount(choice, minlength=len(streams))
+        blocks = [s.peek_block(int(c)) for s, c in zip(streams, counts, strict=True)]
+        for i in range(len(streams)):
+            lens[choice == i] = blocks[i][:counts[i]]
+        cum = np.cumsum(lens)
+        k = int(np.searchsorted(cum, left, side="right"))
+        taken = np.bincount(choice[:k], minlength=len(streams))
+        for s, t in zip(streams, taken, strict=True):
+            s.take(int(t))
+        out_l.append(lens[:k])
+        out_s.append(choice[:k])
+        left -= int(cum[k - 1]) if k else 0
+        if k < n:
+            break
+    return np.concatenate(out_l), np.concatenate(out_s)
+
+
+def _assign_child(conn, args) -> None:  # pragma: no cover - runs in a forked child
+    conn.send(assign(*args).rank)
+    conn.close()
+
+
+def _assign_limited(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq_len: int,
+                    strategy: str, limit: float) -> np.ndarray | None:
+    """``assign(...).rank``, or ``None`` if it runs past ``limit`` seconds (0: no limit, in process)."""
+    args = (lengths, costs, dp, mb, seq_len, strategy)
+    if limit <= 0:
+        return assign(*args).rank
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_assign_child, args=(child, args), daemon=True)
+    proc.start()
+    child.close()
+    out = parent.recv() if parent.poll(limit) else None
+    if out is None:
+        proc.terminate()
+    proc.join()
+    return out
+
+
+def simulate(cfg: SimConfig) -> CellResult:
+    """Run one (dp, context) cell for ``cfg.steps`` steps; both sides see the same documents per source.
+
+    True compute of a rank: ``α·(rows × seq_len) + β·Σ l²`` (rows are fixed-shape, so padding goes
+    through the dense layers; attention is per piece).  The planner balances the service's own cost
+    model ``α·l + β·l²`` (:class:`msd_dask.cost.CostModel`) with the same α, β.
+    """
+    alpha, beta = model_coefficients(cfg.hidden, cfg.layers, cfg.flops)
+    cost = CostModel(linear=alpha, quadratic=beta)
+    seq_len, dp, mb, W = cfg.row, cfg.dp, cfg.micro_batches, cfg.workers
+    capacity = dp * mb * seq_len
+    dense = alpha * mb * seq_len
+    prep = np.array([s.prep for s in cfg.sources])
+    wsum = sum(s.weight for s in cfg.sources)
+    weights = {s.name: s.weight / wsum for s in cfg.sources}
+
+    def make() -> list[PieceSource]:
+        return [PieceSource(s, cfg.context, seq_len, cfg.seed, i) for i, s in enumerate(cfg.sources)]
+
+    base_streams, msd_streams = make(), make()
+    # per-piece source probabilities giving the weights' token shares
+    mean_piece = np.array([s.peek_block(65536).mean() for s in base_streams])
+    probs = np.array([weights[s.name] for s in cfg.sources]) / mean_piece
+    probs /= probs.sum()
+    rng = np.random.default_rng([cfg.seed, 7])
+    mixer = Mixer([s.name for s in cfg.sources])
+
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    carry_b, carry_m = empty, empty
+    keys = ("comp_b", "step_b", "imb_b", "fill_b", "ideal", "comp_m", "step_m", "imb_m", "fill_m",
+            "plan_s", "pieces")
+    rec: dict[str, list[float]] = {k: [] for k in keys}
+    prev_b = prev_m = None
+    timed_out = False
+    for _ in range(cfg.steps):
+        # ---------------- baseline: per-rank loaders, sequential packing, own workers
+        l_new, s_new = _base_fill(base_streams, probs, rng, capacity - int(carry_b[0].sum()))
+        lb, sb = np.concatenate([carry_b[0], l_new]), np.concatenate([carry_b[1], s_new])
+        a = sequential(lb, cost(lb), dp, mb, seq_len)
+        ok = a.rank >= 0
+        comp = dense + np.bincount(a.rank[ok], weights=beta * lb[ok] ** 2.0, minlength=dp)
+        data = np.bincount(a.rank[ok], weights=lb[ok] * prep[sb[ok]], minlength=dp) / W
+        carry_b = (lb[~ok], sb[~ok])
+        window = prev_b if prev_b is not None else float(comp.max())   # step 0: prefetched at start
+        step_b = float((comp + np.maximum(0.0, data - window)).max())
+        prev_b = step_b
+
+        # ---------------- msd_dask: global mix, planner fill, configured balance, pooled loaders
+        l_new, s_new = _msd_fill(msd_streams, mixer, weights, capacity - int(carry_m[0].sum()))
+        lm, sm = np.concatenate([carry_m[0], l_new]), np.concatenate([carry_m[1], s_new])
+        t0 = time.perf_counter()
+        rank = _assign_limited(lm, cost(lm), dp, mb, seq_len, cfg.strategy, cfg.plan_timeout)
+        rec["plan_s"].append(time.perf_counter() - t0)
+        rec["comp_b"].append(float(comp.max()))
+        rec["step_b"].append(step_b)
+        rec["imb_b"].append(float(comp.max() / comp.mean()))
+        rec["fill_b"].append(float(lb[ok].sum()) / capacity)
+        sq = beta * lm.astype(np.float64) ** 2
+        rec["ideal"].append(dense + max(float(sq.sum()) / dp, float(sq.max(initial=0.0))))
+        rec["pieces"].append(float(len(lm)))
+        if rank is None:
+            timed_out = True
+            break
+        ok = rank >= 0
+        comp = dense + np.bincount(rank[ok], weights=sq[ok], minlength=dp)
+        data_total = float((lm[ok] * prep[sm[ok]]).sum()) / (dp * W)
+        carry_m = (lm[~ok], sm[~ok])
+        window = prev_m if prev_m is not None else float(comp.max())
+        step_m = float(comp.max()) + max(0.0, data_total - window)
+        prev_m = step_m
+        rec["comp_m"].append(float(comp.max()))
+        rec["step_m"].append(step_m)
+        rec["imb_m"].append(float(comp.max() / comp.mean()))
+        rec["fill_m"].append(float(lm[ok].sum()) / capacity)
+
+    S = {k: float(np.sum(v)) if v else float("nan") for k, v in rec.items()}
+    M = {k: float(np.mean(v)) if v else float("nan") for k, v in rec.items()}
+    nan = float("nan")
+    return CellResult(
+        cfg=cfg, steps_run=len(rec["step_b"]), pieces_per_step=M["pieces"],
+        imb_base=M["imb_b"], imb_msd=nan if timed_out else M["imb_m"],
+        stall_frac_base=1.0 - S["comp_b"] / S["step_b"],
+        stall_frac_msd=nan if timed_out else 1.0 - S["comp_m"] / S["step_m"],
+        speedup_balance=nan if timed_out else S["comp_b"] / S["comp_m"],
+        speedup_stalls=S["step_b"] / S["comp_b"],
+        speedup_total=nan if timed_out else S["step_b"] / S["step_m"],
+        speedup_ideal=S["step_b"] / S["ideal"],
+        fill_base=M["fill_b"], fill_msd=nan if timed_out else M["fill_m"],
+        plan_ms=1e3 * M["plan_s"], plan_timed_out=timed_out,
+        bound=balance_bound(seq_len, cfg.hidden), per_step=rec,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _parse_source(text: str) -> SourceSpec:
+    parts = text.split(":")
+    if len(parts) not in (3, 5):
+        raise argparse.ArgumentTypeError("source is name:weight:prep_s_per_token[:median:sigma]")
+    name, w, p = parts[0], float(parts[1]), float(parts[2])
+    if len(parts) == 5:
+        return SourceSpec(name, w, p, float(parts[3]), float(parts[4]))
+    return SourceSpec(name, w, p)
+
+
+def _tail_share(spec: SourceSpec, context: int, seed: int, top: float = 0.01) -> float:
+    """Share of tokens held by the longest ``top`` of documents (after truncation at ``context``)."""
+    rng = np.random.default_rng([seed, 99])
+    d = np.clip(np.ceil(np.exp(rng.normal(np.log(spec.median), spec.sigma, 200_000))), 1, context)
+    d = np.sort(d)[::-1]
+    return float(d[: int(len(d) * top)].sum() / d.sum())
+
+
+def steps_for(dp: int, tokens_per_rank: int, steps: int, token_budget: float) -> int:
+    """Fewer steps for big cells: at most ``token_budget`` tokens per cell, at least 2 steps."""
+    return int(max(2, min(steps, token_budget // (dp * tokens_per_rank))))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dp", type=int, nargs="+", default=[64, 1024, 16384])
+    ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--seq-len", type=int, default=0, help="row length (0: the context length)")
+    ap.add_argument("--micro-batches", type=int, default=8,
+                    help="rows of seq_len per rank per step (gradient accumulation)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--token-budget", type=float, default=2.0**33,
+                    help="max tokens simulated per cell (fewer steps for big cells, at least 2)")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--flops", type=float, default=4e14, help="achieved FLOP/s per rank")
+    ap.add_argument("--workers", type=int, default=4, help="loader workers per rank")
+    ap.add_argument("--source", type=_parse_source, action="append",
+                    help="name:weight:prep_s_per_token[:median:sigma] (repeat; default text and image)")
+    ap.add_argument("--strategy", default=default_strategy())
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plan-timeout", type=float, default=300.0,
+                    help="seconds one assign call may take before the cell reports it timed out")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 steps, a small token budget and a 15 s planner limit")
+    ap.add_argument("--plot", default="", help="write a PNG of the speedups here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.token_budget = min(args.steps, 2), 2.0**30
+        args.plan_timeout = min(args.plan_timeout, 15.0)
+    sources = tuple(args.source) if args.source else DEFAULT_SOURCES
+    alpha, beta = model_coefficients(args.hidden, args.layers, args.flops)
+
+    print("# msd_dask simulator (issue 7) — parameters")
+    print(f"model: hidden={args.hidden} layers={args.layers} achieved={args.flops:.3g} FLOP/s per rank")
+    print(f"  α = 72·H²·layers/F = {alpha:.4g} s/token   β = 6·H·layers/F = {beta:.4g} s/token²"
+          f"   β/α = 1/(12·H) = {beta / alpha:.4g}")
+    row = args.seq_len or "context"
+    print(f"batch: micro_batches={args.micro_batches} seq_len={row}"
+          f"   steps={args.steps} (capped by token budget {args.token_budget:.3g} tokens/cell, min 2)"
+          f"   planner limit {args.plan_timeout:g} s/step")
+    print("compute of a rank: α·(micro_batches·seq_len) + β·Σ piece² (rows are fixed-shape: padding goes"
+          " through the dense layers)")
+    print(f"loaders: W={args.workers} workers per rank (baseline own; msd_dask pooled N×W)"
+          f"   strategy={args.strategy} (Config.balance default: {default_strategy()})   seed={args.seed}")
+    for s in sources:
+        print(f"source {s.name}: weight={s.weight} prep={s.prep:.3g} s/token  lognormal median={s.median:g} "
+              f"sigma={s.sigma:g}  top-1% docs hold {100 * _tail_share(s, 1 << 62, args.seed):.0f}% of "
+              "tokens before truncation; after: "
+              + ", ".join(f"{100 * _tail_share(s, c, args.seed):.0f}% @ctx {c}" for c in args.context))
+    for s in sources:
+        print(f"  {s.name}: a rank of only this source stalls the baseline when prep/W > α "
+              f"(= {s.prep / args.workers:.3g} vs {alpha:.3g} s/token: "
+              f"{'yes' if s.prep / args.workers > alpha else 'no'})")
+    print("bound on the balance gain with equal tokens per rank: 1 + seq_len/(12·H) = "
+          + ", ".join(f"{balance_bound(args.seq_len or c, args.hidden):.3f} @ctx {c}" for c in args.context))
+    print()
+    hdr = (f"{'dp':>6} {'context':>7} {'steps':>5} {'pieces/st':>9} {'imb base':>8} {'imb msd':>7} "
+           f"{'bound':>6} {'stall% b':>8} {'spd bal':>7} {'spd stall':>9} {'spd tot':>7} {'spd LB':>6} "
+           f"{'fill b/m %':>11} {'tok/s x':>7} {'plan ms/st':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    results = []
+    for ctx in args.context:
+        for dp in args.dp:
+            per_rank = (args.seq_len or ctx) * args.micro_batches
+            cfg = SimConfig(dp=dp, context=ctx, seq_len=args.seq_len, micro_batches=args.micro_batches,
+                            steps=steps_for(dp, per_rank, args.steps, args.token_budget), hidden=args.hidden,
+                            layers=args.layers, flops=args.flops, workers=args.workers, sources=sources,
+                            strategy=args.strategy, seed=args.seed, plan_timeout=args.plan_timeout)
+            r = simulate(cfg)
+            results.append(r)
+            plan = f"{'>' if r.plan_timed_out else ''}{r.plan_ms:.0f}"
+            print(f"{dp:>6} {ctx:>7} {r.steps_run:>5} {r.pieces_per_step:>9.0f} {r.imb_base:>8.3f} "
+                  f"{r.imb_msd:>7.3f} {r.bound:>6.3f} {100 * r.stall_frac_base:>8.2f} "
+                  f"{r.speedup_balance:>7.3f} {r.speedup_stalls:>9.3f} {r.speedup_total:>7.3f} "
+                  f"{r.speedup_ideal:>6.3f} {100 * r.fill_base:>5.1f}/{100 * r.fill_msd:<5.1f} "
+                  f"{r.tokens_gain:>7.3f} {plan:>10}",
+                  flush=True)
+    if args.plot:
+        _plot(results, args.plot)
+        print(f"\nplot: {args.plot}")
+    return 0
+
+
+def _plot(results: list[CellResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    dps = sorted({r.cfg.dp for r in results})
+    for dp in dps:
+        rs = sorted((r for r in results if r.cfg.dp == dp), key=lambda r: r.cfg.context)
+        x = [r.cfg.context for r in rs]
+        line = axes[0].plot(x, [r.speedup_total for r in rs], "o-", label=f"step time, dp={dp}")[0]
+        axes[0].plot(x, [r.speedup_ideal for r in rs], "^:", color=line.get_color(),
+                     label=f"limit of any assignment, dp={dp}")
+        axes[0].plot(x, [r.tokens_gain for r in rs], "s--", color=line.get_color(),
+                     label=f"useful tokens/s, dp={dp}")
+        axes[1].plot(x, [r.imb_base for r in rs], "o-", label=f"baseline, dp={dp}")
+        axes[1].plot(x, [r.imb_msd for r in rs], "x--", label=f"msd_dask, dp={dp}")
+    ctxs = sorted({r.cfg.context for r in results})
+    axes[0].plot(ctxs, [balance_bound(c, results[0].cfg.hidden) for c in ctxs],
+                 "k:", label="bound 1+L/(12H)")
+    axes[0].plot([4096, 8192, 16384], [1.71, 2.63, 3.09], "rs", label="MegaScale-Data (paper)")
+    for ax, t in zip(axes, ("speedup (baseline / msd_dask step time)", "max/mean rank compute"),
+                     strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(t)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, loc="upper left", ncol=2 if ax is axes[0] else 1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
