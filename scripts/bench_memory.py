@@ -65,7 +65,11 @@ def child_bare() -> None:
 
 
 def child_hf(a: argparse.Namespace) -> None:
+    import warnings
+
     import baselines
+
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
 
     sources = baselines.demo_sources(a.root, replicas=a.sources // 2)
     dl = baselines.hf_loader(sources, a.rank, a.ranks, a.workers, a.seq_len, a.micro_batches,

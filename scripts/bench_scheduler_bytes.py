@@ -131,7 +131,7 @@ def measure(client: Any, address: str, cfg: dict[str, Any], steps: int, warmup: 
         for _ in range(warmup):
             for rd in readers:
                 next(rd)
-        time.sleep(1.0)  # let the planner and constructors refill their prefetch
+        time.sleep(0.5)  # let the planner and constructors refill their prefetch
         a = _snapshot(client)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             client.wait_for_workers(args.workers, timeout=60)
             a = _snapshot(client)
             t0 = time.perf_counter()
-            time.sleep(3.0)
+            time.sleep(1.0 if args.smoke else 3.0)
             idle = _diff(a, _snapshot(client))
             background = (idle["read_bytes"] + idle["write_bytes"]) / (time.perf_counter() - t0)
             rows = []

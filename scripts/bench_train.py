@@ -30,8 +30,8 @@ by a barrier: the rest is waiting for the slowest rank), the share spent
 fetching data, and the compute imbalance (max / mean forward+backward time over
 ranks, averaged over steps).
 
-    python scripts/bench_train.py --quick          # 2 ranks, 20 timed steps
-    python scripts/bench_train.py --ranks 2 --steps 60
+    python scripts/bench_train.py --quick          # 2 ranks, 10 timed steps
+    python scripts/bench_train.py --steps 40
 """
 
 from __future__ import annotations
@@ -252,12 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dask-workers", type=int, default=2)
     p.add_argument("--pure-reps", type=int, default=20)
     p.add_argument("--timeout", type=float, default=900, help="per pipeline")
-    p.add_argument("--quick", action="store_true", help="20 timed steps")
+    p.add_argument("--quick", action="store_true", help="10 timed steps after 2")
     p.add_argument("--smoke", action="store_true", help="3 timed steps, seq_len 512 (CI)")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
     if a.quick:
-        a.steps = 20
+        a.steps, a.warmup = 10, 2
     if a.smoke:
         a.steps, a.warmup, a.seq_len, a.pure_reps = 3, 1, 512, 5
     from msd_dask import DataService, load_config

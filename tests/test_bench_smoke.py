@@ -1,0 +1,56 @@
+"""The evidence benchmarks run end to end in their ``--smoke`` modes (tiny sizes, each about a minute).
+
+They check that the scripts work, not the figures (those come from the
+``--quick`` and full modes, see docs/benchmarks.md).  Skipped when the demo
+corpus or Hugging Face ``datasets`` is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "data", "demo")
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def _run(script: str, *args: str, timeout: float = 240) -> str:
+    proc = subprocess.run([sys.executable, os.path.join("scripts", script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+needs_demo = pytest.mark.skipif(
+    not (os.path.isdir(os.path.join(DEMO, "code")) and os.path.isdir(os.path.join(DEMO, "prose"))),
+    reason="no demo corpus: run `msd-dask demo-corpus data/demo`")
+
+
+def _needs_datasets() -> None:
+    pytest.importorskip("datasets", reason="the baseline needs Hugging Face `datasets`")
+
+
+@needs_demo
+def test_scheduler_bytes_smoke():
+    out = _run("bench_scheduler_bytes.py", "--smoke")
+    assert "ratio of scheduler bytes per batch, seq_len 1024 / 256" in out, out
+
+
+@needs_demo
+def test_memory_smoke():
+    _needs_datasets()
+    out = _run("bench_memory.py", "--smoke")
+    assert "ratio HF total / msd_dask" in out and "msd_dask total" in out, out
+
+
+@needs_demo
+def test_train_smoke():
+    _needs_datasets()
+    out = _run("bench_train.py", "--smoke")
+    assert "ratio msd_dask / HF" in out, out
+    assert "msd_dask" in out and "HF streaming (per rank)" in out, out
