@@ -1,28 +1,40 @@
 """Assignment of one step's pieces to DP ranks and micro-batches (pure, no Dask).
 
-Strategies are plain functions chosen by name (``balance:`` in the config):
+Every step has ``n_ranks × micro_batches`` rows of ``seq_len`` tokens; a rank's
+cost is the sum of its pieces' costs (see :mod:`msd_dask.cost`).  Strategies
+are plain functions chosen by name (``balance:`` in the config):
 
 ``sequential``
     Naive packing, the baseline: pieces in stream order fill micro-batch rows
-    one after another (first fit), as a per-rank loader packs.
+    one after another (next fit), as a per-rank loader packs.
 ``lpt``
     Longest processing time first: pieces by decreasing cost go to the rank
     with the least cost that still has a row with room, and inside it to the
     cheapest row with room.
+``balanced`` (the default)
+    Near-optimal multiway partitioning under the row capacity: the best of a
+    few greedy starts (LPT on costs and on *excess* costs, see
+    :func:`balanced`), improved by exchanges of pieces between heavy and light
+    ranks until the heaviest rank is within ``tol`` of the best bound or the
+    work budget runs out, then the micro-batches of each rank are evened by
+    the same exchanges between its rows.
 
-Each returns an :class:`Assignment`; pieces that fit nowhere get rank ``-1``
-and are carried to the next step by the planner.
+Each returns an :class:`Assignment`; a piece gets rank ``-1`` only when no row
+has room for it, and the planner carries it to the next step.  Results are
+deterministic: every sort is stable and ties go to the lowest index.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
+from heapq import heapify, heappop, heappush, heapreplace
 
 import numpy as np
 
-__all__ = ["Assignment", "assign", "STRATEGIES", "lower_bound"]
+__all__ = ["Assignment", "assign", "STRATEGIES", "lower_bound", "capacity_bound",
+           "sequential", "lpt", "balanced"]
 
 
 @dataclass
@@ -55,6 +67,16 @@ class Assignment:
         return float(rc.max()) / mean if mean > 0 else 1.0
 
     @property
+    def micro_imbalance(self) -> float:
+        """Worst over ranks of max over mean row cost inside the rank (1.0 is even)."""
+        mc = self.micro_cost
+        mean = mc.mean(axis=1)
+        ok = mean > 0
+        if not ok.any():
+            return 1.0
+        return float((mc.max(axis=1)[ok] / mean[ok]).max())
+
+    @property
     def placed(self) -> np.ndarray:
         return self.rank >= 0
 
@@ -66,6 +88,47 @@ def lower_bound(costs: np.ndarray, n_ranks: int) -> float:
     return float(max(costs.sum() / n_ranks, costs.max()))
 
 
+def capacity_bound(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
+                   seq_len: int) -> float:
+    """A lower bound on the max rank cost that also counts the row capacity.
+
+    At least :func:`lower_bound`.  With the pieces sorted by decreasing cost,
+    some rank holds ``t + 1`` of the ``t·n_ranks + 1`` largest (pigeonhole), so
+    its cost is at least the sum of the ``t + 1`` cheapest of them.  When the
+    rows are nearly full, as the planner fills them, that rank must also hold
+    at least ``micro_batches·seq_len − free − (their tokens)`` more tokens
+    (``free``: all rows' spare room), each costing at least the lowest cost per
+    token of any piece.  Used to stop :func:`balanced` early where the pieces
+    allow nothing better, and reported by ``scripts/bench_balance.py``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    costs = np.asarray(costs, dtype=np.float64)
+    n = len(costs)
+    if n == 0:
+        return 0.0
+    best = lower_bound(costs, n_ranks)
+    order = np.argsort(-costs, kind="stable")
+    cs, ls = costs[order], lengths[order]
+    pos = ls > 0
+    rho = float((cs[pos] / ls[pos]).min()) if pos.any() else 0.0
+    free = n_ranks * micro_batches * seq_len - int(ls.sum())
+    room = micro_batches * seq_len - free
+    keys = cs - rho * ls
+    # the t+1 cheapest of the top t·R+1 are the last t+1 when keys follow costs
+    monotone = bool(np.all(np.diff(keys) <= 1e-9 * max(1.0, float(keys[0]))))
+    t = np.arange((n - 1) // n_ranks + 1)
+    hi = t * n_ranks + 1                      # prefix length
+    lo = hi - (t + 1)
+    ccum = np.concatenate([[0.0], np.cumsum(cs)])
+    csum = ccum[hi] - ccum[lo]
+    best = max(best, float(csum.max()))
+    if monotone and room > 0 and rho > 0:
+        lcum = np.concatenate([[0], np.cumsum(ls)])
+        lsum = lcum[hi] - lcum[lo]
+        best = max(best, float((csum + rho * np.maximum(0, room - lsum)).max()))
+    return best
+
+
 def _empty(n: int, n_ranks: int, micro_batches: int) -> Assignment:
     return Assignment(
         rank=np.full(n, -1, dtype=np.int64), micro=np.full(n, -1, dtype=np.int64),
@@ -74,60 +137,573 @@ def _empty(n: int, n_ranks: int, micro_batches: int) -> Assignment:
     )
 
 
+def _build(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.ndarray,
+           n_ranks: int, micro_batches: int) -> Assignment:
+    """An :class:`Assignment` whose row sums are recomputed from ``rank``/``micro``."""
+    a = _empty(len(lengths), n_ranks, micro_batches)
+    a.rank[:] = rank
+    a.micro[:] = micro
+    ok = a.rank >= 0
+    row = a.rank[ok] * micro_batches + a.micro[ok]
+    size = n_ranks * micro_batches
+    a.micro_cost[:] = np.bincount(row, costs[ok], size).reshape(n_ranks, micro_batches)
+    a.micro_used[:] = np.bincount(row, lengths[ok], size).astype(np.int64).reshape(
+        n_ranks, micro_batches)
+    return a
+
+
+# --------------------------------------------------------------------------- sequential
+
+
 def sequential(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
                seq_len: int) -> Assignment:
-    """Naive packing: fill rows in order, first fit, the way per-rank loaders pack."""
-    a = _empty(len(lengths), n_ranks, micro_batches)
-    flat_used = a.micro_used.reshape(-1)
-    flat_cost = a.micro_cost.reshape(-1)
+    """Naive packing: fill rows in order, next fit, the way per-rank loaders pack."""
+    n = len(lengths)
+    out = [-1] * n
+    used = 0
     row = 0
     n_rows = n_ranks * micro_batches
-    for i, (n, c) in enumerate(zip(lengths, costs, strict=True)):
-        while row < n_rows and flat_used[row] + n > seq_len:
+    for i, length in enumerate(lengths.tolist()):
+        while row < n_rows and used + length > seq_len:
             row += 1
+            used = 0
         if row >= n_rows:
             break
-        flat_used[row] += n
-        flat_cost[row] += c
-        a.rank[i], a.micro[i] = divmod(row, micro_batches)
-    return a
+        used += length
+        out[i] = row
+    rows = np.asarray(out, dtype=np.int64)
+    ok = rows >= 0
+    return _build(np.where(ok, rows // micro_batches, -1), np.where(ok, rows % micro_batches, -1),
+                  lengths, costs, n_ranks, micro_batches)
+
+
+# --------------------------------------------------------------------------- greedy (LPT)
+
+
+class _Greedy:
+    """Rows' free room and key sums, filled greedily (pure Python: ~1 µs a piece).
+
+    :meth:`fill` puts each piece on the rank with the least key sum that has a
+    row with room (ties: lowest rank), inside it on the row with the least key
+    sum that has room (ties: lowest row).  Ranks without room for the current
+    piece are parked in a heap by their largest room and come back as soon as
+    a piece fits them, so a full step costs ``O(n log n_ranks)``.
+    """
+
+    def __init__(self, n: int, n_ranks: int, micro_batches: int, seq_len: int):
+        self.n_ranks, self.micro_batches, self.seq_len = n_ranks, micro_batches, seq_len
+        self.free = [[seq_len] * micro_batches for _ in range(n_ranks)]
+        self.row_key = [[0.0] * micro_batches for _ in range(n_ranks)]
+        self.rank_key = [0.0] * n_ranks
+        self.max_free = [seq_len] * n_ranks
+        self.rank = [-1] * n
+        self.micro = [-1] * n
+        self.fresh = True
+
+    def fill(self, order: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> None:
+        free, row_key, rank_key, max_free = self.free, self.row_key, self.rank_key, self.max_free
+        out_rank, out_micro = self.rank, self.micro
+        parked: list[tuple[int, int]] = []
+        mb = self.micro_batches
+        rows = range(mb)
+        idx, lens, ks = order.tolist(), lengths[order].tolist(), keys[order].tolist()
+        if self.fresh:
+            # empty ranks: the first pieces (while keys are > 0) go to ranks 0, 1, ...
+            self.fresh = False
+            head = 0
+            while head < min(len(idx), self.n_ranks) and ks[head] > 0:
+                i, r = idx[head], head
+                free[r][0] -= lens[head]
+                row_key[r][0] = rank_key[r] = ks[head]
+                max_free[r] = max(free[r])
+                out_rank[i], out_micro[i] = r, 0
+                head += 1
+            idx, lens, ks = idx[head:], lens[head:], ks[head:]
+        heap = [(rank_key[r], r) for r in range(self.n_ranks)]
+        heapify(heap)
+        for i, length, key in zip(idx, lens, ks, strict=True):
+            while parked and -parked[0][0] >= length:
+                r = heappop(parked)[1]
+                heappush(heap, (rank_key[r], r))
+            while heap:
+                r = heap[0][1]
+                if max_free[r] >= length:
+                    break
+                heappop(heap)
+                heappush(parked, (-max_free[r], r))
+            else:
+                continue
+            f = free[r]
+            rk = row_key[r]
+            if mb == 1:
+                m = 0
+            else:
+                m = -1
+                low = 0.0
+                for q in rows:
+                    if f[q] >= length and (m < 0 or rk[q] < low):
+                        m, low = q, rk[q]
+            f[m] -= length
+            rk[m] += key
+            max_free[r] = max(f)
+            rank_key[r] += key
+            heapreplace(heap, (rank_key[r], r))
+            out_rank[i] = r
+            out_micro[i] = m
+
+    def fill_tail(self, order: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> None:
+        """:meth:`fill` for pieces whose keys are too small to matter one by one.
+
+        Vectorised rounds: the next ``k`` pieces go, the longest first, to the
+        ``k`` ranks with the least key sums among those with room for the
+        round's first piece (``k``: how many such ranks), each on its row with
+        the least key sum that has room.  Finishes with :meth:`fill` once fewer
+        than 16 ranks have room (or for pieces that found no row).
+        """
+        R = self.n_ranks
+        free = np.array(self.free, dtype=np.int64)
+        row_key = np.array(self.row_key, dtype=np.float64)
+        rank_key = np.array(self.rank_key, dtype=np.float64)
+        out_rank = np.array(self.rank, dtype=np.int64)
+        out_micro = np.array(self.micro, dtype=np.int64)
+        lens, ks = lengths[order], keys[order]
+        left: list[np.ndarray] = []
+        pos, n = 0, len(order)
+        while pos < n:
+            eligible = np.flatnonzero(free.max(axis=1) >= lens[pos])
+            if len(eligible) < min(16, R):
+                break
+            k = min(len(eligible), n - pos)
+            ranks = eligible[np.argsort(rank_key[eligible], kind="stable")[:k]]
+            chunk = slice(pos, pos + k)
+            ln, kk = lens[chunk], ks[chunk]
+            room = free[ranks] >= ln[:, None]
+            rows = np.argmin(np.where(room, row_key[ranks], np.inf), axis=1)
+            ok = room[np.arange(k), rows]
+            r, m = ranks[ok], rows[ok]
+            free[r, m] -= ln[ok]
+            row_key[r, m] += kk[ok]
+            rank_key[r] += kk[ok]
+            idx = order[chunk]
+            out_rank[idx[ok]] = r
+            out_micro[idx[ok]] = m
+            left.append(idx[~ok])
+            pos += k
+        left.append(order[pos:])
+        self.free = free.tolist()
+        self.row_key = row_key.tolist()
+        self.rank_key = rank_key.tolist()
+        self.max_free = free.max(axis=1).tolist()
+        self.rank = out_rank.tolist()
+        self.micro = out_micro.tolist()
+        rest = np.concatenate(left)
+        if len(rest):
+            self.fill(rest[_decreasing(keys[rest])], lengths, keys)
+
+    def shift_keys(self, rho: float) -> None:
+        """Add ``rho`` per used token to every key sum (excess costs -> costs)."""
+        s = self.seq_len
+        for r in range(self.n_ranks):
+            rk = self.row_key[r]
+            f = self.free[r]
+            for m in range(self.micro_batches):
+                rk[m] += rho * (s - f[m])
+            self.rank_key[r] = sum(rk)
+
+    def result(self, lengths: np.ndarray, costs: np.ndarray) -> Assignment:
+        return _build(np.asarray(self.rank, dtype=np.int64), np.asarray(self.micro, dtype=np.int64),
+                      lengths, costs, self.n_ranks, self.micro_batches)
+
+
+def _decreasing(keys: np.ndarray) -> np.ndarray:
+    return np.argsort(-keys, kind="stable")
 
 
 def lpt(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
         seq_len: int) -> Assignment:
     """Greedy longest-processing-time-first under the row capacity ``seq_len``."""
-    a = _empty(len(lengths), n_ranks, micro_batches)
-    order = np.argsort(-costs, kind="stable")
-    heap = [(0.0, r) for r in range(n_ranks)]
-    free = np.full((n_ranks, micro_batches), seq_len, dtype=np.int64)
-    for i in order:
-        n, c = int(lengths[i]), float(costs[i])
-        popped = []
-        while heap:
-            rc, r = heapq.heappop(heap)
-            fits = free[r] >= n
-            if fits.any():
-                rows = np.flatnonzero(fits)
-                m = int(rows[np.argmin(a.micro_cost[r, rows])])
-                free[r, m] -= n
-                a.micro_cost[r, m] += c
-                a.rank[i], a.micro[i] = r, m
-                heapq.heappush(heap, (rc + c, r))
-                break
-            popped.append((rc, r))
-        for p in popped:
-            heapq.heappush(heap, p)
-    a.micro_used[:] = seq_len - free
-    return a
+    g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
+    g.fill(_decreasing(costs), lengths, costs)
+    return g.result(lengths, costs)
+
+
+# --------------------------------------------------------------------------- balanced
+
+
+def _min_cost_per_token(lengths: np.ndarray, costs: np.ndarray) -> float:
+    pos = lengths > 0
+    return float((costs[pos] / lengths[pos]).min()) if pos.any() else 0.0
+
+
+#: Weight of the plain cost in the excess keys: breaks ties between pieces of
+#: no excess (all of one length, say) towards the cheaper ranks.
+_COST_SHARE = 1e-3
+#: Pieces whose key is below this share of a mean rank's key sum are placed in
+#: vectorised rounds (:meth:`_Greedy.fill_tail`) when there are many.
+_TINY = 1e-4
+
+
+def _starts(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
+            seq_len: int, rho: float) -> list[Callable[[], Assignment]]:
+    """Greedy starting points of :func:`balanced`, in the order they are tried."""
+    excess = np.maximum(costs - rho * lengths, 0.0) + _COST_SHARE * costs
+    mean = float(costs.sum()) / n_ranks
+
+    def fill(g: _Greedy, order: np.ndarray, keys: np.ndarray) -> None:
+        tiny = keys[order] <= _TINY * float(keys.sum()) / n_ranks
+        if tiny.sum() < 4 * n_ranks:
+            g.fill(order, lengths, keys)
+        else:
+            g.fill(order[~tiny], lengths, keys)
+            g.fill_tail(order[tiny], lengths, keys)
+
+    def on_excess() -> Assignment:
+        g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
+        fill(g, _decreasing(excess), excess)
+        return g.result(lengths, costs)
+
+    def hybrid() -> Assignment:
+        g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
+        order = _decreasing(excess)
+        big = excess[order] >= 0.002 * mean
+        g.fill(order[big], lengths, excess)
+        g.shift_keys(rho)
+        rest = order[~big]
+        fill(g, rest[_decreasing(costs[rest])], costs)
+        return g.result(lengths, costs)
+
+    def on_cost() -> Assignment:
+        g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
+        fill(g, _decreasing(costs), costs)
+        return g.result(lengths, costs)
+
+    # excess costs assume rows end up full: on a step well short of full, costs first
+    full = int(lengths.sum()) >= 0.98 * n_ranks * micro_batches * seq_len
+    return [on_excess, hybrid, on_cost] if full else [on_cost, on_excess, hybrid]
+
+
+#: Index pairs of the piece sets an exchange considers in a group's table of
+#: ``k`` pieces: every single piece and every pair (``-1``: no piece).
+@lru_cache(maxsize=64)
+def _sets(k: int, empty: bool) -> np.ndarray:
+    i, j = np.triu_indices(k, 1)
+    out = [np.stack([np.arange(k), np.full(k, -1)], axis=1), np.stack([i, j], axis=1)]
+    if empty:
+        out.insert(0, np.array([[-1, -1]]))
+    sets = np.concatenate(out).astype(np.int64)
+    sets.flags.writeable = False
+    return sets
+
+
+class _State:
+    """Rows and pieces during the exchanges (flat row id ``rank·micro_batches + micro``)."""
+
+    def __init__(self, a: Assignment, lengths: np.ndarray, costs: np.ndarray, seq_len: int):
+        self.n_ranks, self.micro_batches = a.micro_cost.shape
+        self.seq_len = seq_len
+        self.lengths, self.costs = lengths, costs
+        self.row = np.where(a.rank >= 0, a.rank * self.micro_batches + a.micro, -1)
+        self.row_cost = a.micro_cost.reshape(-1).copy()
+        self.row_free = (seq_len - a.micro_used).reshape(-1).astype(np.int64)
+
+    def refresh(self) -> None:
+        ok = self.row >= 0
+        size = self.n_ranks * self.micro_batches
+        self.row_cost = np.bincount(self.row[ok], self.costs[ok], size)
+        used = np.bincount(self.row[ok], self.lengths[ok], size).astype(np.int64)
+        self.row_free = self.seq_len - used
+
+    def assignment(self) -> Assignment:
+        ok = self.row >= 0
+        mb = self.micro_batches
+        return _build(np.where(ok, self.row // mb, -1), np.where(ok, self.row % mb, -1),
+                      self.lengths, self.costs, self.n_ranks, mb)
+
+
+def _tables(group: np.ndarray, n_groups: int, lengths: np.ndarray, k: int) -> np.ndarray:
+    """``(n_groups, k)`` piece indices per group (``-1`` pads).
+
+    A group with more than ``k`` pieces keeps its ``k // 2`` longest and
+    ``k - k // 2`` more spread evenly over the rest by length, so that small
+    pieces stay available for fine adjustments.
+    """
+    span = int(lengths.max()) + 1 if len(lengths) else 1
+    order = np.argsort(group * span + (span - 1 - lengths), kind="stable")
+    order = order[group[order] >= 0]
+    g = group[order]
+    start = np.searchsorted(g, np.arange(n_groups))
+    count = np.diff(np.append(start, len(order)))
+    top = k // 2
+    col = np.arange(k)
+    spread = top + ((count[:, None] - top) * (col[None, :] - top)) // max(1, k - top)
+    pos = np.where((count[:, None] <= k) | (col[None, :] < top), col[None, :], spread)
+    valid = pos < count[:, None]
+    idx = np.minimum(start[:, None] + pos, max(0, len(order) - 1))
+    return np.where(valid, order[idx] if len(order) else -1, -1)
+
+
+def _exchange(st: _State, group_of_row: np.ndarray, g1: np.ndarray, g2: np.ndarray,
+              group_cost: np.ndarray, table: np.ndarray) -> int:
+    """One round of exchanges between heavy groups ``g1[p]`` and light groups ``g2[p]``.
+
+    For every pair it looks at moving a set ``A`` (one or two pieces of ``g1``)
+    to ``g2`` in return for a set ``B`` (none, one or two pieces of ``g2``):
+    ``A`` goes into the row of ``B``'s first piece (or ``g2``'s roomiest row)
+    and ``B`` into the row of ``A``'s first piece, where both rows must keep
+    within ``seq_len``.  It applies, per pair, the exchange that most lowers
+    the larger of the two groups' costs, if any.  The pairs' groups are
+    distinct, so all exchanges apply together.  Returns how many were applied.
+    """
+    L, C = st.lengths, st.costs
+    k = table.shape[1]
+    sa, sb = _sets(k, False), _sets(k, True)
+
+    def side(groups: np.ndarray, sets: np.ndarray) -> tuple[np.ndarray, ...]:
+        t = table[groups]                                         # (P, k)
+        ids = np.where(sets[None] >= 0, t[:, np.maximum(sets, 0)], -1)  # (P, s, 2)
+        ok = np.all((ids >= 0) | (sets[None] < 0), axis=2)
+        safe = np.maximum(ids, 0)
+        here = ids >= 0
+        ln = np.where(here, L[safe], 0)
+        cs = np.where(here, C[safe], 0.0)
+        rows = np.where(here, st.row[safe], -1)
+        return ids, ok, ln, cs, rows
+
+    ia, oka, la, ca, ra = side(g1, sa)
+    ib, okb, lb, cb, rb = side(g2, sb)
+    # receiving rows: A goes to B's first row, else g2's roomiest row
+    rows_of = np.arange(len(group_of_row))
+    roomiest = np.full(len(group_cost), -1, dtype=np.int64)
+    order = np.lexsort((rows_of, -st.row_free, group_of_row))
+    first = np.r_[True, group_of_row[order][1:] != group_of_row[order][:-1]]
+    roomiest[group_of_row[order][first]] = order[first]
+    b0 = np.where(rb[..., 0] >= 0, rb[..., 0], roomiest[g2][:, None])    # (P, sb)
+    a0 = ra[..., 0]                                                      # (P, sa)
+    la_in = la[..., 0] + np.where(ra[..., 1] == a0, la[..., 1], 0)       # tokens of A in a0
+    lb_in = lb[..., 0] + np.where(rb[..., 1] == b0, lb[..., 1], 0)
+    lat, lbt = la.sum(-1), lb.sum(-1)
+    cat, cbt = ca.sum(-1), cb.sum(-1)
+    fa = st.row_free[np.maximum(a0, 0)] + la_in                          # (P, sa)
+    fb = st.row_free[b0] + lb_in                                         # (P, sb)
+    ok = (oka[:, :, None] & okb[:, None, :]
+          & (lbt[:, None, :] <= fa[:, :, None]) & (lat[:, :, None] <= fb[:, None, :]))
+    delta = cat[:, :, None] - cbt[:, None, :]
+    c1 = group_cost[g1][:, None, None]
+    c2 = group_cost[g2][:, None, None]
+    ok &= delta > 0
+    new = np.where(ok, np.maximum(c1 - delta, c2 + delta), np.inf).reshape(len(g1), -1)
+    best = np.argmin(new, axis=1)
+    gain = new[np.arange(len(g1)), best] < group_cost[g1] * (1 - 1e-9)
+    applied = 0
+    for p in np.flatnonzero(gain).tolist():
+        i, j = divmod(int(best[p]), len(sb))
+        dest_b = int(b0[p, j])
+        dest_a = int(a0[p, i])
+        for x in ia[p, i]:
+            if x >= 0:
+                st.row[x] = dest_b
+        for y in ib[p, j]:
+            if y >= 0:
+                st.row[y] = dest_a
+        applied += 1
+    if applied:
+        st.refresh()
+    return applied
+
+
+class _Budget:
+    """Candidate exchanges left to evaluate (the deterministic work limit)."""
+
+    def __init__(self, cells: int, per_round: int, k_max: int, k_min: int = 6):
+        self.left, self.per_round, self.k_max, self.k_min = cells, per_round, k_max, k_min
+
+    def plan(self, pairs: int) -> tuple[int, int]:
+        """``(pairs, k)`` for the next round: the widest tables that fit, at least
+        ``k_min`` wide (fewer pairs, heaviest first, when they do not); ``(0, 0)``
+        when the budget is spent."""
+        cap = min(self.per_round, self.left)
+        k = self.k_max
+        while k > self.k_min and pairs * _n_cells(k) > cap:
+            k -= 1
+        k = min(k, self.k_max)
+        pairs = min(pairs, cap // _n_cells(k))
+        if pairs <= 0:
+            return 0, 0
+        self.left -= pairs * _n_cells(k)
+        return pairs, k
+
+
+def _n_cells(k: int) -> int:
+    return len(_sets(k, False)) * len(_sets(k, True))
+
+
+def _balance_ranks(st: _State, goal: float, budget: _Budget) -> None:
+    R, M = st.n_ranks, st.micro_batches
+    group_of_row = np.arange(R * M) // M
+    stale = 0
+    offset = 0
+    while True:
+        rank_cost = st.row_cost.reshape(R, M).sum(axis=1)
+        top = float(rank_cost.max())
+        if top <= goal:
+            return
+        order = np.argsort(-rank_cost, kind="stable")
+        heavy = order[rank_cost[order] > goal]
+        light = order[::-1]
+        n_pairs = min(len(heavy), R // 2)
+        # the lightest ranks, rotated while the top does not improve
+        g2 = light[(np.arange(n_pairs) + offset) % max(1, R - n_pairs)]
+        g1 = heavy[:n_pairs]
+        keep = ~np.isin(g2, g1)
+        g1, g2 = g1[keep], g2[keep]
+        n_pairs, k = budget.plan(len(g1))
+        if n_pairs == 0:
+            return
+        g1, g2 = g1[:n_pairs], g2[:n_pairs]
+        table = _tables(np.where(st.row >= 0, st.row // M, -1), R, st.lengths, k)
+        _exchange(st, group_of_row, g1, g2, rank_cost, table)
+        after = float(st.row_cost.reshape(R, M).sum(axis=1).max())
+        if after < top * (1 - 1e-9):
+            stale = 0
+        else:
+            stale += 1
+            offset += n_pairs
+            if stale >= 2:
+                return
+
+
+def _even_rows(st: _State, tol: float, budget: _Budget) -> None:
+    """Exchanges between the heaviest and the lightest row of every rank."""
+    R, M = st.n_ranks, st.micro_batches
+    if M < 2:
+        return
+    ok = st.row >= 0
+    rank_of = np.where(ok, st.row // M, -1)
+    big = np.zeros(R)
+    np.maximum.at(big, rank_of[ok], st.costs[ok])
+    rows = np.arange(R * M)
+    while True:
+        rc = st.row_cost.reshape(R, M)
+        goal = np.maximum(rc.mean(axis=1), big) * (1 + tol)
+        hi = np.argmax(rc, axis=1)
+        lo = np.argmin(rc, axis=1)
+        excess = np.divide(rc[np.arange(R), hi], goal, out=np.zeros(R), where=goal > 0)
+        todo = np.flatnonzero((excess > 1) & (hi != lo))
+        if len(todo) == 0:
+            return
+        todo = todo[np.argsort(-excess[todo], kind="stable")]
+        n_pairs, k = budget.plan(len(todo))
+        if n_pairs == 0:
+            return
+        todo = todo[:n_pairs]
+        table = _tables(st.row, R * M, st.lengths, k)
+        if not _exchange(st, rows, todo * M + hi[todo], todo * M + lo[todo], st.row_cost, table):
+            return
+
+
+def _place_leftovers(st: _State) -> None:
+    """Put pieces that became placeable (exchanges move room around) on the cheapest rank."""
+    left = np.flatnonzero(st.row < 0)
+    if len(left) == 0:
+        return
+    R, M = st.n_ranks, st.micro_batches
+    changed = False
+    for i in left[_decreasing(st.lengths[left].astype(np.float64))].tolist():
+        fits = st.row_free >= st.lengths[i]
+        if not fits.any():
+            continue
+        rank_cost = st.row_cost.reshape(R, M).sum(axis=1)
+        rank_ok = fits.reshape(R, M).any(axis=1)
+        r = int(np.argmin(np.where(rank_ok, rank_cost, np.inf)))
+        rows = r * M + np.flatnonzero(fits[r * M:(r + 1) * M])
+        row = int(rows[np.argmin(st.row_cost[rows])])
+        st.row[i] = row
+        st.row_free[row] -= st.lengths[i]
+        st.row_cost[row] += st.costs[i]
+        changed = True
+    if changed:
+        st.refresh()
+
+
+def balanced(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
+             seq_len: int, *, tol: float = 0.005, greedy_work: int = 30_000,
+             work: int = 400_000, per_round: int = 100_000, k_max: int = 12) -> Assignment:
+    """Near-optimal balance of rank costs under the row capacity ``seq_len``.
+
+    The goal is a heaviest rank within ``tol`` of ``max(lower_bound,
+    capacity_bound)`` (what the pieces allow); each stage stops once it is met.
+
+    1. **Greedy starts.**  With ``ρ`` the lowest cost per token of any piece,
+       a piece's *excess* cost is ``cost − ρ·length`` (for ``α·L + β·L²``,
+       about ``β·L²``).  A step's rows are nearly full, so every rank ends up
+       with about the same tokens and rank costs differ by their excess: LPT
+       on excess costs balances exactly that, where plain LPT on costs leaves
+       the last, short pieces no room but on ranks that are already heavy.
+       Tried in turn, keeping the best, until one is within ``2·tol``: LPT on
+       excess costs (plus ``0.001 × cost``, to break ties), LPT on excess
+       costs for the pieces above 0.2% of a mean rank and then on costs, and
+       LPT on costs (first instead, when the pieces fill less than 98% of the
+       step).  Starts after the first only run while the pieces they
+       have handled stay within ``greedy_work``.  Pieces whose key is below
+       1e-4 of a mean rank's are placed in vectorised rounds when there are
+       many (:meth:`_Greedy.fill_tail`).
+    2. **Exchanges between ranks.**  Each round pairs the ranks above the goal,
+       heaviest first, with the lightest ranks and applies, per pair, the
+       exchange of up to two pieces for up to two pieces (or a plain move)
+       that most lowers the pair's larger cost while every row stays within
+       ``seq_len``, vectorised over all pairs.  Stops at the goal, when the
+       max has not fallen for 2 rounds, or when ``work`` candidate exchanges
+       have been evaluated (at most ``per_round`` a round: the per-rank piece
+       tables narrow from ``k_max`` pieces, the ``k_max // 2`` longest and the
+       rest spread over the shorter ones, down to 6, then fewer pairs).
+    3. **Pieces for which some row has room again are placed** (exchanges
+       move room around).
+    4. **Even micro-batches.**  The same exchanges between the heaviest and
+       the lightest row of every rank (rank costs do not change), until every
+       rank's rows are within ``tol`` of ``max(mean row, its largest piece)``,
+       nothing improves, or ``work / 3`` candidates have been evaluated.
+
+    Every limit counts work, not time, so the result depends only on the input.
+    """
+    n = len(lengths)
+    if n == 0:
+        return _empty(0, n_ranks, micro_batches)
+    rho = _min_cost_per_token(lengths, costs)
+    best: tuple[float, int] | None = None
+    chosen = None
+    goal_ratio = 1.0 + tol
+    spent = 0
+    for start in _starts(lengths, costs, n_ranks, micro_batches, seq_len, rho):
+        if spent and spent + n > greedy_work:
+            break
+        spent += n
+        a = start()
+        ok = a.placed
+        bound = capacity_bound(lengths[ok], costs[ok], n_ranks, micro_batches, seq_len)
+        ratio = float(a.rank_cost.max()) / bound if bound > 0 else 1.0
+        score = (ratio, int((~ok).sum()))
+        if best is None or score < best:
+            best, chosen = score, a
+        if ratio <= 1.0 + 2 * tol:
+            break
+    assert chosen is not None
+    st = _State(chosen, lengths, costs, seq_len)
+    if n_ranks > 1:
+        ok = st.row >= 0
+        goal = capacity_bound(lengths[ok], costs[ok], n_ranks, micro_batches, seq_len) * goal_ratio
+        _balance_ranks(st, goal, _Budget(work, per_round, k_max))
+    _place_leftovers(st)
+    _even_rows(st, tol, _Budget(work // 3, per_round, k_max))
+    return st.assignment()
 
 
 Strategy = Callable[[np.ndarray, np.ndarray, int, int, int], Assignment]
 
-STRATEGIES: dict[str, Strategy] = {"sequential": sequential, "lpt": lpt}
+STRATEGIES: dict[str, Strategy] = {"sequential": sequential, "lpt": lpt, "balanced": balanced}
 
 
 def assign(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
-           seq_len: int, strategy: str = "lpt") -> Assignment:
+           seq_len: int, strategy: str = "balanced") -> Assignment:
     """Assign pieces to ranks and micro-batches with the named strategy.
 
     Parameters
@@ -135,7 +711,7 @@ def assign(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: 
     lengths : ndarray of int
         Tokens of each piece (each ``<= seq_len``).
     costs : ndarray of float
-        Cost of each piece.
+        Cost of each piece (``>= 0``).
     n_ranks, micro_batches, seq_len : int
         ``n_ranks × micro_batches`` rows of ``seq_len`` tokens.
     strategy : str

@@ -179,14 +179,20 @@ def resolve_import_path(spec: str) -> Any:
 
 @dataclass(frozen=True)
 class CostConfig:
-    """Per-document cost ``linear·L + quadratic·L²``.
+    """Per-document cost ``linear·L + quadratic·L²`` (see :mod:`msd_dask.cost`).
 
     The default ``quadratic`` is the ratio of causal attention to dense-layer
-    FLOPs of a transformer of hidden size 4096 (``1 / (12·4096)``).
+    FLOPs of a transformer of hidden size 4096 (``1 / (12·4096)``).  With
+    ``model`` (``{"hidden_size": H, "layers": N}``), ``linear`` and
+    ``quadratic`` are that transformer's forward FLOPs ``24·N·H²`` and
+    ``2·N·H``.  With ``fit``, step times refine the model online
+    (:class:`~msd_dask.cost.CostFitter`), starting from it.
     """
 
     linear: float = 1.0
     quadratic: float = 1.0 / (12 * 4096)
+    model: Mapping[str, int] | None = None
+    fit: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,7 +209,7 @@ class Config:
     cost: CostConfig = CostConfig()
     constructors: int = 0
     timeout: float = 300.0
-    balance: str = "lpt"
+    balance: str = "balanced"
 
     def source(self, name: str) -> SourceConfig:
         for s in self.sources:
@@ -468,11 +474,29 @@ def _parse(d: Any, check_files: bool) -> Config:
                         micro_batches=_int(b, "micro_batches", "batch", 1))
     tokenizer = _tokenizer(d.get("tokenizer", {}), check_files)
     cost = d.get("cost", {})
-    _check_keys(cost, "cost", {"linear", "quadratic"})
-    cost_cfg = CostConfig(
-        linear=_num(cost, "linear", "cost", CostConfig.linear),
-        quadratic=_num(cost, "quadratic", "cost", CostConfig.quadratic),
-    )
+    _check_keys(cost, "cost", {"linear", "quadratic", "model", "fit"})
+    fit = cost.get("fit", False)
+    if not isinstance(fit, bool):
+        raise ConfigError("cost.fit", f"must be true or false, got {fit!r}")
+    shape = cost.get("model")
+    if shape is None:
+        cost_cfg = CostConfig(
+            linear=_num(cost, "linear", "cost", CostConfig.linear),
+            quadratic=_num(cost, "quadratic", "cost", CostConfig.quadratic),
+            fit=fit,
+        )
+    else:
+        from .cost import transformer_coefficients
+
+        _check_keys(shape, "cost.model", {"hidden_size", "layers"}, {"hidden_size", "layers"})
+        model = {k: _int(shape, k, "cost.model", 1) for k in ("hidden_size", "layers")}
+        linear, quadratic = transformer_coefficients(model["hidden_size"], model["layers"])
+        for k, derived in (("linear", linear), ("quadratic", quadratic)):
+            # to_dict() writes the derived values next to the model: they must agree
+            if k in cost and not math.isclose(_num(cost, k, "cost", 0.0), derived, rel_tol=1e-9):
+                raise ConfigError(f"cost.{k}", f"conflicts with cost.model, which gives {derived!r} "
+                                  "(give one or the other)")
+        cost_cfg = CostConfig(linear=linear, quadratic=quadratic, model=model, fit=fit)
     if cost_cfg.linear == 0 and cost_cfg.quadratic == 0:
         raise ConfigError("cost", "linear and quadratic cannot both be 0")
     srcs = d["sources"]
@@ -489,7 +513,7 @@ def _parse(d: Any, check_files: bool) -> Config:
     seed = d.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")
-    balance = d.get("balance", "lpt")
+    balance = d.get("balance", Config.balance)
     from .balance import STRATEGIES
 
     if balance not in STRATEGIES:

@@ -1,14 +1,55 @@
-"""The per-document cost model ``α·L + β·L²`` (pure, no Dask)."""
+"""Per-document cost models ``α·L + β·L²`` (pure, no Dask).
+
+Three ways to get ``α`` (``linear``) and ``β`` (``quadratic``), chosen by the
+``cost:`` section of the config:
+
+``cost: {linear: α, quadratic: β}``
+    Given outright (default ``α = 1``, ``β = 1 / (12·4096)``).
+``cost: {model: {hidden_size: H, layers: N}}``
+    Derived from a dense transformer's forward FLOPs, see
+    :meth:`CostModel.from_transformer`.
+``cost: {fit: true}``
+    Learnt online from measured step times by :class:`CostFitter`, starting
+    from the model the rest of the section gives.
+
+Only the ratio ``β / α`` matters to balancing (:mod:`msd_dask.balance`), so
+the units are free: tokens, FLOPs or seconds.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .config import CostConfig
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "CostFitter", "transformer_coefficients"]
+
+
+def transformer_coefficients(hidden_size: int, layers: int) -> tuple[float, float]:
+    """``(α, β)`` in forward FLOPs of a dense decoder-only transformer.
+
+    Per layer and per document of ``L`` tokens:
+
+    * dense layers (QKV and output projections, ``4·H²`` weights, and a
+      ``4H``-wide MLP, ``8·H²`` weights: ``12·H²`` weights at 2 FLOPs per
+      multiply-add) cost ``24·L·H²``;
+    * causal attention (``Q·Kᵀ`` and ``softmax·V``, ``2·L²·H`` FLOPs each,
+      half of it masked) costs ``2·L²·H``.
+
+    So ``α = 24·N·H²`` and ``β = 2·N·H`` for ``N`` layers, and
+    ``β / α = 1 / (12·H)``.  Training (forward and backward) is about three
+    times the forward pass for both terms, which changes no balancing decision.
+    Embeddings, the output layer and norms are linear in ``L`` and small next
+    to ``24·N·H²``; they are left out.
+    """
+    if hidden_size <= 0 or layers <= 0:
+        raise ValueError(f"hidden_size and layers must be > 0, got {hidden_size}, {layers}")
+    return 24.0 * layers * hidden_size * hidden_size, 2.0 * layers * hidden_size
 
 
 @dataclass(frozen=True)
@@ -19,13 +60,345 @@ class CostModel:
     for causal attention inside the document.
     """
 
-    linear: float = 1.0
+    linear: float = CostConfig.linear
     quadratic: float = CostConfig.quadratic
 
     @classmethod
     def from_config(cls, cfg: CostConfig) -> CostModel:
+        """The configured model (with ``fit: true``, the fitter's starting model)."""
         return cls(cfg.linear, cfg.quadratic)
+
+    @classmethod
+    def from_transformer(cls, hidden_size: int, layers: int) -> CostModel:
+        """Forward FLOPs per document, see :func:`transformer_coefficients`."""
+        return cls(*transformer_coefficients(hidden_size, layers))
 
     def __call__(self, lengths: np.ndarray | int) -> np.ndarray:
         L = np.asarray(lengths, dtype=np.float64)
         return self.linear * L + self.quadratic * L * L
+
+    def total(self, lengths: np.ndarray | Sequence[np.ndarray]) -> float:
+        """Cost of a rank holding these pieces (one array, or one per micro-batch)."""
+        s1, s2 = _features(lengths)
+        return self.linear * s1 + self.quadratic * s2
+
+
+def _features(lengths: np.ndarray | Sequence[np.ndarray]) -> tuple[float, float]:
+    """``(ΣL, ΣL²)`` of one rank's pieces, given as one array or a list of arrays."""
+    if isinstance(lengths, np.ndarray):
+        parts = [lengths]
+    else:
+        parts = [np.asarray(p) for p in lengths]
+    s1 = s2 = 0.0
+    for p in parts:
+        f = np.asarray(p, dtype=np.float64).reshape(-1)
+        s1 += float(f.sum())
+        s2 += float((f * f).sum())
+    return s1, s2
+
+
+class CostFitter:
+    """Online least-squares fit of measured rank times to ``α·ΣL + β·ΣL²``.
+
+    Each observation (:meth:`observe`) is one rank: the lengths of the pieces
+    it processed in a step and the seconds it took.  The fit is a
+    non-negative least squares on the features ``[ΣL, ΣL²]``, kept as running
+    sums (2×2 normal equations), so memory and time per observation are
+    constant.  :meth:`observe_step` also takes a step whose only time is the
+    step's (its slowest rank's): such a step is fitted as
+    ``max over ranks of α·ΣL + β·ΣL²``, keeping only the ranks that can be the
+    slowest for some ``α, β >= 0`` and the last ``window`` steps.
+
+    Until ``min_observations`` have been made, :meth:`model` returns the
+    ``prior`` scaled to the observed seconds (only its ratio ``β / α`` is
+    kept); after that, the fit, pulled towards that scaled prior with the
+    weight of ``prior_weight`` observations (which keeps it well posed when
+    the observations do not vary enough to separate ``α`` from ``β``).
+    ``decay < 1`` forgets old observations geometrically, to follow drift.
+
+    Parameters
+    ----------
+    prior : CostModel, optional
+        Starting model (default: :class:`CostModel`'s defaults).
+    min_observations : int
+    prior_weight : float
+    decay : float
+        In ``(0, 1]``; ``1`` keeps every observation.
+    window : int
+        Steps timed as a whole that are kept.
+    """
+
+    def __init__(self, prior: CostModel | None = None, *, min_observations: int = 8,
+                 prior_weight: float = 0.1, decay: float = 1.0, window: int = 256):
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if min_observations < 1 or prior_weight < 0:
+            raise ValueError("min_observations must be >= 1 and prior_weight >= 0")
+        self.prior = prior if prior is not None else CostModel()
+        self.min_observations = int(min_observations)
+        self.prior_weight = float(prior_weight)
+        self.decay = float(decay)
+        self.count = 0
+        self._w = 0.0                       # decayed number of observations
+        self._xtx = np.zeros((2, 2))
+        self._xty = np.zeros(2)
+        self._yty = 0.0
+        self.window = int(window)
+        #: steps timed as a whole: [weight, seconds, [[ΣL, ΣL²] of candidate ranks]]
+        self._steps: list[list[Any]] = []
+        self._cached: CostModel | None = None
+
+    @classmethod
+    def from_config(cls, cfg: CostConfig, **kwargs: Any) -> CostFitter:
+        """A fitter starting from the configured model (``cost: {fit: true, ...}``)."""
+        return cls(CostModel.from_config(cfg), **kwargs)
+
+    # ---------------------------------------------------------------- observing
+    def observe(self, lengths_per_rank: np.ndarray | Sequence[np.ndarray], seconds: float) -> None:
+        """Record that a rank whose pieces had these lengths took ``seconds``.
+
+        Parameters
+        ----------
+        lengths_per_rank : array or list of arrays
+            The lengths of the pieces the rank processed in the step: one
+            array, or a list of arrays (say, one per micro-batch) that count
+            together.
+        seconds : float
+            The rank's compute time for them.
+        """
+        self._add(*_features(lengths_per_rank), float(seconds))
+
+    def observe_step(self, lengths_per_rank: Sequence[np.ndarray | Sequence[np.ndarray]],
+                     seconds: float | Sequence[float]) -> None:
+        """Record a step: one entry of ``lengths_per_rank`` per rank.
+
+        ``seconds`` is one time per rank, or a single time for the whole step.
+        A step lasts as long as its slowest rank, so a single time is recorded
+        against the rank the current model predicts to be the slowest.
+        """
+        feats = [_features(r) for r in lengths_per_rank]
+        if np.ndim(seconds) == 0:
+            y = float(seconds)  # type: ignore[arg-type]
+            _check_seconds(y)
+            pts = _upper_hull(np.array(feats, dtype=np.float64).reshape(-1, 2))
+            if len(pts) == 0:
+                return
+            if len(pts) == 1:                # the slowest rank is known: a plain observation
+                self._add(float(pts[0, 0]), float(pts[0, 1]), y)
+                return
+            self._decay()
+            self._steps.append([1.0, y, pts.tolist()])
+            del self._steps[:-self.window]
+            self.count += 1
+            return
+        times = [float(t) for t in seconds]  # type: ignore[union-attr]
+        if len(times) != len(feats):
+            raise ValueError(f"{len(feats)} ranks but {len(times)} times")
+        for (s1, s2), y in zip(feats, times, strict=True):
+            self._add(s1, s2, y)
+
+    def _add(self, s1: float, s2: float, y: float) -> None:
+        _check_seconds(y)
+        if s1 <= 0 and s2 <= 0:
+            return                          # nothing processed: says nothing about α, β
+        x = np.array([s1, s2])
+        self._decay()
+        self._xtx += np.outer(x, x)
+        self._xty += x * y
+        self._yty += y * y
+        self._w += 1.0
+        self.count += 1
+
+    def _decay(self) -> None:
+        self._cached = None
+        d = self.decay
+        if d < 1:
+            self._xtx *= d
+            self._xty *= d
+            self._yty *= d
+            self._w *= d
+            for st in self._steps:
+                st[0] *= d
+
+    # ------------------------------------------------------------------ fitting
+    def model(self) -> CostModel:
+        """The current model: the prior, the scaled prior, or the fit (see the class doc)."""
+        if self._cached is None:
+            self._cached = self._fit()
+        return self._cached
+
+    def _fit(self) -> CostModel:
+        if self.count == 0:
+            return self.prior
+        p = _Problem(self)
+        prior = np.array([self.prior.linear, self.prior.quadratic])
+        u_dir = prior * p.s
+        norm = float(np.hypot(*u_dir))
+        if norm <= 0:
+            return self.prior
+        d0 = u_dir / norm
+        a0, b0 = p.coefficients(d0, 0.0, np.zeros(2))
+        u0 = d0 * max(0.0, b0 / a0) if a0 > 0 else np.zeros(2)
+        if self.count < self.min_observations or p.y_rms <= 0:
+            return p.theta(u0)
+        lam = self.prior_weight
+        if not self._steps:
+            # min |yn - Xn u|^2 + lam |u - u0|^2 over u >= 0, in closed form
+            u = _nnls2(p.g + lam * np.eye(2), p.b + lam * u0)
+            return p.theta(u)
+        # a direction search: for u = r·d the objective is const - 2rB + r²A
+        def score(phi: float) -> tuple[float, np.ndarray]:
+            d = np.array([math.cos(phi), math.sin(phi)])
+            a, b = p.coefficients(d, lam, u0)
+            r = max(0.0, b / a) if a > 0 else 0.0
+            return (b * b / a if b > 0 and a > 0 else 0.0), d * r
+
+        grid = np.linspace(0.0, math.pi / 2, 91)
+        vals = [score(float(phi))[0] for phi in grid]
+        k = int(np.argmax(vals))
+        lo, hi = float(grid[max(0, k - 1)]), float(grid[min(len(grid) - 1, k + 1)])
+        g = (math.sqrt(5) - 1) / 2
+        x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+        f1, f2 = score(x1)[0], score(x2)[0]
+        for _ in range(40):                  # golden section: maximise the score
+            if f1 >= f2:
+                hi, x2, f2 = x2, x1, f1
+                x1 = hi - g * (hi - lo)
+                f1 = score(x1)[0]
+            else:
+                lo, x1, f1 = x1, x2, f2
+                x2 = lo + g * (hi - lo)
+                f2 = score(x2)[0]
+        best = max((vals[k], float(grid[k])), (f1, x1), (f2, x2))
+        return p.theta(score(best[1])[1])
+
+    def predict(self, lengths: np.ndarray | Sequence[np.ndarray]) -> float:
+        """Predicted seconds of a rank holding these pieces."""
+        return self.model().total(lengths)
+
+    # -------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The fitter's whole state, small and JSON-serialisable."""
+        return {
+            "prior": [self.prior.linear, self.prior.quadratic],
+            "min_observations": self.min_observations,
+            "prior_weight": self.prior_weight,
+            "decay": self.decay,
+            "count": self.count,
+            "w": self._w,
+            "xtx": self._xtx.tolist(),
+            "xty": self._xty.tolist(),
+            "yty": self._yty,
+            "window": self.window,
+            "steps": [list(st) for st in self._steps],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._cached = None
+        self.prior = CostModel(*(float(v) for v in state["prior"]))
+        self.min_observations = int(state["min_observations"])
+        self.prior_weight = float(state["prior_weight"])
+        self.decay = float(state["decay"])
+        self.count = int(state["count"])
+        self._w = float(state["w"])
+        self._xtx = np.array(state["xtx"], dtype=np.float64).reshape(2, 2)
+        self._xty = np.array(state["xty"], dtype=np.float64).reshape(2)
+        self._yty = float(state["yty"])
+        self.window = int(state.get("window", 256))
+        self._steps = [[float(w), float(y), [[float(a), float(b)] for a, b in pts]]
+                       for w, y, pts in state.get("steps", [])]
+
+
+def _check_seconds(y: float) -> None:
+    if not math.isfinite(y) or y < 0:
+        raise ValueError(f"seconds must be finite and >= 0, got {y}")
+
+
+class _Problem:
+    """The fit in normalised coordinates: features over their RMS, seconds over theirs.
+
+    Rank observations enter through their running sums (``g = Σ x̃x̃ᵀ``,
+    ``b = Σ x̃ỹ``), steps timed as a whole through their candidate ranks.
+    """
+
+    def __init__(self, f: CostFitter):
+        w = f._w + sum(st[0] for st in f._steps)
+        sq = np.diag(f._xtx).copy()
+        yy = f._yty
+        for weight, y, pts in f._steps:
+            sq += weight * np.max(np.square(pts), axis=0)
+            yy += weight * y * y
+        w = max(w, 1e-300)
+        self.s = np.sqrt(sq / w)
+        self.s[self.s <= 0] = 1.0
+        self.y_rms = math.sqrt(yy / w)
+        yr = self.y_rms if self.y_rms > 0 else 1.0
+        self.g = f._xtx / np.outer(self.s, self.s)
+        self.b = f._xty / (self.s * yr)
+        # steps' candidate ranks, padded by repeating the first: (steps, ranks, 2)
+        width = max((len(st[2]) for st in f._steps), default=0)
+        self.pts = np.zeros((len(f._steps), width, 2))
+        for i, (_, _, pts) in enumerate(f._steps):
+            arr = np.asarray(pts, dtype=np.float64)
+            self.pts[i] = np.concatenate([arr, np.repeat(arr[:1], width - len(arr), axis=0)])
+        self.pts /= self.s
+        self.step_w = np.array([st[0] for st in f._steps])
+        self.step_y = np.array([st[1] for st in f._steps]) / yr
+
+    def coefficients(self, d: np.ndarray, lam: float, u0: np.ndarray) -> tuple[float, float]:
+        """``(A, B)`` of the objective ``const − 2rB + r²A`` along ``u = r·d``."""
+        a = float(d @ self.g @ d) + lam
+        b = float(d @ self.b) + lam * float(d @ u0)
+        if len(self.step_w):
+            m = (self.pts @ d).max(axis=1)
+            a += float(self.step_w @ (m * m))
+            b += float(self.step_w @ (self.step_y * m))
+        return a, b
+
+    def theta(self, u: np.ndarray) -> CostModel:
+        theta = u * (self.y_rms if self.y_rms > 0 else 1.0) / self.s
+        return CostModel(float(theta[0]), float(theta[1]))
+
+
+def _upper_hull(pts: np.ndarray) -> np.ndarray:
+    """The points that maximise ``α·x + β·y`` for some ``α, β >= 0`` (upper-right hull)."""
+    pts = pts[(pts > 0).any(axis=1)]
+    if len(pts) == 0:
+        return pts
+    order = np.lexsort((-pts[:, 1], -pts[:, 0]))      # by x, then y, decreasing
+    cur = pts[order[0]]
+    hull = [cur]
+    while True:
+        up = pts[pts[:, 1] > cur[1]]
+        if len(up) == 0:
+            return np.array(hull)
+        dx = np.maximum(cur[0] - up[:, 0], 0.0)
+        dy = up[:, 1] - cur[1]
+        with np.errstate(divide="ignore"):
+            slope = np.where(dx > 0, dy / np.where(dx > 0, dx, 1.0), np.inf)
+        best = np.flatnonzero(slope == slope.max())
+        cur = up[best[np.argmax(up[best, 1])]]          # the farthest along that edge
+        hull.append(cur)
+
+
+def _nnls2(h: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """``argmin_{u >= 0} uᵀhu − 2·uᵀrhs`` for 2 variables (``h`` positive semi-definite).
+
+    Tries the free solution and each face of the orthant.
+    """
+    def objective(u: np.ndarray) -> float:
+        return float(u @ h @ u - 2 * u @ rhs)
+
+    candidates = [np.zeros(2)]
+    try:
+        u = np.linalg.solve(h, rhs)
+        if (u >= 0).all():
+            candidates.append(u)
+    except np.linalg.LinAlgError:
+        pass
+    for j in range(2):
+        if h[j, j] > 0:
+            u = np.zeros(2)
+            u[j] = max(0.0, rhs[j] / h[j, j])
+            candidates.append(u)
+    return min(candidates, key=objective)

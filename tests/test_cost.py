@@ -1,0 +1,228 @@
+"""Cost models: given, derived from a transformer's FLOPs, and fitted online."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from msd_dask.balance import assign
+from msd_dask.config import CostConfig, load_config
+from msd_dask.cost import CostFitter, CostModel, transformer_coefficients
+from msd_dask.errors import ConfigError
+
+
+def cfg_with(cost: Any) -> CostConfig:
+    d = {"name": "x", "batch": {"seq_len": 8},
+         "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]}
+    if cost is not None:
+        d["cost"] = cost
+    return load_config(d, check_files=False).cost
+
+
+# ------------------------------------------------------------------------ the models
+
+
+def test_cost_model_formula() -> None:
+    m = CostModel(2.0, 0.5)
+    np.testing.assert_allclose(m(np.array([0, 1, 4])), [0.0, 2.5, 16.0])
+    assert m.total(np.array([1, 4])) == pytest.approx(18.5)
+    assert m.total([np.array([1]), np.array([4])]) == pytest.approx(18.5)
+
+
+def test_default_is_a_4096_wide_transformer() -> None:
+    default = CostModel.from_config(cfg_with(None))
+    assert default == CostModel()
+    lin, quad = transformer_coefficients(4096, 32)
+    assert default.quadratic / default.linear == pytest.approx(quad / lin)
+
+
+@pytest.mark.parametrize("hidden,layers", [(4096, 32), (1024, 2), (8192, 80)])
+def test_model_from_transformer_shape(hidden: int, layers: int) -> None:
+    cfg = cfg_with({"model": {"hidden_size": hidden, "layers": layers}})
+    m = CostModel.from_config(cfg)
+    # forward FLOPs per layer: dense 24·L·H², causal attention 2·L²·H
+    assert m.linear == 24 * layers * hidden**2
+    assert m.quadratic == 2 * layers * hidden
+    for L in (1, 1000, 32768):
+        assert float(m(L)) == pytest.approx(layers * (24 * L * hidden**2 + 2 * L * L * hidden))
+    assert m == CostModel.from_transformer(hidden, layers)
+    assert cfg.model == {"hidden_size": hidden, "layers": layers}
+    # the derived values round trip through to_dict()
+    full = load_config({"name": "x", "batch": {"seq_len": 8}, "cost": {"model": cfg.model},
+                        "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]},
+                       check_files=False)
+    assert load_config(json.loads(json.dumps(full.to_dict())), check_files=False) == full
+
+
+@pytest.mark.parametrize("cost,key", [
+    ({"model": {"hidden_size": 0, "layers": 2}}, "cost.model.hidden_size"),
+    ({"model": {"hidden_size": 64, "layers": -1}}, "cost.model.layers"),
+    ({"model": {"hidden_size": 64, "layers": 1.5}}, "cost.model.layers"),
+    ({"model": {"hidden_size": 64}}, "cost.model.layers"),
+    ({"model": {"hidden_size": 64, "layers": 2, "heads": 8}}, "cost.model.heads"),
+    ({"model": [64, 2]}, "cost.model"),
+    ({"model": {"hidden_size": 64, "layers": 2}, "quadratic": 1.0}, "cost.quadratic"),
+    ({"fit": "yes"}, "cost.fit"),
+    ({"linear": -1}, "cost.linear"),
+    ({"linear": 0, "quadratic": 0}, "cost"),
+    ({"slope": 1}, "cost.slope"),
+])
+def test_cost_config_errors_name_the_key(cost: Any, key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        cfg_with(cost)
+    assert e.value.key == key
+
+
+def test_fit_config() -> None:
+    cfg = cfg_with({"fit": True})
+    assert cfg.fit and cfg.model is None
+    fitter = CostFitter.from_config(cfg)
+    assert fitter.model() == CostModel()
+    cfg = cfg_with({"fit": True, "model": {"hidden_size": 64, "layers": 2}})
+    assert CostFitter.from_config(cfg).prior == CostModel.from_transformer(64, 2)
+    assert not cfg_with({"linear": 2.0}).fit
+
+
+# ------------------------------------------------------------------------ the fitter
+
+
+ALPHA, BETA = 3e-7, 2e-11      # hidden seconds per token and per token²
+
+
+def true_seconds(pieces: np.ndarray) -> float:
+    L = pieces.astype(np.float64)
+    return float(ALPHA * L.sum() + BETA * (L * L).sum())
+
+
+def rank_pieces(rng: np.random.Generator, seq_len: int = 32768) -> list[np.ndarray]:
+    """One rank's micro-batches: lognormal documents, some rows part empty."""
+    rows = []
+    for _ in range(int(rng.integers(1, 5))):
+        budget = int(rng.integers(seq_len // 4, seq_len + 1))
+        docs = np.minimum(np.rint(rng.lognormal(7.5, 1.8, 64)).astype(np.int64) + 1, seq_len)
+        rows.append(docs[np.cumsum(docs) <= budget])
+    return rows
+
+
+def relative_errors(model: CostModel, rng: np.random.Generator, n: int = 200) -> np.ndarray:
+    errs = []
+    for _ in range(n):
+        rows = rank_pieces(rng)
+        truth = true_seconds(np.concatenate(rows))
+        if truth > 0:
+            errs.append(abs(model.total(rows) - truth) / truth)
+    return np.array(errs)
+
+
+def test_fitter_learns_hidden_coefficients_from_ranks() -> None:
+    rng = np.random.default_rng(0)
+    fitter = CostFitter()                    # prior β/α is 1/(12·4096), not the truth
+    prior_only = CostFitter(min_observations=10**6)
+    for _ in range(50):
+        rows = rank_pieces(rng)
+        seconds = true_seconds(np.concatenate(rows)) * (1 + 0.01 * rng.standard_normal())
+        fitter.observe(rows, seconds)
+        prior_only.observe(rows, seconds)
+    assert relative_errors(prior_only.model(), np.random.default_rng(1)).max() > 0.1
+    m = fitter.model()
+    assert m.linear == pytest.approx(ALPHA, rel=0.05)
+    assert m.quadratic == pytest.approx(BETA, rel=0.1)
+    assert relative_errors(m, np.random.default_rng(1)).max() < 0.05
+
+
+def planned_step(rng: np.random.Generator, model: CostModel, dp: int = 8, mb: int = 2,
+                 seq_len: int = 16384) -> list[np.ndarray]:
+    """Per-rank piece lengths of a step of varying fill and source mix (typical
+    document length), balanced with ``model`` as the planner would."""
+    mu = rng.uniform(6.0, 9.0)
+    docs = np.minimum(np.rint(rng.lognormal(mu, 1.5, 400)).astype(np.int64) + 1, seq_len)
+    lengths = docs[np.cumsum(docs) <= rng.uniform(0.3, 1.0) * dp * mb * seq_len]
+    a = assign(lengths, model(lengths), dp, mb, seq_len, "balanced")
+    return [lengths[a.rank == r] for r in range(dp)]
+
+
+def test_fitter_learns_from_step_times() -> None:
+    """Only the step time (its slowest rank's) is known: 50 planned steps suffice."""
+    rng = np.random.default_rng(2)
+    fitter = CostFitter()
+    for _ in range(50):
+        per_rank = planned_step(rng, fitter.model())
+        seconds = max(true_seconds(p) for p in per_rank) * (1 + 0.01 * rng.standard_normal())
+        fitter.observe_step(per_rank, seconds)
+    assert fitter.count == 50
+    m = fitter.model()
+    errs = []
+    for _ in range(100):                    # predict the time of new steps
+        per_rank = planned_step(rng, m)
+        truth = max(true_seconds(p) for p in per_rank)
+        errs.append(abs(max(m.total(p) for p in per_rank) - truth) / truth)
+    assert max(errs) < 0.05
+    # the same steps with every rank timed pin down α and β themselves
+    ranks = CostFitter()
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        per_rank = planned_step(rng, ranks.model())
+        ranks.observe_step(per_rank, [true_seconds(p) * (1 + 0.01 * rng.standard_normal())
+                                      for p in per_rank])
+    assert relative_errors(ranks.model(), np.random.default_rng(3)).max() < 0.05
+
+
+def test_fitter_prior_until_enough_observations() -> None:
+    prior = CostModel(1.0, 1e-4)
+    fitter = CostFitter(prior, min_observations=5)
+    assert fitter.model() == prior
+    rng = np.random.default_rng(4)
+    for _ in range(4):
+        rows = rank_pieces(rng)
+        fitter.observe(rows, true_seconds(np.concatenate(rows)))
+    m = fitter.model()                       # the prior's shape, in seconds
+    assert m.quadratic / m.linear == pytest.approx(1e-4)
+    assert 1e-8 < m.linear < 1e-5
+    rows = rank_pieces(rng)
+    fitter.observe(rows, true_seconds(np.concatenate(rows)))
+    assert fitter.model().quadratic / fitter.model().linear != pytest.approx(1e-4)
+
+
+def test_fitter_is_non_negative() -> None:
+    rng = np.random.default_rng(5)
+    fitter = CostFitter(min_observations=2, prior_weight=0.0)
+    for _ in range(30):   # times that fall with ΣL²: no non-negative model fits them better
+        rows = rank_pieces(rng)
+        L = np.concatenate(rows).astype(float)
+        fitter.observe(rows, max(0.0, 1e-6 * L.sum() - 1e-12 * (L * L).sum()))
+    m = fitter.model()
+    assert m.linear > 0 and m.quadratic == 0.0
+
+
+def test_fitter_ignores_empty_and_rejects_bad_times() -> None:
+    fitter = CostFitter()
+    fitter.observe(np.array([], dtype=np.int64), 1.0)
+    fitter.observe_step([], 1.0)
+    assert fitter.count == 0
+    with pytest.raises(ValueError):
+        fitter.observe(np.array([10]), -1.0)
+    with pytest.raises(ValueError):
+        fitter.observe(np.array([10]), float("nan"))
+    with pytest.raises(ValueError):
+        fitter.observe_step([np.array([1]), np.array([2])], [1.0])
+    with pytest.raises(ValueError):
+        CostFitter(decay=0.0)
+
+
+def test_fitter_state_round_trip() -> None:
+    rng = np.random.default_rng(6)
+    a = CostFitter(CostModel(2.0, 1e-3), min_observations=3, decay=0.99)
+    for _ in range(10):
+        rows = rank_pieces(rng)
+        a.observe(rows, true_seconds(np.concatenate(rows)))
+    state = json.loads(json.dumps(a.state_dict()))
+    b = CostFitter()
+    b.load_state_dict(state)
+    assert b.model() == a.model()
+    rows = rank_pieces(rng)
+    for f in (a, b):
+        f.observe(rows, 0.5)
+    assert b.model() == a.model() and b.count == a.count == 11
