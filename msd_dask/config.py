@@ -106,6 +106,9 @@ class SourceConfig:
     #: ``"package.module:function"`` called as ``fn(text, record) -> str | None``
     #: on every document before tokenizing (``None`` drops the document).
     preprocess: str | None = None
+    #: bad input (unreadable file, document without text): ``"fail"`` stops the
+    #: service with an error naming source, file and row; ``"skip"`` quarantines it
+    on_error: str = "fail"
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,20 @@ class CostConfig:
 
 
 @dataclass(frozen=True)
+class LongContextConfig:
+    """How documents of ``context: long`` sources are laid out over steps.
+
+    ``mode: spread`` puts at most ``max_per_rank`` long pieces on each DP rank
+    per step (0: no limit); ``mode: grouped`` gathers long pieces on dedicated
+    steps, taken whenever the long sources are owed a step's worth of tokens,
+    so the token mix still holds over a window of steps.
+    """
+
+    mode: str = "spread"
+    max_per_rank: int = 0
+
+
+@dataclass(frozen=True)
 class Config:
     """A validated service configuration (see ``docs/config.md``)."""
 
@@ -210,6 +227,7 @@ class Config:
     constructors: int = 0
     timeout: float = 300.0
     balance: str = "balanced"
+    long_context: LongContextConfig = LongContextConfig()
 
     def source(self, name: str) -> SourceConfig:
         for s in self.sources:
@@ -349,6 +367,7 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         read_ahead=_int(d, "read_ahead", key, 8),
         context=context,
         preprocess=_preprocess(d, key),
+        on_error=_on_error(d, key),
     )
     if check_files:
         from .storage import list_files
@@ -360,6 +379,13 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         if not files:
             raise ConfigError(f"{key}.uri", f"glob {src.uri!r} matches no file")
     return src
+
+
+def _on_error(d: Mapping[str, Any], key: str) -> str:
+    v = d.get("on_error", "fail")
+    if v not in ("fail", "skip"):
+        raise ConfigError(f"{key}.on_error", f"must be 'fail' or 'skip', got {v!r}")
+    return str(v)
 
 
 def _preprocess(d: Mapping[str, Any], key: str) -> str | None:
@@ -518,7 +544,15 @@ def _parse(d: Any, check_files: bool) -> Config:
 
     if balance not in STRATEGIES:
         raise ConfigError("balance", f"unknown strategy {balance!r} (known: {', '.join(STRATEGIES)})")
+    lc = d.get("long_context", {})
+    _check_keys(lc, "long_context", {"mode", "max_per_rank"})
+    mode = lc.get("mode", "spread")
+    if mode not in ("spread", "grouped"):
+        raise ConfigError("long_context.mode", f"must be 'spread' or 'grouped', got {mode!r}")
+    long_context = LongContextConfig(mode=mode,
+                                     max_per_rank=_int(lc, "max_per_rank", "long_context", 0, lo=0))
     return Config(
+        long_context=long_context,
         name=name,
         sources=sources,
         batch=batch,

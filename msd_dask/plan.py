@@ -82,6 +82,7 @@ class Planner:
             for s in cfg.sources
         }
         self.mixer = Mixer([s.name for s in cfg.sources])
+        self.long_sources = {s.name for s in cfg.sources if s.context == "long"}
         self.cost = CostModel.from_config(cfg.cost)
         self.step = 0
         self.carry: list[Piece] = []
@@ -140,8 +141,16 @@ class Planner:
         weights = self.weights_at(self.step)
         pieces = list(self.carry)
         total = sum(p.length for p in pieces)
+        lc = cfg.long_context
+        long_budget = dp * lc.max_per_rank if lc.mode == "spread" and lc.max_per_rank else None
+        n_long = sum(p.source in self.long_sources for p in pieces)
+        eligible = self._eligible(weights, capacity)
         while True:
-            src = self.mixer.choose(weights)
+            if long_budget is not None and n_long >= long_budget:
+                eligible = {k: 0.0 if k in self.long_sources else v for k, v in eligible.items()}
+            if not any(v > 0 for v in eligible.values()):
+                break
+            src = self.mixer.choose(eligible)
             p = self.streams[src].peek(lookup)
             if total + p.length > capacity:
                 break
@@ -149,11 +158,17 @@ class Planner:
             self.mixer.take(src, p.length, weights)
             pieces.append(p)
             total += p.length
+            n_long += src in self.long_sources
         lengths = np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
         costs = self.cost(lengths)
         a = assign(lengths, costs, dp, mb, seq_len, cfg.balance)
         rank, micro = a.rank.copy(), a.micro.copy()
         self._place_carried(len(self.carry), lengths, rank, micro, seq_len)
+        if long_budget is not None:
+            is_long = np.fromiter((p.source in self.long_sources for p in pieces), dtype=bool,
+                                  count=len(pieces))
+            _spread_long(is_long, len(self.carry), lengths, costs, rank, micro, dp, mb, seq_len,
+                         lc.max_per_rank)
         rows: list[list[list[Piece]]] = [[[] for _ in range(mb)] for _ in range(dp)]
         carry = []
         for i, p in enumerate(pieces):
@@ -171,6 +186,18 @@ class Planner:
                         lower_bound(costs[placed], dp), weights)
         self.step += 1
         return plan
+
+    def _eligible(self, weights: dict[str, float], capacity: int) -> dict[str, float]:
+        """Weights the mixer may choose from this step (long-context modes)."""
+        if self.cfg.long_context.mode != "grouped" or not self.long_sources:
+            return weights
+        long_w = sum(v for k, v in weights.items() if k in self.long_sources)
+        short_w = sum(v for k, v in weights.items() if k not in self.long_sources)
+        owed = sum(self.mixer.credit[k] for k in self.long_sources if weights.get(k, 0) > 0)
+        # a long step when the long sources are owed a step's worth (or nothing else is left)
+        long_step = long_w > 0 and (short_w <= 0 or owed >= capacity * (1 - long_w))
+        keep = self.long_sources if long_step else set(weights) - self.long_sources
+        return {k: v if k in keep else 0.0 for k, v in weights.items()}
 
     @staticmethod
     def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro: np.ndarray,
@@ -229,3 +256,60 @@ class Planner:
                           for s, w in state["overrides"]]
         self.tokens = {k: int(v) for k, v in state["tokens"].items()}
         self.pieces_planned = {k: int(v) for k, v in state["pieces"].items()}
+
+
+def _spread_long(is_long: np.ndarray, n_carried: int, lengths: np.ndarray, costs: np.ndarray,
+                 rank: np.ndarray, micro: np.ndarray, dp: int, mb: int, seq_len: int,
+                 max_per_rank: int) -> None:
+    """Move long pieces off ranks holding more than ``max_per_rank`` of them.
+
+    A long piece moves to the cheapest rank still under the limit, into its
+    emptiest row; short pieces it displaces there take its old row where they
+    fit, else they are carried to the next step (never pieces carried already).
+    """
+    placed = rank >= 0
+    count = np.bincount(rank[placed & is_long], minlength=dp)
+    used = np.zeros((dp, mb), dtype=np.int64)
+    np.add.at(used, (rank[placed], micro[placed]), lengths[placed])
+    load = np.bincount(rank[placed], weights=costs[placed], minlength=dp)
+    for r in np.flatnonzero(count > max_per_rank):
+        mine = [int(i) for i in np.flatnonzero((rank == r) & is_long)]
+        mine.sort(key=lambda i: costs[i])
+        for i in mine[: int(count[r]) - max_per_rank]:
+            for t in np.argsort(load, kind="stable"):
+                if count[t] >= max_per_rank:
+                    continue
+                m = int(np.argmin(used[t]))
+                ri, mi = int(rank[i]), int(micro[i])
+                need = int(lengths[i]) - (seq_len - int(used[t, m]))
+                evict: list[int] = []
+                if need > 0:
+                    cands = [int(j) for j in np.flatnonzero((rank == t) & (micro == m) & ~is_long)
+                             if j >= n_carried]
+                    cands.sort(key=lambda j: -lengths[j])
+                    freed = 0
+                    for j in cands:
+                        if freed >= need:
+                            break
+                        evict.append(j)
+                        freed += int(lengths[j])
+                    if freed < need:
+                        continue
+                # move i to (t, m); displaced pieces go to i's old row or are carried
+                for j in evict:
+                    used[t, m] -= lengths[j]
+                    load[t] -= costs[j]
+                    rank[j] = micro[j] = -1
+                rank[i], micro[i] = t, m
+                used[ri, mi] -= lengths[i]
+                used[t, m] += lengths[i]
+                load[ri] -= costs[i]
+                load[t] += costs[i]
+                count[ri] -= 1
+                count[t] += 1
+                for j in evict:
+                    if used[ri, mi] + lengths[j] <= seq_len:
+                        rank[j], micro[j] = ri, mi
+                        used[ri, mi] += lengths[j]
+                        load[ri] += costs[j]
+                break

@@ -1,0 +1,97 @@
+"""Long/short context orchestration: long pieces spread (at most k per rank) or grouped on
+dedicated steps, while the token mix over a window of steps follows the weights."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from msd_dask.config import load_config
+from msd_dask.formats import Unit
+from msd_dask.plan import Planner
+
+SEQ_LEN, DP, MB = 1024, 8, 2
+rng = np.random.default_rng(3)
+UNITS = {"short": [Unit(f"s{i}") for i in range(20)], "long": [Unit(f"l{i}") for i in range(10)]}
+LENGTHS = {
+    "short": {u: rng.integers(20, 300, size=40) for u in range(20)},
+    "long": {u: rng.integers(600, 1024, size=12) for u in range(10)},  # one piece each
+}
+
+
+def lookup(source, epoch, unit):
+    return LENGTHS[source][unit]
+
+
+def make(long_context, balance="balanced", w_long=0.3):
+    cfg = load_config({
+        "name": "lc", "seed": 5, "batch": {"seq_len": SEQ_LEN, "micro_batches": MB},
+        "parallel": {"dp": DP}, "balance": balance, "long_context": long_context,
+        "sources": [
+            {"name": "short", "uri": "m://s", "format": "jsonl", "weight": 1 - w_long},
+            {"name": "long", "uri": "m://l", "format": "jsonl", "weight": w_long,
+             "context": "long"},
+        ]}, check_files=False)
+    return Planner(cfg, UNITS)
+
+
+def shares(plans):
+    tok = Counter()
+    for p in plans:
+        tok.update(p.tokens_by_source())
+    total = sum(tok.values())
+    return {k: v / total for k, v in tok.items()}
+
+
+@pytest.mark.parametrize("balance", ["balanced", "lpt"])
+def test_spread_at_most_k_long_pieces_per_rank(balance):
+    pl = make({"mode": "spread", "max_per_rank": 1}, balance)
+    plans = [pl.plan_step(lookup) for _ in range(200)]
+    for p in plans:
+        for rows in p.rows:
+            assert sum(q.source == "long" for row in rows for q in row) <= 1, p.step
+            assert all(sum(q.length for q in row) <= SEQ_LEN for row in rows)
+    got = shares(plans)
+    assert abs(got["long"] - 0.3) < 0.02, got
+    seen = Counter((q.source, q.epoch, q.unit, q.row, q.chunk) for p in plans for q in p.pieces())
+    assert max(seen.values()) == 1
+
+
+def test_without_a_limit_long_pieces_pile_up_somewhere():
+    # the check above is not vacuous: unconstrained plans put 2+ long pieces on a rank
+    pl = make({"mode": "spread", "max_per_rank": 0}, w_long=0.6)
+    plans = [pl.plan_step(lookup) for _ in range(100)]
+    most = max(sum(q.source == "long" for row in rows for q in row)
+               for p in plans for rows in p.rows)
+    assert most >= 2
+
+
+def test_grouped_long_documents_on_dedicated_steps_keep_the_mix():
+    pl = make({"mode": "grouped"}, w_long=0.25)
+    plans, kinds = [], []
+    for _ in range(200):
+        carried = set(pl.carry)
+        p = pl.plan_step(lookup)
+        plans.append(p)
+        fresh = [q for q in p.pieces() if q not in carried]
+        kind = {q.source for q in fresh}
+        assert len(kind) == 1, f"step {p.step} mixes long and short pieces: {kind}"
+        kinds.append(kind.pop())
+    assert 0.15 < kinds.count("long") / len(kinds) < 0.35
+    got = shares(plans)
+    assert abs(got["long"] - 0.25) < 0.02, got
+    # over every window of 20 steps the mix holds within a few points
+    for s in range(0, 180, 20):
+        w = shares(plans[s:s + 20])
+        assert abs(w["long"] - 0.25) < 0.06, (s, w)
+
+
+def test_long_context_config_errors_name_the_key():
+    from msd_dask import ConfigError
+
+    with pytest.raises(ConfigError, match="long_context.mode"):
+        make({"mode": "sideways"})
+    with pytest.raises(ConfigError, match="long_context.max_per_rank"):
+        make({"mode": "spread", "max_per_rank": -1})
