@@ -136,33 +136,47 @@ class Coordinator:
         keep: set[tuple[str, int, int]] = {(p.source, p.epoch, p.unit) for p in self.planner.carry}
         for s in self.cfg.sources:
             keys = self.planner.upcoming_units(s.name, s.read_ahead)
-            new: dict[int, list[tuple[int, int]]] = {}
-            n = len(self.loaders[s.name])
-            for e, u in keys:
-                k = (s.name, e, u)
-                keep.add(k)
-                if k not in self._owner:
-                    li = self._next_loader[s.name] % n
-                    self._next_loader[s.name] += 1
-                    self._owner[k] = li
-                    new.setdefault(li, []).append((e, u))
-            for li, ks in new.items():
-                await self.loaders[s.name][li].assign(ks)
-            for e, u in keys:
-                k = (s.name, e, u)
-                if k not in self._meta and k not in self._meta_tasks:
-                    loader = self.loaders[s.name][self._owner[k]]
-                    self._meta_tasks[k] = asyncio.ensure_future(loader.metadata(e, u))
-        for k in [k for k in self._owner if k not in keep]:
+            keep.update((s.name, e, u) for e, u in keys)
+            await self._ensure(s.name, keys)
+        # forget units the stream has moved past (never one a step being planned may need)
+        for k in [k for k in self._owner if k not in keep and self._behind(*k)]:
             del self._owner[k]
             self._meta.pop(k, None)
+
+    def _behind(self, source: str, epoch: int, unit: int) -> bool:
+        st = self.planner.streams[source]
+        if epoch != st.epoch:
+            return epoch < st.epoch
+        order = [int(u) for u in st.unit_order(epoch)]
+        return order.index(unit) // st.window_size < st.window
+
+    async def _ensure(self, source: str, keys: list[tuple[int, int]]) -> None:
+        """Give every ``(epoch, unit)`` of ``source`` an owner and a metadata request."""
+        new: dict[int, list[tuple[int, int]]] = {}
+        n = len(self.loaders[source])
+        for e, u in keys:
+            k = (source, e, u)
+            if k not in self._owner:
+                li = self._next_loader[source] % n
+                self._next_loader[source] += 1
+                self._owner[k] = li
+                new.setdefault(li, []).append((e, u))
+        for li, ks in new.items():
+            await self.loaders[source][li].assign(ks)
+        for e, u in keys:
+            k = (source, e, u)
+            if k not in self._meta and k not in self._meta_tasks:
+                loader = self.loaders[source][self._owner[k]]
+                self._meta_tasks[k] = asyncio.ensure_future(loader.metadata(e, u))
 
     async def _await_meta(self, source: str, units: list[tuple[int, int]]) -> None:
         for e, u in units:
             k = (source, e, u)
+            if k in self._meta:
+                continue
             task = self._meta_tasks.get(k)
-            if task is None:
-                await self._assign_ahead()
+            if task is None:  # further ahead than read_ahead (e.g. past empty units)
+                await self._ensure(source, [(e, u)])
                 task = self._meta_tasks[k]
             try:
                 lengths = await asyncio.wait_for(asyncio.shield(task), self.cfg.timeout)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +35,8 @@ __all__ = ["SourceLoader", "read_unit"]
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_KEEP_KEYS = 100  # quarantined keys kept for stats() (all are logged)
+_log = logging.getLogger("msd_dask.loader")
 
 
 @functools.lru_cache(maxsize=32)
@@ -43,48 +47,123 @@ def _preprocessor(spec: str) -> Callable[[str, dict[str, Any]], str | None]:
     return fn
 
 
-def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any) -> list[np.ndarray]:
+def with_source(e: BaseException, source: str, path: str | None = None, *,
+                whole_file: bool = False) -> DataError:
+    """``e`` as a :class:`DataError` naming ``source`` (and ``path`` if it names no file).
+
+    ``whole_file``: the error is the file's (its ``row`` is dropped).
+    """
+    if not isinstance(e, DataError):
+        return DataError(f"cannot read: {e!r}", source=source, path=path)
+    if e.source is not None and not (whole_file and e.row is not None):
+        return e
+    where = ([f"file '{e.path}'"] if e.path is not None else []) + (
+        [f"row {e.row}"] if e.row is not None else [])
+    msg = str(e)
+    prefix = ", ".join(where) + ": "
+    if where and msg.startswith(prefix):
+        msg = msg[len(prefix):]
+    if e.source is not None and msg.startswith(f"source '{e.source}', "):
+        msg = msg[len(f"source '{e.source}', "):]
+        if where and msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    out = DataError(msg if e.row is None or not whole_file else f"at row {e.row}: {msg}",
+                    source=source, path=e.path if e.path is not None else path,
+                    row=None if whole_file else e.row)
+    out.__cause__ = e.__cause__ or e
+    return out
+
+
+def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
+              quarantine: list[DataError] | None = None) -> list[np.ndarray]:
     """Read and tokenize every row of ``unit``; one int32 array per row, in row order.
 
     With ``src.preprocess`` set, ``fn(text, record)`` runs on every document
     first: a string replaces the text, ``None`` drops the document (its row
     keeps an empty placeholder array, so its length is 0 and the stream skips
-    it; row indexes do not move).
+    it; row indexes do not move).  Rows the format skips (blank JSON lines)
+    get the same empty placeholder.
+
+    Bad input follows ``src.on_error``: ``"fail"`` raises a :class:`DataError`
+    naming the source, file and row; ``"skip"`` quarantines it instead: a bad
+    document (missing field, invalid UTF-8, not text, preprocess failure) gets
+    an empty placeholder, a file that cannot be read (missing, corrupt,
+    truncated) yields no rows at all, and each error is appended to
+    ``quarantine`` (``error.row is None`` for a whole file).
     """
+    if getattr(src, "on_error", "fail") != "skip":
+        try:
+            return _read_rows(src, fs, unit, tokenizer, [], None)
+        except (DataError, OSError) as e:
+            raise with_source(e, src.name, unit.path) from e
+    out: list[np.ndarray] = []
+    bad: list[DataError] = []
+    try:
+        _read_rows(src, fs, unit, tokenizer, out, bad)
+    except (DataError, OSError) as e:
+        if quarantine is not None:
+            quarantine.append(with_source(e, src.name, unit.path, whole_file=True))
+        return []
+    if quarantine is not None:
+        quarantine.extend(bad)
+    return out
+
+
+def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any, out: list[np.ndarray],
+               bad: list[DataError] | None) -> list[np.ndarray]:
+    """Append the tokens of the unit's rows to ``out`` (``bad``: collect row errors)."""
     fmt = get_format(src.format)
     prep = _preprocessor(src.preprocess) if src.preprocess else None
-    out = []
-    expected = unit.row_offset
-    for row, rec in fmt.read(fs, unit, [src.text_field]):
-        if row != expected:
+    # formats that can report a bad row without ending the read (JSON lines) do so
+    tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
+    read: Any = fmt.read
+    rows = read(fs, unit, [src.text_field], errors="yield") if tolerant else \
+        read(fs, unit, [src.text_field])
+    for row, rec in rows:
+        expected = unit.row_offset + len(out)
+        if row < expected:
             raise DataError(f"rows out of order (expected {expected})", source=src.name,
                             path=unit.path, row=row)
-        expected += 1
-        text = rec.get(src.text_field)
-        if isinstance(text, bytes):
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"field '{src.text_field}' is not valid UTF-8: {e}",
-                                source=src.name, path=unit.path, row=row) from e
-        if not isinstance(text, str):
-            raise DataError(f"field '{src.text_field}' is {type(text).__name__}, not text",
-                            source=src.name, path=unit.path, row=row)
-        if prep is not None:
-            try:
-                text = prep(text, rec)
-            except Exception as e:  # noqa: BLE001 - any failure of user code names the row
-                raise DataError(f"preprocess {src.preprocess!r} raised {type(e).__name__}: {e}",
-                                source=src.name, path=unit.path, row=row) from e
-            if text is None:
-                out.append(_EMPTY)
-                continue
-            if not isinstance(text, str):
-                raise DataError(f"preprocess {src.preprocess!r} returned "
-                                f"{type(text).__name__}, not str or None",
-                                source=src.name, path=unit.path, row=row)
-        out.append(tokenizer.encode(text))
+        while len(out) < row - unit.row_offset:  # rows the format skipped (blank lines)
+            out.append(_EMPTY)
+        try:
+            if isinstance(rec, DataError):
+                raise rec
+            out.append(_tokenize(src, rec, prep, tokenizer, unit, row))
+        except DataError as e:
+            if bad is None:
+                raise
+            bad.append(with_source(e, src.name, unit.path))
+            out.append(_EMPTY)
     return out
+
+
+def _tokenize(src: SourceConfig, rec: dict[str, Any],
+              prep: Callable[[str, dict[str, Any]], str | None] | None, tokenizer: Any,
+              unit: Unit, row: int) -> np.ndarray:
+    text = rec.get(src.text_field)
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"field '{src.text_field}' is not valid UTF-8: {e}",
+                            source=src.name, path=unit.path, row=row) from e
+    if not isinstance(text, str):
+        raise DataError(f"field '{src.text_field}' is {type(text).__name__}, not text",
+                        source=src.name, path=unit.path, row=row)
+    if prep is not None:
+        try:
+            text = prep(text, rec)
+        except Exception as e:  # noqa: BLE001 - any failure of user code names the row
+            raise DataError(f"preprocess {src.preprocess!r} raised {type(e).__name__}: {e}",
+                            source=src.name, path=unit.path, row=row) from e
+        if text is None:
+            return _EMPTY
+        if not isinstance(text, str):
+            raise DataError(f"preprocess {src.preprocess!r} returned "
+                            f"{type(text).__name__}, not str or None",
+                            source=src.name, path=unit.path, row=row)
+    return tokenizer.encode(text)
 
 
 class _UnitData:
@@ -136,6 +215,9 @@ class SourceLoader:
         self.units_read = 0
         self.read_seconds = 0.0
         self.tokens_fetched = 0
+        self.quarantined_docs = 0
+        self.quarantined_files = 0
+        self.quarantined_keys: list[str] = []
 
     # ------------------------------------------------------------ assignment
     async def assign(self, keys: list[tuple[int, int]]) -> int:
@@ -162,15 +244,17 @@ class SourceLoader:
             if fut is None or fut.done():
                 continue
             t0 = time.perf_counter()
+            quarantine: list[DataError] = []
             try:
                 docs = await loop.run_in_executor(
                     self._pool, read_unit, self.src, self._files.fs, self.units[key[1]],
-                    self.tokenizer)
+                    self.tokenizer, quarantine)
             except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
                 if not fut.done():
                     fut.set_exception(e)
                 continue
             self.read_seconds += time.perf_counter() - t0
+            self._quarantine(key, quarantine)
             data = _UnitData(docs)
             self._data[key] = data
             self.units_read += 1
@@ -178,6 +262,18 @@ class SourceLoader:
             self.tokens_read += int(data.lengths.sum())
             if not fut.done():
                 fut.set_result(data.lengths)
+
+    def _quarantine(self, key: tuple[int, int], errors: list[DataError]) -> None:
+        for e in errors:
+            if e.row is None:
+                self.quarantined_files += 1
+            else:
+                self.quarantined_docs += 1
+            where = f"{e.path or self.units[key[1]].path}" + ("" if e.row is None else f":{e.row}")
+            self.quarantined_keys.append(f"epoch {key[0]} {where}: {e}")
+            _log.warning("source %r quarantined %s (epoch %d): %s", self.src.name, where,
+                         key[0], e)
+        del self.quarantined_keys[:-_KEEP_KEYS]
 
     # ---------------------------------------------------------------- serving
     async def metadata(self, epoch: int, unit: int) -> np.ndarray:
@@ -237,6 +333,9 @@ class SourceLoader:
             "tokens_buffered": int(sum(int(d.remaining.clip(0).sum()) for d in self._data.values())),
             "read_seconds": self.read_seconds,
             "tokens_fetched": self.tokens_fetched,
+            "quarantined_docs": self.quarantined_docs,
+            "quarantined_files": self.quarantined_files,
+            "quarantined": list(self.quarantined_keys),
         }
 
     async def close(self) -> None:

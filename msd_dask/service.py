@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -19,20 +20,26 @@ from .batch import Batch
 from .config import Config, load_config
 from .constructor import DataConstructor, queue_name
 from .coordinator import Coordinator, planner_state
-from .errors import ServiceError, ServiceTimeoutError
+from .errors import DataError, ServiceError, ServiceTimeoutError
 from .formats import get_format
-from .loader import SourceLoader
+from .loader import SourceLoader, with_source
 from .storage import open_source
 from .tokenizer import make_tokenizer
 
 __all__ = ["DataService", "Reader", "discover_units"]
 
 _PREFIX = "msd-"
+_log = logging.getLogger("msd_dask.service")
 
 
-def discover_units(cfg: Config, threads: int = 8) -> tuple[dict[str, list[tuple[str, int, int]]],
-                                                             dict[str, str]]:
+def discover_units(cfg: Config, threads: int = 8,
+                   quarantined: dict[str, list[str]] | None = None
+                   ) -> tuple[dict[str, list[tuple[str, int, int]]], dict[str, str]]:
     """List every source's units (parquet footers are read here, in parallel).
+
+    A file whose units cannot be listed raises :class:`DataError`, unless its
+    source has ``on_error: skip``: then it is left out and its error appended to
+    ``quarantined[source]``.
 
     Returns
     -------
@@ -47,9 +54,28 @@ def discover_units(cfg: Config, threads: int = 8) -> tuple[dict[str, list[tuple[
         for s in cfg.sources:
             files = open_source(s.uri, s.storage_options)
             fmt = get_format(s.format)
-            found = ex.map(lambda p, fs=files.fs, fmt=fmt: fmt.units(fs, p), files.paths)
+
+            def listing(p: str, fs: Any = files.fs, fmt: Any = fmt, name: str = s.name) -> Any:
+                try:
+                    return fmt.units(fs, p)
+                except (DataError, OSError) as e:
+                    return with_source(e, name, p)
+
+            found = []
+            for got in ex.map(listing, files.paths):
+                if isinstance(got, DataError):
+                    if s.on_error != "skip":
+                        raise got
+                    _log.warning("source %r quarantined %s", s.name, got)
+                    if quarantined is not None:
+                        quarantined.setdefault(s.name, []).append(str(got))
+                    continue
+                found.append(got)
             units[s.name] = [(u.path, u.part, u.row_offset) for u in itertools.chain(*found)]
             roots[s.name] = files.root
+            if not units[s.name]:
+                raise DataError(f"no readable units in {len(files.paths)} file(s) matching "
+                                f"{s.uri!r} (empty files?)", source=s.name)
     return units, roots
 
 
@@ -126,8 +152,10 @@ class DataService:
                 raise ServiceError(f"a service named {cfg.name!r} is already running on "
                                    f"{address}; pick another 'name' or close it first")
             client.wait_for_workers(1, timeout=timeout)
-            units, roots = discover_units(cfg)
+            quarantined: dict[str, list[str]] = {}
+            units, roots = discover_units(cfg, quarantined=quarantined)
             registry = cls._place_roles(client, cfg, units, roots, resume, loader_threads)
+            registry["quarantined"] = quarantined
             client.publish_dataset(registry, name=key)
             svc = cls(client, cfg, registry, owner=True, cluster=cluster)
             svc.coordinator.setup(svc.loaders, svc.constructors).result()
@@ -217,6 +245,7 @@ class DataService:
         loader_stats = {k: [ld.stats().result() for ld in v] for k, v in self.loaders.items()}
         cons = [c.stats().result() for c in self.constructors]
         total = sum(planner["tokens_planned"].values()) or 1
+        listed_out = self._registry.get("quarantined", {})
         sources = {}
         for s in self.config.sources:
             ls = loader_stats[s.name]
@@ -229,6 +258,12 @@ class DataService:
                 "share": planner["tokens_planned"][s.name] / total,
                 "weight": planner["weights"][s.name],
                 "read_seconds": sum(x["read_seconds"] for x in ls),
+                # bad input skipped under on_error: skip (counted per read, so per epoch)
+                "quarantined_docs": sum(x.get("quarantined_docs", 0) for x in ls),
+                "quarantined_files": sum(x.get("quarantined_files", 0) for x in ls)
+                + len(listed_out.get(s.name, [])),
+                "quarantined": listed_out.get(s.name, [])
+                + [k for x in ls for k in x.get("quarantined", [])],
             }
         ranks: dict[int, dict[str, Any]] = {}
         for c in cons:

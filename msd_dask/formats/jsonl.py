@@ -54,13 +54,50 @@ def _open_lines(stack: ExitStack, raw: IO[bytes], compression: str | None) -> _L
     if compression == "gzip":
         return stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
     if compression == "zstd":
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
-                                                           closefd=False)
-        stack.callback(reader.close)
         # BufferedReader gives readline() over the reader's readinto().
-        return stack.enter_context(io.BufferedReader(reader, _BUFFER_SIZE))
+        return stack.enter_context(io.BufferedReader(_ZstdFrames(raw), _BUFFER_SIZE))
     # Not fsspec's own readline(): it reads a whole block (5 MiB on s3) per line.
     return stack.enter_context(io.BufferedReader(raw, _BUFFER_SIZE))  # type: ignore[type-var]
+
+
+class _ZstdFrames(io.RawIOBase):
+    """Decompressed content of a stream of zstd frames; a truncated last frame is an error.
+
+    (zstandard's ``stream_reader`` ends silently at a truncated frame, which would
+    drop the rest of a cut-off file without a word.)
+    """
+
+    def __init__(self, raw: IO[bytes]):
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj: Any = None
+        self._out = b""
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while self._pos >= len(self._out):
+            chunk = self._raw.read(_BUFFER_SIZE)
+            if not chunk:
+                if self._obj is not None and not self._obj.eof:
+                    raise zstandard.ZstdError("truncated stream: the last frame is incomplete")
+                return 0
+            self._out, self._pos = self._feed(chunk), 0
+        n = min(len(b), len(self._out) - self._pos)
+        b[:n] = self._out[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def _feed(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            if self._obj is None or self._obj.eof:
+                self._obj = self._dctx.decompressobj()
+            out.append(self._obj.decompress(data))
+            data = self._obj.unused_data if self._obj.eof else b""
+        return b"".join(out)
 
 
 class JsonlFormat:
@@ -90,7 +127,7 @@ class JsonlFormat:
         return [Unit(path, 0, 0)]
 
     def read(self, fs: fsspec.AbstractFileSystem, unit: Unit,
-             fields: Sequence[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+             fields: Sequence[str], errors: str = "raise") -> Iterator[tuple[int, Any]]:
         """Yield ``(line_index, record)`` for every non-blank line of ``unit.path``.
 
         Parameters
@@ -101,6 +138,9 @@ class JsonlFormat:
             The file to read (JSON-lines files have one unit).
         fields : sequence of str
             Keys to return; every record maps exactly these names to values.
+        errors : {"raise", "yield"}
+            ``"yield"``: a line that cannot be parsed yields ``(row, DataError)``
+            instead of ending the iteration (a corrupt stream still raises).
 
         Yields
         ------
@@ -130,7 +170,14 @@ class JsonlFormat:
                 row += 1
                 if not line.strip():
                     continue
-                yield row, _parse(line, fields, path, row)
+                try:
+                    rec = _parse(line, fields, path, row)
+                except DataError as exc:
+                    if errors != "yield":
+                        raise
+                    yield row, exc
+                    continue
+                yield row, rec
 
 
 def _parse(line: bytes, fields: Sequence[str], path: str, row: int) -> dict[str, Any]:
