@@ -68,6 +68,7 @@ class DataConstructor:
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
         self._error: str | None = None
+        self._fetching: str | None = None
         self.published: defaultdict[int, int] = defaultdict(int)
         self.claimed: defaultdict[int, int] = defaultdict(int)
         self.last_claimed: dict[int, int] = {}
@@ -126,8 +127,10 @@ class DataConstructor:
                     requests[(src, li)].append((epoch, unit, r, start, end))
                     where[(src, li)].append((dp, m, j))
         keys = list(requests)
+        self._fetching = f"step {step} from loaders " + ", ".join(f"{s}#{li}" for s, li in keys)
         results = await asyncio.gather(
             *(self.loaders[src][li].fetch(requests[(src, li)]) for src, li in keys))
+        self._fetching = None
         t1 = time.perf_counter()
         tokens: dict[tuple[int, int, int], np.ndarray] = {}
         for k, arrays in zip(keys, results, strict=True):
@@ -199,6 +202,9 @@ class DataConstructor:
             "fetch_seconds": self.fetch_seconds,
             "build_seconds": self.build_seconds,
             "error": self._error,
+            "fetching": self._fetching,
+            # held steps and the ranks that have not claimed them yet
+            "unclaimed": {f"{st}/{dp}": sorted(rs) for (st, dp), rs in self._unclaimed.items()},
         }
 
     async def close(self) -> None:

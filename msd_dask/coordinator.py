@@ -103,6 +103,8 @@ class Coordinator:
         self._meta_tasks: dict[tuple[str, int, int], asyncio.Task[Any]] = {}
         self._task: asyncio.Task[None] | None = None
         self.error: str | None = None
+        #: what the planning loop is blocked on right now (None: planning)
+        self.waiting: str | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=1000)
         self.imbalance_sum = 0.0
         self.lower_bound_ratio_sum = 0.0
@@ -178,6 +180,8 @@ class Coordinator:
             if task is None:  # further ahead than read_ahead (e.g. past empty units)
                 await self._ensure(source, [(e, u)])
                 task = self._meta_tasks[k]
+            self.waiting = (f"loader {self._owner.get(k)} of source {source!r} to report the "
+                            f"lengths of {self.units[source][u].path} (epoch {e})")
             try:
                 lengths = await asyncio.wait_for(asyncio.shield(task), self.cfg.timeout)
             except TimeoutError:
@@ -187,6 +191,7 @@ class Coordinator:
                     f"{self.cfg.timeout:.0f}s") from None
             del self._meta_tasks[k]
             self._meta[k] = np.asarray(lengths)
+            self.waiting = None
 
     def _split(self, plan: StepPlan) -> list[dict[int, list[list[WorkItem]]]]:
         n = len(self.constructors)
@@ -211,8 +216,11 @@ class Coordinator:
                     continue
                 work = self._split(plan)
                 info = {"rank_cost": plan.rank_cost}
+                self.waiting = (f"constructors to accept step {plan.step} (each holds at most "
+                                f"prefetch={self.cfg.prefetch} unclaimed steps)")
                 await asyncio.gather(*(c.submit(plan.step, w, info)
                                        for c, w in zip(self.constructors, work, strict=True)))
+                self.waiting = None
                 self._snapshot(plan.step)
                 self._record(plan)
         except asyncio.CancelledError:
@@ -295,5 +303,6 @@ class Coordinator:
             "mean_max_over_lower_bound": self.lower_bound_ratio_sum / n,
             "last": self.history[-1] if self.history else None,
             "error": self.error,
+            "waiting": self.waiting,
             "uptime": time.time() - self.started,
         }

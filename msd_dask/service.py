@@ -390,11 +390,36 @@ class Reader:
         except TimeoutError:
             raise ServiceTimeoutError(
                 f"rank {self.rank} waited {self.timeout:.0f}s for {waiting_for} of service "
-                f"{self.service.name!r}: no batch was published (planner or constructor stuck? "
-                f"see DataService.stats())") from None
+                f"{self.service.name!r}: no batch was published; {self._diagnose()}") from None
         if "error" in ticket:
             raise ServiceError(f"service {self.service.name!r}: {ticket['error']}")
         return dict(ticket)
+
+    def _diagnose(self) -> str:
+        """Which role is stuck, from the roles' own stats (best effort, a few seconds)."""
+        parts = []
+        try:
+            planner = self.service.coordinator.stats().result(timeout=5)
+            if planner.get("error"):
+                parts.append(f"planner failed: {planner['error']}")
+            elif planner.get("waiting"):
+                parts.append(f"planner (at step {planner['steps_planned']}) is waiting for "
+                             f"{planner['waiting']}")
+            else:
+                parts.append(f"planner is planning step {planner['steps_planned']}")
+            for i, c in enumerate(self.service.constructors):
+                st = c.stats().result(timeout=5)
+                if st.get("error"):
+                    parts.append(f"constructor {i} failed: {st['error']}")
+                elif st.get("fetching"):
+                    parts.append(f"constructor {i} is fetching {st['fetching']}")
+                elif st.get("unclaimed"):
+                    slow = sorted({r for rs in st["unclaimed"].values() for r in rs})
+                    parts.append(f"constructor {i} holds {st['held_steps']} step(s) not yet "
+                                 f"claimed by rank(s) {slow}")
+        except Exception as e:  # noqa: BLE001 - the diagnosis must not hide the timeout
+            parts.append(f"the service did not answer ({type(e).__name__}: {e})")
+        return "; ".join(parts) + " (see DataService.stats())"
 
     def _claim(self, ticket: dict[str, Any]) -> Batch:
         constructor = self.service.constructors[int(ticket["c"])]
