@@ -94,6 +94,16 @@ class DataConstructor:
         self.loaders = loaders
 
     # ------------------------------------------------------------- submission
+    async def wait_room(self) -> None:
+        """Return once this constructor can accept another step.
+
+        The planner waits for room *before* planning a step, so a weight change
+        lands at most ``prefetch`` steps after the last claimed one.
+        """
+        assert self._room is not None
+        async with self._room:
+            await self._room.wait_for(lambda: len(self._held_steps) < self.prefetch)
+
     async def submit(self, step: int, work: dict[int, list[list[WorkItem]]],
                      info: dict[str, Any]) -> None:
         """Accept a step's work for this constructor's DP ranks; waits for room."""

@@ -208,6 +208,10 @@ class Coordinator:
     async def _loop(self) -> None:
         try:
             while True:
+                self.waiting = (f"constructors to make room for step {self.planner.step} (each "
+                                f"holds at most prefetch={self.cfg.prefetch} unclaimed steps)")
+                await asyncio.gather(*(c.wait_room() for c in self.constructors))
+                self.waiting = None
                 await self._assign_ahead()
                 try:
                     plan = self.planner.plan_step(self._lookup)

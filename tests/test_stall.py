@@ -27,7 +27,7 @@ def test_stalled_reader_bounds_memory_and_is_named(tmp_path):
         assert got == list(range(len(got))) and len(got) <= cfg["prefetch"]
         msg = str(ei.value)
         assert "not yet claimed by rank(s) [0]" in msg, msg
-        assert "planner (at step" in msg and "waiting for constructors to accept" in msg, msg
+        assert "planner (at step" in msg and "waiting for constructors to make room" in msg, msg
         samples = []
         for _ in range(2):
             st = svc.stats()
