@@ -27,8 +27,10 @@ padding tokens of all ranks), the share of step time ranks spent in the
 all-reduce, the share spent *waiting* there (all-reduce time minus a no-wait
 all-reduce of the same tensor, measured after training with the ranks lined up
 by a barrier: the rest is waiting for the slowest rank), the share spent
-fetching data, and the compute imbalance (max / mean forward+backward time over
-ranks, averaged over steps).
+fetching data, the compute imbalance (max / mean forward+backward time over
+ranks, averaged over steps), the same for the attention work Σ Lᵢ² of the
+rank's segments, the fill (non-padding share of the rows) and the mean
+attention span (Σ Lᵢ² per token).
 
     python scripts/bench_train.py --quick          # 2 ranks, 10 timed steps
     python scripts/bench_train.py --steps 40
@@ -176,6 +178,7 @@ def _rank_main(rank: int, a: dict[str, Any], out_dir: str) -> None:
         pure.append(time.perf_counter() - t)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"recs": recs, "wall": wall, "pure": statistics.median(pure),
+                   "row_tokens": a["seq_len"] * a["micro_batches"],
                    "params": sum(p.numel() for p in params)}, f)
     dist.barrier()
     dist.destroy_process_group()
@@ -233,6 +236,8 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "compute_imbalance": statistics.mean(imbalance),
             "sq_imbalance": statistics.mean(sq_imbalance),
             "params": ranks[0]["params"],
+            "fill": tokens / (len(ranks) * steps * ranks[0]["row_tokens"]),
+            "span": sum(rec["sq"] for r in ranks for rec in r["recs"]) / tokens,
             "final_loss": statistics.mean(r["recs"][-1]["loss"] for r in ranks)}
 
 
@@ -280,11 +285,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.steps} timed steps after {a.warmup}; baseline {a.loader_workers} loader worker(s)/rank; "
           f"msd_dask {a.dask_workers} dask workers; {os.cpu_count()} cores; {secs:.0f} s")
     print(f"{'pipeline':<26}{'steps/s':>9}{'tokens/s':>10}{'allreduce':>11}{'wait':>7}"
-          f"{'data':>7}{'fwd+bwd':>9}{'imbal':>7}{'ΣL² imbal':>11}")
+          f"{'data':>7}{'fwd+bwd':>9}{'imbal':>7}{'ΣL² imbal':>11}{'fill':>6}{'ΣL²/tok':>9}")
     for name, r in results.items():
         print(f"{name:<26}{r['steps_per_s']:>9.2f}{r['tokens_per_s']:>10,.0f}"
               f"{r['allreduce_share']:>11.1%}{r['wait_share']:>7.1%}{r['data_share']:>7.1%}"
-              f"{r['compute_share']:>9.1%}{r['compute_imbalance']:>7.2f}{r['sq_imbalance']:>11.2f}")
+              f"{r['compute_share']:>9.1%}{r['compute_imbalance']:>7.2f}{r['sq_imbalance']:>11.2f}"
+              f"{r['fill']:>6.0%}{r['span']:>9,.0f}")
     hf, msd = results["HF streaming (per rank)"], results["msd_dask"]
     print(f"no-wait all-reduce of the gradients: {hf['pure_allreduce_ms']:.2f} ms (HF run), "
           f"{msd['pure_allreduce_ms']:.2f} ms (msd_dask run); msd_dask planner imbalance {imb:.3f}")
