@@ -21,12 +21,17 @@ class Batch:
         The global step.
     rank : int
         The global rank it was built for.
-    input_ids, labels, position_ids : torch.Tensor
+    input_ids, labels, position_ids : torch.Tensor or None
         ``torch.long``, shape ``[micro_batches, seq_len]``.  Labels are the next
         token inside the same document, ``-100`` at a document's last token and
-        on padding; position ids restart at 0 for every piece.
-    cu_seqlens : list of torch.Tensor
-        One int32 tensor per micro-batch: piece boundaries from 0 to the used length.
+        on padding; position ids restart at 0 for every piece.  With context
+        parallelism ``cp > 1`` a rank holds ``[micro_batches, seq_len / cp]``:
+        the positions ``cp_index`` of each row.  With pipeline parallelism only
+        the first stage gets ``input_ids``/``position_ids`` and only the last
+        ``labels``; the others get ``None``.
+    cu_seqlens : list of torch.Tensor or None
+        One int32 tensor per micro-batch: piece boundaries from 0 to the used
+        length, of the whole row (``None`` on middle pipeline stages).
     documents : list of list of tuple
         For every micro-batch, ``(source, key, chunk)`` of each cu_seqlens
         segment; ``key`` is ``"<path relative to the source root>:<row>"``.
@@ -34,17 +39,20 @@ class Batch:
         The rank's cost under the configured cost model.
     epochs : list of list of int
         The source epoch of each document in ``documents``.
+    cp_index : torch.Tensor or None
+        With ``cp > 1``: the row positions this rank's token tensors hold.
     """
 
     step: int
     rank: int
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: list[torch.Tensor]
+    input_ids: torch.Tensor | None
+    labels: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    cu_seqlens: list[torch.Tensor] | None
     documents: list[list[tuple[str, str, int]]]
     cost: float
     epochs: list[list[int]]
+    cp_index: torch.Tensor | None = None
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any], rank: int) -> Batch:
@@ -52,16 +60,24 @@ class Batch:
         return cls(
             step=int(payload["step"]),
             rank=rank,
-            input_ids=torch.from_numpy(np.ascontiguousarray(payload["input_ids"])),
-            labels=torch.from_numpy(np.ascontiguousarray(payload["labels"])),
-            position_ids=torch.from_numpy(np.ascontiguousarray(payload["position_ids"])),
-            cu_seqlens=[torch.from_numpy(np.asarray(c, dtype=np.int32)) for c in payload["cu_seqlens"]],
+            input_ids=_tensor(payload["input_ids"]),
+            labels=_tensor(payload["labels"]),
+            position_ids=_tensor(payload["position_ids"]),
+            cu_seqlens=None if payload["cu_seqlens"] is None else
+            [torch.from_numpy(np.asarray(c, dtype=np.int32)) for c in payload["cu_seqlens"]],
             documents=[[(str(s), str(k), int(c)) for s, k, c in row] for row in payload["documents"]],
             cost=float(payload["cost"]),
             epochs=[[int(e) for e in row] for row in payload["epochs"]],
+            cp_index=_tensor(payload.get("cp_index")),
         )
 
     @property
     def num_tokens(self) -> int:
-        """Tokens that are not padding."""
+        """Tokens of the DP group's batch that are not padding (0 on middle pipeline stages)."""
+        if self.cu_seqlens is None:
+            return 0
         return int(sum(int(c[-1]) for c in self.cu_seqlens))
+
+
+def _tensor(a: Any) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).long()

@@ -134,7 +134,8 @@ def _run(args: argparse.Namespace) -> int:
             costs = []
             for r, reader in enumerate(readers):
                 b = next(reader)
-                if r in counting:
+                if r in counting:  # tp = cp = pp = 0: the first stage, with cu_seqlens
+                    assert b.cu_seqlens is not None
                     costs.append(b.cost)
                     for m, docs in enumerate(b.documents):
                         cu = b.cu_seqlens[m].tolist()

@@ -75,6 +75,8 @@ class DataConstructor:
         self.build_seconds = 0.0
         self.fetch_seconds = 0.0
         self.batches_built = 0
+        #: tokens fetched from loaders and packed, once per DP group's batch
+        self.tokens_built = 0
 
     async def setup(self, loaders: dict[str, list[Any]]) -> None:
         """Connect to the loaders and create the member ranks' queues."""
@@ -155,6 +157,7 @@ class DataConstructor:
                 docs.append([(it[0], it[8], it[7]) for it in row])
                 epochs.append([it[2] for it in row])
             packed = pack_rows(packed_rows, self.seq_len, self.pad_id)
+            self.tokens_built += sum(n for row in packed_rows for _, n in row)
             packed.update(step=step, dp=dp, documents=docs, epochs=epochs,
                           cost=float(info["rank_cost"][dp]))
             self._ready[(step, dp)] = packed
@@ -168,9 +171,17 @@ class DataConstructor:
                 self.published[r] += 1
 
     # ----------------------------------------------------------------- claims
-    async def claim(self, step: int, rank: int) -> dict[str, Any]:
-        """The batch of global ``rank`` for ``step`` (each member claims once)."""
-        return await self._take(step, rank)
+    async def claim(self, step: int, rank: int,
+                    view: tuple[int, int, int, int] = (0, 1, 0, 1)) -> dict[str, Any]:
+        """The batch of global ``rank`` for ``step`` (each member claims once).
+
+        ``view`` is the rank's ``(cp_rank, cp, pp_rank, pp)``: context-parallel
+        ranks get their slice of every row, pipeline stages only the tensors
+        they need (:func:`msd_dask.mesh.view_for_rank`).
+        """
+        from .mesh import view_for_rank
+
+        return view_for_rank(await self._take(step, rank), *view)
 
     async def skip(self, step: int, rank: int) -> None:
         """Mark ``step`` claimed by ``rank`` without sending it (a resumed rank had it)."""
@@ -209,6 +220,7 @@ class DataConstructor:
                             for rs in self.members.values() for r in rs},
             "last_claimed": dict(self.last_claimed),
             "batches_built": self.batches_built,
+            "tokens_built": self.tokens_built,
             "fetch_seconds": self.fetch_seconds,
             "build_seconds": self.build_seconds,
             "error": self._error,

@@ -17,6 +17,7 @@ import numpy as np
 
 from .config import load_config
 from .constructor import WorkItem, queue_name
+from .cost import CostFitter
 from .errors import ServiceError, ServiceTimeoutError
 from .formats import Unit
 from .plan import Planner, StepPlan
@@ -106,6 +107,10 @@ class Coordinator:
         #: what the planning loop is blocked on right now (None: planning)
         self.waiting: str | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=1000)
+        #: ``cost: {fit: true}``: fits α, β to the step times readers report
+        self.fitter = CostFitter(prior=self.planner.cost) if self.cfg.cost.fit else None
+        self._step_lengths: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        self._reported: set[tuple[int, int]] = set()
         self.imbalance_sum = 0.0
         self.lower_bound_ratio_sum = 0.0
         self.steps_planned = 0
@@ -213,6 +218,8 @@ class Coordinator:
                 await asyncio.gather(*(c.wait_room() for c in self.constructors))
                 self.waiting = None
                 await self._assign_ahead()
+                if self.fitter is not None:
+                    self.planner.cost = self.fitter.model()
                 try:
                     plan = self.planner.plan_step(self._lookup)
                 except NeedMetadata as nm:
@@ -227,6 +234,7 @@ class Coordinator:
                 self.waiting = None
                 self._snapshot(plan.step)
                 self._record(plan)
+                self._keep_lengths(plan)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to every reader
@@ -295,6 +303,25 @@ class Coordinator:
     async def history_since(self, step: int) -> list[dict[str, Any]]:
         return [h for h in self.history if h["step"] >= step]
 
+    async def report_step_time(self, step: int, dp_rank: int, seconds: float) -> None:
+        """A DP rank computed on ``step`` for ``seconds`` (the first report of a group counts)."""
+        key = (int(step), int(dp_rank))
+        lengths = self._step_lengths.get(int(step))
+        if self.fitter is None or lengths is None or key in self._reported:
+            return
+        self._reported.add(key)
+        self.fitter.observe(lengths[int(dp_rank)], float(seconds))
+
+    def _keep_lengths(self, plan: StepPlan) -> None:
+        if self.fitter is None:
+            return
+        self._step_lengths[plan.step] = [
+            np.fromiter((p.length for row in rows for p in row), dtype=np.int64)
+            for rows in plan.rows]
+        while len(self._step_lengths) > 4 * self._keep:
+            old, _ = self._step_lengths.popitem(last=False)
+            self._reported = {k for k in self._reported if k[0] > old}
+
     async def stats(self) -> dict[str, Any]:
         """Planner counters: steps, tokens per source, imbalance, weights in force."""
         n = max(self.steps_planned, 1)
@@ -308,5 +335,9 @@ class Coordinator:
             "last": self.history[-1] if self.history else None,
             "error": self.error,
             "waiting": self.waiting,
+            "cost_model": {"linear": self.planner.cost.linear,
+                           "quadratic": self.planner.cost.quadratic,
+                           "fitted": self.fitter is not None,
+                           "observations": self.fitter.count if self.fitter else 0},
             "uptime": time.time() - self.started,
         }

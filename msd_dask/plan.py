@@ -243,6 +243,7 @@ class Planner:
             "overrides": [[s, dict(w)] for s, w in self.overrides],
             "tokens": dict(self.tokens),
             "pieces": dict(self.pieces_planned),
+            "cost": [self.cost.linear, self.cost.quadratic],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -256,6 +257,8 @@ class Planner:
                           for s, w in state["overrides"]]
         self.tokens = {k: int(v) for k, v in state["tokens"].items()}
         self.pieces_planned = {k: int(v) for k, v in state["pieces"].items()}
+        if "cost" in state:
+            self.cost = CostModel(float(state["cost"][0]), float(state["cost"][1]))
 
 
 def _spread_long(is_long: np.ndarray, n_carried: int, lengths: np.ndarray, costs: np.ndarray,

@@ -254,6 +254,7 @@ class DataService:
                 "docs_read": sum(x["docs_read"] for x in ls),
                 "tokens_read": sum(x["tokens_read"] for x in ls),
                 "tokens_buffered": sum(x["tokens_buffered"] for x in ls),
+                "tokens_fetched": sum(x["tokens_fetched"] for x in ls),
                 "tokens_planned": planner["tokens_planned"][s.name],
                 "share": planner["tokens_planned"][s.name] / total,
                 "weight": planner["weights"][s.name],
@@ -355,6 +356,7 @@ class Reader:
         self.coords = cfg.parallel.coords(rank)
         self.timeout = timeout
         self.step: int | None = None
+        self._view = (self.coords["cp"], cfg.parallel.cp, self.coords["pp"], cfg.parallel.pp)
         self._skip_through = -1
         self._queue = Queue(queue_name(cfg.name, rank), client=service.client)
 
@@ -421,10 +423,21 @@ class Reader:
             parts.append(f"the service did not answer ({type(e).__name__}: {e})")
         return "; ".join(parts) + " (see DataService.stats())"
 
+    def report_step_time(self, seconds: float, step: int | None = None) -> None:
+        """Report how long this rank computed on a step (default: the last one returned).
+
+        With ``cost: {fit: true}`` the planner fits ``α`` and ``β`` to these
+        times.  Fire and forget: the call does not wait for the planner.
+        """
+        step = self.step if step is None else step
+        if step is None:
+            raise ValueError("report_step_time: no step was read yet")
+        self.service.coordinator.report_step_time(int(step), self.coords["dp"], float(seconds))
+
     def _claim(self, ticket: dict[str, Any]) -> Batch:
         constructor = self.service.constructors[int(ticket["c"])]
         try:
-            payload = constructor.claim(int(ticket["step"]), self.rank).result(
+            payload = constructor.claim(int(ticket["step"]), self.rank, self._view).result(
                 timeout=self.timeout)
         except TimeoutError:
             raise ServiceTimeoutError(

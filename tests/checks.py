@@ -12,11 +12,14 @@ from msd_dask.tokenizer import ByteTokenizer
 
 def record(batch: Any) -> dict[str, Any]:
     """What tests keep of a Batch (picklable, small)."""
+    def arr(t: Any) -> Any:
+        return None if t is None else t.numpy().copy()
+
     return {
         "step": batch.step, "rank": batch.rank, "cost": batch.cost,
-        "input_ids": batch.input_ids.numpy().copy(), "labels": batch.labels.numpy().copy(),
-        "position_ids": batch.position_ids.numpy().copy(),
-        "cu_seqlens": [c.numpy().copy() for c in batch.cu_seqlens],
+        "input_ids": arr(batch.input_ids), "labels": arr(batch.labels),
+        "position_ids": arr(batch.position_ids),
+        "cu_seqlens": None if batch.cu_seqlens is None else [arr(c) for c in batch.cu_seqlens],
         "documents": batch.documents, "epochs": batch.epochs,
     }
 
