@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: Known source formats (the readers registered in :mod:`msd_dask.formats`).
-KNOWN_FORMATS = ("parquet", "jsonl")
+KNOWN_FORMATS = ("parquet", "jsonl", "webdataset")
 KNOWN_TOKENIZERS = ("bytes", "hf")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 MESH_AXES = ("tp", "cp", "dp", "pp")

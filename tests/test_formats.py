@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import tarfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -81,8 +82,25 @@ def write_jsonl_zst(fs: fsspec.AbstractFileSystem, stem: str,
     return path
 
 
+def write_webdataset(fs: fsspec.AbstractFileSystem, stem: str,
+                     records: list[dict[str, Any]]) -> str:
+    """A tar shard: ``<i>.txt`` holds the text, ``<i>.json`` the other fields."""
+    path = stem + ".tar"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, rec in enumerate(records):
+            rest = {k: v for k, v in rec.items() if k != "text"}
+            for ext, data in (("txt", rec["text"].encode()), ("json", json.dumps(rest).encode())):
+                info = tarfile.TarInfo(f"samples/{i:06d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    fs.pipe_file(path, buf.getvalue())
+    return path
+
+
 WRITERS: dict[str, dict[str, Writer]] = {
     "parquet": {"parquet": write_parquet},
+    "webdataset": {"webdataset": write_webdataset},
     "jsonl": {"jsonl": write_jsonl, "jsonl.gz": write_jsonl_gz, "jsonl.zst": write_jsonl_zst},
 }
 

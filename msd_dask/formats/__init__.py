@@ -26,7 +26,7 @@ class Unit:
     path : str
         The file, as the source's filesystem names it.
     part : int
-        Index of the piece inside the file (parquet row group; 0 for JSON lines).
+        Index of the piece inside the file (parquet row group; 0 for JSON lines and tar shards).
     row_offset : int
         Index, within the file, of the piece's first row.
     """
@@ -75,3 +75,4 @@ def get_format(name: str) -> Format:
 
 from . import jsonl as _jsonl  # noqa: E402,F401  (registers itself)
 from . import parquet as _parquet  # noqa: E402,F401
+from . import webdataset as _webdataset  # noqa: E402,F401

@@ -1,0 +1,174 @@
+"""WebDataset-style tar shards: one unit per shard, one row per sample.
+
+A sample is the run of consecutive members sharing a *key*: the member's path
+up to the first dot of its file name (``shard/000123.jpg`` and
+``shard/000123.txt`` are the sample ``shard/000123``; its fields are named by
+the rest, ``jpg`` and ``txt``).  Each sample becomes one record:
+
+* ``.jpg`` / ``.jpeg`` / ``.png`` / ``.webp`` → ``"image"`` (the encoded bytes;
+  also under the extension itself);
+* ``.txt`` → ``"text"`` (UTF-8 decoded; also under ``"txt"``);
+* ``.json`` → its keys merged into the record (a JSON object; ``.txt`` and the
+  image win over keys of the same name);
+* any other extension → its bytes under the extension.
+
+Rows are sample indices in tar order.  The shard is read as a stream of
+members, never listed first; a shard that ends without the tar end-of-archive
+block, or with a header that does not parse, is a :class:`DataError`.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import tarfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+
+from ..errors import DataError
+from . import Unit, register_format
+
+__all__ = ["WebDatasetFormat", "IMAGE_EXTENSIONS", "split_key"]
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+_STORAGE_ERRORS = (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """``(key, extension)`` of a member name: ``"a/b/0001.seg.json"`` → ``("a/b/0001", "seg.json")``."""
+    d, base = posixpath.split(name)
+    stem, dot, ext = base.partition(".")
+    return (posixpath.join(d, stem) if d else stem), ext.lower() if dot else ""
+
+
+def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
+    rec: dict[str, Any] = {}
+    if "json" in fields:
+        try:
+            obj = json.loads(fields["json"].decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DataError(f"invalid .json member: {exc}", path=path, row=row) from None
+        if not isinstance(obj, dict):
+            raise DataError(f".json member is a {type(obj).__name__}, not an object",
+                            path=path, row=row)
+        rec.update(obj)
+    for ext, data in fields.items():
+        if ext == "json":
+            continue
+        rec[ext] = data
+        if ext == "txt":
+            try:
+                rec["text"] = rec["txt"] = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"invalid UTF-8 in .txt member: {exc.reason} at byte "
+                                f"{exc.start}", path=path, row=row) from None
+        elif ext in IMAGE_EXTENSIONS:
+            rec["image"] = data
+    return rec
+
+
+class WebDatasetFormat:
+    """Tar shards of samples (WebDataset layout); a shard is one unit."""
+
+    name = "webdataset"
+
+    def units(self, fs: fsspec.AbstractFileSystem, path: str) -> list[Unit]:
+        """The whole shard as a single unit (the file is not opened)."""
+        return [Unit(path, 0, 0)]
+
+    def read(self, fs: fsspec.AbstractFileSystem, unit: Unit, fields: Sequence[str],
+             errors: str = "raise") -> Iterator[tuple[int, Any]]:
+        """Yield ``(sample_index, record)`` for every sample of the shard.
+
+        Parameters
+        ----------
+        fs : fsspec.AbstractFileSystem
+        unit : Unit
+            The shard (webdataset shards have one unit).
+        fields : sequence of str
+            Keys to return; every record maps exactly these names to values.
+        errors : {"raise", "yield"}
+            ``"yield"``: a sample whose members cannot be decoded or that lacks a
+            field yields ``(row, DataError)``; a corrupt shard still raises.
+
+        Raises
+        ------
+        DataError
+            A sample lacking a field, a ``.txt`` that is not UTF-8, a ``.json`` that is
+            not an object (naming file and row); a shard that is not a tar file, is
+            truncated or has a corrupt header (naming the file).
+        """
+        path = unit.path
+        with fs.open(path, "rb") as f:
+            try:
+                tar = tarfile.open(fileobj=f, mode="r:")
+            except tarfile.TarError as exc:
+                raise DataError(f"cannot read tar: {exc}", path=path) from None
+            with tar:
+                row = -1
+                key: str | None = None
+                sample: dict[str, bytes] = {}
+                members = _members(tar, f, path)
+                for name, data in members:
+                    k, ext = split_key(name)
+                    if k != key:
+                        if key is not None:
+                            row += 1
+                            yield row, self._select(sample, fields, path, row, errors)
+                        key, sample = k, {}
+                    if ext in sample:
+                        raise DataError(f"sample {k!r} has two '.{ext}' members", path=path)
+                    sample[ext] = data
+                if key is not None:
+                    row += 1
+                    yield row, self._select(sample, fields, path, row, errors)
+
+    @staticmethod
+    def _select(sample: dict[str, bytes], fields: Sequence[str], path: str, row: int,
+                errors: str) -> Any:
+        try:
+            rec = _record(sample, path, row)
+            try:
+                return {name: rec[name] for name in fields}
+            except KeyError as exc:
+                raise DataError(f"missing field '{exc.args[0]}'", path=path, row=row) from None
+        except DataError as exc:
+            if errors == "yield":
+                return exc
+            raise
+
+
+def _members(tar: tarfile.TarFile, f: Any, path: str) -> Iterator[tuple[str, bytes]]:
+    """``(name, content)`` of every regular file member, in order; checks the shard's end."""
+    try:
+        while True:
+            m = tar.next()
+            if m is None:
+                break
+            if not m.isfile():
+                continue
+            fh = tar.extractfile(m)
+            assert fh is not None
+            data = fh.read()
+            if len(data) != m.size:
+                raise tarfile.ReadError("unexpected end of data")
+            yield m.name, data
+            tar.members.clear()  # type: ignore[attr-defined]  # stream: keep no member list
+        # tarfile ends silently at a truncated or corrupt header: insist on the end block
+        f.seek(tar.offset)
+        end = f.read(tarfile.BLOCKSIZE)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        if isinstance(exc, _STORAGE_ERRORS):
+            raise
+        raise DataError(f"corrupt tar: {exc}", path=path) from None
+    if len(end) < tarfile.BLOCKSIZE:
+        raise DataError(f"truncated tar: no end-of-archive block at byte {tar.offset}",
+                        path=path)
+    if end.count(0) != tarfile.BLOCKSIZE:
+        raise DataError(f"corrupt tar: invalid member header at byte {tar.offset}", path=path)
+
+
+register_format(WebDatasetFormat())
