@@ -41,6 +41,17 @@ class Batch:
         The source epoch of each document in ``documents``.
     cp_index : torch.Tensor or None
         With ``cp > 1``: the row positions this rank's token tensors hold.
+    pixel_values : torch.Tensor or None
+        Image+text documents: ``torch.uint8 [patches, patch·patch·3]``, the image
+        patches of every micro-batch in order (each patch flattened ``(y, x, rgb)``,
+        see :mod:`msd_dask.vision`; normalising is the model's business).  Patch
+        ``i`` stands for the ``i``-th image token of ``input_ids`` read row by row.
+        ``None`` when the batch holds no image, and on pipeline stages but the first.
+    image_spans : list of list or None
+        For every micro-batch, aligned with ``documents`` (the cu_seqlens
+        segments): ``(first patch in pixel_values, patches)`` of a segment with an
+        image, whose image tokens are the segment's first ``patches`` tokens, or
+        ``None`` for a text segment.  ``None`` with ``pixel_values``.
     """
 
     step: int
@@ -53,6 +64,8 @@ class Batch:
     cost: float
     epochs: list[list[int]]
     cp_index: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_spans: list[list[tuple[int, int] | None]] | None = None
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any], rank: int) -> Batch:
@@ -69,6 +82,11 @@ class Batch:
             cost=float(payload["cost"]),
             epochs=[[int(e) for e in row] for row in payload["epochs"]],
             cp_index=_tensor(payload.get("cp_index")),
+            pixel_values=None if payload.get("pixel_values") is None else
+            torch.from_numpy(np.ascontiguousarray(payload["pixel_values"], dtype=np.uint8)),
+            image_spans=None if payload.get("image_spans") is None else
+            [[None if s is None else (int(s[0]), int(s[1])) for s in row]
+             for row in payload["image_spans"]],
         )
 
     @property

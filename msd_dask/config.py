@@ -24,6 +24,7 @@ __all__ = [
     "BatchConfig",
     "Config",
     "CostConfig",
+    "ImageConfig",
     "ParallelConfig",
     "SourceConfig",
     "TokenizerConfig",
@@ -90,6 +91,23 @@ class WeightSchedule:
 
 
 @dataclass(frozen=True)
+class ImageConfig:
+    """How a multimodal source's images become image tokens (see :mod:`msd_dask.vision`).
+
+    Each image is resized to ``size × size`` RGB and cut into patches of
+    ``patch × patch`` pixels: ``(size / patch)²`` image tokens.
+    """
+
+    size: int = 224
+    patch: int = 14
+
+    @property
+    def tokens(self) -> int:
+        """Image tokens (patches) per image."""
+        return (self.size // self.patch) ** 2
+
+
+@dataclass(frozen=True)
 class SourceConfig:
     """One data source: a glob of files in one format and its mixing weight."""
 
@@ -109,6 +127,17 @@ class SourceConfig:
     #: bad input (unreadable file, document without text): ``"fail"`` stops the
     #: service with an error naming source, file and row; ``"skip"`` quarantines it
     on_error: str = "fail"
+    #: image+text sources: the field holding each document's encoded image (bytes;
+    #: ``"image"`` for webdataset shards); ``None``: a text source
+    image_field: str | None = None
+    #: image size and patch size of an image+text source
+    image: ImageConfig | None = None
+
+    def __post_init__(self) -> None:
+        # a loader receives the config as a dict (dataclasses.asdict)
+        if isinstance(self.image, Mapping):
+            object.__setattr__(self, "image", ImageConfig(**self.image))
+
 
 
 @dataclass(frozen=True)
@@ -167,6 +196,10 @@ class TokenizerConfig:
     eod_id: int | None = None
     pad_id: int | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``hf``: the id standing for one image patch in image+text documents (the
+    #: byte tokenizer's is 258)
+    image_token_id: int | None = None
+
 
 
 def resolve_import_path(spec: str) -> Any:
@@ -368,6 +401,7 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         context=context,
         preprocess=_preprocess(d, key),
         on_error=_on_error(d, key),
+        **_image(d, key),
     )
     if check_files:
         from .storage import list_files
@@ -379,6 +413,23 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         if not files:
             raise ConfigError(f"{key}.uri", f"glob {src.uri!r} matches no file")
     return src
+
+
+def _image(d: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``image_field`` and ``image`` of a source (either one makes it an image+text source)."""
+    if d.get("image_field") is None and d.get("image") is None:
+        return {}
+    field_ = _str(d, "image_field", key, "image")
+    img = d.get("image") or {}
+    k = f"{key}.image"
+    _check_keys(img, k, {"size", "patch"})
+    size = _int(img, "size", k, ImageConfig.size)
+    patch = _int(img, "patch", k, ImageConfig.patch)
+    if size % patch:
+        raise ConfigError(f"{k}.patch", f"must divide image.size {size}, got {patch}")
+    if field_ == d.get("text_field", "text"):
+        raise ConfigError(f"{key}.image_field", f"must differ from text_field {field_!r}")
+    return {"image_field": field_, "image": ImageConfig(size=size, patch=patch)}
 
 
 def _on_error(d: Mapping[str, Any], key: str) -> str:
@@ -405,7 +456,8 @@ def _preprocess(d: Mapping[str, Any], key: str) -> str | None:
 
 
 def _tokenizer(tok: Any, check_files: bool) -> TokenizerConfig:
-    _check_keys(tok, "tokenizer", {"kind", "path", "eod_id", "pad_id", "storage_options"})
+    _check_keys(tok, "tokenizer", {"kind", "path", "eod_id", "pad_id", "storage_options",
+                                   "image_token_id"})
     kind = tok.get("kind", "bytes")
     if kind not in KNOWN_TOKENIZERS:
         raise ConfigError("tokenizer.kind",
@@ -414,13 +466,14 @@ def _tokenizer(tok: Any, check_files: bool) -> TokenizerConfig:
     if not isinstance(so, Mapping):
         raise ConfigError("tokenizer.storage_options", "must be a mapping")
     ids: dict[str, int | None] = {}
-    for k in ("eod_id", "pad_id"):
+    for k in ("eod_id", "pad_id", "image_token_id"):
         ids[k] = None if tok.get(k) is None else _int(tok, k, "tokenizer", 0, lo=0)
     if kind == "bytes":
-        for k in ("path", "eod_id", "pad_id", "storage_options"):
+        for k in ("path", "eod_id", "pad_id", "storage_options", "image_token_id"):
             if k in tok:
                 raise ConfigError(f"tokenizer.{k}", "only applies to kind 'hf' (the byte "
-                                  "tokenizer has fixed ids: 256 ends a document, 257 pads)")
+                                  "tokenizer has fixed ids: 256 ends a document, 257 pads, "
+                                  "258 is an image patch)")
         return TokenizerConfig()
     cfg = TokenizerConfig(kind=kind, path=_str(tok, "path", "tokenizer"), storage_options=dict(so),
                           **ids)
@@ -536,6 +589,22 @@ def _parse(d: Any, check_files: bool) -> Config:
                               f"(also sources[{seen[s.name]}])")
         seen[s.name] = i
     _validate_weights(sources)
+    patch_of: dict[int, int] = {}  # image sources' patch size -> first source index
+    for i, s in enumerate(sources):
+        if s.image is None:
+            continue
+        patch_of.setdefault(s.image.patch, i)
+        if len(patch_of) > 1:
+            raise ConfigError(f"sources[{i}].image.patch", f"must equal that of "
+                              f"sources[{min(patch_of.values())}] (one batch holds the "
+                              f"patches of all sources), got {s.image.patch}")
+        if s.image.tokens > batch.seq_len:
+            raise ConfigError(f"sources[{i}].image", f"an image is (size/patch)² = "
+                              f"{s.image.tokens} image tokens, more than batch.seq_len "
+                              f"{batch.seq_len}")
+        if tokenizer.kind == "hf" and tokenizer.image_token_id is None:
+            raise ConfigError("tokenizer.image_token_id", f"is required by the image+text "
+                              f"source sources[{i}] (the id of an image patch)")
     seed = d.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")

@@ -30,8 +30,9 @@ from .errors import DataError
 from .formats import Unit, get_format
 from .storage import open_source
 from .tokenizer import make_tokenizer
+from .vision import image_patches
 
-__all__ = ["SourceLoader", "read_unit"]
+__all__ = ["SourceLoader", "read_unit", "ImageDoc"]
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -74,9 +75,37 @@ def with_source(e: BaseException, source: str, path: str | None = None, *,
     return out
 
 
+class ImageDoc:
+    """An image+text document as a loader keeps it.
+
+    ``tokens`` is ``[image_id] * n + text tokens + [eod_id]`` and ``patches`` the
+    image's ``n`` patches (``uint8 [n, patch·patch·3]``, see :mod:`msd_dask.vision`),
+    the ``i``-th patch standing for the ``i``-th token.  ``len()`` is its length in
+    tokens, image tokens included.
+    """
+
+    __slots__ = ("tokens", "patches")
+
+    def __init__(self, tokens: np.ndarray, patches: np.ndarray):
+        self.tokens = tokens
+        self.patches = patches
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def piece(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens ``[start, end + 1)`` and the patches of the image tokens in ``[start, end)``."""
+        n = len(self.patches)
+        return self.tokens[start:end + 1], self.patches[min(start, n):min(end, n)]
+
+
 def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
-              quarantine: list[DataError] | None = None) -> list[np.ndarray]:
+              quarantine: list[DataError] | None = None) -> list[np.ndarray | ImageDoc]:
     """Read and tokenize every row of ``unit``; one int32 array per row, in row order.
+
+    Rows of an image+text source (``src.image_field`` set) whose image field is not
+    null become an :class:`ImageDoc`: the image decoded, resized and cut into patches
+    (``src.image``), one image token per patch before the text's tokens.
 
     With ``src.preprocess`` set, ``fn(text, record)`` runs on every document
     first: a string replaces the text, ``None`` drops the document (its row
@@ -96,7 +125,7 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
             return _read_rows(src, fs, unit, tokenizer, [], None)
         except (DataError, OSError) as e:
             raise with_source(e, src.name, unit.path) from e
-    out: list[np.ndarray] = []
+    out: list[np.ndarray | ImageDoc] = []
     bad: list[DataError] = []
     try:
         _read_rows(src, fs, unit, tokenizer, out, bad)
@@ -109,16 +138,17 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     return out
 
 
-def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any, out: list[np.ndarray],
-               bad: list[DataError] | None) -> list[np.ndarray]:
+def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
+               out: list[np.ndarray | ImageDoc],
+               bad: list[DataError] | None) -> list[np.ndarray | ImageDoc]:
     """Append the tokens of the unit's rows to ``out`` (``bad``: collect row errors)."""
     fmt = get_format(src.format)
     prep = _preprocessor(src.preprocess) if src.preprocess else None
     # formats that can report a bad row without ending the read (JSON lines) do so
     tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
     read: Any = fmt.read
-    rows = read(fs, unit, [src.text_field], errors="yield") if tolerant else \
-        read(fs, unit, [src.text_field])
+    fields = [src.text_field] + ([src.image_field] if src.image_field else [])
+    rows = read(fs, unit, fields, errors="yield") if tolerant else read(fs, unit, fields)
     for row, rec in rows:
         expected = unit.row_offset + len(out)
         if row < expected:
@@ -129,7 +159,8 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any, out: list
         try:
             if isinstance(rec, DataError):
                 raise rec
-            out.append(_tokenize(src, rec, prep, tokenizer, unit, row))
+            tokens = _tokenize(src, rec, prep, tokenizer, unit, row)
+            out.append(_with_image(src, rec, tokens, tokenizer, unit, row))
         except DataError as e:
             if bad is None:
                 raise
@@ -166,11 +197,37 @@ def _tokenize(src: SourceConfig, rec: dict[str, Any],
     return tokenizer.encode(text)
 
 
+def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, tokenizer: Any,
+                unit: Unit, row: int) -> np.ndarray | ImageDoc:
+    """``tokens`` of a text document, or the :class:`ImageDoc` of an image+text one."""
+    if not src.image_field or len(tokens) == 0:  # a text source, or a dropped document
+        return tokens
+    data = rec.get(src.image_field)
+    if data is None:  # no image: a text document of an image+text source
+        return tokens
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise DataError(f"field '{src.image_field}' is {type(data).__name__}, not image bytes",
+                        source=src.name, path=unit.path, row=row)
+    assert src.image is not None
+    if tokenizer.image_id is None:
+        raise DataError("the tokenizer has no image token id (set tokenizer.image_token_id)",
+                        source=src.name, path=unit.path, row=row)
+    try:
+        patches = image_patches(bytes(data), src.image.size, src.image.patch)
+    except ValueError as e:
+        raise DataError(f"field '{src.image_field}': {e}", source=src.name, path=unit.path,
+                        row=row) from None
+    out = np.empty(len(patches) + len(tokens), dtype=np.int32)
+    out[:len(patches)] = tokenizer.image_id
+    out[len(patches):] = tokens
+    return ImageDoc(out, patches)
+
+
 class _UnitData:
     __slots__ = ("docs", "remaining", "lengths")
 
-    def __init__(self, docs: list[np.ndarray]):
-        self.docs: list[np.ndarray | None] = list(docs)
+    def __init__(self, docs: list[np.ndarray | ImageDoc]):
+        self.docs: list[np.ndarray | ImageDoc | None] = list(docs)
         self.lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
         self.remaining = self.lengths.copy()
 
@@ -283,14 +340,17 @@ class SourceLoader:
             await self.assign([key])
         return await asyncio.shield(self._ready[key])
 
-    async def fetch(self, requests: list[tuple[int, int, int, int, int]]) -> list[np.ndarray]:
+    async def fetch(self, requests: list[tuple[int, int, int, int, int]]
+                    ) -> list[np.ndarray | tuple[np.ndarray, np.ndarray]]:
         """Tokens of planned pieces, given as ``(epoch, unit, row, start, end)``.
 
         Returns ``doc[start:end + 1]`` for each (one token more than the piece
-        where the document goes on: the label of the piece's last token).  A
+        where the document goes on: the label of the piece's last token); for an
+        image+text document a tuple ``(tokens, patches)``, the patches of the
+        piece's image tokens (:meth:`ImageDoc.piece`).  A
         document is dropped once all of its tokens were fetched.
         """
-        out = []
+        out: list[np.ndarray | tuple[np.ndarray, np.ndarray]] = []
         for epoch, unit, row, start, end in requests:
             key = (int(epoch), int(unit))
             if key not in self._ready:
@@ -302,7 +362,10 @@ class SourceLoader:
             if doc is None:
                 raise DataError("document fetched after it was fully consumed",
                                 source=self.src.name, path=self.units[key[1]].path, row=int(row))
-            out.append(doc[int(start):int(end) + 1])
+            if isinstance(doc, ImageDoc):
+                out.append(doc.piece(int(start), int(end)))
+            else:
+                out.append(doc[int(start):int(end) + 1])
             data.remaining[i] -= int(end) - int(start)
             self.tokens_fetched += int(end) - int(start)
             if data.remaining[i] <= 0:

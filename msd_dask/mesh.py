@@ -10,7 +10,8 @@ A DP group's batch is built once.  Its member ranks then receive:
   stay those of the whole row and ``cp_index`` says which row positions the
   slice holds;
 * pipeline stage ``j`` of ``pp``: the first stage needs ``input_ids``,
-  ``position_ids`` and ``cu_seqlens``, the last stage ``labels`` (and
+  ``position_ids``, ``cu_seqlens`` and the images (``pixel_values``, whole
+  on every context-parallel rank), the last stage ``labels`` (and
   ``cu_seqlens``); middle stages get the step's metadata only.
 """
 
@@ -65,6 +66,8 @@ def view_for_rank(batch: dict[str, Any], cp_rank: int = 0, cp_size: int = 1, pp_
         out["cp_index"] = idx
     if not first:
         out["input_ids"] = out["position_ids"] = None
+        if out.get("pixel_values") is not None:
+            out["pixel_values"] = None
     if not last:
         out["labels"] = None
     if not (first or last):

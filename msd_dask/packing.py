@@ -5,11 +5,19 @@ token inside the same document (so a chunk's last label is the first token of
 the document's next chunk), ``-100`` at a document's last token and on padding;
 position ids restart at 0 for every piece; ``cu_seqlens`` lists the piece
 boundaries varlen-attention style, from 0 to the used length.
+
+A piece of an image+text document comes as ``(tokens, patches)`` instead of
+``tokens``: its first ``len(patches)`` tokens are image tokens, one per patch.
+The packed batch then also holds ``pixel_values`` (the patches of all rows,
+in row order, segment order) and ``image_spans`` (per row and segment,
+``(first patch, patches)`` or ``None``), and labels are ``-100`` wherever the
+next token is an image token (nothing learns to predict image placeholders).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +26,7 @@ __all__ = ["pack_rows", "IGNORE_INDEX"]
 IGNORE_INDEX = -100
 
 
-def pack_rows(rows: Sequence[Sequence[tuple[np.ndarray, int]]], seq_len: int,
+def pack_rows(rows: Sequence[Sequence[tuple[Any, int]]], seq_len: int,
               pad_id: int) -> dict[str, object]:
     """Pack rows of pieces.
 
@@ -27,7 +35,9 @@ def pack_rows(rows: Sequence[Sequence[tuple[np.ndarray, int]]], seq_len: int,
     rows : sequence of sequence of (tokens, n)
         For every row, its pieces in order: ``tokens`` holds the piece's ``n``
         tokens, plus one more when the document continues after the piece (the
-        label of the piece's last token).
+        label of the piece's last token).  For a piece of an image+text document
+        ``tokens`` is a pair ``(tokens, patches)``: ``patches`` (``[k, d]``) stand
+        for the piece's first ``k`` tokens.
     seq_len : int
         Row length.
     pad_id : int
@@ -37,17 +47,27 @@ def pack_rows(rows: Sequence[Sequence[tuple[np.ndarray, int]]], seq_len: int,
     -------
     dict
         ``input_ids``, ``labels``, ``position_ids`` (int64 arrays of shape
-        ``[len(rows), seq_len]``) and ``cu_seqlens`` (a list of int32 arrays).
+        ``[len(rows), seq_len]``), ``cu_seqlens`` (a list of int32 arrays),
+        ``pixel_values`` (``[patches, d]``, the patches of every row in order) and
+        ``image_spans`` (for every row, ``(first patch, patches)`` of each piece or
+        ``None`` for a text piece); both ``None`` when no piece has an image.
     """
     mb = len(rows)
     input_ids = np.full((mb, seq_len), pad_id, dtype=np.int64)
     labels = np.full((mb, seq_len), IGNORE_INDEX, dtype=np.int64)
     position_ids = np.zeros((mb, seq_len), dtype=np.int64)
     cu: list[np.ndarray] = []
+    patches: list[np.ndarray] = []
+    spans: list[list[tuple[int, int] | None]] = []
+    n_patches = 0
     for m, pieces in enumerate(rows):
         bounds = [0]
         pos = 0
+        row_spans: list[tuple[int, int] | None] = []
         for tokens, n in pieces:
+            image = None
+            if isinstance(tokens, tuple):
+                tokens, image = tokens
             if pos + n > seq_len:
                 raise ValueError(f"row {m} overflows seq_len {seq_len}")
             if len(tokens) not in (n, n + 1):
@@ -55,8 +75,21 @@ def pack_rows(rows: Sequence[Sequence[tuple[np.ndarray, int]]], seq_len: int,
             input_ids[m, pos:pos + n] = tokens[:n]
             labels[m, pos:pos + len(tokens) - 1] = tokens[1:]
             position_ids[m, pos:pos + n] = np.arange(n)
+            if image is not None and len(image):
+                k = len(image)
+                if k > n:
+                    raise ValueError(f"piece of {n} tokens given {k} image patches")
+                labels[m, pos:pos + k - 1] = IGNORE_INDEX  # the next token is an image token
+                patches.append(image)
+                row_spans.append((n_patches, k))
+                n_patches += k
+            else:
+                row_spans.append(None)
             pos += n
             bounds.append(pos)
         cu.append(np.asarray(bounds, dtype=np.int32))
+        spans.append(row_spans)
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-            "cu_seqlens": cu}
+            "cu_seqlens": cu,
+            "pixel_values": np.concatenate(patches) if patches else None,
+            "image_spans": spans if patches else None}

@@ -5,8 +5,9 @@
   ``tokenizers`` library) read from any fsspec ``path``.
 
 Every tokenizer has ``encode(text) -> int32 ids + [eod_id]``, ``decode(ids)``
-(end-of-document and padding ids dropped), ``eod_id``, ``pad_id`` and
-``vocab_size``.
+(end-of-document, padding and image ids dropped), ``eod_id``, ``pad_id``,
+``image_id`` (one image patch of an image+text document; ``None`` when the
+tokenizer has none) and ``vocab_size``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import numpy as np
 from .config import TokenizerConfig
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer", "EOD", "PAD",
-           "EOD_TOKENS", "PAD_TOKENS"]
+           "EOD_TOKENS", "PAD_TOKENS", "IMG"]
 
 EOD = 256
 PAD = 257
+#: the byte tokenizer's image-patch id
+IMG = 258
 
 #: Special tokens taken as end-of-document, in order of preference.
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|end_of_text|>", "eos")
@@ -33,6 +36,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eod_id: int
     pad_id: int
+    image_id: int | None
 
     def encode(self, text: str) -> np.ndarray: ...
 
@@ -40,11 +44,12 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids: 0-255 are bytes, 256 ends a document, 257 pads."""
+    """UTF-8 bytes as token ids: 0-255 are bytes, 256 ends a document, 257 pads, 258 is an image patch."""
 
-    vocab_size = 258
+    vocab_size = 259
     eod_id = EOD
     pad_id = PAD
+    image_id: int | None = IMG
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of ``text`` followed by the end-of-document id, as int32."""
@@ -74,12 +79,15 @@ class HFTokenizer:
     path : str
         fsspec path (``file``, ``s3://`` ...) of a ``tokenizer.json``.
     eod_id, pad_id : int, optional
+    image_token_id : int, optional
+        The id of an image patch (required for image+text sources).
     storage_options : dict, optional
         For the filesystem of ``path``.
     """
 
     def __init__(self, path: str, eod_id: int | None = None, pad_id: int | None = None,
-                 storage_options: dict[str, Any] | None = None):
+                 storage_options: dict[str, Any] | None = None,
+                 image_token_id: int | None = None):
         import fsspec
         from tokenizers import Tokenizer as _HF
 
@@ -92,6 +100,8 @@ class HFTokenizer:
         if pad < 0 and self._tok.padding is not None:
             pad = int(self._tok.padding["pad_id"])
         self.pad_id = self.eod_id if pad < 0 else pad
+        self.image_id = None if image_token_id is None else \
+            self._pick(image_token_id, (), "image_token_id")
 
     def _pick(self, given: int | None, names: tuple[str, ...], key: str | None) -> int:
         if given is not None:
@@ -119,7 +129,7 @@ class HFTokenizer:
     def decode(self, ids: np.ndarray | list[int]) -> str:
         """Text of ``ids``; end-of-document and padding ids are dropped."""
         arr = np.asarray(ids)
-        arr = arr[(arr != self.eod_id) & (arr != self.pad_id)]
+        arr = arr[(arr != self.eod_id) & (arr != self.pad_id) & (arr != (self.image_id or -1))]
         return str(self._tok.decode([int(i) for i in arr], skip_special_tokens=False))
 
 
@@ -130,5 +140,6 @@ def make_tokenizer(cfg: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
     if cfg.kind == "hf":
         if not cfg.path:
             raise ValueError("tokenizer kind 'hf' needs a 'path' to a tokenizer.json")
-        return HFTokenizer(cfg.path, cfg.eod_id, cfg.pad_id, dict(cfg.storage_options))
+        return HFTokenizer(cfg.path, cfg.eod_id, cfg.pad_id, dict(cfg.storage_options),
+                           cfg.image_token_id)
     raise ValueError(f"unknown tokenizer kind {cfg.kind!r}")

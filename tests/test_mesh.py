@@ -53,3 +53,15 @@ def test_pp_stages_get_only_what_they_need():
     np.testing.assert_array_equal(last["labels"], b["labels"])
     only = view_for_rank(b)  # pp = 1: everything
     assert all(only[k] is not None for k in ("input_ids", "labels", "position_ids"))
+
+
+def test_pp_only_the_first_stage_gets_pixel_values():
+    b = batch()
+    b["pixel_values"] = np.arange(2 * 12, dtype=np.uint8).reshape(2, 12)
+    b["image_spans"] = [[(0, 2), None], [None, None]]
+    first, mid, last = (view_for_rank(b, pp_rank=j, pp_size=3) for j in range(3))
+    np.testing.assert_array_equal(first["pixel_values"], b["pixel_values"])
+    assert mid["pixel_values"] is None and last["pixel_values"] is None
+    assert last["image_spans"] == b["image_spans"]
+    for i in range(2):  # every context-parallel rank gets the whole images
+        np.testing.assert_array_equal(view_for_rank(b, i, 2)["pixel_values"], b["pixel_values"])

@@ -1,0 +1,69 @@
+"""Images of image+text documents: decode, resize, cut into patches (pure, Pillow).
+
+Every step is deterministic: the same bytes give the same patches on every
+worker.  An image becomes ``size × size`` RGB pixels (Pillow's bicubic resize,
+aspect ratio not kept), then ``(size / patch)²`` patches of ``patch × patch``
+pixels in row-major order; each patch is flattened in ``(y, x, channel)``
+order, so one patch is a row of ``patch · patch · 3`` ``uint8`` values.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["decode_image", "resize", "patchify", "unpatchify", "image_patches", "num_patches"]
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """The image encoded in ``data`` (PNG, JPEG, ... anything Pillow reads), as RGB.
+
+    Raises
+    ------
+    ValueError
+        If ``data`` is not an image Pillow can decode.
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            return img.convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"cannot decode image ({len(data)} bytes): {exc}") from None
+
+
+def resize(img: Image.Image, size: int) -> np.ndarray:
+    """``img`` resized to ``size × size`` (bicubic), as ``uint8 [size, size, 3]``."""
+    if img.size != (size, size):
+        img = img.resize((size, size), Image.Resampling.BICUBIC)
+    return np.asarray(img.convert("RGB"), dtype=np.uint8)
+
+
+def patchify(pixels: np.ndarray, patch: int) -> np.ndarray:
+    """Cut ``[H, W, C]`` pixels into ``[(H/patch)·(W/patch), patch·patch·C]`` patches.
+
+    Patches are in row-major order over the image; each is flattened ``(y, x, c)``.
+    """
+    h, w, c = pixels.shape
+    if h % patch or w % patch:
+        raise ValueError(f"image of {h}x{w} is not divisible into {patch}x{patch} patches")
+    grid = pixels.reshape(h // patch, patch, w // patch, patch, c).transpose(0, 2, 1, 3, 4)
+    return np.ascontiguousarray(grid.reshape(-1, patch * patch * c))
+
+
+def unpatchify(patches: np.ndarray, size: int, patch: int, channels: int = 3) -> np.ndarray:
+    """The inverse of :func:`patchify` for a ``size × size`` image."""
+    g = size // patch
+    grid = np.asarray(patches).reshape(g, g, patch, patch, channels).transpose(0, 2, 1, 3, 4)
+    return grid.reshape(size, size, channels)
+
+
+def num_patches(size: int, patch: int) -> int:
+    """Image tokens of one image: ``(size / patch)²``."""
+    return (size // patch) ** 2
+
+
+def image_patches(data: bytes, size: int, patch: int) -> np.ndarray:
+    """``patchify(resize(decode_image(data), size), patch)``: what a loader keeps of an image."""
+    return patchify(resize(decode_image(data), size), patch)
