@@ -127,6 +127,9 @@ class SourceConfig:
     #: bad input (unreadable file, document without text): ``"fail"`` stops the
     #: service with an error naming source, file and row; ``"skip"`` quarantines it
     on_error: str = "fail"
+    #: bounds of the adaptive loader policy for this source (0: the ``scaling`` default)
+    min_loaders: int = 0
+    max_loaders: int = 0
     #: image+text sources: the field holding each document's encoded image (bytes;
     #: ``"image"`` for webdataset shards); ``None``: a text source
     image_field: str | None = None
@@ -137,7 +140,6 @@ class SourceConfig:
         # a loader receives the config as a dict (dataclasses.asdict)
         if isinstance(self.image, Mapping):
             object.__setattr__(self, "image", ImageConfig(**self.image))
-
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,6 @@ class TokenizerConfig:
     image_token_id: int | None = None
 
 
-
 def resolve_import_path(spec: str) -> Any:
     """The object ``"package.module:attr"`` names (imports the module)."""
     if not _IMPORT_PATH.match(spec):
@@ -229,6 +230,26 @@ class CostConfig:
     quadratic: float = 1.0 / (12 * 4096)
     model: Mapping[str, int] | None = None
     fit: bool = False
+
+
+@dataclass(frozen=True)
+class ScalingConfig:
+    """The loader policy (see :mod:`msd_dask.scaling`).
+
+    ``policy: fixed`` keeps ``sources[].loaders``; ``adaptive`` lets the
+    scheduler plugin size each source's loaders to demand × measured cost,
+    within ``[min_loaders, max_loaders]`` (per source overrides allowed).
+    """
+
+    policy: str = "fixed"
+    min_loaders: int = 1
+    max_loaders: int = 8
+    headroom: float = 1.25
+    starve_fraction: float = 0.05
+    cooldown: float = 5.0
+    scale_down_after: float = 30.0
+    lookahead: int = 200
+    interval: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -261,6 +282,7 @@ class Config:
     timeout: float = 300.0
     balance: str = "balanced"
     long_context: LongContextConfig = LongContextConfig()
+    scaling: ScalingConfig = ScalingConfig()
 
     def source(self, name: str) -> SourceConfig:
         for s in self.sources:
@@ -396,6 +418,8 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         text_field=_str(d, "text_field", key, "text"),
         storage_options=dict(so),
         loaders=_int(d, "loaders", key, 1),
+        min_loaders=_int(d, "min_loaders", key, 0, lo=0),
+        max_loaders=_int(d, "max_loaders", key, 0, lo=0),
         shuffle_window=_int(d, "shuffle_window", key, 4),
         read_ahead=_int(d, "read_ahead", key, 8),
         context=context,
@@ -620,7 +644,28 @@ def _parse(d: Any, check_files: bool) -> Config:
         raise ConfigError("long_context.mode", f"must be 'spread' or 'grouped', got {mode!r}")
     long_context = LongContextConfig(mode=mode,
                                      max_per_rank=_int(lc, "max_per_rank", "long_context", 0, lo=0))
+    sc = d.get("scaling", {})
+    _check_keys(sc, "scaling", {f.name for f in dataclasses.fields(ScalingConfig)})
+    policy = sc.get("policy", "fixed")
+    if policy not in ("fixed", "adaptive"):
+        raise ConfigError("scaling.policy", f"must be 'fixed' or 'adaptive', got {policy!r}")
+    d0 = ScalingConfig()
+    scaling = ScalingConfig(
+        policy=policy,
+        min_loaders=_int(sc, "min_loaders", "scaling", d0.min_loaders),
+        max_loaders=_int(sc, "max_loaders", "scaling", d0.max_loaders),
+        headroom=_num(sc, "headroom", "scaling", d0.headroom, lo=1.0),
+        starve_fraction=_num(sc, "starve_fraction", "scaling", d0.starve_fraction),
+        cooldown=_num(sc, "cooldown", "scaling", d0.cooldown),
+        scale_down_after=_num(sc, "scale_down_after", "scaling", d0.scale_down_after),
+        lookahead=_int(sc, "lookahead", "scaling", d0.lookahead),
+        interval=_num(sc, "interval", "scaling", d0.interval, lo=0.05),
+    )
+    if scaling.max_loaders < scaling.min_loaders:
+        raise ConfigError("scaling.max_loaders", f"must be >= scaling.min_loaders "
+                          f"({scaling.min_loaders}), got {scaling.max_loaders}")
     return Config(
+        scaling=scaling,
         long_context=long_context,
         name=name,
         sources=sources,

@@ -52,18 +52,21 @@ class DataConstructor:
     """
 
     def __init__(self, service: str, index: int, members: dict[int, list[int]], seq_len: int,
-                 pad_id: int, prefetch: int):
+                 pad_id: int, prefetch: int, timeout: float = 300.0):
+        self.timeout = float(timeout)
         self.service = service
         self.index = index
         self.members = {int(k): [int(r) for r in v] for k, v in members.items()}
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.prefetch = prefetch
-        self.loaders: dict[str, list[Any]] = {}
+        self.loaders: dict[str, dict[int, Any]] = {}
         self._queues: dict[int, Any] = {}
         self._ready: dict[tuple[int, int], dict[str, Any]] = {}
         self._unclaimed: dict[tuple[int, int], set[int]] = {}
-        self._held_steps: dict[int, int] = {}  # step -> DP batches of it not fully claimed
+        self._held_steps: dict[int, int] = {}
+        self._gone: set[tuple[int, int]] = set()  # (step, dp) fully claimed
+        self._built: asyncio.Condition | None = None  # step -> DP batches of it not fully claimed
         self._work: asyncio.Queue[tuple[int, dict[int, Any], dict[str, Any]]] | None = None
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
@@ -78,7 +81,7 @@ class DataConstructor:
         #: tokens fetched from loaders and packed, once per DP group's batch
         self.tokens_built = 0
 
-    async def setup(self, loaders: dict[str, list[Any]]) -> None:
+    async def setup(self, loaders: dict[str, dict[int, Any]]) -> None:
         """Connect to the loaders and create the member ranks' queues."""
         from distributed import Queue, get_client
 
@@ -89,11 +92,15 @@ class DataConstructor:
                 self._queues[r] = await Queue(queue_name(self.service, r), client=client)
         self._work = asyncio.Queue()
         self._room = asyncio.Condition()
+        self._built = asyncio.Condition()
         self._task = asyncio.create_task(self._builder())
 
-    async def set_loaders(self, loaders: dict[str, list[Any]]) -> None:
-        """Replace the loader handles (after the coordinator re-created one)."""
+    async def set_loaders(self, loaders: dict[str, dict[int, Any]]) -> None:
+        """Replace the loader handles (slot -> actor; after the coordinator re-created one)."""
+        import gc
+
         self.loaders = loaders
+        gc.collect()  # old handles hold their actors' keys until they are collected
 
     # ------------------------------------------------------------- submission
     async def wait_room(self) -> None:
@@ -107,11 +114,16 @@ class DataConstructor:
             await self._room.wait_for(lambda: len(self._held_steps) < self.prefetch)
 
     async def submit(self, step: int, work: dict[int, list[list[WorkItem]]],
-                     info: dict[str, Any]) -> None:
-        """Accept a step's work for this constructor's DP ranks; waits for room."""
+                     info: dict[str, Any], force: bool = False) -> None:
+        """Accept a step's work for this constructor's DP ranks; waits for room.
+
+        ``force`` skips the wait: the coordinator re-sends recent steps to a
+        re-created constructor.
+        """
         assert self._room is not None and self._work is not None
         async with self._room:
-            await self._room.wait_for(lambda: len(self._held_steps) < self.prefetch)
+            if not force:
+                await self._room.wait_for(lambda: len(self._held_steps) < self.prefetch)
             self._held_steps[step] = len(work)
         self._work.put_nowait((step, work, info))
 
@@ -141,7 +153,7 @@ class DataConstructor:
         keys = list(requests)
         self._fetching = f"step {step} from loaders " + ", ".join(f"{s}#{li}" for s, li in keys)
         results = await asyncio.gather(
-            *(self.loaders[src][li].fetch(requests[(src, li)]) for src, li in keys))
+            *(self._fetch(src, li, requests[(src, li)]) for src, li in keys))
         self._fetching = None
         t1 = time.perf_counter()
         tokens: dict[tuple[int, int, int], np.ndarray] = {}
@@ -165,10 +177,49 @@ class DataConstructor:
         self.fetch_seconds += t1 - t0
         self.build_seconds += time.perf_counter() - t1
         self.batches_built += len(work)
+        assert self._built is not None
+        async with self._built:
+            self._built.notify_all()
         for dp in work:
             for r in self.members[dp]:
                 await self._queues[r].put({"step": step, "c": self.index, "dp": dp})
                 self.published[r] += 1
+
+    async def _fetch(self, source: str, slot: int,
+                     requests: list[tuple[int, int, int, int, int]]) -> list[np.ndarray]:
+        """Fetch from a loader slot; if its loader is lost or retired, retry on the actor
+        the coordinator puts in that slot (:meth:`set_loaders`) until ``timeout``."""
+        from .errors import DataError
+
+        deadline = time.monotonic() + self.timeout
+        while True:
+            loader = self.loaders[source][slot]
+
+            async def call(h: Any) -> Any:
+                return await h.fetch(requests)  # a lost actor's handle raises on access
+
+            task = asyncio.ensure_future(call(loader))
+            # a call to a lost worker's actor can hang: give up on it as soon as the
+            # coordinator has put another actor in the slot
+            replaced = False
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and self.loaders[source][slot].key != loader.key:
+                    task.cancel()
+                    replaced = True
+                    break
+                if time.monotonic() > deadline:
+                    task.cancel()
+                    raise RuntimeError(f"loader slot {source}#{slot} did not answer within "
+                                       f"{self.timeout:.0f}s")
+            if replaced or task.cancelled():
+                continue
+            e = task.exception()
+            if e is None:
+                return list(task.result())
+            if isinstance(e, DataError) or time.monotonic() > deadline:
+                raise e
+            await asyncio.sleep(0.25)
 
     # ----------------------------------------------------------------- claims
     async def claim(self, step: int, rank: int,
@@ -193,6 +244,16 @@ class DataConstructor:
         if dp is None:
             raise KeyError(f"rank {rank} is not served by constructor {self.index}")
         key = (int(step), dp)
+        if key not in self._ready and key not in self._gone:
+            # a re-sent step (after this constructor was re-created) may still be building
+            assert self._built is not None
+            async with self._built:
+                try:
+                    await asyncio.wait_for(
+                        self._built.wait_for(lambda: key in self._ready or self._error is not None),
+                        self.timeout)
+                except TimeoutError:
+                    pass
         if key not in self._ready:
             raise KeyError(f"step {step} of rank {rank} is not held by constructor "
                            f"{self.index} (already claimed, or never published)")
@@ -204,6 +265,9 @@ class DataConstructor:
         if not waiting:
             del self._ready[key]
             del self._unclaimed[key]
+            self._gone.add(key)
+            if len(self._gone) > 4096:
+                self._gone = {k for k in self._gone if k[0] > int(step) - 64}
             async with self._room:
                 self._held_steps[int(step)] -= 1
                 if self._held_steps[int(step)] <= 0:
@@ -230,5 +294,7 @@ class DataConstructor:
         }
 
     async def close(self) -> None:
+        """Stop building and drop the loader handles (they keep the loaders' keys alive)."""
         if self._task is not None:
             self._task.cancel()
+        self.loaders = {}

@@ -9,6 +9,7 @@ most ``prefetch`` steps ahead of the slowest reader.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict, deque
 from typing import Any
@@ -21,10 +22,13 @@ from .cost import CostFitter
 from .errors import ServiceError, ServiceTimeoutError
 from .formats import Unit
 from .plan import Planner, StepPlan
+from .roles import _Roles
 from .storage import SourceFiles
 from .stream import NeedMetadata
 
 __all__ = ["Coordinator", "STATE_FORMAT", "make_state", "planner_state"]
+
+_log = logging.getLogger("msd_dask.coordinator")
 
 #: Version tag of :meth:`DataService.state_dict`'s output.
 STATE_FORMAT = "msd_dask.state/1"
@@ -80,7 +84,10 @@ class Coordinator:
     """
 
     def __init__(self, config: dict[str, Any], units: dict[str, list[tuple[str, int, int]]],
-                 roots: dict[str, str], state: dict[str, Any] | None = None):
+                 roots: dict[str, str], state: dict[str, Any] | None = None, *,
+                 members: list[dict[int, list[int]]] | None = None, pad_id: int = 257,
+                 loader_threads: int = 1, source_payloads: dict[str, dict[str, Any]] | None = None,
+                 tokenizer: dict[str, Any] | None = None):
         self.cfg = load_config(config, check_files=False)
         self.units = {k: [Unit(*u) for u in v] for k, v in units.items()}
         files = {k: SourceFiles(None, roots[k], []) for k in units}
@@ -96,10 +103,19 @@ class Coordinator:
         self._snapshots: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._keep = 2 * self.cfg.prefetch + 16
         self._snapshot(self.planner.step - 1)
-        self.loaders: dict[str, list[Any]] = {}
-        self.constructors: list[Any] = []
+        #: role placement and recovery (see :class:`_Roles`)
+        self.roles = _Roles(self, members or [{d: self.cfg.parallel.ranks_of_dp(d)
+                                               for d in range(self.cfg.parallel.dp)}],
+                            pad_id, loader_threads, source_payloads or {}, tokenizer or {})
+        #: (source, epoch, unit) -> loader slot that reads it
         self._owner: dict[tuple[str, int, int], int] = {}
-        self._next_loader: dict[str, int] = {}
+        #: (source, epoch, unit) -> last step whose plan used it
+        self._last_use: dict[tuple[str, int, int], int] = {}
+        #: recent steps' work, for re-sending to a re-created constructor
+        self._recent: OrderedDict[int, tuple[list[dict[int, list[list[WorkItem]]]],
+                                             dict[str, Any]]] = OrderedDict()
+        self._last_submitted = self.planner.step - 1
+        self._meta_wait = {s.name: 0.0 for s in self.cfg.sources}
         self._meta: dict[tuple[str, int, int], np.ndarray] = {}
         self._meta_tasks: dict[tuple[str, int, int], asyncio.Task[Any]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -116,11 +132,34 @@ class Coordinator:
         self.steps_planned = 0
         self.started = time.time()
 
-    async def setup(self, loaders: dict[str, list[Any]], constructors: list[Any]) -> None:
-        """Hand over the actor handles of the loaders and constructors."""
-        self.loaders = loaders
-        self.constructors = constructors
-        self._next_loader = {k: 0 for k in loaders}
+    @property
+    def constructors(self) -> list[Any]:
+        return self.roles.constructors
+
+    async def setup(self) -> None:
+        """Create the loaders and constructors, spread across the workers."""
+        await self.roles.setup()
+
+    async def handles(self) -> dict[str, Any]:
+        """Current actor handles: ``{"constructors": [...], "loaders": {source: {slot: h}}}``."""
+        return {"constructors": list(self.roles.constructors), "loaders": self.roles.view()}
+
+    async def loader_stats(self) -> dict[str, list[dict[str, Any]]]:
+        """Stats of every active loader, per source."""
+        return await self.roles.loader_stats()
+
+    async def scale(self, source: str, n: int) -> int:
+        """Serve ``source`` with ``n`` loaders (clamped to its bounds); returns the count."""
+        return await self.roles.scale(source, int(n))
+
+    async def evacuate(self, workers: list[str]) -> dict[str, int]:
+        """Move every role except this planner off ``workers`` (before retiring them)."""
+        return await self.roles.evacuate(list(workers))
+
+    async def close_roles(self) -> None:
+        """Stop planning and close every loader and constructor."""
+        await self.stop()
+        await self.roles.close()
 
     async def start(self) -> None:
         """Start the planning loop (idempotent)."""
@@ -145,10 +184,18 @@ class Coordinator:
             keys = self.planner.upcoming_units(s.name, s.read_ahead)
             keep.update((s.name, e, u) for e, u in keys)
             await self._ensure(s.name, keys)
-        # forget units the stream has moved past (never one a step being planned may need)
+        # release units the stream has moved past once every step that used them was
+        # claimed by all ranks (steps <= last submitted - prefetch: see DataConstructor)
+        safe = self._last_submitted - self.cfg.prefetch
+        done: dict[tuple[str, int], list[tuple[int, int]]] = {}
         for k in [k for k in self._owner if k not in keep and self._behind(*k)]:
-            del self._owner[k]
-            self._meta.pop(k, None)
+            if self._last_use.get(k, -1) <= safe:
+                done.setdefault((k[0], self._owner[k]), []).append((k[1], k[2]))
+                del self._owner[k]
+                self._meta.pop(k, None)
+                self._last_use.pop(k, None)
+        for (source, slot), ks in done.items():
+            await self.roles.on_loader(source, slot, "release", ks)
 
     def _behind(self, source: str, epoch: int, unit: int) -> bool:
         st = self.planner.streams[source]
@@ -160,21 +207,22 @@ class Coordinator:
     async def _ensure(self, source: str, keys: list[tuple[int, int]]) -> None:
         """Give every ``(epoch, unit)`` of ``source`` an owner and a metadata request."""
         new: dict[int, list[tuple[int, int]]] = {}
-        n = len(self.loaders[source])
         for e, u in keys:
             k = (source, e, u)
             if k not in self._owner:
-                li = self._next_loader[source] % n
-                self._next_loader[source] += 1
+                li = self.roles.next_slot(source)
                 self._owner[k] = li
                 new.setdefault(li, []).append((e, u))
         for li, ks in new.items():
-            await self.loaders[source][li].assign(ks)
+            await self.roles.on_loader(source, li, "assign", ks)
         for e, u in keys:
             k = (source, e, u)
             if k not in self._meta and k not in self._meta_tasks:
-                loader = self.loaders[source][self._owner[k]]
-                self._meta_tasks[k] = asyncio.ensure_future(loader.metadata(e, u))
+                self._request_meta(k)
+
+    def _request_meta(self, k: tuple[str, int, int]) -> None:
+        loader = self.roles.loader(k[0], self._owner[k])
+        self._meta_tasks[k] = asyncio.ensure_future(loader.metadata(k[1], k[2]))
 
     async def _await_meta(self, source: str, units: list[tuple[int, int]]) -> None:
         for e, u in units:
@@ -187,20 +235,33 @@ class Coordinator:
                 task = self._meta_tasks[k]
             self.waiting = (f"loader {self._owner.get(k)} of source {source!r} to report the "
                             f"lengths of {self.units[source][u].path} (epoch {e})")
-            try:
-                lengths = await asyncio.wait_for(asyncio.shield(task), self.cfg.timeout)
-            except TimeoutError:
-                raise ServiceTimeoutError(
-                    f"loader {self._owner.get(k)} of source {source!r} did not report the "
-                    f"lengths of {self.units[source][u].path} (epoch {e}) within "
-                    f"{self.cfg.timeout:.0f}s") from None
-            del self._meta_tasks[k]
+            t0 = time.monotonic()
+            while True:
+                try:
+                    lengths = await asyncio.wait_for(asyncio.shield(task), 1.0)
+                    break
+                except TimeoutError:
+                    if time.monotonic() - t0 > self.cfg.timeout:
+                        raise ServiceTimeoutError(
+                            f"loader {self._owner.get(k)} of source {source!r} did not report "
+                            f"the lengths of {self.units[source][u].path} (epoch {e}) within "
+                            f"{self.cfg.timeout:.0f}s") from None
+                    if await self.roles.heal():  # a lost loader was re-created: ask it
+                        task = self._meta_tasks[k]
+                except Exception:
+                    if not await self.roles.heal(wait=True):
+                        raise
+                    task = self._meta_tasks[k]
+            self._meta_wait[source] += time.monotonic() - t0
+            self._meta_tasks.pop(k, None)
             self._meta[k] = np.asarray(lengths)
             self.waiting = None
 
     def _split(self, plan: StepPlan) -> list[dict[int, list[list[WorkItem]]]]:
         n = len(self.constructors)
         work: list[dict[int, list[list[WorkItem]]]] = [{} for _ in range(n)]
+        for p in plan.pieces():
+            self._last_use[(p.source, p.epoch, p.unit)] = plan.step
         for dp, rows in enumerate(plan.rows):
             work[dp % n][dp] = [
                 [(p.source, self._owner[(p.source, p.epoch, p.unit)], p.epoch, p.unit, p.row,
@@ -213,9 +274,11 @@ class Coordinator:
     async def _loop(self) -> None:
         try:
             while True:
+                await self.roles.heal()
+                await self.roles.apply_scaling()
                 self.waiting = (f"constructors to make room for step {self.planner.step} (each "
                                 f"holds at most prefetch={self.cfg.prefetch} unclaimed steps)")
-                await asyncio.gather(*(c.wait_room() for c in self.constructors))
+                await self.roles.on_constructors("wait_room")
                 self.waiting = None
                 await self._assign_ahead()
                 if self.fitter is not None:
@@ -227,10 +290,13 @@ class Coordinator:
                     continue
                 work = self._split(plan)
                 info = {"rank_cost": plan.rank_cost}
+                self._recent[plan.step] = (work, info)
+                while self._recent and next(iter(self._recent)) <= plan.step - 2 * self.cfg.prefetch - 2:
+                    self._recent.popitem(last=False)
                 self.waiting = (f"constructors to accept step {plan.step} (each holds at most "
                                 f"prefetch={self.cfg.prefetch} unclaimed steps)")
-                await asyncio.gather(*(c.submit(plan.step, w, info)
-                                       for c, w in zip(self.constructors, work, strict=True)))
+                await self.roles.on_constructors("submit", plan.step, work, info)
+                self._last_submitted = plan.step
                 self.waiting = None
                 self._snapshot(plan.step)
                 self._record(plan)
@@ -238,6 +304,7 @@ class Coordinator:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to every reader
+            _log.exception("msd_dask %s: planner failed", self.cfg.name)
             self.error = f"planner failed at step {self.planner.step}: {e}"
             await self._broadcast_error(self.error)
 
@@ -303,6 +370,16 @@ class Coordinator:
     async def history_since(self, step: int) -> list[dict[str, Any]]:
         return [h for h in self.history if h["step"] >= step]
 
+    async def weights_ahead(self, lookahead: int) -> dict[str, float]:
+        """Largest weight of each source over the next ``lookahead`` steps (sampled)."""
+        start = self.planner.step
+        steps = sorted({start + (i * lookahead) // 20 for i in range(21)})
+        out = {s.name: 0.0 for s in self.cfg.sources}
+        for st in steps:
+            for k, v in self.planner.weights_at(st).items():
+                out[k] = max(out[k], v)
+        return out
+
     async def report_step_time(self, step: int, dp_rank: int, seconds: float) -> None:
         """A DP rank computed on ``step`` for ``seconds`` (the first report of a group counts)."""
         key = (int(step), int(dp_rank))
@@ -340,4 +417,8 @@ class Coordinator:
                            "fitted": self.fitter is not None,
                            "observations": self.fitter.count if self.fitter else 0},
             "uptime": time.time() - self.started,
+            "starved_seconds": dict(self._meta_wait),
+            "loaders": {s: len(a) for s, a in self.roles.active.items()},
+            "recovered": dict(self.roles.recovered),
+            "role_events": list(self.roles.events[-20:]),
         }

@@ -224,12 +224,11 @@ def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, toke
 
 
 class _UnitData:
-    __slots__ = ("docs", "remaining", "lengths")
+    __slots__ = ("docs", "lengths")
 
     def __init__(self, docs: list[np.ndarray | ImageDoc]):
         self.docs: list[np.ndarray | ImageDoc | None] = list(docs)
         self.lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-        self.remaining = self.lengths.copy()
 
 
 class SourceLoader:
@@ -262,7 +261,9 @@ class SourceLoader:
         if self.src.preprocess:
             _preprocessor(self.src.preprocess)  # fail at start, not at the first unit
         self._files = open_source(self.src.uri, self.src.storage_options)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"msd-load-{self.src.name}")
+        self.threads = max(1, int(threads))
+        self._pool = ThreadPoolExecutor(self.threads,
+                                        thread_name_prefix=f"msd-load-{self.src.name}")
         self._data: dict[tuple[int, int], _UnitData] = {}
         self._ready: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._todo: asyncio.Queue[tuple[int, int]] | None = None
@@ -293,32 +294,41 @@ class SourceLoader:
         return new
 
     async def _reader(self) -> None:
+        """Read assigned units in order, up to ``threads`` at a time (the read pool's size)."""
         assert self._todo is not None
-        loop = asyncio.get_running_loop()
+        slots = asyncio.Semaphore(self.threads)
         while True:
             key = await self._todo.get()
             fut = self._ready.get(key)
             if fut is None or fut.done():
                 continue
-            t0 = time.perf_counter()
-            quarantine: list[DataError] = []
-            try:
-                docs = await loop.run_in_executor(
-                    self._pool, read_unit, self.src, self._files.fs, self.units[key[1]],
-                    self.tokenizer, quarantine)
-            except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
-                if not fut.done():
-                    fut.set_exception(e)
-                continue
-            self.read_seconds += time.perf_counter() - t0
-            self._quarantine(key, quarantine)
-            data = _UnitData(docs)
-            self._data[key] = data
-            self.units_read += 1
-            self.docs_read += len(docs)
-            self.tokens_read += int(data.lengths.sum())
+            await slots.acquire()
+            task = asyncio.create_task(self._read(key, fut))
+            task.add_done_callback(lambda _t: slots.release())
+
+    async def _read(self, key: tuple[int, int], fut: asyncio.Future[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        quarantine: list[DataError] = []
+        try:
+            docs = await loop.run_in_executor(
+                self._pool, read_unit, self.src, self._files.fs, self.units[key[1]],
+                self.tokenizer, quarantine)
+        except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
             if not fut.done():
-                fut.set_result(data.lengths)
+                fut.set_exception(e)
+            return
+        self.read_seconds += time.perf_counter() - t0
+        self._quarantine(key, quarantine)
+        data = _UnitData(docs)
+        self.units_read += 1
+        self.docs_read += len(docs)
+        self.tokens_read += int(data.lengths.sum())
+        if self._ready.get(key) is not fut:  # released while it was being read
+            return
+        self._data[key] = data
+        if not fut.done():
+            fut.set_result(data.lengths)
 
     def _quarantine(self, key: tuple[int, int], errors: list[DataError]) -> None:
         for e in errors:
@@ -348,7 +358,10 @@ class SourceLoader:
         where the document goes on: the label of the piece's last token); for an
         image+text document a tuple ``(tokens, patches)``, the patches of the
         piece's image tokens (:meth:`ImageDoc.piece`).  A
-        document is dropped once all of its tokens were fetched.
+        unit that is not held (re-assigned after a loader was lost or retired)
+        is read first.  Units stay until the planner releases them
+        (:meth:`release`), so a step can be fetched again after a constructor
+        was lost.
         """
         out: list[np.ndarray | tuple[np.ndarray, np.ndarray]] = []
         for epoch, unit, row, start, end in requests:
@@ -360,19 +373,13 @@ class SourceLoader:
             i = int(row) - self.units[key[1]].row_offset
             doc = data.docs[i]
             if doc is None:
-                raise DataError("document fetched after it was fully consumed",
+                raise DataError("document has no tokens (it was skipped as bad input)",
                                 source=self.src.name, path=self.units[key[1]].path, row=int(row))
             if isinstance(doc, ImageDoc):
                 out.append(doc.piece(int(start), int(end)))
             else:
                 out.append(doc[int(start):int(end) + 1])
-            data.remaining[i] -= int(end) - int(start)
             self.tokens_fetched += int(end) - int(start)
-            if data.remaining[i] <= 0:
-                data.docs[i] = None
-                if (data.remaining <= 0).all():
-                    del self._data[key]
-                    del self._ready[key]
         return out
 
     async def release(self, keys: list[tuple[int, int]]) -> None:
@@ -384,16 +391,21 @@ class SourceLoader:
             if fut is not None and not fut.done():
                 fut.cancel()
 
+    async def ping(self) -> int:
+        """Liveness check; returns the number of units held."""
+        return len(self._data)
+
     async def stats(self) -> dict[str, Any]:
         """Counters: documents and tokens read, units buffered, read seconds."""
         return {
             "source": self.src.name,
             "index": self.index,
+            "threads": self.threads,
             "docs_read": self.docs_read,
             "tokens_read": self.tokens_read,
             "units_read": self.units_read,
             "units_buffered": len(self._data),
-            "tokens_buffered": int(sum(int(d.remaining.clip(0).sum()) for d in self._data.values())),
+            "tokens_buffered": int(sum(int(d.lengths.clip(0).sum()) for d in self._data.values())),
             "read_seconds": self.read_seconds,
             "tokens_fetched": self.tokens_fetched,
             "quarantined_docs": self.quarantined_docs,

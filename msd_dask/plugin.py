@@ -37,10 +37,9 @@ async def collect(registry: dict[str, Any], since: int = 0) -> dict[str, Any]:
     ``history`` holds the planner's per-step records from step ``since`` on.
     """
     coordinator = await registry["coordinator"]
-    constructors = [await f for f in registry["constructors"]]
-    loaders = {k: [await f for f in v] for k, v in registry["loaders"].items()}
+    constructors = (await coordinator.handles())["constructors"]
     planner = await coordinator.stats()
-    loader_stats = {k: [await ld.stats() for ld in v] for k, v in loaders.items()}
+    loader_stats = await coordinator.loader_stats()
     cons = [await c.stats() for c in constructors]
     total = sum(planner["tokens_planned"].values()) or 1
     sources = {}
@@ -58,6 +57,7 @@ async def collect(registry: dict[str, Any], since: int = 0) -> dict[str, Any]:
             "weight": planner["weights"][name],
             "read_seconds": read_seconds,
             "seconds_per_token": read_seconds / tokens_read if tokens_read else 0.0,
+            "threads": ls[0].get("threads", 1) if ls else 1,
         }
     ranks = {}
     for c in cons:
@@ -104,6 +104,10 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self.imbalance: dict[str, deque[tuple[int, float]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._client: Any = None
+        self._configs: dict[str, Any] = {}
+        self._scalers: dict[str, Any] = {}
+        #: the adaptive policy's decisions per service
+        self.decisions: dict[str, deque[dict[str, Any]]] = {}
         self.scheduler: Any = None
 
     async def start(self, scheduler: Any) -> None:
@@ -153,8 +157,51 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                     for s, v in snap["sources"].items()} if dt > 0 else {}
             self.services[name] = snap
             hist.extend((h["step"], h["imbalance"]) for h in snap.pop("history"))
+            if prev is not None and snap["time"] > prev["time"]:
+                await self._scale(name, registry, snap, prev)
         for gone in set(self.services) - {str(k)[len(_PREFIX):] for k in names}:
             self.services.pop(gone, None)
+
+    async def _scale(self, name: str, registry: dict[str, Any], snap: dict[str, Any],
+                     prev: dict[str, Any]) -> None:
+        """Apply the adaptive loader policy (``scaling: {policy: adaptive}``) to a service."""
+        from .config import load_config
+        from .scaling import Scaler, ScalingPolicy, SourceLoad
+
+        if name not in self._configs:
+            self._configs[name] = load_config(registry["config"], check_files=False)
+        cfg = self._configs[name]
+        if cfg.scaling.policy != "adaptive":
+            return
+        sc = cfg.scaling
+        if name not in self._scalers:
+            limits = {}
+            for s in cfg.sources:
+                lo = s.min_loaders or sc.min_loaders
+                limits[s.name] = (lo, max(lo, s.max_loaders or sc.max_loaders))
+            self._scalers[name] = Scaler(ScalingPolicy(
+                min_loaders=sc.min_loaders, max_loaders=sc.max_loaders, headroom=sc.headroom,
+                starve_fraction=sc.starve_fraction, cooldown=sc.cooldown,
+                scale_down_after=sc.scale_down_after, limits=limits))
+        dt = snap["time"] - prev["time"]
+        planned = sum(snap["planner"]["tokens_planned"].values())
+        before = sum(prev["planner"]["tokens_planned"].values())
+        coordinator = await registry["coordinator"]
+        ahead = await coordinator.weights_ahead(sc.lookahead)
+        loads = {}
+        for s, v in snap["sources"].items():
+            starved = (snap["planner"]["starved_seconds"].get(s, 0.0)
+                       - prev["planner"]["starved_seconds"].get(s, 0.0)) / dt
+            loads[s] = SourceLoad(
+                loaders=int(snap["planner"]["loaders"][s]), weight_ahead=float(ahead[s]),
+                consumption=(planned - before) / dt,
+                seconds_per_token=float(v["seconds_per_token"]), threads=int(v["threads"]),
+                starved=starved)
+        for s, n in self._scalers[name].decide(time.monotonic(), loads).items():
+            got = await coordinator.scale(s, n)
+            self.decisions.setdefault(name, deque(maxlen=1000)).append(
+                {"time": time.time(), "source": s, "loaders": got, "from": loads[s].loaders,
+                 "starved": loads[s].starved, "consumption": loads[s].consumption})
 
     def status(self) -> dict[str, Any]:
         """Everything the page shows, as JSON-able data."""
@@ -167,6 +214,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                          "steps_planned": snap["planner"]["steps_planned"],
                          "mean_imbalance": snap["planner"]["mean_imbalance"],
                          "imbalance": list(self.imbalance.get(name, [])),
+                         "scaling": list(self.decisions.get(name, []))[-20:],
                          "error": snap["planner"].get("error")}
         return {"services": out, "time": time.time()}
 

@@ -18,11 +18,11 @@ from typing import Any
 
 from .batch import Batch
 from .config import Config, load_config
-from .constructor import DataConstructor, queue_name
+from .constructor import queue_name
 from .coordinator import Coordinator, planner_state
 from .errors import DataError, ServiceError, ServiceTimeoutError
 from .formats import get_format
-from .loader import SourceLoader, with_source
+from .loader import with_source
 from .storage import open_source
 from .tokenizer import make_tokenizer
 
@@ -79,6 +79,31 @@ def discover_units(cfg: Config, threads: int = 8,
     return units, roots
 
 
+def _keys_on(dask_scheduler: Any, workers: list[str], prefix: str) -> list[str]:
+    """Keys starting with ``prefix`` held or running on ``workers`` (runs on the scheduler)."""
+    out = []
+    for w in workers:
+        ws = dask_scheduler.workers.get(w)
+        if ws is not None:
+            out += [str(ts.key) for ts in (*ws.has_what, *ws.processing)
+                    if str(ts.key).startswith(prefix)]
+    return out
+
+
+def _install_plugin(client: Any) -> None:
+    """Install :class:`~msd_dask.plugin.MsdSchedulerPlugin` unless the scheduler has it."""
+    from .plugin import MsdSchedulerPlugin
+
+    def has(dask_scheduler: Any) -> bool:
+        return MsdSchedulerPlugin.name in dask_scheduler.plugins
+
+    try:
+        if not client.run_on_scheduler(has):
+            client.register_plugin(MsdSchedulerPlugin())
+    except Exception as e:  # noqa: BLE001 - the service runs without its dashboard page
+        _log.warning("msd_dask: could not install the scheduler plugin: %r", e)
+
+
 def _source_payload(cfg: Config, name: str) -> dict[str, Any]:
     d = next(s for s in cfg.to_dict()["sources"] if s["name"] == name)
     d.pop("weight")
@@ -102,8 +127,18 @@ class DataService:
         self._cluster = cluster
         self._closed = False
         self.coordinator = registry["coordinator"].result()
-        self.constructors = [f.result() for f in registry["constructors"]]
-        self.loaders = {k: [f.result() for f in v] for k, v in registry["loaders"].items()}
+        self.constructors: list[Any] = []
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Fetch the current constructor handles (they change when a role is re-created)."""
+        try:
+            handles = self.coordinator.handles().result(timeout=self.config.timeout)
+        except TimeoutError:
+            raise ServiceTimeoutError(
+                f"the planner of service {self.name!r} did not answer within "
+                f"{self.config.timeout:.0f}s (its worker may be lost)") from None
+        self.constructors = list(handles["constructors"])
 
     # ----------------------------------------------------------------- start
     @classmethod
@@ -154,13 +189,12 @@ class DataService:
             client.wait_for_workers(1, timeout=timeout)
             quarantined: dict[str, list[str]] = {}
             units, roots = discover_units(cfg, quarantined=quarantined)
-            registry = cls._place_roles(client, cfg, units, roots, resume, loader_threads)
+            registry = cls._place_coordinator(client, cfg, units, roots, resume, loader_threads)
             registry["quarantined"] = quarantined
+            registry["coordinator"].result().setup().result()
             client.publish_dataset(registry, name=key)
             svc = cls(client, cfg, registry, owner=True, cluster=cluster)
-            svc.coordinator.setup(svc.loaders, svc.constructors).result()
-            for c in svc.constructors:
-                c.setup(svc.loaders).result()
+            _install_plugin(client)
             svc.coordinator.start().result()
             return svc
         except BaseException:
@@ -170,36 +204,24 @@ class DataService:
             raise
 
     @staticmethod
-    def _place_roles(client: Any, cfg: Config, units: dict[str, list[tuple[str, int, int]]],
-                     roots: dict[str, str], resume: Mapping[str, Any] | None,
-                     loader_threads: int) -> dict[str, Any]:
+    def _place_coordinator(client: Any, cfg: Config,
+                           units: dict[str, list[tuple[str, int, int]]], roots: dict[str, str],
+                           resume: Mapping[str, Any] | None,
+                           loader_threads: int) -> dict[str, Any]:
+        """Start the coordinator; it creates the loaders and constructors itself."""
         workers = sorted(client.scheduler_info()["workers"])
-        place = itertools.cycle(workers)
-        coordinator = client.submit(Coordinator, cfg.to_dict(), units, roots,
-                                    dict(resume) if resume else None, actor=True,
-                                    workers=[next(place)], pure=False)
-        tok_cfg = dataclasses.asdict(cfg.tokenizer)
-        pad_id = make_tokenizer(cfg.tokenizer).pad_id
         n_c = cfg.constructors or min(cfg.parallel.dp, len(workers))
         members: list[dict[int, list[int]]] = [{} for _ in range(n_c)]
         for dp in range(cfg.parallel.dp):
             members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
-        constructors = [
-            client.submit(DataConstructor, cfg.name, i, members[i], cfg.batch.seq_len, pad_id,
-                          cfg.prefetch, actor=True, workers=[next(place)], pure=False)
-            for i in range(n_c)
-        ]
-        loaders = {
-            s.name: [
-                client.submit(SourceLoader, _source_payload(cfg, s.name), units[s.name],
-                              tok_cfg, i, loader_threads, actor=True,
-                              workers=[next(place)], pure=False)
-                for i in range(s.loaders)
-            ]
-            for s in cfg.sources
-        }
-        return {"config": cfg.to_dict(), "coordinator": coordinator,
-                "constructors": constructors, "loaders": loaders}
+        coordinator = client.submit(
+            Coordinator, cfg.to_dict(), units, roots, dict(resume) if resume else None,
+            members=members, pad_id=make_tokenizer(cfg.tokenizer).pad_id,
+            loader_threads=loader_threads,
+            source_payloads={s.name: _source_payload(cfg, s.name) for s in cfg.sources},
+            tokenizer=dataclasses.asdict(cfg.tokenizer),
+            actor=True, workers=[workers[0]], pure=False, key=f"msd-{cfg.name}-coordinator")
+        return {"config": cfg.to_dict(), "coordinator": coordinator}
 
     @classmethod
     def connect(cls, address: str, name: str, *, timeout: float = 30.0) -> DataService:
@@ -231,6 +253,39 @@ class DataService:
         """Change the mix; returns the first step planned with the new weights."""
         return int(self.coordinator.set_weights(dict(weights), from_step).result())
 
+    def scale_loaders(self, source: str, n: int) -> int:
+        """Serve ``source`` with ``n`` loaders (within its bounds); returns the count.
+
+        Applied before the next step is planned.  Which loader reads a unit never
+        changes the documents of a step: the stream does not depend on it.
+        """
+        return int(self.coordinator.scale(source, int(n)).result())
+
+    def retire_workers(self, workers: list[str], *, close: bool = True) -> dict[str, int]:
+        """Move the loaders and constructors off ``workers``, then retire them from Dask.
+
+        Dask cannot retire a worker holding actors, and actors cannot move; this
+        re-creates the roles elsewhere first (no document lost or repeated).  The
+        planner's own worker cannot be retired this way.
+        """
+        import gc
+
+        moved = dict(self.coordinator.evacuate(list(workers)).result())
+        self.refresh()  # drop this client's handles of the moved roles ...
+        gc.collect()
+        # ... and wait until nothing references them any more: Dask does not retire a
+        # worker that still holds an actor
+        deadline = time.monotonic() + self.config.timeout
+        while held := self.client.run_on_scheduler(_keys_on, workers=list(workers),
+                                                   prefix=f"msd-{self.name}-"):
+            if time.monotonic() > deadline:
+                raise ServiceTimeoutError(f"roles {held} on {list(workers)} were still "
+                                          f"referenced after {self.config.timeout:.0f}s")
+            time.sleep(0.2)
+        if close:
+            self.client.retire_workers(list(workers), close_workers=True)
+        return moved
+
     def stats(self) -> dict[str, Any]:
         """Counters per source, per rank and for the planner.
 
@@ -242,7 +297,8 @@ class DataService:
             claimed step; ``planner``: steps, imbalance, errors.
         """
         planner = self.coordinator.stats().result()
-        loader_stats = {k: [ld.stats().result() for ld in v] for k, v in self.loaders.items()}
+        loader_stats = self.coordinator.loader_stats().result()
+        self.refresh()
         cons = [c.stats().result() for c in self.constructors]
         total = sum(planner["tokens_planned"].values()) or 1
         listed_out = self._registry.get("quarantined", {})
@@ -320,12 +376,7 @@ class DataService:
         try:
             if self._owner and self.client.status == "running":
                 try:
-                    self.coordinator.stop().result(timeout=10)
-                    for c in self.constructors:
-                        c.close().result(timeout=10)
-                    for lds in self.loaders.values():
-                        for ld in lds:
-                            ld.close().result(timeout=10)
+                    self.coordinator.close_roles().result(timeout=30)
                 except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
                     pass
                 self.client.unpublish_dataset(_PREFIX + self.name)
@@ -379,11 +430,27 @@ class Reader:
     def __next__(self) -> Batch:
         while True:
             ticket = self._ticket()
-            if int(ticket["step"]) > self._skip_through:
+            step = int(ticket["step"])
+            done = self._skip_through if self.step is None else max(self.step, self._skip_through)
+            if step > done:
                 break
-            # already consumed before a restart: release it without moving the tensors
-            self.service.constructors[int(ticket["c"])].skip(int(ticket["step"]), self.rank)
+            # consumed before a restart, or a ticket re-sent by a re-created constructor:
+            # release it without moving the tensors
+            self._skip(int(ticket["c"]), step)
         return self._claim(ticket)
+
+    def _skip(self, c: int, step: int) -> None:
+        """Release ``step`` on constructor ``c``, on its current actor (it may be re-created:
+        a skip sent to a lost actor would leave the new one waiting for this rank)."""
+        for attempt in range(3):
+            try:
+                self.service.constructors[c].skip(step, self.rank).result(timeout=self.timeout)
+                return
+            except KeyError:
+                return  # nothing held for this rank at that step
+            except Exception:  # noqa: BLE001 - a lost actor: refresh the handles, try again
+                time.sleep(0.5 * (attempt + 1))
+                self.service.refresh()
 
     def _ticket(self) -> dict[str, Any]:
         waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
@@ -435,13 +502,33 @@ class Reader:
         self.service.coordinator.report_step_time(int(step), self.coords["dp"], float(seconds))
 
     def _claim(self, ticket: dict[str, Any]) -> Batch:
-        constructor = self.service.constructors[int(ticket["c"])]
-        try:
-            payload = constructor.claim(int(ticket["step"]), self.rank, self._view).result(
-                timeout=self.timeout)
-        except TimeoutError:
-            raise ServiceTimeoutError(
-                f"rank {self.rank}: constructor {ticket['c']} did not hand over step "
-                f"{ticket['step']} within {self.timeout:.0f}s") from None
+        c, step = int(ticket["c"]), int(ticket["step"])
+        deadline = time.monotonic() + self.timeout
+        constructor = self.service.constructors[c]
+        call = None
+        while True:
+            try:
+                if call is None:  # one claim per constructor actor: a claim is not repeatable
+                    call = constructor.claim(step, self.rank, self._view)
+                payload = call.result(timeout=2.0)
+                break
+            except TimeoutError:
+                # a call to a lost worker hangs: switch once the service re-created it
+                if time.monotonic() > deadline:
+                    raise ServiceTimeoutError(
+                        f"rank {self.rank}: constructor {c} did not hand over step {step} "
+                        f"within {self.timeout:.0f}s") from None
+            except (KeyError, ValueError):
+                raise
+            except Exception as e:  # noqa: BLE001 - its worker was lost: wait for the new one
+                if time.monotonic() > deadline:
+                    raise ServiceTimeoutError(
+                        f"rank {self.rank}: constructor {c} was lost and no replacement "
+                        f"handed over step {step} within {self.timeout:.0f}s ({e!r})") from e
+                time.sleep(0.5)
+                call = None
+            self.service.refresh()
+            if self.service.constructors[c].key != constructor.key:
+                constructor, call = self.service.constructors[c], None
         self.step = int(ticket["step"])
         return Batch.from_payload(payload, self.rank)

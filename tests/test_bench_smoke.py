@@ -26,9 +26,16 @@ def _run(script: str, *args: str, timeout: float = 240) -> str:
     return proc.stdout
 
 
-needs_demo = pytest.mark.skipif(
-    not (os.path.isdir(os.path.join(DEMO, "code")) and os.path.isdir(os.path.join(DEMO, "prose"))),
-    reason="no demo corpus: run `msd-dask demo-corpus data/demo`")
+@pytest.fixture(scope="module", autouse=True)
+def demo_corpus():
+    """The benchmarks read configs/demo.yaml, i.e. data/demo: write it if it is missing."""
+    if not (os.path.isdir(os.path.join(DEMO, "code")) and os.path.isdir(os.path.join(DEMO, "prose"))):
+        from msd_dask.demo import write_demo_corpus
+
+        write_demo_corpus(DEMO)
+
+
+needs_demo = pytest.mark.usefixtures("demo_corpus")
 
 
 def _needs_datasets() -> None:

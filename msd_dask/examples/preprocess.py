@@ -23,7 +23,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["drop_short", "normalize_whitespace", "clean", "fail_on_marker", "MIN_CHARS"]
+__all__ = ["drop_short", "normalize_whitespace", "clean", "fail_on_marker", "slow_store",
+           "store_1x", "store_20x", "cpu_heavy", "MIN_CHARS", "SLOW_SECONDS_PER_KB",
+           "STORE_SECONDS_PER_KB", "CPU_ROUNDS"]
 
 #: Documents shorter than this (after stripping) are dropped by :func:`drop_short`.
 MIN_CHARS = 40
@@ -50,4 +52,55 @@ def fail_on_marker(text: str, record: dict[str, Any]) -> str | None:
     """Raise on documents containing ``"FAIL-ME"`` (to test error reporting)."""
     if "FAIL-ME" in text:
         raise ValueError("found the FAIL-ME marker")
+    return text
+
+
+#: Seconds :func:`slow_store` waits per KiB of text.
+SLOW_SECONDS_PER_KB = 0.02
+
+#: Hash rounds per KiB of text in :func:`cpu_heavy`.
+CPU_ROUNDS = 40
+
+
+def slow_store(text: str, record: dict[str, Any]) -> str | None:
+    """Wait as a slow remote store would (``SLOW_SECONDS_PER_KB``; releases the GIL).
+
+    For benchmarks and tests of loader scaling: the text is returned unchanged.
+    """
+    import time
+
+    time.sleep(SLOW_SECONDS_PER_KB * (len(text) + 1) / 1024)
+    return text
+
+
+def cpu_heavy(text: str, record: dict[str, Any]) -> str | None:
+    """Burn CPU in proportion to the text (``CPU_ROUNDS`` sha256 passes per KiB).
+
+    hashlib releases the GIL on large inputs, like image decoding does; the
+    text is returned unchanged.
+    """
+    import hashlib
+
+    data = text.encode("utf-8") * CPU_ROUNDS
+    hashlib.sha256(data).digest()
+    return text
+
+
+#: Seconds :func:`store_1x` waits per KiB (:func:`store_20x` waits 20 times as long).
+STORE_SECONDS_PER_KB = 0.001
+
+
+def store_1x(text: str, record: dict[str, Any]) -> str | None:
+    """A store that costs ``STORE_SECONDS_PER_KB`` of waiting per KiB (benchmarks)."""
+    import time
+
+    time.sleep(STORE_SECONDS_PER_KB * (len(text) + 1) / 1024)
+    return text
+
+
+def store_20x(text: str, record: dict[str, Any]) -> str | None:
+    """Like :func:`store_1x`, 20 times slower per token (benchmarks)."""
+    import time
+
+    time.sleep(20 * STORE_SECONDS_PER_KB * (len(text) + 1) / 1024)
     return text

@@ -1,0 +1,417 @@
+"""Placement, scaling and recovery of a service's loaders and constructors.
+
+Dask actors are not resilient: a lost worker loses its actors and nothing
+restarts them, and ``Adaptive`` cannot retire a worker that holds one.  The
+coordinator therefore creates the roles itself and keeps them alive:
+
+* **slots** — a source's loaders live in numbered slots.  Units are assigned
+  to a slot, and a planned piece names the slot, never the actor, so a slot's
+  actor can be replaced (lost worker) or its units handed to another slot
+  (scale-down, evacuation) without re-planning: the stream, and so every
+  step's documents, does not depend on which loader reads a unit.
+* **recovery** — :meth:`_Roles.heal` compares the roles' workers with the
+  scheduler's live workers; a lost loader is re-created in its slot and
+  re-reads the slot's live units; a lost constructor is re-created and the
+  recent steps are sent to it again (readers drop the duplicate tickets).
+* **scaling** — :meth:`_Roles.scale` adds slots or retires them; a retired
+  slot's units move to a remaining slot, which re-reads them on demand.
+
+Loaders keep a unit until the planner releases it, after every step using it
+was claimed by all ranks, so re-sending a step never finds its tokens gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from .constructor import DataConstructor
+from .loader import SourceLoader
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator
+
+__all__: list[str] = []
+
+_log = logging.getLogger(__name__)
+
+
+class _Roles:
+    """The coordinator's loaders and constructors (see the module docstring)."""
+
+    def __init__(self, coordinator: Coordinator, members: list[dict[int, list[int]]],
+                 pad_id: int, loader_threads: int, payloads: dict[str, dict[str, Any]],
+                 tokenizer: dict[str, Any]):
+        self.co = coordinator
+        self.cfg = coordinator.cfg
+        self.members = members
+        self.pad_id = pad_id
+        self.loader_threads = loader_threads
+        self.payloads = payloads
+        self.tokenizer = tokenizer
+        self.constructors: list[Any] = []
+        self._cfuts: list[Any] = []
+        #: source -> slot -> (actor handle, future keeping it alive)
+        self._slots: dict[str, dict[int, tuple[Any, Any]]] = {}
+        #: source -> retired slot -> slot that took its units over
+        self._alias: dict[str, dict[int, int]] = {}
+        #: source -> slots that take new units, in round-robin order
+        self.active: dict[str, list[int]] = {}
+        self._rr: dict[str, itertools.count[int]] = {}
+        self._seq: dict[str, itertools.count[int]] = {}
+        self._targets: dict[str, int] = {}
+        self._evacuating: set[str] = set()
+        self._client: Any = None
+        self._lock = asyncio.Lock()
+        self._last_check = 0.0
+        self.recovered = Counter[str]()
+        self.events: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------- creation
+    async def setup(self) -> None:
+        from distributed import get_client
+
+        self._client = get_client()
+        for i in range(len(self.members)):
+            handle, fut = await self._new_constructor(i)
+            self.constructors.append(handle)
+            self._cfuts.append(fut)
+        for s in self.cfg.sources:
+            self._slots[s.name] = {}
+            self._alias[s.name] = {}
+            self.active[s.name] = []
+            self._rr[s.name] = itertools.count()
+            self._seq[s.name] = itertools.count()
+            for _ in range(s.loaders):
+                await self._add_slot(s.name)
+        view = self.view()
+        await asyncio.gather(*(c.setup(view) for c in self.constructors))
+
+    async def _workers(self) -> list[str]:
+        info = await self._client.scheduler.identity()
+        return sorted(info["workers"])
+
+    async def _place(self) -> str:
+        """The live worker holding the fewest roles (the planner's own counts as one)."""
+        workers = [w for w in await self._workers() if w not in self._evacuating]
+        if not workers:
+            raise RuntimeError("no worker left to place a role on")
+        load = Counter(h._address for h, _ in self._all_loaders())
+        load.update(c._address for c in self.constructors)
+        load[self._own_address()] += 1
+        return min(workers, key=lambda w: (load[w], w))
+
+    def _own_address(self) -> str:
+        from distributed import get_worker
+
+        return str(get_worker().address)
+
+    async def _new_constructor(self, index: int) -> tuple[Any, Any]:
+        where = await self._place()
+        fut = self._client.submit(
+            DataConstructor, self.cfg.name, index, self.members[index], self.cfg.batch.seq_len,
+            self.pad_id, self.cfg.prefetch, self.cfg.timeout, actor=True, workers=[where],
+            allow_other_workers=False, pure=False,
+            key=f"msd-{self.cfg.name}-constructor-{index}-{uuid.uuid4().hex[:8]}")
+        return await fut, fut
+
+    async def _new_loader(self, source: str, slot: int) -> tuple[Any, Any]:
+        where = await self._place()
+        units = [(u.path, u.part, u.row_offset) for u in self.co.units[source]]
+        fut = self._client.submit(
+            SourceLoader, self.payloads[source], units, self.tokenizer, slot,
+            self.loader_threads, actor=True, workers=[where], allow_other_workers=False,
+            pure=False, key=f"msd-{self.cfg.name}-loader-{source}-{slot}-{uuid.uuid4().hex[:8]}")
+        return await fut, fut
+
+    async def _add_slot(self, source: str) -> int:
+        slot = next(self._seq[source])
+        self._slots[source][slot] = await self._new_loader(source, slot)
+        self.active[source].append(slot)
+        return slot
+
+    # ---------------------------------------------------------------- lookup
+    def _resolve(self, source: str, slot: int) -> int:
+        seen = set()
+        while slot in self._alias[source]:
+            if slot in seen:  # pragma: no cover - aliases never form a cycle
+                raise RuntimeError(f"loader slot alias cycle in {source!r}")
+            seen.add(slot)
+            slot = self._alias[source][slot]
+        return slot
+
+    def loader(self, source: str, slot: int) -> Any:
+        return self._slots[source][self._resolve(source, slot)][0]
+
+    def view(self) -> dict[str, dict[int, Any]]:
+        """Slot -> actor handle for every slot ever used (retired slots point at their heir)."""
+        out: dict[str, dict[int, Any]] = {}
+        for source, slots in self._slots.items():
+            every = set(slots) | set(self._alias[source])
+            out[source] = {s: self.loader(source, s) for s in every}
+        return out
+
+    def _all_loaders(self) -> list[tuple[Any, Any]]:
+        return [v for slots in self._slots.values() for v in slots.values()]
+
+    def next_slot(self, source: str) -> int:
+        act = self.active[source]
+        return act[next(self._rr[source]) % len(act)]
+
+    async def loader_stats(self) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for source, slots in self._slots.items():
+            out[source] = [dict(await h.stats(), slot=slot, worker=h._address)
+                           for slot, (h, _) in sorted(slots.items())]
+        return out
+
+    # -------------------------------------------------------------- calls
+    async def on_loader(self, source: str, slot: int, method: str, *args: Any) -> Any:
+        """Call a loader slot's ``method``; if its worker is lost meanwhile, call the actor
+        re-created in that slot instead (a call to a lost actor may hang, not fail)."""
+        async def call(h: Any) -> Any:
+            return await getattr(h, method)(*args)  # a lost actor raises on access
+
+        while True:
+            h = self.loader(source, slot)
+            task = asyncio.ensure_future(call(h))
+            replaced = False
+            while not task.done():
+                await asyncio.wait({task}, timeout=1.0)
+                if not task.done() and await self.heal() and self.loader(source, slot) is not h:
+                    task.cancel()
+                    replaced = True
+                    break
+            if replaced or task.cancelled():
+                continue
+            exc = task.exception()
+            if exc is None:
+                return task.result()
+            if await self.heal(wait=True) and self.loader(source, slot) is not h:
+                continue
+            raise exc
+
+    async def on_constructors(self, method: str, *args: Any) -> None:
+        """Call ``method`` on every constructor; survive constructors lost meanwhile.
+
+        ``submit`` gets each constructor's own share of ``args[1]`` (the work list).
+        """
+        async def call(i: int) -> Any:
+            # inside a coroutine: a lost actor's handle raises on attribute access
+            c = self.constructors[i]
+            if method == "submit":
+                step, work, info = args
+                return await c.submit(step, work[i], info)
+            return await getattr(c, method)(*args)
+
+        handles = list(self.constructors)
+        pending = {i: asyncio.ensure_future(call(i)) for i in range(len(handles))}
+        while pending:
+            done, _ = await asyncio.wait(pending.values(), timeout=1.0)
+            for i, t in list(pending.items()):
+                if t in done:
+                    if t.exception() is None:
+                        del pending[i]
+                    else:
+                        await self.heal(wait=True)
+                        if self.constructors[i] is handles[i]:
+                            raise t.exception()  # type: ignore[misc]
+                        # re-created: ``submit`` was re-sent with the recent steps
+                        if method == "submit":
+                            del pending[i]
+                        else:
+                            handles[i] = self.constructors[i]
+                            pending[i] = asyncio.ensure_future(call(i))
+            if pending and await self.heal():
+                for i in list(pending):
+                    if self.constructors[i] is not handles[i]:
+                        pending.pop(i).cancel()
+                        if method != "submit":
+                            handles[i] = self.constructors[i]
+                            pending[i] = asyncio.ensure_future(call(i))
+
+    # ------------------------------------------------------------- recovery
+    async def heal(self, wait: bool = False) -> bool:
+        """Re-create roles whose worker is gone; returns whether anything was re-created.
+
+        Checks at most every half second unless ``wait`` (after a failed call:
+        then it waits up to a few seconds for the scheduler to notice the loss).
+        """
+        now = time.monotonic()
+        if not wait and now - self._last_check < 0.5:
+            return False
+        self._last_check = now
+        async with self._lock:
+            deadline = now + (10.0 if wait else 0.0)
+            while True:
+                alive = set(await self._workers()) - self._evacuating
+                lost_l = [(s, slot) for s, slots in self._slots.items()
+                          for slot, (h, _) in slots.items() if h._address not in alive]
+                lost_c = [i for i, c in enumerate(self.constructors) if c._address not in alive]
+                if lost_l or lost_c or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.25)
+            for source, slot in lost_l:
+                await self._replace_loader(source, slot, "lost")
+            for i in lost_c:  # re-created constructors get the current loaders in setup
+                await self._replace_constructor(i, "lost")
+            if lost_l:
+                await self._push_loaders()
+            return bool(lost_l or lost_c)
+
+    async def _replace_loader(self, source: str, slot: int, why: str) -> None:
+        old_h, old_f = self._slots[source][slot]
+        self._slots[source][slot] = await self._new_loader(source, slot)
+        new = self._slots[source][slot][0]
+        self._log("loader", f"{source}#{slot}", why, old_h._address, new._address)
+        _drop(old_h, old_f)
+        await self._reassign(source, [slot], slot)
+
+    async def _reassign(self, source: str, slots: list[int], heir: int) -> None:
+        """Give the live units of ``slots`` to ``heir`` (which re-reads them) and re-ask lengths."""
+        co = self.co
+        moved = [k for k, s in co._owner.items()
+                 if k[0] == source and (s in slots or self._resolve(source, s) in slots)]
+        for k in moved:
+            co._owner[k] = heir
+        await self.loader(source, heir).assign([(k[1], k[2]) for k in moved])
+        for k in moved:
+            if k not in co._meta:
+                old = co._meta_tasks.pop(k, None)
+                if old is not None:
+                    old.cancel()
+                co._request_meta(k)
+
+    async def _replace_constructor(self, i: int, why: str) -> None:
+        old = self.constructors[i]
+        handle, fut = await self._new_constructor(i)
+        await handle.setup(self.view())
+        self.constructors[i] = handle
+        old_f, self._cfuts[i] = self._cfuts[i], fut
+        self._log("constructor", str(i), why, old._address, handle._address)
+        # steps that may not have been claimed by every rank yet go to the new one
+        safe = self.co._last_submitted - self.cfg.prefetch
+        for step, (work, info) in self.co._recent.items():
+            if step > safe:
+                await handle.submit(step, work[i], info, force=True)
+        if why != "lost":
+            await old.close()
+        _drop(old, old_f)
+
+    def _log(self, role: str, name: str, why: str, old: str, new: str) -> None:
+        self.recovered[role] += 1
+        ev = {"time": time.time(), "role": role, "name": name, "why": why, "from": old,
+              "to": new, "step": self.co.planner.step}
+        self.events.append(ev)
+        del self.events[:-100]
+        _log.warning("msd_dask %s: %s %s %s on %s, re-created on %s", self.cfg.name, role,
+                     name, why, old, new)
+
+    async def _push_loaders(self) -> None:
+        view = self.view()
+
+        async def push(c: Any) -> None:
+            await c.set_loaders(view)  # a lost constructor raises; heal re-creates it
+
+        await asyncio.gather(*(push(c) for c in self.constructors), return_exceptions=True)
+
+    # -------------------------------------------------------------- scaling
+    def bounds(self, source: str) -> tuple[int, int]:
+        s = self.cfg.source(source)
+        sc = self.cfg.scaling
+        lo = s.min_loaders if s.min_loaders else sc.min_loaders
+        hi = s.max_loaders if s.max_loaders else sc.max_loaders
+        return lo, max(lo, hi)
+
+    async def scale(self, source: str, n: int) -> int:
+        """Ask for ``n`` loaders on ``source``; applied before the next step is planned."""
+        if source not in self._slots:
+            raise KeyError(f"no source {source!r}")
+        lo, hi = self.bounds(source)
+        self._targets[source] = max(lo, min(hi, n))
+        if self.co._task is None:  # not planning: apply now
+            await self.apply_scaling()
+        return self._targets[source]
+
+    async def apply_scaling(self) -> None:
+        async with self._lock:
+            changed = False
+            for source, n in list(self._targets.items()):
+                act = self.active[source]
+                while len(act) < n:
+                    slot = await self._add_slot(source)
+                    self._log("loader", f"{source}#{slot}", "added", "-",
+                              self._slots[source][slot][0]._address)
+                    changed = True
+                while len(act) > n:
+                    slot = act.pop()
+                    await self._retire_slot(source, slot, act[0])
+                    changed = True
+                del self._targets[source]
+            if changed:
+                await self._push_loaders()
+
+    async def _retire_slot(self, source: str, slot: int, heir: int) -> None:
+        h, f = self._slots[source].pop(slot)
+        self._alias[source][slot] = heir
+        await self._reassign(source, [slot], heir)
+        self._log("loader", f"{source}#{slot}", "retired", h._address,
+                  self.loader(source, heir)._address)
+        await self._push_loaders()
+        try:
+            await h.close()
+        except Exception:  # noqa: BLE001 - its worker may be gone already
+            pass
+        _drop(h, f)
+
+    async def evacuate(self, workers: list[str]) -> dict[str, int]:
+        """Move loaders and constructors off ``workers``; returns how many moved."""
+        if self._own_address() in workers:
+            raise ValueError(f"the planner itself runs on {self._own_address()}; it cannot "
+                             "move (restart the service from a state_dict instead)")
+        moved = Counter[str]()
+        async with self._lock:
+            self._evacuating.update(workers)
+            for source, slots in self._slots.items():
+                for slot, (h, _) in list(slots.items()):
+                    if h._address in workers:
+                        await self._replace_loader(source, slot, "moved")
+                        moved["loaders"] += 1
+            await self._push_loaders()
+            for i, c in enumerate(list(self.constructors)):
+                if c._address in workers:
+                    await self._replace_constructor(i, "moved")
+                    moved["constructors"] += 1
+        return dict(moved)
+
+    async def close(self) -> None:
+        for c in self.constructors:
+            try:
+                await asyncio.wait_for(c.close(), 5)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        for h, _ in self._all_loaders():
+            try:
+                await asyncio.wait_for(h.close(), 5)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        for f in self._cfuts:
+            f.release()
+        for _, f in self._all_loaders():
+            f.release()
+
+
+def _drop(handle: Any, fut: Any) -> None:
+    """Let Dask forget a role's actor: release every future that keeps its key alive."""
+    import gc
+
+    inner = handle.__dict__.get("_future")
+    if inner is not None:
+        inner.release()
+    fut.release()
+    gc.collect()

@@ -1,0 +1,124 @@
+"""Elastic loaders: re-partitioning online, graceful retire, the adaptive plugin, and that none
+of it changes what is trained on."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from msd_dask import DataService
+
+from checks import check_content, check_exactly_once, record
+from cluster import dask_cluster
+from corpus import config, write_corpus
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("corpus"))
+    return root, write_corpus(root)
+
+
+def _docs(recs):
+    return [(r["step"], r["rank"], r["documents"]) for r in recs]
+
+
+def _consume(svc, steps, on_step=None):
+    readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
+    out = []
+    for step in range(steps):
+        if on_step:
+            on_step(step)
+        for rd in readers:
+            b = next(rd)
+            assert b.step == step
+            out.append(record(b))
+    return out
+
+
+def test_adding_and_removing_loaders_keeps_every_step(corpus):
+    root, texts = corpus
+    with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
+        fixed = _consume(svc, 80)
+
+    def change(step):
+        if step == 15:
+            assert svc.scale_loaders("code", 4) == 4
+        if step == 35:
+            assert svc.scale_loaders("prose", 3) == 3
+        if step == 50:
+            assert svc.scale_loaders("code", 1) == 1
+            assert svc.scale_loaders("prose", 1) == 1
+
+    with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
+        scaled = _consume(svc, 80, change)
+        st = svc.stats()
+    assert st["planner"]["loaders"] == {"code": 1, "prose": 1}
+    assert sum(e["why"] == "added" for e in st["planner"]["role_events"]) == 4
+    assert sum(e["why"] == "retired" for e in st["planner"]["role_events"]) == 5
+    # scaling never changes what is trained on: the same documents, steps and ranks
+    assert _docs(scaled) == _docs(fixed)
+    check_content(scaled, texts, 512)
+    assert min(check_exactly_once(scaled, texts, 512).values()) >= 1
+
+
+def test_retiring_a_worker_moves_its_roles(tmp_path, corpus):
+    root, texts = corpus
+    cfg = config(root, name="retire")
+    cfg["sources"][1]["loaders"] = 2
+    with dask_cluster(str(tmp_path), n_workers=3) as cl:
+        with DataService.start(cfg, cl["address"]) as svc:
+            planner_at = svc.coordinator._address
+            held = {s["worker"] for v in svc.coordinator.loader_stats().result().values()
+                    for s in v}
+            victim = sorted(held - {planner_at})[0]
+            moved = {}
+
+            def retire(step):
+                if step == 20:
+                    moved.update(svc.retire_workers([victim]))
+
+            recs = _consume(svc, 70, retire)
+            deadline = time.monotonic() + 20
+            while victim in svc.client.scheduler_info()["workers"]:
+                assert time.monotonic() < deadline, "the worker was not retired"
+                time.sleep(0.2)
+            workers_now = {s["worker"] for v in svc.coordinator.loader_stats().result().values()
+                           for s in v} | {c._address for c in svc.constructors}
+    assert moved.get("loaders", 0) >= 1, moved
+    assert victim not in workers_now
+    check_content(recs, texts, 512)
+    assert min(check_exactly_once(recs, texts, 512).values()) >= 1
+
+
+def test_adaptive_plugin_scales_a_costly_source_before_its_weight_rises(corpus):
+    root, texts = corpus
+    cfg = config(root, name="adaptive", prefetch=4,
+                 scaling={"policy": "adaptive", "cooldown": 0.5, "lookahead": 400,
+                          "max_loaders": 4, "scale_down_after": 600})
+    cfg["sources"][0].update(loaders=1)
+    cfg["sources"][1].update(loaders=1, preprocess="msd_dask.examples.preprocess:slow_store",
+                             weight=0.1)
+    cfg["sources"][0]["weight"] = 0.9
+    seen = []
+    with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
+        rising = {}
+
+        def watch(step):
+            if step == 10:
+                rising["at"] = svc.set_weights({"code": 0.5, "prose": 0.5},
+                                               from_step=step + 150)
+            if step % 5 == 0:
+                st = svc.stats()["planner"]
+                seen.append((step, st["steps_planned"], st["loaders"]["prose"]))
+
+        recs = _consume(svc, 200, watch)
+    # the plugin added prose loaders while the planner had not planned the step where
+    # prose's weight rises: from the schedule ahead, not after its buffer ran dry
+    before = [(s, planned, n) for s, planned, n in seen if planned < rising["at"]]
+    assert any(n > 1 for _, _, n in before), seen
+    check_content(recs, texts, 512)
+    check_exactly_once(recs, texts, 512)
