@@ -237,21 +237,27 @@ class Coordinator:
                             f"lengths of {self.units[source][u].path} (epoch {e})")
             t0 = time.monotonic()
             while True:
-                try:
-                    lengths = await asyncio.wait_for(asyncio.shield(task), 1.0)
-                    break
-                except TimeoutError:
-                    if time.monotonic() - t0 > self.cfg.timeout:
-                        raise ServiceTimeoutError(
-                            f"loader {self._owner.get(k)} of source {source!r} did not report "
-                            f"the lengths of {self.units[source][u].path} (epoch {e}) within "
-                            f"{self.cfg.timeout:.0f}s") from None
-                    if await self.roles.heal():  # a lost loader was re-created: ask it
-                        task = self._meta_tasks[k]
-                except Exception:
+                # the request may be replaced meanwhile (a loader re-created, or the unit
+                # moved to an added loader): always wait on the current one
+                task = self._meta_tasks.get(k) or task
+                await asyncio.wait({task}, timeout=1.0)
+                if task.done() and not task.cancelled():
+                    exc = task.exception()
+                    if exc is None:
+                        lengths = task.result()
+                        break
                     if not await self.roles.heal(wait=True):
-                        raise
-                    task = self._meta_tasks[k]
+                        raise exc
+                    continue
+                if task.cancelled() and self._meta_tasks.get(k) is task:
+                    self._request_meta(k)
+                    continue
+                if time.monotonic() - t0 > self.cfg.timeout:
+                    raise ServiceTimeoutError(
+                        f"loader {self._owner.get(k)} of source {source!r} did not report "
+                        f"the lengths of {self.units[source][u].path} (epoch {e}) within "
+                        f"{self.cfg.timeout:.0f}s")
+                await self.roles.heal()  # a lost loader is re-created and asked again
             self._meta_wait[source] += time.monotonic() - t0
             self._meta_tasks.pop(k, None)
             self._meta[k] = np.asarray(lengths)

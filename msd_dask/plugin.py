@@ -175,14 +175,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             return
         sc = cfg.scaling
         if name not in self._scalers:
-            limits = {}
-            for s in cfg.sources:
-                lo = s.min_loaders or sc.min_loaders
-                limits[s.name] = (lo, max(lo, s.max_loaders or sc.max_loaders))
-            self._scalers[name] = Scaler(ScalingPolicy(
-                min_loaders=sc.min_loaders, max_loaders=sc.max_loaders, headroom=sc.headroom,
-                starve_fraction=sc.starve_fraction, cooldown=sc.cooldown,
-                scale_down_after=sc.scale_down_after, limits=limits))
+            self._scalers[name] = Scaler(ScalingPolicy.from_config(cfg))
         dt = snap["time"] - prev["time"]
         planned = sum(snap["planner"]["tokens_planned"].values())
         before = sum(prev["planner"]["tokens_planned"].values())

@@ -309,8 +309,11 @@ class _Roles:
               "to": new, "step": self.co.planner.step}
         self.events.append(ev)
         del self.events[:-100]
-        _log.warning("msd_dask %s: %s %s %s on %s, re-created on %s", self.cfg.name, role,
-                     name, why, old, new)
+        what = {"lost": f"lost on {old}, re-created on {new}",
+                "moved": f"moved from {old} to {new}",
+                "added": f"added on {new}",
+                "retired": f"retired from {old}; its units went to the loader on {new}"}[why]
+        _log.warning("msd_dask %s: %s %s %s", self.cfg.name, role, name, what)
 
     async def _push_loaders(self) -> None:
         view = self.view()
@@ -322,11 +325,9 @@ class _Roles:
 
     # -------------------------------------------------------------- scaling
     def bounds(self, source: str) -> tuple[int, int]:
-        s = self.cfg.source(source)
-        sc = self.cfg.scaling
-        lo = s.min_loaders if s.min_loaders else sc.min_loaders
-        hi = s.max_loaders if s.max_loaders else sc.max_loaders
-        return lo, max(lo, hi)
+        from .scaling import ScalingPolicy
+
+        return ScalingPolicy.from_config(self.cfg).bounds(source)
 
     async def scale(self, source: str, n: int) -> int:
         """Ask for ``n`` loaders on ``source``; applied before the next step is planned."""
@@ -343,11 +344,14 @@ class _Roles:
             changed = False
             for source, n in list(self._targets.items()):
                 act = self.active[source]
+                grew = len(act) < n
                 while len(act) < n:
                     slot = await self._add_slot(source)
                     self._log("loader", f"{source}#{slot}", "added", "-",
                               self._slots[source][slot][0]._address)
                     changed = True
+                if grew:
+                    await self._spread_pending(source)
                 while len(act) > n:
                     slot = act.pop()
                     await self._retire_slot(source, slot, act[0])
@@ -355,6 +359,31 @@ class _Roles:
                 del self._targets[source]
             if changed:
                 await self._push_loaders()
+
+    async def _spread_pending(self, source: str) -> None:
+        """Re-split the units assigned but not read yet over all active slots (new ones too),
+        so added loaders help at once instead of after the backlog."""
+        co = self.co
+        pending = [k for k in co._owner if k[0] == source and k not in co._meta]
+        act = self.active[source]
+        moves: dict[int, list[tuple[str, int, int]]] = {}
+        for i, k in enumerate(pending):
+            want = act[i % len(act)]
+            if self._resolve(source, co._owner[k]) != want:
+                moves.setdefault(want, []).append(k)
+        for slot, keys in moves.items():
+            old: dict[int, list[tuple[int, int]]] = {}
+            for k in keys:
+                old.setdefault(self._resolve(source, co._owner[k]), []).append((k[1], k[2]))
+                co._owner[k] = slot
+            await self.loader(source, slot).assign([(k[1], k[2]) for k in keys])
+            for k in keys:
+                task = co._meta_tasks.pop(k, None)
+                if task is not None:
+                    task.cancel()
+                co._request_meta(k)
+            for s, ks in old.items():
+                await self.loader(source, s).release(ks)
 
     async def _retire_slot(self, source: str, slot: int, heir: int) -> None:
         h, f = self._slots[source].pop(slot)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target"]
 
@@ -72,6 +73,18 @@ class ScalingPolicy:
 
     def bounds(self, source: str) -> tuple[int, int]:
         return self.limits.get(source, (self.min_loaders, self.max_loaders))
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ScalingPolicy:
+        """The policy of a service config (``scaling:`` and ``sources[].min/max_loaders``)."""
+        sc = cfg.scaling
+        limits = {}
+        for s in cfg.sources:
+            lo = s.min_loaders or sc.min_loaders
+            limits[s.name] = (lo, max(lo, s.max_loaders or sc.max_loaders))
+        return cls(min_loaders=sc.min_loaders, max_loaders=sc.max_loaders,
+                   headroom=sc.headroom, starve_fraction=sc.starve_fraction,
+                   cooldown=sc.cooldown, scale_down_after=sc.scale_down_after, limits=limits)
 
 
 def proactive_target(load: SourceLoad, headroom: float) -> int:

@@ -76,10 +76,12 @@ def run(cfg: dict, seconds: float, step_seconds: float, workers: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="data/demo", help="demo corpus (written if missing)")
+    p.add_argument("--data", default="data/scaling",
+                   help="demo corpus with 64 prose shards (written if missing): a source "
+                        "needs many units for several loaders to share it")
     p.add_argument("--mode", choices=["io", "cpu"], default="io")
     p.add_argument("--seconds", type=float, default=60.0, help="per allocation")
-    p.add_argument("--step-seconds", type=float, default=0.02, help="emulated compute/step")
+    p.add_argument("--step-seconds", type=float, default=0.04, help="emulated compute/step")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     p.add_argument("--plot", help="write the loaders-over-time plot here (PNG)")
     p.add_argument("--quick", action="store_true", help="25 s per allocation")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(os.path.join(args.data, "code")):
         from msd_dask.demo import write_demo_corpus
 
-        write_demo_corpus(args.data)
+        write_demo_corpus(args.data, prose_shards=64, code_shards=16, row_group_size=16)
     seconds = 25.0 if args.quick else args.seconds
     res = {}
     for policy in ("fixed", "adaptive"):

@@ -108,6 +108,10 @@ def test_adaptive_plugin_scales_a_costly_source_before_its_weight_rises(corpus):
         rising = {}
 
         def watch(step):
+            # a trainer computing 50 ms per step: demand is then known to within machine
+            # noise (<= 2048 tokens / 50 ms), so the proactive rule's target is too: one prose
+            # loader (~10K tokens/s at slow_store's 0.1 s/KiB) meets 0.1 of it, not 0.5
+            time.sleep(0.05)
             if step == 10:
                 rising["at"] = svc.set_weights({"code": 0.5, "prose": 0.5},
                                                from_step=step + 150)

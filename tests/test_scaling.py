@@ -75,3 +75,17 @@ def test_scale_down_waits_then_steps_one_at_a_time():
     assert changes[0] == (30, 5)
     assert [c[1] for c in changes] == [5, 4, 3, 2, 1]
     assert all(b[0] - a[0] >= 30 for a, b in zip(changes, changes[1:], strict=False))
+
+
+def test_policy_from_config_uses_per_source_bounds():
+    from msd_dask.config import load_config
+
+    cfg = load_config({
+        "name": "p", "batch": {"seq_len": 8},
+        "scaling": {"policy": "adaptive", "min_loaders": 2, "max_loaders": 5, "cooldown": 1},
+        "sources": [{"name": "a", "uri": "x", "format": "jsonl"},
+                    {"name": "b", "uri": "y", "format": "jsonl", "min_loaders": 1,
+                     "max_loaders": 9}]}, check_files=False)
+    p = ScalingPolicy.from_config(cfg)
+    assert p.bounds("a") == (2, 5) and p.bounds("b") == (1, 9)
+    assert p.cooldown == 1.0

@@ -56,7 +56,7 @@ def fail_on_marker(text: str, record: dict[str, Any]) -> str | None:
 
 
 #: Seconds :func:`slow_store` waits per KiB of text.
-SLOW_SECONDS_PER_KB = 0.02
+SLOW_SECONDS_PER_KB = 0.1
 
 #: Hash rounds per KiB of text in :func:`cpu_heavy`.
 CPU_ROUNDS = 40
@@ -87,7 +87,7 @@ def cpu_heavy(text: str, record: dict[str, Any]) -> str | None:
 
 
 #: Seconds :func:`store_1x` waits per KiB (:func:`store_20x` waits 20 times as long).
-STORE_SECONDS_PER_KB = 0.001
+STORE_SECONDS_PER_KB = 0.002
 
 
 def store_1x(text: str, record: dict[str, Any]) -> str | None:
