@@ -442,14 +442,17 @@ class Reader:
     def _skip(self, c: int, step: int) -> None:
         """Release ``step`` on constructor ``c``, on its current actor (it may be re-created:
         a skip sent to a lost actor would leave the new one waiting for this rank)."""
-        for attempt in range(3):
-            try:
-                self.service.constructors[c].skip(step, self.rank).result(timeout=self.timeout)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:  # short waits: a call to a lost actor hangs instead of failing
+                self.service.constructors[c].skip(step, self.rank).result(timeout=2.0)
                 return
             except KeyError:
                 return  # nothing held for this rank at that step
             except Exception:  # noqa: BLE001 - a lost actor: refresh the handles, try again
-                time.sleep(0.5 * (attempt + 1))
+                if time.monotonic() > deadline:
+                    return  # give up on releasing; the claim path reports real trouble
+                time.sleep(0.25)
                 self.service.refresh()
 
     def _ticket(self) -> dict[str, Any]:
