@@ -365,7 +365,10 @@ class DataService:
 
     @property
     def dashboard_link(self) -> str:
-        return str(self.client.dashboard_link)
+        """The service's status page on the Dask dashboard's address (``/msd/status``)."""
+        link = str(self.client.dashboard_link)
+        base = link[:-len("/status")] if link.endswith("/status") else link.rstrip("/")
+        return base + "/msd/status"
 
     # ---------------------------------------------------------------- close
     def close(self) -> None:
