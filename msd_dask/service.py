@@ -145,7 +145,7 @@ class DataService:
     def start(cls, cfg: Config | Mapping[str, Any] | str, address: str | None = None, *,
               resume: Mapping[str, Any] | None = None, n_workers: int = 2,
               threads_per_worker: int = 2, loader_threads: int = 1,
-              timeout: float | None = None) -> DataService:
+              timeout: float | None = None, security: Any = None) -> DataService:
         """Start a service.
 
         Parameters
@@ -164,6 +164,10 @@ class DataService:
             Read threads per source loader.
         timeout : float, optional
             How long to wait for workers (default: the config's ``timeout``).
+        security : distributed.security.Security, optional
+            TLS settings of the cluster (the embedded one is started with them).
+            Roles talk to each other through Dask's own comms, so they use the
+            same TLS; every process that connects must pass its own.
 
         Returns
         -------
@@ -178,9 +182,10 @@ class DataService:
         cluster = None
         if address is None:
             cluster = LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
-                                   processes=True, dashboard_address=":0")
+                                   processes=True, dashboard_address=":0", security=security,
+                                   **({"protocol": "tls://"} if security is not None else {}))
             address = cluster.scheduler_address
-        client = Client(address, direct_to_workers=True, timeout=timeout)
+        client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
         try:
             key = _PREFIX + cfg.name
             if key in client.list_datasets():
@@ -224,11 +229,12 @@ class DataService:
         return {"config": cfg.to_dict(), "coordinator": coordinator}
 
     @classmethod
-    def connect(cls, address: str, name: str, *, timeout: float = 30.0) -> DataService:
+    def connect(cls, address: str, name: str, *, timeout: float = 30.0,
+                security: Any = None) -> DataService:
         """Attach to the running service ``name`` on the scheduler at ``address``."""
         from distributed import Client
 
-        client = Client(address, direct_to_workers=True, timeout=timeout)
+        client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
         key = _PREFIX + name
         deadline = time.monotonic() + timeout
         while key not in client.list_datasets():
