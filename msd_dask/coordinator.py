@@ -201,8 +201,7 @@ class Coordinator:
         st = self.planner.streams[source]
         if epoch != st.epoch:
             return epoch < st.epoch
-        order = [int(u) for u in st.unit_order(epoch)]
-        return order.index(unit) // st.window_size < st.window
+        return st.window_of(epoch, unit) < st.window
 
     async def _ensure(self, source: str, keys: list[tuple[int, int]]) -> None:
         """Give every ``(epoch, unit)`` of ``source`` an owner and a metadata request."""

@@ -125,6 +125,7 @@ class SourceStream:
         self.window = 0
         self.offset = 0
         self._order_cache: dict[int, np.ndarray] = {}
+        self._position_cache: dict[int, np.ndarray] = {}
         self._pieces_cache: tuple[int, int, list[Piece]] | None = None
 
     # ------------------------------------------------------------------ order
@@ -140,6 +141,17 @@ class SourceStream:
             self._order_cache = {e: p for e, p in self._order_cache.items() if e >= epoch - 1}
             self._order_cache[epoch] = perm
         return perm
+
+    def window_of(self, epoch: int, unit: int) -> int:
+        """The window of epoch ``epoch`` that reads ``unit``."""
+        pos = self._position_cache.get(epoch)
+        if pos is None:
+            pos = np.empty(len(self.units), dtype=np.int64)
+            pos[self.unit_order(epoch)] = np.arange(len(self.units))
+            self._position_cache = {e: p for e, p in self._position_cache.items()
+                                    if e >= epoch - 1}
+            self._position_cache[epoch] = pos
+        return int(pos[unit]) // self.window_size
 
     def window_units(self, epoch: int, window: int) -> list[int]:
         order = self.unit_order(epoch)

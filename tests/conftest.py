@@ -1,4 +1,4 @@
-"""Shared fixtures: a loopback S3 server (moto's server mode) in its own process."""
+"""Shared fixtures: the small test corpus, and a loopback S3 server (moto's server mode)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The small two-source corpus of ``tests/corpus.py``, once per test module.
+
+    Returns ``(root, {(source, key): text})``.
+    """
+    from corpus import write_corpus
+
+    root = str(tmp_path_factory.mktemp("corpus"))
+    return root, write_corpus(root)
 
 
 def _free_port() -> int:

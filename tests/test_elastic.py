@@ -11,15 +11,9 @@ from msd_dask import DataService
 
 from checks import check_content, check_exactly_once, record
 from cluster import dask_cluster
-from corpus import config, write_corpus
+from corpus import config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("corpus"))
-    return root, write_corpus(root)
 
 
 def _docs(recs):

@@ -11,16 +11,10 @@ import pytest
 from msd_dask import DataService
 
 from checks import check_content, check_exactly_once, record
-from corpus import config, write_corpus
+from corpus import config
 
 pytestmark = pytest.mark.integration
 STEPS = 12
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("corpus"))
-    return root, write_corpus(root)
 
 
 def _read_all(svc, steps):

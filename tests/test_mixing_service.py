@@ -9,17 +9,11 @@ import pytest
 
 from msd_dask import DataService
 
-from corpus import config, write_corpus
+from corpus import config
 
 pytestmark = pytest.mark.integration
 
 SEQ = 64
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("corpus"))
-    return root, write_corpus(root)
 
 
 def _small(root: str, **overrides):

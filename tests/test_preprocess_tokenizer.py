@@ -17,13 +17,7 @@ from msd_dask.storage import open_source
 from msd_dask.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
 
 from checks import check_content, check_exactly_once, record
-from corpus import config, write_corpus
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("corpus"))
-    return root, write_corpus(root)
+from corpus import config
 
 
 def train_bpe(texts: list[str], path: str, vocab: int = 400, pad: bool = True) -> str:

@@ -7,7 +7,7 @@ import pytest
 from msd_dask import DataService, ServiceError, ServiceTimeoutError
 
 from checks import check_content, check_exactly_once, record, shares
-from corpus import config, write_corpus
+from corpus import config
 
 pytestmark = pytest.mark.integration
 
@@ -22,12 +22,6 @@ def _consume(svc: DataService, steps: int) -> list[dict]:
             assert b.step == step and b.rank == reader.rank
             out.append(record(b))
     return out
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("corpus"))
-    return root, write_corpus(root)
 
 
 def test_content_exactly_once_and_mix(corpus):

@@ -314,3 +314,13 @@ def test_piece_tuple_round_trip() -> None:
     p = Piece("web", 2, 3, 17, 1, 16, 32, 40)
     assert Piece.from_tuple(json.loads(json.dumps(p.to_tuple()))) == p
     assert p.length == 16
+
+
+def test_window_of_matches_the_unit_order():
+    from msd_dask.formats import Unit as _Unit
+    from msd_dask.stream import SourceStream as _Stream
+
+    s = _Stream("w", [_Unit(f"u{i}") for i in range(23)], 5, 4, 100)
+    for e in range(3):
+        order = [int(u) for u in s.unit_order(e)]
+        assert [s.window_of(e, u) for u in range(23)] == [order.index(u) // 4 for u in range(23)]
