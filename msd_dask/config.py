@@ -250,6 +250,9 @@ class ScalingConfig:
     scale_down_after: float = 30.0
     lookahead: int = 200
     interval: float = 1.0
+    #: roles (planner, constructors, loaders) one Dask worker hosts when the plugin sizes an
+    #: adaptive cluster (``cluster.adapt``); 0: the worker's thread count
+    roles_per_worker: int = 0
 
 
 @dataclass(frozen=True)
@@ -660,6 +663,7 @@ def _parse(d: Any, check_files: bool) -> Config:
         scale_down_after=_num(sc, "scale_down_after", "scaling", d0.scale_down_after),
         lookahead=_int(sc, "lookahead", "scaling", d0.lookahead),
         interval=_num(sc, "interval", "scaling", d0.interval, lo=0.05),
+        roles_per_worker=_int(sc, "roles_per_worker", "scaling", d0.roles_per_worker, lo=0),
     )
     if scaling.max_loaders < scaling.min_loaders:
         raise ConfigError("scaling.max_loaders", f"must be >= scaling.min_loaders "
