@@ -12,8 +12,10 @@ is delivered exactly once.  Its whole state is a small JSON-able dict.
 from __future__ import annotations
 
 import copy
+from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ from .formats import Unit
 from .mixing import Mixer
 from .stream import MetaLookup, NeedMetadata, Piece, SourceStream
 
-__all__ = ["Planner", "StepPlan", "NeedMetadata"]
+__all__ = ["Planner", "StepPlan", "NeedMetadata", "place_step", "kept_rows"]
 
 
 @dataclass
@@ -161,9 +163,7 @@ class Planner:
             n_long += src in self.long_sources
         lengths = np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
         costs = self.cost(lengths)
-        a = assign(lengths, costs, dp, mb, seq_len, cfg.balance)
-        rank, micro = a.rank.copy(), a.micro.copy()
-        self._place_carried(len(self.carry), lengths, rank, micro, seq_len)
+        rank, micro = place_step(lengths, costs, len(self.carry), dp, mb, seq_len, cfg.balance)
         if long_budget is not None:
             is_long = np.fromiter((p.source in self.long_sources for p in pieces), dtype=bool,
                                   count=len(pieces))
@@ -259,6 +259,93 @@ class Planner:
         self.pieces_planned = {k: int(v) for k, v in state["pieces"].items()}
         if "cost" in state:
             self.cost = CostModel(float(state["cost"][0]), float(state["cost"][1]))
+
+
+def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) -> np.ndarray:
+    """Which pieces a step places, decided without the mesh: a row of each, ``-1`` if carried.
+
+    Best-fit decreasing over ``n_rows`` rows of ``seq_len`` tokens: the pieces
+    carried from the last step first (in order), then the new ones by
+    decreasing length (stable); each goes to the row with the least room that
+    still fits it (lowest row on ties), and a piece that fits in no row is
+    carried.  Only the
+    number of rows matters, not how they are split into ranks and
+    micro-batches, so a step holds the same pieces after an elastic resume
+    with another ``dp`` and the same ``dp × micro_batches``.
+    """
+    n = len(lengths)
+    row = np.full(n, -1, dtype=np.int64)
+    if n == 0 or n_rows <= 0:
+        return row
+    new = n_carried + np.argsort(-lengths[n_carried:], kind="stable")
+    order = np.concatenate([np.arange(n_carried), new]).tolist()
+    rooms = [seq_len * n_rows + r for r in range(n_rows)]  # room * n_rows + row, sorted
+    ls = lengths.tolist()
+    out = [-1] * n
+    for i in order:
+        k = bisect_left(rooms, ls[i] * n_rows)  # the tightest row with room (lowest on ties)
+        if k < len(rooms):
+            key = rooms.pop(k)
+            r = key % n_rows
+            insort(rooms, key - ls[i] * n_rows)
+            out[i] = r
+    row[:] = out
+    return row
+
+
+def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, mb: int,
+               seq_len: int, strategy: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rank and micro-batch of each of a step's pieces (``-1``: carried to the next step).
+
+    The planner's placement, reusable by benchmarks and the simulator.  With
+    ``sequential`` the pieces fill rows next fit in order (carried pieces
+    first, and always placed).  With the other strategies the pieces the step
+    keeps are chosen by :func:`kept_rows`, independently of how the rows are
+    grouped into ranks, and the strategy balances them over the mesh; in the
+    rare case it cannot place them all, the kept rows themselves are dealt to
+    ranks (most costly row first, to the cheapest rank with a free
+    micro-batch), which always fits.
+
+    Parameters
+    ----------
+    lengths, costs : ndarray
+        Tokens and cost of each piece, the ``n_carried`` carried pieces first.
+    n_carried : int
+    dp, mb, seq_len : int
+        ``dp × mb`` rows of ``seq_len`` tokens.
+    strategy : str
+        A balance strategy (:data:`msd_dask.balance.STRATEGIES`).
+
+    Returns
+    -------
+    rank, micro : ndarray of int
+    """
+    if strategy == "sequential":  # next fit over the rows: mesh-agnostic already
+        a = assign(lengths, costs, dp, mb, seq_len, strategy)
+        rank, micro = a.rank.copy(), a.micro.copy()
+        Planner._place_carried(n_carried, lengths, rank, micro, seq_len)
+        return rank, micro
+    rows = kept_rows(lengths, n_carried, dp * mb, seq_len)
+    idx = np.flatnonzero(rows >= 0)
+    rank = np.full(len(lengths), -1, dtype=np.int64)
+    micro = rank.copy()
+    a = assign(lengths[idx], costs[idx], dp, mb, seq_len, strategy)
+    if (a.rank >= 0).all():
+        rank[idx], micro[idx] = a.rank, a.micro
+        return rank, micro
+    row_cost = np.bincount(rows[idx], weights=costs[idx], minlength=dp * mb)
+    load = [(0.0, r) for r in range(dp)]
+    slots = [0] * dp
+    rank_of = np.empty(dp * mb, dtype=np.int64)
+    micro_of = np.empty(dp * mb, dtype=np.int64)
+    for row in np.argsort(-row_cost, kind="stable").tolist():
+        c, r = heappop(load)
+        rank_of[row], micro_of[row] = r, slots[r]
+        slots[r] += 1
+        if slots[r] < mb:
+            heappush(load, (c + float(row_cost[row]), r))
+    rank[idx], micro[idx] = rank_of[rows[idx]], micro_of[rows[idx]]
+    return rank, micro
 
 
 def _spread_long(is_long: np.ndarray, n_carried: int, lengths: np.ndarray, costs: np.ndarray,

@@ -4,10 +4,10 @@ For each workload and each ``dp × seq_len`` configuration, steps are filled the
 way :class:`msd_dask.plan.Planner` fills them: documents, chunked into pieces
 of at most ``seq_len`` tokens, are taken in stream order while they fit in the
 step's ``dp × micro_batches × seq_len`` tokens, after the pieces carried over
-from the step before.  Each step is assigned with :func:`msd_dask.balance.assign`
-twice, on the same pieces: ``sequential`` (the naive baseline: rows filled in
-stream order, as a per-rank loader packs) and ``balanced`` (the default); the
-carry follows ``balanced``.  Costs use the default cost model
+from the step before.  Each step is assigned twice, on the same pieces:
+``sequential`` (the naive baseline: rows filled in stream order, as a per-rank
+loader packs) and the planner's own placement with ``balanced`` (the default,
+:func:`msd_dask.plan.place_step`); the carry follows the planner.  Costs use the default cost model
 (``L + L² / (12·4096)``).
 
 Workloads:
@@ -46,8 +46,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 
-from msd_dask.balance import assign, capacity_bound, lower_bound  # noqa: E402
+from msd_dask.balance import _build, assign, capacity_bound, lower_bound  # noqa: E402
 from msd_dask.cost import CostModel  # noqa: E402
+from msd_dask.plan import place_step  # noqa: E402
 
 LONGEST_CONTEXT = 131072
 DPS = (8, 64, 1024)
@@ -149,8 +150,9 @@ def run_config(docs: Iterator[np.ndarray], dp: int, mb: int, seq_len: int, steps
         costs = cost(lengths)
         n = assign(lengths, costs, dp, mb, seq_len, "sequential")
         t0 = time.perf_counter()
-        a = assign(lengths, costs, dp, mb, seq_len, "balanced")
+        rank, micro = place_step(lengths, costs, len(carry), dp, mb, seq_len, "balanced")
         ms.append((time.perf_counter() - t0) * 1e3)
+        a = _build(rank, micro, lengths, costs, dp, mb)
         ok = a.placed
         naive.append(n.imbalance)
         ours.append(a.imbalance)

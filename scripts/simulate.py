@@ -24,16 +24,17 @@ Documents
 (b) msd_dask
     One global stream mixed by :class:`msd_dask.mixing.Mixer` fills the step's
     ``dp × micro_batches × seq_len`` capacity (the planner's fill loop) and
-    :func:`msd_dask.balance.assign` places it with the configured default
-    strategy (``Config.balance``); pieces that fit nowhere are carried to the
-    front of the next step.  Loaders are pooled: ``N × W`` workers in total,
-    shared by demand, so the step waits only if the total preprocessing time
-    exceeds the pooled capacity over the previous step.
+    the planner's own placement (:func:`msd_dask.plan.place_step`) puts it on
+    ranks with the configured default strategy (``Config.balance``); pieces
+    it does not keep are carried to the front of the next step.  Loaders are
+    pooled: ``N × W`` workers in total, shared by demand, so the step waits
+    only if the total preprocessing time exceeds the pooled capacity over the
+    previous step.
 
 Reported per (dp, context): imbalance (max/mean rank compute) of both, the
 baseline's stall fraction, speedups (compute balance only, stalls only,
 total = baseline step time / msd_dask step time), rows filled, and the
-wall-clock of the ``assign`` call per step.  Every parameter is printed first.
+wall-clock of the ``place_step`` call per step.  Every parameter is printed first.
 
     python scripts/simulate.py --quick
     python scripts/simulate.py --dp 64 1024 16384 --context 4096 32768 131072 --steps 8
@@ -49,10 +50,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from msd_dask.balance import assign, sequential
+from msd_dask.balance import sequential
 from msd_dask.config import Config
 from msd_dask.cost import CostModel
 from msd_dask.mixing import Mixer
+from msd_dask.plan import place_step
 
 __all__ = ["SourceSpec", "SimConfig", "CellResult", "simulate", "default_strategy", "model_coefficients",
            "balance_bound", "main", "steps_for"]
@@ -170,7 +172,7 @@ class CellResult:
     speedup_ideal: float     # Σ baseline step time / Σ (lower bound of any assignment, no stalls)
     fill_base: float         # useful tokens / capacity
     fill_msd: float
-    plan_ms: float           # wall-clock of the assign call per step
+    plan_ms: float           # wall-clock of the place_step call per step
     plan_timed_out: bool
     bound: float
     per_step: dict[str, list[float]] = field(default_factory=dict)
@@ -238,16 +240,17 @@ def _base_fill(streams: list[PieceSource], probs: np.ndarray, rng: np.random.Gen
 
 
 def _assign_child(conn, args) -> None:  # pragma: no cover - runs in a forked child
-    conn.send(assign(*args).rank)
+    conn.send(place_step(*args)[0])
     conn.close()
 
 
-def _assign_limited(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq_len: int,
-                    strategy: str, limit: float) -> np.ndarray | None:
-    """``assign(...).rank``, or ``None`` if it runs past ``limit`` seconds (0: no limit, in process)."""
-    args = (lengths, costs, dp, mb, seq_len, strategy)
+def _assign_limited(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, mb: int,
+                    seq_len: int, strategy: str, limit: float) -> np.ndarray | None:
+    """The planner's ranks (:func:`msd_dask.plan.place_step`), or ``None`` if it runs past
+    ``limit`` seconds (0: no limit, in process)."""
+    args = (lengths, costs, n_carried, dp, mb, seq_len, strategy)
     if limit <= 0:
-        return assign(*args).rank
+        return place_step(*args)[0]
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
@@ -313,7 +316,8 @@ def simulate(cfg: SimConfig) -> CellResult:
         l_new, s_new = _msd_fill(msd_streams, mixer, weights, capacity - int(carry_m[0].sum()))
         lm, sm = np.concatenate([carry_m[0], l_new]), np.concatenate([carry_m[1], s_new])
         t0 = time.perf_counter()
-        rank = _assign_limited(lm, cost(lm), dp, mb, seq_len, cfg.strategy, cfg.plan_timeout)
+        rank = _assign_limited(lm, cost(lm), len(carry_m[0]), dp, mb, seq_len, cfg.strategy,
+                               cfg.plan_timeout)
         rec["plan_s"].append(time.perf_counter() - t0)
         rec["comp_b"].append(float(comp.max()))
         rec["step_b"].append(step_b)

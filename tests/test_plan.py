@@ -217,6 +217,31 @@ def test_resume_from_json_state(k: int) -> None:
     assert second.state_dict() == ref.state_dict()
 
 
+@pytest.mark.parametrize("balance", ["balanced", "lpt", "sequential"])
+def test_elastic_resume_same_pieces_per_step(balance: str) -> None:
+    """Resumed on another mesh with the same dp x micro_batches, a step holds the same pieces."""
+    cfg = make_cfg(WEIGHTS_3, balance)
+    k, n = 13, 100
+    ref = planner(cfg)
+    uninterrupted = run(ref, k + n)
+    state = json.loads(json.dumps(planner_after(cfg, k).state_dict()))
+    for dp, mb in [(4, 1), (1, 4)]:
+        other = make_cfg(WEIGHTS_3, balance, parallel={"dp": dp},
+                         batch={"seq_len": SEQ_LEN, "micro_batches": mb})
+        resumed = planner(other)
+        resumed.load_state_dict(state)
+        for a, b in zip(uninterrupted[k:], run(resumed, n), strict=True):
+            assert len(b.rows) == dp and all(len(r) == mb for r in b.rows)
+            assert Counter(q.to_tuple() for q in a.pieces()) == \
+                Counter(q.to_tuple() for q in b.pieces()), f"step {a.step} on dp={dp}"
+
+
+def planner_after(cfg: Config, k: int) -> Planner:
+    pl = planner(cfg)
+    run(pl, k)
+    return pl
+
+
 def test_state_counts_planned_tokens() -> None:
     pl = planner(make_cfg(WEIGHTS_3))
     plans = run(pl, 30)

@@ -39,7 +39,7 @@ def baseline(tmp_path_factory):
     """An uninterrupted run of K + N steps, and the state it gave after step K - 1."""
     root = str(tmp_path_factory.mktemp("corpus"))
     write_corpus(root)
-    cfg = config(root, name="resume", balance="sequential")
+    cfg = config(root, name="resume")  # the default balance strategy
     with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
         readers = [svc.reader(r) for r in range(2)]
         head = _read(svc, 0, K, readers)
@@ -68,16 +68,16 @@ def test_resume_continues_exactly(baseline):
 
 def test_elastic_resume_same_documents_per_step(baseline):
     root, cfg, state, full = baseline
-    steps = 30
+    # dp=2 x 2 micro-batches -> dp=4 x 1: the same rows per step, over twice the ranks
     cfg4 = dict(cfg, parallel={"dp": 4}, batch={"seq_len": 512, "micro_batches": 1})
     with DataService.start(cfg4, resume=state, n_workers=1, threads_per_worker=2) as svc:
-        got = _read(svc, K, steps)
+        got = _read(svc, K, N)
 
     def docs(row):
         return Counter(d for rec in row for mb in rec["documents"] for d in mb)
 
     assert all(len(row) == 4 for row in got)  # the same documents, over four ranks now
-    for i in range(steps):
+    for i in range(N):
         assert docs(full[K + i]) == docs(got[i]), f"step {K + i}"
 
 
