@@ -13,18 +13,26 @@ Example
 >>> for batch in DataLoader(ds, batch_size=None, num_workers=0):   # doctest: +SKIP
 ...     loss = model(batch["input_ids"], position_ids=batch["position_ids"],
 ...                  cu_seqlens=batch["cu_seqlens"], labels=batch["labels"])
+
+``prefetch=k`` claims up to ``k`` batches ahead in a background thread while
+the model computes, and :meth:`MsdIterableDataset.report_step_time` passes a
+rank's measured compute time to the planner (``cost: {fit: true}``).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
 from .batch import Batch
 
-__all__ = ["MsdIterableDataset", "batch_to_dict"]
+__all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
+
+T = TypeVar("T")
 
 
 def batch_to_dict(batch: Batch) -> dict[str, Any]:
@@ -56,6 +64,84 @@ def batch_to_dict(batch: Batch) -> dict[str, Any]:
     }
 
 
+class Prefetcher(Generic[T]):
+    """Takes an iterator's next items in a background thread, at most ``depth`` ahead.
+
+    At any time at most ``depth`` items have been taken from ``source`` and
+    not yet returned by :meth:`get` (the one being taken included), so the
+    read-ahead is bounded.  Items come out in the source's order.  An
+    exception raised by the source (``StopIteration`` included) is raised by
+    :meth:`get` once the items taken before it are returned, and again on
+    every later call.
+
+    Parameters
+    ----------
+    source : iterator
+        Read only by the background thread from now on.
+    depth : int
+        ``>= 1``.
+    name : str
+        The thread's name.
+    """
+
+    def __init__(self, source: Iterator[T], depth: int, *, name: str = "msd-prefetch"):
+        if depth < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+        self.depth = int(depth)
+        self._source = source
+        self._slots = threading.Semaphore(self.depth)
+        self._items: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._taken = 0          # items taken from the source
+        self._returned = 0       # items returned by get()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ahead(self) -> int:
+        """Items taken from the source (or being taken) and not yet returned by :meth:`get`."""
+        with self._lock:
+            return self._taken - self._returned
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._slots.acquire(timeout=0.1):
+                continue
+            if self._stop.is_set():
+                return
+            with self._lock:
+                self._taken += 1
+            try:
+                item = next(self._source)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer by get()
+                self._items.put((False, e))
+                return
+            self._items.put((True, item))
+
+    def get(self, timeout: float | None = None) -> T:
+        """The next item (waits for it; ``timeout`` in seconds raises ``TimeoutError``)."""
+        if self._error is not None:
+            raise self._error
+        try:
+            ok, item = self._items.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no item within {timeout}s") from None
+        if not ok:
+            self._error = item
+            raise item
+        with self._lock:
+            self._returned += 1
+        self._slots.release()
+        return item
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking items (an item being taken is finished first, up to ``timeout``)."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+
 class MsdIterableDataset(torch.utils.data.IterableDataset):
     """One global rank's batches of the service ``name``, as a torch ``IterableDataset``.
 
@@ -78,6 +164,11 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         Seconds a reader waits for a batch (default: the service config's).
     connect_timeout : float
         Seconds to wait for the service to appear on the scheduler.
+    prefetch : int
+        Batches claimed ahead by a background thread while the model computes
+        (``0``, the default: each batch is claimed when asked for).  At most
+        ``prefetch`` batches are claimed and not yet handed out; they stay
+        with the dataset from one ``iter()`` to the next.
 
     Notes
     -----
@@ -85,22 +176,31 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
     ``num_workers > 0`` every loader worker would be a second reader of the
     same rank, so iterating in a loader worker raises ``RuntimeError``.
 
-    :meth:`state_dict` / :meth:`load_state_dict` carry the reader's position,
-    so a restarted rank skips the steps it has already trained on.
+    :meth:`state_dict` / :meth:`load_state_dict` carry the position of the
+    last batch handed out (not of a batch only prefetched), so a restarted
+    rank skips the steps it has already trained on.
     """
 
     def __init__(self, address: str, name: str, rank: int, *, steps: int | None = None,
-                 timeout: float | None = None, connect_timeout: float = 30.0):
+                 timeout: float | None = None, connect_timeout: float = 30.0,
+                 prefetch: int = 0):
         super().__init__()
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.address = address
         self.name = name
         self.rank = int(rank)
         self.steps = steps
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.prefetch = int(prefetch)
         self._service: Any = None
         self._reader: Any = None
         self._pending_state: Mapping[str, Any] | None = None
+        self._prefetcher: Prefetcher[Batch] | None = None
+        self._start_state: dict[str, Any] | None = None
+        #: the step of the last batch handed out
+        self.last_step: int | None = None
 
     def _connect(self) -> Any:
         if self._reader is None:
@@ -120,19 +220,63 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
                                "each loader worker would be another reader of rank "
                                f"{self.rank}")
         reader = self._connect()
+        if self.prefetch and self._prefetcher is None:
+            self._start_state = dict(reader.state_dict())
+            self._prefetcher = Prefetcher(reader, self.prefetch,
+                                          name=f"msd-prefetch-{self.name}-rank{self.rank}")
         n = 0
         while self.steps is None or n < self.steps:
-            yield batch_to_dict(next(reader))
+            batch = self._prefetcher.get() if self._prefetcher is not None else next(reader)
+            self.last_step = batch.step
+            yield batch_to_dict(batch)
             n += 1
+
+    @property
+    def ahead(self) -> int:
+        """Batches claimed by the prefetch thread and not yet handed out (``0`` without prefetch)."""
+        return self._prefetcher.ahead if self._prefetcher is not None else 0
+
+    def report_step_time(self, seconds: float, step: int | None = None) -> None:
+        """Report this rank's compute time on a step (default: the last batch handed out).
+
+        With ``cost: {fit: true}`` the planner fits its cost model's ``α`` and
+        ``β`` to these times (see :meth:`msd_dask.Reader.report_step_time`).
+        Fire and forget.  Time only the rank's own work (forward and
+        backward), not the wait for other ranks at a collective.
+
+        Raises
+        ------
+        ValueError
+            If no batch was handed out yet and ``step`` is not given.
+        """
+        step = self.last_step if step is None else int(step)
+        if step is None or self._reader is None:
+            raise ValueError("report_step_time: no batch was handed out yet")
+        self._reader.report_step_time(float(seconds), step=step)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the last step handed out (``None`` before the first)."""
         if self._reader is None:
             return dict(self._pending_state or {"rank": self.rank, "step": None})
+        if self._prefetcher is not None:  # the reader is ahead by the prefetched batches
+            if self.last_step is not None:
+                return {"rank": self.rank, "step": self.last_step}
+            return dict(self._start_state or {"rank": self.rank, "step": None})
         return dict(self._reader.state_dict())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Skip every step up to ``state["step"]`` (see :meth:`msd_dask.Reader.load_state_dict`)."""
+        """Skip every step up to ``state["step"]`` (see :meth:`msd_dask.Reader.load_state_dict`).
+
+        Raises
+        ------
+        ValueError
+            If ``state`` belongs to another rank.
+        RuntimeError
+            If batches were already prefetched (load the state before iterating).
+        """
+        if self._prefetcher is not None:
+            raise RuntimeError("load_state_dict after prefetching started: batches were already "
+                               "claimed ahead; load the state before the first iter()")
         if self._reader is None:
             if state.get("rank", self.rank) != self.rank:
                 raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
@@ -141,7 +285,13 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             self._reader.load_state_dict(state)
 
     def close(self) -> None:
-        """Disconnect from the service (the service keeps running)."""
+        """Stop prefetching and disconnect from the service (the service keeps running).
+
+        Batches prefetched and not handed out are lost to this rank.
+        """
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
         if self._service is not None:
             self._service.close()
         self._service = None
@@ -151,4 +301,5 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         state = dict(self.__dict__)
         state["_service"] = None
         state["_reader"] = None
+        state["_prefetcher"] = None
         return state
