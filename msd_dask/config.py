@@ -26,6 +26,7 @@ __all__ = [
     "CostConfig",
     "ImageConfig",
     "ParallelConfig",
+    "PoolConfig",
     "SourceConfig",
     "TokenizerConfig",
     "WeightSchedule",
@@ -108,6 +109,22 @@ class ImageConfig:
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """Where a loader preprocesses and tokenizes the documents of its units.
+
+    ``kind`` is ``"thread"`` (a thread pool: for work that releases the GIL,
+    such as waiting on a store, zstd, hashing or image decoding in C) or
+    ``"process"`` (a pool of spawned processes: for CPU-heavy Python that holds
+    the GIL).  ``size`` is the number of documents processed at once per loader
+    (0: the service's ``loader_threads``).  The documents of a unit keep their
+    order whatever the pool.
+    """
+
+    kind: str = "thread"
+    size: int = 0
+
+
+@dataclass(frozen=True)
 class SourceConfig:
     """One data source: a glob of files in one format and its mixing weight."""
 
@@ -135,11 +152,15 @@ class SourceConfig:
     image_field: str | None = None
     #: image size and patch size of an image+text source
     image: ImageConfig | None = None
+    #: the loader's preprocessing pool (threads or processes, and how many)
+    pool: PoolConfig = PoolConfig()
 
     def __post_init__(self) -> None:
         # a loader receives the config as a dict (dataclasses.asdict)
         if isinstance(self.image, Mapping):
             object.__setattr__(self, "image", ImageConfig(**self.image))
+        if isinstance(self.pool, Mapping):
+            object.__setattr__(self, "pool", PoolConfig(**self.pool))
 
 
 @dataclass(frozen=True)
@@ -428,6 +449,7 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         context=context,
         preprocess=_preprocess(d, key),
         on_error=_on_error(d, key),
+        pool=_pool(d, key),
         **_image(d, key),
     )
     if check_files:
@@ -457,6 +479,19 @@ def _image(d: Mapping[str, Any], key: str) -> dict[str, Any]:
     if field_ == d.get("text_field", "text"):
         raise ConfigError(f"{key}.image_field", f"must differ from text_field {field_!r}")
     return {"image_field": field_, "image": ImageConfig(size=size, patch=patch)}
+
+
+def _pool(d: Mapping[str, Any], key: str) -> PoolConfig:
+    """``pool: {kind: thread|process, size: N}`` of a source."""
+    pool = d.get("pool")
+    if pool is None:
+        return PoolConfig()
+    k = f"{key}.pool"
+    _check_keys(pool, k, {"kind", "size"})
+    kind = pool.get("kind", "thread")
+    if kind not in ("thread", "process"):
+        raise ConfigError(f"{k}.kind", f"must be 'thread' or 'process', got {kind!r}")
+    return PoolConfig(kind=kind, size=_int(pool, "size", k, 0, lo=0))
 
 
 def _on_error(d: Mapping[str, Any], key: str) -> str:
