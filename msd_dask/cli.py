@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import time
@@ -20,7 +21,34 @@ EPILOG = """examples:
   msd-dask serve configs/demo.yaml --scheduler tcp://head:8786
                                               serve until interrupted; training jobs connect
   msd-dask set-weights demo code=0.5 prose=0.5 --scheduler tcp://head:8786
+  msd-dask serve configs/demo.yaml --scheduler tls://head:8786 \
+      --tls-ca-file ca.pem --tls-cert client.pem --tls-key client.key
+                                              the same on a TLS-secured cluster
+
+TLS settings may also come from Dask's own configuration (distributed.comm.tls.*,
+e.g. DASK_DISTRIBUTED__COMM__TLS__CA_FILE), as for any Dask client.
 """
+
+
+def _tls_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS (a cluster started with dask's --tls-* options)")
+    g.add_argument("--tls-ca-file", metavar="PEM", help="CA certificate file")
+    g.add_argument("--tls-cert", metavar="PEM", help="this client's certificate file")
+    g.add_argument("--tls-key", metavar="PEM", help="this client's private key file")
+
+
+def _security(args: argparse.Namespace) -> Any:
+    """A ``distributed.security.Security`` from the TLS options, ``None`` without them."""
+    given = [getattr(args, k, None) for k in ("tls_ca_file", "tls_cert", "tls_key")]
+    if not any(given):
+        return None
+    if not all(given):
+        raise SystemExit(f"msd-dask {args.command}: --tls-ca-file, --tls-cert and --tls-key "
+                         "go together")
+    from distributed.security import Security
+
+    return Security(tls_ca_file=args.tls_ca_file, tls_client_cert=args.tls_cert,
+                    tls_client_key=args.tls_key, require_encryption=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--workers", type=int, default=2,
                    help="workers of the embedded cluster (default: 2)")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _tls_options(r)
 
     s = sub.add_parser("serve", help="run the service until interrupted, for training jobs "
                        "to connect")
@@ -47,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="address of the Dask scheduler")
     s.add_argument("--resume", metavar="STATE_JSON",
                    help="a state file written by `DataService.state_dict()` to continue from")
+    _tls_options(s)
 
     v = sub.add_parser("validate", help="check a config and list each source's files")
     v.add_argument("config", help="service config (YAML)")
@@ -61,10 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--scheduler", metavar="ADDR", required=True)
     w.add_argument("--from-step", type=int, default=None,
                    help="first step of the new mix (default: the first unplanned step)")
+    _tls_options(w)
 
     st = sub.add_parser("stats", help="print the counters of a running service as JSON")
     st.add_argument("name", help="service name")
     st.add_argument("--scheduler", metavar="ADDR", required=True)
+    _tls_options(st)
     return p
 
 
@@ -118,7 +150,8 @@ def _run(args: argparse.Namespace) -> int:
     from .service import DataService
 
     t_start = time.perf_counter()
-    svc = DataService.start(args.config, args.scheduler, n_workers=args.workers)
+    svc = DataService.start(args.config, args.scheduler, n_workers=args.workers,
+                            security=_security(args))
     with svc:
         cfg = svc.config
         world = cfg.parallel.world_size
@@ -187,7 +220,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.resume:
         with open(args.resume, encoding="utf-8") as f:
             resume = json.load(f)
-    svc = DataService.start(args.config, args.scheduler, resume=resume)
+    svc = DataService.start(args.config, args.scheduler, resume=resume,
+                            security=_security(args))
     stop = {"now": False}
 
     def _stop(*_: object) -> None:
@@ -196,14 +230,22 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     print(f"serving {svc.name!r} on {args.scheduler}; connect with "
           f"DataService.connect({args.scheduler!r}, {svc.name!r}). Ctrl-C stops.", flush=True)
+    lost = ("msd-dask serve: lost the scheduler at {}; restart the service from the last "
+            "DataService.state_dict() (msd-dask serve --resume STATE_JSON)")
     with svc:
         try:
             while not stop["now"]:
                 time.sleep(1.0)
-                if svc.client.status != "running":
-                    raise SystemExit("msd-dask serve: lost the scheduler; restart the service "
-                                     "from the last DataService.state_dict()")
-                err = svc.stats()["planner"]["error"]
+                err, gone = None, svc.client.status != "running"
+                if not gone:
+                    try:
+                        err = svc.stats()["planner"]["error"]
+                    except OSError:  # distributed's CommClosedError is one
+                        gone = True
+                if gone:
+                    # Dask's client logs its reconnect attempts as errors: say it once, plainly
+                    logging.disable(logging.CRITICAL)
+                    raise SystemExit(lost.format(args.scheduler))
                 if err:
                     print(f"msd-dask serve: error: {err}", file=sys.stderr)
                     return 2
@@ -225,7 +267,7 @@ def _set_weights(args: argparse.Namespace) -> int:
         except ValueError:
             raise SystemExit(f"msd-dask set-weights: weight of {name!r} is not a number: "
                              f"{value!r}") from None
-    svc = DataService.connect(args.scheduler, args.name)
+    svc = DataService.connect(args.scheduler, args.name, security=_security(args))
     with svc:
         step = svc.set_weights(weights, args.from_step)
     print(f"weights {weights} take effect at step {step}")
@@ -235,7 +277,7 @@ def _set_weights(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from .service import DataService
 
-    with DataService.connect(args.scheduler, args.name) as svc:
+    with DataService.connect(args.scheduler, args.name, security=_security(args)) as svc:
         print(json.dumps(svc.stats(), indent=2, default=str))
     return 0
 

@@ -110,6 +110,18 @@ def _source_payload(cfg: Config, name: str) -> dict[str, Any]:
     return d
 
 
+def _check_tls(address: str | None, security: Any) -> None:
+    """Refuse a ``tls://`` address without TLS credentials, with a message that says where to put them."""
+    if not address or not str(address).startswith("tls://") or security is not None:
+        return
+    from distributed.security import Security
+
+    if Security().get_connection_args("client").get("ssl_context") is None:
+        raise ServiceError(f"scheduler {address} uses TLS but no credentials were given: pass "
+                           "security=distributed.security.Security(...) (CLI: --tls-ca-file, "
+                           "--tls-cert, --tls-key) or set distributed.comm.tls.* in Dask's config")
+
+
 class DataService:
     """A handle on a running msd_dask service.
 
@@ -185,6 +197,7 @@ class DataService:
                                    processes=True, dashboard_address=":0", security=security,
                                    **({"protocol": "tls://"} if security is not None else {}))
             address = cluster.scheduler_address
+        _check_tls(address, security)
         client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
         try:
             key = _PREFIX + cfg.name
@@ -234,6 +247,8 @@ class DataService:
         """Attach to the running service ``name`` on the scheduler at ``address``."""
         from distributed import Client
 
+        _check_tls(address, security)
+        _check_tls(address, security)
         client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
         key = _PREFIX + name
         deadline = time.monotonic() + timeout

@@ -24,11 +24,15 @@ def _wait_for(path: str, proc: subprocess.Popen, what: str, timeout: float = 60)
 
 @contextmanager
 def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
-                 preload: str | None = None) -> Iterator[dict]:
+                 preload: str | None = None, tls: dict[str, str] | None = None) -> Iterator[dict]:
     """Start a scheduler and ``n_workers`` worker processes on loopback.
 
+    ``tls``: ``{"ca": path, "cert": path, "key": path}`` starts them with dask's own
+    ``--tls-*`` options (protocol ``tls://``).
     Yields ``{"address": ..., "workers": [Popen, ...], "scheduler": Popen}``.
     """
+    tls_args = (["--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"], "--tls-key", tls["key"]]
+                if tls else [])
     sched_file = os.path.join(tmp, "scheduler.json")
     env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
     procs: list[subprocess.Popen] = []
@@ -37,7 +41,8 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
         sched = subprocess.Popen(
             [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
              "--port", "0", "--dashboard-address", "127.0.0.1:0",
-             "--scheduler-file", sched_file, *(["--preload", preload] if preload else [])],
+             "--scheduler-file", sched_file, *(["--preload", preload] if preload else []),
+             *(["--protocol", "tls", *tls_args] if tls else [])],
             stdout=log, stderr=log, env=env)
         procs.append(sched)
         _wait_for(sched_file, sched, "dask scheduler")
@@ -48,7 +53,7 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
             w = subprocess.Popen(
                 [sys.executable, "-m", "distributed.cli.dask_worker", address,
                  "--nthreads", str(nthreads), "--no-nanny", "--host", "127.0.0.1",
-                 "--dashboard-address", "127.0.0.1:0", "--memory-limit", "2GiB"],
+                 "--dashboard-address", "127.0.0.1:0", "--memory-limit", "2GiB", *tls_args],
                 stdout=log, stderr=log, env=env)
             procs.append(w)
             workers.append(w)

@@ -66,3 +66,27 @@ def test_serve_and_read_from_other_processes(tmp_path):
     check_exactly_once(group, texts, 512)
     got = shares(tokens)
     assert abs(got["code"] - 0.7) < 0.05, got
+
+
+def test_serve_exits_with_a_clear_error_when_the_scheduler_is_lost(tmp_path):
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg_path = tmp_path / "svc.yaml"
+    cfg_path.write_text(yaml.safe_dump(config(root, name="lost")))
+    with dask_cluster(str(tmp_path), n_workers=1) as cl:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "msd_dask.cli", "serve", str(cfg_path),
+             "--scheduler", cl["address"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        try:
+            line = serve.stdout.readline()
+            assert "serving 'lost'" in line, line + serve.stdout.read()
+            cl["scheduler"].kill()  # kill -9: no goodbye to the clients
+            cl["scheduler"].wait(10)
+            out, _ = serve.communicate(timeout=120)
+        finally:
+            if serve.poll() is None:
+                serve.kill()
+    assert serve.returncode not in (0, None)
+    assert "lost the scheduler" in out and "state_dict" in out, out
+    assert "Traceback" not in out, out

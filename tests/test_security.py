@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
 import pytest
+import yaml
 from distributed.security import Security
 
 from msd_dask import DataService
 
 from checks import check_content, record
+from cluster import dask_cluster
 from corpus import config, write_corpus
 
 pytestmark = pytest.mark.integration
+HERE = os.path.dirname(__file__)
 
 
 def test_service_over_tls(tmp_path):
@@ -30,4 +39,65 @@ def test_service_over_tls(tmp_path):
         # without credentials the scheduler cannot even be reached
         with pytest.raises(Exception):  # noqa: B017 - distributed raises a few kinds here
             DataService.connect(address, "tls", timeout=3)
+    check_content(recs, texts, 512)
+
+
+def _write_credentials(tmp_path) -> dict[str, str]:
+    """One temporary self-signed certificate as files, the way dask's --tls-* options take them."""
+    sec = Security.temporary()
+    paths = {}
+    for name, pem in (("ca", sec.tls_ca_file), ("cert", sec.tls_scheduler_cert),
+                      ("key", sec.tls_scheduler_key)):
+        path = tmp_path / f"{name}.pem"
+        path.write_text(pem)
+        paths[name] = str(path)
+    return paths
+
+
+def test_cli_processes_over_tls(tmp_path):
+    """`dask scheduler/worker --tls-*`, `msd-dask serve --tls-*`, readers configured by Dask's
+    own config (environment), each a separate process; a client without credentials is refused."""
+    pytest.importorskip("cryptography")
+    root = str(tmp_path / "c")
+    texts = write_corpus(root)
+    cfg_path = tmp_path / "svc.yaml"
+    cfg_path.write_text(yaml.safe_dump(config(root, name="tlsprocs")))
+    tls = _write_credentials(tmp_path)
+    steps = 20
+    with dask_cluster(str(tmp_path), n_workers=2, tls=tls) as cl:
+        assert cl["address"].startswith("tls://")
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "msd_dask.cli", "serve", str(cfg_path),
+             "--scheduler", cl["address"], "--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"],
+             "--tls-key", tls["key"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            line = serve.stdout.readline()
+            assert "serving 'tlsprocs'" in line, line + serve.stdout.read()
+            env = dict(os.environ,
+                       PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                       DASK_DISTRIBUTED__COMM__TLS__CA_FILE=tls["ca"],
+                       DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT=tls["cert"],
+                       DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY=tls["key"],
+                       DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION="True")
+            out = str(tmp_path / "r.pkl")
+            reader = subprocess.Popen([sys.executable, os.path.join(HERE, "reader_proc.py"),
+                                       cl["address"], "tlsprocs", "0,1", str(steps), out], env=env)
+            assert reader.wait(240) == 0
+            # without credentials the scheduler cannot be reached, and the CLI says so
+            bare = subprocess.run(
+                [sys.executable, "-m", "msd_dask.cli", "stats", "tlsprocs", "--scheduler",
+                 cl["address"]], capture_output=True, text=True, timeout=120)
+            assert bare.returncode == 2 and "uses TLS but no credentials" in bare.stderr, bare.stderr
+            bare = subprocess.run(
+                [sys.executable, "-m", "msd_dask.cli", "stats", "tlsprocs", "--scheduler",
+                 cl["address"], "--tls-ca-file", tls["ca"]], capture_output=True, text=True,
+                timeout=60)
+            assert bare.returncode != 0 and "go together" in bare.stderr
+        finally:
+            serve.send_signal(signal.SIGINT)
+            serve.wait(30)
+    with open(out, "rb") as f:
+        recs = pickle.load(f)
+    assert sorted((r["step"], r["rank"]) for r in recs) == [(s, r) for s in range(steps)
+                                                            for r in (0, 1)]
     check_content(recs, texts, 512)
