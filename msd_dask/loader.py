@@ -1,10 +1,12 @@
 """Source Loader: a Dask actor that owns the file access of a share of one source.
 
 The coordinator assigns it ``(epoch, unit)`` keys in stream order; it reads
-each unit on a small thread pool (pyarrow and zstd release the GIL),
-tokenizes every document, reports the lengths (:meth:`SourceLoader.metadata`)
-and keeps the tokens until constructors fetch them
-(:meth:`SourceLoader.fetch`).  A document's tokens are dropped as soon as all
+up to ``threads`` units at once on a small thread pool (pyarrow and zstd
+release the GIL), preprocesses and tokenizes the documents of each unit on a
+bounded :class:`DocPool` (threads or processes, ``sources[].pool``; the
+documents keep their row order), reports the lengths
+(:meth:`SourceLoader.metadata`) and keeps the tokens until constructors fetch
+them (:meth:`SourceLoader.fetch`).  A document's tokens are dropped as soon as all
 its pieces have been fetched, so the loader holds at most the units assigned
 ahead of the planner (``read_ahead``).
 
@@ -15,24 +17,26 @@ from other actors never block a thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
+import multiprocessing
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from .config import SourceConfig, TokenizerConfig, resolve_import_path
+from .config import PoolConfig, SourceConfig, TokenizerConfig, resolve_import_path
 from .errors import DataError
 from .formats import Unit, get_format
 from .storage import open_source
 from .tokenizer import make_tokenizer
 from .vision import image_patches
 
-__all__ = ["SourceLoader", "read_unit", "ImageDoc"]
+__all__ = ["SourceLoader", "read_unit", "ImageDoc", "DocPool"]
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -100,8 +104,15 @@ class ImageDoc:
 
 
 def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
-              quarantine: list[DataError] | None = None) -> list[np.ndarray | ImageDoc]:
+              quarantine: list[DataError] | None = None,
+              pool: DocPool | None = None,
+              timing: list[float] | None = None) -> list[np.ndarray | ImageDoc]:
     """Read and tokenize every row of ``unit``; one int32 array per row, in row order.
+
+    ``pool``: preprocess and tokenize the documents on it (several at once);
+    ``None`` does it here, one after the other.  The result is the same.
+    ``timing``: the busy seconds (reading the rows, plus preprocessing summed
+    over the pool's workers) are appended to it.
 
     Rows of an image+text source (``src.image_field`` set) whose image field is not
     null become an :class:`ImageDoc`: the image decoded, resized and cut into patches
@@ -122,13 +133,13 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     """
     if getattr(src, "on_error", "fail") != "skip":
         try:
-            return _read_rows(src, fs, unit, tokenizer, [], None)
+            return _read_rows(src, fs, unit, tokenizer, [], None, pool, timing)
         except (DataError, OSError) as e:
             raise with_source(e, src.name, unit.path) from e
     out: list[np.ndarray | ImageDoc] = []
     bad: list[DataError] = []
     try:
-        _read_rows(src, fs, unit, tokenizer, out, bad)
+        _read_rows(src, fs, unit, tokenizer, out, bad, pool, timing)
     except (DataError, OSError) as e:
         if quarantine is not None:
             quarantine.append(with_source(e, src.name, unit.path, whole_file=True))
@@ -140,65 +151,229 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
 
 def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
                out: list[np.ndarray | ImageDoc],
-               bad: list[DataError] | None) -> list[np.ndarray | ImageDoc]:
-    """Append the tokens of the unit's rows to ``out`` (``bad``: collect row errors)."""
+               bad: list[DataError] | None, pool: DocPool | None = None,
+               timing: list[float] | None = None) -> list[np.ndarray | ImageDoc]:
+    """Append the tokens of the unit's rows to ``out`` (``bad``: collect row errors).
+
+    The rows are read first, then their documents are preprocessed and tokenized
+    (on ``pool`` when given); results and errors are taken in row order.
+    """
     fmt = get_format(src.format)
-    prep = _preprocessor(src.preprocess) if src.preprocess else None
     # formats that can report a bad row without ending the read (JSON lines) do so
     tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
     read: Any = fmt.read
     fields = [src.text_field] + ([src.image_field] if src.image_field else [])
+    t0 = time.perf_counter()
     rows = read(fs, unit, fields, errors="yield") if tolerant else read(fs, unit, fields)
+    items: list[tuple[int, Any]] = []
     for row, rec in rows:
-        expected = unit.row_offset + len(out)
+        expected = unit.row_offset + len(items)
         if row < expected:
             raise DataError(f"rows out of order (expected {expected})", source=src.name,
                             path=unit.path, row=row)
-        while len(out) < row - unit.row_offset:  # rows the format skipped (blank lines)
-            out.append(_EMPTY)
-        try:
-            if isinstance(rec, DataError):
-                raise rec
-            tokens = _tokenize(src, rec, prep, tokenizer, unit, row)
-            out.append(_with_image(src, rec, tokens, tokenizer, unit, row))
-        except DataError as e:
+        while len(items) < row - unit.row_offset:  # rows the format skipped (blank lines)
+            items.append((unit.row_offset + len(items), None))
+        items.append((row, rec))
+    todo = [(row, rec) for row, rec in items if rec is not None and not isinstance(rec, DataError)]
+    busy = [time.perf_counter() - t0]
+    if pool is None:
+        prep = _preprocessor(src.preprocess) if src.preprocess else None
+        done, seconds = process_docs(src, prep, tokenizer, unit.path, todo)
+        busy.append(seconds)
+    else:
+        done = pool.map(unit.path, todo, busy)
+    if timing is not None:
+        timing.append(sum(busy))
+    results = iter(done)
+    for _row, rec in items:
+        res: np.ndarray | ImageDoc | DataError
+        if rec is None:
+            res = _EMPTY
+        elif isinstance(rec, DataError):
+            res = rec
+        else:
+            res = next(results)
+        if isinstance(res, DataError):
             if bad is None:
-                raise
-            bad.append(with_source(e, src.name, unit.path))
-            out.append(_EMPTY)
+                raise res
+            bad.append(with_source(res, src.name, unit.path))
+            res = _EMPTY
+        out.append(res)
     return out
+
+
+def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,
+                 tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]]
+                 ) -> tuple[list[np.ndarray | ImageDoc | DataError], float]:
+    """Preprocess and tokenize ``(row, record)`` items of file ``path``, in order.
+
+    Returns one result per item (the tokens, an :class:`ImageDoc`, or the
+    :class:`DataError` of a bad document, as a value) and the seconds it took.
+    """
+    t0 = time.perf_counter()
+    out: list[np.ndarray | ImageDoc | DataError] = []
+    for row, rec in items:
+        try:
+            tokens = _tokenize(src, rec, prep, tokenizer, path, row)
+            out.append(_with_image(src, rec, tokens, tokenizer, path, row))
+        except DataError as e:
+            out.append(e)
+    return out, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------ the document pool
+_WORKER: dict[str, Any] = {}  # in a pool process: its source, tokenizer and preprocessor
+
+
+def _source_config(source: dict[str, Any]) -> SourceConfig:
+    """A loader's SourceConfig from its payload (``dataclasses.asdict``, weight dropped)."""
+    from .config import WeightSchedule
+
+    source = dict(source)
+    source["weight"] = WeightSchedule.constant(1.0)
+    return SourceConfig(**source)
+
+
+def _init_process(source: dict[str, Any], tokenizer: dict[str, Any]) -> None:
+    """Initializer of a pool process: build the tokenizer, import the preprocessor once."""
+    src = _source_config(source)
+    _WORKER["src"] = src
+    _WORKER["tokenizer"] = make_tokenizer(TokenizerConfig(**tokenizer))
+    _WORKER["prep"] = _preprocessor(src.preprocess) if src.preprocess else None
+
+
+class _Failure:
+    """A bad document's :class:`DataError`, as it crosses from a pool process (picklable)."""
+
+    __slots__ = ("message", "row", "cause")
+
+    def __init__(self, e: DataError):
+        prefix = str(DataError("", source=e.source, path=e.path, row=e.row))
+        msg = str(e)
+        self.message = msg[len(prefix):] if msg.startswith(prefix) else msg
+        self.row = e.row
+        cause = e.__cause__
+        self.cause = None if cause is None else f"{type(cause).__name__}: {cause}"
+
+    def error(self, source: str, path: str) -> DataError:
+        out = DataError(self.message, source=source, path=path, row=self.row)
+        if self.cause is not None:
+            out.__cause__ = RuntimeError(f"in a pool process: {self.cause}")
+        return out
+
+
+def _process_in_worker(path: str, items: list[tuple[int, dict[str, Any]]]
+                       ) -> tuple[list[np.ndarray | ImageDoc | _Failure], float]:
+    res, seconds = process_docs(_WORKER["src"], _WORKER["prep"], _WORKER["tokenizer"], path, items)
+    return [_Failure(r) if isinstance(r, DataError) else r for r in res], seconds
+
+
+class DocPool:
+    """Preprocesses and tokenizes documents on ``size`` threads or processes.
+
+    :meth:`map` splits a unit's documents into contiguous chunks, runs them on
+    the pool and returns the results in the documents' order, so the stream
+    does not depend on the pool.
+
+    Parameters
+    ----------
+    src : SourceConfig
+    tokenizer : dict
+        The tokenizer config (a process builds its own tokenizer from it).
+    size : int
+        Documents processed at once.
+    kind : {"thread", "process"}
+        ``"process"``: spawned processes, for preprocessing that holds the GIL.
+        A daemonic process (a Dask worker by default) cannot start them: a
+        :class:`RuntimeError` says so.
+    """
+
+    def __init__(self, src: SourceConfig, tokenizer: dict[str, Any], size: int,
+                 kind: str = "thread"):
+        if kind not in ("thread", "process"):
+            raise ValueError(f"pool kind must be 'thread' or 'process', got {kind!r}")
+        self.src = src
+        self.size = max(1, int(size))
+        self.kind = kind
+        self._ex: Executor
+        if kind == "process":
+            if multiprocessing.current_process().daemon:
+                raise RuntimeError(
+                    f"source '{src.name}': pool.kind 'process' cannot start processes in a "
+                    "daemonic Dask worker; run the workers with distributed.worker.daemon: "
+                    "false (DASK_DISTRIBUTED__WORKER__DAEMON=False)")
+            payload = dataclasses.asdict(src)
+            payload.pop("weight")
+            self._ex = ProcessPoolExecutor(
+                self.size, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_process, initargs=(payload, dict(tokenizer)))
+        else:
+            self._tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
+            self._prep = _preprocessor(src.preprocess) if src.preprocess else None
+            self._ex = ThreadPoolExecutor(self.size, thread_name_prefix=f"msd-prep-{src.name}")
+
+    def map(self, path: str, items: Sequence[tuple[int, dict[str, Any]]],
+            timing: list[float] | None = None) -> list[np.ndarray | ImageDoc | DataError]:
+        """:func:`process_docs` of ``items`` on the pool, results in order.
+
+        ``timing``: the busy seconds of the pool's workers (summed) are appended.
+        """
+        if not items:
+            return []
+        n = min(len(items), 4 * self.size)
+        bounds = [len(items) * i // n for i in range(n + 1)]
+        chunks = [list(items[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        futs: list[Any]
+        if self.kind == "process":
+            futs = [self._ex.submit(_process_in_worker, path, c) for c in chunks]
+        else:
+            futs = [self._ex.submit(process_docs, self.src, self._prep, self._tokenizer, path, c)
+                    for c in chunks]
+        out: list[np.ndarray | ImageDoc | DataError] = []
+        busy = 0.0
+        for f in futs:
+            res, seconds = f.result()
+            busy += seconds
+            out.extend(r.error(self.src.name, path) if isinstance(r, _Failure) else r
+                       for r in res)
+        if timing is not None:
+            timing.append(busy)
+        return out
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=False, cancel_futures=True)
 
 
 def _tokenize(src: SourceConfig, rec: dict[str, Any],
               prep: Callable[[str, dict[str, Any]], str | None] | None, tokenizer: Any,
-              unit: Unit, row: int) -> np.ndarray:
+              path: str, row: int) -> np.ndarray:
     text = rec.get(src.text_field)
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"field '{src.text_field}' is not valid UTF-8: {e}",
-                            source=src.name, path=unit.path, row=row) from e
+                            source=src.name, path=path, row=row) from e
     if not isinstance(text, str):
         raise DataError(f"field '{src.text_field}' is {type(text).__name__}, not text",
-                        source=src.name, path=unit.path, row=row)
+                        source=src.name, path=path, row=row)
     if prep is not None:
         try:
             text = prep(text, rec)
         except Exception as e:  # noqa: BLE001 - any failure of user code names the row
             raise DataError(f"preprocess {src.preprocess!r} raised {type(e).__name__}: {e}",
-                            source=src.name, path=unit.path, row=row) from e
+                            source=src.name, path=path, row=row) from e
         if text is None:
             return _EMPTY
         if not isinstance(text, str):
             raise DataError(f"preprocess {src.preprocess!r} returned "
                             f"{type(text).__name__}, not str or None",
-                            source=src.name, path=unit.path, row=row)
+                            source=src.name, path=path, row=row)
     return tokenizer.encode(text)
 
 
 def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, tokenizer: Any,
-                unit: Unit, row: int) -> np.ndarray | ImageDoc:
+                path: str, row: int) -> np.ndarray | ImageDoc:
     """``tokens`` of a text document, or the :class:`ImageDoc` of an image+text one."""
     if not src.image_field or len(tokens) == 0:  # a text source, or a dropped document
         return tokens
@@ -207,15 +382,15 @@ def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, toke
         return tokens
     if not isinstance(data, bytes | bytearray | memoryview):
         raise DataError(f"field '{src.image_field}' is {type(data).__name__}, not image bytes",
-                        source=src.name, path=unit.path, row=row)
+                        source=src.name, path=path, row=row)
     assert src.image is not None
     if tokenizer.image_id is None:
         raise DataError("the tokenizer has no image token id (set tokenizer.image_token_id)",
-                        source=src.name, path=unit.path, row=row)
+                        source=src.name, path=path, row=row)
     try:
         patches = image_patches(bytes(data), src.image.size, src.image.patch)
     except ValueError as e:
-        raise DataError(f"field '{src.image_field}': {e}", source=src.name, path=unit.path,
+        raise DataError(f"field '{src.image_field}': {e}", source=src.name, path=path,
                         row=row) from None
     out = np.empty(len(patches) + len(tokens), dtype=np.int32)
     out[:len(patches)] = tokenizer.image_id
@@ -245,16 +420,14 @@ class SourceLoader:
     index : int
         This loader's index among the source's loaders.
     threads : int
-        Size of the read pool.
+        Size of the read pool: units read at once.  The documents of those units
+        are preprocessed and tokenized on the source's ``pool`` (``size`` 0:
+        ``threads`` threads); a thread pool of size 1 does it in the read thread.
     """
 
     def __init__(self, source: dict[str, Any], units: list[tuple[str, int, int]],
                  tokenizer: dict[str, Any], index: int = 0, threads: int = 1):
-        from .config import WeightSchedule
-
-        source = dict(source)
-        source["weight"] = WeightSchedule.constant(1.0)
-        self.src = SourceConfig(**source)
+        self.src = _source_config(source)
         self.units = [Unit(*u) for u in units]
         self.index = index
         self.tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
@@ -262,6 +435,12 @@ class SourceLoader:
             _preprocessor(self.src.preprocess)  # fail at start, not at the first unit
         self._files = open_source(self.src.uri, self.src.storage_options)
         self.threads = max(1, int(threads))
+        pool = self.src.pool if isinstance(self.src.pool, PoolConfig) else PoolConfig()
+        #: documents preprocessed at once (what the adaptive policy counts per loader)
+        self.parallel = pool.size or self.threads
+        self._docs: DocPool | None = None
+        if pool.kind == "process" or self.parallel > 1:
+            self._docs = DocPool(self.src, tokenizer, self.parallel, pool.kind)
         self._pool = ThreadPoolExecutor(self.threads,
                                         thread_name_prefix=f"msd-load-{self.src.name}")
         self._data: dict[tuple[int, int], _UnitData] = {}
@@ -308,17 +487,17 @@ class SourceLoader:
 
     async def _read(self, key: tuple[int, int], fut: asyncio.Future[Any]) -> None:
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
         quarantine: list[DataError] = []
+        busy: list[float] = []
         try:
             docs = await loop.run_in_executor(
                 self._pool, read_unit, self.src, self._files.fs, self.units[key[1]],
-                self.tokenizer, quarantine)
+                self.tokenizer, quarantine, self._docs, busy)
         except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
             if not fut.done():
                 fut.set_exception(e)
             return
-        self.read_seconds += time.perf_counter() - t0
+        self.read_seconds += sum(busy)
         self._quarantine(key, quarantine)
         data = _UnitData(docs)
         self.units_read += 1
@@ -396,11 +575,19 @@ class SourceLoader:
         return len(self._data)
 
     async def stats(self) -> dict[str, Any]:
-        """Counters: documents and tokens read, units buffered, read seconds."""
+        """Counters: documents and tokens read, units buffered, read seconds.
+
+        ``read_seconds`` are busy seconds (reading rows, plus preprocessing and
+        tokenizing summed over the pool's workers) and ``threads`` the documents
+        processed at once, so one loader supplies ``threads / (read_seconds /
+        tokens_read)`` tokens/s at most.
+        """
         return {
             "source": self.src.name,
             "index": self.index,
-            "threads": self.threads,
+            "threads": self.parallel,
+            "read_threads": self.threads,
+            "pool": self.src.pool.kind if isinstance(self.src.pool, PoolConfig) else "thread",
             "docs_read": self.docs_read,
             "tokens_read": self.tokens_read,
             "units_read": self.units_read,
@@ -417,3 +604,5 @@ class SourceLoader:
         if self._task is not None:
             self._task.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._docs is not None:
+            self._docs.close()

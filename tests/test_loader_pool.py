@@ -1,0 +1,204 @@
+"""The loader's preprocessing pool (``sources[].pool``): order, content and errors.
+
+Documents of a unit are preprocessed and tokenized several at once, on
+threads or processes; the results must come back in row order, so the
+stream does not depend on the pool, and a bad document must still be named
+by source, file and row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import re
+from typing import Any
+
+import dask
+import numpy as np
+import pytest
+
+from msd_dask import ConfigError, DataError, DataService, load_config
+from msd_dask.config import PoolConfig, SourceConfig
+from msd_dask.examples import preprocess as prep
+from msd_dask.formats import Unit, get_format
+from msd_dask.loader import DocPool, read_unit
+from msd_dask.storage import open_source
+from msd_dask.tokenizer import ByteTokenizer
+
+from checks import check_content, check_exactly_once, record
+from corpus import config
+
+TOK = {"kind": "bytes"}
+POOLS = [("thread", 1), ("thread", 4), ("process", 1), ("process", 3)]
+
+
+def _units(src: SourceConfig) -> tuple[Any, list[Unit]]:
+    files = open_source(src.uri, src.storage_options)
+    fmt = get_format(src.format)
+    return files.fs, [u for p in files.paths for u in fmt.units(files.fs, p)]
+
+
+def _read_all(src: SourceConfig, pool: DocPool | None) -> list[list[np.ndarray]]:
+    fs, units = _units(src)
+    return [[np.asarray(d) for d in read_unit(src, fs, u, ByteTokenizer(), pool=pool)]
+            for u in units]
+
+
+@pytest.fixture(scope="module")
+def sources(corpus: Any) -> dict[str, SourceConfig]:
+    root, _ = corpus
+    cfg = load_config(config(root))
+    return {s.name: s for s in cfg.sources}
+
+
+@pytest.mark.parametrize("name", ["code", "prose"])
+def test_pool_keeps_row_order_and_content(sources: dict[str, SourceConfig], corpus: Any,
+                                          name: str) -> None:
+    _, texts = corpus
+    src = sources[name]
+    inline = _read_all(src, None)
+    fs, units = _units(src)
+    tok = ByteTokenizer()
+    n = 0
+    for u, docs in zip(units, inline, strict=True):  # content equals the source text
+        for i, d in enumerate(docs):
+            key = (name, f"{os.path.basename(u.path)}:{u.row_offset + i}")
+            np.testing.assert_array_equal(d, tok.encode(texts[key]))
+            n += 1
+    assert n == sum(1 for k in texts if k[0] == name)
+    for kind, size in POOLS:
+        pool = DocPool(src, TOK, size, kind)
+        try:
+            got = _read_all(src, pool)
+        finally:
+            pool.close()
+        assert [len(u) for u in got] == [len(u) for u in inline], (kind, size)
+        for a, b in zip(got, inline, strict=True):
+            for x, y in zip(a, b, strict=True):
+                np.testing.assert_array_equal(x, y, err_msg=f"pool {kind} x{size}")
+
+
+def test_pool_runs_the_preprocessor_in_order(sources: dict[str, SourceConfig],
+                                             corpus: Any) -> None:
+    _, texts = corpus
+    src = dataclasses.replace(sources["prose"], preprocess="msd_dask.examples.preprocess:clean")
+    fs, units = _units(src)
+    tok = ByteTokenizer()
+    for kind, size in POOLS:
+        pool = DocPool(src, TOK, size, kind)
+        try:
+            dropped = 0
+            for u in units:
+                docs = read_unit(src, fs, u, tok, pool=pool)
+                for i, d in enumerate(docs):
+                    want = prep.clean(texts[("prose", f"{os.path.basename(u.path)}:"
+                                                      f"{u.row_offset + i}")], {})
+                    if want is None:
+                        assert len(d) == 0
+                        dropped += 1
+                    else:
+                        np.testing.assert_array_equal(d, tok.encode(want))
+            assert dropped > 0
+        finally:
+            pool.close()
+
+
+def _failing_source(tmp_path: Any, on_error: str) -> SourceConfig:
+    lines = [{"text": f"doc {i} " + ("FAIL-ME" if i in (3, 7) else "fine")} for i in range(12)]
+    path = tmp_path / "x.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cfg = load_config({"name": "t", "batch": {"seq_len": 64}, "sources": [
+        {"name": "bad", "uri": str(tmp_path / "*.jsonl"), "format": "jsonl",
+         "preprocess": "msd_dask.examples.preprocess:fail_on_marker", "on_error": on_error}]})
+    return cfg.sources[0]
+
+
+@pytest.mark.parametrize("kind,size", [("thread", 4), ("process", 2)])
+def test_errors_in_a_pool_name_source_file_and_first_row(tmp_path: Any, kind: str,
+                                                         size: int) -> None:
+    src = _failing_source(tmp_path, "fail")
+    fs, units = _units(src)
+    pool = DocPool(src, TOK, size, kind)
+    try:
+        with pytest.raises(DataError, match=r"source 'bad', file '.*x\.jsonl', row 3: "
+                           r"preprocess 'msd_dask.examples.preprocess:fail_on_marker' "
+                           r"raised ValueError: found the FAIL-ME marker") as info:
+            read_unit(src, fs, units[0], ByteTokenizer(), pool=pool)
+        assert (info.value.source, info.value.row) == ("bad", 3)
+        assert info.value.path is not None and info.value.path.endswith("x.jsonl")
+        assert "FAIL-ME" in str(info.value.__cause__)
+        # on_error: skip quarantines both rows, in row order, and keeps the others
+        skip = dataclasses.replace(src, on_error="skip")
+        quarantine: list[DataError] = []
+        docs = read_unit(skip, fs, units[0], ByteTokenizer(), quarantine, pool=pool)
+        assert [e.row for e in quarantine] == [3, 7]
+        assert all(e.source == "bad" and "x.jsonl" in str(e) for e in quarantine)
+        assert [len(d) == 0 for d in docs] == [i in (3, 7) for i in range(12)]
+    finally:
+        pool.close()
+
+
+def _in_daemon(q: Any, src: SourceConfig) -> None:
+    try:
+        DocPool(src, TOK, 2, "process")
+        q.put("started")
+    except RuntimeError as e:
+        q.put(str(e))
+
+
+def test_process_pool_in_a_daemonic_process_says_how_to_fix(sources: dict[str, SourceConfig]
+                                                            ) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_in_daemon, args=(q, sources["prose"]), daemon=True)
+    p.start()
+    msg = q.get(timeout=60)
+    p.join(10)
+    assert "source 'prose'" in msg and "distributed.worker.daemon" in msg
+
+
+def test_pool_config_is_validated_against_its_key(corpus: Any) -> None:
+    root, _ = corpus
+    for pool, key in [({"kind": "fiber"}, "sources[1].pool.kind"),
+                      ({"size": -1}, "sources[1].pool.size"),
+                      ({"size": 2, "workers": 2}, "sources[1].pool.workers"),
+                      ("process", "sources[1].pool")]:
+        cfg = config(root)
+        cfg["sources"][1]["pool"] = pool
+        with pytest.raises(ConfigError, match=re.escape(f"'{key}'")):
+            load_config(cfg)
+    cfg = config(root)
+    cfg["sources"][1]["pool"] = {"kind": "process", "size": 2}
+    c = load_config(cfg)
+    assert c.sources[1].pool == PoolConfig("process", 2)
+    assert load_config(c.to_dict()).sources[1].pool == PoolConfig("process", 2)
+
+
+def _serve(cfg: dict[str, Any], steps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
+        readers = [svc.reader(r) for r in range(2)]
+        recs = [record(next(rd)) for _ in range(steps) for rd in readers]
+        stats = svc.coordinator.loader_stats().result()
+    return recs, stats
+
+
+def test_service_delivers_the_same_batches_with_a_process_pool(corpus: Any) -> None:
+    root, texts = corpus
+    steps = 12
+    base, _ = _serve(config(root), steps)
+    cfg = config(root)
+    cfg["sources"][1]["pool"] = {"kind": "process", "size": 2}
+    cfg["sources"][0]["pool"] = {"kind": "thread", "size": 3}
+    with dask.config.set({"distributed.worker.daemon": False}):
+        pooled, stats = _serve(cfg, steps)
+    assert [r["documents"] for r in pooled] == [r["documents"] for r in base]
+    for a, b in zip(pooled, base, strict=True):
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+    check_content(pooled, texts, 512)
+    check_exactly_once(pooled, texts, 512)
+    # the adaptive policy counts the pool's size as the loader's parallelism
+    assert {s["threads"] for s in stats["prose"]} == {2}
+    assert {s["pool"] for s in stats["prose"]} == {"process"}
+    assert {s["threads"] for s in stats["code"]} == {3}
