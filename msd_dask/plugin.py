@@ -10,16 +10,28 @@ the roles of every service published on the scheduler and serves
 * ``/msd/api/status`` — the same as JSON;
 * ``msd_*`` metrics on the scheduler's ``/metrics`` endpoint.
 
-Sizing loaders to demand (the adaptive policy) is not part of this module yet.
+It also applies the adaptive loader policy (``scaling: {policy: adaptive}``),
+and makes Dask's ``Adaptive`` (``cluster.adapt(...)``) serve the roles:
+
+* ``adaptive_target`` (the RPC handler ``Adaptive`` calls, and the method the
+  HTTP API ``/api/v1/adaptive_target`` calls) returns at least the workers the
+  services' roles need (:func:`msd_dask._adaptive.workers_needed`);
+* ``workers_to_close`` never proposes a worker that holds a role (an actor
+  keyed ``msd-...``, or one being placed there): through the plugin hook
+  ``valid_workers_downscaling`` and by filtering the handler's result.
+
+Moving roles off a worker is :meth:`msd_dask.DataService.retire_workers`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -65,7 +77,7 @@ async def collect(registry: dict[str, Any], since: int = 0) -> dict[str, Any]:
             ranks[str(r)] = {"queue_depth": depth, "last_claimed": c["last_claimed"].get(r)}
     history = await coordinator.history_since(since)
     return {"sources": sources, "ranks": ranks, "planner": planner, "history": history,
-            "time": time.time()}
+            "constructors": len(constructors), "time": time.time()}
 
 
 class _Page(web.RequestHandler):
@@ -109,6 +121,12 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         #: the adaptive policy's decisions per service
         self.decisions: dict[str, deque[dict[str, Any]]] = {}
         self.scheduler: Any = None
+        #: source -> loaders the adaptive policy wants, per service (last poll)
+        self._targets: dict[str, dict[str, int]] = {}
+        #: roles each service wants (last poll), for ``adaptive_target``
+        self._wanted: dict[str, int] = {}
+        #: (where, name, original, wrapper) of every hooked scheduler entry point
+        self._hooks: list[tuple[Any, str, Any, Any]] = []
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -117,9 +135,11 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             (r"/msd/api/status/?", _Api, {"plugin": self}),
         ])
         _register_collector(self)
+        self._hook(scheduler)
         self._task = asyncio.create_task(self._run())
 
     async def close(self) -> None:
+        self._unhook()
         if self._task is not None:
             self._task.cancel()
         if self._client is not None:
@@ -146,6 +166,10 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         for key in names:
             name = str(key)[len(_PREFIX):]
             registry = await self._client.get_dataset(key)
+            if name not in self._configs:
+                from .config import load_config
+
+                self._configs[name] = load_config(registry["config"], check_files=False)
             hist = self.imbalance.setdefault(name, deque(maxlen=300))
             since = hist[-1][0] + 1 if hist else 0
             snap = await asyncio.wait_for(collect(registry, since), 10)
@@ -159,17 +183,21 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             hist.extend((h["step"], h["imbalance"]) for h in snap.pop("history"))
             if prev is not None and snap["time"] > prev["time"]:
                 await self._scale(name, registry, snap, prev)
-        for gone in set(self.services) - {str(k)[len(_PREFIX):] for k in names}:
-            self.services.pop(gone, None)
+            from ._adaptive import roles_wanted
+
+            self._wanted[name] = roles_wanted(snap["constructors"], snap["planner"]["loaders"],
+                                              self._targets.get(name))
+        live = {str(k)[len(_PREFIX):] for k in names}
+        for gone in (set(self.services) | set(self._configs)) - live:
+            # a later service of the same name may have another config
+            for d in (self.services, self._configs, self._scalers, self._targets, self._wanted):
+                d.pop(gone, None)
 
     async def _scale(self, name: str, registry: dict[str, Any], snap: dict[str, Any],
                      prev: dict[str, Any]) -> None:
         """Apply the adaptive loader policy (``scaling: {policy: adaptive}``) to a service."""
-        from .config import load_config
         from .scaling import Scaler, ScalingPolicy, SourceLoad
 
-        if name not in self._configs:
-            self._configs[name] = load_config(registry["config"], check_files=False)
         cfg = self._configs[name]
         if cfg.scaling.policy != "adaptive":
             return
@@ -190,11 +218,101 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                 consumption=(planned - before) / dt,
                 seconds_per_token=float(v["seconds_per_token"]), threads=int(v["threads"]),
                 starved=starved)
+        scaler = self._scalers[name]
+        self._targets[name] = {s: scaler.target(s, ld) for s, ld in loads.items()}
         for s, n in self._scalers[name].decide(time.monotonic(), loads).items():
             got = await coordinator.scale(s, n)
             self.decisions.setdefault(name, deque(maxlen=1000)).append(
                 {"time": time.time(), "source": s, "loaders": got, "from": loads[s].loaders,
                  "starved": loads[s].starved, "consumption": loads[s].consumption})
+
+    # ------------------------------------------------------------ Dask's Adaptive
+    def _hook(self, scheduler: Any) -> None:
+        """Wrap ``adaptive_target`` and ``workers_to_close`` (RPC handlers and methods)."""
+        wrappers: dict[str, Callable[..., Any]] = {
+            "adaptive_target": self._adaptive_target, "workers_to_close": self._workers_to_close}
+        for name, wrap in wrappers.items():
+            for where in (scheduler.handlers, scheduler):
+                original = where[name] if where is scheduler.handlers else getattr(where, name)
+                wrapper = _wrapped(wrap, original)
+                if where is scheduler.handlers:
+                    where[name] = wrapper
+                else:
+                    setattr(where, name, wrapper)
+                self._hooks.append((where, name, original, wrapper))
+
+    def _unhook(self) -> None:
+        """Put back what :meth:`_hook` wrapped (unless something wrapped it again since)."""
+        for where, name, original, wrapper in reversed(self._hooks):
+            if isinstance(where, dict):
+                if where.get(name) is wrapper:
+                    where[name] = original
+            elif where.__dict__.get(name) is wrapper:
+                del where.__dict__[name]  # back to the class's method
+                if getattr(where, name) != original:
+                    setattr(where, name, original)
+        self._hooks.clear()
+
+    def _active(self) -> bool:
+        """Whether this plugin is still installed (a removed one must not steer Adaptive)."""
+        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
+
+    def role_holders(self) -> set[str]:
+        """Addresses of the workers that hold an msd_dask role, or are being given one."""
+        sched = self.scheduler
+        held = {ws.address for ws in sched.workers.values()
+                if any(_is_role(ts) for ts in ws.actors)}
+        for ts in list(getattr(sched, "unrunnable", ())):  # placed on a worker not ready yet
+            if _is_role(ts):
+                held.update(ts.worker_restrictions or ())
+        return held
+
+    def workers_needed(self) -> int:
+        """Workers the roles of every service need (see :mod:`msd_dask._adaptive`)."""
+        from ._adaptive import capacity, workers_needed
+
+        sched = self.scheduler
+        rpw = [c.scaling.roles_per_worker for n, c in self._configs.items()
+               if n in self.services and c.scaling.roles_per_worker > 0]
+        per_worker = min(rpw) if rpw else 0
+        holders = self.role_holders()
+        workers = list(sched.workers.values())
+        placed = sum(_is_role(ts) for ws in workers for ts in ws.actors)
+        roles = max(placed, sum(self._wanted.values()))
+        held = [capacity(ws.nthreads, per_worker) for ws in workers if ws.address in holders]
+        free = [capacity(ws.nthreads, per_worker) for ws in workers if ws.address not in holders]
+        new = capacity(min((ws.nthreads for ws in workers), default=1), per_worker)
+        return workers_needed(roles, held, free, new)
+
+    def _adaptive_target(self, original: Callable[..., int], *args: Any, **kwargs: Any) -> int:
+        target = original(*args, **kwargs)
+        if not self._active():
+            return target
+        try:
+            need = self.workers_needed()
+        except Exception as e:  # noqa: BLE001 - Adaptive must keep its own answer then
+            logger.warning("msd_dask: could not count the workers the roles need: %r", e)
+            return target
+        if need > target:
+            logger.debug("msd_dask: adaptive target %d -> %d (roles)", target, need)
+        return max(target, need)
+
+    def _workers_to_close(self, original: Callable[..., list[Any]], *args: Any,
+                          **kwargs: Any) -> list[Any]:
+        out = original(*args, **kwargs)
+        if not self._active() or not out:
+            return out
+        attribute = kwargs.get("attribute", args[5] if len(args) > 5 else "address")
+        keep = {getattr(self.scheduler.workers[a], attribute) for a in self.role_holders()
+                if a in self.scheduler.workers}
+        return [w for w in out if w not in keep]
+
+    def valid_workers_downscaling(self, scheduler: Any, workers: list[Any]) -> list[Any]:
+        """Dask's hook in ``workers_to_close``: a worker holding a role is never a candidate."""
+        if not self._active():
+            return workers
+        keep = self.role_holders()
+        return [ws for ws in workers if ws.address not in keep]
 
     def status(self) -> dict[str, Any]:
         """Everything the page shows, as JSON-able data."""
@@ -210,6 +328,20 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                          "scaling": list(self.decisions.get(name, []))[-20:],
                          "error": snap["planner"].get("error")}
         return {"services": out, "time": time.time()}
+
+
+def _wrapped(wrap: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrap(original, ...)`` under ``original``'s name and signature (Dask's RPC reads both)."""
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return wrap(original, *args, **kwargs)
+
+    return wrapper
+
+
+def _is_role(ts: Any) -> bool:
+    """Whether a scheduler task is an msd_dask role (planner, constructor or loader actor)."""
+    return bool(ts.actor) and str(ts.key).startswith(_PREFIX)
 
 
 def _page() -> str:
