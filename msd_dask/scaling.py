@@ -3,20 +3,30 @@
 The policy combines a proactive and a reactive rule, with hysteresis:
 
 proactive
-    A source must supply ``demand = weight_ahead × consumption`` tokens/s,
-    where ``weight_ahead`` is the largest weight its schedule (and live
-    re-mixes) give it over the look-ahead window, and ``consumption`` is the
-    service's token rate.  One loader supplies ``threads / seconds_per_token``
-    tokens/s (measured), so the source needs
-    ``ceil(headroom × demand / per_loader)`` loaders.
+    A source must supply ``demand = weight_ahead × consumption / (1 - starved)``
+    tokens/s, where ``weight_ahead`` is the largest weight its schedule (and
+    live re-mixes) give it over the look-ahead window, ``consumption`` the
+    service's token rate and ``starved`` the fraction of the window the planner
+    waited for this source (the service would have planned that much faster
+    without the wait; the correction is capped at ``MAX_STARVED_BOOST``×).  One
+    loader supplies ``threads / seconds_per_token`` tokens/s (measured), so the
+    source needs ``ceil(headroom × demand / per_loader)`` loaders.
 reactive
     When the planner spent more than ``starve_fraction`` of the last window
-    waiting for a source's data, that source is the bottleneck: one more
-    loader than it has now.
+    waiting for a source's data, and the source's measured capacity is below
+    ``2 × headroom ×`` its demand (or not measured yet), that source is the
+    bottleneck: one more loader than it has now.  Waits for a source whose
+    loaders can supply more than twice what it needs are read latency (its
+    first units, or units re-read after a re-split), which another loader
+    would not shorten.
 hysteresis
     Scaling up happens at once (after ``cooldown`` seconds since the source's
     last change); scaling down only after the smaller target has held for
-    ``scale_down_after`` seconds, one loader at a time.
+    ``scale_down_after`` seconds, one loader at a time.  When the reactive rule
+    has to add back a loader within ``scale_down_after`` of a scale-down, that
+    count becomes the source's floor until its delivered demand
+    (``weight_ahead × consumption``) falls below the one seen then divided by
+    ``headroom`` (no 7 → 6 → 7 flapping).
 
 Every target is clamped to ``[min_loaders, max_loaders]`` of the source.
 """
@@ -28,7 +38,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target"]
+__all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target", "demand",
+           "MAX_STARVED_BOOST"]
+
+#: The most the starvation correction multiplies a source's measured demand by.
+MAX_STARVED_BOOST = 5.0
 
 
 @dataclass(frozen=True)
@@ -87,12 +101,33 @@ class ScalingPolicy:
                    cooldown=sc.cooldown, scale_down_after=sc.scale_down_after, limits=limits)
 
 
+def demand(load: SourceLoad, corrected: bool = True) -> float:
+    """Tokens/s the source must supply: ``weight_ahead × consumption / (1 - starved)``.
+
+    ``corrected=False``: without the starvation correction (what was delivered).
+    """
+    if load.consumption <= 0 or load.weight_ahead <= 0:
+        return 0.0
+    busy = max(1.0 - min(max(load.starved, 0.0), 1.0), 1.0 / MAX_STARVED_BOOST)
+    return load.weight_ahead * load.consumption / (busy if corrected else 1.0)
+
+
 def proactive_target(load: SourceLoad, headroom: float) -> int:
-    """Loaders the source needs to supply its demand with ``headroom``."""
-    if load.seconds_per_token <= 0 or load.consumption <= 0 or load.weight_ahead <= 0:
+    """Loaders the source needs to supply its :func:`demand` with ``headroom``."""
+    if load.seconds_per_token <= 0:
         return 0
     per_loader = load.threads / load.seconds_per_token
-    return math.ceil(headroom * load.weight_ahead * load.consumption / per_loader)
+    return math.ceil(headroom * demand(load) / per_loader)
+
+
+def _bottleneck(load: SourceLoad, policy: ScalingPolicy) -> bool:
+    """The reactive rule: starved, and not (measurably) supplied twice over."""
+    if load.starved <= policy.starve_fraction:
+        return False
+    if load.seconds_per_token <= 0:
+        return True
+    capacity = load.loaders * load.threads / load.seconds_per_token
+    return capacity < 2 * policy.headroom * demand(load)
 
 
 class Scaler:
@@ -107,33 +142,47 @@ class Scaler:
         self.policy = policy
         self._changed: dict[str, float] = {}
         self._low_since: dict[str, float] = {}
+        self._down_at: dict[str, float] = {}   # last scale-down of a source
+        #: source -> (loaders, demand): no scale-down below it while demand holds
+        self.floors: dict[str, tuple[int, float]] = {}
 
     def target(self, source: str, load: SourceLoad) -> int:
         """The count the rules ask for now, before hysteresis."""
         lo, hi = self.policy.bounds(source)
         want = proactive_target(load, self.policy.headroom)
-        if load.starved > self.policy.starve_fraction:
+        if _bottleneck(load, self.policy):
             want = max(want, load.loaders + 1)
         return max(lo, min(hi, want))
 
     def decide(self, now: float, loads: Mapping[str, SourceLoad]) -> dict[str, int]:
         """Loader counts to apply at time ``now`` (only sources that change)."""
         out: dict[str, int] = {}
+        p = self.policy
         for source, load in loads.items():
             want = self.target(source, load)
             last = self._changed.get(source, -math.inf)
+            floor = self.floors.get(source)
+            if floor is not None and demand(load, False) < floor[1] / p.headroom:
+                del self.floors[source]  # demand fell: the floor no longer holds
+                floor = None
+            if floor is not None:
+                want = max(want, min(floor[0], p.bounds(source)[1]))
             if want > load.loaders:
                 self._low_since.pop(source, None)
-                if now - last >= self.policy.cooldown:
+                if now - last >= p.cooldown:
                     out[source] = want
                     self._changed[source] = now
+                    if now - self._down_at.get(source, -math.inf) < p.scale_down_after \
+                            and _bottleneck(load, p):
+                        # the last scale-down starved the planner: hold this count
+                        self.floors[source] = (want, demand(load, False))
             elif want < load.loaders:
                 since = self._low_since.setdefault(source, now)
-                if now - since >= self.policy.scale_down_after and \
-                        now - last >= self.policy.cooldown:
+                if now - since >= p.scale_down_after and now - last >= p.cooldown:
                     out[source] = load.loaders - 1
                     self._changed[source] = now
                     self._low_since[source] = now
+                    self._down_at[source] = now
             else:
                 self._low_since.pop(source, None)
         return out

@@ -89,3 +89,54 @@ def test_policy_from_config_uses_per_source_bounds():
     p = ScalingPolicy.from_config(cfg)
     assert p.bounds("a") == (2, 5) and p.bounds("b") == (1, 9)
     assert p.cooldown == 1.0
+
+
+def test_starvation_raises_the_demand_estimate():
+    # the planner waited half the window for this source: it would have planned twice as fast
+    assert proactive_target(load(seconds_per_token=0.02, starved=0.5), 1.25) == 25
+    # the correction is capped (a planner that only waited still had some demand)
+    assert proactive_target(load(seconds_per_token=0.02, starved=1.0), 1.25) == 63
+
+
+def test_reactive_rule_ignores_waits_of_a_source_supplied_twice_over():
+    # one loader supplies 1e6 tok/s, the demand is ~600: a wait is read latency, not capacity
+    s = Scaler(ScalingPolicy())
+    assert s.decide(0.0, {"a": load(seconds_per_token=1e-6, starved=0.2)}) == {}
+    # supplied less than twice over (with headroom): the bottleneck rule adds one
+    s = Scaler(ScalingPolicy())
+    assert s.decide(0.0, {"a": load(seconds_per_token=0.0012, starved=0.2)}) == {"a": 2}
+
+
+def _simulate(s: Scaler, loaders: int, seconds: int, consumption=lambda t: 1000.0,
+              need=lambda t: 7):
+    """The planner starves (20%) whenever fewer than ``need(t)`` loaders serve the source."""
+    changes = []
+    for t in range(seconds):
+        starved = 0.2 if loaders < need(t) else 0.0
+        d = s.decide(float(t), {"a": load(loaders=loaders, seconds_per_token=0.007,
+                                          starved=starved, consumption=consumption(t))})
+        if d:
+            changes.append((t, d["a"]))
+            loaders = d["a"]
+    return changes
+
+
+def test_a_scale_down_that_starves_is_undone_once_not_repeated():
+    # the model asks for 5 (ceil(1.25 * 500 * 0.007)) but the source starves below 7:
+    # without a floor the policy would go 7 -> 6 -> 7 every scale_down_after seconds
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    changes = _simulate(s, 7, 600)
+    assert changes == [(30, 6), (35, 7)]
+    assert s.floors["a"][0] == 7
+
+
+def test_the_floor_goes_when_demand_falls():
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    # demand drops to a third at t=100: the floor is released and loaders step down
+    changes = _simulate(s, 7, 600, consumption=lambda t: 1000.0 if t < 100 else 330.0,
+                        need=lambda t: 7 if t < 100 else 3)
+    assert changes[:2] == [(30, 6), (35, 7)]
+    # then one loader at a time, every scale_down_after, down to the model's
+    # ceil(1.25 * 165 * 0.007) = 2; that starves (3 are needed): back to 3, held there
+    assert changes[2:] == [(130, 6), (160, 5), (190, 4), (220, 3), (250, 2), (255, 3)]
+    assert s.floors["a"][0] == 3
