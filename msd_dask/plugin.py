@@ -303,8 +303,17 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         if not self._active() or not out:
             return out
         attribute = kwargs.get("attribute", args[5] if len(args) > 5 else "address")
-        keep = {getattr(self.scheduler.workers[a], attribute) for a in self.role_holders()
-                if a in self.scheduler.workers}
+        key = kwargs.get("key", args[2] if len(args) > 2 else None)
+        if isinstance(key, bytes):
+            from distributed.protocol import pickle
+
+            key = pickle.loads(key)
+        workers = self.scheduler.workers.values()
+        holders = self.role_holders()
+        # workers closed together (``key``: e.g. one dask-jobqueue job) stay together
+        groups = {key(ws) for ws in workers if ws.address in holders} if key else set()
+        keep = {getattr(ws, attribute) for ws in workers
+                if ws.address in holders or (key and key(ws) in groups)}
         return [w for w in out if w not in keep]
 
     def valid_workers_downscaling(self, scheduler: Any, workers: list[Any]) -> list[Any]:

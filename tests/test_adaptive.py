@@ -11,6 +11,7 @@ import time
 import pytest
 from distributed import LocalCluster
 from distributed.deploy.adaptive import Adaptive
+from distributed.protocol import pickle
 from distributed.scheduler import Scheduler
 
 from msd_dask import DataService
@@ -36,6 +37,10 @@ def _targets(dask_scheduler):
             "processing": {a: len(ws.processing) for a, ws in dask_scheduler.workers.items()},
             "occupancy": dask_scheduler.total_occupancy,
             "queued": len(dask_scheduler.queued) + len(dask_scheduler.unrunnable)}
+
+
+def _one_group(ws):
+    return "all"
 
 
 def _holders(svc):
@@ -98,6 +103,9 @@ def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
                      if a != w0}
             assert set(client.sync(client.scheduler.workers_to_close, target=0,
                                    attribute="name")) == names
+            # workers closed together (one group, e.g. one dask-jobqueue job) stay together
+            assert list(client.sync(client.scheduler.workers_to_close, n=3,
+                                    key=pickle.dumps(_one_group))) == []
 
             # new loaders go to the new workers: every worker now holds a role
             assert svc.scale_loaders("code", 5) == 5
