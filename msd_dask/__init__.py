@@ -3,12 +3,24 @@
 Roles (after MegaScale-Data): source loaders, one planner, data constructors
 and per-rank readers.  The public surface is small; everything else lives in
 modules that the package layout makes easy to find.
+
+The public names are imported on first use (PEP 562 ``__getattr__``), so that
+a process importing one module of the package (the scheduler unpickling
+:mod:`msd_dask.plugin`, a worker unpickling a role) does not import the whole
+service, and no process imports ``torch`` before it builds a batch.
 """
 
-from .batch import Batch
-from .config import Config, load_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import ConfigError, DataError, ServiceError, ServiceTimeoutError
-from .service import DataService, Reader
+
+if TYPE_CHECKING:
+    from .batch import Batch
+    from .config import Config, load_config
+    from .service import DataService, Reader
 
 __version__ = "0.1.0"
 
@@ -23,3 +35,25 @@ __all__ = [
     "ServiceTimeoutError",
     "load_config",
 ]
+
+#: public name -> the module defining it, imported on first access
+_LAZY = {
+    "Batch": ".batch",
+    "Config": ".config",
+    "load_config": ".config",
+    "DataService": ".service",
+    "Reader": ".service",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,64 @@
+"""What importing a part of msd_dask pulls in: torch only where a batch is built.
+
+The scheduler imports :mod:`msd_dask.plugin`, the Dask workers import the
+roles (:mod:`msd_dask.loader`, :mod:`msd_dask.constructor`,
+:mod:`msd_dask.coordinator`) and the process that starts the service imports
+:mod:`msd_dask.service`; none of them builds a torch tensor, and importing
+torch costs each process about 100 MiB (see docs/benchmarks.md, Memory).
+Each check runs in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _imported_after(code: str) -> set[str]:
+    """Top-level packages in ``sys.modules`` after running ``code`` in a fresh interpreter."""
+    probe = code + "\nimport json, sys\nprint(json.dumps(sorted({k.split('.')[0] for k in sys.modules})))\n"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return set(json.loads(res.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("module", ["msd_dask", "msd_dask.loader", "msd_dask.plugin",
+                                    "msd_dask.constructor", "msd_dask.coordinator",
+                                    "msd_dask.roles", "msd_dask.service", "msd_dask.cli"])
+def test_service_side_modules_do_not_import_torch(module: str) -> None:
+    assert "torch" not in _imported_after(f"import {module}")
+
+
+def test_public_names_do_not_import_torch() -> None:
+    mods = _imported_after("from msd_dask import DataService, Batch, Config, Reader, load_config")
+    assert "msd_dask" in mods and "torch" not in mods
+
+
+def test_plugin_does_not_import_the_service() -> None:
+    """The scheduler unpickling the plugin gets neither the roles nor their readers' libraries."""
+    code = ("import msd_dask.plugin, sys\n"
+            "print(sorted(m for m in sys.modules if m.startswith('msd_dask')))\n")
+    mods = _imported_after(code)
+    assert not {"torch", "pyarrow", "PIL"} & mods
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "msd_dask.service" not in res.stdout and "msd_dask.coordinator" not in res.stdout
+
+
+def test_building_a_batch_imports_torch() -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "from msd_dask import Batch\n"
+        "assert 'torch' not in sys.modules\n"
+        "ids = np.arange(8, dtype=np.int32).reshape(1, 8)\n"
+        "b = Batch.from_payload({'step': 3, 'input_ids': ids, 'labels': ids, 'position_ids': ids,\n"
+        "                        'cu_seqlens': [[0, 8]], 'documents': [[('s', 'f:0', 0)]],\n"
+        "                        'cost': 8.0, 'epochs': [[0]]}, rank=1)\n"
+        "import torch\n"
+        "assert isinstance(b.input_ids, torch.Tensor) and b.input_ids.dtype == torch.long\n"
+        "assert b.cu_seqlens[0].dtype == torch.int32 and b.num_tokens == 8\n"
+    )
+    assert "torch" in _imported_after(code)
