@@ -138,3 +138,24 @@ def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
     assert len(steps) == len(set(steps))
     check_content(recs, texts, 512)
     assert min(check_exactly_once(recs, texts, 512).values()) >= 1
+
+
+def test_closing_the_plugin_puts_the_scheduler_entry_points_back():
+    import asyncio
+
+    from msd_dask.plugin import MsdSchedulerPlugin
+
+    async def main():
+        async with Scheduler(port=0, dashboard_address="127.0.0.1:0") as s:
+            handlers = {n: s.handlers[n] for n in ("adaptive_target", "workers_to_close")}
+            plugin = MsdSchedulerPlugin()
+            await s.register_scheduler_plugin(plugin, idempotent=False)
+            for n, h in handlers.items():
+                assert s.handlers[n] is not h and n in s.__dict__, n
+                assert s.handlers[n].__name__ == n  # Dask's RPC logs the handler's name
+            assert s.adaptive_target() == 0 and s.workers_to_close() == []
+            await plugin.close()
+            for n, h in handlers.items():
+                assert s.handlers[n] is h and n not in s.__dict__, n
+
+    asyncio.run(main())
