@@ -3,19 +3,19 @@
 The policy combines a proactive and a reactive rule, with hysteresis:
 
 proactive
-    A source must supply ``demand = weight_ahead × consumption / (1 - starved)``
-    tokens/s, where ``weight_ahead`` is the largest weight its schedule (and
-    live re-mixes) give it over the look-ahead window, ``consumption`` the
-    service's token rate and ``starved`` the fraction of the window the planner
-    waited for this source (the service would have planned that much faster
-    without the wait; the correction is capped at ``MAX_STARVED_BOOST``×).  One
-    loader supplies ``threads / seconds_per_token`` tokens/s (measured), so the
-    source needs ``ceil(headroom × demand / per_loader)`` loaders.
+    A source must supply ``demand = weight_ahead × consumption`` tokens/s,
+    where ``weight_ahead`` is the largest weight its schedule (and live
+    re-mixes) give it over the look-ahead window, and ``consumption`` is the
+    service's token rate.  One loader supplies ``threads / seconds_per_token``
+    tokens/s (measured), so the source needs
+    ``ceil(headroom × demand / per_loader)`` loaders.
 reactive
     When the planner spent more than ``starve_fraction`` of the last window
     waiting for a source's data, and the source's measured capacity is below
-    ``2 × headroom ×`` its demand (or not measured yet), that source is the
-    bottleneck: one more loader than it has now.  Waits for a source whose
+    ``2 × headroom ×`` its demand corrected for the wait (``demand / (1 -
+    starved)``: without it the planner would have planned that much faster;
+    at most ``MAX_STARVED_BOOST``×), or is not measured yet, that source is
+    the bottleneck: one more loader than it has now.  Waits for a source whose
     loaders can supply more than twice what it needs are read latency (its
     first units, or units re-read after a re-split), which another loader
     would not shorten.
@@ -24,9 +24,8 @@ hysteresis
     last change); scaling down only after the smaller target has held for
     ``scale_down_after`` seconds, one loader at a time.  When the reactive rule
     has to add back a loader within ``scale_down_after`` of a scale-down, that
-    count becomes the source's floor until its delivered demand
-    (``weight_ahead × consumption``) falls below the one seen then divided by
-    ``headroom`` (no 7 → 6 → 7 flapping).
+    count becomes the source's floor until its demand falls below the one seen
+    then divided by ``headroom`` (no 7 → 6 → 7 flapping).
 
 Every target is clamped to ``[min_loaders, max_loaders]`` of the source.
 """
@@ -101,10 +100,10 @@ class ScalingPolicy:
                    cooldown=sc.cooldown, scale_down_after=sc.scale_down_after, limits=limits)
 
 
-def demand(load: SourceLoad, corrected: bool = True) -> float:
-    """Tokens/s the source must supply: ``weight_ahead × consumption / (1 - starved)``.
+def demand(load: SourceLoad, corrected: bool = False) -> float:
+    """Tokens/s the source must supply: ``weight_ahead × consumption``.
 
-    ``corrected=False``: without the starvation correction (what was delivered).
+    ``corrected``: divided by ``1 - starved`` (at most ``MAX_STARVED_BOOST``×).
     """
     if load.consumption <= 0 or load.weight_ahead <= 0:
         return 0.0
@@ -113,7 +112,12 @@ def demand(load: SourceLoad, corrected: bool = True) -> float:
 
 
 def proactive_target(load: SourceLoad, headroom: float) -> int:
-    """Loaders the source needs to supply its :func:`demand` with ``headroom``."""
+    """Loaders the source needs to supply its :func:`demand` with ``headroom``.
+
+    The demand is not corrected for starvation here: at a service's start the
+    planner waits for first reads and plans its prefetch in a burst, and the
+    correction would push every source to its maximum (the reactive rule uses it).
+    """
     if load.seconds_per_token <= 0:
         return 0
     per_loader = load.threads / load.seconds_per_token
@@ -127,7 +131,7 @@ def _bottleneck(load: SourceLoad, policy: ScalingPolicy) -> bool:
     if load.seconds_per_token <= 0:
         return True
     capacity = load.loaders * load.threads / load.seconds_per_token
-    return capacity < 2 * policy.headroom * demand(load)
+    return capacity < 2 * policy.headroom * demand(load, corrected=True)
 
 
 class Scaler:
@@ -162,7 +166,7 @@ class Scaler:
             want = self.target(source, load)
             last = self._changed.get(source, -math.inf)
             floor = self.floors.get(source)
-            if floor is not None and demand(load, False) < floor[1] / p.headroom:
+            if floor is not None and demand(load) < floor[1] / p.headroom:
                 del self.floors[source]  # demand fell: the floor no longer holds
                 floor = None
             if floor is not None:
@@ -175,7 +179,7 @@ class Scaler:
                     if now - self._down_at.get(source, -math.inf) < p.scale_down_after \
                             and _bottleneck(load, p):
                         # the last scale-down starved the planner: hold this count
-                        self.floors[source] = (want, demand(load, False))
+                        self.floors[source] = (want, demand(load))
             elif want < load.loaders:
                 since = self._low_since.setdefault(source, now)
                 if now - since >= p.scale_down_after and now - last >= p.cooldown:

@@ -1,13 +1,28 @@
-"""Fixed vs adaptive loaders when one source is 20x costlier per token, side by side in one run.
+"""Fixed vs adaptive loaders when one source is ~20x costlier per token, side by side in one run.
 
-Two sources of the demo corpus with equal weights; the costly one's preprocessing waits
-on a slow store (``--mode io``, `msd_dask.examples.preprocess:store_20x`) or burns CPU
-(``--mode cpu``, `cpu_heavy`).  A consumer emulates training: every step it takes all
-ranks' batches, then "computes" for ``--step-seconds``.  Reported per allocation:
-delivered tokens/s, the fraction of time the consumer waited for data after the
-policy converged, and the loaders per source over time (plotted to ``--plot``).
+Two sources of the demo corpus with equal weights.  ``--mode io``: the cheap one
+waits 2 ms per KiB on a store (`msd_dask.examples.preprocess:store_1x`), the costly
+one 40 ms per KiB (`store_20x`; waiting releases the GIL).  ``--mode cpu``: the
+costly one burns about 40 ms of CPU per KiB (`cpu_bound`, hashing that releases
+the GIL like image decoding; ``--costly`` picks another preprocessor, e.g.
+`cpu_bound_py`, which holds it, with ``--pool process:2``).
 
-    python scripts/bench_scaling.py --plot docs/scaling.png
+A consumer emulates a training job: one reader per DP rank, each claiming up to
+``--prefetch`` batches ahead in a background thread (`msd_dask.torch.Prefetcher`, as
+`MsdIterableDataset(prefetch=k)` does), and every step it takes all ranks' batches,
+then "computes" for ``--step-seconds``: it asks for ``ranks × seq_len /
+step_seconds`` tokens/s (the demand, printed).  Reported per allocation:
+delivered tokens/s, the fraction of time the consumer waited for data (over the
+run, and over its second half, "conv."), the loaders per source over time (plotted
+to ``--plot``), when each source's count last changed and how often it reversed.
+
+``--mode cpu`` also measures what the machine's cores allow, in the same run before
+the services start: the costly and the cheap source read, preprocessed and
+tokenized by one process per core (no service) for a few seconds each; the mix of
+the two at equal weights gives the most tokens/s these cores can prepare.
+
+    python scripts/bench_scaling.py --mode io --seconds 50 --plot docs/scaling.png
+    python scripts/bench_scaling.py --mode cpu --seconds 50
 """
 
 from __future__ import annotations
@@ -15,62 +30,142 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
+from typing import Any
+
+RANKS = 2
+SEQ_LEN = 4096
+PREP = "msd_dask.examples.preprocess:"
 
 
-def make_config(data: str, policy: str, mode: str, seconds_per_step: float) -> dict:
-    costly = ("msd_dask.examples.preprocess:store_20x" if mode == "io"
-              else "msd_dask.examples.preprocess:cpu_heavy")
-    cheap = "msd_dask.examples.preprocess:store_1x" if mode == "io" else None
-    src = [
+def make_config(data: str, policy: str, mode: str, costly: str | None = None,
+                pool: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The service config of one allocation (``policy``: ``fixed`` or ``adaptive``)."""
+    costly = costly or (PREP + "store_20x" if mode == "io" else PREP + "cpu_bound")
+    cheap = PREP + "store_1x" if mode == "io" else None
+    src: list[dict[str, Any]] = [
         {"name": "code", "uri": f"{data}/code/*.parquet", "format": "parquet", "weight": 0.5,
          "loaders": 1, "preprocess": cheap},
         {"name": "costly", "uri": f"{data}/prose/*.jsonl.zst", "format": "jsonl",
          "weight": 0.5, "loaders": 1, "preprocess": costly},
     ]
+    if pool:
+        src[1]["pool"] = dict(pool)
     for s in src:
         if s["preprocess"] is None:
             del s["preprocess"]
     return {
-        "name": f"scaling-{policy}", "seed": 1, "parallel": {"dp": 2},
-        "batch": {"seq_len": 4096, "micro_batches": 1}, "prefetch": 4, "timeout": 120,
-        "scaling": {"policy": policy, "max_loaders": 8, "cooldown": 2.0,
-                    "scale_down_after": 30.0, "lookahead": 50},
+        "name": f"scaling-{policy}", "seed": 1, "parallel": {"dp": RANKS},
+        "batch": {"seq_len": SEQ_LEN, "micro_batches": 1}, "prefetch": 4, "timeout": 120,
+        # the policy's defaults (docs/elastic.md): max_loaders 8, headroom 1.25, cooldown 5 s,
+        # scale_down_after 30 s, lookahead 200 steps
+        "scaling": {"policy": policy},
         "sources": src,
     }
 
 
-def run(cfg: dict, seconds: float, step_seconds: float, workers: int) -> dict:
+def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
+        prefetch: int) -> dict[str, Any]:
     from msd_dask import DataService
+    from msd_dask.torch import Prefetcher
 
     with DataService.start(cfg, n_workers=workers, threads_per_worker=1,
                            loader_threads=1) as svc:
-        readers = [svc.reader(r) for r in range(2)]
+        readers = [Prefetcher(svc.reader(r), prefetch, name=f"rank-{r}") for r in range(RANKS)]
+        timeline: list[tuple[float, dict[str, int]]] = []
+        stop = threading.Event()
         t_start = time.perf_counter()
-        timeline = []
+
+        def poll() -> None:  # off the consumer's path: it only takes batches and computes
+            while not stop.is_set():
+                now = time.perf_counter() - t_start
+                try:
+                    timeline.append((now, dict(svc.stats()["planner"]["loaders"])))
+                except Exception:  # noqa: BLE001 - a missed sample is only a gap in the plot
+                    pass
+                stop.wait(1.0)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
         waited = tokens = 0.0
         conv_wait = conv_time = conv_tokens = 0.0
-        next_poll = 0.0
         while (now := time.perf_counter() - t_start) < seconds:
             t0 = time.perf_counter()
-            batches = [next(rd) for rd in readers]
+            batches = [rd.get(timeout=cfg["timeout"]) for rd in readers]
             w = time.perf_counter() - t0
             n = sum(b.num_tokens for b in batches)
             time.sleep(step_seconds)  # the training step
+            step = time.perf_counter() - t0
             waited += w
             tokens += n
             if now > seconds / 2:  # after the policy had time to converge
                 conv_wait += w
-                conv_time += w + step_seconds
+                conv_time += step
                 conv_tokens += n
-            if now >= next_poll:
-                timeline.append((now, dict(svc.stats()["planner"]["loaders"])))
-                next_poll = now + 1.0
         elapsed = time.perf_counter() - t_start
+        stop.set()
+        poller.join(5)
+        loaders = svc.coordinator.loader_stats().result()
+        for rd in readers:
+            rd.close(timeout=1.0)
+    cost = {s: (sum(x["read_seconds"] for x in ls) / max(sum(x["tokens_read"] for x in ls), 1),
+                ls[0]["threads"] if ls else 1) for s, ls in loaders.items()}
     return {"tokens_per_s": tokens / elapsed, "wait": waited / elapsed,
             "converged_tokens_per_s": conv_tokens / conv_time if conv_time else 0.0,
             "converged_wait": conv_wait / conv_time if conv_time else 0.0,
-            "timeline": timeline}
+            "timeline": timeline, "cost": cost}
+
+
+def changes(timeline: list[tuple[float, dict[str, int]]], source: str
+            ) -> tuple[float, int, int]:
+    """``(time of the last change, changes, reversals)`` of a source's loader count."""
+    last, n, rev, direction, prev = 0.0, 0, 0, 0, None
+    for t, d in timeline:
+        c = d.get(source)
+        if prev is not None and c is not None and c != prev:
+            sign = 1 if c > prev else -1
+            rev += direction != 0 and sign != direction
+            direction, last, n = sign, t, n + 1
+        prev = c if c is not None else prev
+    return last, n, rev
+
+
+def _rate_worker(src_cfg: dict[str, Any], units: list[int], deadline: float) -> tuple[int, float]:
+    from msd_dask.config import load_config
+    from msd_dask.formats import get_format
+    from msd_dask.loader import read_unit
+    from msd_dask.storage import open_source
+    from msd_dask.tokenizer import ByteTokenizer
+
+    src = load_config(src_cfg, check_files=False).sources[0]
+    files = open_source(src.uri, src.storage_options)
+    fmt = get_format(src.format)
+    all_units = [u for p in files.paths for u in fmt.units(files.fs, p)]
+    tok = ByteTokenizer()
+    t0 = time.perf_counter()
+    n = 0
+    for i in units:
+        n += sum(len(d) for d in read_unit(src, files.fs, all_units[i % len(all_units)], tok))
+        if time.time() > deadline:
+            break
+    return n, time.perf_counter() - t0
+
+
+def raw_rate(cfg: dict[str, Any], source: str, procs: int, seconds: float) -> float:
+    """Tokens/s ``procs`` processes read + preprocess + tokenize ``source`` at, no service."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    one = {"name": "raw", "batch": {"seq_len": SEQ_LEN},
+           "sources": [dict(next(s for s in cfg["sources"] if s["name"] == source),
+                            loaders=1)]}
+    one["sources"][0].pop("pool", None)
+    deadline = time.time() + seconds
+    with ProcessPoolExecutor(procs) as ex:
+        futs = [ex.submit(_rate_worker, one, list(range(p, 100_000, procs)), deadline)
+                for p in range(procs)]
+        res = [f.result() for f in futs]
+    return sum(n for n, _ in res) / max(max(t for _, t in res), 1e-9)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,35 +175,77 @@ def main(argv: list[str] | None = None) -> int:
                    help="demo corpus with 64 prose shards (written if missing): a source "
                         "needs many units for several loaders to share it")
     p.add_argument("--mode", choices=["io", "cpu"], default="io")
+    p.add_argument("--costly", help="preprocess of the costly source (default: store_20x "
+                                    "for io, cpu_bound for cpu)")
+    p.add_argument("--pool", help="the costly source's pool as KIND:SIZE, e.g. process:2 "
+                                  "(default: the loader's one thread)")
     p.add_argument("--seconds", type=float, default=60.0, help="per allocation")
-    p.add_argument("--step-seconds", type=float, default=0.04, help="emulated compute/step")
+    p.add_argument("--step-seconds", type=float, default=0.04,
+                   help="emulated compute per step (sets the demand)")
+    p.add_argument("--prefetch", type=int, default=2, help="batches each rank claims ahead")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     p.add_argument("--plot", help="write the loaders-over-time plot here (PNG)")
     p.add_argument("--quick", action="store_true", help="25 s per allocation")
     args = p.parse_args(argv)
+    import dask
+
+    # process pools (``--pool process:N``) need workers that may start processes
+    dask.config.set({"distributed.worker.daemon": False})
     if not os.path.isdir(os.path.join(args.data, "code")):
         from msd_dask.demo import write_demo_corpus
 
         write_demo_corpus(args.data, prose_shards=64, code_shards=16, row_group_size=16)
     seconds = 25.0 if args.quick else args.seconds
+    pool = None
+    if args.pool:
+        kind, _, size = args.pool.partition(":")
+        pool = {"kind": kind, "size": int(size or 1)}
+    cores = os.cpu_count() or 1
+    demand = RANKS * SEQ_LEN / args.step_seconds
+    ceiling = None
+    if args.mode == "cpu":
+        cfg = make_config(args.data, "fixed", args.mode, args.costly, pool)
+        rates = {s: raw_rate(cfg, s, cores, 8.0) for s in ("costly", "code")}
+        one_core = raw_rate(cfg, "costly", 1, 8.0)
+        ceiling = 1.0 / (0.5 / rates["costly"] + 0.5 / rates["code"])
     res = {}
     for policy in ("fixed", "adaptive"):
-        cfg = make_config(args.data, policy, args.mode, args.step_seconds)
-        res[policy] = run(cfg, seconds, args.step_seconds, args.workers)
-    print(f"mode {args.mode}: costly source 20x per token, equal weights, {seconds:.0f}s per "
-          f"allocation, {args.step_seconds * 1000:.0f} ms compute per step, "
-          f"{args.workers} workers on {os.cpu_count()} cores")
+        cfg = make_config(args.data, policy, args.mode, args.costly, pool)
+        res[policy] = run(cfg, seconds, args.step_seconds, args.workers, args.prefetch)
+    costly = cfg["sources"][1]["preprocess"].rsplit(":", 1)[-1]
+    print(f"mode {args.mode}: costly source '{costly}'"
+          + (f" on a {pool['kind']} pool of {pool['size']}" if pool else "")
+          + f", equal weights, {seconds:.0f}s per allocation, {args.workers} workers on "
+          f"{cores} cores")
+    spt, threads = res["fixed"]["cost"]["costly"]
+    fixed_max = threads / spt / 0.5 if spt else float("nan")
+    print(f"demand: {RANKS} ranks x {SEQ_LEN} tokens every {args.step_seconds * 1000:.0f} ms "
+          f"of compute (prefetch {args.prefetch}) = {demand:,.0f} tokens/s; one costly loader "
+          f"measured {spt * 1e6:.1f} us/token busy, so the fixed allocation supplies at most "
+          f"{fixed_max:,.0f} tokens/s ({demand / fixed_max:.1f}x below the demand)")
+    if ceiling is not None:
+        print(f"cores allow: costly source {rates['costly']:,.0f} tokens/s on {cores} processes "
+              f"({one_core:,.0f} on 1), cheap {rates['code']:,.0f}; at equal weights "
+              f"{ceiling:,.0f} tokens/s")
     print(f"{'allocation':<12}{'tokens/s':>12}{'wait':>8}{'tokens/s conv.':>16}"
-          f"{'wait conv.':>12}{'final loaders':>24}")
+          f"{'wait conv.':>12}{'final loaders':>26}  last change / changes / reversals")
     for k, r in res.items():
         final = r["timeline"][-1][1] if r["timeline"] else {}
+        ch = "  ".join(f"{s} {t:.0f}s/{n}/{v}" for s in ("code", "costly")
+                       for t, n, v in [changes(r["timeline"], s)])
         print(f"{k:<12}{r['tokens_per_s']:>12,.0f}{r['wait']:>8.1%}"
               f"{r['converged_tokens_per_s']:>16,.0f}{r['converged_wait']:>12.1%}"
-              f"{str(final):>24}")
+              f"{str(final):>26}  {ch}")
     ratio = res["adaptive"]["tokens_per_s"] / max(res["fixed"]["tokens_per_s"], 1e-9)
     conv = (res["adaptive"]["converged_tokens_per_s"]
             / max(res["fixed"]["converged_tokens_per_s"], 1e-9))
     print(f"adaptive / fixed tokens/s: {ratio:.2f} over the run, {conv:.2f} after convergence")
+    print(f"adaptive / demand: {res['adaptive']['converged_tokens_per_s'] / demand:.1%} "
+          "after convergence")
+    if ceiling is not None:
+        print(f"adaptive / what the cores allow: "
+              f"{res['adaptive']['converged_tokens_per_s'] / ceiling:.1%} after convergence "
+              f"(fixed: {res['fixed']['converged_tokens_per_s'] / ceiling:.1%})")
     if args.plot:
         import matplotlib
 
@@ -123,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                         label=f"{policy}: {src}")
         ax.set_xlabel("seconds")
         ax.set_ylabel("loaders")
-        ax.set_title(f"loaders per source ({args.mode}-bound costly source, 20x per token)")
+        ax.set_title(f"loaders per source ({args.mode}-bound costly source '{costly}')")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)

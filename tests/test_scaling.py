@@ -91,11 +91,14 @@ def test_policy_from_config_uses_per_source_bounds():
     assert p.cooldown == 1.0
 
 
-def test_starvation_raises_the_demand_estimate():
-    # the planner waited half the window for this source: it would have planned twice as fast
-    assert proactive_target(load(seconds_per_token=0.02, starved=0.5), 1.25) == 25
-    # the correction is capped (a planner that only waited still had some demand)
-    assert proactive_target(load(seconds_per_token=0.02, starved=1.0), 1.25) == 63
+def test_reactive_rule_corrects_demand_for_the_wait():
+    # 2000 tok/s of capacity for a demand of 500: more than 2 x 1.25 x 500, unless the planner
+    # waited half the time (it would have planned twice as fast): then it is the bottleneck
+    s = Scaler(ScalingPolicy())
+    assert s.decide(0.0, {"a": load(seconds_per_token=0.0005, starved=0.06)}) == {}
+    assert s.decide(1.0, {"a": load(seconds_per_token=0.0005, starved=0.5)}) == {"a": 2}
+    # the proactive rule sizes to what is delivered (1.25 * 500 / 2000 -> 1)
+    assert proactive_target(load(seconds_per_token=0.0005, starved=0.5), 1.25) == 1
 
 
 def test_reactive_rule_ignores_waits_of_a_source_supplied_twice_over():

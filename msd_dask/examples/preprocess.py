@@ -24,8 +24,9 @@ import re
 from typing import Any
 
 __all__ = ["drop_short", "normalize_whitespace", "clean", "fail_on_marker", "slow_store",
-           "store_1x", "store_20x", "cpu_heavy", "MIN_CHARS", "SLOW_SECONDS_PER_KB",
-           "STORE_SECONDS_PER_KB", "CPU_ROUNDS"]
+           "store_1x", "store_20x", "cpu_heavy", "cpu_bound", "cpu_bound_py", "MIN_CHARS",
+           "SLOW_SECONDS_PER_KB", "STORE_SECONDS_PER_KB", "CPU_ROUNDS", "CPU_HASH_BYTES",
+           "CPU_PY_ROUNDS"]
 
 #: Documents shorter than this (after stripping) are dropped by :func:`drop_short`.
 MIN_CHARS = 40
@@ -103,4 +104,40 @@ def store_20x(text: str, record: dict[str, Any]) -> str | None:
     import time
 
     time.sleep(20 * STORE_SECONDS_PER_KB * (len(text) + 1) / 1024)
+    return text
+
+
+#: Bytes :func:`cpu_bound` hashes per byte of text.
+CPU_HASH_BYTES = 40_000
+
+#: Python-level operations :func:`cpu_bound_py` does per byte of text.
+CPU_PY_ROUNDS = 400
+
+
+def cpu_bound(text: str, record: dict[str, Any]) -> str | None:
+    """Hash ``CPU_HASH_BYTES`` bytes per byte of text, in 16 KiB blocks (benchmarks).
+
+    A stand-in for image decoding: heavy C work that releases the GIL (hashlib
+    does on blocks over 2 KiB), so a loader's thread pool spreads it over cores.
+    The text is returned unchanged.
+    """
+    import hashlib
+
+    data = text.encode("utf-8") or b" "
+    block = data * max(1, 16384 // len(data))
+    h = hashlib.sha256()
+    for _ in range(max(1, len(data) * CPU_HASH_BYTES // len(block))):
+        h.update(block)
+    return text
+
+
+def cpu_bound_py(text: str, record: dict[str, Any]) -> str | None:
+    """``CPU_PY_ROUNDS`` pure-Python operations per byte of text (holds the GIL; benchmarks).
+
+    Threads cannot run it in parallel: a ``pool: {kind: process}`` can.  The text
+    is returned unchanged.
+    """
+    acc = 0
+    for i in range(len(text) * CPU_PY_ROUNDS):
+        acc = (acc + i) & 0xFFFF
     return text
