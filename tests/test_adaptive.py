@@ -39,6 +39,10 @@ def _targets(dask_scheduler):
             "queued": len(dask_scheduler.queued) + len(dask_scheduler.unrunnable)}
 
 
+def _known_services(dask_scheduler):
+    return sorted(dask_scheduler.plugins["msd_dask"]._configs)
+
+
 def _one_group(ws):
     return "all"
 
@@ -83,6 +87,9 @@ def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
 
             first = workers()
             assert len(first) == 1
+            # the plugin reads each service's config (roles_per_worker) at its first poll
+            serve_until(lambda: client.run_on_scheduler(_known_services) == ["adapt"],
+                        "the plugin polled the service")
             (w0,) = first
             assert _holders(svc) == {w0}
 
