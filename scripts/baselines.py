@@ -1,12 +1,13 @@
 """Per-rank data loaders that users run today, set up the way their docs recommend.
 
-Shared by ``bench_memory.py`` and ``bench_train.py``.  Every baseline reads the
-same sources as msd_dask (the demo corpus, or its sources replicated under
-other names), tokenizes with the same :class:`msd_dask.tokenizer.ByteTokenizer`,
-mixes with the same weights, and packs its own documents sequentially into
-``micro_batches × seq_len`` rows with :func:`msd_dask.packing.pack_rows`, so a
-batch has exactly the fields of an msd_dask batch (``input_ids``, ``labels``,
-``position_ids``, ``cu_seqlens``).
+Shared by ``bench_memory.py``, ``bench_throughput.py`` and ``bench_train.py``.
+Every baseline reads the same sources as msd_dask (the demo corpus, its
+sources replicated under other names, or a config's sources), tokenizes with
+the same tokenizer (:class:`msd_dask.tokenizer.ByteTokenizer` unless a
+tokenizer config is given), mixes with the same weights, and packs its own
+documents sequentially into ``micro_batches × seq_len`` rows with
+:func:`msd_dask.packing.pack_rows`, so a batch has exactly the fields of an
+msd_dask batch (``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens``).
 
 Hugging Face ``datasets`` (:func:`hf_loader`)
     ``load_dataset(<"parquet"|"json">, data_files=..., split="train",
@@ -21,21 +22,26 @@ MosaicML ``streaming`` is not here: ``mosaicml-streaming`` 0.13 installs, but
     it needs ``transformers<5``, ``numpy<2.2`` and ``torchvision``, which conflict
     with ``datasets`` 5.2 (``huggingface_hub>=1.31``) and the CPU build of torch
     in this environment (see docs/benchmarks.md).
+
+``torch`` is imported only by the functions that build torch objects, so a
+process that only needs :func:`demo_sources` / :func:`source_config` (the
+memory benchmark's service process) does not pay for it.
 """
 
 from __future__ import annotations
 
 import glob
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.utils.data
 
-__all__ = ["SourceSpec", "demo_sources", "pack_stream", "hf_dataset", "hf_loader",
-           "source_config"]
+if TYPE_CHECKING:
+    import torch.utils.data
+
+__all__ = ["SourceSpec", "demo_sources", "config_sources", "pack_stream", "hf_dataset",
+           "hf_loader", "source_config"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class SourceSpec:
     files: tuple[str, ...]
     weight: float
     pattern: str
+    text_field: str = "text"
 
 
 def demo_sources(root: str = "data/demo", replicas: int = 1,
@@ -71,6 +78,25 @@ def demo_sources(root: str = "data/demo", replicas: int = 1,
     return out
 
 
+def config_sources(cfg: Any) -> list[SourceSpec]:
+    """The sources of an msd_dask :class:`~msd_dask.config.Config` as :class:`SourceSpec` s.
+
+    Only local ``parquet`` and ``jsonl`` sources have a Hugging Face builder
+    here; any other raises ``ValueError``.  A source's weight is its weight at
+    step 0.
+    """
+    out = []
+    for s in cfg.sources:
+        if s.format not in ("parquet", "jsonl"):
+            raise ValueError(f"source {s.name!r}: no HF streaming baseline for format {s.format!r}")
+        files = tuple(sorted(glob.glob(s.uri)))
+        if not files:
+            raise FileNotFoundError(f"source {s.name!r}: no local files match {s.uri}")
+        out.append(SourceSpec(s.name, s.format, files, float(s.weight.at(0)), s.uri,
+                              s.text_field))
+    return out
+
+
 def source_config(base: dict[str, Any], sources: list[SourceSpec]) -> dict[str, Any]:
     """An msd_dask config dict from ``base`` with its sources replaced by ``sources``.
 
@@ -88,12 +114,15 @@ def source_config(base: dict[str, Any], sources: list[SourceSpec]) -> dict[str, 
 
 
 # ----------------------------------------------------------------------- packing
-def pack_stream(texts: Iterable[str], seq_len: int, micro_batches: int) -> Iterator[dict[str, Any]]:
+def pack_stream(texts: Iterable[str], seq_len: int, micro_batches: int,
+                tokenizer: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Tokenize documents in order and pack them sequentially into batches.
 
     Rows are filled back to back; a document that does not fit is split and
     continues at the start of the next row (the usual "concatenate and chunk"
-    packing, keeping document boundaries in ``cu_seqlens``).
+    packing, keeping document boundaries in ``cu_seqlens``).  ``tokenizer`` is
+    an msd_dask tokenizer config (``{"kind": "hf", "path": ...}``); the byte
+    tokenizer when ``None``.
 
     Yields
     ------
@@ -102,10 +131,13 @@ def pack_stream(texts: Iterable[str], seq_len: int, micro_batches: int) -> Itera
         ``[micro_batches, seq_len]``), ``cu_seqlens`` (list of int32 tensors) and
         ``num_tokens``.
     """
-    from msd_dask.packing import pack_rows
-    from msd_dask.tokenizer import PAD, ByteTokenizer
+    import torch
 
-    tok = ByteTokenizer()
+    from msd_dask.config import TokenizerConfig
+    from msd_dask.packing import pack_rows
+    from msd_dask.tokenizer import make_tokenizer
+
+    tok = make_tokenizer(TokenizerConfig(**dict(tokenizer or {"kind": "bytes"})))
     rows: list[list[tuple[np.ndarray, int]]] = []
     row: list[tuple[np.ndarray, int]] = []
     used = 0
@@ -121,7 +153,7 @@ def pack_stream(texts: Iterable[str], seq_len: int, micro_batches: int) -> Itera
                 rows.append(row)
                 row, used = [], 0
                 if len(rows) == micro_batches:
-                    b = pack_rows(rows, seq_len, PAD)
+                    b = pack_rows(rows, seq_len, tok.pad_id)
                     rows = []
                     yield {"input_ids": torch.from_numpy(b["input_ids"]),
                            "labels": torch.from_numpy(b["labels"]),
@@ -130,28 +162,29 @@ def pack_stream(texts: Iterable[str], seq_len: int, micro_batches: int) -> Itera
                            "num_tokens": seq_len * micro_batches}
 
 
-class _Packed(torch.utils.data.IterableDataset):
-    """Packs the texts of an iterable dataset (re-iterated with a new epoch when it ends)."""
+def _packed(ds: Any, seq_len: int, micro_batches: int,
+            tokenizer: Mapping[str, Any] | None) -> torch.utils.data.IterableDataset:
+    """A torch ``IterableDataset`` packing the texts of ``ds`` (re-iterated with a new epoch when it ends)."""
+    import torch.utils.data
 
-    def __init__(self, ds: Any, seq_len: int, micro_batches: int, epochs: int | None = None):
-        super().__init__()
-        self.ds, self.seq_len, self.micro_batches, self.epochs = ds, seq_len, micro_batches, epochs
+    class _Packed(torch.utils.data.IterableDataset):
+        def _texts(self) -> Iterator[str]:
+            epoch = 0
+            while True:
+                if hasattr(ds, "set_epoch"):
+                    ds.set_epoch(epoch)
+                n = 0
+                for ex in ds:
+                    n += 1
+                    yield ex["text"]
+                if n == 0:  # this loader worker was given no shard
+                    return
+                epoch += 1
 
-    def _texts(self) -> Iterator[str]:
-        epoch = 0
-        while self.epochs is None or epoch < self.epochs:
-            if hasattr(self.ds, "set_epoch"):
-                self.ds.set_epoch(epoch)
-            n = 0
-            for ex in self.ds:
-                n += 1
-                yield ex["text"]
-            if n == 0:  # this loader worker was given no shard
-                return
-            epoch += 1
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            return pack_stream(self._texts(), seq_len, micro_batches, tokenizer)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return pack_stream(self._texts(), self.seq_len, self.micro_batches)
+    return _Packed()
 
 
 # ----------------------------------------------------------------------- Hugging Face
@@ -166,7 +199,8 @@ def hf_dataset(sources: list[SourceSpec], rank: int, world_size: int, seed: int 
     for s in sources:
         builder = "parquet" if s.format == "parquet" else "json"
         ds = load_dataset(builder, data_files=list(s.files), split="train", streaming=True)
-        parts.append(ds.select_columns(["text"]))
+        ds = ds.select_columns([s.text_field])
+        parts.append(ds if s.text_field == "text" else ds.rename_column(s.text_field, "text"))
     total = sum(s.weight for s in sources)
     ds = interleave_datasets(parts, probabilities=[s.weight / total for s in sources], seed=seed,
                              stopping_strategy="all_exhausted")
@@ -176,9 +210,16 @@ def hf_dataset(sources: list[SourceSpec], rank: int, world_size: int, seed: int 
 
 def hf_loader(sources: list[SourceSpec], rank: int, world_size: int, workers: int,
               seq_len: int, micro_batches: int, seed: int = 0,
-              prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
-    """A rank's HF-streaming ``DataLoader`` (``batch_size=None``: batches are packed)."""
-    ds = _Packed(hf_dataset(sources, rank, world_size, seed), seq_len, micro_batches)
+              prefetch_factor: int = 2, tokenizer: Mapping[str, Any] | None = None
+              ) -> torch.utils.data.DataLoader:
+    """A rank's HF-streaming ``DataLoader`` (``batch_size=None``: batches are packed).
+
+    ``tokenizer``: an msd_dask tokenizer config (the byte tokenizer when ``None``),
+    built in each loader worker.
+    """
+    import torch.utils.data
+
+    ds = _packed(hf_dataset(sources, rank, world_size, seed), seq_len, micro_batches, tokenizer)
     kw: dict[str, Any] = {"prefetch_factor": prefetch_factor, "persistent_workers": True} \
         if workers > 0 else {}
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, **kw)

@@ -13,9 +13,16 @@ Baseline (``scripts/baselines.py``): ``R`` rank processes, each with a
 workers tokenize and pack.
 
 msd_dask: a ``dask scheduler`` and ``--dask-workers`` ``dask worker``
-processes hosting the roles, the process that started the service (it holds
+processes hosting the roles (``--no-nanny``, with the environment a nanny
+gives its worker: ``distributed.nanny.pre-spawn-environ``, i.e.
+``MALLOC_TRIM_THRESHOLD_``), the process that started the service (it holds
 the service's client, like ``msd-dask serve``), and ``R`` training processes
-each reading its rank through ``msd_dask.torch.MsdIterableDataset``.
+each reading its rank through ``msd_dask.torch.MsdIterableDataset``.  The
+msd_dask side runs once per ``--read-ahead`` value (default: the config's, 8,
+then 2): the sources' ``read_ahead``, the units each source's loaders keep
+tokenized ahead of the planner, which is what the loaders' memory grows with;
+the tokens they hold at the measurement (``stats()``, × 4 bytes: int32) are
+reported as a part of the workers' PSS.
 
 Every rank consumes ``--warm`` batches, then all processes hold still and
 their PSS (``psutil.Process.memory_full_info().pss``: private pages plus each
@@ -29,7 +36,7 @@ minus the bare one's.  Reported:
 * baseline loaders: the same minus one bare process per rank (what the
   loaders add to the training processes);
 * msd_dask: scheduler + workers + the starting process + ``R`` × what a reader
-  adds.
+  adds, per ``read_ahead``.
 
     python scripts/bench_memory.py --quick      # (R, W, S) = (8, 2, 8)
     python scripts/bench_memory.py              # (16, 4, 16)
@@ -82,6 +89,7 @@ def child_hf(a: argparse.Namespace) -> None:
 
 
 def child_serve(a: argparse.Namespace) -> None:
+    """Start the service; answer ``stats`` lines with the loaders' buffers; stop on anything else."""
     import baselines
 
     from msd_dask import DataService, load_config
@@ -91,8 +99,17 @@ def child_serve(a: argparse.Namespace) -> None:
     cfg["name"] = "benchmem"
     cfg["parallel"] = {"dp": a.ranks}
     cfg["batch"] = {"seq_len": a.seq_len, "micro_batches": a.micro_batches}
+    if a.read_ahead_one:
+        for src in cfg["sources"]:
+            src["read_ahead"] = a.read_ahead_one
     svc = DataService.start(cfg, a.address)
-    _hold()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "stats":
+            break
+        sources = svc.stats()["sources"].values()
+        print(json.dumps({"tokens_buffered": sum(int(x["tokens_buffered"]) for x in sources),
+                          "loaders": sum(int(x["loaders"]) for x in sources)}), flush=True)
     svc.close()
 
 
@@ -141,6 +158,18 @@ class Procs:
                         break
                     if line == "" and p.poll() is not None:
                         raise RuntimeError(f"{k} exited with {p.returncode}")
+
+    def ask(self, key: str, line: str, timeout: float = 60) -> str:
+        """Send ``line`` to child ``key`` and return its one-line answer."""
+        import select
+
+        p = self.procs[key]
+        p.stdin.write(line + "\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        r, _, _ = select.select([p.stdout], [], [], timeout)
+        if not r:
+            raise TimeoutError(f"{key} did not answer {line!r} in {timeout:.0f}s")
+        return p.stdout.readline()  # type: ignore[union-attr]
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -208,14 +237,17 @@ def run_baseline(a: argparse.Namespace, common: list[str], timeout: float) -> di
             "loaders": ranks - a.ranks * bare + workers}
 
 
-def run_msd(a: argparse.Namespace, common: list[str], timeout: float) -> dict[str, float]:
+def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
+            read_ahead: int | None) -> dict[str, float]:
+    """msd_dask's processes, its sources' ``read_ahead`` set to ``read_ahead`` unless ``None``."""
     from bench_scheduler_bytes import _start_cluster, _stop
 
     with tempfile.TemporaryDirectory() as tmp:
         address, cluster = _start_cluster(tmp, a.dask_workers, count=False)
         procs = Procs()
         try:
-            procs.start("serve", ["--child", "serve", "--address", address, *common])
+            procs.start("serve", ["--child", "serve", "--address", address, *common,
+                                  *(["--read-ahead-one", str(read_ahead)] if read_ahead else [])])
             procs.wait_ready(["serve"], timeout)
             procs.start("bare", ["--child", "bare"])
             for r in range(a.ranks):
@@ -228,6 +260,7 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float) -> dict[st
             for i, w in enumerate(cluster[1:]):
                 pids[f"worker{i}"] = w.pid
             m = sample(pids)
+            held = json.loads(procs.ask("serve", "stats"))
         finally:
             procs.stop()
             _stop(cluster)
@@ -235,7 +268,8 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float) -> dict[st
     readers = [m[f"rank{r}"][0] for r in range(a.ranks)]
     out = {"bare": bare, "scheduler": m["scheduler"][0],
            "workers": sum(m[f"worker{i}"][0] for i in range(a.dask_workers)),
-           "serve": m["serve"][0], "reader_adds": sum(x - bare for x in readers) / a.ranks}
+           "serve": m["serve"][0], "reader_adds": sum(x - bare for x in readers) / a.ranks,
+           "token_buffers": 4.0 * held["tokens_buffered"], "loaders": held["loaders"]}
     out["total"] = out["scheduler"] + out["workers"] + out["serve"] + a.ranks * out["reader_adds"]
     return out
 
@@ -254,12 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, default=None, help="default: the config's")
     p.add_argument("--warm", type=int, default=3, help="batches each rank reads before measuring")
     p.add_argument("--dask-workers", type=int, default=2)
+    p.add_argument("--read-ahead", default="config,2",
+                   help="msd_dask runs, one per comma-separated value: the sources' read_ahead "
+                        "(units tokenized ahead of the planner), 'config' for the config's")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="also write the results here")
     # child roles
     p.add_argument("--child", choices=["bare", "hf", "serve", "reader"], help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--address", help=argparse.SUPPRESS)
+    p.add_argument("--read-ahead-one", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
         a.ranks, a.workers, a.sources = 8, 2, 8
@@ -280,36 +318,51 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--ranks", str(a.ranks), "--workers", str(a.workers), "--sources", str(a.sources),
               "--config", a.config, "--root", a.root, "--seq-len", str(a.seq_len),
               "--micro-batches", str(a.micro_batches), "--warm", str(a.warm)]
+    variants: list[int | None] = []
+    for v in a.read_ahead.split(","):
+        variants.append(None if v.strip() == "config" else int(v))
+    default_ra = cfg.sources[0].read_ahead
     t0 = time.perf_counter()
     hf = run_baseline(a, common, a.timeout)
-    msd = run_msd(a, common, a.timeout)
+    msds = [run_msd(a, common, a.timeout, v) for v in variants]
     secs = time.perf_counter() - t0
     mib = 1024 ** 2
     print(f"(R, W, S) = ({a.ranks}, {a.workers}, {a.sources}); seq_len {a.seq_len} x "
           f"{a.micro_batches} micro-batches; {a.warm} batches read per rank; "
           f"{a.dask_workers} dask workers; {os.cpu_count()} cores; {secs:.0f} s")
     print(f"bare python+torch process: {hf['bare'] / mib:.0f} MiB (baseline run), "
-          f"{msd['bare'] / mib:.0f} MiB (msd_dask run)")
+          + ", ".join(f"{m['bare'] / mib:.0f}" for m in msds) + " MiB (msd_dask runs)")
     print(f"{'pipeline':<48}{'PSS MiB':>10}")
-    rows = [
+    for name, v in [
         ("HF streaming: rank processes", hf["ranks"]),
         (f"HF streaming: {a.ranks * a.workers} DataLoader workers", hf["workers"]),
         ("HF streaming total (ranks + workers)", hf["total"]),
         ("HF streaming loaders (total - R x bare)", hf["loaders"]),
-        ("msd_dask: scheduler", msd["scheduler"]),
-        (f"msd_dask: {a.dask_workers} workers (all roles)", msd["workers"]),
-        ("msd_dask: process that started the service", msd["serve"]),
-        (f"msd_dask: R x reader adds ({msd['reader_adds'] / mib:.0f} MiB each)",
-         a.ranks * msd["reader_adds"]),
-        ("msd_dask total", msd["total"]),
-    ]
-    for name, v in rows:
+    ]:
         print(f"{name:<48}{v / mib:>10,.0f}")
-    print(f"ratio HF total / msd_dask: {hf['total'] / msd['total']:.1f}")
-    print(f"ratio HF loaders / msd_dask: {hf['loaders'] / msd['total']:.1f}")
+    heads = [f"read_ahead {default_ra if v is None else v}" + (" (config)" if v is None else "")
+             for v in variants]
+    print(f"{'msd_dask':<48}" + "".join(f"{h:>22}" for h in heads))
+    rows: list[tuple[str, list[float], str]] = [
+        ("scheduler", [m["scheduler"] for m in msds], "mib"),
+        (f"{a.dask_workers} workers (all roles)", [m["workers"] for m in msds], "mib"),
+        ("  of which tokens held by loaders (x 4 B)", [m["token_buffers"] for m in msds], "mib"),
+        ("process that started the service", [m["serve"] for m in msds], "mib"),
+        ("what a reader adds to a training process", [m["reader_adds"] for m in msds], "mib"),
+        (f"R x what a reader adds (R = {a.ranks})", [a.ranks * m["reader_adds"] for m in msds],
+         "mib"),
+        ("msd_dask total", [m["total"] for m in msds], "mib"),
+        ("ratio HF total / msd_dask total", [hf["total"] / m["total"] for m in msds], "x"),
+        ("ratio HF loaders / msd_dask total", [hf["loaders"] / m["total"] for m in msds], "x"),
+    ]
+    for name, vals, unit in rows:
+        cells = [f"{v / mib:,.0f}" if unit == "mib" else f"{v:.1f}" for v in vals]
+        print(f"{name:<48}" + "".join(f"{c:>22}" for c in cells))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"R": a.ranks, "W": a.workers, "S": a.sources, "hf": hf, "msd": msd}, f)
+            json.dump({"R": a.ranks, "W": a.workers, "S": a.sources, "hf": hf,
+                       "msd": [dict(m, read_ahead=v) for m, v in zip(msds, variants, strict=True)]},
+                      f)
     return 0
 
 

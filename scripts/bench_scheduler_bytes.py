@@ -84,11 +84,20 @@ def _diff(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a[k] for k in a}
 
 
-def _start_cluster(tmp: str, workers: int, count: bool = True) -> tuple[str, list[subprocess.Popen]]:
+def _start_cluster(tmp: str, workers: int, count: bool = True,
+                   nthreads: int = 2) -> tuple[str, list[subprocess.Popen]]:
     """A ``dask scheduler`` (counting its comm bytes if ``count``) and ``workers`` workers."""
     sched_file = os.path.join(tmp, "scheduler.json")
     log = open(os.path.join(tmp, "cluster.log"), "ab")
+    import dask.config
+    import distributed  # noqa: F401 - loads distributed's config defaults
+
+    # the environment a nanny gives the worker it starts (`dask worker` without --no-nanny):
+    # MALLOC_TRIM_THRESHOLD_ etc., so that glibc returns freed memory as it does in a deployment
+    spawn_env = {k: str(v) for k, v in
+                 (dask.config.get("distributed.nanny.pre-spawn-environ") or {}).items()}
     env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    worker_env = dict(env, **spawn_env)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
          "--port", "0", "--dashboard-address", "127.0.0.1:0", "--scheduler-file", sched_file,
@@ -103,10 +112,23 @@ def _start_cluster(tmp: str, workers: int, count: bool = True) -> tuple[str, lis
         address = json.load(f)["address"]
     for _ in range(workers):
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "2",
+            [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", str(nthreads),
              "--no-nanny", "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0",
-             "--memory-limit", "4GiB"], stdout=log, stderr=log, env=env))
+             "--memory-limit", "4GiB"], stdout=log, stderr=log, env=worker_env))
     return address, procs
+
+
+def _client_and_idle_rate(address: str, workers: int, seconds: float) -> tuple[Any, float]:
+    """A client of the counting scheduler, once ``workers`` joined, and its idle traffic in B/s."""
+    from distributed import Client
+
+    client = Client(address, timeout=60)
+    client.wait_for_workers(workers, timeout=60)
+    a = _snapshot(client)
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    idle = _diff(a, _snapshot(client))
+    return client, (idle["read_bytes"] + idle["write_bytes"]) / (time.perf_counter() - t0)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -161,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="15 steps")
     p.add_argument("--smoke", action="store_true", help="5 steps, seq_len 256 and 1024 (CI)")
     args = p.parse_args(argv)
-    from distributed import Client
-
     from msd_dask import load_config
 
     steps, seq_lens = args.steps, [int(s) for s in args.seq_lens.split(",")]
@@ -174,13 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         address, procs = _start_cluster(tmp, args.workers)
         try:
-            client = Client(address, timeout=60)
-            client.wait_for_workers(args.workers, timeout=60)
-            a = _snapshot(client)
-            t0 = time.perf_counter()
-            time.sleep(1.0 if args.smoke else 3.0)
-            idle = _diff(a, _snapshot(client))
-            background = (idle["read_bytes"] + idle["write_bytes"]) / (time.perf_counter() - t0)
+            client, background = _client_and_idle_rate(address, args.workers,
+                                                       1.0 if args.smoke else 3.0)
             rows = []
             for sl in seq_lens:
                 cfg = json.loads(json.dumps(base))

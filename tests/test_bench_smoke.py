@@ -52,7 +52,20 @@ def test_scheduler_bytes_smoke():
 def test_memory_smoke():
     _needs_datasets()
     out = _run("bench_memory.py", "--smoke")
-    assert "ratio HF total / msd_dask" in out and "msd_dask total" in out, out
+    assert "ratio HF total / msd_dask total" in out and "msd_dask total" in out, out
+    assert "read_ahead 8 (config)" in out and "tokens held by loaders" in out, out
+
+
+@needs_demo
+def test_throughput_smoke():
+    _needs_datasets()
+    pytest.importorskip("tokenizers", reason="the BPE run needs Hugging Face `tokenizers`")
+    out = _run("bench_throughput.py", "--smoke")
+    for kind in ("bytes", "bpe"):
+        assert f"{kind}: msd_dask / HF" in out, out
+        for pipeline in ("single process (limit)", "HF streaming (per rank)", "msd_dask"):
+            assert f"{kind:<10}{pipeline}" in out, out
+    assert "sched B/batch" in out, out
 
 
 @needs_demo
