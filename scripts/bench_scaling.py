@@ -15,6 +15,10 @@ step_seconds`` tokens/s (the demand, printed).  Reported per allocation:
 delivered tokens/s, the fraction of time the consumer waited for data (over the
 run, and over its second half, "conv."), the loaders per source over time (plotted
 to ``--plot``), when each source's count last changed and how often it reversed.
+``--mode io`` adds a third run, "no costly", with both sources cheap: what this
+machine delivers at this demand when no source is costly (``--no-reference``
+skips it).  ``--prefetch 0`` takes the batches in the consumer's thread, one rank
+after the other (the consumer of earlier versions of this benchmark).
 
 ``--mode cpu`` also measures what the machine's cores allow, in the same run before
 the services start: the costly and the cheap source read, preprocessed and
@@ -65,6 +69,19 @@ def make_config(data: str, policy: str, mode: str, costly: str | None = None,
     }
 
 
+class _Plain:
+    """A reader taken from in the consumer's thread (``--prefetch 0``)."""
+
+    def __init__(self, reader: Any):
+        self.reader = reader
+
+    def get(self, timeout: float | None = None) -> Any:
+        return next(self.reader)
+
+    def close(self, timeout: float = 0.0) -> None:
+        pass
+
+
 def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
         prefetch: int) -> dict[str, Any]:
     from msd_dask import DataService
@@ -72,7 +89,9 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
 
     with DataService.start(cfg, n_workers=workers, threads_per_worker=1,
                            loader_threads=1) as svc:
-        readers = [Prefetcher(svc.reader(r), prefetch, name=f"rank-{r}") for r in range(RANKS)]
+        readers: list[Any] = [
+            Prefetcher(svc.reader(r), prefetch, name=f"rank-{r}") if prefetch else
+            _Plain(svc.reader(r)) for r in range(RANKS)]
         timeline: list[tuple[float, dict[str, int]]] = []
         stop = threading.Event()
         t_start = time.perf_counter()
@@ -182,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="per allocation")
     p.add_argument("--step-seconds", type=float, default=0.04,
                    help="emulated compute per step (sets the demand)")
-    p.add_argument("--prefetch", type=int, default=2, help="batches each rank claims ahead")
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="batches each rank claims ahead (0: claim in the consumer's thread)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     p.add_argument("--plot", help="write the loaders-over-time plot here (PNG)")
     p.add_argument("--quick", action="store_true", help="25 s per allocation")
+    p.add_argument("--no-reference", action="store_true",
+                   help="io mode: skip the third run, with both sources cheap (store_1x)")
     args = p.parse_args(argv)
     import dask
 
@@ -213,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = make_config(args.data, policy, args.mode, args.costly, pool)
         res[policy] = run(cfg, seconds, args.step_seconds, args.workers, args.prefetch)
     costly = cfg["sources"][1]["preprocess"].rsplit(":", 1)[-1]
+    if args.mode == "io" and not args.no_reference:
+        # what this machine delivers at this demand when no source is costly
+        ref = make_config(args.data, "fixed", args.mode, PREP + "store_1x")
+        res["no costly"] = run(ref, seconds, args.step_seconds, args.workers, args.prefetch)
     print(f"mode {args.mode}: costly source '{costly}'"
           + (f" on a {pool['kind']} pool of {pool['size']}" if pool else "")
           + f", equal weights, {seconds:.0f}s per allocation, {args.workers} workers on "
@@ -254,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for policy, style in (("adaptive", "-"), ("fixed", ":")):
+            if policy not in res:
+                continue
             tl = res[policy]["timeline"]
             for src in ("code", "costly"):
                 ax.step([t for t, _ in tl], [d[src] for _, d in tl], style, where="post",
