@@ -3,7 +3,9 @@
 For every planned step it fetches the step's pieces for its DP ranks straight
 from the loaders' workers (actor to actor, never through the client or the
 scheduler), packs them into rows, keeps the result, and puts a small ticket
-``{"step", "c", "dp"}`` into each member rank's ``distributed.Queue``.  A
+``{"step", "c", "dp", "g"}`` into each member rank's ``distributed.Queue``
+(``g``: the generation of the planner that planned the step, see
+:class:`~msd_dask.service.DataService`).  A
 rank's reader claims the tensors from this actor directly
 (:meth:`DataConstructor.claim`), so no batch bytes pass through the scheduler.
 One batch is built per DP group, whatever the tensor/context/pipeline
@@ -49,11 +51,17 @@ class DataConstructor:
     members : dict
         ``{dp_rank: [global ranks of that DP group]}`` this constructor serves.
     seq_len, pad_id, prefetch : int
+    timeout : float
+        How long to wait for a loader, or for a step a rank claims to be built.
+    generation : int
+        The planner generation this constructor belongs to (0, then one more each
+        time the service re-creates a lost planner); it is in every ticket.
     """
 
     def __init__(self, service: str, index: int, members: dict[int, list[int]], seq_len: int,
-                 pad_id: int, prefetch: int, timeout: float = 300.0):
+                 pad_id: int, prefetch: int, timeout: float = 300.0, generation: int = 0):
         self.timeout = float(timeout)
+        self.generation = int(generation)
         self.service = service
         self.index = index
         self.members = {int(k): [int(r) for r in v] for k, v in members.items()}
@@ -71,6 +79,9 @@ class DataConstructor:
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
         self._error: str | None = None
+        self._closed = False
+        #: rank -> last step it already has (from a planner this one's replaced)
+        self._had: dict[int, int] = {}
         self._fetching: str | None = None
         self.published: defaultdict[int, int] = defaultdict(int)
         self.claimed: defaultdict[int, int] = defaultdict(int)
@@ -81,11 +92,19 @@ class DataConstructor:
         #: tokens fetched from loaders and packed, once per DP group's batch
         self.tokens_built = 0
 
-    async def setup(self, loaders: dict[str, dict[int, Any]]) -> None:
-        """Connect to the loaders and create the member ranks' queues."""
+    async def setup(self, loaders: dict[str, dict[int, Any]],
+                    had: dict[int, int] | None = None) -> None:
+        """Connect to the loaders and create the member ranks' queues.
+
+        ``had``: ``{rank: step}``, steps ranks already have (see :meth:`mark_had`).
+        """
         from distributed import Queue, get_client
 
         self.loaders = loaders
+        for r, step in (had or {}).items():
+            if any(int(r) in rs for rs in self.members.values()):
+                self._had[int(r)] = max(self._had.get(int(r), -1), int(step))
+                self.last_claimed[int(r)] = max(self.last_claimed.get(int(r), -1), int(step))
         client = get_client()
         for ranks in self.members.values():
             for r in ranks:
@@ -121,6 +140,8 @@ class DataConstructor:
         re-created constructor.
         """
         assert self._room is not None and self._work is not None
+        if self._closed:
+            return
         async with self._room:
             if not force:
                 await self._room.wait_for(lambda: len(self._held_steps) < self.prefetch)
@@ -136,7 +157,7 @@ class DataConstructor:
             except Exception as e:  # noqa: BLE001 - turned into error tickets for the readers
                 self._error = f"constructor {self.index} failed to build step {step}: {e!r}"
                 for q in self._queues.values():
-                    await q.put({"error": self._error, "step": step})
+                    await q.put({"error": self._error, "step": step, "g": self.generation})
                 return
 
     async def _build(self, step: int, work: dict[int, list[list[WorkItem]]],
@@ -172,8 +193,14 @@ class DataConstructor:
             self.tokens_built += sum(n for row in packed_rows for _, n in row)
             packed.update(step=step, dp=dp, documents=docs, epochs=epochs,
                           cost=float(info["rank_cost"][dp]))
-            self._ready[(step, dp)] = packed
-            self._unclaimed[(step, dp)] = set(self.members[dp])
+            # ranks that already have this step (they read it from a replaced planner's
+            # constructors) get no ticket and are not waited for
+            waiting = {r for r in self.members[dp] if step > self._had.get(r, -1)}
+            if waiting:
+                self._ready[(step, dp)] = packed
+                self._unclaimed[(step, dp)] = waiting
+            else:
+                await self._done(step, dp)
         self.fetch_seconds += t1 - t0
         self.build_seconds += time.perf_counter() - t1
         self.batches_built += len(work)
@@ -181,8 +208,9 @@ class DataConstructor:
         async with self._built:
             self._built.notify_all()
         for dp in work:
-            for r in self.members[dp]:
-                await self._queues[r].put({"step": step, "c": self.index, "dp": dp})
+            for r in sorted(self._unclaimed.get((step, dp), ())):
+                await self._queues[r].put({"step": step, "c": self.index, "dp": dp,
+                                           "g": self.generation})
                 self.published[r] += 1
 
     async def _fetch(self, source: str, slot: int,
@@ -238,8 +266,50 @@ class DataConstructor:
         """Mark ``step`` claimed by ``rank`` without sending it (a resumed rank had it)."""
         await self._take(step, rank)
 
+    async def mark_had(self, rank: int, step: int) -> None:
+        """``rank`` already has every step up to ``step``: release them for it, now and
+        when they are built, and send it no ticket for them.
+
+        A reader calls this when the service re-created its lost planner: the new
+        planner re-plans the steps after its saved state, some of which the rank
+        had read already; without this the constructor would hold them for the
+        rank (and stop at ``prefetch`` such steps) until its reader skipped them.
+        """
+        rank, step = int(rank), int(step)
+        if not any(rank in rs for rs in self.members.values()):
+            return
+        self._had[rank] = max(self._had.get(rank, -1), step)
+        self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), step)
+        for key, waiting in list(self._unclaimed.items()):
+            if key[0] <= step and rank in waiting:
+                waiting.discard(rank)
+                if not waiting:
+                    await self._done(*key)
+
+    async def _done(self, step: int, dp: int) -> None:
+        """Every member rank has ``step``'s batch of ``dp``: drop it, make room."""
+        assert self._room is not None
+        self._ready.pop((step, dp), None)
+        self._unclaimed.pop((step, dp), None)
+        self._gone.add((step, dp))
+        if len(self._gone) > 4096:
+            self._gone = {k for k in self._gone if k[0] > step - 64}
+        async with self._room:
+            if step in self._held_steps:
+                self._held_steps[step] -= 1
+                if self._held_steps[step] <= 0:
+                    del self._held_steps[step]
+            self._room.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            # not a KeyError: readers take this as "switch to the service's current roles"
+            raise RuntimeError(f"constructor {self.index} (generation {self.generation}) of "
+                               f"service {self.service!r} was closed")
+
     async def _take(self, step: int, rank: int) -> dict[str, Any]:
         assert self._room is not None
+        self._check_open()
         dp = next((d for d, rs in self.members.items() if rank in rs), None)
         if dp is None:
             raise KeyError(f"rank {rank} is not served by constructor {self.index}")
@@ -250,10 +320,12 @@ class DataConstructor:
             async with self._built:
                 try:
                     await asyncio.wait_for(
-                        self._built.wait_for(lambda: key in self._ready or self._error is not None),
+                        self._built.wait_for(lambda: key in self._ready or self._closed
+                                             or self._error is not None),
                         self.timeout)
                 except TimeoutError:
                     pass
+        self._check_open()
         if key not in self._ready:
             raise KeyError(f"step {step} of rank {rank} is not held by constructor "
                            f"{self.index} (already claimed, or never published)")
@@ -263,16 +335,7 @@ class DataConstructor:
         self.claimed[rank] += 1
         self.last_claimed[rank] = int(step)
         if not waiting:
-            del self._ready[key]
-            del self._unclaimed[key]
-            self._gone.add(key)
-            if len(self._gone) > 4096:
-                self._gone = {k for k in self._gone if k[0] > int(step) - 64}
-            async with self._room:
-                self._held_steps[int(step)] -= 1
-                if self._held_steps[int(step)] <= 0:
-                    del self._held_steps[int(step)]
-                self._room.notify_all()
+            await self._done(*key)
         return out
 
     async def stats(self) -> dict[str, Any]:
@@ -288,13 +351,23 @@ class DataConstructor:
             "fetch_seconds": self.fetch_seconds,
             "build_seconds": self.build_seconds,
             "error": self._error,
+            "closed": self._closed,
+            "generation": self.generation,
             "fetching": self._fetching,
             # held steps and the ranks that have not claimed them yet
             "unclaimed": {f"{st}/{dp}": sorted(rs) for (st, dp), rs in self._unclaimed.items()},
         }
 
     async def close(self) -> None:
-        """Stop building and drop the loader handles (they keep the loaders' keys alive)."""
+        """Stop building, drop the batches held and the loader handles (they keep the
+        loaders' keys alive).  Claims waiting here, or made later, raise
+        ``RuntimeError``: readers then switch to the service's current constructor."""
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
         self.loaders = {}
+        self._ready.clear()
+        self._unclaimed.clear()
+        if self._built is not None:
+            async with self._built:
+                self._built.notify_all()

@@ -81,14 +81,29 @@ class Coordinator:
         ``{source: root directory}``; document keys are file paths relative to it.
     state : dict, optional
         A :meth:`DataService.state_dict` (or a bare planner state) to resume from.
+    generation : int
+        0, then one more each time the service re-creates a lost planner; its
+        constructors put it in every ticket, so readers tell a replaced
+        planner's tickets from the current ones.
+    had : dict, optional
+        ``{rank: step}``: steps ranks already read from the planner this one
+        replaces (the constructors send them no ticket for those).
+    lost : dict, optional
+        For a re-created planner: ``{"from": worker address of the lost one,
+        "recovered": {...}, "events": [...]}`` (the lost planner's recovery
+        counters, continued here).
     """
 
     def __init__(self, config: dict[str, Any], units: dict[str, list[tuple[str, int, int]]],
                  roots: dict[str, str], state: dict[str, Any] | None = None, *,
                  members: list[dict[int, list[int]]] | None = None, pad_id: int = 257,
                  loader_threads: int = 1, source_payloads: dict[str, dict[str, Any]] | None = None,
-                 tokenizer: dict[str, Any] | None = None):
+                 tokenizer: dict[str, Any] | None = None, generation: int = 0,
+                 had: dict[int, int] | None = None, lost: dict[str, Any] | None = None):
         self.cfg = load_config(config, check_files=False)
+        self.generation = int(generation)
+        self.had = {int(r): int(s) for r, s in (had or {}).items()}
+        self._lost = lost
         self.units = {k: [Unit(*u) for u in v] for k, v in units.items()}
         files = {k: SourceFiles(None, roots[k], []) for k in units}
         self._relpath = {k: [files[k].relpath(u.path) for u in v] for k, v in self.units.items()}
@@ -107,6 +122,9 @@ class Coordinator:
         self.roles = _Roles(self, members or [{d: self.cfg.parallel.ranks_of_dp(d)
                                                for d in range(self.cfg.parallel.dp)}],
                             pad_id, loader_threads, source_payloads or {}, tokenizer or {})
+        if lost:
+            self.roles.recovered.update(lost.get("recovered", {}))
+            self.roles.events.extend(lost.get("events", []))
         #: (source, epoch, unit) -> loader slot that reads it
         self._owner: dict[tuple[str, int, int], int] = {}
         #: (source, epoch, unit) -> last step whose plan used it
@@ -139,6 +157,9 @@ class Coordinator:
     async def setup(self) -> None:
         """Create the loaders and constructors, spread across the workers."""
         await self.roles.setup()
+        if self._lost:
+            self.roles._log("coordinator", "planner", "lost", str(self._lost.get("from")),
+                            self.roles._own_address())
 
     async def handles(self) -> dict[str, Any]:
         """Current actor handles: ``{"constructors": [...], "loaders": {source: {slot: h}}}``."""
@@ -319,7 +340,7 @@ class Coordinator:
         client = get_client()
         for r in range(self.cfg.parallel.world_size):
             q = await Queue(queue_name(self.cfg.name, r), client=client)
-            await q.put({"error": message})
+            await q.put({"error": message, "g": self.generation})
 
     def _record(self, plan: StepPlan) -> None:
         self.steps_planned += 1
@@ -371,6 +392,39 @@ class Coordinator:
                              f"last {self._keep} steps: {held[0]}..{held[-1]}); take state "
                              "closer to the readers' position")
         return make_state(self.cfg, step, self._snapshots[step])
+
+    async def checkpoint(self) -> dict[str, Any]:
+        """What the service's owner keeps to re-create this planner if it is lost.
+
+        Returns
+        -------
+        dict
+            ``state``: :meth:`state_at` the last step every rank has claimed
+            (each constructor asked, a few seconds at most; a constructor that
+            does not answer counts as ``prefetch`` steps behind the last submitted
+            step, which every rank has claimed); ``claimed``: ``{rank: last
+            claimed step}`` as far as the constructors answered;
+            ``recovered``, ``events``: this planner's recovery counters;
+            ``address``: its worker; ``keys``: the Dask keys of its roles.
+        """
+        claimed: dict[int, int] = {}
+        complete = True
+        for c in list(self.constructors):
+            try:
+                st = await asyncio.wait_for(c.stats(), 3)
+            except Exception:  # noqa: BLE001 - lost meanwhile: heal re-creates it
+                complete = False
+                continue
+            claimed.update({int(r): int(s) for r, s in st["last_claimed"].items()})
+        floor = max(self.first_step - 1, self._last_submitted - self.cfg.prefetch)
+        world = range(self.cfg.parallel.world_size)
+        step = min(claimed.get(r, self.first_step - 1) for r in world) if complete else floor
+        # ranks may have read past what this planner planned (a re-created planner
+        # re-plans from its saved state): the state after its last planned step then
+        step = min(max(step, floor), next(reversed(self._snapshots)))
+        return {"state": await self.state_at(step), "claimed": claimed,
+                "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
+                "address": self.roles._own_address(), "keys": self.roles.keys()}
 
     async def history_since(self, step: int) -> list[dict[str, Any]]:
         return [h for h in self.history if h["step"] >= step]

@@ -15,6 +15,9 @@ coordinator therefore creates the roles itself and keeps them alive:
   recent steps are sent to it again (readers drop the duplicate tickets).
 * **scaling** — :meth:`_Roles.scale` adds slots or retires them; a retired
   slot's units move to a remaining slot, which re-reads them on demand.
+* **the planner itself** cannot heal itself: the process that started the
+  service re-creates it (:class:`~msd_dask.service.DataService`), after
+  closing the roles it leaves behind (:func:`close_service_roles`).
 
 Loaders keep a unit until the planner releases it, after every step using it
 was claimed by all ranks, so re-sending a step never finds its tokens gone.
@@ -90,7 +93,7 @@ class _Roles:
             for _ in range(s.loaders):
                 await self._add_slot(s.name)
         view = self.view()
-        await asyncio.gather(*(c.setup(view) for c in self.constructors))
+        await asyncio.gather(*(c.setup(view, self.co.had) for c in self.constructors))
 
     async def _workers(self) -> list[str]:
         info = await self._client.scheduler.identity()
@@ -115,7 +118,8 @@ class _Roles:
         where = await self._place()
         fut = self._client.submit(
             DataConstructor, self.cfg.name, index, self.members[index], self.cfg.batch.seq_len,
-            self.pad_id, self.cfg.prefetch, self.cfg.timeout, actor=True, workers=[where],
+            self.pad_id, self.cfg.prefetch, self.cfg.timeout, self.co.generation,
+            actor=True, workers=[where],
             allow_other_workers=False, pure=False,
             key=f"msd-{self.cfg.name}-constructor-{index}-{uuid.uuid4().hex[:8]}")
         return await fut, fut
@@ -158,6 +162,10 @@ class _Roles:
 
     def _all_loaders(self) -> list[tuple[Any, Any]]:
         return [v for slots in self._slots.values() for v in slots.values()]
+
+    def keys(self) -> list[str]:
+        """The Dask keys of every current loader and constructor."""
+        return [str(c.key) for c in self.constructors] + [str(h.key) for h, _ in self._all_loaders()]
 
     def next_slot(self, source: str) -> int:
         act = self.active[source]
@@ -290,7 +298,7 @@ class _Roles:
     async def _replace_constructor(self, i: int, why: str) -> None:
         old = self.constructors[i]
         handle, fut = await self._new_constructor(i)
-        await handle.setup(self.view())
+        await handle.setup(self.view(), self.co.had)
         self.constructors[i] = handle
         old_f, self._cfuts[i] = self._cfuts[i], fut
         self._log("constructor", str(i), why, old._address, handle._address)
@@ -313,6 +321,8 @@ class _Roles:
                 "moved": f"moved from {old} to {new}",
                 "added": f"added on {new}",
                 "retired": f"retired from {old}; its units went to the loader on {new}"}[why]
+        if role == "coordinator":
+            what += f", resuming after step {self.co.first_step - 1}"
         _log.warning("msd_dask %s: %s %s %s", self.cfg.name, role, name, what)
 
     async def _push_loaders(self) -> None:
@@ -433,6 +443,35 @@ class _Roles:
             f.release()
         for _, f in self._all_loaders():
             f.release()
+
+
+async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, Any]:
+    """Close the loaders and constructors of service ``name`` held by this worker.
+
+    Run on every worker (``client.run``) by the process that re-creates a lost
+    planner, before it starts the new one: the old roles must stop publishing
+    tickets and give their memory back.  Returns ``{"closed": n, "last_claimed":
+    {rank: step}}``, the ranks' last claimed steps on the closed constructors.
+    """
+    from .constructor import DataConstructor
+    from .loader import SourceLoader
+
+    prefix = f"msd-{name}-"
+    closed = 0
+    last: dict[int, int] = {}
+    for key, role in list(dask_worker.state.actors.items()):
+        if not str(key).startswith(prefix) or not isinstance(role, DataConstructor | SourceLoader):
+            continue
+        try:
+            await asyncio.wait_for(role.close(), 5)
+        except Exception as e:  # noqa: BLE001 - best effort: closing the others matters more
+            _log.warning("msd_dask %s: could not close %s: %r", name, key, e)
+            continue
+        closed += 1
+        if isinstance(role, DataConstructor):
+            for r, step in role.last_claimed.items():
+                last[int(r)] = max(last.get(int(r), -1), int(step))
+    return {"closed": closed, "last_claimed": last}
 
 
 def _drop(handle: Any, fut: Any) -> None:

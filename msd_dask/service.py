@@ -4,6 +4,14 @@
 actors across the cluster's workers (coordinator, constructors, loaders) and
 publishes their handles under ``msd-<name>`` on the scheduler, so that any
 process can ``DataService.connect(address, name)`` and read a rank's batches.
+
+The coordinator re-creates lost loaders and constructors itself; the process
+that started the service (``owner``) keeps the last state the planner can
+resume from and re-creates a lost coordinator: it closes the roles the lost
+one leaves behind, starts a new coordinator (a new *generation*) from that
+state and publishes it again under the same name.  Readers switch to it when
+the old one stops answering, drop the tickets of older generations and tell
+the new constructors which steps they already have (docs/resume.md).
 """
 
 from __future__ import annotations
@@ -11,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,12 +33,15 @@ from .coordinator import Coordinator, planner_state
 from .errors import DataError, ServiceError, ServiceTimeoutError
 from .formats import get_format
 from .loader import with_source
+from .roles import close_service_roles
 from .storage import open_source
 from .tokenizer import make_tokenizer
 
 __all__ = ["DataService", "Reader", "discover_units"]
 
 _PREFIX = "msd-"
+#: dataset holding the keys of a service's roles (see DataService._pin)
+_ROLES = "msd_roles/"
 _log = logging.getLogger("msd_dask.service")
 
 
@@ -90,6 +103,17 @@ def _keys_on(dask_scheduler: Any, workers: list[str], prefix: str) -> list[str]:
     return out
 
 
+def _has_client(client_id: str, dask_scheduler: Any = None) -> bool:
+    """Whether the client ``client_id`` is connected (runs on the scheduler)."""
+    return client_id in dask_scheduler.clients
+
+
+#: what to do about a planner that cannot be re-created
+_RESTART_HINT = ("restart the service from the last DataService.state_dict() (msd-dask serve "
+                 "CONFIG --resume STATE_JSON, or DataService.start(cfg, resume=state)); ranks "
+                 "reload their Reader.state_dict() so no step is read twice")
+
+
 def _install_plugin(client: Any) -> None:
     """Install :class:`~msd_dask.plugin.MsdSchedulerPlugin` unless the scheduler has it."""
     from .plugin import MsdSchedulerPlugin
@@ -129,28 +153,247 @@ class DataService:
     training process.  Also a context manager: leaving it calls :meth:`close`.
     """
 
+    #: seconds between two checks of the planner by the owner
+    watch_interval = 1.0
+
     def __init__(self, client: Any, cfg: Config, registry: dict[str, Any], *,
                  owner: bool = False, cluster: Any = None):
         self.client = client
         self.config = cfg
         self.name = cfg.name
         self._registry = registry
+        #: the planner's generation: 0, then one more each time a lost one is re-created
+        self.generation = int(registry.get("generation", 0))
         self._owner = owner
         self._cluster = cluster
         self._closed = False
-        self.coordinator = registry["coordinator"].result()
+        #: held by the owner while it keeps a checkpoint or re-creates the planner
+        self._lock = threading.RLock()
+        #: held while the planner handle, its generation and the constructors change
+        self._swap = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        #: owner only: what re-creating the planner needs (units, roots, loader threads)
+        self._recipe: dict[str, Any] = {}
+        #: owner only: the planner's last :meth:`Coordinator.checkpoint`
+        self._checkpoint: dict[str, Any] | None = None
+        self._pinned: list[str] | None = None
+        #: this process's readers (told of a re-created planner together, see _tell_readers)
+        self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
+        self.coordinator: Any = None
+        try:
+            self.coordinator = registry["coordinator"].result(timeout=cfg.timeout)
+        except Exception:  # noqa: BLE001 - a lost planner: refresh finds its successor
+            pass
         self.constructors: list[Any] = []
+        #: (generation, constructors of that generation), replaced together
+        self._handles: tuple[int, list[Any]] = (-1, [])
         self.refresh()
 
     def refresh(self) -> None:
-        """Fetch the current constructor handles (they change when a role is re-created)."""
+        """Fetch the current constructor handles (they change when a role is re-created).
+
+        If the planner does not answer, switch to the one the service re-created
+        after losing it (published under the same name, a higher generation).
+
+        Raises
+        ------
+        ServiceError
+            The planner was lost and the process that started the service is gone,
+            so nothing can re-create it.
+        ServiceTimeoutError
+            The planner did not answer, and no successor appeared, within the
+            config's ``timeout``.
+        """
+        deadline = time.monotonic() + self.config.timeout
+        while True:
+            with self._swap:
+                coordinator, gen = self.coordinator, self.generation
+            try:  # short waits: a call to a lost actor may hang instead of failing
+                handles = coordinator.handles().result(timeout=5.0)
+            except Exception as e:  # noqa: BLE001 - lost or busy: look for a successor
+                if self._adopt_published():
+                    continue
+                self._raise_if_lost(deadline, e)
+                time.sleep(0.5)
+                continue
+            with self._swap:
+                if gen == self.generation:
+                    self.constructors = list(handles["constructors"])
+                    self._handles = (gen, self.constructors)
+                    return
+
+    def _planner_lost(self) -> bool:
+        """Whether Dask reports the current planner's worker as lost (no call to it)."""
+        fut = self._registry.get("coordinator")
+        return fut is not None and fut.status in ("error", "lost", "cancelled")
+
+    def _owner_alive(self) -> bool:
+        """Whether the process that started the service is still connected (True if unknown)."""
+        if self._owner:
+            return not self._closed
+        cid = self._registry.get("owner")
+        if cid is None:
+            return True
         try:
-            handles = self.coordinator.handles().result(timeout=self.config.timeout)
-        except TimeoutError:
+            return bool(self.client.run_on_scheduler(_has_client, cid, callback_timeout=5))
+        except Exception:  # noqa: BLE001 - unknown: assume it is
+            return True
+
+    def _adopt_published(self) -> bool:
+        """Switch to the published planner if it is a newer generation; returns whether it was."""
+        try:
+            reg = self.client.get_dataset(_PREFIX + self.name, default=None, callback_timeout=5)
+            if reg is None or int(reg.get("generation", 0)) <= self.generation:
+                return False
+            coordinator = reg["coordinator"].result(timeout=5)
+        except Exception:  # noqa: BLE001 - not there yet, or unreachable: try again later
+            return False
+        with self._swap:
+            gen = int(reg.get("generation", 0))
+            if gen <= self.generation:
+                return False
+            self._registry, self.coordinator, self.generation = reg, coordinator, gen
+        _log.warning("msd_dask %s: switched to the re-created planner (generation %d)",
+                     self.name, gen)
+        return True
+
+    def _raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None
+                       ) -> None:
+        """Raise if the planner is lost for good, or (past ``deadline``) did not answer."""
+        lost = self._planner_lost()
+        where = getattr(self.coordinator, "_address", "?")
+        if lost and not self._owner_alive():
+            raise ServiceError(
+                f"the planner of service {self.name!r} was lost with its worker {where}, and "
+                f"the process that started the service is gone, so nothing can re-create it; "
+                f"{_RESTART_HINT}")
+        if deadline is not None and time.monotonic() > deadline:
+            if lost:
+                raise ServiceTimeoutError(
+                    f"the planner of service {self.name!r} was lost with its worker {where} "
+                    f"and was not re-created within {self.config.timeout:.0f}s; "
+                    f"{_RESTART_HINT}")
             raise ServiceTimeoutError(
                 f"the planner of service {self.name!r} did not answer within "
-                f"{self.config.timeout:.0f}s (its worker may be lost)") from None
-        self.constructors = list(handles["constructors"])
+                f"{self.config.timeout:.0f}s (its worker may be lost): {cause!r}")
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        """Call the planner's ``method``; once more on its successor if it was lost."""
+        try:
+            return getattr(self.coordinator, method)(*args).result(timeout=self.config.timeout)
+        except (KeyError, ValueError, ServiceError):
+            raise
+        except Exception:  # noqa: BLE001 - lost or not answering: find the current one
+            self.refresh()
+            return getattr(self.coordinator, method)(*args).result(timeout=self.config.timeout)
+
+    # ------------------------------------------------- owner: keep the planner
+    def _start_watching(self) -> None:
+        try:
+            self._keep_checkpoint()
+        except Exception as e:  # noqa: BLE001 - the watcher tries again
+            _log.warning("msd_dask %s: no planner checkpoint yet: %r", self.name, e)
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name=f"msd-{self.name}-watch")
+        self._watcher.start()
+
+    def _keep_checkpoint(self) -> None:
+        with self._lock:
+            self._checkpoint = dict(self.coordinator.checkpoint().result(timeout=10))
+            self._pin(self._checkpoint.get("keys", []))
+
+    def _pin(self, keys: list[str]) -> None:
+        """Hold the roles' keys from a published dataset.
+
+        Only the planner's own client asks Dask for its roles' keys, so when the
+        planner's worker dies Dask forgets every role at once: removed from their
+        workers' actors, still running, and out of reach.  Held here, they stay
+        reachable until :meth:`_recover` has closed them.
+        """
+        from distributed import Future
+
+        keys = sorted(keys)
+        if keys == self._pinned:
+            return
+        futures: list[Any] = [Future(k, self.client) for k in keys]
+        self.client.publish_dataset(futures, name=_ROLES + self.name, override=True,
+                                    callback_timeout=10)
+        self._pinned = keys
+
+    def _watch(self) -> None:
+        """Owner: keep the planner's last checkpoint; re-create the planner if it is lost."""
+        while not self._stop.wait(self.watch_interval):
+            try:
+                if self._coordinator_gone():
+                    self._recover()
+                else:
+                    self._keep_checkpoint()
+            except Exception as e:  # noqa: BLE001 - logged; the next round tries again
+                if self._stop.is_set():
+                    return
+                _log.warning("msd_dask %s: watching the planner: %r", self.name, e)
+
+    def _coordinator_gone(self) -> bool:
+        if self._planner_lost():
+            return True
+        try:
+            info = self.client.sync(self.client.scheduler.identity, callback_timeout=5)
+        except Exception:  # noqa: BLE001 - scheduler unreachable: nothing to do from here
+            return False
+        return self.coordinator._address not in info["workers"]
+
+    def _recover(self) -> None:
+        """Re-create the lost planner from the last checkpoint (owner only)."""
+        with self._lock:
+            # without a checkpoint (lost before the first one), from where this service
+            # started: readers skip what they have, the plans are the same
+            ck = self._checkpoint or {"state": self._recipe.get("resume"), "claimed": {},
+                                      "recovered": {}, "events": []}
+            cfg, old = self.config, self._registry
+            t0 = time.monotonic()
+            _log.warning("msd_dask %s: the planner on %s was lost; re-creating it from the "
+                         "state after step %s", self.name,
+                         getattr(self.coordinator, "_address", None),
+                         (ck["state"] or {}).get("step", "-1 (the start)"))
+            # the roles the lost planner leaves behind stop publishing and free their memory
+            closed = self.client.run(close_service_roles, self.name, on_error="return",
+                                     callback_timeout=60)
+            had = {int(r): int(s) for r, s in ck["claimed"].items()}
+            for res in closed.values():
+                if isinstance(res, dict):
+                    for r, st in res["last_claimed"].items():
+                        had[int(r)] = max(had.get(int(r), -1), int(st))
+            gen = self.generation + 1
+            registry = self._place_coordinator(
+                self.client, cfg, self._recipe["units"], self._recipe["roots"], ck["state"],
+                self._recipe["loader_threads"], members=old.get("members"), generation=gen,
+                had=had, lost={"from": getattr(self.coordinator, "_address", None),
+                               "recovered": ck["recovered"], "events": ck["events"]})
+            registry["quarantined"] = old.get("quarantined", {})
+            registry["owner"] = self.client.id
+            coordinator = registry["coordinator"].result(timeout=cfg.timeout)
+            try:
+                coordinator.setup().result(timeout=cfg.timeout)
+            except BaseException:
+                try:
+                    coordinator.close_roles().result(timeout=30)
+                finally:
+                    registry["coordinator"].release()
+                raise
+            self.client.publish_dataset(registry, name=_PREFIX + self.name, override=True,
+                                        callback_timeout=cfg.timeout)
+            handles = coordinator.handles().result(timeout=cfg.timeout)
+            with self._swap:
+                self._registry, self.coordinator, self.generation = registry, coordinator, gen
+                self.constructors = list(handles["constructors"])
+                self._handles = (gen, self.constructors)
+            coordinator.start().result(timeout=cfg.timeout)
+            old["coordinator"].release()
+            self._tell_readers()
+            _log.warning("msd_dask %s: planner re-created (generation %d) in %.1fs; closed "
+                         "the old roles: %s", self.name, gen, time.monotonic() - t0, closed)
+            self._keep_checkpoint()
 
     # ----------------------------------------------------------------- start
     @classmethod
@@ -209,11 +452,15 @@ class DataService:
             units, roots = discover_units(cfg, quarantined=quarantined)
             registry = cls._place_coordinator(client, cfg, units, roots, resume, loader_threads)
             registry["quarantined"] = quarantined
+            registry["owner"] = client.id
             registry["coordinator"].result().setup().result()
             client.publish_dataset(registry, name=key)
             svc = cls(client, cfg, registry, owner=True, cluster=cluster)
+            svc._recipe = {"units": units, "roots": roots, "loader_threads": loader_threads,
+                           "resume": dict(resume) if resume else None}
             _install_plugin(client)
             svc.coordinator.start().result()
+            svc._start_watching()
             return svc
         except BaseException:
             client.close()
@@ -225,21 +472,33 @@ class DataService:
     def _place_coordinator(client: Any, cfg: Config,
                            units: dict[str, list[tuple[str, int, int]]], roots: dict[str, str],
                            resume: Mapping[str, Any] | None,
-                           loader_threads: int) -> dict[str, Any]:
-        """Start the coordinator; it creates the loaders and constructors itself."""
+                           loader_threads: int, *,
+                           members: list[dict[int, list[int]]] | None = None,
+                           generation: int = 0, had: dict[int, int] | None = None,
+                           lost: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Start the coordinator; it creates the loaders and constructors itself.
+
+        ``members`` (constructor -> DP ranks) is kept across generations, so a
+        ticket's constructor index means the same DP ranks in every generation.
+        """
         workers = sorted(client.scheduler_info()["workers"])
-        n_c = cfg.constructors or min(cfg.parallel.dp, len(workers))
-        members: list[dict[int, list[int]]] = [{} for _ in range(n_c)]
-        for dp in range(cfg.parallel.dp):
-            members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
+        if not workers:
+            raise ServiceError(f"no worker to place the planner of service {cfg.name!r} on")
+        if members is None:
+            n_c = cfg.constructors or min(cfg.parallel.dp, len(workers))
+            members = [{} for _ in range(n_c)]
+            for dp in range(cfg.parallel.dp):
+                members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
+        key = f"msd-{cfg.name}-coordinator" + (f"-g{generation}" if generation else "")
         coordinator = client.submit(
             Coordinator, cfg.to_dict(), units, roots, dict(resume) if resume else None,
             members=members, pad_id=make_tokenizer(cfg.tokenizer).pad_id,
             loader_threads=loader_threads,
             source_payloads={s.name: _source_payload(cfg, s.name) for s in cfg.sources},
-            tokenizer=dataclasses.asdict(cfg.tokenizer),
-            actor=True, workers=[workers[0]], pure=False, key=f"msd-{cfg.name}-coordinator")
-        return {"config": cfg.to_dict(), "coordinator": coordinator}
+            tokenizer=dataclasses.asdict(cfg.tokenizer), generation=generation, had=had,
+            lost=lost, actor=True, workers=[workers[0]], pure=False, key=key)
+        return {"config": cfg.to_dict(), "coordinator": coordinator, "members": members,
+                "generation": generation}
 
     @classmethod
     def connect(cls, address: str, name: str, *, timeout: float = 30.0,
@@ -267,12 +526,22 @@ class DataService:
     # --------------------------------------------------------------- readers
     def reader(self, rank: int, *, timeout: float | None = None) -> Reader:
         """An iterator over the batches of global ``rank``."""
-        return Reader(self, rank, timeout=self.config.timeout if timeout is None else timeout)
+        reader = Reader(self, rank, timeout=self.config.timeout if timeout is None else timeout)
+        self._readers.add(reader)
+        return reader
+
+    def _tell_readers(self) -> None:
+        """After the planner was re-created: every reader of this process tells the new
+        constructors which steps it has.  All of them, not only the one that noticed:
+        ranks read one after the other in one thread would otherwise wait for each other
+        (a constructor holds at most ``prefetch`` steps a rank has not released)."""
+        for reader in list(self._readers):
+            reader._tell_new_generation()
 
     # ------------------------------------------------------------ operations
     def set_weights(self, weights: Mapping[str, float], from_step: int | None = None) -> int:
         """Change the mix; returns the first step planned with the new weights."""
-        return int(self.coordinator.set_weights(dict(weights), from_step).result())
+        return int(self._ask("set_weights", dict(weights), from_step))
 
     def scale_loaders(self, source: str, n: int) -> int:
         """Serve ``source`` with ``n`` loaders (within its bounds); returns the count.
@@ -280,7 +549,7 @@ class DataService:
         Applied before the next step is planned.  Which loader reads a unit never
         changes the documents of a step: the stream does not depend on it.
         """
-        return int(self.coordinator.scale(source, int(n)).result())
+        return int(self._ask("scale", source, int(n)))
 
     def retire_workers(self, workers: list[str], *, close: bool = True) -> dict[str, int]:
         """Move the loaders and constructors off ``workers``, then retire them from Dask.
@@ -293,6 +562,8 @@ class DataService:
 
         moved = dict(self.coordinator.evacuate(list(workers)).result())
         self.refresh()  # drop this client's handles of the moved roles ...
+        if self._owner:
+            self._keep_checkpoint()  # ... and stop holding their keys
         gc.collect()
         # ... and wait until nothing references them any more: Dask does not retire a
         # worker that still holds an actor
@@ -317,8 +588,8 @@ class DataService:
             of planned tokens against the weight; ``ranks``: queue depth and last
             claimed step; ``planner``: steps, imbalance, errors.
         """
-        planner = self.coordinator.stats().result()
-        loader_stats = self.coordinator.loader_stats().result()
+        planner = self._ask("stats")
+        loader_stats = self._ask("loader_stats")
         self.refresh()
         cons = [c.stats().result() for c in self.constructors]
         total = sum(planner["tokens_planned"].values()) or 1
@@ -374,11 +645,11 @@ class DataService:
         """
         if step is None:
             step = self.consumed_step()
-        return dict(self.coordinator.state_at(int(step)).result())
+        return dict(self._ask("state_at", int(step)))
 
     def consumed_step(self) -> int:
         """The last step every rank has claimed (one before the first step if some has none)."""
-        first = int(self.coordinator.start_step().result())
+        first = int(self._ask("start_step"))
         last: dict[int, int] = {}
         for c in self.constructors:
             last.update({int(r): int(s) for r, s in c.stats().result()["last_claimed"].items()})
@@ -397,6 +668,9 @@ class DataService:
         if self._closed:
             return
         self._closed = True
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(self.config.timeout)
         try:
             if self._owner and self.client.status == "running":
                 try:
@@ -404,6 +678,8 @@ class DataService:
                 except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
                     pass
                 self.client.unpublish_dataset(_PREFIX + self.name)
+                if self._pinned is not None:
+                    self.client.unpublish_dataset(_ROLES + self.name)
         finally:
             self.client.close()
             if self._cluster is not None:
@@ -433,6 +709,8 @@ class Reader:
         self.step: int | None = None
         self._view = (self.coords["cp"], cfg.parallel.cp, self.coords["pp"], cfg.parallel.pp)
         self._skip_through = -1
+        #: the planner generation whose constructors know what this reader has
+        self._gen = service._handles[0]
         self._queue = Queue(queue_name(cfg.name, rank), client=service.client)
 
     def state_dict(self) -> dict[str, Any]:
@@ -451,17 +729,66 @@ class Reader:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
+    def _done(self) -> int:
+        """The last step this reader has (returned or skipped); -1 if none."""
+        return self._skip_through if self.step is None else max(self.step, self._skip_through)
+
     def __next__(self) -> Batch:
         while True:
             ticket = self._ticket()
+            g = int(ticket.get("g", 0))
+            if g > self.service.generation:  # from a re-created planner: switch to it
+                self._follow(g)
+            self.service._tell_readers()
+            if g < self.service.generation:
+                # planned by a planner since replaced: the current one plans every step
+                # after the state it resumed from again, so this one comes again
+                continue
+            if "error" in ticket:
+                raise ServiceError(f"service {self.service.name!r}: {ticket['error']}")
             step = int(ticket["step"])
-            done = self._skip_through if self.step is None else max(self.step, self._skip_through)
-            if step > done:
+            if step > self._done():
                 break
             # consumed before a restart, or a ticket re-sent by a re-created constructor:
             # release it without moving the tensors
             self._skip(int(ticket["c"]), step)
         return self._claim(ticket)
+
+    def _follow(self, generation: int) -> None:
+        """Switch the service to the published planner of ``generation`` (or later)."""
+        deadline = time.monotonic() + self.timeout
+        while self.service.generation < generation:
+            if not self.service._adopt_published():
+                if time.monotonic() > deadline:
+                    raise ServiceTimeoutError(
+                        f"rank {self.rank}: got a ticket of planner generation {generation} of "
+                        f"service {self.service.name!r} but found only generation "
+                        f"{self.service.generation} published within {self.timeout:.0f}s")
+                time.sleep(0.25)
+        self.service.refresh()
+
+    def _tell_new_generation(self) -> None:
+        """After the planner was re-created: tell its constructors which steps this rank
+        has, so they do not hold those steps for it (best effort: the tickets of those
+        steps are skipped anyway)."""
+        gen, constructors = self.service._handles
+        if self._gen == gen:
+            return
+        self._gen = gen
+        done = self._done()
+        if done < 0:
+            return
+        calls = []
+        for c in constructors:
+            try:
+                calls.append(c.mark_had(self.rank, done))
+            except Exception:  # noqa: BLE001 - lost meanwhile: its successor learns by skips
+                pass
+        for call in calls:
+            try:
+                call.result(timeout=5.0)
+            except Exception:  # noqa: BLE001 - as above
+                pass
 
     def _skip(self, c: int, step: int) -> None:
         """Release ``step`` on constructor ``c``, on its current actor (it may be re-created:
@@ -481,15 +808,29 @@ class Reader:
 
     def _ticket(self) -> dict[str, Any]:
         waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
-        try:
-            ticket = self._queue.get(timeout=self.timeout)
-        except TimeoutError:
-            raise ServiceTimeoutError(
-                f"rank {self.rank} waited {self.timeout:.0f}s for {waiting_for} of service "
-                f"{self.service.name!r}: no batch was published; {self._diagnose()}") from None
-        if "error" in ticket:
-            raise ServiceError(f"service {self.service.name!r}: {ticket['error']}")
-        return dict(ticket)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:  # in slices: between them, look after a lost planner
+                return dict(self._queue.get(timeout=max(0.1, min(5.0,
+                                                                 deadline - time.monotonic()))))
+            except TimeoutError:
+                pass
+            if self.service._planner_lost():
+                # its successor (if the service's owner re-creates it) is published; a
+                # planner nobody can re-create is reported at once
+                if self.service._adopt_published():
+                    self.service.refresh()
+                    self.service._tell_readers()
+                else:
+                    self.service._raise_if_lost()
+            if time.monotonic() > deadline:
+                lost = ""
+                if self.service._planner_lost():
+                    lost = (f"the planner was lost with its worker and not re-created; "
+                            f"{_RESTART_HINT}; ")
+                raise ServiceTimeoutError(
+                    f"rank {self.rank} waited {self.timeout:.0f}s for {waiting_for} of service "
+                    f"{self.service.name!r}: no batch was published; {lost}{self._diagnose()}")
 
     def _diagnose(self) -> str:
         """Which role is stuck, from the roles' own stats (best effort, a few seconds)."""
@@ -526,7 +867,10 @@ class Reader:
         step = self.step if step is None else step
         if step is None:
             raise ValueError("report_step_time: no step was read yet")
-        self.service.coordinator.report_step_time(int(step), self.coords["dp"], float(seconds))
+        try:
+            self.service.coordinator.report_step_time(int(step), self.coords["dp"], float(seconds))
+        except Exception:  # noqa: BLE001 - a lost planner: its successor fits from new reports
+            pass
 
     def _claim(self, ticket: dict[str, Any]) -> Batch:
         c, step = int(ticket["c"]), int(ticket["step"])
@@ -545,9 +889,11 @@ class Reader:
                     raise ServiceTimeoutError(
                         f"rank {self.rank}: constructor {c} did not hand over step {step} "
                         f"within {self.timeout:.0f}s") from None
-            except (KeyError, ValueError):
-                raise
             except Exception as e:  # noqa: BLE001 - its worker was lost: wait for the new one
+                # a KeyError naming the actor: Dask forgot it (its planner was lost)
+                gone = isinstance(e, KeyError) and e.args and e.args[0] == constructor.key
+                if isinstance(e, KeyError | ValueError) and not gone:
+                    raise
                 if time.monotonic() > deadline:
                     raise ServiceTimeoutError(
                         f"rank {self.rank}: constructor {c} was lost and no replacement "
@@ -555,6 +901,7 @@ class Reader:
                 time.sleep(0.5)
                 call = None
             self.service.refresh()
+            self.service._tell_readers()
             if self.service.constructors[c].key != constructor.key:
                 constructor, call = self.service.constructors[c], None
         self.step = int(ticket["step"])

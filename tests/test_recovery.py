@@ -1,18 +1,24 @@
-"""Lost roles: kill -9 the worker holding a loader, or a constructor, mid-run.
+"""Lost roles: kill -9 the worker holding a loader, a constructor or the planner, mid-run.
 
 Real `dask scheduler`/`dask worker` processes (no nanny: the killed worker stays dead).
 All ranks continue; every step reaches every rank exactly once and every document of an
-epoch is delivered exactly once."""
+epoch is delivered exactly once.  A planner nobody can re-create (the process that
+started the service is gone too) is reported to readers at once, saying what to do."""
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
+from distributed import Client
 
-from msd_dask import DataService
+from msd_dask import DataService, ServiceError
 
 from checks import check_content, check_exactly_once, record
 from cluster import dask_cluster
@@ -35,19 +41,33 @@ def _roles(svc):
     return out
 
 
-def _run_with_kill(tmp_path, role):
+def _current_keys(svc):
+    """The Dask keys of the service's current loaders and constructors."""
+    handles = svc.coordinator.handles().result(timeout=30)
+    return sorted([*(c.key for c in handles["constructors"]),
+                   *(h.key for slots in handles["loaders"].values() for h in slots.values())])
+
+
+def _run_with_kill(tmp_path, role, n_workers=4):
     root = str(tmp_path / "corpus")
     texts = write_corpus(root)
     cfg = config(root, name=f"kill-{role}", timeout=90)
     cfg["sources"][1]["loaders"] = 2
-    with dask_cluster(str(tmp_path), n_workers=4) as cl:
+    with dask_cluster(str(tmp_path), n_workers=n_workers) as cl:
+        with Client(cl["address"], timeout=60) as c:  # the roles spread over all workers
+            c.wait_for_workers(n_workers, timeout=60)
         with DataService.start(cfg, cl["address"]) as svc:
             roles = _roles(svc)
-            # prefer a worker holding only that role; else one holding it with loaders
-            # (never the planner's own worker: the planner cannot move)
-            victims = sorted((w for w, r in roles.items()
-                              if role in r and "coordinator" not in r),
-                             key=lambda w: len(roles[w]))
+            if role == "coordinator":
+                victims = [svc.coordinator._address]
+                if n_workers == 2:  # the second constructor goes to the planner's worker
+                    assert "constructor" in roles[victims[0]], roles
+            else:
+                # prefer a worker holding only that role; else one holding it with loaders
+                # (not the planner's own worker: that is the coordinator case)
+                victims = sorted((w for w, r in roles.items()
+                                  if role in r and "coordinator" not in r),
+                                 key=lambda w: len(roles[w]))
             assert victims, f"no worker holds a {role} without the planner: {roles}"
             pid = svc.client.run(os.getpid)[victims[0]]
             readers = [svc.reader(r) for r in range(2)]
@@ -67,6 +87,25 @@ def _run_with_kill(tmp_path, role):
                 time.sleep(0.5)
                 stats = svc.stats()
             assert victims[0] not in _roles(svc)
+            if role == "coordinator":
+                assert svc.generation == 1
+                ev = [e for e in stats["planner"]["role_events"] if e["role"] == "coordinator"]
+                assert len(ev) == 1 and ev[0]["from"] == victims[0], ev
+                # the roles the lost planner left behind were closed, and Dask forgot them
+                # once nothing referenced them: only the current roles remain
+                def _service_keys(dask_scheduler, prefix):  # by value: the scheduler
+                    return sorted(str(k) for k in dask_scheduler.tasks  # cannot import tests
+                                  if str(k).startswith(prefix)
+                                  and not str(k).startswith(prefix + "coordinator"))
+
+                want = _current_keys(svc)
+                deadline = time.monotonic() + 20
+                while (got := svc.client.run_on_scheduler(
+                        _service_keys, prefix=f"msd-{cfg['name']}-")) != want:
+                    assert time.monotonic() < deadline, (sorted(set(got) - set(want)),
+                                                         sorted(set(want) - set(got)))
+                    gc.collect()
+                    time.sleep(0.5)
     # every step reached every rank exactly once, in order (asserted above), and the
     # documents are the source text, each exactly once per source epoch
     assert len(recs) == 2 * STEPS
@@ -81,3 +120,48 @@ def test_kill_worker_holding_a_loader(tmp_path):
 
 def test_kill_worker_holding_a_constructor(tmp_path):
     _run_with_kill(tmp_path, "constructor")
+
+
+def test_kill_worker_holding_the_planner(tmp_path):
+    _run_with_kill(tmp_path, "coordinator")
+
+
+def test_kill_worker_holding_the_planner_and_a_constructor(tmp_path):
+    """The rank of the lost constructor read past the planner's last kept state: the new
+    constructors learn it from the readers, not only from the old constructors."""
+    _run_with_kill(tmp_path, "coordinator", n_workers=2)
+
+
+def test_planner_lost_with_its_owner_is_reported(tmp_path):
+    """The serving process and the planner's worker both killed: nothing can re-create the
+    planner, and a reader says so at once instead of waiting out its timeout."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="orphan", timeout=60)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    with dask_cluster(str(tmp_path), n_workers=2) as cl:
+        serve = subprocess.Popen([sys.executable, "-m", "msd_dask.cli", "serve", str(path),
+                                  "--scheduler", cl["address"]],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            with DataService.connect(cl["address"], "orphan", timeout=60) as svc:
+                readers = [svc.reader(r, timeout=60) for r in range(2)]
+                for step in range(3):
+                    assert [next(rd).step for rd in readers] == [step, step]
+                pid = svc.client.run(os.getpid)[svc.coordinator._address]
+                serve.kill()
+                serve.wait(10)
+                os.kill(pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                with pytest.raises(ServiceError) as ei:
+                    for rd in readers * 10:
+                        next(rd)
+                assert time.monotonic() - t0 < 30
+                msg = str(ei.value)
+                assert "planner of service 'orphan' was lost" in msg, msg
+                assert "process that started the service is gone" in msg, msg
+                assert "--resume" in msg and "state_dict" in msg, msg
+        finally:
+            if serve.poll() is None:
+                serve.kill()
