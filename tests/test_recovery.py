@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 from distributed import Client
@@ -48,7 +49,39 @@ def _current_keys(svc):
                    *(h.key for slots in handles["loaders"].values() for h in slots.values())])
 
 
-def _run_with_kill(tmp_path, role, n_workers=4):
+@contextmanager
+def _served(tmp_path, cfg, address):
+    """``msd-dask serve`` in another process; yields ``(process, connected DataService)``."""
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "msd_dask.cli", "serve", str(path),
+                                 "--scheduler", address], stdout=log, stderr=log)
+        try:
+            with DataService.connect(address, cfg["name"], timeout=60) as svc:
+                yield proc, svc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+@contextmanager
+def _service(tmp_path, cfg, address, serve):
+    if serve:
+        with _served(tmp_path, cfg, address) as (_, svc):
+            yield svc
+    else:
+        with DataService.start(cfg, address) as svc:
+            yield svc
+
+
+def _run_with_kill(tmp_path, role, n_workers=4, serve=False):
+    """Kill -9 the worker of ``role`` at step 25 of 70; ``serve``: the service runs in a
+    ``msd-dask serve`` process, the readers here only connect to it."""
     root = str(tmp_path / "corpus")
     texts = write_corpus(root)
     cfg = config(root, name=f"kill-{role}", timeout=90)
@@ -56,7 +89,7 @@ def _run_with_kill(tmp_path, role, n_workers=4):
     with dask_cluster(str(tmp_path), n_workers=n_workers) as cl:
         with Client(cl["address"], timeout=60) as c:  # the roles spread over all workers
             c.wait_for_workers(n_workers, timeout=60)
-        with DataService.start(cfg, cl["address"]) as svc:
+        with _service(tmp_path, cfg, cl["address"], serve) as svc:
             roles = _roles(svc)
             if role == "coordinator":
                 victims = [svc.coordinator._address]
@@ -126,6 +159,11 @@ def test_kill_worker_holding_the_planner(tmp_path):
     _run_with_kill(tmp_path, "coordinator")
 
 
+def test_kill_worker_holding_the_planner_of_a_served_service(tmp_path):
+    """The planner re-created by a `msd-dask serve` process: readers elsewhere find it."""
+    _run_with_kill(tmp_path, "coordinator", serve=True)
+
+
 def test_kill_worker_holding_the_planner_and_a_constructor(tmp_path):
     """The rank of the lost constructor read past the planner's last kept state: the new
     constructors learn it from the readers, not only from the old constructors."""
@@ -138,30 +176,22 @@ def test_planner_lost_with_its_owner_is_reported(tmp_path):
     root = str(tmp_path / "corpus")
     write_corpus(root)
     cfg = config(root, name="orphan", timeout=60)
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(cfg))
-    with dask_cluster(str(tmp_path), n_workers=2) as cl:
-        serve = subprocess.Popen([sys.executable, "-m", "msd_dask.cli", "serve", str(path),
-                                  "--scheduler", cl["address"]],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            with DataService.connect(cl["address"], "orphan", timeout=60) as svc:
-                readers = [svc.reader(r, timeout=60) for r in range(2)]
-                for step in range(3):
-                    assert [next(rd).step for rd in readers] == [step, step]
-                pid = svc.client.run(os.getpid)[svc.coordinator._address]
-                serve.kill()
-                serve.wait(10)
-                os.kill(pid, signal.SIGKILL)
-                t0 = time.monotonic()
-                with pytest.raises(ServiceError) as ei:
-                    for rd in readers * 10:
-                        next(rd)
-                assert time.monotonic() - t0 < 30
-                msg = str(ei.value)
-                assert "planner of service 'orphan' was lost" in msg, msg
-                assert "process that started the service is gone" in msg, msg
-                assert "--resume" in msg and "state_dict" in msg, msg
-        finally:
-            if serve.poll() is None:
-                serve.kill()
+    with dask_cluster(str(tmp_path), n_workers=2) as cl, \
+            _served(tmp_path, cfg, cl["address"]) as (serve, svc):
+        readers = [svc.reader(r, timeout=60) for r in range(2)]
+        for step in range(3):
+            assert [next(rd).step for rd in readers] == [step, step]
+        pid = svc.client.run(os.getpid)[svc.coordinator._address]
+        serve.kill()
+        serve.wait(10)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError) as ei:
+            for rd in readers * 10:
+                next(rd)
+        # at once, not after the readers' 60 s timeout
+        assert time.monotonic() - t0 < 30
+        msg = str(ei.value)
+        assert "planner of service 'orphan' was lost" in msg, msg
+        assert "process that started the service is gone" in msg, msg
+        assert "--resume" in msg and "state_dict" in msg, msg
