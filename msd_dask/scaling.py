@@ -26,6 +26,14 @@ hysteresis
     has to add back a loader within ``scale_down_after`` of a scale-down, that
     count becomes the source's floor until its demand falls below the one seen
     then divided by ``headroom`` (no 7 → 6 → 7 flapping).
+saturation
+    Each source's capacity (``loaders × threads / seconds_per_token``) is
+    recorded per loader count once a change has settled (``cooldown``).  If
+    ``n`` loaders supply less than ``MIN_EFFICIENCY`` of ``n / n₀`` times what
+    the fewest measured, ``n₀``, did, they share an exhausted resource (the
+    cores, for CPU-bound preprocessing: busy time per token grows with every
+    loader): the source is held at ``round(n₀ · c / c₀)`` loaders from then on,
+    and the loaders above it are removed at once.
 
 Every target is clamped to ``[min_loaders, max_loaders]`` of the source.
 """
@@ -38,10 +46,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target", "demand",
-           "MAX_STARVED_BOOST"]
+           "MAX_STARVED_BOOST", "MIN_EFFICIENCY"]
 
 #: The most the starvation correction multiplies a source's measured demand by.
 MAX_STARVED_BOOST = 5.0
+
+#: Loaders added to a source must raise its measured capacity by at least this share
+#: of what the first ones supply each; less means they share an exhausted resource
+#: (the cores, for CPU-bound preprocessing) and the source is held at the count that
+#: the resource allows.
+MIN_EFFICIENCY = 0.5
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,10 @@ class Scaler:
         self._down_at: dict[str, float] = {}   # last scale-down of a source
         #: source -> (loaders, demand): no scale-down below it while demand holds
         self.floors: dict[str, tuple[int, float]] = {}
+        #: source -> {loaders: measured capacity in tokens/s} (settled measurements)
+        self.capacity: dict[str, dict[int, float]] = {}
+        #: source -> the most loaders that still add capacity (see MIN_EFFICIENCY)
+        self.saturated: dict[str, int] = {}
 
     def target(self, source: str, load: SourceLoad) -> int:
         """The count the rules ask for now, before hysteresis."""
@@ -156,13 +174,37 @@ class Scaler:
         want = proactive_target(load, self.policy.headroom)
         if _bottleneck(load, self.policy):
             want = max(want, load.loaders + 1)
+        if source in self.saturated:
+            want = min(want, self.saturated[source])
         return max(lo, min(hi, want))
+
+    def _measure(self, now: float, source: str, load: SourceLoad) -> None:
+        """Record the source's capacity at its count; detect loaders that add none.
+
+        With capacity ``c₀`` measured at ``n₀`` loaders (the fewest measured) and
+        ``c`` at ``n``, loaders beyond ``n₀`` are worth ``(c / c₀) / (n / n₀)`` of
+        the first ones.  Below :data:`MIN_EFFICIENCY`, the source is held at
+        ``round(n₀ · c / c₀)`` loaders: what the shared resource allows.
+        """
+        if load.seconds_per_token <= 0 or \
+                now - self._changed.get(source, -math.inf) < self.policy.cooldown:
+            return  # not measured yet, or the new loaders have not settled
+        caps = self.capacity.setdefault(source, {})
+        n = load.loaders
+        caps[n] = n * load.threads / load.seconds_per_token
+        n0 = min(caps)
+        if n <= n0:
+            return
+        gain = caps[n] / caps[n0]
+        if gain < MIN_EFFICIENCY * n / n0:
+            self.saturated[source] = max(n0, round(n0 * gain))
 
     def decide(self, now: float, loads: Mapping[str, SourceLoad]) -> dict[str, int]:
         """Loader counts to apply at time ``now`` (only sources that change)."""
         out: dict[str, int] = {}
         p = self.policy
         for source, load in loads.items():
+            self._measure(now, source, load)
             want = self.target(source, load)
             last = self._changed.get(source, -math.inf)
             floor = self.floors.get(source)
@@ -170,7 +212,16 @@ class Scaler:
                 del self.floors[source]  # demand fell: the floor no longer holds
                 floor = None
             if floor is not None:
-                want = max(want, min(floor[0], p.bounds(source)[1]))
+                want = max(want, min(floor[0], p.bounds(source)[1], self.saturated.get(
+                    source, floor[0])))
+            sat = self.saturated.get(source)
+            if sat is not None and load.loaders > sat and want <= sat:
+                if now - last >= p.cooldown:  # loaders that add nothing: remove them at once
+                    out[source] = max(want, p.bounds(source)[0])
+                    self._changed[source] = now
+                    self._down_at[source] = now
+                    self._low_since.pop(source, None)
+                continue
             if want > load.loaders:
                 self._low_since.pop(source, None)
                 if now - last >= p.cooldown:

@@ -143,3 +143,35 @@ def test_the_floor_goes_when_demand_falls():
     # ceil(1.25 * 165 * 0.007) = 2; that starves (3 are needed): back to 3, held there
     assert changes[2:] == [(130, 6), (160, 5), (190, 4), (220, 3), (250, 2), (255, 3)]
     assert s.floors["a"][0] == 3
+
+
+def _cpu_bound(s: Scaler, cores: int, seconds: int, loaders: int = 1):
+    """Loaders sharing ``cores``: busy time per token grows once they outnumber the cores."""
+    changes = []
+    for t in range(seconds):
+        spt = 0.001 * max(1.0, loaders / cores)
+        d = s.decide(float(t), {"a": load(loaders=loaders, seconds_per_token=spt,
+                                          consumption=20_000.0, starved=0.5)})
+        if d:
+            changes.append((t, d["a"]))
+            loaders = d["a"]
+    return changes
+
+
+def test_loaders_that_add_no_capacity_are_removed_and_not_added_again():
+    # demand 10k tok/s, 1k per loader: the model asks for 8 (the maximum); on 2 cores
+    # 8 loaders supply what 2 do, so the policy goes back to 2 and stays there
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    changes = _cpu_bound(s, cores=2, seconds=300)
+    assert changes == [(0, 8), (5, 2)]
+    assert s.saturated == {"a": 2}
+    assert s.target("a", load(loaders=2, seconds_per_token=0.001, consumption=20_000.0,
+                              starved=0.5)) == 2
+
+
+def test_loaders_that_each_add_capacity_are_kept():
+    # an I/O-bound source: busy time per token does not grow with loaders
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    changes = _cpu_bound(s, cores=64, seconds=300)
+    assert changes == [(0, 8)]
+    assert s.saturated == {}
