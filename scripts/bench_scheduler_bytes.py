@@ -14,10 +14,14 @@ up, snapshots the scheduler's counters, consumes ``--steps`` steps from every
 rank, snapshots again.  Reported per delivered batch (one rank's batch of one
 step): the scheduler's bytes and messages (in + out), the same after
 subtracting the idle background (heartbeats etc., measured for a few seconds
-with no service running, scaled by the window's duration), and the bytes of
-the batch's tensors, which do not pass through the scheduler.
+with no service running, scaled by the window's duration), the same after
+subtracting the traffic of the service when nobody reads (measured after the
+window: the scheduler plugin polls the service once a second, so this part
+grows with the window's length, not with the batches), and the bytes of the
+batch's tensors, which do not pass through the scheduler.  The windows must be
+long against the plugin's one-second polls (``--steps 200``: several seconds).
 
-    python scripts/bench_scheduler_bytes.py --steps 40
+    python scripts/bench_scheduler_bytes.py --steps 200
 """
 
 from __future__ import annotations
@@ -118,17 +122,22 @@ def _start_cluster(tmp: str, workers: int, count: bool = True,
     return address, procs
 
 
+def _rate(client: Any, seconds: float) -> float:
+    """The scheduler's traffic (bytes in + out per second) over the next ``seconds``."""
+    a = _snapshot(client)
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    d = _diff(a, _snapshot(client))
+    return (d["read_bytes"] + d["write_bytes"]) / (time.perf_counter() - t0)
+
+
 def _client_and_idle_rate(address: str, workers: int, seconds: float) -> tuple[Any, float]:
     """A client of the counting scheduler, once ``workers`` joined, and its idle traffic in B/s."""
     from distributed import Client
 
     client = Client(address, timeout=60)
     client.wait_for_workers(workers, timeout=60)
-    a = _snapshot(client)
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    idle = _diff(a, _snapshot(client))
-    return client, (idle["read_bytes"] + idle["write_bytes"]) / (time.perf_counter() - t0)
+    return client, _rate(client, seconds)
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -143,7 +152,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def measure(client: Any, address: str, cfg: dict[str, Any], steps: int, warmup: int,
-            background_rate: float) -> dict[str, Any]:
+            background_rate: float, idle_seconds: float = 3.0) -> dict[str, Any]:
+    """Scheduler traffic per delivered batch over ``steps`` steps of every rank.
+
+    Also measured, after the timed steps: the scheduler's traffic while the
+    service runs but nobody reads (``idle_seconds``, its constructors full):
+    the scheduler plugin's polls and the workers' heartbeats, which grow with
+    time, not with batches.
+    """
     from msd_dask import DataService
 
     world = cfg["parallel"]["dp"]
@@ -163,11 +179,15 @@ def measure(client: Any, address: str, cfg: dict[str, Any], steps: int, warmup: 
                                  + sum(c.nbytes for c in b.cu_seqlens))
         elapsed = time.perf_counter() - t0
         d = _diff(a, _snapshot(client))
+        time.sleep(0.5)  # the constructors refill, then the service idles
+        service_idle = _rate(client, idle_seconds)
     batches = steps * world
     total = d["read_bytes"] + d["write_bytes"]
     return {"seq_len": cfg["batch"]["seq_len"], "batches": batches, "seconds": elapsed,
             "bytes_per_batch": total / batches,
             "bytes_per_batch_net": (total - background_rate * elapsed) / batches,
+            "service_idle_rate": service_idle,
+            "bytes_per_batch_net_service": (total - service_idle * elapsed) / batches,
             "msgs_per_batch": (d["read_msgs"] + d["write_msgs"]) / batches,
             "tensor_bytes_per_batch": tensor_bytes / batches}
 
@@ -177,17 +197,17 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", default="configs/demo.yaml")
     p.add_argument("--seq-lens", default="1024,8192")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="15 steps")
+    p.add_argument("--quick", action="store_true", help="60 steps")
     p.add_argument("--smoke", action="store_true", help="5 steps, seq_len 256 and 1024 (CI)")
     args = p.parse_args(argv)
     from msd_dask import load_config
 
     steps, seq_lens = args.steps, [int(s) for s in args.seq_lens.split(",")]
     if args.quick:
-        steps = 15
+        steps = 60
     if args.smoke:
         steps, seq_lens, args.warmup = 5, [256, 1024], 2
     base = load_config(args.config).to_dict()
@@ -201,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = json.loads(json.dumps(base))
                 cfg["name"] = f"schedbytes{sl}"
                 cfg["batch"]["seq_len"] = sl
-                rows.append(measure(client, address, cfg, steps, args.warmup, background))
+                rows.append(measure(client, address, cfg, steps, args.warmup, background,
+                                    1.0 if args.smoke else 3.0))
             client.close()
         finally:
             _stop(procs)
@@ -209,16 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"config {args.config}: {world} ranks x {base['batch']['micro_batches']} micro-batches, "
           f"{steps} steps per seq_len, {args.workers} workers; idle scheduler traffic "
           f"{background:,.0f} B/s")
-    print(f"{'seq_len':>8}{'batches':>9}{'sched B/batch':>15}{'net of idle':>13}"
-          f"{'msgs/batch':>12}{'tensor B/batch':>16}{'sched/tensor':>14}")
+    print("net of idle: minus the cluster's traffic before any service ran; net of svc idle: "
+          "minus the traffic with the service up and nobody reading (its plugin's polls ...)")
+    print(f"{'seq_len':>8}{'batches':>9}{'seconds':>9}{'sched B/batch':>15}{'net of idle':>13}"
+          f"{'svc idle B/s':>14}{'net of svc idle':>17}{'msgs/batch':>12}{'tensor B/batch':>16}")
     for r in rows:
-        print(f"{r['seq_len']:>8}{r['batches']:>9}{r['bytes_per_batch']:>15,.0f}"
-              f"{r['bytes_per_batch_net']:>13,.0f}{r['msgs_per_batch']:>12.1f}"
-              f"{r['tensor_bytes_per_batch']:>16,.0f}"
-              f"{r['bytes_per_batch'] / r['tensor_bytes_per_batch']:>14.5f}")
+        print(f"{r['seq_len']:>8}{r['batches']:>9}{r['seconds']:>9.2f}{r['bytes_per_batch']:>15,.0f}"
+              f"{r['bytes_per_batch_net']:>13,.0f}{r['service_idle_rate']:>14,.0f}"
+              f"{r['bytes_per_batch_net_service']:>17,.0f}{r['msgs_per_batch']:>12.1f}"
+              f"{r['tensor_bytes_per_batch']:>16,.0f}")
     lo, hi = rows[0], rows[-1]
     print(f"ratio of scheduler bytes per batch, seq_len {hi['seq_len']} / {lo['seq_len']}: "
-          f"{hi['bytes_per_batch'] / lo['bytes_per_batch']:.2f} "
+          f"{hi['bytes_per_batch'] / lo['bytes_per_batch']:.2f}, net of svc idle "
+          f"{hi['bytes_per_batch_net_service'] / lo['bytes_per_batch_net_service']:.2f} "
           f"(tensor bytes: {hi['tensor_bytes_per_batch'] / lo['tensor_bytes_per_batch']:.1f})")
     return 0
 

@@ -35,7 +35,9 @@ The scheduler process counts every byte it reads and writes on any TCP comm
 (``--preload`` of ``bench_scheduler_bytes.py``); reported per delivered batch
 (one rank's batch of one step) over msd_dask's timed window, also net of the
 idle background (heartbeats, measured for a few seconds before any service
-runs).  ``bench_scheduler_bytes.py`` shows that figure does not grow with the
+runs) and net of the traffic with the service up and nobody reading (the
+scheduler plugin's polls: they grow with time, not with batches).
+``bench_scheduler_bytes.py`` shows that the figure does not grow with the
 batch size; here it is shown for the throughput run's batches.
 
 Absolute rates on a shared machine are noise; the ratios are the figures.
@@ -173,13 +175,15 @@ def _tokens_read(svc: Any) -> int:
 
 
 def service(client: Any, address: str, cfg: dict[str, Any], steps: int,
-            background: float, sequential: bool) -> dict[str, Any]:
+            background: float, sequential: bool, idle_seconds: float = 3.0) -> dict[str, Any]:
     """Start the service on the cluster at ``address``; read every rank, a first batch then ``steps``.
 
     ``start`` is the time from ``DataService.start`` to every rank's first batch;
-    ``read`` the tokens its loaders read (tokenized) during the timed steps.
+    ``read`` the tokens its loaders read (tokenized) during the timed steps;
+    ``service_idle`` the scheduler's traffic in B/s after them, with the service
+    up and nobody reading (the scheduler plugin's polls, heartbeats).
     """
-    from bench_scheduler_bytes import _diff, _snapshot
+    from bench_scheduler_bytes import _diff, _rate, _snapshot
 
     from msd_dask import DataService
 
@@ -199,6 +203,8 @@ def service(client: Any, address: str, cfg: dict[str, Any], steps: int,
         tokens = sum(int(x[0]) for x, count in zip(per_rank, counts, strict=True) if count)
         tensor_bytes = sum(int(x[1]) for x in per_rank)
         imbalance = svc.stats()["planner"]["mean_imbalance"]
+        time.sleep(0.5)  # the constructors refill, then the service idles
+        service_idle = _rate(client, idle_seconds)
     batches = steps * len(readers)
     sched = d["read_bytes"] + d["write_bytes"]
     return {"tokens": tokens, "seconds": elapsed, "imbalance": imbalance, "batches": batches,
@@ -206,6 +212,8 @@ def service(client: Any, address: str, cfg: dict[str, Any], steps: int,
             "start_seconds": start, "read": read,
             "sched_bytes_per_batch": sched / batches,
             "sched_bytes_per_batch_net": (sched - background * elapsed) / batches,
+            "service_idle": service_idle,
+            "sched_bytes_per_batch_net_service": (sched - service_idle * elapsed) / batches,
             "sched_msgs_per_batch": (d["read_msgs"] + d["write_msgs"]) / batches,
             "tensor_bytes_per_batch": tensor_bytes / batches}
 
@@ -262,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfg_d["tokenizer"] = {"kind": "bytes"} if kind == "bytes" else \
                     {"kind": "hf", "path": os.path.abspath(str(tok_file))}
                 cfg = load_config(cfg_d)
-                svc = service(client, address, cfg_d, steps, background, args.sequential)
+                svc = service(client, address, cfg_d, steps, background, args.sequential,
+                              1.0 if args.smoke else 3.0)
                 hf = hf_streaming(cfg, steps, args.hf_workers, args.sequential)
                 lim_tokens, lim_secs = single_process(cfg, svc["tokens"] + svc["start_tokens"])
                 limit = {"tokens": lim_tokens, "seconds": lim_secs, "start_tokens": 0,
@@ -306,13 +315,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{sv['from_start'] / lim['from_start']:.3f} from start; msd_dask loaders tokenized "
               f"{sv['read'] / max(1, sv['tokens']):.2f}x the tokens delivered in the steady window; "
               f"mean imbalance {sv['imbalance']:.3f}")
-    print(f"scheduler (idle traffic {background:,.0f} B/s), per delivered batch of msd_dask:")
-    print(f"{'tokenizer':<10}{'batches':>9}{'sched B/batch':>15}{'net of idle':>13}"
-          f"{'msgs/batch':>12}{'tensor B/batch':>16}")
+    print(f"scheduler, per delivered batch of msd_dask (cluster idle before any service "
+          f"{background:,.0f} B/s; svc idle = service up, nobody reading):")
+    print(f"{'tokenizer':<10}{'batches':>9}{'seconds':>9}{'sched B/batch':>15}{'net of idle':>13}"
+          f"{'svc idle B/s':>14}{'net of svc idle':>17}{'msgs/batch':>12}{'tensor B/batch':>16}")
     for kind, r in results.items():
         s = r["service"]
-        print(f"{kind:<10}{s['batches']:>9}{s['sched_bytes_per_batch']:>15,.0f}"
-              f"{s['sched_bytes_per_batch_net']:>13,.0f}{s['sched_msgs_per_batch']:>12.1f}"
+        print(f"{kind:<10}{s['batches']:>9}{s['seconds']:>9.2f}{s['sched_bytes_per_batch']:>15,.0f}"
+              f"{s['sched_bytes_per_batch_net']:>13,.0f}{s['service_idle']:>14,.0f}"
+              f"{s['sched_bytes_per_batch_net_service']:>17,.0f}{s['sched_msgs_per_batch']:>12.1f}"
               f"{s['tensor_bytes_per_batch']:>16,.0f}")
     if args.json:
         with open(args.json, "w") as f:
