@@ -21,19 +21,20 @@ reactive
     would not shorten.
 hysteresis
     Scaling up happens at once (after ``cooldown`` seconds since the source's
-    last change); scaling down only after the smaller target has held for
-    ``scale_down_after`` seconds, one loader at a time.  When the reactive rule
-    has to add back a loader within ``scale_down_after`` of a scale-down, that
-    count becomes the source's floor until its demand falls below the one seen
-    then divided by ``headroom`` (no 7 → 6 → 7 flapping).
+    last change), at most doubling the count per change; scaling down only
+    after the smaller target has held for ``scale_down_after`` seconds, one
+    loader at a time.  When the reactive rule has to add back a loader within
+    ``scale_down_after`` of a scale-down, that count becomes the source's floor
+    until its demand falls below the one seen then divided by ``headroom`` (no
+    7 → 6 → 7 flapping).
 saturation
     Each source's capacity (``loaders × threads / seconds_per_token``) is
     recorded per loader count once a change has settled (``cooldown``).  If
-    ``n`` loaders supply less than ``MIN_EFFICIENCY`` of ``n / n₀`` times what
-    the fewest measured, ``n₀``, did, they share an exhausted resource (the
-    cores, for CPU-bound preprocessing: busy time per token grows with every
-    loader): the source is held at ``round(n₀ · c / c₀)`` loaders from then on,
-    and the loaders above it are removed at once.
+    the loaders added since the count below, ``n₀``, each supply less than
+    ``MIN_EFFICIENCY`` of what each of the ``n₀`` did, they share an exhausted
+    resource (the cores, for CPU-bound preprocessing: busy time per token grows
+    with every loader): the source is held at the count that resource allows
+    from then on, and the loaders above it are removed at once.
 
 Every target is clamped to ``[min_loaders, max_loaders]`` of the source.
 """
@@ -181,10 +182,12 @@ class Scaler:
     def _measure(self, now: float, source: str, load: SourceLoad) -> None:
         """Record the source's capacity at its count; detect loaders that add none.
 
-        With capacity ``c₀`` measured at ``n₀`` loaders (the fewest measured) and
-        ``c`` at ``n``, loaders beyond ``n₀`` are worth ``(c / c₀) / (n / n₀)`` of
-        the first ones.  Below :data:`MIN_EFFICIENCY`, the source is held at
-        ``round(n₀ · c / c₀)`` loaders: what the shared resource allows.
+        With capacity ``c₀`` measured at ``n₀`` loaders (the largest count
+        measured below the current one) and ``c`` at ``n``, each of the ``n - n₀``
+        loaders added is worth ``(c - c₀) / (n - n₀)`` against ``c₀ / n₀`` for
+        each of the first ones.  Below :data:`MIN_EFFICIENCY` of that, the
+        source is held at ``n₀ + round((c - c₀) / (c₀ / n₀))`` loaders: what the
+        shared resource allows.
         """
         if load.seconds_per_token <= 0 or \
                 now - self._changed.get(source, -math.inf) < self.policy.cooldown:
@@ -192,12 +195,14 @@ class Scaler:
         caps = self.capacity.setdefault(source, {})
         n = load.loaders
         caps[n] = n * load.threads / load.seconds_per_token
-        n0 = min(caps)
-        if n <= n0:
+        below = [k for k in caps if k < n]
+        if not below:
             return
-        gain = caps[n] / caps[n0]
-        if gain < MIN_EFFICIENCY * n / n0:
-            self.saturated[source] = max(n0, round(n0 * gain))
+        n0 = max(below)
+        each = caps[n0] / n0
+        added = (caps[n] - caps[n0]) / each
+        if added < MIN_EFFICIENCY * (n - n0):
+            self.saturated[source] = n0 + max(0, round(added))
 
     def decide(self, now: float, loads: Mapping[str, SourceLoad]) -> dict[str, int]:
         """Loader counts to apply at time ``now`` (only sources that change)."""
@@ -225,6 +230,8 @@ class Scaler:
             if want > load.loaders:
                 self._low_since.pop(source, None)
                 if now - last >= p.cooldown:
+                    # at most double at a time: each step is measured (see _measure)
+                    want = min(want, max(2 * load.loaders, p.bounds(source)[0]))
                     out[source] = want
                     self._changed[source] = now
                     if now - self._down_at.get(source, -math.inf) < p.scale_down_after \

@@ -29,6 +29,8 @@ def test_weight_ramp_ahead_scales_up_before_it_starts():
     now_low = s.decide(0.0, {"img": load(weight_ahead=0.1, seconds_per_token=0.01)})
     assert now_low == {"img": 2}  # ceil(1.25 * 0.1 * 1000 / 100)
     ahead = s.decide(10.0, {"img": load(loaders=2, weight_ahead=0.5, seconds_per_token=0.01)})
+    assert ahead == {"img": 4}  # the target is 7: at most doubling per change
+    ahead = s.decide(15.0, {"img": load(loaders=4, weight_ahead=0.5, seconds_per_token=0.01)})
     assert ahead == {"img": 7}
 
 
@@ -42,7 +44,8 @@ def test_reactive_rule_adds_one_to_a_starved_source():
 
 def test_bounds_clamp_targets():
     s = Scaler(ScalingPolicy(min_loaders=2, max_loaders=4))
-    assert s.decide(0.0, {"a": load(seconds_per_token=1.0)}) == {"a": 4}
+    assert s.decide(0.0, {"a": load(seconds_per_token=1.0)}) == {"a": 2}  # doubling
+    assert s.decide(5.0, {"a": load(loaders=2, seconds_per_token=1.0)}) == {"a": 4}
     s = Scaler(ScalingPolicy(limits={"a": (3, 3)}))
     assert s.decide(0.0, {"a": load(loaders=1)}) == {"a": 3}
 
@@ -160,10 +163,10 @@ def _cpu_bound(s: Scaler, cores: int, seconds: int, loaders: int = 1):
 
 def test_loaders_that_add_no_capacity_are_removed_and_not_added_again():
     # demand 10k tok/s, 1k per loader: the model asks for 8 (the maximum); on 2 cores
-    # 8 loaders supply what 2 do, so the policy goes back to 2 and stays there
+    # 4 loaders supply what 2 do, so the policy goes back to 2 and stays there
     s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
     changes = _cpu_bound(s, cores=2, seconds=300)
-    assert changes == [(0, 8), (5, 2)]
+    assert changes == [(0, 2), (5, 4), (10, 2)]
     assert s.saturated == {"a": 2}
     assert s.target("a", load(loaders=2, seconds_per_token=0.001, consumption=20_000.0,
                               starved=0.5)) == 2
@@ -173,5 +176,5 @@ def test_loaders_that_each_add_capacity_are_kept():
     # an I/O-bound source: busy time per token does not grow with loaders
     s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
     changes = _cpu_bound(s, cores=64, seconds=300)
-    assert changes == [(0, 8)]
+    assert changes == [(0, 2), (5, 4), (10, 8)]
     assert s.saturated == {}
