@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import msd_dask
 
 EXPECTED = {
@@ -60,3 +62,10 @@ def test_pure_core_does_not_import_distributed() -> None:
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == []
+
+
+def test_unknown_attribute_raises_attribute_error() -> None:
+    """Public names load on first use; anything else is still an AttributeError."""
+    with pytest.raises(AttributeError, match="no_such_name"):
+        msd_dask.no_such_name  # noqa: B018
+    assert EXPECTED <= set(dir(msd_dask))
