@@ -186,8 +186,8 @@ class Scaler:
         measured below the current one) and ``c`` at ``n``, each of the ``n - n₀``
         loaders added is worth ``(c - c₀) / (n - n₀)`` against ``c₀ / n₀`` for
         each of the first ones.  Below :data:`MIN_EFFICIENCY` of that, the
-        source is held at ``n₀ + round((c - c₀) / (c₀ / n₀))`` loaders: what the
-        shared resource allows.
+        source is held at ``n₀ + ceil((c - c₀) / (c₀ / n₀))`` loaders: the added
+        loaders that brought capacity are kept, no more are added.
         """
         if load.seconds_per_token <= 0 or \
                 now - self._changed.get(source, -math.inf) < self.policy.cooldown:
@@ -202,7 +202,7 @@ class Scaler:
         each = caps[n0] / n0
         added = (caps[n] - caps[n0]) / each
         if added < MIN_EFFICIENCY * (n - n0):
-            self.saturated[source] = n0 + max(0, round(added))
+            self.saturated[source] = n0 + max(0, math.ceil(added - 1e-9))
 
     def decide(self, now: float, loads: Mapping[str, SourceLoad]) -> dict[str, int]:
         """Loader counts to apply at time ``now`` (only sources that change)."""

@@ -178,3 +178,13 @@ def test_loaders_that_each_add_capacity_are_kept():
     changes = _cpu_bound(s, cores=64, seconds=300)
     assert changes == [(0, 2), (5, 4), (10, 8)]
     assert s.saturated == {}
+
+
+def test_a_loader_that_adds_some_capacity_is_kept_but_no_more_are_added():
+    # the second loader adds 25% (cores shared with other jobs): keep 2, add no third
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    kw = dict(consumption=20_000.0, starved=0.5)
+    assert s.decide(0.0, {"a": load(loaders=1, seconds_per_token=0.001, **kw)}) == {"a": 2}
+    for t in range(5, 200):
+        assert s.decide(float(t), {"a": load(loaders=2, seconds_per_token=0.0016, **kw)}) == {}
+    assert s.saturated == {"a": 2}
