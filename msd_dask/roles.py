@@ -95,13 +95,16 @@ class _Roles:
         view = self.view()
         await asyncio.gather(*(c.setup(view, self.co.had) for c in self.constructors))
 
-    async def _workers(self) -> list[str]:
+    async def _workers(self, placeable: bool = False) -> list[str]:
+        """Workers the scheduler knows; ``placeable``: only running ones (not paused, closing
+        or being retired), where a new role can start."""
         info = await self._client.scheduler.identity()
-        return sorted(info["workers"])
+        return sorted(w for w, d in info["workers"].items()
+                      if not placeable or d.get("status", "running") == "running")
 
     async def _place(self) -> str:
         """The live worker holding the fewest roles (the planner's own counts as one)."""
-        workers = [w for w in await self._workers() if w not in self._evacuating]
+        workers = [w for w in await self._workers(placeable=True) if w not in self._evacuating]
         if not workers:
             raise RuntimeError("no worker left to place a role on")
         load = Counter(h._address for h, _ in self._all_loaders())
@@ -219,29 +222,36 @@ class _Roles:
 
         handles = list(self.constructors)
         pending = {i: asyncio.ensure_future(call(i)) for i in range(len(handles))}
-        while pending:
-            done, _ = await asyncio.wait(pending.values(), timeout=1.0)
-            for i, t in list(pending.items()):
-                if t in done:
-                    if t.exception() is None:
-                        del pending[i]
-                    else:
-                        await self.heal(wait=True)
-                        if self.constructors[i] is handles[i]:
-                            raise t.exception()  # type: ignore[misc]
-                        # re-created: ``submit`` was re-sent with the recent steps
-                        if method == "submit":
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending.values(), timeout=1.0)
+                for i, t in list(pending.items()):
+                    if t in done:
+                        if t.exception() is None:
                             del pending[i]
                         else:
-                            handles[i] = self.constructors[i]
-                            pending[i] = asyncio.ensure_future(call(i))
-            if pending and await self.heal():
-                for i in list(pending):
-                    if self.constructors[i] is not handles[i]:
-                        pending.pop(i).cancel()
-                        if method != "submit":
-                            handles[i] = self.constructors[i]
-                            pending[i] = asyncio.ensure_future(call(i))
+                            await self.heal(wait=True)
+                            if self.constructors[i] is handles[i]:
+                                raise t.exception()  # type: ignore[misc]
+                            # re-created: ``submit`` was re-sent with the recent steps
+                            if method == "submit":
+                                del pending[i]
+                            else:
+                                handles[i] = self.constructors[i]
+                                pending[i] = asyncio.ensure_future(call(i))
+                if pending and await self.heal():
+                    for i in list(pending):
+                        if self.constructors[i] is not handles[i]:
+                            gone = pending.pop(i)
+                            gone.cancel()
+                            gone.add_done_callback(_observe)
+                            if method != "submit":
+                                handles[i] = self.constructors[i]
+                                pending[i] = asyncio.ensure_future(call(i))
+        finally:  # raised early: the other calls must not fail unobserved later
+            for t in pending.values():
+                t.cancel()
+                t.add_done_callback(_observe)
 
     # ------------------------------------------------------------- recovery
     async def heal(self, wait: bool = False) -> bool:
@@ -472,6 +482,12 @@ async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, A
             for r, step in role.last_claimed.items():
                 last[int(r)] = max(last.get(int(r), -1), int(step))
     return {"closed": closed, "last_claimed": last}
+
+
+def _observe(task: asyncio.Future[Any]) -> None:
+    """Retrieve a finished task's exception (it was given up on; nothing else will)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _drop(handle: Any, fut: Any) -> None:

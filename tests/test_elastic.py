@@ -120,3 +120,35 @@ def test_adaptive_plugin_scales_a_costly_source_before_its_weight_rises(corpus):
     assert any(n > 1 for _, _, n in before), seen
     check_content(recs, texts, 512)
     check_exactly_once(recs, texts, 512)
+
+
+def test_new_roles_skip_a_paused_worker(corpus):
+    """A role is only placed on a running worker: one that is paused (or closing, or being
+    retired by Adaptive) would leave a role pinned to it waiting (a bug once)."""
+    from distributed.core import Status
+
+    root, texts = corpus
+    cfg = config(root, name="paused")
+    with DataService.start(cfg, n_workers=3, threads_per_worker=1) as svc:
+        planner_at = svc.coordinator._address
+        spare = sorted(set(svc.client.scheduler_info()["workers"]) - {planner_at})
+
+        def pause(dask_worker):
+            dask_worker.memory_manager.memory_pause_fraction = False  # no auto-resume
+            dask_worker.status = Status.paused
+
+        def resume(dask_worker):
+            dask_worker.status = Status.running
+
+        svc.client.run(pause, workers=spare)
+        deadline = time.monotonic() + 10
+        while any(svc.client.scheduler_info()["workers"][w]["status"] != "paused" for w in spare):
+            assert time.monotonic() < deadline, "the scheduler did not see the pause"
+            time.sleep(0.1)
+        assert svc.scale_loaders("code", 4) == 4
+        recs = _consume(svc, 10)
+        placed = {s["index"]: s["worker"] for s in svc.coordinator.loader_stats().result()["code"]}
+        svc.client.run(resume, workers=spare)
+    assert sorted(placed) == [0, 1, 2, 3], placed
+    assert placed[2] == placed[3] == planner_at, placed  # the only running worker
+    check_content(recs, texts, 512)
