@@ -31,11 +31,7 @@ from .config import Config, load_config
 from .constructor import queue_name
 from .coordinator import Coordinator, planner_state
 from .errors import DataError, ServiceError, ServiceTimeoutError
-from .formats import get_format
-from .loader import with_source
 from .roles import close_service_roles
-from .storage import open_source
-from .tokenizer import make_tokenizer
 
 __all__ = ["DataService", "Reader", "discover_units"]
 
@@ -61,6 +57,10 @@ def discover_units(cfg: Config, threads: int = 8,
     roots : dict
         ``{source: root}`` for document keys.
     """
+    from .formats import get_format  # the starting process only: readers never list files
+    from .loader import with_source
+    from .storage import open_source
+
     units: dict[str, list[tuple[str, int, int]]] = {}
     roots: dict[str, str] = {}
     with ThreadPoolExecutor(threads) as ex:
@@ -481,6 +481,8 @@ class DataService:
         ``members`` (constructor -> DP ranks) is kept across generations, so a
         ticket's constructor index means the same DP ranks in every generation.
         """
+        from .tokenizer import make_tokenizer
+
         workers = sorted(client.scheduler_info()["workers"])
         if not workers:
             raise ServiceError(f"no worker to place the planner of service {cfg.name!r} on")

@@ -10,9 +10,12 @@ order, so one patch is a row of ``patch · patch · 3`` ``uint8`` values.
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = ["decode_image", "resize", "patchify", "unpatchify", "image_patches", "num_patches"]
 
@@ -25,6 +28,8 @@ def decode_image(data: bytes) -> Image.Image:
     ValueError
         If ``data`` is not an image Pillow can decode.
     """
+    from PIL import Image  # here: only processes that decode images load Pillow
+
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.load()
@@ -35,6 +40,8 @@ def decode_image(data: bytes) -> Image.Image:
 
 def resize(img: Image.Image, size: int) -> np.ndarray:
     """``img`` resized to ``size × size`` (bicubic), as ``uint8 [size, size, 3]``."""
+    from PIL import Image
+
     if img.size != (size, size):
         img = img.resize((size, size), Image.Resampling.BICUBIC)
     return np.asarray(img.convert("RGB"), dtype=np.uint8)

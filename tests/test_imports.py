@@ -62,3 +62,11 @@ def test_building_a_batch_imports_torch() -> None:
         "assert b.cu_seqlens[0].dtype == torch.int32 and b.num_tokens == 8\n"
     )
     assert "torch" in _imported_after(code)
+
+
+def test_a_training_process_loads_no_file_format_or_image_library() -> None:
+    """A reader unpickles the roles' actor handles (their modules get imported) but never
+    reads files or decodes images: pyarrow and Pillow stay out of the training process."""
+    mods = _imported_after("import msd_dask.service, msd_dask.coordinator, msd_dask.loader, "
+                           "msd_dask.constructor, msd_dask.roles, msd_dask.torch")
+    assert not {"pyarrow", "PIL"} & mods, sorted({"pyarrow", "PIL"} & mods)

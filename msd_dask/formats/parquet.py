@@ -6,8 +6,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import DataError
 from . import Unit, register_format
@@ -55,6 +53,9 @@ class ParquetFormat:
         DataError
             If the footer cannot be read (not a parquet file, truncated, corrupt).
         """
+        import pyarrow as pa  # here, not at import: a training process never needs it
+        import pyarrow.parquet as pq
+
         with fs.open(path, "rb") as f:
             try:
                 meta = pq.ParquetFile(f).metadata
@@ -96,6 +97,9 @@ class ParquetFormat:
             If a field is not a column of the file (naming the unit's first row), or the
             file cannot be read.
         """
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         path = unit.path
         columns = list(dict.fromkeys(fields))
         with fs.open(path, "rb") as f:
