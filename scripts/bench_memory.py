@@ -237,6 +237,14 @@ def run_baseline(a: argparse.Namespace, common: list[str], timeout: float) -> di
             "loaders": ranks - a.ranks * bare + workers}
 
 
+def _token_bytes(config: str) -> float:
+    """Bytes a loader holds per token: uint16 for vocabularies up to 65,536 ids, else int32."""
+    from msd_dask import load_config
+    from msd_dask.tokenizer import make_tokenizer
+
+    return 2.0 if make_tokenizer(load_config(config).tokenizer).vocab_size <= 1 << 16 else 4.0
+
+
 def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
             read_ahead: int | None) -> dict[str, float]:
     """msd_dask's processes, its sources' ``read_ahead`` set to ``read_ahead`` unless ``None``."""
@@ -269,7 +277,8 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
     out = {"bare": bare, "scheduler": m["scheduler"][0],
            "workers": sum(m[f"worker{i}"][0] for i in range(a.dask_workers)),
            "serve": m["serve"][0], "reader_adds": sum(x - bare for x in readers) / a.ranks,
-           "token_buffers": 4.0 * held["tokens_buffered"], "loaders": held["loaders"]}
+           "token_buffers": _token_bytes(a.config) * held["tokens_buffered"],
+           "loaders": held["loaders"]}
     out["total"] = out["scheduler"] + out["workers"] + out["serve"] + a.ranks * out["reader_adds"]
     return out
 
@@ -346,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, list[float], str]] = [
         ("scheduler", [m["scheduler"] for m in msds], "mib"),
         (f"{a.dask_workers} workers (all roles)", [m["workers"] for m in msds], "mib"),
-        ("  of which tokens held by loaders (x 4 B)", [m["token_buffers"] for m in msds], "mib"),
+        ("  of which loaders' token buffers (uint16)", [m["token_buffers"] for m in msds], "mib"),
         ("process that started the service", [m["serve"] for m in msds], "mib"),
         ("what a reader adds to a training process", [m["reader_adds"] for m in msds], "mib"),
         (f"R x what a reader adds (R = {a.ranks})", [a.ranks * m["reader_adds"] for m in msds],
