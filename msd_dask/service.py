@@ -335,13 +335,15 @@ class DataService:
                 _log.warning("msd_dask %s: watching the planner: %r", self.name, e)
 
     def _coordinator_gone(self) -> bool:
-        if self._planner_lost():
-            return True
+        """Whether the planner's worker is gone while the scheduler is still there (a lost
+        scheduler cancels every future too, but then there is nothing to re-create it on)."""
+        if self.client.status != "running":
+            return False
         try:
             info = self.client.sync(self.client.scheduler.identity, callback_timeout=5)
         except Exception:  # noqa: BLE001 - scheduler unreachable: nothing to do from here
             return False
-        return self.coordinator._address not in info["workers"]
+        return self._planner_lost() or self.coordinator._address not in info["workers"]
 
     def _recover(self) -> None:
         """Re-create the lost planner from the last checkpoint (owner only)."""

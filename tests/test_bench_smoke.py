@@ -53,7 +53,7 @@ def test_memory_smoke():
     _needs_datasets()
     out = _run("bench_memory.py", "--smoke")
     assert "ratio HF total / msd_dask total" in out and "msd_dask total" in out, out
-    assert "read_ahead 8 (config)" in out and "tokens held by loaders" in out, out
+    assert "read_ahead 8 (config)" in out and "token buffers" in out, out
 
 
 @needs_demo
