@@ -272,8 +272,10 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         from ._adaptive import capacity, workers_needed
 
         sched = self.scheduler
-        rpw = [c.scaling.roles_per_worker for n, c in self._configs.items()
-               if n in self.services and c.scaling.roles_per_worker > 0]
+        # configs of closed services are dropped at the next poll; a config is known before
+        # the service's first snapshot (which can fail or time out under load)
+        rpw = [c.scaling.roles_per_worker for c in self._configs.values()
+               if c.scaling.roles_per_worker > 0]
         per_worker = min(rpw) if rpw else 0
         holders = self.role_holders()
         workers = list(sched.workers.values())

@@ -40,7 +40,9 @@ def _targets(dask_scheduler):
 
 
 def _known_services(dask_scheduler):
-    return sorted(dask_scheduler.plugins["msd_dask"]._configs)
+    """Services whose config and first snapshot the plugin has."""
+    plugin = dask_scheduler.plugins["msd_dask"]
+    return sorted(set(plugin._configs) & set(plugin.services))
 
 
 def _one_group(ws):
