@@ -279,16 +279,28 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
         return row
     new = n_carried + np.argsort(-lengths[n_carried:], kind="stable")
     order = np.concatenate([np.arange(n_carried), new]).tolist()
-    rooms = [seq_len * n_rows + r for r in range(n_rows)]  # room * n_rows + row, sorted
+    # the distinct rooms left, sorted, and the rows with each room (a heap: lowest row first)
+    rooms = [seq_len]
+    rows_at = {seq_len: list(range(n_rows))}
     ls = lengths.tolist()
     out = [-1] * n
     for i in order:
-        k = bisect_left(rooms, ls[i] * n_rows)  # the tightest row with room (lowest on ties)
-        if k < len(rooms):
-            key = rooms.pop(k)
-            r = key % n_rows
-            insort(rooms, key - ls[i] * n_rows)
-            out[i] = r
+        k = bisect_left(rooms, ls[i])  # the tightest room that fits, lowest row on ties
+        if k == len(rooms):
+            continue
+        room = rooms[k]
+        at = rows_at[room]
+        r = heappop(at)
+        if not at:
+            del rows_at[room]
+            del rooms[k]
+        left = room - ls[i]
+        if left in rows_at:
+            heappush(rows_at[left], r)
+        else:
+            rows_at[left] = [r]
+            insort(rooms, left)
+        out[i] = r
     row[:] = out
     return row
 
