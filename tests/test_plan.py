@@ -375,3 +375,17 @@ def test_set_weights_refusals() -> None:
     with pytest.raises(ValueError):
         pl.set_weights({"web": float("nan"), "code": 1.0})
     assert pl.overrides == []
+
+
+def test_kept_rows_best_fit_decreasing_carried_first() -> None:
+    from msd_dask.plan import kept_rows
+
+    def rows(lengths: list[int], n_carried: int, n_rows: int, seq_len: int) -> list[int]:
+        return kept_rows(np.array(lengths, dtype=np.int64), n_carried, n_rows, seq_len).tolist()
+
+    # decreasing: 6 -> row 0, 5 -> row 1, 4 -> the tightest room that fits (row 0), 4 -> row 1
+    assert rows([4, 6, 4, 5], 0, 2, 10) == [0, 0, 1, 1]
+    assert rows([7, 7, 7], 0, 2, 10) == [0, 1, -1]  # fits nowhere: carried
+    # a carried piece goes first even though it is the shortest; a new one is carried instead
+    assert rows([3, 10, 10], 1, 2, 10) == [0, 1, -1]
+    assert rows([], 0, 4, 10) == []
