@@ -244,13 +244,15 @@ class CostConfig:
     ``model`` (``{"hidden_size": H, "layers": N}``), ``linear`` and
     ``quadratic`` are that transformer's forward FLOPs ``24·N·H²`` and
     ``2·N·H``.  With ``fit``, step times refine the model online
-    (:class:`~msd_dask.cost.CostFitter`), starting from it.
+    (:class:`~msd_dask.cost.CostFitter`), starting from it; ``prior_weight`` is
+    how many observations the starting model counts as in the fit (0: none).
     """
 
     linear: float = 1.0
     quadratic: float = 1.0 / (12 * 4096)
     model: Mapping[str, int] | None = None
     fit: bool = False
+    prior_weight: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -615,16 +617,17 @@ def _parse(d: Any, check_files: bool) -> Config:
                         micro_batches=_int(b, "micro_batches", "batch", 1))
     tokenizer = _tokenizer(d.get("tokenizer", {}), check_files)
     cost = d.get("cost", {})
-    _check_keys(cost, "cost", {"linear", "quadratic", "model", "fit"})
+    _check_keys(cost, "cost", {"linear", "quadratic", "model", "fit", "prior_weight"})
     fit = cost.get("fit", False)
     if not isinstance(fit, bool):
         raise ConfigError("cost.fit", f"must be true or false, got {fit!r}")
+    prior_weight = _num(cost, "prior_weight", "cost", CostConfig.prior_weight)
     shape = cost.get("model")
     if shape is None:
         cost_cfg = CostConfig(
             linear=_num(cost, "linear", "cost", CostConfig.linear),
             quadratic=_num(cost, "quadratic", "cost", CostConfig.quadratic),
-            fit=fit,
+            fit=fit, prior_weight=prior_weight,
         )
     else:
         from .cost import transformer_coefficients
@@ -637,7 +640,8 @@ def _parse(d: Any, check_files: bool) -> Config:
             if k in cost and not math.isclose(_num(cost, k, "cost", 0.0), derived, rel_tol=1e-9):
                 raise ConfigError(f"cost.{k}", f"conflicts with cost.model, which gives {derived!r} "
                                   "(give one or the other)")
-        cost_cfg = CostConfig(linear=linear, quadratic=quadratic, model=model, fit=fit)
+        cost_cfg = CostConfig(linear=linear, quadratic=quadratic, model=model, fit=fit,
+                              prior_weight=prior_weight)
     if cost_cfg.linear == 0 and cost_cfg.quadratic == 0:
         raise ConfigError("cost", "linear and quadratic cannot both be 0")
     srcs = d["sources"]

@@ -142,7 +142,8 @@ class Coordinator:
         self.waiting: str | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=1000)
         #: ``cost: {fit: true}``: fits α, β to the step times readers report
-        self.fitter = CostFitter(prior=self.planner.cost) if self.cfg.cost.fit else None
+        self.fitter = (CostFitter(self.planner.cost, prior_weight=self.cfg.cost.prior_weight)
+                       if self.cfg.cost.fit else None)
         self._step_lengths: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self._reported: set[tuple[int, int]] = set()
         self.imbalance_sum = 0.0

@@ -150,7 +150,9 @@ class CostFitter:
 
     @classmethod
     def from_config(cls, cfg: CostConfig, **kwargs: Any) -> CostFitter:
-        """A fitter starting from the configured model (``cost: {fit: true, ...}``)."""
+        """A fitter starting from the configured model (``cost: {fit: true, ...}``), with the
+        configured ``prior_weight`` unless given."""
+        kwargs.setdefault("prior_weight", cfg.prior_weight)
         return cls(CostModel.from_config(cfg), **kwargs)
 
     # ---------------------------------------------------------------- observing

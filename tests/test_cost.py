@@ -66,6 +66,8 @@ def test_model_from_transformer_shape(hidden: int, layers: int) -> None:
     ({"model": [64, 2]}, "cost.model"),
     ({"model": {"hidden_size": 64, "layers": 2}, "quadratic": 1.0}, "cost.quadratic"),
     ({"fit": "yes"}, "cost.fit"),
+    ({"fit": True, "prior_weight": -0.5}, "cost.prior_weight"),
+    ({"fit": True, "prior_weight": "none"}, "cost.prior_weight"),
     ({"linear": -1}, "cost.linear"),
     ({"linear": 0, "quadratic": 0}, "cost"),
     ({"slope": 1}, "cost.slope"),
@@ -84,6 +86,15 @@ def test_fit_config() -> None:
     cfg = cfg_with({"fit": True, "model": {"hidden_size": 64, "layers": 2}})
     assert CostFitter.from_config(cfg).prior == CostModel.from_transformer(64, 2)
     assert not cfg_with({"linear": 2.0}).fit
+    # how much the starting model weighs in the fit is configurable (default 0.1)
+    assert CostFitter.from_config(cfg_with({"fit": True})).prior_weight == 0.1
+    cfg = cfg_with({"fit": True, "prior_weight": 0})
+    assert cfg.prior_weight == 0 and CostFitter.from_config(cfg).prior_weight == 0
+    full = load_config({"name": "x", "batch": {"seq_len": 8},
+                        "cost": {"fit": True, "prior_weight": 0.5},
+                        "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]},
+                       check_files=False)
+    assert load_config(json.loads(json.dumps(full.to_dict())), check_files=False) == full
 
 
 # ------------------------------------------------------------------------ the fitter
