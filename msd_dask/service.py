@@ -564,7 +564,7 @@ class DataService:
         """
         import gc
 
-        moved = dict(self.coordinator.evacuate(list(workers)).result())
+        moved = dict(self._ask("evacuate", list(workers)))
         self.refresh()  # drop this client's handles of the moved roles ...
         if self._owner:
             self._keep_checkpoint()  # ... and stop holding their keys
@@ -595,7 +595,7 @@ class DataService:
         planner = self._ask("stats")
         loader_stats = self._ask("loader_stats")
         self.refresh()
-        cons = [c.stats().result() for c in self.constructors]
+        cons = [self._constructor_stats(i, c) for i, c in enumerate(self.constructors)]
         total = sum(planner["tokens_planned"].values()) or 1
         listed_out = self._registry.get("quarantined", {})
         sources = {}
@@ -651,12 +651,21 @@ class DataService:
             step = self.consumed_step()
         return dict(self._ask("state_at", int(step)))
 
+    def _constructor_stats(self, i: int, c: Any) -> dict[str, Any]:
+        try:
+            return dict(c.stats().result(timeout=self.config.timeout))
+        except TimeoutError:
+            raise ServiceTimeoutError(f"constructor {i} of service {self.name!r} did not answer "
+                                      f"within {self.config.timeout:.0f}s (its worker may be "
+                                      "lost; the planner re-creates it)") from None
+
     def consumed_step(self) -> int:
         """The last step every rank has claimed (one before the first step if some has none)."""
         first = int(self._ask("start_step"))
         last: dict[int, int] = {}
-        for c in self.constructors:
-            last.update({int(r): int(s) for r, s in c.stats().result()["last_claimed"].items()})
+        for i, c in enumerate(self.constructors):
+            last.update({int(r): int(s) for r, s in
+                         self._constructor_stats(i, c)["last_claimed"].items()})
         return min(last.get(r, first - 1) for r in range(self.config.parallel.world_size))
 
     @property
