@@ -44,7 +44,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+
+from .config import Config, ScalingConfig
 
 __all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target", "demand",
            "MAX_STARVED_BOOST", "MIN_EFFICIENCY"]
@@ -89,21 +90,21 @@ class SourceLoad:
 
 @dataclass(frozen=True)
 class ScalingPolicy:
-    """Knobs of the loader policy (``scaling:`` in the config)."""
+    """Knobs of the loader policy (``scaling:`` in the config; the same defaults)."""
 
-    min_loaders: int = 1
-    max_loaders: int = 8
-    headroom: float = 1.25
-    starve_fraction: float = 0.05
-    cooldown: float = 5.0
-    scale_down_after: float = 30.0
+    min_loaders: int = ScalingConfig.min_loaders
+    max_loaders: int = ScalingConfig.max_loaders
+    headroom: float = ScalingConfig.headroom
+    starve_fraction: float = ScalingConfig.starve_fraction
+    cooldown: float = ScalingConfig.cooldown
+    scale_down_after: float = ScalingConfig.scale_down_after
     limits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def bounds(self, source: str) -> tuple[int, int]:
         return self.limits.get(source, (self.min_loaders, self.max_loaders))
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ScalingPolicy:
+    def from_config(cls, cfg: Config) -> ScalingPolicy:
         """The policy of a service config (``scaling:`` and ``sources[].min/max_loaders``)."""
         sc = cfg.scaling
         limits = {}
