@@ -68,3 +68,22 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
             except subprocess.TimeoutExpired:
                 p.kill()
         log.close()
+
+
+def start_serve(cfg: dict, tmp: str, address: str, *extra: str) -> subprocess.Popen:
+    """``msd-dask serve`` of ``cfg`` in another process, returned once it says it serves.
+
+    Its output (stdout and stderr) stays readable on ``proc.stdout``; ``extra`` are more
+    command-line options (e.g. ``--tls-*``).
+    """
+    path = os.path.join(tmp, f"serve-{cfg['name']}.json")  # JSON is YAML too
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "msd_dask.cli", "serve", path, "--scheduler", address, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    if f"serving {cfg['name']!r}" not in line:
+        proc.kill()
+        raise AssertionError(line + proc.stdout.read())
+    return proc

@@ -10,10 +10,9 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from checks import check_content, check_exactly_once, shares
-from cluster import dask_cluster
+from cluster import dask_cluster, start_serve
 from corpus import config, write_corpus
 
 pytestmark = pytest.mark.integration
@@ -24,17 +23,10 @@ def test_serve_and_read_from_other_processes(tmp_path):
     root = str(tmp_path / "corpus")
     texts = write_corpus(root)
     cfg = config(root, name="procs", parallel={"dp": 2, "tp": 2})
-    cfg_path = tmp_path / "svc.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg))
     steps = 60
     with dask_cluster(str(tmp_path), n_workers=2) as cl:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "msd_dask.cli", "serve", str(cfg_path),
-             "--scheduler", cl["address"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
+        serve = start_serve(cfg, str(tmp_path), cl["address"])
         try:
-            line = serve.stdout.readline()
-            assert "serving 'procs'" in line, line + serve.stdout.read()
             env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
             outs = [str(tmp_path / f"r{i}.pkl") for i in range(2)]
             # ranks 0,1 share DP group 0 (tp=2); ranks 2,3 are DP group 1
@@ -71,16 +63,9 @@ def test_serve_and_read_from_other_processes(tmp_path):
 def test_serve_exits_with_a_clear_error_when_the_scheduler_is_lost(tmp_path):
     root = str(tmp_path / "corpus")
     write_corpus(root)
-    cfg_path = tmp_path / "svc.yaml"
-    cfg_path.write_text(yaml.safe_dump(config(root, name="lost")))
     with dask_cluster(str(tmp_path), n_workers=1) as cl:
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "msd_dask.cli", "serve", str(cfg_path),
-             "--scheduler", cl["address"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
+        serve = start_serve(config(root, name="lost"), str(tmp_path), cl["address"])
         try:
-            line = serve.stdout.readline()
-            assert "serving 'lost'" in line, line + serve.stdout.read()
             cl["scheduler"].kill()  # kill -9: no goodbye to the clients
             cl["scheduler"].wait(10)
             out, _ = serve.communicate(timeout=120)

@@ -9,13 +9,12 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 from distributed.security import Security
 
 from msd_dask import DataService
 
 from checks import check_content, record
-from cluster import dask_cluster
+from cluster import dask_cluster, start_serve
 from corpus import config, write_corpus
 
 pytestmark = pytest.mark.integration
@@ -60,19 +59,14 @@ def test_cli_processes_over_tls(tmp_path):
     pytest.importorskip("cryptography")
     root = str(tmp_path / "c")
     texts = write_corpus(root)
-    cfg_path = tmp_path / "svc.yaml"
-    cfg_path.write_text(yaml.safe_dump(config(root, name="tlsprocs")))
     tls = _write_credentials(tmp_path)
     steps = 20
     with dask_cluster(str(tmp_path), n_workers=2, tls=tls) as cl:
         assert cl["address"].startswith("tls://")
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "msd_dask.cli", "serve", str(cfg_path),
-             "--scheduler", cl["address"], "--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"],
-             "--tls-key", tls["key"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        serve = start_serve(config(root, name="tlsprocs"), str(tmp_path), cl["address"],
+                            "--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"],
+                            "--tls-key", tls["key"])
         try:
-            line = serve.stdout.readline()
-            assert "serving 'tlsprocs'" in line, line + serve.stdout.read()
             env = dict(os.environ,
                        PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
                        DASK_DISTRIBUTED__COMM__TLS__CA_FILE=tls["ca"],
