@@ -113,18 +113,26 @@ def test_reactive_rule_ignores_waits_of_a_source_supplied_twice_over():
     assert s.decide(0.0, {"a": load(seconds_per_token=0.0012, starved=0.2)}) == {"a": 2}
 
 
-def _simulate(s: Scaler, loaders: int, seconds: int, consumption=lambda t: 1000.0,
-              need=lambda t: 7):
-    """The planner starves (20%) whenever fewer than ``need(t)`` loaders serve the source."""
+def _drive(s: Scaler, loaders: int, seconds: int, measured) -> list[tuple[int, int]]:
+    """One decision a second for source "a"; ``measured(t, loaders)`` is its SourceLoad.
+
+    Returns the changes as ``(t, loaders)``.
+    """
     changes = []
     for t in range(seconds):
-        starved = 0.2 if loaders < need(t) else 0.0
-        d = s.decide(float(t), {"a": load(loaders=loaders, seconds_per_token=0.007,
-                                          starved=starved, consumption=consumption(t))})
+        d = s.decide(float(t), {"a": measured(t, loaders)})
         if d:
             changes.append((t, d["a"]))
             loaders = d["a"]
     return changes
+
+
+def _simulate(s: Scaler, loaders: int, seconds: int, consumption=lambda t: 1000.0,
+              need=lambda t: 7):
+    """The planner starves (20%) whenever fewer than ``need(t)`` loaders serve the source."""
+    return _drive(s, loaders, seconds, lambda t, n: load(
+        loaders=n, seconds_per_token=0.007, starved=0.2 if n < need(t) else 0.0,
+        consumption=consumption(t)))
 
 
 def test_a_scale_down_that_starves_is_undone_once_not_repeated():
@@ -150,15 +158,9 @@ def test_the_floor_goes_when_demand_falls():
 
 def _cpu_bound(s: Scaler, cores: int, seconds: int, loaders: int = 1):
     """Loaders sharing ``cores``: busy time per token grows once they outnumber the cores."""
-    changes = []
-    for t in range(seconds):
-        spt = 0.001 * max(1.0, loaders / cores)
-        d = s.decide(float(t), {"a": load(loaders=loaders, seconds_per_token=spt,
-                                          consumption=20_000.0, starved=0.5)})
-        if d:
-            changes.append((t, d["a"]))
-            loaders = d["a"]
-    return changes
+    return _drive(s, loaders, seconds, lambda t, n: load(
+        loaders=n, seconds_per_token=0.001 * max(1.0, n / cores), consumption=20_000.0,
+        starved=0.5))
 
 
 def test_loaders_that_add_no_capacity_are_removed_and_not_added_again():
