@@ -182,9 +182,20 @@ def measure(client: Any, address: str, cfg: dict[str, Any], steps: int, warmup: 
         time.sleep(0.5)  # the constructors refill, then the service idles
         service_idle = _rate(client, idle_seconds)
     batches = steps * world
-    total = d["read_bytes"] + d["write_bytes"]
     return {"seq_len": cfg["batch"]["seq_len"], "batches": batches, "seconds": elapsed,
-            "bytes_per_batch": total / batches,
+            **per_batch(d, batches, elapsed, background_rate, service_idle, tensor_bytes)}
+
+
+def per_batch(d: dict, batches: int, elapsed: float, background_rate: float,
+              service_idle: float, tensor_bytes: float) -> dict:
+    """The scheduler's traffic ``d`` (a :func:`_diff`) over ``elapsed`` seconds, per batch.
+
+    Raw, net of the cluster's idle rate (``background_rate`` B/s) and net of the service's
+    own idle rate (``service_idle`` B/s: service up, nobody reading); messages per batch,
+    and the tensor bytes the readers received per batch (which never pass the scheduler).
+    """
+    total = d["read_bytes"] + d["write_bytes"]
+    return {"bytes_per_batch": total / batches,
             "bytes_per_batch_net": (total - background_rate * elapsed) / batches,
             "service_idle_rate": service_idle,
             "bytes_per_batch_net_service": (total - service_idle * elapsed) / batches,

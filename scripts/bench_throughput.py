@@ -180,10 +180,10 @@ def service(client: Any, address: str, cfg: dict[str, Any], steps: int,
 
     ``start`` is the time from ``DataService.start`` to every rank's first batch;
     ``read`` the tokens its loaders read (tokenized) during the timed steps;
-    ``service_idle`` the scheduler's traffic in B/s after them, with the service
+    ``service_idle_rate`` the scheduler's traffic in B/s after them, with the service
     up and nobody reading (the scheduler plugin's polls, heartbeats).
     """
-    from bench_scheduler_bytes import _diff, _rate, _snapshot
+    from bench_scheduler_bytes import _diff, _rate, _snapshot, per_batch
 
     from msd_dask import DataService
 
@@ -206,16 +206,10 @@ def service(client: Any, address: str, cfg: dict[str, Any], steps: int,
         time.sleep(0.5)  # the constructors refill, then the service idles
         service_idle = _rate(client, idle_seconds)
     batches = steps * len(readers)
-    sched = d["read_bytes"] + d["write_bytes"]
     return {"tokens": tokens, "seconds": elapsed, "imbalance": imbalance, "batches": batches,
             "start_tokens": sum(int(x[0]) for x, count in zip(first, counts, strict=True) if count),
             "start_seconds": start, "read": read,
-            "sched_bytes_per_batch": sched / batches,
-            "sched_bytes_per_batch_net": (sched - background * elapsed) / batches,
-            "service_idle": service_idle,
-            "sched_bytes_per_batch_net_service": (sched - service_idle * elapsed) / batches,
-            "sched_msgs_per_batch": (d["read_msgs"] + d["write_msgs"]) / batches,
-            "tensor_bytes_per_batch": tensor_bytes / batches}
+            **per_batch(d, batches, elapsed, background, service_idle, tensor_bytes)}
 
 
 def bpe_tokenizer(root: str, out: str) -> str:
@@ -321,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'svc idle B/s':>14}{'net of svc idle':>17}{'msgs/batch':>12}{'tensor B/batch':>16}")
     for kind, r in results.items():
         s = r["service"]
-        print(f"{kind:<10}{s['batches']:>9}{s['seconds']:>9.2f}{s['sched_bytes_per_batch']:>15,.0f}"
-              f"{s['sched_bytes_per_batch_net']:>13,.0f}{s['service_idle']:>14,.0f}"
-              f"{s['sched_bytes_per_batch_net_service']:>17,.0f}{s['sched_msgs_per_batch']:>12.1f}"
+        print(f"{kind:<10}{s['batches']:>9}{s['seconds']:>9.2f}{s['bytes_per_batch']:>15,.0f}"
+              f"{s['bytes_per_batch_net']:>13,.0f}{s['service_idle_rate']:>14,.0f}"
+              f"{s['bytes_per_batch_net_service']:>17,.0f}{s['msgs_per_batch']:>12.1f}"
               f"{s['tensor_bytes_per_batch']:>16,.0f}")
     if args.json:
         with open(args.json, "w") as f:
