@@ -199,35 +199,6 @@ class Planner:
         keep = self.long_sources if long_step else set(weights) - self.long_sources
         return {k: v if k in keep else 0.0 for k, v in weights.items()}
 
-    @staticmethod
-    def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro: np.ndarray,
-                       seq_len: int) -> None:
-        """Make sure pieces carried from the last step are placed now.
-
-        A carried piece the strategy left out takes the row of a new piece
-        (the shortest that makes room), which is carried instead; so no piece
-        waits more than one step.
-        """
-        for i in range(n_carried):
-            if rank[i] >= 0:
-                continue
-            placed = np.flatnonzero(rank >= 0)
-            used: dict[tuple[int, int], int] = {}
-            for j in placed:
-                k = (int(rank[j]), int(micro[j]))
-                used[k] = used.get(k, 0) + int(lengths[j])
-            best = -1
-            for j in placed:
-                if j < n_carried:
-                    continue
-                room = seq_len - used[(int(rank[j]), int(micro[j]))] + int(lengths[j])
-                if room >= lengths[i] and (best < 0 or lengths[j] < lengths[best]):
-                    best = int(j)
-            if best < 0:  # every row is full of carried pieces: cannot happen in practice
-                continue
-            rank[i], micro[i] = rank[best], micro[best]
-            rank[best] = micro[best] = -1
-
     def upcoming_units(self, source: str, n: int) -> list[tuple[int, int]]:
         """``(epoch, unit)`` the source's stream needs next (current window + ``n``)."""
         return self.streams[source].upcoming_units(n)
@@ -259,6 +230,35 @@ class Planner:
         self.pieces_planned = {k: int(v) for k, v in state["pieces"].items()}
         if "cost" in state:
             self.cost = CostModel(float(state["cost"][0]), float(state["cost"][1]))
+
+
+def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro: np.ndarray,
+                   seq_len: int) -> None:
+    """Make sure pieces carried from the last step are placed now.
+
+    A carried piece the strategy left out takes the row of a new piece
+    (the shortest that makes room), which is carried instead; so no piece
+    waits more than one step.
+    """
+    for i in range(n_carried):
+        if rank[i] >= 0:
+            continue
+        placed = np.flatnonzero(rank >= 0)
+        used: dict[tuple[int, int], int] = {}
+        for j in placed:
+            k = (int(rank[j]), int(micro[j]))
+            used[k] = used.get(k, 0) + int(lengths[j])
+        best = -1
+        for j in placed:
+            if j < n_carried:
+                continue
+            room = seq_len - used[(int(rank[j]), int(micro[j]))] + int(lengths[j])
+            if room >= lengths[i] and (best < 0 or lengths[j] < lengths[best]):
+                best = int(j)
+        if best < 0:  # every row is full of carried pieces: cannot happen in practice
+            continue
+        rank[i], micro[i] = rank[best], micro[best]
+        rank[best] = micro[best] = -1
 
 
 def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) -> np.ndarray:
@@ -335,7 +335,7 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
     if strategy == "sequential":  # next fit over the rows: mesh-agnostic already
         a = assign(lengths, costs, dp, mb, seq_len, strategy)
         rank, micro = a.rank.copy(), a.micro.copy()
-        Planner._place_carried(n_carried, lengths, rank, micro, seq_len)
+        _place_carried(n_carried, lengths, rank, micro, seq_len)
         return rank, micro
     rows = kept_rows(lengths, n_carried, dp * mb, seq_len)
     idx = np.flatnonzero(rows >= 0)
