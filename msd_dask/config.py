@@ -137,6 +137,9 @@ class SourceConfig:
     loaders: int = 1
     shuffle_window: int = 4
     read_ahead: int = 8
+    #: cap on the tokens of the units assigned ahead of the current shuffle window
+    #: (at least one unit is always assigned); 0: ``prefetch`` whole steps' tokens
+    read_ahead_tokens: int = 0
     context: str = "short"
     #: ``"package.module:function"`` called as ``fn(text, record) -> str | None``
     #: on every document before tokenizing (``None`` drops the document).
@@ -448,6 +451,7 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         max_loaders=_int(d, "max_loaders", key, 0, lo=0),
         shuffle_window=_int(d, "shuffle_window", key, 4),
         read_ahead=_int(d, "read_ahead", key, 8),
+        read_ahead_tokens=_int(d, "read_ahead_tokens", key, 0, lo=0),
         context=context,
         preprocess=_preprocess(d, key),
         on_error=_on_error(d, key),
