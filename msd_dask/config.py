@@ -296,6 +296,24 @@ class LongContextConfig:
 
 
 @dataclass(frozen=True)
+class OutlierConfig:
+    """Outlier delay: hold long pieces back until every row of a step can get one.
+
+    A piece of at least ``min_length`` tokens (0: off) is held when drawn
+    instead of joining the step; once ``group`` of them are held (0: the
+    step's ``dp × micro_batches`` rows) they are released together at the
+    front of a step, so no row (and no rank) is the only one with a long,
+    attention-heavy piece.  A piece is never held more than ``max_wait`` steps.
+    The rule counts rows, not ranks, so a step holds the same pieces after an
+    elastic resume that keeps ``dp × micro_batches``.
+    """
+
+    min_length: int = 0
+    group: int = 0
+    max_wait: int = 16
+
+
+@dataclass(frozen=True)
 class Config:
     """A validated service configuration (see ``docs/config.md``)."""
 
@@ -312,6 +330,7 @@ class Config:
     balance: str = "balanced"
     long_context: LongContextConfig = LongContextConfig()
     scaling: ScalingConfig = ScalingConfig()
+    outliers: OutlierConfig = OutlierConfig()
 
     def source(self, name: str) -> SourceConfig:
         for s in self.sources:
@@ -690,6 +709,17 @@ def _parse(d: Any, check_files: bool) -> Config:
         raise ConfigError("long_context.mode", f"must be 'spread' or 'grouped', got {mode!r}")
     long_context = LongContextConfig(mode=mode,
                                      max_per_rank=_int(lc, "max_per_rank", "long_context", 0, lo=0))
+    oc = d.get("outliers", {})
+    _check_keys(oc, "outliers", {f.name for f in dataclasses.fields(OutlierConfig)})
+    outliers = OutlierConfig(min_length=_int(oc, "min_length", "outliers", 0, lo=0),
+                             group=_int(oc, "group", "outliers", 0, lo=0),
+                             max_wait=_int(oc, "max_wait", "outliers", 16))
+    if outliers.min_length and mode == "grouped" and any(s.context == "long" for s in sources):
+        raise ConfigError("outliers.min_length", "cannot be combined with long_context.mode "
+                          "'grouped' (held pieces would land on the other kind of step)")
+    if outliers.min_length > batch.seq_len:
+        raise ConfigError("outliers.min_length", f"must be <= batch.seq_len ({batch.seq_len}), "
+                          f"got {outliers.min_length}")
     sc = d.get("scaling", {})
     _check_keys(sc, "scaling", {f.name for f in dataclasses.fields(ScalingConfig)})
     policy = sc.get("policy", "fixed")
@@ -712,6 +742,7 @@ def _parse(d: Any, check_files: bool) -> Config:
         raise ConfigError("scaling.max_loaders", f"must be >= scaling.min_loaders "
                           f"({scaling.min_loaders}), got {scaling.max_loaders}")
     return Config(
+        outliers=outliers,
         scaling=scaling,
         long_context=long_context,
         name=name,

@@ -26,7 +26,7 @@ from .roles import _Roles
 from .storage import SourceFiles
 from .stream import NeedMetadata
 
-__all__ = ["Coordinator", "STATE_FORMAT", "make_state", "planner_state"]
+__all__ = ["Coordinator", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
 
 _log = logging.getLogger("msd_dask.coordinator")
 
@@ -39,6 +39,33 @@ def make_state(cfg: Any, step: int, planner: dict[str, Any]) -> dict[str, Any]:
     return {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
             "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
             "step": int(step), "planner": planner}
+
+
+def ahead_within(tokens: list[float | None], cap: float) -> int:
+    """How many of the units after the current shuffle window to keep read ahead.
+
+    Parameters
+    ----------
+    tokens : list of float or None
+        The tokens of each unit after the window, in stream order (``None``: not
+        known yet, not even as an estimate).
+    cap : float
+        The source's ``read_ahead_tokens``.
+
+    Returns
+    -------
+    int
+        The longest prefix whose tokens sum to at most ``cap``, and at least 1
+        (when there is a unit) so the loaders always read ahead of the planner;
+        an unknown unit ends the prefix (it is assigned once its size is estimated).
+    """
+    n, total = 0, 0.0
+    for t in tokens:
+        if n and (t is None or total + t > cap):
+            break
+        total += t or 0.0
+        n += 1
+    return n
 
 
 def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -136,6 +163,13 @@ class Coordinator:
         self._meta_wait = {s.name: 0.0 for s in self.cfg.sources}
         self._meta: dict[tuple[str, int, int], np.ndarray] = {}
         self._meta_tasks: dict[tuple[str, int, int], asyncio.Task[Any]] = {}
+        #: tokens of each unit as its loader reported them (-1: not read yet), for the
+        #: read-ahead token cap; default cap: ``prefetch`` whole steps, the most the
+        #: planner can take from one source before readers must claim more steps
+        self._unit_tokens = {k: np.full(len(v), -1, dtype=np.int64) for k, v in self.units.items()}
+        step_tokens = self.cfg.parallel.dp * self.cfg.batch.micro_batches * self.cfg.batch.seq_len
+        self._ahead_cap = {s.name: s.read_ahead_tokens or self.cfg.prefetch * step_tokens
+                           for s in self.cfg.sources}
         self._task: asyncio.Task[None] | None = None
         self.error: str | None = None
         #: what the planning loop is blocked on right now (None: planning)
@@ -201,9 +235,10 @@ class Coordinator:
         return m
 
     async def _assign_ahead(self) -> None:
-        keep: set[tuple[str, int, int]] = {(p.source, p.epoch, p.unit) for p in self.planner.carry}
+        keep: set[tuple[str, int, int]] = {(p.source, p.epoch, p.unit)
+                                           for p in self.planner.pending()}
         for s in self.cfg.sources:
-            keys = self.planner.upcoming_units(s.name, s.read_ahead)
+            keys = self._upcoming(s.name, s.read_ahead)
             keep.update((s.name, e, u) for e, u in keys)
             await self._ensure(s.name, keys)
         # release units the stream has moved past once every step that used them was
@@ -218,6 +253,17 @@ class Coordinator:
                 self._last_use.pop(k, None)
         for (source, slot), ks in done.items():
             await self.roles.on_loader(source, slot, "release", ks)
+
+    def _upcoming(self, source: str, read_ahead: int) -> list[tuple[int, int]]:
+        """The current window's units and, after them, at most ``read_ahead`` units
+        holding at most the source's read-ahead tokens (:func:`ahead_within`)."""
+        keys = self.planner.upcoming_units(source, read_ahead)
+        window = len(self.planner.upcoming_units(source, 0))
+        known = self._unit_tokens[source]
+        seen = known[known >= 0]
+        mean = float(seen.mean()) if len(seen) else None
+        est = [float(known[u]) if known[u] >= 0 else mean for _, u in keys[window:]]
+        return keys[:window + ahead_within(est, self._ahead_cap[source])]
 
     def _behind(self, source: str, epoch: int, unit: int) -> bool:
         st = self.planner.streams[source]
@@ -243,7 +289,13 @@ class Coordinator:
 
     def _request_meta(self, k: tuple[str, int, int]) -> None:
         loader = self.roles.loader(k[0], self._owner[k])
-        self._meta_tasks[k] = asyncio.ensure_future(loader.metadata(k[1], k[2]))
+        task = self._meta_tasks[k] = asyncio.ensure_future(loader.metadata(k[1], k[2]))
+        task.add_done_callback(lambda t: self._note_tokens(k, t))
+
+    def _note_tokens(self, k: tuple[str, int, int], task: asyncio.Future[Any]) -> None:
+        """Keep the tokens of a unit its loader reported (for the read-ahead cap)."""
+        if not task.cancelled() and task.exception() is None:
+            self._unit_tokens[k[0]][k[2]] = int(np.asarray(task.result()).clip(0).sum())
 
     async def _await_meta(self, source: str, units: list[tuple[int, int]]) -> None:
         for e, u in units:

@@ -27,6 +27,10 @@ from .formats import Unit
 from .mixing import Mixer
 from .stream import MetaLookup, NeedMetadata, Piece, SourceStream
 
+#: outliers held at most, in release groups (a source whose next piece finds the hold
+#: full waits for the next release)
+HOLD_GROUPS = 4
+
 __all__ = ["Planner", "StepPlan", "NeedMetadata", "place_step", "kept_rows"]
 
 
@@ -88,6 +92,8 @@ class Planner:
         self.cost = CostModel.from_config(cfg.cost)
         self.step = 0
         self.carry: list[Piece] = []
+        #: outliers held back (``cfg.outliers``): (piece, step it was drawn at), oldest first
+        self.held: list[tuple[Piece, int]] = []
         #: live weight changes: (from_step, {source: weight}), in the order made
         self.overrides: list[tuple[int, dict[str, float]]] = []
         self.tokens = {s.name: 0 for s in cfg.sources}
@@ -136,12 +142,43 @@ class Planner:
             self.load_state_dict(snapshot)
             raise
 
+    def pending(self) -> list[Piece]:
+        """Pieces drawn from the streams but not placed yet (carried and held)."""
+        return self.carry + [p for p, _ in self.held]
+
+    def _release(self, n_rows: int) -> list[Piece]:
+        """Held outliers that join this step: a group of them, or those held too long."""
+        oc = self.cfg.outliers
+        group = oc.group or n_rows
+        if len(self.held) >= group:
+            n = group
+        elif self.held and self.step - self.held[0][1] >= oc.max_wait:
+            n = len(self.held)
+        else:
+            return []
+        if n < len(self.held):
+            # the oldest, and the held pieces closest to it in length
+            first = self.held[0][0].length
+            rest = sorted(range(1, len(self.held)),
+                          key=lambda i: (abs(self.held[i][0].length - first), i))[: n - 1]
+            take = sorted([0, *rest])
+        else:
+            take = list(range(n))
+        out = [self.held[i][0] for i in take]
+        keep = set(take)
+        self.held = [h for i, h in enumerate(self.held) if i not in keep]
+        return out
+
     def _plan(self, lookup: MetaLookup) -> StepPlan:
         cfg = self.cfg
         dp, mb, seq_len = cfg.parallel.dp, cfg.batch.micro_batches, cfg.batch.seq_len
         capacity = dp * mb * seq_len
         weights = self.weights_at(self.step)
-        pieces = list(self.carry)
+        hold = cfg.outliers.min_length
+        group = cfg.outliers.group or dp * mb
+        # released outliers (a row each), then carried pieces: placed before anything new
+        pieces = self._release(dp * mb) + self.carry
+        n_first = len(pieces)
         total = sum(p.length for p in pieces)
         lc = cfg.long_context
         long_budget = dp * lc.max_per_rank if lc.mode == "spread" and lc.max_per_rank else None
@@ -154,6 +191,15 @@ class Planner:
                 break
             src = self.mixer.choose(eligible)
             p = self.streams[src].peek(lookup)
+            if hold and p.length >= hold:
+                if len(self.held) >= HOLD_GROUPS * group:
+                    # no room to hold it: the source waits for a release, the others fill
+                    eligible = {k: 0.0 if k == src else v for k, v in eligible.items()}
+                    continue
+                self.streams[src].advance()
+                self.mixer.take(src, p.length, weights)
+                self.held.append((p, self.step))
+                continue
             if total + p.length > capacity:
                 break
             self.streams[src].advance()
@@ -163,11 +209,11 @@ class Planner:
             n_long += src in self.long_sources
         lengths = np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
         costs = self.cost(lengths)
-        rank, micro = place_step(lengths, costs, len(self.carry), dp, mb, seq_len, cfg.balance)
+        rank, micro = place_step(lengths, costs, n_first, dp, mb, seq_len, cfg.balance)
         if long_budget is not None:
             is_long = np.fromiter((p.source in self.long_sources for p in pieces), dtype=bool,
                                   count=len(pieces))
-            _spread_long(is_long, len(self.carry), lengths, costs, rank, micro, dp, mb, seq_len,
+            _spread_long(is_long, n_first, lengths, costs, rank, micro, dp, mb, seq_len,
                          lc.max_per_rank)
         rows: list[list[list[Piece]]] = [[[] for _ in range(mb)] for _ in range(dp)]
         carry = []
@@ -211,6 +257,7 @@ class Planner:
             "streams": {k: s.state_dict() for k, s in self.streams.items()},
             "mixer": self.mixer.state_dict(),
             "carry": [list(p.to_tuple()) for p in self.carry],
+            "held": [[list(p.to_tuple()), s] for p, s in self.held],
             "overrides": [[s, dict(w)] for s, w in self.overrides],
             "tokens": dict(self.tokens),
             "pieces": dict(self.pieces_planned),
@@ -224,6 +271,7 @@ class Planner:
             self.streams[k].load_state_dict(s)
         self.mixer.load_state_dict(state["mixer"])
         self.carry = [Piece.from_tuple(t) for t in state["carry"]]
+        self.held = [(Piece.from_tuple(t), int(s)) for t, s in state.get("held", [])]
         self.overrides = [(int(s), {k: float(v) for k, v in w.items()})
                           for s, w in state["overrides"]]
         self.tokens = {k: int(v) for k, v in state["tokens"].items()}

@@ -1,0 +1,157 @@
+"""Outlier delay (``outliers:``): long pieces held back and released a row's worth at a time."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from test_plan import SEQ_LEN, WEIGHTS_3, expected_pieces, lookup, make_cfg, plan_key, planner, run
+
+from msd_dask.balance import capacity_bound
+from msd_dask.config import Config, ConfigError, load_config
+from msd_dask.plan import Planner, StepPlan
+
+MIN = 3 * SEQ_LEN // 4   # every piece this long is an outlier; two never share a row
+ROWS = 4                 # make_cfg: dp 2 x 2 micro-batches
+COST = {"linear": 1.0, "quadratic": 0.02}
+
+
+def outlier_cfg(balance: str = "balanced", **extra: Any) -> Config:
+    return make_cfg(WEIGHTS_3, balance, cost=COST, outliers={"min_length": MIN}, **extra)
+
+
+def long_per_step(plans: list[StepPlan]) -> list[int]:
+    return [sum(q.length >= MIN for q in p.pieces()) for p in plans]
+
+
+@pytest.fixture(scope="module")
+def held_run() -> tuple[list[StepPlan], list[int]]:
+    """200 steps with outlier delay, and how many pieces were held after each."""
+    pl = planner(outlier_cfg())
+    plans, held = [], []
+    for _ in range(200):
+        plans.append(pl.plan_step(lookup))
+        held.append(len(pl.held))
+    return plans, held
+
+
+def test_every_piece_once_per_epoch_with_outliers_held(held_run: tuple[list[StepPlan], list[int]]
+                                                      ) -> None:
+    plans, held = held_run
+    assert max(held) > 0, "no piece was ever held: the test corpus has no outliers"
+    delivered = [q for p in plans for q in p.pieces()]
+    counts = Counter((q.source, q.epoch, q.unit, q.row, q.chunk) for q in delivered)
+    assert max(counts.values()) == 1
+    for source in WEIGHTS_3:
+        mine = [q for q in delivered if q.source == source]
+        for epoch in range(max(q.epoch for q in mine)):
+            got = {(q.unit, q.row, q.chunk, q.start, q.end) for q in mine if q.epoch == epoch}
+            assert got == expected_pieces(source), (source, epoch)
+
+
+def test_outliers_come_a_row_each(held_run: tuple[list[StepPlan], list[int]]) -> None:
+    """A step holds no outlier or one in every row (never one rank alone with one)."""
+    plans, _ = held_run
+    counts = long_per_step(plans)
+    assert set(counts) <= {0, ROWS}, Counter(counts)
+    assert counts.count(ROWS) >= 10
+    for p in plans:
+        if long_per_step([p])[0]:
+            assert all(sum(q.length >= MIN for q in row) == 1 for rank in p.rows for row in rank)
+
+
+def test_without_delay_outliers_land_unpaired() -> None:
+    """The property above is the delay's doing: without it steps hold 1-3 outliers."""
+    counts = long_per_step(run(planner(make_cfg(WEIGHTS_3, "balanced", cost=COST)), 200))
+    assert any(0 < c < ROWS for c in counts)
+
+
+def step_bounds(plans: list[StepPlan], cost: Planner) -> list[float]:
+    out = []
+    for p in plans:
+        lengths = np.array([q.length for q in p.pieces()])
+        costs = cost.cost(lengths)
+        out.append(capacity_bound(lengths, costs, 2, 2, SEQ_LEN) / (costs.sum() / 2))
+    return out
+
+
+def test_delay_lets_steps_balance_better() -> None:
+    """What the pieces of a step allow (capacity bound) and what the planner reaches both improve."""
+    off, on = planner(make_cfg(WEIGHTS_3, "balanced", cost=COST)), planner(outlier_cfg())
+    a, b = run(off, 200), run(on, 200)
+    imb_off, imb_on = np.mean([p.imbalance for p in a]), np.mean([p.imbalance for p in b])
+    assert np.mean(step_bounds(b, on)) < np.mean(step_bounds(a, off)) - 0.01
+    assert imb_on < imb_off - 0.01, (imb_off, imb_on)
+
+
+def test_no_piece_is_held_longer_than_max_wait() -> None:
+    """With a group that never fills, held pieces join a step after ``max_wait`` steps."""
+    pl = planner(make_cfg(WEIGHTS_3, "balanced", cost=COST,
+                          outliers={"min_length": MIN, "group": 1000, "max_wait": 3}))
+    held_ever: set[tuple] = set()
+    delivered: set[tuple] = set()
+    for _ in range(60):
+        plan = pl.plan_step(lookup)
+        delivered.update(q.to_tuple() for q in plan.pieces())
+        assert all(pl.step - s <= 3 for _, s in pl.held), [(q, s) for q, s in pl.held]
+        held_ever.update(q.to_tuple() for q, _ in pl.held)
+    assert held_ever
+    still = {q.to_tuple() for q in pl.pending()}
+    assert held_ever <= delivered | still
+
+
+@pytest.mark.parametrize("k", [0, 3, 37])
+def test_resume_with_pieces_held(k: int) -> None:
+    cfg = outlier_cfg()
+    uninterrupted = run(planner(cfg), k + 40)
+    first = planner(cfg)
+    run(first, k)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert k == 0 or state["held"], "resume from a state that holds pieces"
+    second = planner(cfg)
+    second.load_state_dict(state)
+    assert [plan_key(p) for p in run(second, 40)] == [plan_key(p) for p in uninterrupted[k:]]
+
+
+def test_elastic_resume_same_pieces_per_step_with_delay() -> None:
+    cfg = outlier_cfg()
+    ref = run(planner(cfg), 60)
+    first = planner(cfg)
+    run(first, 11)
+    state = json.loads(json.dumps(first.state_dict()))
+    other = outlier_cfg(parallel={"dp": 4}, batch={"seq_len": SEQ_LEN, "micro_batches": 1})
+    resumed = planner(other)
+    resumed.load_state_dict(state)
+    for a, b in zip(ref[11:], run(resumed, 49), strict=True):
+        assert Counter(q.to_tuple() for q in a.pieces()) == Counter(q.to_tuple() for q in b.pieces())
+
+
+def test_pending_names_held_pieces_for_the_loaders() -> None:
+    """The coordinator keeps the units of ``pending()`` pieces: held ones must be in it."""
+    pl = planner(outlier_cfg())
+    run(pl, 3)
+    assert pl.held
+    assert all(q in pl.pending() for q, _ in pl.held)
+
+
+@pytest.mark.parametrize("outliers, key", [
+    ({"min_length": SEQ_LEN + 1}, "outliers.min_length"),
+    ({"min_length": -1}, "outliers.min_length"),
+    ({"max_wait": 0}, "outliers.max_wait"),
+    ({"minimum": 3}, "outliers.minimum"),
+])
+def test_config_errors_name_the_key(outliers: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        make_cfg(WEIGHTS_3, outliers=outliers)
+
+
+def test_outliers_refused_with_grouped_long_context() -> None:
+    d = make_cfg(WEIGHTS_3).to_dict()
+    d["sources"][0]["context"] = "long"
+    d["long_context"] = {"mode": "grouped"}
+    d["outliers"] = {"min_length": MIN}
+    with pytest.raises(ConfigError, match=r"outliers\.min_length.*grouped"):
+        load_config(d, check_files=False)
