@@ -63,8 +63,10 @@ def ahead_within(tokens: list[float | None], cap: float) -> int:
     for t in tokens:
         if n and (t is None or total + t > cap):
             break
-        total += t or 0.0
         n += 1
+        if t is None:  # the tokens held so far are not known: nothing more
+            break
+        total += t
     return n
 
 
