@@ -18,8 +18,11 @@ the other in one run:
   (``cost: {linear: α, quadratic: β}`` from the calibration below) and
   ``msd-fit`` (``cost: {fit: true}`` starting from the config's model; every
   rank reports its forward+backward CPU time with ``report_step_time``, the
-  planner fits ``α``, ``β`` online).  Only ``msd-pf`` prefetches, so each
-  variant changes one thing against ``msd``.
+  planner fits ``α``, ``β`` online), ``msd-out`` (outlier delay,
+  ``outliers: {min_length: seq_len/2 + 1}``: pieces longer than half a row are
+  held and released a row each, see docs/balance.md) and ``msd-out-fit``
+  (outlier delay and the online fit).  Only ``msd-pf`` prefetches, so each
+  variant changes one or two things against ``msd``.
 
 Calibration: before training, the same model runs forward+backward in this
 process (one thread) on rows of known segment lengths (``seq_len/64`` up to
@@ -59,8 +62,8 @@ i.e. the cost as the ranks ran, which may differ from the calibration's; the fil
 The goal line states the issue's target (all-reduce wait <= 2% of step time
 with msd_dask) beside each msd_dask variant's measured wait.
 
-    python scripts/bench_train.py --quick          # 2 ranks, 10 timed steps, msd + msd-cal
-    python scripts/bench_train.py --steps 40       # all four msd_dask variants
+    python scripts/bench_train.py --quick          # 2 ranks, 10 timed steps, msd + msd-out-fit
+    python scripts/bench_train.py --steps 40       # msd, msd-fit, msd-out, msd-out-fit
 """
 
 from __future__ import annotations
@@ -356,11 +359,14 @@ def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[st
 
 
 #: msd_dask variants: (table name, cost, reader prefetch, report step times)
-VARIANTS: dict[str, tuple[str, str, int, bool]] = {
-    "msd": ("msd_dask", "config", 0, False),
-    "msd-pf": ("msd_dask +prefetch 2", "config", 2, False),
-    "msd-cal": ("msd_dask calibrated cost", "calibrated", 0, False),
-    "msd-fit": ("msd_dask fit online", "fit", 0, True),
+#: name: (label, cost model, prefetch, report step times, outlier delay)
+VARIANTS: dict[str, tuple[str, str, int, bool, bool]] = {
+    "msd": ("msd_dask", "config", 0, False, False),
+    "msd-pf": ("msd_dask +prefetch 2", "config", 2, False, False),
+    "msd-cal": ("msd_dask calibrated cost", "calibrated", 0, False, False),
+    "msd-fit": ("msd_dask fit online", "fit", 0, True, False),
+    "msd-out": ("msd_dask outlier delay", "config", 0, False, True),
+    "msd-out-fit": ("msd_dask outliers+fit", "fit", 0, True, True),
 }
 GOAL_WAIT = 0.02
 
@@ -382,19 +388,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pure-reps", type=int, default=20)
     p.add_argument("--variants", default=None,
                    help="comma-separated msd_dask variants, from " + ", ".join(VARIANTS)
-                        + " (default: all; --quick: msd,msd-cal; --smoke: msd,msd-fit)")
+                        + " (default: msd,msd-fit,msd-out,msd-out-fit; --quick: msd,msd-out-fit; "
+                          "--smoke: msd,msd-out-fit)")
     p.add_argument("--timeout", type=float, default=900, help="per pipeline")
     p.add_argument("--quick", action="store_true", help="10 timed steps after 2")
     p.add_argument("--smoke", action="store_true", help="3 timed steps, seq_len 512 (CI)")
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args(argv)
-    variants = "msd,msd-pf,msd-cal,msd-fit"
+    variants = "msd,msd-fit,msd-out,msd-out-fit"
     if a.quick:
         a.steps, a.warmup = 10, 2
-        variants = "msd,msd-cal"
+        variants = "msd,msd-out-fit"
     if a.smoke:
         a.steps, a.warmup, a.seq_len, a.pure_reps = 3, 1, 512, 5
-        variants = "msd,msd-fit"
+        variants = "msd,msd-out-fit"
     chosen = [v.strip() for v in (a.variants or variants).split(",") if v.strip()]
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown or not chosen:
@@ -405,18 +412,19 @@ def main(argv: list[str] | None = None) -> int:
     args = {k: v for k, v in vars(a).items() if k not in ("config", "json", "variants")}
     args["seed"] = int(base["seed"])
     t0 = time.perf_counter()
-    cal = calibrate(args)
+    cal = calibrate(args) if any(VARIANTS[v][1] == "calibrated" for v in chosen) else None
     raw = {"HF streaming (per rank)": train("hf", dict(args, prefetch=0))}
     planner: dict[str, dict[str, Any]] = {}
     for v in chosen:
-        label, how, prefetch, report = VARIANTS[v]
+        label, how, prefetch, report, delay = VARIANTS[v]
         cost_cfg: dict[str, Any] = dict(base["cost"])
-        if how == "calibrated":
+        if how == "calibrated" and cal is not None:
             cost_cfg = {"linear": cal["alpha"], "quadratic": cal["beta"]}
         elif how == "fit":
             cost_cfg["fit"] = True                  # starts from the config's model
         cfg = dict(base, name="benchtrain", parallel={"dp": a.ranks}, cost=cost_cfg,
-                   batch={"seq_len": a.seq_len, "micro_batches": a.micro_batches})
+                   batch={"seq_len": a.seq_len, "micro_batches": a.micro_batches},
+                   outliers={"min_length": a.seq_len // 2 + 1 if delay else 0})
         with DataService.start(cfg, n_workers=a.dask_workers, threads_per_worker=1) as svc:
             run = dict(args, address=svc.client.scheduler.address, name="benchtrain",
                        prefetch=prefetch, report=report)
@@ -440,10 +448,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.steps} timed steps after {a.warmup}; baseline {a.loader_workers} loader worker(s)/rank; "
           f"msd_dask {a.dask_workers} dask workers; {os.cpu_count()} cores; {secs:.0f} s")
     ratio_cfg = base["cost"]["quadratic"] / base["cost"]["linear"]
-    print(f"calibrated forward+backward of this model (1 thread, {len(cal['rows'])} rows of known "
-          f"segments): α = {cal['alpha'] * 1e6:.2f} µs/token, β = {cal['beta'] * 1e9:.2f} ns/token², "
-          f"β/α = {cal['beta'] / cal['alpha']:.2e} (config: {ratio_cfg:.2e}); "
-          f"worst row off by {cal['max_rel_error']:.0%}")
+    if cal is not None:
+        print(f"calibrated forward+backward of this model (1 thread, {len(cal['rows'])} rows of "
+              f"known segments): α = {cal['alpha'] * 1e6:.2f} µs/token, β = "
+              f"{cal['beta'] * 1e9:.2f} ns/token², β/α = {cal['beta'] / cal['alpha']:.2e} "
+              f"(config: {ratio_cfg:.2e}); worst row off by {cal['max_rel_error']:.0%}")
     print(f"fitted to the ranks' own forward+backward CPU times in this run ({situ.count} rank-steps): "
           f"α = {cost[0] * 1e6:.2f} µs/token, β = {cost[1] * 1e9:.2f} ns/token², "
           f"β/α = {cost[1] / cost[0]:.2e}; the model and bound columns use these")

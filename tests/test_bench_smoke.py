@@ -74,3 +74,14 @@ def test_train_smoke():
     out = _run("bench_train.py", "--smoke")
     assert "ratio msd_dask / HF" in out, out
     assert "msd_dask" in out and "HF streaming (per rank)" in out, out
+
+
+@needs_demo
+def test_outliers_quick():
+    """The sweep runs the planner itself; its columns hold no timing, so the gain is checked."""
+    out = _run("bench_outliers.py", "--quick", "--min-lengths", "1025")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.startswith(("off ", "1025 "))}
+    assert set(rows) == {"off", "1025"}, out
+    assert float(rows["1025"][1]) < float(rows["off"][1]) - 0.01, out  # mean imbalance
+    assert abs(float(rows["1025"][5]) - 0.6) < 0.01, out               # code's share
