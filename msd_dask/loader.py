@@ -268,6 +268,12 @@ def _process_in_worker(path: str, items: list[tuple[int, dict[str, Any]]]
     return [_Failure(r) if isinstance(r, DataError) else r for r in res], seconds
 
 
+def _cpu_timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``(fn(*args), CPU seconds this thread spent in it)``."""
+    t0 = time.thread_time()
+    return fn(*args), time.thread_time() - t0
+
+
 class DocPool:
     """Preprocesses and tokenizes documents on ``size`` threads or processes.
 
@@ -461,6 +467,8 @@ class SourceLoader:
         self.tokens_read = 0
         self.units_read = 0
         self.read_seconds = 0.0
+        #: CPU seconds of the read threads (where preprocessing runs without a pool)
+        self.cpu_seconds = 0.0
         self.tokens_fetched = 0
         self.quarantined_docs = 0
         self.quarantined_files = 0
@@ -500,14 +508,15 @@ class SourceLoader:
         quarantine: list[DataError] = []
         busy: list[float] = []
         try:
-            docs = await loop.run_in_executor(
-                self._pool, read_unit, self.src, self._files.fs, self.units[key[1]],
-                self.tokenizer, quarantine, self._docs, busy)
+            docs, cpu = await loop.run_in_executor(
+                self._pool, _cpu_timed, read_unit, self.src, self._files.fs,
+                self.units[key[1]], self.tokenizer, quarantine, self._docs, busy)
         except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
             if not fut.done():
                 fut.set_exception(e)
             return
         self.read_seconds += sum(busy)
+        self.cpu_seconds += cpu
         self._quarantine(key, quarantine)
         data = _UnitData(docs, compact=self.tokenizer.vocab_size <= 1 << 16)
         self.units_read += 1
@@ -590,7 +599,8 @@ class SourceLoader:
         ``read_seconds`` are busy seconds (reading rows, plus preprocessing and
         tokenizing summed over the pool's workers) and ``threads`` the documents
         processed at once, so one loader supplies ``threads / (read_seconds /
-        tokens_read)`` tokens/s at most.
+        tokens_read)`` tokens/s at most.  ``cpu_seconds``: the CPU time of that
+        work (0.0 when a pool preprocesses: its workers' CPU is not measured).
         """
         return {
             "source": self.src.name,
@@ -604,6 +614,7 @@ class SourceLoader:
             "units_buffered": len(self._data),
             "tokens_buffered": int(sum(int(d.lengths.clip(0).sum()) for d in self._data.values())),
             "read_seconds": self.read_seconds,
+            "cpu_seconds": self.cpu_seconds if self._docs is None else 0.0,
             "tokens_fetched": self.tokens_fetched,
             "quarantined_docs": self.quarantined_docs,
             "quarantined_files": self.quarantined_files,
