@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,11 +20,13 @@ from .config import load_config
 from .constructor import WorkItem, queue_name
 from .cost import CostFitter
 from .errors import ServiceError, ServiceTimeoutError
-from .formats import Unit
-from .plan import Planner, StepPlan
-from .roles import _Roles
-from .storage import SourceFiles
-from .stream import NeedMetadata
+
+if TYPE_CHECKING:
+    from .plan import StepPlan
+
+# The planner's own modules (plan, stream, formats, roles, loader, storage: fsspec, zstandard)
+# are imported where the actor runs, not here: a training process unpickling this actor's
+# handle imports this module, and every module costs each of them memory (tests/test_imports.py).
 
 __all__ = ["Coordinator", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
 
@@ -129,6 +131,11 @@ class Coordinator:
                  loader_threads: int = 1, source_payloads: dict[str, dict[str, Any]] | None = None,
                  tokenizer: dict[str, Any] | None = None, generation: int = 0,
                  had: dict[int, int] | None = None, lost: dict[str, Any] | None = None):
+        from .formats import Unit
+        from .plan import Planner
+        from .roles import _Roles
+        from .storage import SourceFiles
+
         self.cfg = load_config(config, check_files=False)
         self.generation = int(generation)
         self.had = {int(r): int(s) for r, s in (had or {}).items()}
@@ -231,6 +238,8 @@ class Coordinator:
 
     # ------------------------------------------------------------- internals
     def _lookup(self, source: str, epoch: int, unit: int) -> np.ndarray:
+        from .stream import NeedMetadata
+
         m = self._meta.get((source, epoch, unit))
         if m is None:
             raise NeedMetadata(source, [(epoch, unit)])
@@ -353,6 +362,8 @@ class Coordinator:
         return work
 
     async def _loop(self) -> None:
+        from .stream import NeedMetadata
+
         try:
             while True:
                 await self.roles.heal()

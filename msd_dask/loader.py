@@ -25,16 +25,20 @@ import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .config import PoolConfig, SourceConfig, TokenizerConfig, resolve_import_path
 from .errors import DataError
-from .formats import Unit, get_format
-from .storage import open_source
 from .tokenizer import make_tokenizer
-from .vision import image_patches
+
+if TYPE_CHECKING:
+    from .formats import Unit
+
+# formats (fsspec, zstandard, tarfile), storage and vision are imported where a unit is read:
+# a training process imports this module when it unpickles a loader's actor handle, and
+# every module costs each training process memory (tests/test_imports.py)
 
 __all__ = ["SourceLoader", "read_unit", "ImageDoc", "DocPool"]
 
@@ -158,6 +162,8 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     The rows are read first, then their documents are preprocessed and tokenized
     (on ``pool`` when given); results and errors are taken in row order.
     """
+    from .formats import get_format
+
     fmt = get_format(src.format)
     # formats that can report a bad row without ending the read (JSON lines) do so
     tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
@@ -394,6 +400,8 @@ def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, toke
         raise DataError("the tokenizer has no image token id (set tokenizer.image_token_id)",
                         source=src.name, path=path, row=row)
     try:
+        from .vision import image_patches
+
         patches = image_patches(bytes(data), src.image.size, src.image.patch)
     except ValueError as e:
         raise DataError(f"field '{src.image_field}': {e}", source=src.name, path=path,
@@ -443,6 +451,9 @@ class SourceLoader:
 
     def __init__(self, source: dict[str, Any], units: list[tuple[str, int, int]],
                  tokenizer: dict[str, Any], index: int = 0, threads: int = 1):
+        from .formats import Unit
+        from .storage import open_source
+
         self.src = _source_config(source)
         self.units = [Unit(*u) for u in units]
         self.index = index

@@ -29,9 +29,7 @@ from typing import Any
 from .batch import Batch
 from .config import Config, load_config
 from .constructor import queue_name
-from .coordinator import Coordinator, planner_state
 from .errors import DataError, ServiceError, ServiceTimeoutError
-from .roles import close_service_roles
 
 __all__ = ["DataService", "Reader", "discover_units"]
 
@@ -358,6 +356,8 @@ class DataService:
                          "state after step %s", self.name,
                          getattr(self.coordinator, "_address", None),
                          (ck["state"] or {}).get("step", "-1 (the start)"))
+            from .roles import close_service_roles  # the owner only: readers never import roles
+
             # the roles the lost planner leaves behind stop publishing and free their memory
             closed = self.client.run(close_service_roles, self.name, on_error="return",
                                      callback_timeout=60)
@@ -432,6 +432,8 @@ class DataService:
         """
         from distributed import Client, LocalCluster
 
+        from .coordinator import planner_state
+
         cfg = load_config(cfg)
         if resume is not None:
             planner_state(cfg, dict(resume))  # refuse a mismatched state before starting
@@ -493,6 +495,8 @@ class DataService:
             members = [{} for _ in range(n_c)]
             for dp in range(cfg.parallel.dp):
                 members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
+        from .coordinator import Coordinator  # the starting process only (see coordinator.py)
+
         key = f"msd-{cfg.name}-coordinator" + (f"-g{generation}" if generation else "")
         coordinator = client.submit(
             Coordinator, cfg.to_dict(), units, roots, dict(resume) if resume else None,

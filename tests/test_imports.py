@@ -70,3 +70,21 @@ def test_a_training_process_loads_no_file_format_or_image_library() -> None:
     mods = _imported_after("import msd_dask.service, msd_dask.coordinator, msd_dask.loader, "
                            "msd_dask.constructor, msd_dask.roles, msd_dask.torch")
     assert not {"pyarrow", "PIL"} & mods, sorted({"pyarrow", "PIL"} & mods)
+
+
+def test_a_training_process_loads_no_planner_or_storage_module() -> None:
+    """The modules a reader imports (its own, and those of the actor handles it unpickles:
+    planner, constructors, loaders) leave the planner's and the loaders' machinery out:
+    every module costs each training process memory (docs/benchmarks.md, Memory)."""
+    code = ("import msd_dask.service, msd_dask.coordinator, msd_dask.loader, "
+            "msd_dask.constructor, msd_dask.torch, json, sys\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('msd_dask'))))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    loaded = set(json.loads(res.stdout.strip().splitlines()[-1]))
+    heavy = {"msd_dask.plan", "msd_dask.stream", "msd_dask.roles", "msd_dask.formats",
+             "msd_dask.storage", "msd_dask.vision", "msd_dask.mixing"}
+    assert not heavy & loaded, sorted(heavy & loaded)
+    mods = _imported_after(code.splitlines()[0])
+    assert not {"fsspec", "zstandard", "pyarrow", "PIL"} & mods, sorted(
+        {"fsspec", "zstandard", "pyarrow", "PIL"} & mods)
