@@ -198,3 +198,22 @@ def test_service_delivers_held_pieces_exactly_once_with_their_text(tmp_path) -> 
             by_step[rec["step"]] = by_step.get(rec["step"], 0) + int((np.diff(cu) >= 257).sum())
     counts = Counter(by_step.values())
     assert counts[4] >= 5 and set(counts) <= {0, 4}, counts  # a row each, or none
+
+
+@pytest.mark.parametrize("balance", ["sequential", "lpt", "balanced"])
+@pytest.mark.parametrize("outliers", [{"min_length": MIN}, {"min_length": SEQ_LEN // 3},
+                                      {"min_length": MIN, "group": 7}])
+def test_exactly_once_for_every_strategy_and_group(balance: str, outliers: dict) -> None:
+    """Also where outliers can share a row (min_length < seq_len/2) or groups exceed the rows."""
+    pl = planner(make_cfg(WEIGHTS_3, balance, cost=COST, outliers=outliers))
+    plans = run(pl, 200)
+    assert all(sum(q.length for q in row) <= SEQ_LEN for p in plans for r in p.rows for row in r)
+    delivered = [q for p in plans for q in p.pieces()] + pl.pending()  # pending: placed later
+    assert max(Counter(q.to_tuple() for q in delivered).values()) == 1
+    for source in WEIGHTS_3:
+        mine = [q for q in delivered if q.source == source]
+        last = max(q.epoch for q in mine)
+        assert last >= 1
+        for epoch in range(last):
+            got = {(q.unit, q.row, q.chunk, q.start, q.end) for q in mine if q.epoch == epoch}
+            assert got == expected_pieces(source), (source, epoch)
