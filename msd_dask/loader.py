@@ -274,10 +274,20 @@ def _process_in_worker(path: str, items: list[tuple[int, dict[str, Any]]]
     return [_Failure(r) if isinstance(r, DataError) else r for r in res], seconds
 
 
-def _cpu_timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """``(fn(*args), CPU seconds this thread spent in it)``."""
-    t0 = time.thread_time()
-    return fn(*args), time.thread_time() - t0
+def _cpu_timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
+    """``(fn(*args), CPU seconds of this thread in it, seconds it waited for a core)``."""
+    t0, w0 = time.thread_time(), _run_delay()
+    out = fn(*args)
+    return out, time.thread_time() - t0, _run_delay() - w0
+
+
+def _run_delay() -> float:
+    """Seconds this thread was runnable but waited for a core (Linux; 0.0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 class DocPool:
@@ -480,6 +490,7 @@ class SourceLoader:
         self.read_seconds = 0.0
         #: CPU seconds of the read threads (where preprocessing runs without a pool)
         self.cpu_seconds = 0.0
+        self.cpu_wait_seconds = 0.0  # of those threads' busy time: waiting for a core
         self.tokens_fetched = 0
         self.quarantined_docs = 0
         self.quarantined_files = 0
@@ -519,7 +530,7 @@ class SourceLoader:
         quarantine: list[DataError] = []
         busy: list[float] = []
         try:
-            docs, cpu = await loop.run_in_executor(
+            docs, cpu, waited = await loop.run_in_executor(
                 self._pool, _cpu_timed, read_unit, self.src, self._files.fs,
                 self.units[key[1]], self.tokenizer, quarantine, self._docs, busy)
         except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
@@ -528,6 +539,7 @@ class SourceLoader:
             return
         self.read_seconds += sum(busy)
         self.cpu_seconds += cpu
+        self.cpu_wait_seconds += waited
         self._quarantine(key, quarantine)
         data = _UnitData(docs, compact=self.tokenizer.vocab_size <= 1 << 16)
         self.units_read += 1
@@ -611,7 +623,8 @@ class SourceLoader:
         tokenizing summed over the pool's workers) and ``threads`` the documents
         processed at once, so one loader supplies ``threads / (read_seconds /
         tokens_read)`` tokens/s at most.  ``cpu_seconds``: the CPU time of that
-        work (0.0 when a pool preprocesses: its workers' CPU is not measured).
+        work (0.0 when a pool preprocesses: its workers' CPU is not measured),
+        ``cpu_wait_seconds`` the busy time it waited for a core (other threads had them).
         """
         return {
             "source": self.src.name,
@@ -626,6 +639,7 @@ class SourceLoader:
             "tokens_buffered": int(sum(int(d.lengths.clip(0).sum()) for d in self._data.values())),
             "read_seconds": self.read_seconds,
             "cpu_seconds": self.cpu_seconds if self._docs is None else 0.0,
+            "cpu_wait_seconds": self.cpu_wait_seconds if self._docs is None else 0.0,
             "tokens_fetched": self.tokens_fetched,
             "quarantined_docs": self.quarantined_docs,
             "quarantined_files": self.quarantined_files,
