@@ -37,6 +37,9 @@ __all__ = [
 #: Known source formats (the readers registered in :mod:`msd_dask.formats`).
 KNOWN_FORMATS = ("parquet", "jsonl", "webdataset")
 KNOWN_TOKENIZERS = ("bytes", "hf")
+#: the keys of :data:`msd_dask.balance.STRATEGIES`, named here so that parsing a config (as
+#: every training process does) does not import the balancer (tests/test_imports.py checks)
+KNOWN_BALANCE = ("sequential", "lpt", "balanced")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 MESH_AXES = ("tp", "cp", "dp", "pp")
 
@@ -698,10 +701,9 @@ def _parse(d: Any, check_files: bool) -> Config:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")
     balance = d.get("balance", Config.balance)
-    from .balance import STRATEGIES
-
-    if balance not in STRATEGIES:
-        raise ConfigError("balance", f"unknown strategy {balance!r} (known: {', '.join(STRATEGIES)})")
+    if balance not in KNOWN_BALANCE:
+        raise ConfigError("balance",
+                          f"unknown strategy {balance!r} (known: {', '.join(KNOWN_BALANCE)})")
     lc = d.get("long_context", {})
     _check_keys(lc, "long_context", {"mode", "max_per_rank"})
     mode = lc.get("mode", "spread")

@@ -78,13 +78,22 @@ def test_a_training_process_loads_no_planner_or_storage_module() -> None:
     every module costs each training process memory (docs/benchmarks.md, Memory)."""
     code = ("import msd_dask.service, msd_dask.coordinator, msd_dask.loader, "
             "msd_dask.constructor, msd_dask.torch, json, sys\n"
+            "msd_dask.config.load_config({'name': 'x', 'batch': {'seq_len': 8}, 'sources': "
+            "[{'name': 's', 'uri': 'm://x', 'format': 'jsonl'}]}, check_files=False)\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('msd_dask'))))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     loaded = set(json.loads(res.stdout.strip().splitlines()[-1]))
     heavy = {"msd_dask.plan", "msd_dask.stream", "msd_dask.roles", "msd_dask.formats",
-             "msd_dask.storage", "msd_dask.vision", "msd_dask.mixing"}
+             "msd_dask.storage", "msd_dask.vision", "msd_dask.mixing", "msd_dask.balance"}
     assert not heavy & loaded, sorted(heavy & loaded)
     mods = _imported_after(code.splitlines()[0])
     assert not {"fsspec", "zstandard", "pyarrow", "PIL"} & mods, sorted(
         {"fsspec", "zstandard", "pyarrow", "PIL"} & mods)
+
+
+def test_the_config_names_every_balance_strategy() -> None:
+    from msd_dask.balance import STRATEGIES
+    from msd_dask.config import KNOWN_BALANCE
+
+    assert sorted(KNOWN_BALANCE) == sorted(STRATEGIES)
