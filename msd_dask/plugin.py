@@ -58,6 +58,8 @@ async def collect(registry: dict[str, Any], since: int = 0) -> dict[str, Any]:
     for name, ls in loader_stats.items():
         tokens_read = sum(x["tokens_read"] for x in ls)
         read_seconds = sum(x["read_seconds"] for x in ls)
+        cpu_seconds = sum(x.get("cpu_seconds", 0.0) for x in ls)
+        cpu_wait = sum(x.get("cpu_wait_seconds", 0.0) for x in ls)
         sources[name] = {
             "loaders": len(ls),
             "docs_read": sum(x["docs_read"] for x in ls),
@@ -69,6 +71,9 @@ async def collect(registry: dict[str, Any], since: int = 0) -> dict[str, Any]:
             "weight": planner["weights"][name],
             "read_seconds": read_seconds,
             "seconds_per_token": read_seconds / tokens_read if tokens_read else 0.0,
+            # 0 when any loader does not measure it (a pool's workers)
+            "cpu_seconds": cpu_seconds if all(x.get("cpu_seconds") for x in ls) else 0.0,
+            "cpu_wait_seconds": cpu_wait,
             "threads": ls[0].get("threads", 1) if ls else 1,
         }
     ranks = {}
@@ -127,6 +132,12 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self._wanted: dict[str, int] = {}
         #: (where, name, original, wrapper) of every hooked scheduler entry point
         self._hooks: list[tuple[Any, str, Any, Any]] = []
+        #: name -> (the scheduler's entry of the published dataset, registry): a registry
+        #: is fetched again only when it is published again (a new entry) or a poll fails
+        self._registries: dict[str, tuple[Any, dict[str, Any]]] = {}
+        #: registries fetched from the scheduler, and polls done (for tests and the docs)
+        self.registry_fetches = 0
+        self.polls = 0
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -162,17 +173,24 @@ class MsdSchedulerPlugin(SchedulerPlugin):
 
     async def poll(self) -> None:
         """Refresh the figures of every published service."""
-        names = [n for n in await self._client.list_datasets() if str(n).startswith(_PREFIX)]
+        published = self._published()
+        listed = list(published) if published is not None else await self._client.list_datasets()
+        names = [n for n in listed if str(n).startswith(_PREFIX)]
+        self.polls += 1
         for key in names:
             name = str(key)[len(_PREFIX):]
-            registry = await self._client.get_dataset(key)
+            registry = await self._registry(key)
             if name not in self._configs:
                 from .config import load_config
 
                 self._configs[name] = load_config(registry["config"], check_files=False)
             hist = self.imbalance.setdefault(name, deque(maxlen=300))
             since = hist[-1][0] + 1 if hist else 0
-            snap = await asyncio.wait_for(collect(registry, since), 10)
+            try:
+                snap = await asyncio.wait_for(collect(registry, since), 10)
+            except Exception:
+                self._registries.pop(name, None)  # a new planner, or a new service of that name
+                raise
             prev = self.services.get(name)
             if prev is not None:
                 dt = snap["time"] - prev["time"]
@@ -192,6 +210,31 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             # a later service of the same name may have another config
             for d in (self.services, self._configs, self._scalers, self._targets, self._wanted):
                 d.pop(gone, None)
+        for gone in set(self._registries) - live:
+            del self._registries[gone]
+
+    def _published(self) -> dict[Any, Any] | None:
+        """The scheduler's published datasets (this plugin runs in the scheduler)."""
+        ext = getattr(self.scheduler, "extensions", {}).get("publish")
+        datasets = getattr(ext, "datasets", None)
+        return datasets if isinstance(datasets, dict) else None
+
+    async def _registry(self, key: Any) -> dict[str, Any]:
+        """A service's published registry; fetched (≈21 KB) only when published anew.
+
+        Publishing stores a new entry on the scheduler, so the entry's identity
+        tells whether the cached registry is still the published one.
+        """
+        name = str(key)[len(_PREFIX):]
+        published = self._published()
+        entry = published.get(key) if published is not None else None
+        cached = self._registries.get(name)
+        if cached is not None and entry is not None and cached[0] is entry:
+            return cached[1]
+        registry = await self._client.get_dataset(key)
+        self.registry_fetches += 1
+        self._registries[name] = (entry, registry)
+        return registry
 
     async def _scale(self, name: str, registry: dict[str, Any], snap: dict[str, Any],
                      prev: dict[str, Any]) -> None:
@@ -209,6 +252,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         before = sum(prev["planner"]["tokens_planned"].values())
         coordinator = await registry["coordinator"]
         ahead = await coordinator.weights_ahead(sc.lookahead)
+        cores = float(sum(ws.nthreads for ws in self.scheduler.workers.values()
+                          if _running(ws)))
         loads = {}
         for s, v in snap["sources"].items():
             starved = (snap["planner"]["starved_seconds"].get(s, 0.0)
@@ -217,14 +262,21 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                 loaders=int(snap["planner"]["loaders"][s]), weight_ahead=float(ahead[s]),
                 consumption=(planned - before) / dt,
                 seconds_per_token=float(v["seconds_per_token"]), threads=int(v["threads"]),
-                starved=starved)
+                starved=starved, cpu_per_token=(v["cpu_seconds"] / v["tokens_read"]
+                                                if v["tokens_read"] else 0.0),
+                cpu_fraction=_cpu_fraction(v, prev["sources"].get(s)), cores=cores)
         scaler = self._scalers[name]
+        decided = scaler.decide(time.monotonic(), loads)
         self._targets[name] = {s: scaler.target(s, ld) for s, ld in loads.items()}
-        for s, n in self._scalers[name].decide(time.monotonic(), loads).items():
+        for s, n in decided.items():
             got = await coordinator.scale(s, n)
             self.decisions.setdefault(name, deque(maxlen=1000)).append(
                 {"time": time.time(), "source": s, "loaders": got, "from": loads[s].loaders,
-                 "starved": loads[s].starved, "consumption": loads[s].consumption})
+                 "starved": loads[s].starved, "consumption": loads[s].consumption,
+                 "seconds_per_token": loads[s].seconds_per_token,
+                 "cpu_fraction": scaler.cpu_fraction.get(s, 0.0),
+                 "cpu_cap": scaler.cpu_caps.get(s), "saturated": scaler.saturated.get(s),
+                 "cores": cores})
 
     # ------------------------------------------------------------ Dask's Adaptive
     def _hook(self, scheduler: Any) -> None:
@@ -348,6 +400,28 @@ def _wrapped(wrap: Callable[..., Any], original: Callable[..., Any]) -> Callable
         return wrap(original, *args, **kwargs)
 
     return wrapper
+
+
+def _running(ws: Any) -> bool:
+    """Whether a scheduler's worker state is running (not paused, not closing)."""
+    status = getattr(ws, "status", None)
+    return status is None or getattr(status, "name", str(status)) == "running"
+
+
+def _cpu_fraction(now: dict[str, Any], before: dict[str, Any] | None) -> float:
+    """CPU seconds / busy seconds of a source's loaders between two polls (0: unknown).
+
+    The busy seconds do not count the time the loaders waited for a core (other
+    threads had them), so a CPU-bound source is near 1 on a contended machine too.
+    Unknown when a loader does not measure CPU, when the loaders changed (a removed
+    loader takes its counters with it) or when no unit was read in between.
+    """
+    if before is None or now["loaders"] != before["loaders"] or not now["cpu_seconds"]:
+        return 0.0
+    busy = now["read_seconds"] - before["read_seconds"]
+    busy -= now["cpu_wait_seconds"] - before.get("cpu_wait_seconds", 0.0)
+    cpu = now["cpu_seconds"] - before.get("cpu_seconds", 0.0)
+    return cpu / busy if busy > 0 and cpu >= 0 else 0.0
 
 
 def _is_role(ts: Any) -> bool:

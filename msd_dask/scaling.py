@@ -27,6 +27,22 @@ hysteresis
     ``scale_down_after`` of a scale-down, that count becomes the source's floor
     until its demand falls below the one seen then divided by ``headroom`` (no
     7 → 6 → 7 flapping).
+CPU cap
+    A loader reports the CPU seconds of its work next to its busy seconds; a
+    window's ``cpu_fraction`` (CPU seconds / busy seconds) near 1 means the
+    source is CPU-bound, and a loader keeps ``threads × cpu_fraction`` cores
+    busy.  The cluster has ``cores`` threads (the workers' ``nthreads``); when
+    the sources' CPU needs (``demand × cpu_per_token``) exceed them, each gets
+    its share of ``cores`` in proportion to its need, else all of them.  A
+    source is held at ``cpu_cap = round(its cores / (threads × cpu_fraction))``
+    loaders (at least 1), where ``cpu_fraction`` is the largest measured so
+    far (contention only lowers it: waiting for a core counts as busy time),
+    and goes to the cap in one change, not by doubling: more loaders than the
+    cores hold only share them.  Until the fraction was measured over
+    ``MIN_CPU_WINDOWS`` windows the cap is at most the cores' count over
+    ``threads`` (a first window can be slowed by other threads holding the GIL,
+    which would let the cap overshoot and come back).  When the cluster grows
+    the cap grows with it.
 saturation
     Each source's capacity (``loaders × threads / seconds_per_token``) is
     recorded per loader count once a change has settled (``cooldown``).  If
@@ -34,7 +50,9 @@ saturation
     ``MIN_EFFICIENCY`` of what each of the ``n₀`` did, they share an exhausted
     resource (the cores, for CPU-bound preprocessing: busy time per token grows
     with every loader): the source is held at the count that resource allows
-    from then on, and the loaders above it are removed at once.
+    from then on, and the loaders above it are removed at once (down to that
+    count, not below: further scale-downs follow the hysteresis).  A saturation
+    found on fewer ``cores`` than the cluster has now is probed again.
 
 Every target is clamped to ``[min_loaders, max_loaders]`` of the source.
 """
@@ -48,7 +66,8 @@ from dataclasses import dataclass, field
 from .config import Config, ScalingConfig
 
 __all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target", "demand",
-           "MAX_STARVED_BOOST", "MIN_EFFICIENCY"]
+           "cpu_caps", "MAX_STARVED_BOOST", "MIN_EFFICIENCY", "CPU_ROUND",
+           "MIN_CPU_WINDOWS"]
 
 #: The most the starvation correction multiplies a source's measured demand by.
 MAX_STARVED_BOOST = 5.0
@@ -58,6 +77,15 @@ MAX_STARVED_BOOST = 5.0
 #: (the cores, for CPU-bound preprocessing) and the source is held at the count that
 #: the resource allows.
 MIN_EFFICIENCY = 0.5
+
+#: ``cores / (threads × cpu_fraction)`` is rounded to the nearest count: a
+#: fraction of a loader above the cores still shares them (e.g. 2 cores at a CPU
+#: fraction of 0.9: 2.2 -> 2 loaders).
+CPU_ROUND = 0.5
+
+#: Windows with a CPU measurement before the cap may exceed what fully CPU-bound loaders
+#: need (``cores / threads``).
+MIN_CPU_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -78,6 +106,12 @@ class SourceLoad:
         Read threads per loader.
     starved : float
         Fraction of the window the planner waited for this source's data.
+    cpu_per_token : float
+        Loader CPU seconds per token (0 when not measured, e.g. with a pool).
+    cpu_fraction : float
+        Over the last window, the loaders' CPU seconds / busy seconds (0: not measured).
+    cores : float
+        Threads of the cluster's workers (0: not known).
     """
 
     loaders: int
@@ -86,6 +120,9 @@ class SourceLoad:
     seconds_per_token: float
     threads: int = 1
     starved: float = 0.0
+    cpu_per_token: float = 0.0
+    cpu_fraction: float = 0.0
+    cores: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +177,45 @@ def proactive_target(load: SourceLoad, headroom: float) -> int:
     return math.ceil(headroom * demand(load) / per_loader)
 
 
+def cpu_caps(loads: Mapping[str, SourceLoad], fractions: Mapping[str, float],
+             windows: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Loaders each CPU-measured source can keep busy on the cluster's cores.
+
+    Parameters
+    ----------
+    loads : mapping
+        The sources' loads (``cores`` and ``cpu_per_token`` as measured).
+    fractions : mapping
+        Per source, the CPU fraction of its loaders' busy time to use (the
+        largest seen: see :class:`Scaler`); sources without one get no cap.
+    windows : mapping, optional
+        Per source, the windows the fraction was measured over; below
+        :data:`MIN_CPU_WINDOWS` the cap is at most ``cores / threads`` (all: none).
+
+    Returns
+    -------
+    dict
+        ``source -> cap`` for the sources with a measured CPU fraction and known cores.
+    """
+    cores = max((ld.cores for ld in loads.values()), default=0.0)
+    if cores <= 0:
+        return {}
+    need = {s: demand(ld) * ld.cpu_per_token for s, ld in loads.items()}
+    total = sum(need.values())
+    out = {}
+    for s, ld in loads.items():
+        f = fractions.get(s, 0.0)
+        if f <= 0:
+            continue
+        share = cores * need[s] / total if total > cores else cores
+        threads = max(1, ld.threads)
+        cap = max(1, math.floor(share / (threads * f) + CPU_ROUND))
+        if windows is not None and windows.get(s, 0) < MIN_CPU_WINDOWS:
+            cap = min(cap, max(1, math.floor(cores / threads)))
+        out[s] = cap
+    return out
+
+
 def _bottleneck(load: SourceLoad, policy: ScalingPolicy) -> bool:
     """The reactive rule: starved, and not (measurably) supplied twice over."""
     if load.starved <= policy.starve_fraction:
@@ -169,6 +245,14 @@ class Scaler:
         self.capacity: dict[str, dict[int, float]] = {}
         #: source -> the most loaders that still add capacity (see MIN_EFFICIENCY)
         self.saturated: dict[str, int] = {}
+        #: source -> the cluster's cores when its saturation was found
+        self._saturated_cores: dict[str, float] = {}
+        #: source -> the largest CPU fraction of its loaders' busy time measured
+        self.cpu_fraction: dict[str, float] = {}
+        #: source -> windows with a CPU measurement
+        self.cpu_windows: dict[str, int] = {}
+        #: source -> loaders its share of the cluster's cores keeps busy (last decide)
+        self.cpu_caps: dict[str, int] = {}
 
     def target(self, source: str, load: SourceLoad) -> int:
         """The count the rules ask for now, before hysteresis."""
@@ -176,9 +260,11 @@ class Scaler:
         want = proactive_target(load, self.policy.headroom)
         if _bottleneck(load, self.policy):
             want = max(want, load.loaders + 1)
-        if source in self.saturated:
-            want = min(want, self.saturated[source])
-        return max(lo, min(hi, want))
+        return max(lo, int(min(hi, want, self.limit(source))))
+
+    def limit(self, source: str) -> int | float:
+        """The most loaders the CPU cap and the saturation rule allow (inf: no limit)."""
+        return min(self.saturated.get(source, math.inf), self.cpu_caps.get(source, math.inf))
 
     def _measure(self, now: float, source: str, load: SourceLoad) -> None:
         """Record the source's capacity at its count; detect loaders that add none.
@@ -204,11 +290,27 @@ class Scaler:
         added = (caps[n] - caps[n0]) / each
         if added < MIN_EFFICIENCY * (n - n0):
             self.saturated[source] = n0 + max(0, math.ceil(added - 1e-9))
+            self._saturated_cores[source] = load.cores
+
+    def _measure_cpu(self, loads: Mapping[str, SourceLoad]) -> None:
+        """Keep each source's largest CPU fraction; re-probe saturations on more cores."""
+        for source, load in loads.items():
+            if load.cpu_fraction > 0:
+                f = min(1.0, load.cpu_fraction)
+                self.cpu_fraction[source] = max(self.cpu_fraction.get(source, 0.0), f)
+                self.cpu_windows[source] = self.cpu_windows.get(source, 0) + 1
+            if source in self.saturated and load.cores > self._saturated_cores.get(source, 0.0):
+                # the cluster grew since the source saturated: what held it may not now
+                del self.saturated[source]
+                self._saturated_cores.pop(source, None)
+                self.capacity.pop(source, None)
+        self.cpu_caps = cpu_caps(loads, self.cpu_fraction, self.cpu_windows)
 
     def decide(self, now: float, loads: Mapping[str, SourceLoad]) -> dict[str, int]:
         """Loader counts to apply at time ``now`` (only sources that change)."""
         out: dict[str, int] = {}
         p = self.policy
+        self._measure_cpu(loads)
         for source, load in loads.items():
             self._measure(now, source, load)
             want = self.target(source, load)
@@ -217,13 +319,12 @@ class Scaler:
             if floor is not None and demand(load) < floor[1] / p.headroom:
                 del self.floors[source]  # demand fell: the floor no longer holds
                 floor = None
+            limit = self.limit(source)
             if floor is not None:
-                want = max(want, min(floor[0], p.bounds(source)[1], self.saturated.get(
-                    source, floor[0])))
-            sat = self.saturated.get(source)
-            if sat is not None and load.loaders > sat and want <= sat:
+                want = max(want, int(min(floor[0], p.bounds(source)[1], limit)))
+            if load.loaders > limit:
                 if now - last >= p.cooldown:  # loaders that add nothing: remove them at once
-                    out[source] = max(want, p.bounds(source)[0])
+                    out[source] = max(int(limit), p.bounds(source)[0])
                     self._changed[source] = now
                     self._down_at[source] = now
                     self._low_since.pop(source, None)
@@ -231,8 +332,10 @@ class Scaler:
             if want > load.loaders:
                 self._low_since.pop(source, None)
                 if now - last >= p.cooldown:
-                    # at most double at a time: each step is measured (see _measure)
-                    want = min(want, max(2 * load.loaders, p.bounds(source)[0]))
+                    # at most double at a time: each step is measured (see _measure); the
+                    # CPU cap is known without trying: go there at once
+                    if want < self.cpu_caps.get(source, math.inf):
+                        want = min(want, max(2 * load.loaders, p.bounds(source)[0]))
                     out[source] = want
                     self._changed[source] = now
                     if now - self._down_at.get(source, -math.inf) < p.scale_down_after \

@@ -45,6 +45,20 @@ def _known_services(dask_scheduler):
     return sorted(set(plugin._configs) & set(plugin.services))
 
 
+def serve_steps_until(readers, recs, cond, what: str, timeout: float = 40.0, each=None) -> None:
+    """Read the next step on every reader (records into ``recs``) until ``cond()``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} within {timeout:.0f}s"
+        step = len(recs) // len(readers)
+        for rd in readers:
+            b = next(rd)
+            assert b.step == step
+            recs.append(record(b))
+        if each is not None:
+            each()
+
+
 def _one_group(ws):
     return "all"
 
@@ -76,16 +90,11 @@ def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
                 return set(client.scheduler_info(n_workers=-1)["workers"])
 
             def serve_until(cond, what: str, timeout: float = 40.0) -> None:
-                deadline = time.monotonic() + timeout
-                while not cond():
-                    assert time.monotonic() < deadline, f"{what} within {timeout:.0f}s"
-                    step = len(recs) // len(readers)
-                    for rd in readers:
-                        b = next(rd)
-                        assert b.step == step
-                        recs.append(record(b))
+                def each() -> None:
                     seen_workers.append(workers())
                     time.sleep(0.05)
+
+                serve_steps_until(readers, recs, cond, what, timeout, each)
 
             first = workers()
             assert len(first) == 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from msd_dask.scaling import Scaler, ScalingPolicy, SourceLoad, proactive_target
+from msd_dask.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps, proactive_target
 
 
 def load(**kw):
@@ -190,3 +190,96 @@ def test_a_loader_that_adds_some_capacity_is_kept_but_no_more_are_added():
     for t in range(5, 200):
         assert s.decide(float(t), {"a": load(loaders=2, seconds_per_token=0.0016, **kw)}) == {}
     assert s.saturated == {"a": 2}
+
+
+def _cpu_load(n: int, cores: float = 2.0, fraction: float = 0.95, **kw) -> SourceLoad:
+    """A CPU-bound source (hashing): one loader supplies 1k tok/s on a core of its own;
+    demand 10k tok/s (the model asks for 8, the maximum)."""
+    base = dict(loaders=n, seconds_per_token=0.001 * max(1.0, n / (cores or n)),
+                consumption=20_000.0,
+                starved=0.5, cpu_per_token=0.00095, cpu_fraction=fraction, cores=cores)
+    base.update(kw)
+    return load(**base)
+
+
+def test_cpu_cap_converges_in_one_change_and_never_reverses():
+    # on 2 cores the source is held at 2 loaders from the first measurement, not tried at 4
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    changes = _drive(s, 1, 300, lambda t, n: _cpu_load(n))
+    assert changes == [(0, 2)]
+    assert s.cpu_caps == {"a": 2}
+    # 8 cores: straight to 8 (the cap), not 2 -> 4 -> 8
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    assert _drive(s, 1, 300, lambda t, n: _cpu_load(n, cores=8)) == [(0, 8)]
+
+
+def test_cpu_cap_uses_the_least_contended_fraction():
+    # with 3 loaders on 2 cores a loader is on a core 2/3 of its busy time; that window
+    # alone would allow 3, but the fraction measured earlier (0.95) holds the cap at 2
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    assert s.decide(0.0, {"a": _cpu_load(1)}) == {"a": 2}
+    for t in range(1, 100):
+        assert s.decide(float(t), {"a": _cpu_load(2, fraction=0.66)}) == {}
+    assert s.cpu_caps == {"a": 2}
+
+
+def test_cpu_cap_grows_with_the_cluster():
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    changes = _drive(s, 1, 100, lambda t, n: _cpu_load(n, cores=2 if t < 50 else 6))
+    assert changes == [(0, 2), (50, 6)]
+
+
+def test_cpu_cap_does_not_bind_an_io_bound_source():
+    # busy 1 ms per token, 5% of it on a core: 2 cores keep 40 such loaders busy
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    changes = _drive(s, 1, 100, lambda t, n: load(
+        loaders=n, seconds_per_token=0.001, consumption=20_000.0, starved=0.5,
+        cpu_per_token=0.00005, cpu_fraction=0.05, cores=2.0))
+    assert changes == [(0, 2), (5, 4), (10, 8)]  # as without a CPU measurement
+    assert s.cpu_caps == {"a": 40}
+
+
+def test_cpu_cap_shares_the_cores_by_need():
+    # two CPU-bound sources each needing 2 cores on 2 cores: one core each
+    loads = {s: _cpu_load(1, consumption=4300.0) for s in ("a", "b")}
+    assert cpu_caps(loads, {"a": 1.0, "b": 1.0}) == {"a": 1, "b": 1}
+    # one cheap source (needs little CPU) leaves the costly one nearly all of them
+    loads["b"] = _cpu_load(1, consumption=4300.0, cpu_per_token=1e-6)
+    assert cpu_caps(loads, {"a": 1.0, "b": 1.0}) == {"a": 2, "b": 1}
+    # cores or fraction unknown: no cap
+    assert cpu_caps({"a": _cpu_load(1, cores=0.0)}, {"a": 1.0}) == {}
+    assert cpu_caps({"a": _cpu_load(1)}, {}) == {}
+
+
+def test_saturation_removes_loaders_down_to_the_limit_not_below():
+    # a window with no consumption (the planner stalled) asks for the minimum; loaders above
+    # the saturation are removed down to it, not to the minimum (the 3 -> 1 of a CPU run)
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s.saturated["a"] = 2
+    assert s.decide(0.0, {"a": load(loaders=3, consumption=0.0, seconds_per_token=0.001)}) \
+        == {"a": 2}
+
+
+def test_saturation_is_probed_again_when_the_cluster_grows():
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    changes = _drive(s, 1, 200, lambda t, n: load(
+        loaders=n, seconds_per_token=0.001 * max(1.0, n / (2 if t < 100 else 8)),
+        consumption=20_000.0, starved=0.5, cores=2.0 if t < 100 else 8.0))
+    # 2 cores: tried 4, back to 2; 8 cores from t=100: probed again, up to the maximum
+    assert changes[:3] == [(0, 2), (5, 4), (10, 2)]
+    assert changes[3:] == [(100, 4), (105, 8)]
+    assert "a" not in s.saturated
+
+
+def test_cpu_cap_waits_for_a_few_windows_before_exceeding_the_cores():
+    # a first window slowed by the GIL (fraction 0.45) would allow 4 loaders on 2 cores; the
+    # cap stays at the cores' 2 until MIN_CPU_WINDOWS windows, which find 0.95: no 4 -> 2
+    s = Scaler(ScalingPolicy(cooldown=1.0, scale_down_after=30.0))
+    changes = _drive(s, 1, 60, lambda t, n: _cpu_load(n, fraction=0.45 if t == 0 else 0.95))
+    assert changes == [(0, 2)]
+    # an I/O-bound source passes the cores once it was measured over those windows
+    s = Scaler(ScalingPolicy(cooldown=1.0, scale_down_after=30.0))
+    changes = _drive(s, 1, 60, lambda t, n: load(
+        loaders=n, seconds_per_token=0.001, consumption=20_000.0, starved=0.5,
+        cpu_per_token=0.00005, cpu_fraction=0.05, cores=2.0))
+    assert changes == [(0, 2), (2, 4), (3, 8)]
