@@ -111,7 +111,9 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
               quarantine: list[DataError] | None = None,
               pool: DocPool | None = None,
               timing: list[float] | None = None) -> list[np.ndarray | ImageDoc]:
-    """Read and tokenize every row of ``unit``; one int32 array per row, in row order.
+    """Read and tokenize every row of ``unit``; one array per row, in row order.
+
+    The arrays are uint16 for a vocabulary of at most 65,536 ids, else int32.
 
     ``pool``: preprocess and tokenize the documents on it (several at once);
     ``None`` does it here, one after the other.  The result is the same.
@@ -217,14 +219,29 @@ def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | 
     :class:`DataError` of a bad document, as a value) and the seconds it took.
     """
     t0 = time.perf_counter()
+    compact = tokenizer.vocab_size <= 1 << 16
     out: list[np.ndarray | ImageDoc | DataError] = []
     for row, rec in items:
         try:
             tokens = _tokenize(src, rec, prep, tokenizer, path, row)
-            out.append(_with_image(src, rec, tokens, tokenizer, path, row))
+            out.append(_compact(_with_image(src, rec, tokens, tokenizer, path, row), compact))
         except DataError as e:
             out.append(e)
     return out, time.perf_counter() - t0
+
+
+def _compact(doc: np.ndarray | ImageDoc, compact: bool) -> np.ndarray | ImageDoc:
+    """``doc`` with uint16 tokens if ``compact`` (a vocabulary of at most 65,536 ids).
+
+    Done per document as it is tokenized, so a unit's int32 tokens are never all held
+    at once (their freed memory would stay in the loader's heap, between the documents
+    kept).
+    """
+    if not compact:
+        return doc
+    if isinstance(doc, ImageDoc):
+        return ImageDoc(doc.tokens.astype(np.uint16, copy=False), doc.patches)
+    return doc.astype(np.uint16, copy=False)
 
 
 # ------------------------------------------------------------------ the document pool
@@ -433,9 +450,8 @@ class _UnitData:
     __slots__ = ("docs", "lengths")
 
     def __init__(self, docs: list[np.ndarray | ImageDoc], compact: bool = False):
-        if compact:
-            docs = [ImageDoc(d.tokens.astype(np.uint16), d.patches) if isinstance(d, ImageDoc)
-                    else d.astype(np.uint16) for d in docs]
+        if compact:  # read_unit compacts as it tokenizes; placeholders are compacted here
+            docs = [_compact(d, True) for d in docs]
         self.docs: list[np.ndarray | ImageDoc | None] = list(docs)
         self.lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
 
