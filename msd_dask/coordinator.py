@@ -267,14 +267,18 @@ class Coordinator:
 
     def _upcoming(self, source: str, read_ahead: int) -> list[tuple[int, int]]:
         """The current window's units and, after them, at most ``read_ahead`` units
-        holding at most the source's read-ahead tokens (:func:`ahead_within`)."""
+        holding at most the source's read-ahead tokens (:func:`ahead_within`), or one
+        per read thread of the source's loaders if that is more."""
         keys = self.planner.upcoming_units(source, read_ahead)
         window = len(self.planner.upcoming_units(source, 0))
         known = self._unit_tokens[source]
         seen = known[known >= 0]
         mean = float(seen.mean()) if len(seen) else None
         est = [float(known[u]) if known[u] >= 0 else mean for _, u in keys[window:]]
-        return keys[:window + ahead_within(est, self._ahead_cap[source])]
+        # at least a unit per read thread of the source's loaders: a loader the adaptive
+        # policy adds must have a unit to read, or it adds nothing
+        least = len(self.roles.active.get(source, ())) * self.roles.loader_threads
+        return keys[:window + max(ahead_within(est, self._ahead_cap[source]), least)]
 
     def _behind(self, source: str, epoch: int, unit: int) -> bool:
         st = self.planner.streams[source]
