@@ -6,9 +6,11 @@ release the GIL), preprocesses and tokenizes the documents of each unit on a
 bounded :class:`DocPool` (threads or processes, ``sources[].pool``; the
 documents keep their row order), reports the lengths
 (:meth:`SourceLoader.metadata`) and keeps the tokens until constructors fetch
-them (:meth:`SourceLoader.fetch`).  A document's tokens are dropped as soon as all
-its pieces have been fetched, so the loader holds at most the units assigned
-ahead of the planner (``read_ahead``).
+them (:meth:`SourceLoader.fetch`).  A unit's tokens stay until the planner
+releases it (once every step that used it was claimed), so a loader holds the
+units of its source's current shuffle window, those assigned after it
+(``read_ahead`` units holding at most ``read_ahead_tokens``) and those behind
+it not yet released.
 
 All methods are ``async``: they run on the worker's event loop, and calls
 from other actors never block a thread.
