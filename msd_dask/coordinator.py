@@ -275,9 +275,11 @@ class Coordinator:
         seen = known[known >= 0]
         mean = float(seen.mean()) if len(seen) else None
         est = [float(known[u]) if known[u] >= 0 else mean for _, u in keys[window:]]
-        # at least a unit per read thread of the source's loaders: a loader the adaptive
-        # policy adds must have a unit to read, or it adds nothing
-        least = len(self.roles.active.get(source, ())) * self.roles.loader_threads
+        # with several loaders, two units per read thread (one read, one queued): a loader
+        # the adaptive policy adds must have units to read, or it adds nothing; one loader
+        # keeps the cap's bound on memory
+        threads = len(self.roles.active.get(source, ())) * self.roles.loader_threads
+        least = 2 * threads if threads > 1 else threads
         return keys[:window + max(ahead_within(est, self._ahead_cap[source]), least)]
 
     def _behind(self, source: str, epoch: int, unit: int) -> bool:
