@@ -15,15 +15,20 @@ step_seconds`` tokens/s (the demand, printed).  Reported per allocation:
 delivered tokens/s, the fraction of time the consumer waited for data (over the
 run, and over its second half, "conv."), the loaders per source over time (plotted
 to ``--plot``), when each source's count last changed and how often it reversed.
-``--mode io`` adds a third run, "no costly", with both sources cheap: what this
-machine delivers at this demand when no source is costly (``--no-reference``
-skips it).  ``--prefetch 0`` takes the batches in the consumer's thread, one rank
-after the other (the consumer of earlier versions of this benchmark).
+A third run, "no costly", has no costly source (``--mode io``: both sources behind
+`store_1x`; ``--mode cpu``: no preprocessing): what this machine delivers at this
+demand when no source is costly, and the service's own CPU per token then
+(``--no-reference`` skips it).  "CPU conv." is the cores every process of the run
+(consumer, scheduler, workers) used after convergence.  ``--prefetch 0`` takes the
+batches in the consumer's thread, one rank after the other (the consumer of earlier
+versions of this benchmark).
 
 ``--mode cpu`` also measures what the machine's cores allow, in the same run before
 the services start: the costly and the cheap source read, preprocessed and
 tokenized by one process per core (no service) for a few seconds each; the mix of
-the two at equal weights gives the most tokens/s these cores can prepare.
+the two at equal weights gives the most tokens/s these cores can prepare.  With the
+service's own CPU per token (from the "no costly" run) added to the costly source's,
+the same cores allow less: the bound the service can reach on them.
 
     python scripts/bench_scaling.py --mode io --seconds 50 --plot docs/scaling.png
     python scripts/bench_scaling.py --mode cpu --seconds 50
@@ -44,7 +49,8 @@ PREP = "msd_dask.examples.preprocess:"
 
 
 def make_config(data: str, policy: str, mode: str, costly: str | None = None,
-                pool: dict[str, Any] | None = None) -> dict[str, Any]:
+                pool: dict[str, Any] | None = None, read_ahead_tokens: int = 0
+                ) -> dict[str, Any]:
     """The service config of one allocation (``policy``: ``fixed`` or ``adaptive``)."""
     costly = costly or (PREP + "store_20x" if mode == "io" else PREP + "cpu_bound")
     cheap = PREP + "store_1x" if mode == "io" else None
@@ -56,6 +62,9 @@ def make_config(data: str, policy: str, mode: str, costly: str | None = None,
     ]
     if pool:
         src[1]["pool"] = dict(pool)
+    if read_ahead_tokens:
+        for s in src:
+            s["read_ahead_tokens"] = read_ahead_tokens
     for s in src:
         if s["preprocess"] is None:
             del s["preprocess"]
@@ -80,6 +89,30 @@ class _Plain:
 
     def close(self, timeout: float = 0.0) -> None:
         pass
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its children (the cluster's nannies and workers)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _policy_state(dask_scheduler: Any) -> dict[str, Any]:
+    """The adaptive policy's CPU measurements and caps, per service."""
+    plugin = dask_scheduler.plugins.get("msd_dask")
+    if plugin is None:
+        return {}
+    return {n: {"cpu_fraction": dict(s.cpu_fraction), "cpu_caps": dict(s.cpu_caps),
+                "saturated": dict(s.saturated)} for n, s in plugin._scalers.items()}
 
 
 def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
@@ -109,7 +142,10 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
         poller.start()
         waited = tokens = 0.0
         conv_wait = conv_time = conv_tokens = 0.0
+        cpu0 = None
         while (now := time.perf_counter() - t_start) < seconds:
+            if now > seconds / 2 and cpu0 is None:
+                cpu0 = _cpu_seconds()
             t0 = time.perf_counter()
             batches = [rd.get(timeout=cfg["timeout"]) for rd in readers]
             w = time.perf_counter() - t0
@@ -123,9 +159,11 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
                 conv_time += step
                 conv_tokens += n
         elapsed = time.perf_counter() - t_start
+        cpu = _cpu_seconds() - (cpu0 or 0.0)
         stop.set()
         poller.join(5)
         loaders = svc.coordinator.loader_stats().result()
+        policy = svc.client.run_on_scheduler(_policy_state).get(cfg["name"], {})
         for rd in readers:
             rd.close(timeout=1.0)
     cost = {s: (sum(x["read_seconds"] for x in ls) / max(sum(x["tokens_read"] for x in ls), 1),
@@ -133,7 +171,10 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
     return {"tokens_per_s": tokens / elapsed, "wait": waited / elapsed,
             "converged_tokens_per_s": conv_tokens / conv_time if conv_time else 0.0,
             "converged_wait": conv_wait / conv_time if conv_time else 0.0,
-            "timeline": timeline, "cost": cost}
+            "timeline": timeline, "cost": cost, "policy": policy,
+            # CPU of every process (consumer, scheduler, workers) after convergence
+            "converged_cores": cpu / conv_time if conv_time else 0.0,
+            "converged_cpu_per_token": cpu / conv_tokens if conv_tokens else 0.0}
 
 
 def changes(timeline: list[tuple[float, dict[str, int]]], source: str
@@ -198,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "for io, cpu_bound for cpu)")
     p.add_argument("--pool", help="the costly source's pool as KIND:SIZE, e.g. process:2 "
                                   "(default: the loader's one thread)")
+    p.add_argument("--read-ahead-tokens", type=int, default=0,
+                   help="variant: sources[].read_ahead_tokens of both sources (default: the "
+                        "service's, prefetch whole steps)")
     p.add_argument("--seconds", type=float, default=60.0, help="per allocation")
     p.add_argument("--step-seconds", type=float, default=0.04,
                    help="emulated compute per step (sets the demand)")
@@ -207,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="write the loaders-over-time plot here (PNG)")
     p.add_argument("--quick", action="store_true", help="25 s per allocation")
     p.add_argument("--no-reference", action="store_true",
-                   help="io mode: skip the third run, with both sources cheap (store_1x)")
+                   help="skip the third run, with no costly source (io: both store_1x; cpu: "
+                        "no preprocessing), which also measures the service's own CPU")
     args = p.parse_args(argv)
     import dask
 
@@ -226,18 +271,23 @@ def main(argv: list[str] | None = None) -> int:
     demand = RANKS * SEQ_LEN / args.step_seconds
     ceiling = None
     if args.mode == "cpu":
-        cfg = make_config(args.data, "fixed", args.mode, args.costly, pool)
+        cfg = make_config(args.data, "fixed", args.mode, args.costly, pool, args.read_ahead_tokens)
         rates = {s: raw_rate(cfg, s, cores, 8.0) for s in ("costly", "code")}
         one_core = raw_rate(cfg, "costly", 1, 8.0)
         ceiling = 1.0 / (0.5 / rates["costly"] + 0.5 / rates["code"])
     res = {}
     for policy in ("fixed", "adaptive"):
-        cfg = make_config(args.data, policy, args.mode, args.costly, pool)
+        cfg = make_config(args.data, policy, args.mode, args.costly, pool, args.read_ahead_tokens)
         res[policy] = run(cfg, seconds, args.step_seconds, args.workers, args.prefetch)
     costly = cfg["sources"][1]["preprocess"].rsplit(":", 1)[-1]
-    if args.mode == "io" and not args.no_reference:
-        # what this machine delivers at this demand when no source is costly
-        ref = make_config(args.data, "fixed", args.mode, PREP + "store_1x")
+    if not args.no_reference:
+        # what this machine delivers at this demand when no source is costly, and (cpu mode)
+        # what the service itself costs in CPU per token then
+        ref = make_config(args.data, "fixed", args.mode,
+                          PREP + "store_1x" if args.mode == "io" else None,
+                          read_ahead_tokens=args.read_ahead_tokens)
+        if args.mode == "cpu":
+            ref["sources"][1].pop("preprocess", None)
         res["no costly"] = run(ref, seconds, args.step_seconds, args.workers, args.prefetch)
     print(f"mode {args.mode}: costly source '{costly}'"
           + (f" on a {pool['kind']} pool of {pool['size']}" if pool else "")
@@ -254,20 +304,34 @@ def main(argv: list[str] | None = None) -> int:
               f"({one_core:,.0f} on 1), cheap {rates['code']:,.0f}; at equal weights "
               f"{ceiling:,.0f} tokens/s")
     print(f"{'allocation':<12}{'tokens/s':>12}{'wait':>8}{'tokens/s conv.':>16}"
-          f"{'wait conv.':>12}{'final loaders':>26}  last change / changes / reversals")
+          f"{'wait conv.':>12}{'CPU conv.':>11}{'final loaders':>26}  last change / changes / "
+          "reversals")
     for k, r in res.items():
         final = r["timeline"][-1][1] if r["timeline"] else {}
         ch = "  ".join(f"{s} {t:.0f}s/{n}/{v}" for s in ("code", "costly")
                        for t, n, v in [changes(r["timeline"], s)])
         print(f"{k:<12}{r['tokens_per_s']:>12,.0f}{r['wait']:>8.1%}"
               f"{r['converged_tokens_per_s']:>16,.0f}{r['converged_wait']:>12.1%}"
-              f"{str(final):>26}  {ch}")
+              f"{r['converged_cores']:>11.2f}{str(final):>26}  {ch}")
     ratio = res["adaptive"]["tokens_per_s"] / max(res["fixed"]["tokens_per_s"], 1e-9)
     conv = (res["adaptive"]["converged_tokens_per_s"]
             / max(res["fixed"]["converged_tokens_per_s"], 1e-9))
     print(f"adaptive / fixed tokens/s: {ratio:.2f} over the run, {conv:.2f} after convergence")
     print(f"adaptive / demand: {res['adaptive']['converged_tokens_per_s'] / demand:.1%} "
           "after convergence")
+    pol = res["adaptive"]["policy"]
+    if pol.get("cpu_caps") or pol.get("saturated"):
+        print("adaptive policy: CPU fraction of the loaders' busy time "
+              + ", ".join(f"{s} {f:.2f}" for s, f in pol["cpu_fraction"].items())
+              + f"; CPU cap {pol['cpu_caps']}; saturated {pol['saturated']}")
+    if ceiling is not None and "no costly" in res:
+        # the service's own CPU per token (no costly source) on top of the costly hashing
+        own = res["no costly"]["converged_cpu_per_token"]
+        bound = cores / (0.5 * cores / rates["costly"] + own)
+        print(f"service's own CPU with no costly source: {own * 1e6:.2f} us/token "
+              f"({res['no costly']['converged_cores']:.2f} cores at "
+              f"{res['no costly']['converged_tokens_per_s']:,.0f} tokens/s); with it these "
+              f"cores allow at most {bound:,.0f} tokens/s, {bound / ceiling:.1%} of {ceiling:,.0f}")
     if ceiling is not None:
         print(f"adaptive / what the cores allow: "
               f"{res['adaptive']['converged_tokens_per_s'] / ceiling:.1%} after convergence "

@@ -1,0 +1,272 @@
+"""Where the CPU goes in ``bench_scaling.py --mode cpu``: per process, per thread, per role.
+
+Runs one allocation of the scaling benchmark (the same config, consumer and
+demand) and, over the second half of the run, samples the CPU seconds of
+
+* the consumer's process (it also runs the embedded scheduler, the scheduler
+  plugin and the client's event loop), per thread;
+* every worker process, per thread (``MainThread`` is the worker's event loop,
+  where the actors' async methods run: the planner, the constructors, the
+  loaders' serving; ``msd-load-*`` are the loaders' read threads, where rows are
+  read, preprocessed and tokenized), with the roles each worker holds;
+
+plus, from stack samples of every event loop every 10 ms, what the loops do:
+idle (in ``select``), or the outermost msd_dask function on the stack, or else
+the innermost Dask/Python function.  ``--cheap`` replaces the costly
+source's preprocessing by none (both sources cheap): the service's own CPU cost
+per step at the same demand.
+
+    python scripts/profile_scaling.py --policy adaptive --seconds 40
+    python scripts/profile_scaling.py --policy fixed --cheap --seconds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_scaling as bench  # noqa: E402
+
+
+def _thread_times() -> dict[str, float]:
+    """CPU seconds of every thread of this process, by thread name (summed per name)."""
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = collections.defaultdict(float)
+    for t in psutil.Process().threads():
+        name = names.get(t.id, "other")
+        for prefix in ("msd-load-", "msd-prep-", "Dask-Offload", "ThreadPoolExecutor",
+                       "Dask-Default-Threads", "rank-"):
+            if name.startswith(prefix):
+                name = name.split("_")[0] if prefix != "rank-" else name
+                break
+        out[name] += t.user_time + t.system_time
+        try:  # seconds the thread was runnable but waited for a core
+            with open(f"/proc/self/task/{t.id}/schedstat") as f:
+                out[name + " (waiting for a core)"] += int(f.read().split()[1]) / 1e9
+        except OSError:
+            pass
+    return dict(out)
+
+
+_SAMPLES: collections.Counter[str] = collections.Counter()
+
+
+def _renice_loaders(dask_worker: Any = None, nice: int = 10) -> int:
+    """Lower the priority of this worker's loader threads (``msd-load-*``); returns how many."""
+    n = 0
+    for t in threading.enumerate():
+        if t.name.startswith("msd-load-") and t.native_id is not None:
+            os.setpriority(os.PRIO_PROCESS, t.native_id, nice)
+            n += 1
+    return n
+
+
+def _samples(dask_worker: Any) -> collections.Counter[str]:
+    """The sample counts of this process (a worker keeps them on itself: functions of
+    ``__main__`` reach a worker by value, with copies of their globals)."""
+    if dask_worker is None:
+        return _SAMPLES
+    if not hasattr(dask_worker, "_msd_samples"):
+        dask_worker._msd_samples = collections.Counter()
+    return dask_worker._msd_samples
+
+
+def _where(frame: Any) -> str:
+    """What a stack sample of an event loop is doing: idle, or the msd_dask/Dask code running."""
+    inner = frame
+    outer_msd = None
+    f = frame
+    while f is not None:
+        fn = f.f_code.co_filename
+        if "msd_dask" in fn and outer_msd is None:
+            outer_msd = f"{os.path.basename(fn)}:{f.f_code.co_name}"
+        f = f.f_back
+    if inner.f_code.co_name in ("select", "poll", "_poll") and "selectors" in \
+            inner.f_code.co_filename:
+        return "idle (waiting in select)"
+    if outer_msd is not None:
+        return "msd_dask " + outer_msd
+    parts = inner.f_code.co_filename.split(os.sep)
+    return "/".join(parts[-2:]) + ":" + inner.f_code.co_name
+
+
+def _start_sampler(dask_worker: Any = None, interval: float = 0.01,
+                   thread: str = "MainThread") -> None:
+    """Sample the event loop thread's stack every ``interval`` s (until the process ends)."""
+    main = next(t.ident for t in threading.enumerate() if t.name == thread)
+
+    counts = _samples(dask_worker)
+    counts.clear()
+
+    def loop() -> None:
+        while True:
+            frame = sys._current_frames().get(main)
+            if frame is not None:
+                counts[_where(frame)] += 1
+            time.sleep(interval)
+
+    threading.Thread(target=loop, daemon=True, name="msd-sampler").start()
+
+
+def _worker_sample(dask_worker: Any) -> dict[str, Any]:
+    return {"threads": _thread_times(), "loop": dict(_samples(dask_worker)),
+            "roles": sorted(str(k)[4:].split("-", 1)[-1] for k in dask_worker.state.actors),
+            "cpu": sum(os.times()[:2])}
+
+
+def _top(before: dict[str, int], after: dict[str, int], n: int = 10) -> list[tuple[str, float]]:
+    """Share of the event loop's samples of the ``n`` most sampled places, in the window."""
+    d = {k: v - before.get(k, 0) for k, v in after.items()}
+    total = sum(d.values()) or 1
+    return [(k, v / total) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def _constructor_times(svc: Any) -> tuple[float, float, int]:
+    """Seconds the constructors spent fetching and packing, and the batches they built."""
+    handles = svc.coordinator.handles().result()["constructors"]
+    st = [c.stats().result() for c in handles]
+    return (sum(x["fetch_seconds"] for x in st), sum(x["build_seconds"] for x in st),
+            sum(x["batches_built"] for x in st))
+
+
+def _kind(waiting: str | None) -> str:
+    """A planner's ``waiting`` line without its unit names."""
+    if waiting is None:
+        return "planning (not blocked)"
+    if "report the lengths" in waiting:
+        return waiting.split(" to report")[0].split(" of source ")[-1] + " lengths"
+    return " ".join(w for w in waiting.split()[:4] if not w.isdigit())
+
+
+def _decisions(dask_scheduler: Any) -> list[dict[str, Any]]:
+    plugin = dask_scheduler.plugins.get("msd_dask")
+    return [d for v in plugin.decisions.values() for d in v] if plugin else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", choices=["fixed", "adaptive"], default="adaptive")
+    p.add_argument("--cheap", action="store_true", help="no preprocessing on the costly source")
+    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--data", default="data/scaling")
+    p.add_argument("--read-ahead-tokens", type=int, default=0,
+                   help="sources[].read_ahead_tokens of both sources (0: the default)")
+    p.add_argument("--costly-loaders", type=int, default=0,
+                   help="loaders of the costly source at the start (0: 1, as the benchmark)")
+    p.add_argument("--nice", type=int, default=0,
+                   help="variant: run the loaders' read threads at this nice value")
+    args = p.parse_args(argv)
+    import psutil
+
+    from msd_dask import DataService
+    from msd_dask.torch import Prefetcher
+
+    cfg = bench.make_config(args.data, args.policy, "cpu")
+    if args.read_ahead_tokens:
+        for s in cfg["sources"]:
+            s["read_ahead_tokens"] = args.read_ahead_tokens
+    if args.costly_loaders:
+        cfg["sources"][1]["loaders"] = args.costly_loaders
+    if args.cheap:
+        cfg["sources"][1].pop("preprocess", None)
+    with DataService.start(cfg, n_workers=2, threads_per_worker=1, loader_threads=1) as svc:
+        client = svc.client
+        waits: collections.Counter[str] = collections.Counter()
+        samples: dict[str, Any] = {}
+        stop = threading.Event()
+        coordinator = svc.coordinator
+
+        def watch() -> None:  # what the planning loop is blocked on, every 50 ms
+            while not stop.wait(0.05):
+                try:
+                    w = coordinator.stats().result()["waiting"]
+                except Exception as e:  # noqa: BLE001 - a missed sample
+                    waits[f"error {e!r}"[:60]] += 1
+                    continue
+                if samples:
+                    waits[_kind(w)] += 1
+
+        threading.Thread(target=watch, daemon=True).start()
+        client.run(_start_sampler)
+        _start_sampler(thread="IO loop")
+        readers = [Prefetcher(svc.reader(r), 2, name=f"rank-{r}") for r in range(bench.RANKS)]
+        me = psutil.Process()
+        t_start = time.perf_counter()
+        steps = tokens = 0
+        waited = 0.0
+        while (now := time.perf_counter() - t_start) < args.seconds:
+            if args.nice and int(now) != int(now - 0.05):  # new loaders start at normal priority
+                client.run(_renice_loaders, nice=args.nice)
+            if now > args.seconds / 2 and not samples:
+                samples = {"t": time.perf_counter(), "main": _thread_times(),
+                           "cons": _constructor_times(svc),
+                           "loop": dict(_SAMPLES),
+                           "workers": client.run(_worker_sample), "wall": time.time(),
+                           "main_cpu": sum(me.cpu_times()[:2])}
+                steps = tokens = 0
+                waited = 0.0
+            t0 = time.perf_counter()
+            batches = [rd.get(timeout=120) for rd in readers]
+            waited += time.perf_counter() - t0
+            time.sleep(0.04)
+            steps += 1
+            tokens += sum(b.num_tokens for b in batches)
+        end = {"t": time.perf_counter(), "main": _thread_times(), "loop": dict(_SAMPLES),
+               "cons": _constructor_times(svc),
+               "workers": client.run(_worker_sample), "main_cpu": sum(me.cpu_times()[:2])}
+        stop.set()
+        loaders = svc.stats()["planner"]["loaders"]
+        decisions = client.run_on_scheduler(_decisions)
+        for rd in readers:
+            rd.close(timeout=1.0)
+    dt = end["t"] - samples["t"]
+    t0 = decisions[0]["time"] - 1 if decisions else 0
+    for d in decisions:
+        print(f"  {d['time'] - t0:5.1f}s {d['source']}: {d['from']} -> {d['loaders']} "
+              f"(starved {d['starved']:.0%}, consumption {d['consumption']:,.0f}/s)")
+    print(f"policy {args.policy}{' (both sources cheap)' if args.cheap else ''}: "
+          f"{dt:.1f} s measured, {steps} steps ({steps / dt:.1f}/s), {tokens / dt:,.0f} tokens/s, "
+          f"consumer waited {waited / dt:.1%}; loaders {loaders}")
+    fetch, build, built = (e - b for b, e in zip(samples["cons"], end["cons"], strict=True))
+    print(f"constructors: {built} batches, fetch {fetch / max(built, 1) * 1e3:.1f} ms and pack "
+          f"{build / max(built, 1) * 1e3:.1f} ms per batch (wall)")
+    n = sum(waits.values()) or 1
+    print("planner blocked on (share of 50 ms samples): " + ", ".join(
+        f"{k} {v / n:.0%}" for k, v in waits.most_common()))
+    total = 0.0
+    rows = []
+    d = {k: end["main"].get(k, 0) - samples["main"].get(k, 0) for k in end["main"]}
+    rows.append(("consumer+scheduler", end["main_cpu"] - samples["main_cpu"], d,
+                 _top(samples["loop"], end["loop"])))
+    for w, e in end["workers"].items():
+        s = samples["workers"][w]
+        d = {k: e["threads"].get(k, 0) - s["threads"].get(k, 0) for k in e["threads"]}
+        rows.append((w.rsplit(":", 1)[-1] + " " + ",".join(e["roles"]), e["cpu"] - s["cpu"],
+                     d, _top(s["loop"], e["loop"])))
+    for name, cpu, threads, top in rows:
+        total += cpu
+        print(f"\n{name}: {cpu / dt:.1%} of a core ({cpu / max(steps, 1) * 1e3:.2f} ms/step)")
+        for t, v in sorted(threads.items(), key=lambda kv: -kv[1]):
+            if v / dt >= 0.005:
+                print(f"    {t:<28}{v / dt:>7.1%}  {v / max(steps, 1) * 1e3:6.2f} ms/step")
+        if top:
+            print("    event loop, share of its stack samples:")
+            for f, share in top:
+                print(f"      {share:6.1%}  {f}")
+    print(f"\nall processes: {total / dt:.2f} cores, {total / max(steps, 1) * 1e3:.2f} ms of CPU "
+          f"per step; {total / dt / (os.cpu_count() or 1):.1%} of the machine")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
