@@ -255,6 +255,8 @@ def _token_bytes(config: str) -> float:
     return 2.0 if make_tokenizer(load_config(config).tokenizer).vocab_size <= 1 << 16 else 4.0
 
 
+#: threads of each dask worker
+_DASK_THREADS = 2
 #: read-ahead variants: name -> (sources' read_ahead, read_ahead_tokens); None: the config's
 _NO_CAP = 10 ** 15
 
@@ -285,7 +287,8 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
     from bench_scheduler_bytes import _start_cluster, _stop
 
     with tempfile.TemporaryDirectory() as tmp:
-        address, cluster = _start_cluster(tmp, a.dask_workers, count=False)
+        address, cluster = _start_cluster(tmp, a.dask_workers, count=False,
+                                          nthreads=_DASK_THREADS)
         procs = Procs()
         try:
             procs.start("serve", ["--child", "serve", "--address", address, *common,
@@ -319,6 +322,31 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
     return out
 
 
+def _compiled_copy(root: str) -> str:
+    """Copy the msd_dask package under ``root``, compile it, put ``root`` first on PYTHONPATH.
+
+    Returns where the child processes import msd_dask from (checked).
+    """
+    import compileall
+    import shutil
+
+    import msd_dask
+
+    src = os.path.dirname(os.path.abspath(msd_dask.__file__))
+    dst = os.path.join(root, "msd_dask")
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    if not compileall.compile_dir(dst, quiet=1):
+        raise RuntimeError(f"could not compile {dst}")
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    probe = ("import msd_dask.service, msd_dask.config, sys; "
+             "print(msd_dask.__file__, msd_dask.config.__cached__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=root).stdout.split()
+    if not out[0].startswith(dst) or not os.path.exists(out[1]):
+        raise RuntimeError(f"children would not import the compiled copy: {out}")
+    return os.path.dirname(out[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -339,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
                         "units, no token cap), or N (N units, no token cap)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--bytecode", action="store_true",
+                   help="every process (both sides) loads msd_dask from compiled bytecode, as a "
+                        "regular install has it: a compiled copy of the package goes first on "
+                        "PYTHONPATH (this machine sets PYTHONDONTWRITEBYTECODE=1, so by default "
+                        "each process compiles msd_dask's modules from source)")
     # child roles
     p.add_argument("--child", choices=["bare", "hf", "serve", "reader"], help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -357,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
          "reader": lambda: child_reader(a)}[a.child]()
         return 0
 
+    bytecode_dir = tempfile.TemporaryDirectory() if a.bytecode else None
+    if bytecode_dir is not None:
+        print(f"msd_dask loaded from bytecode: {_compiled_copy(bytecode_dir.name)}")
+
     from msd_dask import load_config
 
     cfg = load_config(a.config)
@@ -374,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     mib = 1024 ** 2
     print(f"(R, W, S) = ({a.ranks}, {a.workers}, {a.sources}); seq_len {a.seq_len} x "
           f"{a.micro_batches} micro-batches; {a.warm} batches read per rank; "
-          f"{a.dask_workers} dask workers; {os.cpu_count()} cores; {secs:.0f} s")
+          f"{a.dask_workers} dask workers x {_DASK_THREADS} threads; {os.cpu_count()} cores; "
+          f"{secs:.0f} s" + ("; msd_dask from bytecode (--bytecode)" if a.bytecode else ""))
     print(f"bare python+torch process: {hf['bare'] / mib:.0f} MiB (baseline run), "
           + ", ".join(f"{m['bare'] / mib:.0f}" for m in msds) + " MiB (msd_dask runs)")
     print(f"{'pipeline':<50}{'PSS MiB':>10}")
