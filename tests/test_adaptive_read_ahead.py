@@ -1,7 +1,8 @@
-"""Under a tight ``read_ahead_tokens`` cap every loader of a source still gets units to read.
+"""Under the adaptive policy and a tight ``read_ahead_tokens`` cap every loader gets units to read.
 
 The adaptive policy adds loaders to read more units at once; with one unit read ahead of
 the planner (a token cap as small as a unit) the added loaders would have nothing to read.
+A fixed allocation keeps the cap (``tests/test_read_ahead.py``: loaders' memory).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ pytestmark = [pytest.mark.integration]
 def test_every_loader_reads_ahead_under_a_tight_token_cap(tmp_path) -> None:
     root = str(tmp_path)
     texts = write_corpus(root, code_files=6, code_rows=21)  # 18 code units of 7 rows
-    cfg = config(root)
-    cfg["sources"][0].update(loaders=3, shuffle_window=2, read_ahead=8, read_ahead_tokens=1)
+    # the adaptive policy, held at 3 loaders by the source's bounds
+    cfg = config(root, scaling={"policy": "adaptive"})
+    cfg["sources"][0].update(loaders=3, shuffle_window=2, read_ahead=8, read_ahead_tokens=1,
+                             min_loaders=3, max_loaders=3)
     units, tokens = _unit_tokens(cfg, "code")
     recs, held, state = _run(cfg, steps=4)
     check_content(recs, texts, 512)
