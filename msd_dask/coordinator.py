@@ -268,18 +268,20 @@ class Coordinator:
     def _upcoming(self, source: str, read_ahead: int) -> list[tuple[int, int]]:
         """The current window's units and, after them, at most ``read_ahead`` units
         holding at most the source's read-ahead tokens (:func:`ahead_within`), or, under
-        the adaptive policy, two per read thread of the source's loaders if that is more."""
+        the adaptive policy, two per read thread of the source's loaders if that is more
+        (at most ``read_ahead``)."""
         keys = self.planner.upcoming_units(source, read_ahead)
         window = len(self.planner.upcoming_units(source, 0))
         known = self._unit_tokens[source]
         seen = known[known >= 0]
         mean = float(seen.mean()) if len(seen) else None
         est = [float(known[u]) if known[u] >= 0 else mean for _, u in keys[window:]]
-        # under the adaptive policy, with several loaders, two units per read thread (one
-        # read, one queued): a loader the policy adds must have units to read, or it adds
-        # nothing; a fixed allocation keeps the cap's bound on memory
+        # under the adaptive policy two units per read thread (one read, one queued): the
+        # policy sizes loaders by their measured rate, which a loader waiting for its next
+        # unit does not reach, and one it adds must have units to read; a fixed allocation
+        # keeps the cap's bound on memory
         threads = len(self.roles.active.get(source, ())) * self.roles.loader_threads
-        least = 2 * threads if threads > 1 and self.cfg.scaling.policy == "adaptive" else 1
+        least = 2 * threads if self.cfg.scaling.policy == "adaptive" else 1
         return keys[:window + max(ahead_within(est, self._ahead_cap[source]), least)]
 
     def _behind(self, source: str, epoch: int, unit: int) -> bool:
