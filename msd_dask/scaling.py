@@ -28,15 +28,16 @@ hysteresis
     until its demand falls below the one seen then divided by ``headroom`` (no
     7 → 6 → 7 flapping).
 CPU cap
-    A loader reports the CPU seconds of its work next to its busy seconds; a
-    window's ``cpu_fraction`` (CPU seconds / busy seconds) near 1 means the
+    A loader reports the CPU seconds of its work and the time it waited for a
+    core next to its busy seconds; a window's ``cpu_fraction`` (CPU seconds /
+    busy seconds less that wait) near 1 means the
     source is CPU-bound, and a loader keeps ``threads × cpu_fraction`` cores
     busy.  The cluster has ``cores`` threads (the workers' ``nthreads``); when
     the sources' CPU needs (``demand × cpu_per_token``) exceed them, each gets
     its share of ``cores`` in proportion to its need, else all of them.  A
     source is held at ``cpu_cap = round(its cores / (threads × cpu_fraction))``
     loaders (at least 1), where ``cpu_fraction`` is the largest measured so
-    far (contention only lowers it: waiting for a core counts as busy time),
+    far (contention only lowers it: waiting for the GIL counts as busy time),
     and goes to the cap in one change, not by doubling: more loaders than the
     cores hold only share them.  Until the fraction was measured over
     ``MIN_CPU_WINDOWS`` windows the cap is at most the cores' count over
@@ -109,7 +110,8 @@ class SourceLoad:
     cpu_per_token : float
         Loader CPU seconds per token (0 when not measured, e.g. with a pool).
     cpu_fraction : float
-        Over the last window, the loaders' CPU seconds / busy seconds (0: not measured).
+        Over the last window, the loaders' CPU seconds / their busy seconds less the
+        time they waited for a core (0: not measured).
     cores : float
         Threads of the cluster's workers (0: not known).
     """
