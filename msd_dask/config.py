@@ -302,7 +302,8 @@ class LongContextConfig:
 class OutlierConfig:
     """Outlier delay: hold long pieces back until every row of a step can get one.
 
-    A piece of at least ``min_length`` tokens (0: off) is held when drawn
+    A piece of at least ``min_length`` tokens (0: off; a float in (0, 1): longer
+    than that fraction of ``batch.seq_len``) is held when drawn
     instead of joining the step; once ``group`` of them are held (0: the
     step's ``dp × micro_batches`` rows) they are released together at the
     front of a step, so no row (and no rank) is the only one with a long,
@@ -311,9 +312,18 @@ class OutlierConfig:
     elastic resume that keeps ``dp × micro_batches``.
     """
 
-    min_length: int = 0
+    #: tokens (an int), or a fraction of ``batch.seq_len`` (a float in (0, 1): pieces
+    #: longer than that share of a row), so it survives a change of ``seq_len``
+    min_length: float = 0
     group: int = 0
     max_wait: int = 16
+
+    def threshold(self, seq_len: int) -> int:
+        """The shortest outlier in tokens for rows of ``seq_len`` (0: off)."""
+        v = self.min_length
+        if isinstance(v, float) and 0 < v < 1:
+            return int(v * seq_len) + 1
+        return int(v)
 
 
 @dataclass(frozen=True)
@@ -713,7 +723,12 @@ def _parse(d: Any, check_files: bool) -> Config:
                                      max_per_rank=_int(lc, "max_per_rank", "long_context", 0, lo=0))
     oc = d.get("outliers", {})
     _check_keys(oc, "outliers", {f.name for f in dataclasses.fields(OutlierConfig)})
-    outliers = OutlierConfig(min_length=_int(oc, "min_length", "outliers", 0, lo=0),
+    ml = oc.get("min_length", 0)
+    if isinstance(ml, float) and ml != 0 and not 0 < ml < 1:
+        raise ConfigError("outliers.min_length", f"a fraction of batch.seq_len must be "
+                          f"between 0 and 1 (exclusive), got {ml!r}")
+    outliers = OutlierConfig(min_length=ml if isinstance(ml, float)
+                             else _int(oc, "min_length", "outliers", 0, lo=0),
                              group=_int(oc, "group", "outliers", 0, lo=0),
                              max_wait=_int(oc, "max_wait", "outliers", 16))
     if outliers.min_length and mode == "grouped" and any(s.context == "long" for s in sources):
@@ -721,7 +736,7 @@ def _parse(d: Any, check_files: bool) -> Config:
                           "'grouped' (held pieces would land on the other kind of step)")
     if outliers.min_length > batch.seq_len:
         raise ConfigError("outliers.min_length", f"must be <= batch.seq_len ({batch.seq_len}), "
-                          f"got {outliers.min_length}")
+                          f"got {outliers.min_length} (a fraction such as 0.5 follows seq_len)")
     sc = d.get("scaling", {})
     _check_keys(sc, "scaling", {f.name for f in dataclasses.fields(ScalingConfig)})
     policy = sc.get("policy", "fixed")

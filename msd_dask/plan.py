@@ -174,7 +174,7 @@ class Planner:
         dp, mb, seq_len = cfg.parallel.dp, cfg.batch.micro_batches, cfg.batch.seq_len
         capacity = dp * mb * seq_len
         weights = self.weights_at(self.step)
-        hold = cfg.outliers.min_length
+        hold = cfg.outliers.threshold(seq_len)
         group = cfg.outliers.group or dp * mb
         # released outliers (a row each), then carried pieces: placed before anything new
         pieces = self._release(dp * mb) + self.carry

@@ -19,7 +19,7 @@ the other in one run:
   ``msd-fit`` (``cost: {fit: true}`` starting from the config's model; every
   rank reports its forward+backward CPU time with ``report_step_time``, the
   planner fits ``α``, ``β`` online), ``msd-out`` (outlier delay,
-  ``outliers: {min_length: seq_len/2 + 1}``: pieces longer than half a row are
+  ``outliers: {min_length: 0.5}``: pieces longer than half a row are
   held and released a row each, see docs/balance.md) and ``msd-out-fit``
   (outlier delay and the online fit).  Only ``msd-pf`` prefetches, so each
   variant changes one or two things against ``msd``.
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             cost_cfg["fit"] = True                  # starts from the config's model
         cfg = dict(base, name="benchtrain", parallel={"dp": a.ranks}, cost=cost_cfg,
                    batch={"seq_len": a.seq_len, "micro_batches": a.micro_batches},
-                   outliers={"min_length": a.seq_len // 2 + 1 if delay else 0})
+                   outliers={"min_length": 0.5 if delay else 0})
         with DataService.start(cfg, n_workers=a.dask_workers, threads_per_worker=1) as svc:
             run = dict(args, address=svc.client.scheduler.address, name="benchtrain",
                        prefetch=prefetch, report=report)

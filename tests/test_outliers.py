@@ -143,6 +143,9 @@ def test_pending_names_held_pieces_for_the_loaders() -> None:
     ({"min_length": -1}, "outliers.min_length"),
     ({"max_wait": 0}, "outliers.max_wait"),
     ({"minimum": 3}, "outliers.minimum"),
+    ({"min_length": 1.5}, "outliers.min_length"),
+    ({"min_length": -0.5}, "outliers.min_length"),
+    ({"min_length": "half"}, "outliers.min_length"),
 ])
 def test_config_errors_name_the_key(outliers: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -217,3 +220,17 @@ def test_exactly_once_for_every_strategy_and_group(balance: str, outliers: dict)
         for epoch in range(last):
             got = {(q.unit, q.row, q.chunk, q.start, q.end) for q in mine if q.epoch == epoch}
             assert got == expected_pieces(source), (source, epoch)
+
+
+def test_a_fraction_follows_seq_len() -> None:
+    """``min_length: 0.5`` is "over half a row" whatever seq_len a config or script sets."""
+    cfg = make_cfg(WEIGHTS_3, outliers={"min_length": 0.5})
+    assert cfg.outliers.threshold(SEQ_LEN) == SEQ_LEN // 2 + 1
+    d = cfg.to_dict()
+    d["batch"]["seq_len"] = 1000
+    again = load_config(d, check_files=False)
+    assert again.outliers.threshold(again.batch.seq_len) == 501
+    assert make_cfg(WEIGHTS_3, outliers={"min_length": 0.0}).outliers.threshold(SEQ_LEN) == 0
+    plans = run(planner(cfg), 100)
+    counts = Counter(sum(q.length > SEQ_LEN // 2 for q in p.pieces()) for p in plans)
+    assert set(counts) <= {0, ROWS} and counts[ROWS] > 0, counts
