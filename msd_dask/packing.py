@@ -46,16 +46,18 @@ def pack_rows(rows: Sequence[Sequence[tuple[Any, int]]], seq_len: int,
     Returns
     -------
     dict
-        ``input_ids``, ``labels``, ``position_ids`` (int64 arrays of shape
-        ``[len(rows), seq_len]``), ``cu_seqlens`` (a list of int32 arrays),
+        ``input_ids``, ``labels``, ``position_ids`` (int32 arrays of shape
+        ``[len(rows), seq_len]``: half the bytes of int64 on the way to a reader;
+        :class:`~msd_dask.Batch` hands them to torch as int64), ``cu_seqlens`` (a
+        list of int32 arrays),
         ``pixel_values`` (``[patches, d]``, the patches of every row in order) and
         ``image_spans`` (for every row, ``(first patch, patches)`` of each piece or
         ``None`` for a text piece); both ``None`` when no piece has an image.
     """
     mb = len(rows)
-    input_ids = np.full((mb, seq_len), pad_id, dtype=np.int64)
-    labels = np.full((mb, seq_len), IGNORE_INDEX, dtype=np.int64)
-    position_ids = np.zeros((mb, seq_len), dtype=np.int64)
+    input_ids = np.full((mb, seq_len), pad_id, dtype=np.int32)
+    labels = np.full((mb, seq_len), IGNORE_INDEX, dtype=np.int32)
+    position_ids = np.zeros((mb, seq_len), dtype=np.int32)
     cu: list[np.ndarray] = []
     patches: list[np.ndarray] = []
     spans: list[list[tuple[int, int] | None]] = []

@@ -155,9 +155,10 @@ def pack_stream(texts: Iterable[str], seq_len: int, micro_batches: int,
                 if len(rows) == micro_batches:
                     b = pack_rows(rows, seq_len, tok.pad_id)
                     rows = []
-                    yield {"input_ids": torch.from_numpy(b["input_ids"]),
-                           "labels": torch.from_numpy(b["labels"]),
-                           "position_ids": torch.from_numpy(b["position_ids"]),
+                    # int64, as msd_dask's Batch hands them to training (pack_rows is int32)
+                    yield {"input_ids": torch.from_numpy(b["input_ids"]).long(),
+                           "labels": torch.from_numpy(b["labels"]).long(),
+                           "position_ids": torch.from_numpy(b["position_ids"]).long(),
                            "cu_seqlens": [torch.from_numpy(c) for c in b["cu_seqlens"]],
                            "num_tokens": seq_len * micro_batches}
 
