@@ -154,6 +154,8 @@ def _rank_main(rank: int, a: dict[str, Any], out_dir: str) -> None:
         loader = baselines.hf_loader(baselines.demo_sources(a["root"]), rank, a["ranks"],
                                      a["loader_workers"], a["seq_len"], a["micro_batches"],
                                      seed=a["seed"])
+        if a["loader_workers"] > 0 and a["nice_loaders"]:
+            loader.worker_init_fn = lambda _: renice(a["nice_loaders"])
         if a["loader_workers"] > 0:
             # a rank started by mp.spawn would spawn its loader workers too; fork them, as a
             # DataLoader does by default on Linux (and the baseline's dataset is a local class)
@@ -279,6 +281,13 @@ def calibrate(a: dict[str, Any], reps: int = 3) -> dict[str, Any]:
             "max_rel_error": err}
 
 
+def renice(n: int) -> None:
+    """Lower every thread of this process to nice ``n`` (Linux sets it per thread; new
+    threads inherit their creator's)."""
+    for tid in os.listdir("/proc/self/task"):
+        os.setpriority(os.PRIO_PROCESS, int(tid), n)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -385,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--loader-workers", type=int, default=1, help="baseline DataLoader workers per rank")
     p.add_argument("--dask-workers", type=int, default=2)
+    p.add_argument("--nice-loaders", type=int, default=0,
+                   help="run the loaders' processes (the baseline's DataLoader workers, "
+                        "msd_dask's dask workers) at this nice level, as if they had CPUs "
+                        "of their own; a labelled variant, 0 by default")
     p.add_argument("--pure-reps", type=int, default=20)
     p.add_argument("--variants", default=None,
                    help="comma-separated msd_dask variants, from " + ", ".join(VARIANTS)
@@ -426,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                    batch={"seq_len": a.seq_len, "micro_batches": a.micro_batches},
                    outliers={"min_length": 0.5 if delay else 0})
         with DataService.start(cfg, n_workers=a.dask_workers, threads_per_worker=1) as svc:
+            if a.nice_loaders:
+                svc.client.run(renice, a.nice_loaders)
             run = dict(args, address=svc.client.scheduler.address, name="benchtrain",
                        prefetch=prefetch, report=report)
             raw[label] = train("msd", run)
@@ -446,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{a.ranks} ranks (gloo, 1 thread each), {a.layers} layers d={a.d_model} "
           f"({params / 1e6:.2f}M params), {a.micro_batches} x {a.seq_len} tokens per rank-step, "
           f"{a.steps} timed steps after {a.warmup}; baseline {a.loader_workers} loader worker(s)/rank; "
-          f"msd_dask {a.dask_workers} dask workers; {os.cpu_count()} cores; {secs:.0f} s")
+          f"msd_dask {a.dask_workers} dask workers; {os.cpu_count()} cores; {secs:.0f} s"
+          + (f"; loaders' processes at nice {a.nice_loaders}" if a.nice_loaders else ""))
     ratio_cfg = base["cost"]["quadratic"] / base["cost"]["linear"]
     if cal is not None:
         print(f"calibrated forward+backward of this model (1 thread, {len(cal['rows'])} rows of "
