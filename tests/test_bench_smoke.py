@@ -85,3 +85,27 @@ def test_outliers_quick():
     assert set(rows) == {"off", "1025"}, out
     assert float(rows["1025"][1]) < float(rows["off"][1]) - 0.01, out  # mean imbalance
     assert abs(float(rows["1025"][5]) - 0.6) < 0.01, out               # code's share
+
+
+def test_scaling_smoke(tmp_path):
+    """Both allocations of the elastic-loaders benchmark, a few seconds each, with the plot."""
+    png = tmp_path / "scaling.png"
+    out = _run("bench_scaling.py", "--mode", "io", "--seconds", "8", "--no-reference",
+               "--data", str(tmp_path / "scaling"), "--plot", str(png))
+    for allocation in ("fixed", "adaptive"):
+        assert any(line.startswith(allocation) for line in out.splitlines()), out
+    assert "adaptive / fixed tokens/s" in out and png.stat().st_size > 0, out
+
+
+@needs_demo
+def test_balance_smoke():
+    """One step per configuration, both workloads, one micro-batch count."""
+    out = _run("bench_balance.py", "--steps", "1", "--micro-batches", "4")
+    assert "lognormal, 4 micro-batches per rank, 1 steps" in out, out
+    assert "demo, 4 micro-batches per rank, 1 steps" in out, out
+
+
+@needs_demo
+def test_reader_memory_smoke():
+    out = _run("bench_reader_memory.py", "--sources", "2")
+    assert "DataService.connect" in out and "all of msd_dask" in out, out
