@@ -515,7 +515,6 @@ class DataService:
         from distributed import Client
 
         _check_tls(address, security)
-        _check_tls(address, security)
         client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
         key = _PREFIX + name
         deadline = time.monotonic() + timeout
