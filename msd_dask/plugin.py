@@ -37,6 +37,8 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
+from ._figures import rank_figures, source_figures
+
 __all__ = ["MsdSchedulerPlugin", "dask_setup"]
 
 logger = logging.getLogger(__name__)
@@ -53,33 +55,8 @@ async def collect(registry: dict[str, Any], since: int = 0) -> dict[str, Any]:
     planner = await coordinator.stats()
     loader_stats = await coordinator.loader_stats()
     cons = [await c.stats() for c in constructors]
-    total = sum(planner["tokens_planned"].values()) or 1
-    sources = {}
-    for name, ls in loader_stats.items():
-        tokens_read = sum(x["tokens_read"] for x in ls)
-        read_seconds = sum(x["read_seconds"] for x in ls)
-        cpu_seconds = sum(x.get("cpu_seconds", 0.0) for x in ls)
-        cpu_wait = sum(x.get("cpu_wait_seconds", 0.0) for x in ls)
-        sources[name] = {
-            "loaders": len(ls),
-            "docs_read": sum(x["docs_read"] for x in ls),
-            "tokens_read": tokens_read,
-            "tokens_buffered": sum(x["tokens_buffered"] for x in ls),
-            "units_buffered": sum(x["units_buffered"] for x in ls),
-            "tokens_planned": planner["tokens_planned"][name],
-            "share": planner["tokens_planned"][name] / total,
-            "weight": planner["weights"][name],
-            "read_seconds": read_seconds,
-            "seconds_per_token": read_seconds / tokens_read if tokens_read else 0.0,
-            # 0 when any loader does not measure it (a pool's workers)
-            "cpu_seconds": cpu_seconds if all(x.get("cpu_seconds") for x in ls) else 0.0,
-            "cpu_wait_seconds": cpu_wait,
-            "threads": ls[0].get("threads", 1) if ls else 1,
-        }
-    ranks = {}
-    for c in cons:
-        for r, depth in c["queue_depth"].items():
-            ranks[str(r)] = {"queue_depth": depth, "last_claimed": c["last_claimed"].get(r)}
+    sources = source_figures(planner, loader_stats, registry.get("quarantined", {}))
+    ranks = {str(r): v for r, v in rank_figures(cons).items()}  # JSON keys
     history = await coordinator.history_since(since)
     return {"sources": sources, "ranks": ranks, "planner": planner, "history": history,
             "constructors": len(constructors), "time": time.time()}

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ._figures import rank_figures, source_figures
 from .batch import Batch
 from .config import Config, load_config
 from .constructor import queue_name
@@ -599,33 +600,8 @@ class DataService:
         loader_stats = self._ask("loader_stats")
         self.refresh()
         cons = [self._constructor_stats(i, c) for i, c in enumerate(self.constructors)]
-        total = sum(planner["tokens_planned"].values()) or 1
-        listed_out = self._registry.get("quarantined", {})
-        sources = {}
-        for s in self.config.sources:
-            ls = loader_stats[s.name]
-            sources[s.name] = {
-                "loaders": len(ls),
-                "docs_read": sum(x["docs_read"] for x in ls),
-                "tokens_read": sum(x["tokens_read"] for x in ls),
-                "tokens_buffered": sum(x["tokens_buffered"] for x in ls),
-                "tokens_fetched": sum(x["tokens_fetched"] for x in ls),
-                "tokens_planned": planner["tokens_planned"][s.name],
-                "share": planner["tokens_planned"][s.name] / total,
-                "weight": planner["weights"][s.name],
-                "read_seconds": sum(x["read_seconds"] for x in ls),
-                # bad input skipped under on_error: skip (counted per read, so per epoch)
-                "quarantined_docs": sum(x.get("quarantined_docs", 0) for x in ls),
-                "quarantined_files": sum(x.get("quarantined_files", 0) for x in ls)
-                + len(listed_out.get(s.name, [])),
-                "quarantined": listed_out.get(s.name, [])
-                + [k for x in ls for k in x.get("quarantined", [])],
-            }
-        ranks: dict[int, dict[str, Any]] = {}
-        for c in cons:
-            for r, depth in c["queue_depth"].items():
-                ranks[int(r)] = {"queue_depth": depth,
-                                 "last_claimed": c["last_claimed"].get(r)}
+        sources = source_figures(planner, loader_stats, self._registry.get("quarantined", {}))
+        ranks = rank_figures(cons)
         return {"sources": sources, "ranks": ranks, "planner": planner,
                 "constructors": cons}
 
