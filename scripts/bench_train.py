@@ -316,6 +316,20 @@ def train(pipeline: str, a: dict[str, Any]) -> list[dict[str, Any]]:
     return ranks
 
 
+def residual(ranks: list[dict[str, Any]], per_segment: bool) -> tuple[float, list[float]]:
+    """RMS relative error of a least-squares fit of the rank-steps' CPU time to
+    ``α·ΣL + β·ΣL²`` (``+ γ·segments`` with ``per_segment``), and the coefficients."""
+    rows, y = [], []
+    for r in ranks:
+        for rec in r["recs"]:
+            s = np.asarray(rec["segs"], dtype=np.float64)
+            rows.append([s.sum(), (s * s).sum()] + ([float(len(s))] if per_segment else []))
+            y.append(rec["cpu"])
+    x, t = np.asarray(rows), np.asarray(y)
+    coef = np.linalg.lstsq(x, t, rcond=None)[0]
+    return float(np.sqrt(np.mean(((x @ coef - t) / t) ** 2))), [float(c) for c in coef]
+
+
 def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[str, Any]:
     steps = len(ranks[0]["recs"])
     wall = max(r["wall"] for r in ranks)
@@ -481,6 +495,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['data_share']:>7.1%}"
               f"{r['compute_share']:>9.1%}{r['compute_imbalance']:>7.3f}{r['cpu_imbalance']:>7.3f}"
               f"{r['model_imbalance']:>7.3f}{r['bound']:>7.3f}{r['fill']:>6.0%}{r['span']:>9,.0f}")
+    for name, ranks in raw.items():  # how much of a rank-step's CPU time no such model explains
+        e2, _ = residual(ranks, False)
+        e3, c3 = residual(ranks, True)
+        print(f"{name}: CPU time per rank-step off its own α·ΣL + β·ΣL² fit by {e2:.1%} rms; "
+              f"with a per-segment term {e3:.1%} (γ = {c3[2] * 1e3:.2f} ms per segment)")
     hf = results["HF streaming (per rank)"]
     print("no-wait all-reduce of the gradients: " + ", ".join(
         f"{r['pure_allreduce_ms']:.2f} ms ({name})" for name, r in results.items()))
@@ -504,7 +523,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"calibration": cal, "in_situ": {"alpha": cost[0], "beta": cost[1]},
-                       "results": results, "planner": planner}, f)
+                       "results": results, "planner": planner,
+                       # per pipeline, rank and timed step: segment lengths and CPU seconds
+                       "rank_steps": {name: [[{"segs": r["segs"], "cpu": r["cpu"]}
+                                              for r in rank["recs"]] for rank in ranks]
+                                      for name, ranks in raw.items()}}, f)
     return 0
 
 
