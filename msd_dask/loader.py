@@ -221,7 +221,7 @@ def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | 
     :class:`DataError` of a bad document, as a value) and the seconds it took.
     """
     t0 = time.perf_counter()
-    compact = tokenizer.vocab_size <= 1 << 16
+    compact = _compacts(tokenizer)
     out: list[np.ndarray | ImageDoc | DataError] = []
     for row, rec in items:
         try:
@@ -230,6 +230,11 @@ def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | 
         except DataError as e:
             out.append(e)
     return out, time.perf_counter() - t0
+
+
+def _compacts(tokenizer: Any) -> bool:
+    """Whether tokens of ``tokenizer`` fit uint16 (a vocabulary of at most 65,536 ids)."""
+    return bool(tokenizer.vocab_size <= 1 << 16)
 
 
 def _compact(doc: np.ndarray | ImageDoc, compact: bool) -> np.ndarray | ImageDoc:
@@ -444,16 +449,15 @@ def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, toke
 class _UnitData:
     """A read unit's documents, held until the planner releases the unit.
 
-    With ``compact`` (a vocabulary of at most 65,536 ids) tokens are kept as
-    uint16: half the memory of a loader's buffer and of every fetch; the
-    constructor packs them into int64 rows either way.
+    Their tokens are uint16 when the vocabulary allows (:func:`process_docs`
+    compacts each document as it is tokenized): half the memory of a loader's
+    buffer and of every fetch; the constructor packs them into int32 rows
+    either way.
     """
 
     __slots__ = ("docs", "lengths")
 
-    def __init__(self, docs: list[np.ndarray | ImageDoc], compact: bool = False):
-        if compact:  # read_unit compacts as it tokenizes; placeholders are compacted here
-            docs = [_compact(d, True) for d in docs]
+    def __init__(self, docs: list[np.ndarray | ImageDoc]):
         self.docs: list[np.ndarray | ImageDoc | None] = list(docs)
         self.lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
 
@@ -559,7 +563,7 @@ class SourceLoader:
         self.cpu_seconds += cpu
         self.cpu_wait_seconds += waited
         self._quarantine(key, quarantine)
-        data = _UnitData(docs, compact=self.tokenizer.vocab_size <= 1 << 16)
+        data = _UnitData(docs)
         self.units_read += 1
         self.docs_read += len(docs)
         self.tokens_read += int(data.lengths.sum())

@@ -206,14 +206,16 @@ def test_service_delivers_the_same_batches_with_a_process_pool(corpus: Any) -> N
 
 def test_unit_buffer_is_compact_for_small_vocabularies():
     """A loader keeps tokens as uint16 when the vocabulary allows: same ids, half the bytes."""
-    from msd_dask.loader import ImageDoc, _UnitData
+    from msd_dask.loader import ImageDoc, _compact, _compacts, _UnitData
+    from msd_dask.tokenizer import ByteTokenizer
 
+    assert _compacts(ByteTokenizer())
     rng = np.random.default_rng(0)
     text = rng.integers(0, 65536, size=300).astype(np.int32)
     img = ImageDoc(np.r_[np.full(4, 258), text[:10]].astype(np.int32),
                    rng.integers(0, 255, size=(4, 12)).astype(np.uint8))
-    small = _UnitData([text, img], compact=True)
-    wide = _UnitData([text, img], compact=False)
+    small = _UnitData([_compact(text, True), _compact(img, True)])
+    wide = _UnitData([_compact(text, False), _compact(img, False)])
     assert small.docs[0].dtype == np.uint16 and small.docs[1].tokens.dtype == np.uint16
     assert wide.docs[0].dtype == np.int32
     assert (small.docs[0] == text).all() and (small.docs[1].tokens == img.tokens).all()
