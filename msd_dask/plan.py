@@ -146,13 +146,11 @@ class Planner:
         """Pieces drawn from the streams but not placed yet (carried and held)."""
         return self.carry + [p for p, _ in self.held]
 
-    def _release(self, n_rows: int) -> list[Piece]:
-        """Held outliers that join this step: a group of them, or those held too long."""
-        oc = self.cfg.outliers
-        group = oc.group or n_rows
+    def _release(self, group: int) -> list[Piece]:
+        """Held outliers that join this step: ``group`` of them, or those held too long."""
         if len(self.held) >= group:
             n = group
-        elif self.held and self.step - self.held[0][1] >= oc.max_wait:
+        elif self.held and self.step - self.held[0][1] >= self.cfg.outliers.max_wait:
             n = len(self.held)
         else:
             return []
@@ -177,7 +175,7 @@ class Planner:
         hold = cfg.outliers.threshold(seq_len)
         group = cfg.outliers.group or dp * mb
         # released outliers (a row each), then carried pieces: placed before anything new
-        pieces = self._release(dp * mb) + self.carry
+        pieces = self._release(group) + self.carry
         n_first = len(pieces)
         total = sum(p.length for p in pieces)
         lc = cfg.long_context
