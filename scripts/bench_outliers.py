@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 from msd_dask.balance import capacity_bound  # noqa: E402
 from msd_dask.config import Config, load_config  # noqa: E402
 from msd_dask.cost import CostModel  # noqa: E402
-from msd_dask.formats import Unit, get_format  # noqa: E402
+from msd_dask.formats import Unit  # noqa: E402
+from msd_dask.loader import read_unit  # noqa: E402
 from msd_dask.plan import Planner  # noqa: E402
 from msd_dask.service import discover_units  # noqa: E402
 from msd_dask.storage import open_source  # noqa: E402
@@ -66,10 +67,8 @@ class Lengths:
         if k not in self.cache:
             s = self.cfg.source(source)
             files = open_source(s.uri, s.storage_options)
-            out = [len(self.tok.encode(rec[s.text_field])) if rec[s.text_field] else 0
-                   for _, rec in get_format(s.format).read(files.fs, self.units[source][unit],
-                                                           [s.text_field])]
-            self.cache[k] = np.array(out, dtype=np.int64)
+            docs = read_unit(s, files.fs, self.units[source][unit], self.tok)  # as loaders read
+            self.cache[k] = np.array([len(d) for d in docs], dtype=np.int64)
         return self.cache[k]
 
 
