@@ -20,7 +20,8 @@ from .errors import ConfigError, DataError, ServiceError, ServiceTimeoutError
 if TYPE_CHECKING:
     from .batch import Batch
     from .config import Config, load_config
-    from .service import DataService, Reader
+    from .reader import Reader
+    from .service import DataService
 
 __version__ = "0.1.0"
 
@@ -42,7 +43,7 @@ _LAZY = {
     "Config": ".config",
     "load_config": ".config",
     "DataService": ".service",
-    "Reader": ".service",
+    "Reader": ".reader",
 }
 
 

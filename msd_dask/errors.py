@@ -55,3 +55,9 @@ class ServiceTimeoutError(TimeoutError):
 
 class ServiceError(RuntimeError):
     """The data service is not in a state to answer (closed, not found, failed)."""
+
+
+#: what to do about a planner that cannot be re-created
+RESTART_HINT = ("restart the service from the last DataService.state_dict() (msd-dask serve "
+                 "CONFIG --resume STATE_JSON, or DataService.start(cfg, resume=state)); ranks "
+                 "reload their Reader.state_dict() so no step is read twice")

@@ -22,15 +22,14 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ._figures import rank_figures, source_figures
-from .batch import Batch
 from .config import Config, load_config
-from .constructor import queue_name
-from .errors import DataError, ServiceError, ServiceTimeoutError
+from .errors import RESTART_HINT, DataError, ServiceError, ServiceTimeoutError
+from .reader import Reader
 
 __all__ = ["DataService", "Reader", "discover_units"]
 
@@ -106,11 +105,6 @@ def _has_client(client_id: str, dask_scheduler: Any = None) -> bool:
     """Whether the client ``client_id`` is connected (runs on the scheduler)."""
     return client_id in dask_scheduler.clients
 
-
-#: what to do about a planner that cannot be re-created
-_RESTART_HINT = ("restart the service from the last DataService.state_dict() (msd-dask serve "
-                 "CONFIG --resume STATE_JSON, or DataService.start(cfg, resume=state)); ranks "
-                 "reload their Reader.state_dict() so no step is read twice")
 
 
 def _install_plugin(client: Any) -> None:
@@ -266,13 +260,13 @@ class DataService:
             raise ServiceError(
                 f"the planner of service {self.name!r} was lost with its worker {where}, and "
                 f"the process that started the service is gone, so nothing can re-create it; "
-                f"{_RESTART_HINT}")
+                f"{RESTART_HINT}")
         if deadline is not None and time.monotonic() > deadline:
             if lost:
                 raise ServiceTimeoutError(
                     f"the planner of service {self.name!r} was lost with its worker {where} "
                     f"and was not re-created within {self.config.timeout:.0f}s; "
-                    f"{_RESTART_HINT}")
+                    f"{RESTART_HINT}")
             raise ServiceTimeoutError(
                 f"the planner of service {self.name!r} did not answer within "
                 f"{self.config.timeout:.0f}s (its worker may be lost): {cause!r}")
@@ -682,219 +676,3 @@ class DataService:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class Reader:
-    """Iterator over one global rank's batches (see :meth:`DataService.reader`)."""
-
-    def __init__(self, service: DataService, rank: int, *, timeout: float):
-        from distributed import Queue
-
-        cfg = service.config
-        if not 0 <= rank < cfg.parallel.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {cfg.parallel.world_size}) for "
-                             f"parallel {cfg.parallel}")
-        self.service = service
-        self.rank = rank
-        self.coords = cfg.parallel.coords(rank)
-        self.timeout = timeout
-        self.step: int | None = None
-        self._view = (self.coords["cp"], cfg.parallel.cp, self.coords["pp"], cfg.parallel.pp)
-        self._skip_through = -1
-        #: the planner generation whose constructors know what this reader has
-        self._gen = service._handles[0]
-        self._queue = Queue(queue_name(cfg.name, rank), client=service.client)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"rank", "step"}``: the last step this reader returned (``None``: none yet)."""
-        step = self.step if self.step is not None else (
-            self._skip_through if self._skip_through >= 0 else None)
-        return {"rank": self.rank, "step": step}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
-        if state.get("rank", self.rank) != self.rank:
-            raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
-        if state.get("step") is not None:
-            self._skip_through = int(state["step"])
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def _done(self) -> int:
-        """The last step this reader has (returned or skipped); -1 if none."""
-        return self._skip_through if self.step is None else max(self.step, self._skip_through)
-
-    def __next__(self) -> Batch:
-        while True:
-            ticket = self._ticket()
-            g = int(ticket.get("g", 0))
-            if g > self.service.generation:  # from a re-created planner: switch to it
-                self._follow(g)
-            self.service._tell_readers()
-            if g < self.service.generation:
-                # planned by a planner since replaced: the current one plans every step
-                # after the state it resumed from again, so this one comes again
-                continue
-            if "error" in ticket:
-                raise ServiceError(f"service {self.service.name!r}: {ticket['error']}")
-            step = int(ticket["step"])
-            if step > self._done():
-                break
-            # consumed before a restart, or a ticket re-sent by a re-created constructor:
-            # release it without moving the tensors
-            self._skip(int(ticket["c"]), step)
-        return self._claim(ticket)
-
-    def _follow(self, generation: int) -> None:
-        """Switch the service to the published planner of ``generation`` (or later)."""
-        deadline = time.monotonic() + self.timeout
-        while self.service.generation < generation:
-            if not self.service._adopt_published():
-                if time.monotonic() > deadline:
-                    raise ServiceTimeoutError(
-                        f"rank {self.rank}: got a ticket of planner generation {generation} of "
-                        f"service {self.service.name!r} but found only generation "
-                        f"{self.service.generation} published within {self.timeout:.0f}s")
-                time.sleep(0.25)
-        self.service.refresh()
-
-    def _tell_new_generation(self) -> None:
-        """After the planner was re-created: tell its constructors which steps this rank
-        has, so they do not hold those steps for it (best effort: the tickets of those
-        steps are skipped anyway)."""
-        gen, constructors = self.service._handles
-        if self._gen == gen:
-            return
-        self._gen = gen
-        done = self._done()
-        if done < 0:
-            return
-        calls = []
-        for c in constructors:
-            try:
-                calls.append(c.mark_had(self.rank, done))
-            except Exception:  # noqa: BLE001 - lost meanwhile: its successor learns by skips
-                pass
-        for call in calls:
-            try:
-                call.result(timeout=5.0)
-            except Exception:  # noqa: BLE001 - as above
-                pass
-
-    def _skip(self, c: int, step: int) -> None:
-        """Release ``step`` on constructor ``c``, on its current actor (it may be re-created:
-        a skip sent to a lost actor would leave the new one waiting for this rank)."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:  # short waits: a call to a lost actor hangs instead of failing
-                self.service.constructors[c].skip(step, self.rank).result(timeout=2.0)
-                return
-            except KeyError:
-                return  # nothing held for this rank at that step
-            except Exception:  # noqa: BLE001 - a lost actor: refresh the handles, try again
-                if time.monotonic() > deadline:
-                    return  # give up on releasing; the claim path reports real trouble
-                time.sleep(0.25)
-                self.service.refresh()
-
-    def _ticket(self) -> dict[str, Any]:
-        waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:  # in slices: between them, look after a lost planner
-                return dict(self._queue.get(timeout=max(0.1, min(5.0,
-                                                                 deadline - time.monotonic()))))
-            except TimeoutError:
-                pass
-            if self.service._planner_lost():
-                # its successor (if the service's owner re-creates it) is published; a
-                # planner nobody can re-create is reported at once
-                if self.service._adopt_published():
-                    self.service.refresh()
-                    self.service._tell_readers()
-                else:
-                    self.service._raise_if_lost()
-            if time.monotonic() > deadline:
-                lost = ""
-                if self.service._planner_lost():
-                    lost = (f"the planner was lost with its worker and not re-created; "
-                            f"{_RESTART_HINT}; ")
-                raise ServiceTimeoutError(
-                    f"rank {self.rank} waited {self.timeout:.0f}s for {waiting_for} of service "
-                    f"{self.service.name!r}: no batch was published; {lost}{self._diagnose()}")
-
-    def _diagnose(self) -> str:
-        """Which role is stuck, from the roles' own stats (best effort, a few seconds)."""
-        parts = []
-        try:
-            planner = self.service.coordinator.stats().result(timeout=5)
-            if planner.get("error"):
-                parts.append(f"planner failed: {planner['error']}")
-            elif planner.get("waiting"):
-                parts.append(f"planner (at step {planner['steps_planned']}) is waiting for "
-                             f"{planner['waiting']}")
-            else:
-                parts.append(f"planner is planning step {planner['steps_planned']}")
-            for i, c in enumerate(self.service.constructors):
-                st = c.stats().result(timeout=5)
-                if st.get("error"):
-                    parts.append(f"constructor {i} failed: {st['error']}")
-                elif st.get("fetching"):
-                    parts.append(f"constructor {i} is fetching {st['fetching']}")
-                elif st.get("unclaimed"):
-                    slow = sorted({r for rs in st["unclaimed"].values() for r in rs})
-                    parts.append(f"constructor {i} holds {st['held_steps']} step(s) not yet "
-                                 f"claimed by rank(s) {slow}")
-        except Exception as e:  # noqa: BLE001 - the diagnosis must not hide the timeout
-            parts.append(f"the service did not answer ({type(e).__name__}: {e})")
-        return "; ".join(parts) + " (see DataService.stats())"
-
-    def report_step_time(self, seconds: float, step: int | None = None) -> None:
-        """Report how long this rank computed on a step (default: the last one returned).
-
-        With ``cost: {fit: true}`` the planner fits ``α`` and ``β`` to these
-        times.  Fire and forget: the call does not wait for the planner.
-        """
-        step = self.step if step is None else step
-        if step is None:
-            raise ValueError("report_step_time: no step was read yet")
-        try:
-            self.service.coordinator.report_step_time(int(step), self.coords["dp"], float(seconds))
-        except Exception:  # noqa: BLE001 - a lost planner: its successor fits from new reports
-            pass
-
-    def _claim(self, ticket: dict[str, Any]) -> Batch:
-        c, step = int(ticket["c"]), int(ticket["step"])
-        deadline = time.monotonic() + self.timeout
-        constructor = self.service.constructors[c]
-        call = None
-        while True:
-            try:
-                if call is None:  # one claim per constructor actor: a claim is not repeatable
-                    call = constructor.claim(step, self.rank, self._view)
-                payload = call.result(timeout=2.0)
-                break
-            except TimeoutError:
-                # a call to a lost worker hangs: switch once the service re-created it
-                if time.monotonic() > deadline:
-                    raise ServiceTimeoutError(
-                        f"rank {self.rank}: constructor {c} did not hand over step {step} "
-                        f"within {self.timeout:.0f}s") from None
-            except Exception as e:  # noqa: BLE001 - its worker was lost: wait for the new one
-                # a KeyError naming the actor: Dask forgot it (its planner was lost)
-                gone = isinstance(e, KeyError) and e.args and e.args[0] == constructor.key
-                if isinstance(e, KeyError | ValueError) and not gone:
-                    raise
-                if time.monotonic() > deadline:
-                    raise ServiceTimeoutError(
-                        f"rank {self.rank}: constructor {c} was lost and no replacement "
-                        f"handed over step {step} within {self.timeout:.0f}s ({e!r})") from e
-                time.sleep(0.5)
-                call = None
-            self.service.refresh()
-            self.service._tell_readers()
-            if self.service.constructors[c].key != constructor.key:
-                constructor, call = self.service.constructors[c], None
-        self.step = int(ticket["step"])
-        return Batch.from_payload(payload, self.rank)

@@ -27,7 +27,8 @@ def _imported_after(code: str) -> set[str]:
 
 @pytest.mark.parametrize("module", ["msd_dask", "msd_dask.loader", "msd_dask.plugin",
                                     "msd_dask.constructor", "msd_dask.coordinator",
-                                    "msd_dask.roles", "msd_dask.service", "msd_dask.cli"])
+                                    "msd_dask.roles", "msd_dask.service", "msd_dask.reader",
+                                    "msd_dask.cli"])
 def test_service_side_modules_do_not_import_torch(module: str) -> None:
     assert "torch" not in _imported_after(f"import {module}")
 
