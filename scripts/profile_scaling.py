@@ -117,6 +117,25 @@ def _start_sampler(dask_worker: Any = None, interval: float = 0.01,
     threading.Thread(target=loop, daemon=True, name="msd-sampler").start()
 
 
+def _count_writes(dask_worker: Any = None) -> None:
+    """Count the socket writes of this process (tornado's ``write_to_fd``) and their bytes."""
+    from tornado.iostream import IOStream
+
+    if getattr(IOStream.write_to_fd, "_msd_counted", False):
+        return
+    counts = _samples(dask_worker)
+    original = IOStream.write_to_fd
+
+    def write_to_fd(self: Any, data: memoryview) -> int:
+        n = original(self, data)
+        counts["#writes"] += 1
+        counts["#written"] += n
+        return n
+
+    write_to_fd._msd_counted = True  # type: ignore[attr-defined]
+    IOStream.write_to_fd = write_to_fd  # type: ignore[method-assign]
+
+
 def _worker_sample(dask_worker: Any) -> dict[str, Any]:
     return {"threads": _thread_times(), "loop": dict(_samples(dask_worker)),
             "roles": sorted(str(k)[4:].split("-", 1)[-1] for k in dask_worker.state.actors),
@@ -125,9 +144,15 @@ def _worker_sample(dask_worker: Any) -> dict[str, Any]:
 
 def _top(before: dict[str, int], after: dict[str, int], n: int = 10) -> list[tuple[str, float]]:
     """Share of the event loop's samples of the ``n`` most sampled places, in the window."""
-    d = {k: v - before.get(k, 0) for k, v in after.items()}
+    d = {k: v - before.get(k, 0) for k, v in after.items() if not k.startswith("#")}
     total = sum(d.values()) or 1
     return [(k, v / total) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+
+
+def _writes(before: dict[str, int], after: dict[str, int]) -> tuple[int, int]:
+    """Socket writes and bytes written in the window (see :func:`_count_writes`)."""
+    return (after.get("#writes", 0) - before.get("#writes", 0),
+            after.get("#written", 0) - before.get("#written", 0))
 
 
 def _constructor_times(svc: Any) -> tuple[float, float, int]:
@@ -199,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=watch, daemon=True).start()
         client.run(_start_sampler)
         _start_sampler(thread="IO loop")
+        client.run(_count_writes)
+        _count_writes()
         readers = [Prefetcher(svc.reader(r), 2, name=f"rank-{r}") for r in range(bench.RANKS)]
         me = psutil.Process()
         t_start = time.perf_counter()
@@ -247,15 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     d = {k: end["main"].get(k, 0) - samples["main"].get(k, 0) for k in end["main"]}
     rows.append(("consumer+scheduler", end["main_cpu"] - samples["main_cpu"], d,
-                 _top(samples["loop"], end["loop"])))
+                 _top(samples["loop"], end["loop"]), _writes(samples["loop"], end["loop"])))
     for w, e in end["workers"].items():
         s = samples["workers"][w]
         d = {k: e["threads"].get(k, 0) - s["threads"].get(k, 0) for k in e["threads"]}
         rows.append((w.rsplit(":", 1)[-1] + " " + ",".join(e["roles"]), e["cpu"] - s["cpu"],
-                     d, _top(s["loop"], e["loop"])))
-    for name, cpu, threads, top in rows:
+                     d, _top(s["loop"], e["loop"]), _writes(s["loop"], e["loop"])))
+    for name, cpu, threads, top, (writes, written) in rows:
         total += cpu
-        print(f"\n{name}: {cpu / dt:.1%} of a core ({cpu / max(steps, 1) * 1e3:.2f} ms/step)")
+        print(f"\n{name}: {cpu / dt:.1%} of a core ({cpu / max(steps, 1) * 1e3:.2f} ms/step; "
+              f"{writes / max(steps, 1):.1f} socket writes, {written / max(steps, 1):,.0f} bytes "
+              "per step)")
         for t, v in sorted(threads.items(), key=lambda kv: -kv[1]):
             if v / dt >= 0.005:
                 print(f"    {t:<28}{v / dt:>7.1%}  {v / max(steps, 1) * 1e3:6.2f} ms/step")
