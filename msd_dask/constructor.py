@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .packing import pack_rows
+from .packing import pack_rows, split_pieces
 
 __all__ = ["DataConstructor", "queue_name"]
 
@@ -244,7 +244,7 @@ class DataConstructor:
                 continue
             e = task.exception()
             if e is None:
-                return list(task.result())
+                return split_pieces(task.result())
             if isinstance(e, DataError) or time.monotonic() > deadline:
                 raise e
             await asyncio.sleep(0.25)

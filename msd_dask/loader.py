@@ -33,6 +33,7 @@ import numpy as np
 
 from .config import PoolConfig, SourceConfig, TokenizerConfig, resolve_import_path
 from .errors import DataError
+from .packing import JoinedPieces, join_pieces
 from .tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
@@ -593,14 +594,15 @@ class SourceLoader:
             await self.assign([key])
         return await asyncio.shield(self._ready[key])
 
-    async def fetch(self, requests: list[tuple[int, int, int, int, int]]
-                    ) -> list[np.ndarray | tuple[np.ndarray, np.ndarray]]:
+    async def fetch(self, requests: list[tuple[int, int, int, int, int]]) -> JoinedPieces:
         """Tokens of planned pieces, given as ``(epoch, unit, row, start, end)``.
 
-        Returns ``doc[start:end + 1]`` for each (one token more than the piece
-        where the document goes on: the label of the piece's last token); for an
-        image+text document a tuple ``(tokens, patches)``, the patches of the
-        piece's image tokens (:meth:`ImageDoc.piece`).  A
+        Returns, joined into one array (:func:`~msd_dask.packing.join_pieces`;
+        :func:`~msd_dask.packing.split_pieces` undoes it), ``doc[start:end + 1]``
+        for each (one token more than the piece where the document goes on: the
+        label of the piece's last token); for an image+text document a tuple
+        ``(tokens, patches)``, the patches of the piece's image tokens
+        (:meth:`ImageDoc.piece`).  A
         unit that is not held (re-assigned after a loader was lost or retired)
         is read first.  Units stay until the planner releases them
         (:meth:`release`), so a step can be fetched again after a constructor
@@ -623,7 +625,7 @@ class SourceLoader:
             else:
                 out.append(doc[int(start):int(end) + 1])
             self.tokens_fetched += int(end) - int(start)
-        return out
+        return join_pieces(out)
 
     async def release(self, keys: list[tuple[int, int]]) -> None:
         """Forget units the planner will not use (e.g. after a re-partition)."""

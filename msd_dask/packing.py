@@ -21,9 +21,43 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["pack_rows", "IGNORE_INDEX"]
+__all__ = ["pack_rows", "join_pieces", "split_pieces", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
+
+#: pieces as one message: every piece's tokens back to back, the offsets of each piece
+#: (``len(pieces) + 1``) and the patches of the image+text pieces by index
+JoinedPieces = tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]
+
+
+def join_pieces(pieces: Sequence[Any]) -> JoinedPieces:
+    """Pieces (token arrays, or ``(tokens, patches)`` pairs) as three objects.
+
+    A loader sends a constructor one array instead of one per piece: each
+    array of a message is a frame of its own, and the frames, not the bytes,
+    cost the CPU of a Dask message (a step's fetch of 16 pieces: 18 frames,
+    5x the CPU of 4).  :func:`split_pieces` gives the pieces back (views).
+    """
+    images: dict[int, np.ndarray] = {}
+    tokens = []
+    for i, p in enumerate(pieces):
+        if isinstance(p, tuple):
+            p, images[i] = p
+        tokens.append(p)
+    offsets = np.zeros(len(tokens) + 1, dtype=np.int64)
+    np.cumsum([len(t) for t in tokens], out=offsets[1:])
+    flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32)
+    return flat, offsets, images
+
+
+def split_pieces(joined: JoinedPieces) -> list[Any]:
+    """The pieces :func:`join_pieces` joined, in order (views of its array)."""
+    flat, offsets, images = joined
+    out: list[Any] = []
+    for i in range(len(offsets) - 1):
+        t = flat[int(offsets[i]):int(offsets[i + 1])]
+        out.append((t, images[i]) if i in images else t)
+    return out
 
 
 def pack_rows(rows: Sequence[Sequence[tuple[Any, int]]], seq_len: int,

@@ -93,3 +93,23 @@ def test_no_rows() -> None:
     out = pack_rows([], seq_len=8, pad_id=PAD)
     assert out["input_ids"].shape == (0, 8)
     assert out["cu_seqlens"] == []
+
+
+def test_join_split_pieces_round_trip_with_image_pieces():
+    from msd_dask.packing import join_pieces, split_pieces
+
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 60000, n).astype(np.uint16) for n in (5, 1, 0, 9)]
+    pieces.insert(2, (np.arange(4, dtype=np.uint16), rng.random((3, 6)).astype(np.float32)))
+    joined = join_pieces(pieces)
+    assert joined[0].ndim == 1 and len(joined[1]) == len(pieces) + 1  # one array of tokens
+    back = split_pieces(joined)
+    assert len(back) == len(pieces)
+    for a, b in zip(pieces, back, strict=True):
+        if isinstance(a, tuple):
+            assert isinstance(b, tuple)
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_array_equal(a[1], b[1])
+        else:
+            np.testing.assert_array_equal(a, b)
+    assert split_pieces(join_pieces([])) == []
