@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -28,7 +29,7 @@ from typing import Any
 
 from ._figures import rank_figures, source_figures
 from .config import Config, load_config
-from .errors import RESTART_HINT, DataError, ServiceError, ServiceTimeoutError
+from .errors import RESTART_HINT, ConfigError, DataError, ServiceError, ServiceTimeoutError
 from .reader import Reader
 
 __all__ = ["DataService", "Reader", "discover_units"]
@@ -55,7 +56,9 @@ def discover_units(cfg: Config, threads: int = 8,
     roots : dict
         ``{source: root}`` for document keys.
     """
-    from .formats import get_format  # the starting process only: readers never list files
+    # imported where units are listed (DataService.start: a worker, see
+    # _discover_on_worker), never by a reader or the process that starts the service
+    from .formats import get_format
     from .loader import with_source
     from .storage import open_source
 
@@ -88,6 +91,103 @@ def discover_units(cfg: Config, threads: int = 8,
                 raise DataError(f"no readable units in {len(files.paths)} file(s) matching "
                                 f"{s.uri!r} (empty files?)", source=s.name)
     return units, roots
+
+
+def _anchored(uri: str) -> str:
+    """A local relative ``uri`` made absolute against this process's working directory.
+
+    fsspec resolves a relative local path against the current directory of the process
+    that lists it; the units are listed on a worker, whose directory may differ, so the
+    path is fixed where the user gave it.  URLs (``proto://``, ``a::b``) are unchanged.
+    """
+    if "://" in uri or "::" in uri or os.path.isabs(uri):
+        return uri
+    return os.path.abspath(os.path.expanduser(uri))
+
+
+def _discover_on_worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Check and list the sources of ``cfg`` (a :meth:`Config.to_dict`) on a Dask worker.
+
+    Runs there so that the process that starts the service never imports the file
+    formats' libraries (pyarrow, fsspec, s3fs, zstandard: ~30 MiB).  A
+    :class:`DataError` travels back as it is (it pickles with its fields); a
+    :class:`ConfigError` (a ``uri`` that matches no file) is returned as its key and
+    reason, since it does not pickle.  The starting process waits for it (see
+    :func:`_discover_remote`).
+
+    Returns
+    -------
+    dict
+        ``{"units", "roots", "quarantined"}`` as :func:`discover_units` gives them,
+        or ``{"config_error": (key, reason)}``.
+    """
+    try:
+        config = load_config(cfg)
+    except ConfigError as e:
+        return {"config_error": (e.key, e.reason)}
+    quarantined: dict[str, list[str]] = {}
+    try:
+        units, roots = discover_units(config, quarantined=quarantined)
+    except DataError as e:
+        # the library's own exception (its message is in e's) stays here: Dask sends the
+        # causes too, and unpickling e.g. pyarrow's would import pyarrow in the starter
+        e.__cause__ = e.__context__ = None
+        raise
+    return {"units": units, "roots": roots, "quarantined": quarantined}
+
+
+def _processing_on(key: str, dask_scheduler: Any = None) -> str | None:
+    """The worker running the task ``key``, if any (runs on the scheduler)."""
+    ts = dask_scheduler.tasks.get(key)
+    ws = getattr(ts, "processing_on", None)
+    return None if ws is None else str(ws.address)
+
+
+def _discover_remote(client: Any, cfg: Config, timeout: float
+                     ) -> tuple[dict[str, list[tuple[str, int, int]]], dict[str, str],
+                                dict[str, list[str]]]:
+    """:func:`discover_units` of ``cfg`` on one of ``client``'s workers, with its checks.
+
+    Returns
+    -------
+    units, roots, quarantined
+        As :func:`discover_units` gives them.
+
+    Raises
+    ------
+    ConfigError
+        A source's ``uri`` matches no file or cannot be listed.
+    DataError
+        A file cannot be listed (its source does not skip bad input).
+    ServiceTimeoutError
+        The listing did not finish within ``timeout``.
+    """
+    d = cfg.to_dict()
+    d["sources"] = [dict(s, uri=_anchored(str(s["uri"]))) for s in d["sources"]]
+    fut = client.submit(_discover_on_worker, d, pure=False)
+    try:
+        got = fut.result(timeout=timeout)
+    except TimeoutError:
+        try:
+            where = client.run_on_scheduler(_processing_on, fut.key, callback_timeout=5)
+        except Exception:  # noqa: BLE001 - only for the message
+            where = None
+        fut.cancel()
+        raise ServiceTimeoutError(
+            f"listing the units of service {cfg.name!r}'s {len(cfg.sources)} source(s) "
+            f"({', '.join(s.name for s in cfg.sources)}) on "
+            f"{f'worker {where}' if where else 'a Dask worker'} did not finish within "
+            f"{timeout:.0f}s (the config's 'timeout'); check that the workers reach the "
+            "sources' storage") from None
+    finally:
+        fut.release()
+    if "config_error" in got:
+        key, reason = got["config_error"]
+        raise ConfigError(key, reason)
+    for name, entries in got["quarantined"].items():
+        for entry in entries:
+            _log.warning("source %r quarantined %s", name, entry)
+    return got["units"], got["roots"], got["quarantined"]
 
 
 def _keys_on(dask_scheduler: Any, workers: list[str], prefix: str) -> list[str]:
@@ -429,7 +529,7 @@ class DataService:
 
         from .coordinator import planner_state
 
-        cfg = load_config(cfg)
+        cfg = load_config(cfg, check_files=False)  # a worker checks and lists the files
         if resume is not None:
             planner_state(cfg, dict(resume))  # refuse a mismatched state before starting
         timeout = cfg.timeout if timeout is None else timeout
@@ -446,9 +546,14 @@ class DataService:
             if key in client.list_datasets():
                 raise ServiceError(f"a service named {cfg.name!r} is already running on "
                                    f"{address}; pick another 'name' or close it first")
-            client.wait_for_workers(1, timeout=timeout)
-            quarantined: dict[str, list[str]] = {}
-            units, roots = discover_units(cfg, quarantined=quarantined)
+            try:
+                client.wait_for_workers(1, timeout=timeout)
+            except TimeoutError:
+                raise ServiceTimeoutError(
+                    f"no Dask worker joined the scheduler at {address} within {timeout:.0f}s: "
+                    f"service {cfg.name!r} lists its sources' units and places its roles on "
+                    f"workers; start some (dask worker {address})") from None
+            units, roots, quarantined = _discover_remote(client, cfg, cfg.timeout)
             registry = cls._place_coordinator(client, cfg, units, roots, resume, loader_threads)
             registry["quarantined"] = quarantined
             registry["owner"] = client.id

@@ -102,7 +102,7 @@ def child_serve(a: argparse.Namespace) -> None:
 
     from msd_dask import DataService, load_config
 
-    base = load_config(a.config).to_dict()
+    base = load_config(a.config, check_files=False).to_dict()  # files: checked on a worker
     cfg = baselines.source_config(base, baselines.demo_sources(a.root, replicas=a.sources // 2))
     cfg["name"] = "benchmem"
     cfg["parallel"] = {"dp": a.ranks}
