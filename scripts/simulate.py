@@ -22,22 +22,33 @@ Documents
     previous step (the loader prefetches while the previous step runs, the
     barrier included): wait = max(0, data − previous step time).
 (b) msd_dask
-    One global stream mixed by :class:`msd_dask.mixing.Mixer` fills the step's
-    ``dp × micro_batches × seq_len`` capacity (the planner's fill loop) and
-    the planner's own placement (:func:`msd_dask.plan.place_step`) puts it on
-    ranks with the configured default strategy (``Config.balance``); pieces
-    it does not keep are carried to the front of the next step.  Loaders are
-    pooled: ``N × W`` workers in total, shared by demand, so the step waits
-    only if the total preprocessing time exceeds the pooled capacity over the
-    previous step.
+    The planner itself, end to end: a :class:`msd_dask.plan.Planner` built
+    from a :class:`msd_dask.config.Config` holding the simulator's parameters
+    (dp, micro_batches, seq_len, the sources and weights, ``cost`` = α, β,
+    ``balance`` = the strategy, ``outliers`` with ``--outliers``) plans every
+    step through its ``lookup(source, epoch, unit) -> lengths`` callable, as a
+    service does with its loaders' metadata: the source streams' unit and
+    document shuffles, the mixer, the fill loop, the carry, the outlier delay
+    and the placement are all the planner's code.  Loaders are pooled:
+    ``N × W`` workers in total, shared by demand, so the step waits only if the
+    total preprocessing time exceeds the pooled capacity over the previous step.
+Corpus
+    Both sides read the same synthetic corpus (:class:`Corpus`): per source,
+    units of ``unit_docs`` documents whose lengths are a pure function of the
+    seed, the source and the unit; the baseline reads the units in order, the
+    planner in its own shuffled order, so over an epoch both see the same
+    documents.  A cell's corpus holds 1.5× the tokens it plans (no repeats).
 
 Reported per (dp, context): imbalance (max/mean rank compute) of both, the
 baseline's stall fraction, speedups (compute balance only, stalls only,
 total = baseline step time / msd_dask step time), rows filled, and the
-wall-clock of the ``place_step`` call per step.  Every parameter is printed first.
+wall-clock of ``Planner.plan_step`` per step (the lookup's synthetic lengths
+included), and the tokens the planner still holds or carries at the end.
+Every parameter is printed first.
 
     python scripts/simulate.py --quick
     python scripts/simulate.py --dp 64 1024 16384 --context 4096 32768 131072 --steps 8
+    python scripts/simulate.py --steps 8 --outliers 0.5     # the planner's outlier delay on
 """
 
 from __future__ import annotations
@@ -45,19 +56,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from msd_dask.balance import sequential
-from msd_dask.config import Config
+from msd_dask.config import Config, load_config
 from msd_dask.cost import CostModel
-from msd_dask.mixing import Mixer
-from msd_dask.plan import place_step
+from msd_dask.formats import Unit
+from msd_dask.plan import Planner, StepPlan
 
-__all__ = ["SourceSpec", "SimConfig", "CellResult", "simulate", "default_strategy", "model_coefficients",
-           "balance_bound", "main", "steps_for"]
+__all__ = ["SourceSpec", "SimConfig", "CellResult", "Corpus", "simulate", "planner_config",
+           "default_strategy", "model_coefficients", "balance_bound", "main", "steps_for"]
 
 
 def default_strategy() -> str:
@@ -93,7 +105,10 @@ class SimConfig:
     sources: tuple[SourceSpec, ...] = DEFAULT_SOURCES
     strategy: str = field(default_factory=default_strategy)
     seed: int = 0
-    plan_timeout: float = 0.0   # seconds per assign call, 0: none (then in process)
+    plan_timeout: float = 0.0   # seconds per plan_step call, 0: none (then in process)
+    outliers: float = 0.0       # the planner's outliers.min_length (0: off; < 1: a fraction of seq_len)
+    unit_docs: int = 4096       # documents per unit of the synthetic corpus
+    keep_plans: bool = False    # keep every StepPlan in CellResult.plans (small configs only)
 
     @property
     def row(self) -> int:
@@ -118,12 +133,67 @@ def balance_bound(seq_len: int, hidden: int) -> float:
     return 1.0 + seq_len / (12.0 * hidden)
 
 
-class PieceSource:
-    """The deterministic piece stream of one source (lengths only), generated in blocks."""
+def planner_config(cfg: SimConfig) -> Config:
+    """The service config the simulated planner runs with: the simulator's own parameters."""
+    alpha, beta = model_coefficients(cfg.hidden, cfg.layers, cfg.flops)
+    ml: float | int = cfg.outliers if 0 < cfg.outliers < 1 else int(cfg.outliers)
+    return load_config({
+        "name": "simulate",
+        "seed": cfg.seed,
+        "batch": {"seq_len": cfg.row, "micro_batches": cfg.micro_batches},
+        "parallel": {"dp": cfg.dp},
+        "balance": cfg.strategy,
+        "cost": {"linear": alpha, "quadratic": beta},
+        "outliers": {"min_length": ml},
+        "sources": [{"name": s.name, "uri": f"memory://simulate/{s.name}/*.parquet",
+                     "format": "parquet", "weight": s.weight} for s in cfg.sources],
+    }, check_files=False)
 
-    def __init__(self, spec: SourceSpec, context: int, seq_len: int, seed: int, index: int):
-        self.spec, self.context, self.seq_len = spec, context, seq_len
-        self.rng = np.random.default_rng([seed, index])
+
+class Corpus:
+    """The synthetic corpus both sides read: lengths of each unit's documents, per source.
+
+    Unit ``u`` of source ``i`` holds ``unit_docs`` lognormal lengths (the source's
+    median and sigma) drawn from a generator seeded by ``(seed, i, u)`` and
+    truncated at ``context``: the same in every epoch, whoever reads it.
+
+    Parameters
+    ----------
+    sources : tuple of SourceSpec
+    context : int
+    seed : int
+    n_units : int
+        Units per source.
+    unit_docs : int
+    """
+
+    def __init__(self, sources: Sequence[SourceSpec], context: int, seed: int, n_units: int,
+                 unit_docs: int):
+        self.sources = {s.name: (i, s) for i, s in enumerate(sources)}
+        self.context, self.seed, self.n_units, self.unit_docs = context, seed, n_units, unit_docs
+
+    def units(self) -> dict[str, list[Unit]]:
+        """Every source's units, sorted, as the planner takes them."""
+        return {name: [Unit(f"{name}/unit-{u:07d}") for u in range(self.n_units)]
+                for name in self.sources}
+
+    def lengths(self, source: str, unit: int) -> np.ndarray:
+        i, s = self.sources[source]
+        rng = np.random.default_rng([self.seed, i, unit])
+        docs = np.exp(rng.normal(np.log(s.median), s.sigma, self.unit_docs))
+        return np.clip(np.ceil(docs), 1, self.context).astype(np.int64)
+
+    def __call__(self, source: str, epoch: int, unit: int) -> np.ndarray:
+        """The planner's ``lookup``: a unit's document lengths (the same every epoch)."""
+        return self.lengths(source, unit)
+
+
+class PieceSource:
+    """The baseline's piece stream of one source: the corpus's units in order, chunked."""
+
+    def __init__(self, corpus: Corpus, name: str, seq_len: int):
+        self.corpus, self.name, self.seq_len = corpus, name, seq_len
+        self.unit = 0
         self.buf = np.zeros(0, dtype=np.int64)
         self.pos = 0
 
@@ -131,9 +201,8 @@ class PieceSource:
         blocks = [self.buf[self.pos:]]
         have = len(blocks[0])
         while have < need:
-            n = max(need - have, 65536)
-            docs = np.exp(self.rng.normal(np.log(self.spec.median), self.spec.sigma, n))
-            docs = np.clip(np.ceil(docs), 1, self.context).astype(np.int64)
+            docs = self.corpus.lengths(self.name, self.unit % self.corpus.n_units)
+            self.unit += 1
             k = -(-docs // self.seq_len)                     # chunks per document
             pieces = np.full(int(k.sum()), self.seq_len, dtype=np.int64)
             last = np.cumsum(k) - 1
@@ -161,7 +230,7 @@ class CellResult:
 
     cfg: SimConfig
     steps_run: int
-    pieces_per_step: float
+    pieces_per_step: float   # pieces msd_dask placed per step
     imb_base: float          # mean over steps of max/mean rank compute
     imb_msd: float
     stall_frac_base: float   # share of the baseline's time spent waiting for data
@@ -172,43 +241,18 @@ class CellResult:
     speedup_ideal: float     # Σ baseline step time / Σ (lower bound of any assignment, no stalls)
     fill_base: float         # useful tokens / capacity
     fill_msd: float
-    plan_ms: float           # wall-clock of the place_step call per step
+    plan_ms: float           # wall-clock of Planner.plan_step per step
     plan_timed_out: bool
     bound: float
+    pending: float = float("nan")   # tokens held or carried by the planner at the end / tokens placed
+    work_gain: float = float("nan")  # useful work (α·l + β·l² of placed pieces) per second, msd / base
     per_step: dict[str, list[float]] = field(default_factory=dict)
+    plans: list[StepPlan] = field(default_factory=list)
 
     @property
     def tokens_gain(self) -> float:
         """Useful tokens per second, msd_dask over baseline (total speedup × fill ratio)."""
         return self.speedup_total * self.fill_msd / self.fill_base
-
-
-def _msd_fill(streams: list[PieceSource], mixer: Mixer, weights: dict[str, float], budget: int
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """The planner's fill loop: mixer order until the next piece would exceed ``budget`` tokens."""
-    names = [s.spec.name for s in streams]
-    index = {n: i for i, n in enumerate(names)}
-    lengths: list[int] = []
-    srcs: list[int] = []
-    total = 0
-    blocks = {n: streams[index[n]].peek_block(4096).tolist() for n in names}
-    used = dict.fromkeys(names, 0)
-    while True:
-        src = mixer.choose(weights)
-        if used[src] == len(blocks[src]):
-            streams[index[src]].take(used[src])
-            blocks[src], used[src] = streams[index[src]].peek_block(65536).tolist(), 0
-        n = blocks[src][used[src]]
-        if total + n > budget:
-            break
-        used[src] += 1
-        mixer.take(src, n, weights)
-        lengths.append(n)
-        srcs.append(index[src])
-        total += n
-    for src in names:
-        streams[index[src]].take(used[src])
-    return np.asarray(lengths, dtype=np.int64), np.asarray(srcs, dtype=np.int64)
 
 
 def _base_fill(streams: list[PieceSource], probs: np.ndarray, rng: np.random.Generator, budget: int
@@ -239,34 +283,86 @@ def _base_fill(streams: list[PieceSource], probs: np.ndarray, rng: np.random.Gen
     return np.concatenate(out_l), np.concatenate(out_s)
 
 
-def _assign_child(conn, args) -> None:  # pragma: no cover - runs in a forked child
-    conn.send(place_step(*args)[0])
+def corpus_for(cfg: SimConfig) -> Corpus:
+    """The cell's corpus, sized to hold 1.5× the tokens the cell plans (so no document repeats)."""
+    probe = Corpus(cfg.sources, cfg.context, cfg.seed, 1, 65536)
+    wsum = sum(s.weight for s in cfg.sources)
+    need = 1.5 * cfg.steps * cfg.dp * cfg.micro_batches * cfg.row
+    n_units = max(int(need * s.weight / wsum / (float(probe.lengths(s.name, 0).mean()) * cfg.unit_docs))
+                  for s in cfg.sources)
+    return Corpus(cfg.sources, cfg.context, cfg.seed, n_units + 8, cfg.unit_docs)
+
+
+def _msd_steps(cfg: SimConfig, corpus: Corpus, planned: Callable[[float], None] | None = None
+               ) -> Iterator[dict[str, Any]]:
+    """Plan ``cfg.steps`` steps with the planner; per step, what the simulation needs of it.
+
+    ``planned(seconds)`` is called as soon as each ``plan_step`` returns.
+    """
+    alpha, beta = model_coefficients(cfg.hidden, cfg.layers, cfg.flops)
+    dense = alpha * cfg.micro_batches * cfg.row
+    prep = {s.name: s.prep for s in cfg.sources}
+    pl = Planner(planner_config(cfg), corpus.units())
+    for _ in range(cfg.steps):
+        t0 = time.perf_counter()
+        plan = pl.plan_step(corpus)
+        secs = time.perf_counter() - t0
+        if planned is not None:
+            planned(secs)
+        sq = np.zeros(cfg.dp)
+        tokens = data = 0.0
+        pieces = largest = 0
+        for r, rank in enumerate(plan.rows):
+            s = 0
+            for row in rank:
+                for p in row:
+                    n = p.end - p.start
+                    s += n * n
+                    tokens += n
+                    data += n * prep[p.source]
+                    largest = max(largest, n)
+                pieces += len(row)
+            sq[r] = s
+        yield {"comp": dense + beta * sq, "data": data, "tokens": tokens, "pieces": pieces,
+               "work": alpha * tokens + beta * float(sq.sum()),
+               "ideal": dense + beta * max(float(sq.sum()) / cfg.dp, float(largest) ** 2), "plan_s": secs,
+               "pending": float(sum(p.length for p in pl.pending())),
+               "plan": plan if cfg.keep_plans else None}
+
+
+def _msd_child(conn: Any, cfg: SimConfig, corpus: Corpus) -> None:  # pragma: no cover - forked child
+    for rec in _msd_steps(cfg, corpus, conn.send):
+        conn.send(rec)
     conn.close()
 
 
-def _assign_limited(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, mb: int,
-                    seq_len: int, strategy: str, limit: float) -> np.ndarray | None:
-    """The planner's ranks (:func:`msd_dask.plan.place_step`), or ``None`` if it runs past
-    ``limit`` seconds (0: no limit, in process)."""
-    args = (lengths, costs, n_carried, dp, mb, seq_len, strategy)
-    if limit <= 0:
-        return place_step(*args)[0]
+def _msd_limited(cfg: SimConfig, corpus: Corpus) -> Iterator[dict[str, Any] | None]:
+    """:func:`_msd_steps`, in a forked child when ``cfg.plan_timeout > 0``; ``None`` (then the
+    end) when a step runs past the limit."""
+    if cfg.plan_timeout <= 0:
+        yield from _msd_steps(cfg, corpus)
+        return
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_assign_child, args=(child, args), daemon=True)
+    proc = ctx.Process(target=_msd_child, args=(child, cfg, corpus), daemon=True)
     proc.start()
     child.close()
-    out = parent.recv() if parent.poll(limit) else None
-    if out is None:
+    try:
+        for _ in range(cfg.steps):
+            # the limit is per plan_step call (its time comes first); then the step's record
+            if not parent.poll(cfg.plan_timeout) or parent.recv() > cfg.plan_timeout:
+                yield None
+                return
+            yield parent.recv()
+    finally:
         proc.terminate()
-    proc.join()
-    return out
+        proc.join()
 
 
 def simulate(cfg: SimConfig) -> CellResult:
-    """Run one (dp, context) cell for ``cfg.steps`` steps; both sides see the same documents per source.
+    """Run one (dp, context) cell for ``cfg.steps`` steps; both sides read the same corpus.
 
     True compute of a rank: ``α·(rows × seq_len) + β·Σ l²`` (rows are fixed-shape, so padding goes
     through the dense layers; attention is per piece).  The planner balances the service's own cost
@@ -280,27 +376,21 @@ def simulate(cfg: SimConfig) -> CellResult:
     prep = np.array([s.prep for s in cfg.sources])
     wsum = sum(s.weight for s in cfg.sources)
     weights = {s.name: s.weight / wsum for s in cfg.sources}
+    corpus = corpus_for(cfg)
 
-    def make() -> list[PieceSource]:
-        return [PieceSource(s, cfg.context, seq_len, cfg.seed, i) for i, s in enumerate(cfg.sources)]
-
-    base_streams, msd_streams = make(), make()
+    # ---------------- baseline: per-rank loaders, sequential packing, own workers
+    base_streams = [PieceSource(corpus, s.name, seq_len) for s in cfg.sources]
     # per-piece source probabilities giving the weights' token shares
     mean_piece = np.array([s.peek_block(65536).mean() for s in base_streams])
     probs = np.array([weights[s.name] for s in cfg.sources]) / mean_piece
     probs /= probs.sum()
     rng = np.random.default_rng([cfg.seed, 7])
-    mixer = Mixer([s.name for s in cfg.sources])
-
-    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    carry_b, carry_m = empty, empty
-    keys = ("comp_b", "step_b", "imb_b", "fill_b", "ideal", "comp_m", "step_m", "imb_m", "fill_m",
-            "plan_s", "pieces")
+    carry_b = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    keys = ("comp_b", "step_b", "imb_b", "fill_b", "work_b", "ideal", "comp_m", "step_m", "imb_m",
+            "fill_m", "work_m", "plan_s", "pieces")
     rec: dict[str, list[float]] = {k: [] for k in keys}
-    prev_b = prev_m = None
-    timed_out = False
+    prev: float | None = None
     for _ in range(cfg.steps):
-        # ---------------- baseline: per-rank loaders, sequential packing, own workers
         l_new, s_new = _base_fill(base_streams, probs, rng, capacity - int(carry_b[0].sum()))
         lb, sb = np.concatenate([carry_b[0], l_new]), np.concatenate([carry_b[1], s_new])
         a = sequential(lb, cost(lb), dp, mb, seq_len)
@@ -308,38 +398,38 @@ def simulate(cfg: SimConfig) -> CellResult:
         comp = dense + np.bincount(a.rank[ok], weights=beta * lb[ok] ** 2.0, minlength=dp)
         data = np.bincount(a.rank[ok], weights=lb[ok] * prep[sb[ok]], minlength=dp) / W
         carry_b = (lb[~ok], sb[~ok])
-        window = prev_b if prev_b is not None else float(comp.max())   # step 0: prefetched at start
-        step_b = float((comp + np.maximum(0.0, data - window)).max())
-        prev_b = step_b
-
-        # ---------------- msd_dask: global mix, planner fill, configured balance, pooled loaders
-        l_new, s_new = _msd_fill(msd_streams, mixer, weights, capacity - int(carry_m[0].sum()))
-        lm, sm = np.concatenate([carry_m[0], l_new]), np.concatenate([carry_m[1], s_new])
-        t0 = time.perf_counter()
-        rank = _assign_limited(lm, cost(lm), len(carry_m[0]), dp, mb, seq_len, cfg.strategy,
-                               cfg.plan_timeout)
-        rec["plan_s"].append(time.perf_counter() - t0)
+        window = prev if prev is not None else float(comp.max())   # step 0: prefetched at start
+        prev = float((comp + np.maximum(0.0, data - window)).max())
         rec["comp_b"].append(float(comp.max()))
-        rec["step_b"].append(step_b)
+        rec["step_b"].append(prev)
         rec["imb_b"].append(float(comp.max() / comp.mean()))
         rec["fill_b"].append(float(lb[ok].sum()) / capacity)
-        sq = beta * lm.astype(np.float64) ** 2
-        rec["ideal"].append(dense + max(float(sq.sum()) / dp, float(sq.max(initial=0.0))))
-        rec["pieces"].append(float(len(lm)))
-        if rank is None:
+        rec["work_b"].append(float(cost(lb[ok]).sum()))
+
+    # ---------------- msd_dask: the planner (global mix, fill, outlier delay, balance), pooled loaders
+    timed_out = False
+    pending = float("nan")
+    plans: list[StepPlan] = []
+    prev = None
+    for m in _msd_limited(cfg, corpus):
+        if m is None:
             timed_out = True
+            rec["plan_s"].append(cfg.plan_timeout)   # the step that ran past the limit
             break
-        ok = rank >= 0
-        comp = dense + np.bincount(rank[ok], weights=sq[ok], minlength=dp)
-        data_total = float((lm[ok] * prep[sm[ok]]).sum()) / (dp * W)
-        carry_m = (lm[~ok], sm[~ok])
-        window = prev_m if prev_m is not None else float(comp.max())
-        step_m = float(comp.max()) + max(0.0, data_total - window)
-        prev_m = step_m
+        comp = m["comp"]
+        window = prev if prev is not None else float(comp.max())
+        prev = float(comp.max()) + max(0.0, m["data"] / (dp * W) - window)
+        rec["plan_s"].append(m["plan_s"])
+        rec["pieces"].append(float(m["pieces"]))
+        rec["ideal"].append(m["ideal"])
         rec["comp_m"].append(float(comp.max()))
-        rec["step_m"].append(step_m)
+        rec["step_m"].append(prev)
         rec["imb_m"].append(float(comp.max() / comp.mean()))
-        rec["fill_m"].append(float(lm[ok].sum()) / capacity)
+        rec["fill_m"].append(m["tokens"] / capacity)
+        rec["work_m"].append(m["work"])
+        pending = m["pending"]
+        if m["plan"] is not None:
+            plans.append(m["plan"])
 
     S = {k: float(np.sum(v)) if v else float("nan") for k, v in rec.items()}
     M = {k: float(np.mean(v)) if v else float("nan") for k, v in rec.items()}
@@ -352,10 +442,13 @@ def simulate(cfg: SimConfig) -> CellResult:
         speedup_balance=nan if timed_out else S["comp_b"] / S["comp_m"],
         speedup_stalls=S["step_b"] / S["comp_b"],
         speedup_total=nan if timed_out else S["step_b"] / S["step_m"],
-        speedup_ideal=S["step_b"] / S["ideal"],
+        speedup_ideal=nan if timed_out else S["step_b"] / S["ideal"],
         fill_base=M["fill_b"], fill_msd=nan if timed_out else M["fill_m"],
-        plan_ms=1e3 * M["plan_s"], plan_timed_out=timed_out,
-        bound=balance_bound(seq_len, cfg.hidden), per_step=rec,
+        plan_ms=1e3 * M["plan_s"],
+        plan_timed_out=timed_out, bound=balance_bound(seq_len, cfg.hidden),
+        pending=nan if timed_out else pending / (S["fill_m"] * capacity),
+        work_gain=nan if timed_out else (S["work_m"] / S["step_m"]) / (S["work_b"] / S["step_b"]),
+        per_step=rec, plans=plans,
     )
 
 
@@ -402,7 +495,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--strategy", default=default_strategy())
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plan-timeout", type=float, default=300.0,
-                    help="seconds one assign call may take before the cell reports it timed out")
+                    help="seconds one Planner.plan_step call may take before the cell reports it timed out")
+    ap.add_argument("--outliers", type=float, default=0.0, metavar="MIN_LENGTH",
+                    help="the planner's outlier delay, outliers.min_length: tokens, or a fraction of "
+                         "seq_len if < 1 (e.g. 0.5); 0: off (default)")
+    ap.add_argument("--unit-docs", type=int, default=4096, help="documents per unit of the corpus")
     ap.add_argument("--quick", action="store_true",
                     help="2 steps, a small token budget and a 15 s planner limit")
     ap.add_argument("--plot", default="", help="write a PNG of the speedups here")
@@ -425,6 +522,18 @@ def main(argv: Sequence[str] | None = None) -> int:
           " through the dense layers)")
     print(f"loaders: W={args.workers} workers per rank (baseline own; msd_dask pooled N×W)"
           f"   strategy={args.strategy} (Config.balance default: {default_strategy()})   seed={args.seed}")
+    oc = planner_config(SimConfig(dp=1, context=max(args.context), seq_len=args.seq_len,
+                                  outliers=args.outliers, sources=sources)).outliers
+    print("msd_dask: msd_dask.plan.Planner end to end (Config from these parameters, lookup = the "
+          f"corpus); shuffle_window={planner_config(SimConfig(dp=1, context=1)).sources[0].shuffle_window}"
+          " units; outlier delay "
+          + (f"ON: outliers.min_length={oc.min_length:g}"
+             + (f" (pieces > {oc.min_length:g}·seq_len)" if 0 < oc.min_length < 1 else " tokens")
+             + f", group={oc.group or 'dp×micro_batches rows'}, max_wait={oc.max_wait} steps"
+             if args.outliers else "off (outliers.min_length=0)"))
+    print(f"corpus: per source, units of {args.unit_docs} documents, lengths a function of (seed, source,"
+          " unit); the baseline reads units in order, the planner in its shuffled order; each cell's"
+          " corpus holds 1.5× the tokens it plans")
     for s in sources:
         print(f"source {s.name}: weight={s.weight} prep={s.prep:.3g} s/token  lognormal median={s.median:g} "
               f"sigma={s.sigma:g}  top-1% docs hold {100 * _tail_share(s, 1 << 62, args.seed):.0f}% of "
@@ -439,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     hdr = (f"{'dp':>6} {'context':>7} {'steps':>5} {'pieces/st':>9} {'imb base':>8} {'imb msd':>7} "
            f"{'bound':>6} {'stall% b':>8} {'spd bal':>7} {'spd stall':>9} {'spd tot':>7} {'spd LB':>6} "
-           f"{'fill b/m %':>11} {'tok/s x':>7} {'plan ms/st':>10}")
+           f"{'fill b/m %':>11} {'tok/s x':>7} {'work/s x':>8} {'held%':>5} {'plan ms/st':>10}")
     print(hdr)
     print("-" * len(hdr))
     results = []
@@ -449,7 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = SimConfig(dp=dp, context=ctx, seq_len=args.seq_len, micro_batches=args.micro_batches,
                             steps=steps_for(dp, per_rank, args.steps, args.token_budget), hidden=args.hidden,
                             layers=args.layers, flops=args.flops, workers=args.workers, sources=sources,
-                            strategy=args.strategy, seed=args.seed, plan_timeout=args.plan_timeout)
+                            strategy=args.strategy, seed=args.seed, plan_timeout=args.plan_timeout,
+                            outliers=args.outliers, unit_docs=args.unit_docs)
             r = simulate(cfg)
             results.append(r)
             plan = f"{'>' if r.plan_timed_out else ''}{r.plan_ms:.0f}"
@@ -457,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r.imb_msd:>7.3f} {r.bound:>6.3f} {100 * r.stall_frac_base:>8.2f} "
                   f"{r.speedup_balance:>7.3f} {r.speedup_stalls:>9.3f} {r.speedup_total:>7.3f} "
                   f"{r.speedup_ideal:>6.3f} {100 * r.fill_base:>5.1f}/{100 * r.fill_msd:<5.1f} "
-                  f"{r.tokens_gain:>7.3f} {plan:>10}",
+                  f"{r.tokens_gain:>7.3f} {r.work_gain:>8.3f} {100 * r.pending:>5.1f} {plan:>10}",
                   flush=True)
     if args.plot:
         _plot(results, args.plot)
