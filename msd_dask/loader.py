@@ -113,7 +113,8 @@ class ImageDoc:
 def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
               quarantine: list[DataError] | None = None,
               pool: DocPool | None = None,
-              timing: list[float] | None = None) -> list[np.ndarray | ImageDoc]:
+              timing: list[float] | None = None,
+              cpu: list[tuple[float, float]] | None = None) -> list[np.ndarray | ImageDoc]:
     """Read and tokenize every row of ``unit``; one array per row, in row order.
 
     The arrays are uint16 for a vocabulary of at most 65,536 ids, else int32.
@@ -121,7 +122,14 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     ``pool``: preprocess and tokenize the documents on it (several at once);
     ``None`` does it here, one after the other.  The result is the same.
     ``timing``: the busy seconds (reading the rows, plus preprocessing summed
-    over the pool's workers) are appended to it.
+    over the pool's workers) are appended to it.  ``cpu``: the CPU seconds of
+    that busy time and the part of it spent waiting for a core (runnable while
+    other threads had the cores) are appended as a pair: this thread's while it
+    reads the rows (and preprocesses, without a pool), plus the pool's workers'
+    summed over them (:meth:`DocPool.map`).  Both are measured over exactly the
+    busy intervals, so ``cpu / (busy - wait)`` is the share of that time spent
+    on a core (not counted: this thread waiting for the pool, and putting the
+    pool's results in order).
 
     Rows of an image+text source (``src.image_field`` set) whose image field is not
     null become an :class:`ImageDoc`: the image decoded, resized and cut into patches
@@ -142,13 +150,13 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     """
     if getattr(src, "on_error", "fail") != "skip":
         try:
-            return _read_rows(src, fs, unit, tokenizer, [], None, pool, timing)
+            return _read_rows(src, fs, unit, tokenizer, [], None, pool, timing, cpu)
         except (DataError, OSError) as e:
             raise with_source(e, src.name, unit.path) from e
     out: list[np.ndarray | ImageDoc] = []
     bad: list[DataError] = []
     try:
-        _read_rows(src, fs, unit, tokenizer, out, bad, pool, timing)
+        _read_rows(src, fs, unit, tokenizer, out, bad, pool, timing, cpu)
     except (DataError, OSError) as e:
         if quarantine is not None:
             quarantine.append(with_source(e, src.name, unit.path, whole_file=True))
@@ -161,7 +169,8 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
 def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
                out: list[np.ndarray | ImageDoc],
                bad: list[DataError] | None, pool: DocPool | None = None,
-               timing: list[float] | None = None) -> list[np.ndarray | ImageDoc]:
+               timing: list[float] | None = None,
+               cpu: list[tuple[float, float]] | None = None) -> list[np.ndarray | ImageDoc]:
     """Append the tokens of the unit's rows to ``out`` (``bad``: collect row errors).
 
     The rows are read first, then their documents are preprocessed and tokenized
@@ -174,27 +183,35 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
     read: Any = fmt.read
     fields = [src.text_field] + ([src.image_field] if src.image_field else [])
-    t0 = time.perf_counter()
-    rows = read(fs, unit, fields, errors="yield") if tolerant else read(fs, unit, fields)
-    items: list[tuple[int, Any]] = []
-    for row, rec in rows:
-        expected = unit.row_offset + len(items)
-        if row < expected:
-            raise DataError(f"rows out of order (expected {expected})", source=src.name,
-                            path=unit.path, row=row)
-        while len(items) < row - unit.row_offset:  # rows the format skipped (blank lines)
-            items.append((unit.row_offset + len(items), None))
-        items.append((row, rec))
+
+    def rows_in_order() -> list[tuple[int, Any]]:
+        rows = read(fs, unit, fields, errors="yield") if tolerant else read(fs, unit, fields)
+        items: list[tuple[int, Any]] = []
+        for row, rec in rows:
+            expected = unit.row_offset + len(items)
+            if row < expected:
+                raise DataError(f"rows out of order (expected {expected})", source=src.name,
+                                path=unit.path, row=row)
+            while len(items) < row - unit.row_offset:  # rows the format skipped (blank lines)
+                items.append((unit.row_offset + len(items), None))
+            items.append((row, rec))
+        return items
+
+    items, seconds, c, w = _cpu_timed(rows_in_order)
     todo = [(row, rec) for row, rec in items if rec is not None and not isinstance(rec, DataError)]
-    busy = [time.perf_counter() - t0]
+    busy = [seconds]
+    used = [(c, w)]  # CPU and core-wait seconds of the busy time
     if pool is None:
         prep = _preprocessor(src.preprocess) if src.preprocess else None
-        done, seconds = process_docs(src, prep, tokenizer, unit.path, todo)
+        done, seconds, c, w = _process_in_thread(src, prep, tokenizer, unit.path, todo)
         busy.append(seconds)
+        used.append((c, w))
     else:
-        done = pool.map(unit.path, todo, busy)
+        done = pool.map(unit.path, todo, busy, used)
     if timing is not None:
         timing.append(sum(busy))
+    if cpu is not None:
+        cpu.append((sum(c for c, _ in used), sum(w for _, w in used)))
     results = iter(done)
     for _row, rec in items:
         res: np.ndarray | ImageDoc | DataError
@@ -293,17 +310,49 @@ class _Failure:
         return out
 
 
-def _process_in_worker(path: str, items: list[tuple[int, dict[str, Any]]]
-                       ) -> tuple[list[np.ndarray | ImageDoc | _Failure], float]:
-    res, seconds = process_docs(_WORKER["src"], _WORKER["prep"], _WORKER["tokenizer"], path, items)
-    return [_Failure(r) if isinstance(r, DataError) else r for r in res], seconds
+#: What a pool's task returns for a chunk of documents: the results, the busy seconds,
+#: the CPU seconds and the seconds the task waited for a core.
+_Chunk = tuple[list[Any], float, float, float]
 
 
-def _cpu_timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
-    """``(fn(*args), CPU seconds of this thread in it, seconds it waited for a core)``."""
-    t0, w0 = time.thread_time(), _run_delay()
+def _process_in_worker(path: str, items: list[tuple[int, dict[str, Any]]]) -> _Chunk:
+    """A chunk of documents in a pool process: results, busy, CPU and core-wait seconds.
+
+    The CPU seconds are the process's (``time.process_time``: threads the
+    preprocessor or tokenizer start count too), the wait the task thread's.
+    """
+    (res, _), busy, cpu, waited = _cpu_timed(
+        process_docs, _WORKER["src"], _WORKER["prep"], _WORKER["tokenizer"], path, items,
+        clock=time.process_time)
+    return [_Failure(r) if isinstance(r, DataError) else r for r in res], busy, cpu, waited
+
+
+def _process_in_thread(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,
+                       tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]]
+                       ) -> _Chunk:
+    """Documents processed on this thread: results, busy, CPU and core-wait seconds."""
+    (res, _), busy, cpu, waited = _cpu_timed(process_docs, src, prep, tokenizer, path, items)
+    return res, busy, cpu, waited
+
+
+def _cpu_timed(fn: Callable[..., Any], *args: Any,
+               clock: Callable[[], float] = time.thread_time) -> tuple[Any, float, float, float]:
+    """``fn(*args)`` and the seconds it took: ``(result, busy, cpu, waited)``.
+
+    ``busy`` is the wall time, ``cpu`` this thread's CPU time in it (``clock``;
+    ``time.process_time`` counts every thread of the process), ``waited`` the
+    time this thread was runnable but waited for a core (:func:`_run_delay`).
+    The CPU and wait readings are taken inside the wall clock's, so ``cpu +
+    waited <= busy`` for one thread (a preemption while reading them would
+    otherwise count as waiting but not as busy); the rest of ``busy`` the
+    thread was blocked (on I/O, a lock, the GIL).
+    """
+    t0 = time.perf_counter()
+    w0, c0 = _run_delay(), clock()
     out = fn(*args)
-    return out, time.thread_time() - t0, _run_delay() - w0
+    c1 = clock()
+    w1 = _run_delay()
+    return out, time.perf_counter() - t0, c1 - c0, w1 - w0
 
 
 def _run_delay() -> float:
@@ -360,10 +409,34 @@ class DocPool:
             self._ex = ThreadPoolExecutor(self.size, thread_name_prefix=f"msd-prep-{src.name}")
 
     def map(self, path: str, items: Sequence[tuple[int, dict[str, Any]]],
-            timing: list[float] | None = None) -> list[np.ndarray | ImageDoc | DataError]:
+            timing: list[float] | None = None,
+            cpu: list[tuple[float, float]] | None = None
+            ) -> list[np.ndarray | ImageDoc | DataError]:
         """:func:`process_docs` of ``items`` on the pool, results in order.
 
-        ``timing``: the busy seconds of the pool's workers (summed) are appended.
+        Parameters
+        ----------
+        path : str
+            The file the documents come from (named by their errors).
+        items : sequence of tuple
+            ``(row, record)`` of each document.
+        timing : list of float, optional
+            The busy seconds of the pool's workers (summed over the chunks) are
+            appended.
+        cpu : list of tuple, optional
+            ``(CPU seconds, seconds waiting for a core)`` of that work, summed over
+            the chunks, is appended.  A thread measures each chunk it runs
+            (:func:`_cpu_timed`: its CPU time, and its run delay from Linux
+            ``schedstat``, 0.0 elsewhere); a process returns its
+            ``time.process_time()`` and its task thread's run delay with each chunk's
+            results.  Not counted: sending the documents to processes and their
+            results back (the executor's threads in this process).
+
+        Returns
+        -------
+        list
+            One result per item, in order: the tokens, an :class:`ImageDoc`, or
+            the :class:`DataError` of a bad document.
         """
         if not items:
             return []
@@ -374,17 +447,21 @@ class DocPool:
         if self.kind == "process":
             futs = [self._ex.submit(_process_in_worker, path, c) for c in chunks]
         else:
-            futs = [self._ex.submit(process_docs, self.src, self._prep, self._tokenizer, path, c)
-                    for c in chunks]
+            futs = [self._ex.submit(_process_in_thread, self.src, self._prep, self._tokenizer,
+                                    path, c) for c in chunks]
         out: list[np.ndarray | ImageDoc | DataError] = []
-        busy = 0.0
+        busy = used = waited = 0.0
         for f in futs:
-            res, seconds = f.result()
+            res, seconds, c, w = f.result()
             busy += seconds
+            used += c
+            waited += w
             out.extend(r.error(self.src.name, path) if isinstance(r, _Failure) else r
                        for r in res)
         if timing is not None:
             timing.append(busy)
+        if cpu is not None:
+            cpu.append((used, waited))
         return out
 
     def close(self) -> None:
@@ -511,9 +588,9 @@ class SourceLoader:
         self.tokens_read = 0
         self.units_read = 0
         self.read_seconds = 0.0
-        #: CPU seconds of the read threads (where preprocessing runs without a pool)
+        #: CPU seconds of the read threads and of the pool's workers (see stats())
         self.cpu_seconds = 0.0
-        self.cpu_wait_seconds = 0.0  # of those threads' busy time: waiting for a core
+        self.cpu_wait_seconds = 0.0  # of their busy time: waiting for a core
         self.tokens_fetched = 0
         self.quarantined_docs = 0
         self.quarantined_files = 0
@@ -552,17 +629,19 @@ class SourceLoader:
         loop = asyncio.get_running_loop()
         quarantine: list[DataError] = []
         busy: list[float] = []
+        cpu: list[tuple[float, float]] = []  # CPU and core-wait seconds of the busy time
         try:
-            docs, cpu, waited = await loop.run_in_executor(
-                self._pool, _cpu_timed, read_unit, self.src, self._files.fs,
-                self.units[key[1]], self.tokenizer, quarantine, self._docs, busy)
+            docs = await loop.run_in_executor(
+                self._pool, read_unit, self.src, self._files.fs,
+                self.units[key[1]], self.tokenizer, quarantine, self._docs, busy, cpu)
         except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
             if not fut.done():
                 fut.set_exception(e)
             return
+        # counted together, so a poll sees a unit's busy and CPU seconds at once
         self.read_seconds += sum(busy)
-        self.cpu_seconds += cpu
-        self.cpu_wait_seconds += waited
+        self.cpu_seconds += sum(c for c, _ in cpu)
+        self.cpu_wait_seconds += sum(w for _, w in cpu)
         self._quarantine(key, quarantine)
         data = _UnitData(docs)
         self.units_read += 1
@@ -647,8 +726,15 @@ class SourceLoader:
         tokenizing summed over the pool's workers) and ``threads`` the documents
         processed at once, so one loader supplies ``threads / (read_seconds /
         tokens_read)`` tokens/s at most.  ``cpu_seconds``: the CPU time of that
-        work (0.0 when a pool preprocesses: its workers' CPU is not measured),
-        ``cpu_wait_seconds`` the busy time it waited for a core (other threads had them).
+        work, the read threads' plus the pool's (each pool thread's time in the
+        chunks of documents it ran; a pool process's ``process_time`` in its
+        chunks), and ``cpu_wait_seconds`` the busy time it was runnable but
+        waited for a core (other threads or processes had them; Linux
+        ``schedstat``, 0.0 elsewhere).  ``cpu_seconds / (read_seconds -
+        cpu_wait_seconds)`` near 1 is CPU-bound work, a few percent work that waits
+        (on a store, or for the GIL: a thread blocked on it is busy, neither on
+        a core nor waiting for one).  Not counted: what sending documents to a
+        process pool and results back costs this process.
         """
         return {
             "source": self.src.name,
@@ -662,8 +748,8 @@ class SourceLoader:
             "units_buffered": len(self._data),
             "tokens_buffered": int(sum(int(d.lengths.clip(0).sum()) for d in self._data.values())),
             "read_seconds": self.read_seconds,
-            "cpu_seconds": self.cpu_seconds if self._docs is None else 0.0,
-            "cpu_wait_seconds": self.cpu_wait_seconds if self._docs is None else 0.0,
+            "cpu_seconds": self.cpu_seconds,
+            "cpu_wait_seconds": self.cpu_wait_seconds,
             "tokens_fetched": self.tokens_fetched,
             "quarantined_docs": self.quarantined_docs,
             "quarantined_files": self.quarantined_files,

@@ -1,0 +1,150 @@
+"""CPU time of a loader's preprocessing pool, and the loader policy's CPU cap on it.
+
+A loader reports the CPU seconds of its busy time and the part of it spent
+waiting for a core, its pool's workers included (threads: each chunk of
+documents timed on the thread that runs it; processes: each chunk's CPU time
+returned with its results).  The CPU fraction, ``cpu / (busy - wait)``, must
+tell preprocessing that burns CPU from preprocessing that waits on a store, on
+either kind of pool, so the adaptive policy caps a CPU-bound source at what the
+cores can run however it is preprocessed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import dask
+import pytest
+from test_adaptive import serve_steps_until
+from test_adaptive_plugin import _plugin_state
+
+from msd_dask import DataService, load_config
+from msd_dask.config import PoolConfig, SourceConfig
+from msd_dask.formats import get_format
+from msd_dask.loader import SourceLoader
+from msd_dask.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps
+from msd_dask.storage import open_source
+
+from checks import check_content, check_exactly_once
+from corpus import config
+
+PREP = "msd_dask.examples.preprocess:"
+
+
+def _read_all(src: SourceConfig, preprocess: str, pool: PoolConfig | None) -> dict[str, Any]:
+    """``stats()`` of a :class:`SourceLoader` that read every unit of ``src`` (no Dask)."""
+    source = dataclasses.asdict(dataclasses.replace(src, preprocess=PREP + preprocess,
+                                                    pool=pool or PoolConfig()))
+    source.pop("weight")
+    files = open_source(src.uri, src.storage_options)
+    fmt = get_format(src.format)
+    units = [(u.path, u.part, u.row_offset) for p in files.paths for u in fmt.units(files.fs, p)]
+
+    async def run() -> dict[str, Any]:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            await loader.assign([(0, i) for i in range(len(units))])
+            for i in range(len(units)):
+                await loader.metadata(0, i)
+            return await loader.stats()
+        finally:
+            await loader.close()
+
+    return asyncio.run(run())
+
+
+def _fraction(st: dict[str, Any]) -> float:
+    """The CPU fraction of a loader's busy time, as the scheduler plugin computes it."""
+    return float(st["cpu_seconds"] / (st["read_seconds"] - st["cpu_wait_seconds"]))
+
+
+@pytest.fixture(scope="module")
+def prose(corpus: Any) -> SourceConfig:
+    root, _ = corpus
+    return load_config(config(root)).sources[1]
+
+
+@pytest.mark.parametrize("kind,preprocess", [("thread", "cpu_bound"),
+                                             ("process", "cpu_bound"),
+                                             ("process", "cpu_bound_py")])
+def test_a_pool_reports_the_cpu_of_cpu_bound_preprocessing(prose: SourceConfig, kind: str,
+                                                           preprocess: str) -> None:
+    inline = _read_all(prose, preprocess, None)
+    pooled = _read_all(prose, preprocess, PoolConfig(kind, 2))
+    assert pooled["threads"] == 2 and pooled["pool"] == kind
+    assert pooled["tokens_read"] == inline["tokens_read"] > 0
+    # the pool's workers are on a core for most of their busy time (hashing or Python
+    # loops), as one thread doing the same work is
+    assert _fraction(pooled) > 0.5, pooled
+    assert _fraction(inline) > 0.5, inline
+    # the same documents cost about the same CPU, whoever runs them (it was 0.0 on a pool)
+    assert 0.5 < pooled["cpu_seconds"] / inline["cpu_seconds"] < 2.0, (pooled, inline)
+    # CPU and core waits are parts of the busy time
+    assert pooled["cpu_seconds"] + pooled["cpu_wait_seconds"] <= pooled["read_seconds"] * 1.02
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_pool_waiting_on_a_store_reports_a_small_cpu_fraction(prose: SourceConfig,
+                                                                 kind: str) -> None:
+    st = _read_all(prose, "store_20x", PoolConfig(kind, 2))
+    assert st["read_seconds"] > 0.3, st  # 40 ms per KiB of waiting, summed over the pool
+    assert 0.0 < _fraction(st) < 0.2, st
+
+
+def _pooled_load(loaders: int, fraction: float, threads: int = 4) -> SourceLoad:
+    """A source on a pool of ``threads`` with 1 ms of busy time per token, on 2 cores;
+    its demand asks for the maximum number of loaders."""
+    return SourceLoad(loaders=loaders, weight_ahead=0.5, consumption=40_000.0,
+                      seconds_per_token=0.001, threads=threads, starved=0.5,
+                      cpu_per_token=0.001 * fraction, cpu_fraction=fraction, cores=2.0)
+
+
+def test_cpu_cap_of_a_pooled_source_counts_its_pool() -> None:
+    # a process pool of 2 burning CPU keeps both cores busy: one loader
+    assert cpu_caps({"a": _pooled_load(1, 0.95, threads=2)}, {"a": 0.95}) == {"a": 1}
+    s = Scaler(ScalingPolicy(cooldown=1.0, scale_down_after=30.0))
+    for t in range(30):
+        assert s.decide(float(t), {"a": _pooled_load(1, 0.95, threads=2)}) == {}
+    assert s.cpu_caps == {"a": 1}
+    # a GIL-bound thread pool of 4 measures about 1/4: one core per loader, two loaders
+    assert cpu_caps({"a": _pooled_load(1, 0.26)}, {"a": 0.26}) == {"a": 2}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_cpu_bound_source_on_a_process_pool_is_held_at_what_the_cores_allow(corpus: Any
+                                                                           ) -> None:
+    # prose runs pure-Python preprocessing (holds the GIL) on a process pool of 2: its loader
+    # keeps both cores busy, so the CPU cap holds it at 1 loader however starved the planner
+    root, texts = corpus
+    cfg = config(root, name="poolcap", prefetch=4,
+                 scaling={"policy": "adaptive", "cooldown": 1.0, "max_loaders": 6,
+                          "scale_down_after": 600})
+    cfg["sources"][0].update(loaders=1, weight=0.5)
+    cfg["sources"][1].update(loaders=1, weight=0.5, preprocess=PREP + "cpu_bound_py",
+                             pool={"kind": "process", "size": 2})
+    with dask.config.set({"distributed.worker.daemon": False}), \
+            DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
+        client = svc.client
+        readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
+        recs: list[dict[str, Any]] = []
+        state = lambda: client.run_on_scheduler(_plugin_state)  # noqa: E731
+        serve_steps_until(readers, recs,
+                          lambda: "prose" in state()["scalers"].get("poolcap", {})
+                          .get("cpu_caps", {}), "a CPU cap for the pooled source", timeout=90)
+        t_cap = time.monotonic()
+        serve_steps_until(readers, recs, lambda: time.monotonic() > t_cap + 5, "5 s more")
+        st = state()
+        loaders = svc.stats()["planner"]["loaders"]
+    sc = st["scalers"]["poolcap"]
+    cap, f = sc["cpu_caps"]["prose"], sc["cpu_fraction"]["prose"]
+    assert f > 0.5, sc
+    assert cap == max(1, int(2 / (2 * f) + 0.5)) == 1, sc
+    assert loaders["prose"] == 1, (loaders, sc)
+    assert not [d for d in st["decisions"].get("poolcap", []) if d["source"] == "prose"
+                and d["loaders"] > cap], st["decisions"]
+    check_content(recs, texts, 512)
+    check_exactly_once(recs, texts, 512)
