@@ -41,9 +41,9 @@ CPU cap
     and goes to the cap in one change, not by doubling: more loaders than the
     cores hold only share them.  Until the fraction was measured over
     ``MIN_CPU_WINDOWS`` windows the cap is at most the cores' count over
-    ``threads`` (a first window can be slowed by other threads holding the GIL,
-    which would let the cap overshoot and come back).  When the cluster grows
-    the cap grows with it.
+    ``threads``, or the loaders the source has, if more (a first window can be
+    slowed by other threads holding the GIL, which would let the cap overshoot
+    and come back).  When the cluster grows the cap grows with it.
 saturation
     Each source's capacity (``loaders × threads / seconds_per_token``) is
     recorded per loader count once a change has settled (``cooldown``).  If
@@ -104,11 +104,11 @@ class SourceLoad:
     seconds_per_token : float
         Loader read + preprocess seconds per token (0 when not measured yet).
     threads : int
-        Read threads per loader.
+        Documents a loader processes at once (its pool's size, else its read threads).
     starved : float
         Fraction of the window the planner waited for this source's data.
     cpu_per_token : float
-        Loader CPU seconds per token (0 when not measured, e.g. with a pool).
+        Loader CPU seconds per token, its pool's included (0 when not measured).
     cpu_fraction : float
         Over the last window, the loaders' CPU seconds / their busy seconds less the
         time they waited for a core (0: not measured).
@@ -192,7 +192,11 @@ def cpu_caps(loads: Mapping[str, SourceLoad], fractions: Mapping[str, float],
         largest seen: see :class:`Scaler`); sources without one get no cap.
     windows : mapping, optional
         Per source, the windows the fraction was measured over; below
-        :data:`MIN_CPU_WINDOWS` the cap is at most ``cores / threads`` (all: none).
+        :data:`MIN_CPU_WINDOWS` the cap is at most ``cores / threads`` or the
+        source's loaders now, whichever is more (all: none): a fraction not yet
+        confirmed stops the source from growing past what fully CPU-bound loaders
+        need, but does not remove loaders (a pool larger than the cores, e.g. 8
+        threads waiting on a store on 2 cores, would go to 1 loader and back).
 
     Returns
     -------
@@ -213,7 +217,7 @@ def cpu_caps(loads: Mapping[str, SourceLoad], fractions: Mapping[str, float],
         threads = max(1, ld.threads)
         cap = max(1, math.floor(share / (threads * f) + CPU_ROUND))
         if windows is not None and windows.get(s, 0) < MIN_CPU_WINDOWS:
-            cap = min(cap, max(1, math.floor(cores / threads)))
+            cap = min(cap, max(1, math.floor(cores / threads), ld.loaders))
         out[s] = cap
     return out
 

@@ -113,6 +113,22 @@ def test_cpu_cap_of_a_pooled_source_counts_its_pool() -> None:
     assert cpu_caps({"a": _pooled_load(1, 0.26)}, {"a": 0.26}) == {"a": 2}
 
 
+def test_unconfirmed_fraction_does_not_remove_loaders_of_a_large_pool() -> None:
+    # 4 threads waiting on a store, 2% on a core, on 2 cores: 25 such loaders keep them busy.
+    # Before MIN_CPU_WINDOWS windows the cap is at most cores / threads (0 here) or the
+    # loaders the source has: it stays at 3, then grows; it used to go 3 -> 1 -> 2 -> 4 ...
+    s = Scaler(ScalingPolicy(cooldown=1.0, scale_down_after=30.0))
+    n, changes = 3, []
+    for t in range(30):
+        d = s.decide(float(t), {"a": _pooled_load(n, 0.02)})
+        if d:
+            changes.append((t, d["a"]))
+            n = d["a"]
+    counts = [3] + [c for _, c in changes]
+    assert len(counts) > 2 and counts == sorted(set(counts)), changes  # up only
+    assert changes[0][0] >= 2 and s.cpu_caps == {"a": 25}
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_cpu_bound_source_on_a_process_pool_is_held_at_what_the_cores_allow(corpus: Any
