@@ -1,7 +1,7 @@
 """The public face of a running service: :class:`DataService` and :class:`Reader`.
 
-``DataService.start`` discovers every source's units, places the roles as
-actors across the cluster's workers (coordinator, constructors, loaders) and
+``DataService.start`` has a worker list every source's units, places the roles
+as actors across the cluster's workers (coordinator, constructors, loaders) and
 publishes their handles under ``msd-<name>`` on the scheduler, so that any
 process can ``DataService.connect(address, name)`` and read a rank's batches.
 
@@ -524,6 +524,20 @@ class DataService:
         Returns
         -------
         DataService
+
+        Raises
+        ------
+        ConfigError
+            The config is invalid, or a source's ``uri`` matches no file.  The
+            files are checked and their units listed on a worker (within the
+            config's ``timeout``), so this process never imports the formats'
+            libraries; a relative local ``uri`` is taken from this process's
+            working directory.
+        DataError
+            A file's units cannot be listed (its source does not skip bad input).
+        ServiceTimeoutError
+            No worker joined within ``timeout``, or the listing did not finish
+            within the config's ``timeout``.
         """
         from distributed import Client, LocalCluster
 
