@@ -337,6 +337,8 @@ class Config:
     parallel: ParallelConfig = ParallelConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     prefetch: int = 4
+    #: steps planned, built, published and claimed together (0: ``prefetch // 2``)
+    round_steps: int = 0
     cost: CostConfig = CostConfig()
     constructors: int = 0
     timeout: float = 300.0
@@ -344,6 +346,11 @@ class Config:
     long_context: LongContextConfig = LongContextConfig()
     scaling: ScalingConfig = ScalingConfig()
     outliers: OutlierConfig = OutlierConfig()
+
+    @property
+    def steps_per_round(self) -> int:
+        """Steps the planner plans and ships at once (``round_steps``; 0: ``prefetch // 2``)."""
+        return self.round_steps or max(1, self.prefetch // 2)
 
     def source(self, name: str) -> SourceConfig:
         for s in self.sources:
@@ -758,6 +765,11 @@ def _parse(d: Any, check_files: bool) -> Config:
     if scaling.max_loaders < scaling.min_loaders:
         raise ConfigError("scaling.max_loaders", f"must be >= scaling.min_loaders "
                           f"({scaling.min_loaders}), got {scaling.max_loaders}")
+    prefetch = _int(d, "prefetch", "", 4)
+    round_steps = _int(d, "round_steps", "", 0, lo=0)
+    if round_steps > prefetch:
+        raise ConfigError("round_steps", f"must be <= prefetch ({prefetch}): a round is planned "
+                          f"only when every constructor has room for it, got {round_steps}")
     return Config(
         outliers=outliers,
         scaling=scaling,
@@ -768,7 +780,8 @@ def _parse(d: Any, check_files: bool) -> Config:
         seed=seed,
         parallel=parallel,
         tokenizer=tokenizer,
-        prefetch=_int(d, "prefetch", "", 4),
+        prefetch=prefetch,
+        round_steps=round_steps,
         cost=cost_cfg,
         constructors=_int(d, "constructors", "", 0, lo=0),
         timeout=_num(d, "timeout", "", 300.0, lo=0.001),

@@ -358,8 +358,6 @@ class Coordinator:
     def _split(self, plan: StepPlan) -> list[dict[int, list[list[WorkItem]]]]:
         n = len(self.constructors)
         work: list[dict[int, list[list[WorkItem]]]] = [{} for _ in range(n)]
-        for p in plan.pieces():
-            self._last_use[(p.source, p.epoch, p.unit)] = plan.step
         for dp, rows in enumerate(plan.rows):
             work[dp % n][dp] = [
                 [(p.source, self._owner[(p.source, p.epoch, p.unit)], p.epoch, p.unit, p.row,
@@ -372,41 +370,66 @@ class Coordinator:
     async def _loop(self) -> None:
         from .stream import NeedMetadata
 
+        k = self.cfg.steps_per_round
         try:
+            self.waiting = (f"constructors to make room for step {self.planner.step} (each "
+                            f"holds at most prefetch={self.cfg.prefetch} unclaimed steps)")
+            await self.roles.on_constructors("wait_room", k)
             while True:
                 await self.roles.heal()
                 await self.roles.apply_scaling()
-                self.waiting = (f"constructors to make room for step {self.planner.step} (each "
-                                f"holds at most prefetch={self.cfg.prefetch} unclaimed steps)")
-                await self.roles.on_constructors("wait_room")
                 self.waiting = None
                 await self._assign_ahead()
                 if self.fitter is not None:
                     self.planner.cost = self.fitter.model()
-                try:
-                    plan = self.planner.plan_step(self._lookup)
-                except NeedMetadata as nm:
-                    await self._await_meta(nm.source, nm.units)
-                    continue
-                work = self._split(plan)
-                info = {"rank_cost": plan.rank_cost}
-                self._recent[plan.step] = (work, info)
-                while self._recent and next(iter(self._recent)) <= plan.step - 2 * self.cfg.prefetch - 2:
-                    self._recent.popitem(last=False)
-                self.waiting = (f"constructors to accept step {plan.step} (each holds at most "
-                                f"prefetch={self.cfg.prefetch} unclaimed steps)")
-                await self.roles.on_constructors("submit", plan.step, work, info)
-                self._last_submitted = plan.step
-                self.waiting = None
-                self._snapshot(plan.step)
-                self._record(plan)
-                self._keep_lengths(plan)
+                # a round: up to k steps, cut short where a unit's lengths are not known yet
+                plans: list[StepPlan] = []
+                need: NeedMetadata | None = None
+                while len(plans) < k:
+                    try:
+                        plan = self.planner.plan_step(self._lookup)
+                    except NeedMetadata as nm:
+                        need = nm
+                        break
+                    plans.append(plan)
+                    self._snapshot(plan.step)
+                    for p in plan.pieces():  # its units stay until the step is claimed
+                        self._last_use[(p.source, p.epoch, p.unit)] = plan.step
+                    if len(plans) < k:
+                        await self._assign_ahead()  # the next step's units and read-ahead
+                if plans:
+                    await self._submit(plans, k)
+                if need is not None:
+                    await self._await_meta(need.source, need.units)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to every reader
             _log.exception("msd_dask %s: planner failed", self.cfg.name)
             self.error = f"planner failed at step {self.planner.step}: {e}"
             await self._broadcast_error(self.error)
+
+    async def _submit(self, plans: list[StepPlan], room: int) -> None:
+        """Hand a round to the constructors; return once each has room for ``room`` more
+        steps (the next round: one message per constructor and round)."""
+        steps = []
+        for plan in plans:
+            work = self._split(plan)
+            info = {"rank_cost": plan.rank_cost}
+            self._recent[plan.step] = (work, info)
+            steps.append((plan.step, work, info))
+        last = plans[-1].step
+        while self._recent and next(iter(self._recent)) <= last - 2 * self.cfg.prefetch - 2:
+            self._recent.popitem(last=False)
+        span = f"{plans[0].step}" if len(plans) == 1 else f"{plans[0].step}-{last}"
+        self.waiting = (f"constructors to make room for step {last + 1} (handing over step "
+                        f"{span}; each holds at most prefetch={self.cfg.prefetch} unclaimed "
+                        "steps)")
+        await self.roles.on_constructors("submit", steps, room)
+        self._last_submitted = last
+        self.waiting = None
+        for plan in plans:
+            self._record(plan)
+            self._keep_lengths(plan)
 
     async def _broadcast_error(self, message: str) -> None:
         from distributed import Queue, get_client

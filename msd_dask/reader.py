@@ -1,9 +1,10 @@
 """Reader: the iterator a training rank reads its batches with.
 
-A rank takes small tickets (``{"step", "c", "dp", "g"}``) from its
-``distributed.Queue`` and claims each step's tensors straight from the
-constructor the ticket names (:meth:`~msd_dask.constructor.DataConstructor.claim`),
-so no batch passes through the scheduler.  It follows the service to a
+A rank takes small tickets (``{"steps", "c", "dp", "g"}``: the steps of a round)
+from its ``distributed.Queue`` and claims their tensors straight from the
+constructor the ticket names, all in one call
+(:meth:`~msd_dask.constructor.DataConstructor.claim`), so no batch passes
+through the scheduler; it hands them out one step at a time.  It follows the service to a
 re-created planner (tickets carry the planner generation ``g``) and skips the
 steps it already has (:meth:`Reader.load_state_dict`).
 """
@@ -11,12 +12,14 @@ steps it already has (:meth:`Reader.load_state_dict`).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .batch import Batch
 from .constructor import queue_name
 from .errors import RESTART_HINT, ServiceError, ServiceTimeoutError
+from .packing import from_wire
 
 if TYPE_CHECKING:
     from .service import DataService
@@ -44,6 +47,8 @@ class Reader:
         #: the planner generation whose constructors know what this reader has
         self._gen = service._handles[0]
         self._queue = Queue(queue_name(cfg.name, rank), client=service.client)
+        #: batches of the last round claimed and not returned yet (in step order)
+        self._held: deque[Batch] = deque()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the last step this reader returned (``None``: none yet)."""
@@ -62,10 +67,21 @@ class Reader:
         return self
 
     def _done(self) -> int:
-        """The last step this reader has (returned or skipped); -1 if none."""
-        return self._skip_through if self.step is None else max(self.step, self._skip_through)
+        """The last step this reader has (returned, skipped or claimed and held); -1 if none."""
+        done = self._skip_through if self.step is None else max(self.step, self._skip_through)
+        return max(done, self._held[-1].step) if self._held else done
 
     def __next__(self) -> Batch:
+        while self._held and self._held[0].step <= self._skip_through:
+            self._held.popleft()  # a state loaded after this round was claimed
+        if not self._held:
+            self._held.extend(self._next_round())
+        batch = self._held.popleft()
+        self.step = batch.step
+        return batch
+
+    def _next_round(self) -> list[Batch]:
+        """The batches of the next ticket's steps this reader does not have yet."""
         while True:
             ticket = self._ticket()
             g = int(ticket.get("g", 0))
@@ -78,13 +94,16 @@ class Reader:
                 continue
             if "error" in ticket:
                 raise ServiceError(f"service {self.service.name!r}: {ticket['error']}")
-            step = int(ticket["step"])
-            if step > self._done():
-                break
-            # consumed before a restart, or a ticket re-sent by a re-created constructor:
-            # release it without moving the tensors
-            self._skip(int(ticket["c"]), step)
-        return self._claim(ticket)
+            done = self._done()
+            steps = [int(s) for s in ticket["steps"]]
+            for step in steps:
+                if step <= done:
+                    # consumed before a restart, or a ticket re-sent by a re-created
+                    # constructor: release it without moving the tensors
+                    self._skip(int(ticket["c"]), step)
+            steps = [s for s in steps if s > done]
+            if steps:
+                return self._claim(int(ticket["c"]), steps)
 
     def _follow(self, generation: int) -> None:
         """Switch the service to the published planner of ``generation`` (or later)."""
@@ -204,22 +223,23 @@ class Reader:
         except Exception:  # noqa: BLE001 - a lost planner: its successor fits from new reports
             pass
 
-    def _claim(self, ticket: dict[str, Any]) -> Batch:
-        c, step = int(ticket["c"]), int(ticket["step"])
+    def _claim(self, c: int, steps: list[int]) -> list[Batch]:
+        """Claim ``steps`` from constructor ``c`` in one call (on its current actor)."""
         deadline = time.monotonic() + self.timeout
         constructor = self.service.constructors[c]
+        what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
         call = None
         while True:
             try:
                 if call is None:  # one claim per constructor actor: a claim is not repeatable
-                    call = constructor.claim(step, self.rank, self._view)
-                payload = call.result(timeout=2.0)
+                    call = constructor.claim(steps, self.rank, self._view)
+                payloads = call.result(timeout=2.0)
                 break
             except TimeoutError:
                 # a call to a lost worker hangs: switch once the service re-created it
                 if time.monotonic() > deadline:
                     raise ServiceTimeoutError(
-                        f"rank {self.rank}: constructor {c} did not hand over step {step} "
+                        f"rank {self.rank}: constructor {c} did not hand over {what} "
                         f"within {self.timeout:.0f}s") from None
             except Exception as e:  # noqa: BLE001 - its worker was lost: wait for the new one
                 # a KeyError naming the actor: Dask forgot it (its planner was lost)
@@ -229,12 +249,11 @@ class Reader:
                 if time.monotonic() > deadline:
                     raise ServiceTimeoutError(
                         f"rank {self.rank}: constructor {c} was lost and no replacement "
-                        f"handed over step {step} within {self.timeout:.0f}s ({e!r})") from e
+                        f"handed over {what} within {self.timeout:.0f}s ({e!r})") from e
                 time.sleep(0.5)
                 call = None
             self.service.refresh()
             self.service._tell_readers()
             if self.service.constructors[c].key != constructor.key:
                 constructor, call = self.service.constructors[c], None
-        self.step = int(ticket["step"])
-        return Batch.from_payload(payload, self.rank)
+        return [Batch.from_payload(from_wire(p), self.rank) for p in payloads]

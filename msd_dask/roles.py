@@ -210,14 +210,15 @@ class _Roles:
     async def on_constructors(self, method: str, *args: Any) -> None:
         """Call ``method`` on every constructor; survive constructors lost meanwhile.
 
-        ``submit`` gets each constructor's own share of ``args[1]`` (the work list).
+        ``submit`` gets each constructor's own share of the round ``args[0]``
+        (``[(step, [work of each constructor], info)]``).
         """
         async def call(i: int) -> Any:
             # inside a coroutine: a lost actor's handle raises on attribute access
             c = self.constructors[i]
             if method == "submit":
-                step, work, info = args
-                return await c.submit(step, work[i], info)
+                steps, *rest = args
+                return await c.submit([(s, w[i], info) for s, w, info in steps], *rest)
             return await getattr(c, method)(*args)
 
         handles = list(self.constructors)
@@ -314,9 +315,8 @@ class _Roles:
         self._log("constructor", str(i), why, old._address, handle._address)
         # steps that may not have been claimed by every rank yet go to the new one
         safe = self.co._last_submitted - self.cfg.prefetch
-        for step, (work, info) in self.co._recent.items():
-            if step > safe:
-                await handle.submit(step, work[i], info, force=True)
+        await handle.submit([(step, work[i], info) for step, (work, info) in self.co._recent.items()
+                             if step > safe], force=True)
         if why != "lost":
             await old.close()
         _drop(old, old_f)

@@ -375,3 +375,15 @@ def test_parallel_coords_other_order() -> None:
     assert p.ranks_of_dp(0) == [0, 2, 4, 6]
     assert p.ranks_of_dp(1) == [1, 3, 5, 7]
     assert p.coords(6) == {"dp": 0, "tp": 1, "cp": 1, "pp": 0}
+
+
+def test_round_steps_defaults_to_half_the_prefetch_and_is_bounded_by_it():
+    base = {"name": "r", "batch": {"seq_len": 8},
+            "sources": [{"name": "a", "uri": "x/*.jsonl", "format": "jsonl"}]}
+    assert load_config(dict(base, prefetch=4), check_files=False).steps_per_round == 2
+    assert load_config(dict(base, prefetch=1), check_files=False).steps_per_round == 1
+    assert load_config(dict(base, prefetch=4, round_steps=4), check_files=False).steps_per_round == 4
+    with pytest.raises(ConfigError, match="round_steps.*<= prefetch"):
+        load_config(dict(base, prefetch=2, round_steps=3), check_files=False)
+    with pytest.raises(ConfigError, match="round_steps.*>= 0"):
+        load_config(dict(base, round_steps=-1), check_files=False)

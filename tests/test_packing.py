@@ -113,3 +113,30 @@ def test_join_split_pieces_round_trip_with_image_pieces():
         else:
             np.testing.assert_array_equal(a, b)
     assert split_pieces(join_pieces([])) == []
+
+
+@pytest.mark.parametrize("cp, pp_rank", [(1, 0), (2, 0), (1, 1), (2, 2)])
+def test_wire_form_round_trip_of_every_rank_view(cp, pp_rank):
+    from msd_dask.mesh import view_for_rank
+    from msd_dask.packing import from_wire, to_wire
+
+    rng = np.random.default_rng(1)
+    rows = [[(rng.integers(0, 500, n + 1).astype(np.uint16), n) for n in (5, 9, 2)],
+            [(rng.integers(0, 500, 7).astype(np.uint16), 7)]]
+    batch = pack_rows(rows, 24, 0)
+    batch.update(step=4, dp=1, documents=[[("s", "f:0", 0)]] * 2, epochs=[[0], [0]], cost=2.0)
+    view = view_for_rank(batch, cp - 1, cp, pp_rank, 3)
+    wire = to_wire(view)
+    assert sum(isinstance(v, np.ndarray) for v in wire.values()) == 1  # one array on the wire
+    back = from_wire(wire)
+    assert set(back) == set(view) | {"cp_index"}
+    for k, v in view.items():
+        if k == "cu_seqlens" and v is not None:
+            assert len(back[k]) == len(v)
+            for a, b in zip(v, back[k], strict=True):
+                np.testing.assert_array_equal(a, b)
+        elif isinstance(v, np.ndarray):
+            np.testing.assert_array_equal(v, back[k])
+            assert back[k].shape == v.shape
+        else:
+            assert back[k] == v, k
