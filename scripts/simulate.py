@@ -41,9 +41,13 @@ Corpus
 
 Reported per (dp, context): imbalance (max/mean rank compute) of both, the
 baseline's stall fraction, speedups (compute balance only, stalls only,
-total = baseline step time / msd_dask step time), rows filled, and the
-wall-clock of ``Planner.plan_step`` per step (the lookup's synthetic lengths
-included), and the tokens the planner still holds or carries at the end.
+total = baseline step time / msd_dask step time), rows filled, useful tokens
+and useful work (``α·l + β·l²`` of the placed pieces) per second of msd_dask
+over the baseline, the tokens the planner still holds or carries at the end
+(over those it placed: with the outlier delay, long pieces drawn but not
+trained yet, so the step-time speedups favour it and work per second is the
+fair total), and the wall-clock of ``Planner.plan_step`` per step (the
+lookup's synthetic lengths included).
 Every parameter is printed first.
 
     python scripts/simulate.py --quick
