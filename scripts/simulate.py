@@ -467,6 +467,14 @@ def _parse_source(text: str) -> SourceSpec:
     return SourceSpec(name, w, p)
 
 
+def _min_length(text: str) -> float:
+    v = float(text)
+    if v < 0 or (v >= 1 and not v.is_integer()):
+        raise argparse.ArgumentTypeError("MIN_LENGTH is tokens (an integer), a fraction of seq_len in "
+                                         f"(0, 1), or 0 (off), got {text}")
+    return v
+
+
 def _tail_share(spec: SourceSpec, context: int, seed: int, top: float = 0.01) -> float:
     """Share of tokens held by the longest ``top`` of documents (after truncation at ``context``)."""
     rng = np.random.default_rng([seed, 99])
@@ -500,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plan-timeout", type=float, default=300.0,
                     help="seconds one Planner.plan_step call may take before the cell reports it timed out")
-    ap.add_argument("--outliers", type=float, default=0.0, metavar="MIN_LENGTH",
+    ap.add_argument("--outliers", type=_min_length, default=0.0, metavar="MIN_LENGTH",
                     help="the planner's outlier delay, outliers.min_length: tokens, or a fraction of "
                          "seq_len if < 1 (e.g. 0.5); 0: off (default)")
     ap.add_argument("--unit-docs", type=int, default=4096, help="documents per unit of the corpus")
