@@ -337,7 +337,7 @@ class Config:
     parallel: ParallelConfig = ParallelConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     prefetch: int = 4
-    #: steps planned, built, published and claimed together (0: ``prefetch // 2``)
+    #: steps planned, built, published and claimed together (0: ``prefetch - 1``, at least 1)
     round_steps: int = 0
     cost: CostConfig = CostConfig()
     constructors: int = 0
@@ -349,8 +349,13 @@ class Config:
 
     @property
     def steps_per_round(self) -> int:
-        """Steps the planner plans and ships at once (``round_steps``; 0: ``prefetch // 2``)."""
-        return self.round_steps or max(1, self.prefetch // 2)
+        """Steps the planner plans and ships at once (``round_steps``; 0: ``prefetch - 1``).
+
+        A reader claims a round at once, so its constructor is free to take the
+        next round as soon as every member rank claimed it: ``prefetch - 1``
+        keeps one step of the next round ahead of the readers' last claim.
+        """
+        return self.round_steps or max(1, self.prefetch - 1)
 
     def source(self, name: str) -> SourceConfig:
         for s in self.sources:

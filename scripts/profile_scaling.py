@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sources[].read_ahead_tokens of both sources (0: the default)")
     p.add_argument("--costly-loaders", type=int, default=0,
                    help="loaders of the costly source at the start (0: 1, as the benchmark)")
+    p.add_argument("--round-steps", type=int, default=0,
+                   help="the config's round_steps (0: its default, prefetch - 1)")
     p.add_argument("--nice", type=int, default=0,
                    help="variant: run the loaders' read threads at this nice value")
     args = p.parse_args(argv)
@@ -202,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             s["read_ahead_tokens"] = args.read_ahead_tokens
     if args.costly_loaders:
         cfg["sources"][1]["loaders"] = args.costly_loaders
+    if args.round_steps:
+        cfg["round_steps"] = args.round_steps
     if args.cheap:
         cfg["sources"][1].pop("preprocess", None)
     with DataService.start(cfg, n_workers=2, threads_per_worker=1, loader_threads=1) as svc:

@@ -54,7 +54,7 @@ def config(root: str, **overrides: Any) -> dict[str, Any]:
         "seed": 7,
         "parallel": {"dp": 2},
         "batch": {"seq_len": 512, "micro_batches": 2},
-        # the defaults: rounds of prefetch // 2 = 2 steps (one message per role and round)
+        # the defaults: rounds of prefetch - 1 = 3 steps (one message per role and round)
         "prefetch": 4,
         "timeout": 60,
         "sources": [

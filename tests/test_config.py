@@ -377,13 +377,27 @@ def test_parallel_coords_other_order() -> None:
     assert p.coords(6) == {"dp": 0, "tp": 1, "cp": 1, "pp": 0}
 
 
-def test_round_steps_defaults_to_half_the_prefetch_and_is_bounded_by_it():
+def test_round_steps_defaults_to_prefetch_minus_one_and_is_bounded_by_it():
     base = {"name": "r", "batch": {"seq_len": 8},
             "sources": [{"name": "a", "uri": "x/*.jsonl", "format": "jsonl"}]}
-    assert load_config(dict(base, prefetch=4), check_files=False).steps_per_round == 2
+    assert load_config(dict(base, prefetch=4), check_files=False).steps_per_round == 3
     assert load_config(dict(base, prefetch=1), check_files=False).steps_per_round == 1
     assert load_config(dict(base, prefetch=4, round_steps=4), check_files=False).steps_per_round == 4
     with pytest.raises(ConfigError, match="round_steps.*<= prefetch"):
         load_config(dict(base, prefetch=2, round_steps=3), check_files=False)
     with pytest.raises(ConfigError, match="round_steps.*>= 0"):
         load_config(dict(base, round_steps=-1), check_files=False)
+
+
+def test_errors_pickle_whole():
+    """Raised in a Dask worker or a pool process, errors arrive with their fields."""
+    import pickle
+
+    from msd_dask.errors import DataError
+
+    e = pickle.loads(pickle.dumps(ConfigError("sources[0].weight", "must be >= 0")))
+    assert isinstance(e, ConfigError) and e.key == "sources[0].weight" and e.reason == "must be >= 0"
+    assert str(e) == "config key 'sources[0].weight': must be >= 0"
+    d = DataError("bad row", source="code", path="a.parquet", row=3)
+    d2 = pickle.loads(pickle.dumps(d))
+    assert (d2.source, d2.path, d2.row, str(d2)) == ("code", "a.parquet", 3, str(d))

@@ -17,8 +17,9 @@ SEQ = 64
 
 
 def _small(root: str, **overrides):
+    overrides.setdefault("prefetch", 2)
     cfg = config(root, parallel={"dp": 1}, batch={"seq_len": SEQ, "micro_batches": 2},
-                 prefetch=2, **overrides)
+                 **overrides)
     for s in cfg["sources"]:
         s["loaders"] = 1
     return cfg
@@ -80,16 +81,18 @@ def test_set_weights_during_a_run_takes_effect_at_the_returned_step(corpus):
     assert _code_share(per_step, start, start + 10) < 0.3
 
 
-def test_set_weights_lands_within_prefetch_plus_one(corpus):
+@pytest.mark.parametrize("prefetch, round_steps", [(2, 1), (4, 3), (4, 2)])
+def test_set_weights_lands_within_prefetch_plus_a_round(corpus, prefetch, round_steps):
     root, _ = corpus
-    cfg = _small(root)
+    cfg = _small(root, prefetch=prefetch, round_steps=round_steps)
+    bound = prefetch + round_steps  # the reader holds the rest of the round it claimed
     with DataService.start(cfg, n_workers=1, threads_per_worker=1) as svc:
         reader = svc.reader(0)
         for _ in range(10):
             next(reader)
         deadline = time.monotonic() + 15  # let the planner run as far ahead as it may
-        while (svc.stats()["planner"]["steps_planned"] < reader.step + cfg["prefetch"] + 2
+        while (svc.stats()["planner"]["steps_planned"] < reader.step + bound + 1
                and time.monotonic() < deadline):
             time.sleep(0.1)
         start = svc.set_weights({"code": 0.1, "prose": 0.9})
-        assert start <= reader.step + cfg["prefetch"] + 1, (reader.step, start)
+        assert start <= reader.step + bound, (reader.step, start)
