@@ -7,6 +7,8 @@ ran out) without importing this module.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["ConfigError", "DataError", "ServiceTimeoutError", "ServiceError"]
 
 
@@ -25,6 +27,11 @@ class ConfigError(ValueError):
         self.key = key
         self.reason = reason
         super().__init__(f"config key '{key}': {reason}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # raised in a worker or a pool process, it arrives whole (the default
+        # pickling calls __init__ with the message alone, which fails)
+        return (type(self), (self.key, self.reason))
 
 
 class DataError(ValueError):
@@ -46,7 +53,17 @@ class DataError(ValueError):
         if row is not None:
             where.append(f"row {row}")
         prefix = ", ".join(where)
+        self.message = message
         super().__init__(f"{prefix}: {message}" if prefix else message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keeps source, path and row when raised in a worker or a pool process
+        return (_data_error, (type(self), self.message, self.source, self.path, self.row))
+
+
+def _data_error(cls: type[DataError], message: str, source: str | None, path: str | None,
+                row: int | None) -> DataError:
+    return cls(message, source=source, path=path, row=row)
 
 
 class ServiceTimeoutError(TimeoutError):
