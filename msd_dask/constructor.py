@@ -91,6 +91,9 @@ class DataConstructor:
         self.published: defaultdict[int, int] = defaultdict(int)
         self.claimed: defaultdict[int, int] = defaultdict(int)
         self.last_claimed: dict[int, int] = {}
+        #: rank -> last step it returned as far as this constructor knows: a reader
+        #: claims a round when it has returned every step before it
+        self.returned: dict[int, int] = {}
         self.build_seconds = 0.0
         self.fetch_seconds = 0.0
         self.batches_built = 0
@@ -139,7 +142,8 @@ class DataConstructor:
         """
         assert self._room is not None
         async with self._room:
-            await self._room.wait_for(lambda: len(self._held_steps) + steps <= self.prefetch)
+            await self._room.wait_for(
+                lambda: len(self._held_steps) + steps <= self.prefetch or self._closed)
 
     async def submit(self, steps: list[StepWork], room: int = 0, force: bool = False) -> None:
         """Accept a round: ``(step, work, info)`` of each step for this constructor's DP ranks.
@@ -154,12 +158,16 @@ class DataConstructor:
         assert self._room is not None and self._work is not None
         if self._closed or not steps:
             return
+        held = sum(1 for _step, work, _info in steps if work)
         async with self._room:
             if not force:
                 await self._room.wait_for(
-                    lambda: len(self._held_steps) + len(steps) <= self.prefetch)
+                    lambda: len(self._held_steps) + held <= self.prefetch or self._closed)
+            if self._closed:
+                return
             for step, work, _info in steps:
-                self._held_steps[step] = len(work)
+                if work:  # a constructor with no DP rank in a step holds nothing of it
+                    self._held_steps[step] = len(work)
         self._work.put_nowait(steps)
         if room and not force:
             await self.wait_room(room)
@@ -286,11 +294,22 @@ class DataConstructor:
         """
         from .mesh import view_for_rank
 
+        dp = self._dp_of(rank)
+        for step in steps:  # all built first: a claim takes all its steps or none
+            await self._wait_built(int(step), dp)
+        self._check_open()
+        missing = [s for s in steps if (int(s), dp) not in self._ready]
+        if missing:
+            raise KeyError(f"step(s) {missing} of rank {rank} are not held by constructor "
+                           f"{self.index} (already claimed, or never published)")
+        # the rank returned every step before this round (it claims when it has none left)
+        self.returned[rank] = max(self.returned.get(rank, -1), int(steps[0]) - 1)
         return [to_wire(view_for_rank(await self._take(step, rank), *view)) for step in steps]
 
     async def skip(self, step: int, rank: int) -> None:
         """Mark ``step`` claimed by ``rank`` without sending it (a resumed rank had it)."""
         await self._take(step, rank)
+        self.returned[rank] = max(self.returned.get(rank, -1), int(step))
 
     async def mark_had(self, rank: int, step: int) -> None:
         """``rank`` already has every step up to ``step``: release them for it, now and
@@ -333,15 +352,18 @@ class DataConstructor:
             raise RuntimeError(f"constructor {self.index} (generation {self.generation}) of "
                                f"service {self.service!r} was closed")
 
-    async def _take(self, step: int, rank: int) -> dict[str, Any]:
-        assert self._room is not None
+    def _dp_of(self, rank: int) -> int:
         self._check_open()
         dp = next((d for d, rs in self.members.items() if rank in rs), None)
         if dp is None:
             raise KeyError(f"rank {rank} is not served by constructor {self.index}")
-        key = (int(step), dp)
+        return dp
+
+    async def _wait_built(self, step: int, dp: int) -> None:
+        """Wait (up to ``timeout``) until ``step`` of ``dp`` is built, if it is not gone:
+        a re-sent step (after this constructor was re-created) may still be building."""
+        key = (step, dp)
         if key not in self._ready and key not in self._gone:
-            # a re-sent step (after this constructor was re-created) may still be building
             assert self._built is not None
             async with self._built:
                 try:
@@ -351,6 +373,11 @@ class DataConstructor:
                         self.timeout)
                 except TimeoutError:
                     pass
+
+    async def _take(self, step: int, rank: int) -> dict[str, Any]:
+        assert self._room is not None
+        key = (int(step), self._dp_of(rank))
+        await self._wait_built(*key)
         self._check_open()
         if key not in self._ready:
             raise KeyError(f"step {step} of rank {rank} is not held by constructor "
@@ -359,7 +386,7 @@ class DataConstructor:
         waiting = self._unclaimed[key]
         waiting.discard(rank)
         self.claimed[rank] += 1
-        self.last_claimed[rank] = int(step)
+        self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), int(step))
         if not waiting:
             await self._done(*key)
         return out
@@ -372,6 +399,7 @@ class DataConstructor:
             "queue_depth": {r: self.published[r] - self.claimed[r]
                             for rs in self.members.values() for r in rs},
             "last_claimed": dict(self.last_claimed),
+            "returned": dict(self.returned),
             "batches_built": self.batches_built,
             "rounds_built": self.rounds_built,
             "tickets_put": self.tickets_put,
@@ -399,3 +427,6 @@ class DataConstructor:
         if self._built is not None:
             async with self._built:
                 self._built.notify_all()
+        if self._room is not None:  # a planner waiting for room here goes on
+            async with self._room:
+                self._room.notify_all()

@@ -1,9 +1,11 @@
 """The Planner role on the cluster: a Dask actor driving the pure :class:`~msd_dask.plan.Planner`.
 
 It assigns units to loaders ahead of the stream, gathers their lengths,
-plans each step and hands every constructor the pieces of its DP ranks.
-Constructors accept at most ``prefetch`` unclaimed steps, so planning runs at
-most ``prefetch`` steps ahead of the slowest reader.
+plans rounds of ``round_steps`` steps and hands every constructor the pieces of
+its DP ranks.  Constructors accept at most ``prefetch`` unclaimed steps, so
+planning runs at most ``prefetch + 1`` steps ahead of the slowest reader's last
+claim (readers claim whole rounds: ``prefetch + round_steps`` after the last
+step it returned).
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class Coordinator:
         #: step the service started at (resumed services do not start at 0)
         self.first_step = self.planner.step
         #: planner state after each recent step, for :meth:`state_at`; bounded because
-        #: planning runs at most ``prefetch`` (+1 in flight) steps ahead of any reader
+        #: planning runs at most ``prefetch + round_steps`` steps ahead of any reader
         self._snapshots: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._keep = 2 * self.cfg.prefetch + 16
         self._snapshot(self.planner.step - 1)
@@ -395,6 +397,10 @@ class Coordinator:
                     self._snapshot(plan.step)
                     for p in plan.pieces():  # its units stay until the step is claimed
                         self._last_use[(p.source, p.epoch, p.unit)] = plan.step
+                    # kept before any reader can have the step: its step time may come
+                    # back while the planner still waits for room after the round
+                    self._record(plan)
+                    self._keep_lengths(plan)
                     if len(plans) < k:
                         await self._assign_ahead()  # the next step's units and read-ahead
                 if plans:
@@ -427,9 +433,6 @@ class Coordinator:
         await self.roles.on_constructors("submit", steps, room)
         self._last_submitted = last
         self.waiting = None
-        for plan in plans:
-            self._record(plan)
-            self._keep_lengths(plan)
 
     async def _broadcast_error(self, message: str) -> None:
         from distributed import Queue, get_client

@@ -69,7 +69,10 @@ class Reader:
     def _done(self) -> int:
         """The last step this reader has (returned, skipped or claimed and held); -1 if none."""
         done = self._skip_through if self.step is None else max(self.step, self._skip_through)
-        return max(done, self._held[-1].step) if self._held else done
+        try:  # another reader's thread may ask (_tell_readers) while this one pops
+            return max(done, self._held[-1].step)
+        except IndexError:
+            return done
 
     def __next__(self) -> Batch:
         while self._held and self._held[0].step <= self._skip_through:

@@ -240,7 +240,10 @@ class _Roles:
                             else:
                                 handles[i] = self.constructors[i]
                                 pending[i] = asyncio.ensure_future(call(i))
-                if pending and await self.heal():
+                # a constructor replaced meanwhile (lost, or moved off a retiring worker by
+                # evacuate while it stays alive): its pending call is dropped or re-issued
+                if pending and (await self.heal() or any(
+                        self.constructors[i] is not handles[i] for i in pending)):
                     for i in list(pending):
                         if self.constructors[i] is not handles[i]:
                             gone = pending.pop(i)

@@ -724,9 +724,10 @@ class DataService:
         Parameters
         ----------
         step : int, optional
-            The last step the resumed service must not serve again.  Default: the
-            last step every reader has consumed (so nothing any rank trained on is
-            served twice; ranks that read further get those steps again).
+            The last step the resumed service must not serve again.  Default:
+            :meth:`consumed_step`, the last step every reader has returned (ranks
+            that read further skip those steps again with their
+            :meth:`Reader.load_state_dict`).
 
         Returns
         -------
@@ -752,12 +753,24 @@ class DataService:
                                       "lost; the planner re-creates it)") from None
 
     def consumed_step(self) -> int:
-        """The last step every rank has claimed (one before the first step if some has none)."""
+        """The last step every rank has returned (one before the first step if some has none).
+
+        A reader of this process counts the last step it returned.  For a rank read
+        in another process the constructors know less: a reader claims a whole round
+        (``round_steps``) when it has returned every step before it, so a rank that
+        holds part of a round counts up to the round's first step.  Either way no
+        step a rank has not returned is counted; pass ``step`` to
+        :meth:`state_dict` for the step your training loop checkpoints.
+        """
         first = int(self._ask("start_step"))
         last: dict[int, int] = {}
         for i, c in enumerate(self.constructors):
-            last.update({int(r): int(s) for r, s in
-                         self._constructor_stats(i, c)["last_claimed"].items()})
+            for r, s in self._constructor_stats(i, c)["returned"].items():
+                last[int(r)] = max(last.get(int(r), -1), int(s))
+        for reader in list(self._readers):
+            done = reader.state_dict()["step"]
+            if done is not None:
+                last[reader.rank] = max(last.get(reader.rank, -1), int(done))
         return min(last.get(r, first - 1) for r in range(self.config.parallel.world_size))
 
     @property

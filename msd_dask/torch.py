@@ -167,8 +167,10 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
     prefetch : int
         Batches claimed ahead by a background thread while the model computes
         (``0``, the default: each batch is claimed when asked for).  At most
-        ``prefetch`` batches are claimed and not yet handed out; they stay
-        with the dataset from one ``iter()`` to the next.  The thread shares the
+        ``prefetch`` batches are taken from the reader and not yet handed out
+        (the reader itself claims whole rounds, ``round_steps`` steps, and
+        holds the rest of a round until they are taken); they stay with the
+        dataset from one ``iter()`` to the next.  The thread shares the
         process's GIL: on CPU ranks it competes with the model's own Python
         work (``scripts/bench_train.py`` measured the data share going from
         ~0.4% to 0.1% of a step, and no wait reduction beyond noise).

@@ -86,6 +86,29 @@ def test_rounds_send_fewer_messages_and_the_same_batches(corpus):
     assert published[1] <= 0.5 * published[0], published
 
 
+def test_consumed_step_counts_only_returned_steps(corpus):
+    """Readers claim whole rounds: steps a rank holds but has not returned are not consumed."""
+    root, _ = corpus
+    cfg = config(root, name="consumed", prefetch=4, round_steps=3)
+    with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
+        other = DataService.connect(svc.client.scheduler.address, "consumed")
+        readers = [other.reader(r) for r in range(2)]  # not this object's readers
+        for _ in range(30):  # until every rank holds a step it has not returned
+            for reader in readers:
+                step = next(reader).step
+            claimed = min(c["last_claimed"][r] for c in svc.stats()["constructors"]
+                          for r in c["last_claimed"])
+            if claimed > step:
+                break
+        assert claimed > step, "no rank holds a step it has not returned: nothing to check"
+        # what the constructors know: every rank returned the steps before its last round,
+        # at most round_steps - 1 steps short of what it returned, never past it
+        assert step - 2 <= svc.consumed_step() <= step
+        assert svc.state_dict()["step"] == svc.consumed_step()
+        # a reader of the asking process counts the last step it returned
+        assert other.consumed_step() == step and other.state_dict()["step"] == step
+
+
 def test_connect_by_name_and_errors(corpus):
     root, _ = corpus
     with DataService.start(config(root, name="named"), n_workers=1) as svc:
