@@ -20,7 +20,6 @@ import numpy as np
 
 from .config import load_config
 from .constructor import WorkItem, queue_name
-from .cost import CostFitter
 from .errors import ServiceError, ServiceTimeoutError
 
 if TYPE_CHECKING:
@@ -187,6 +186,8 @@ class Coordinator:
         self.waiting: str | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=1000)
         #: ``cost: {fit: true}``: fits α, β to the step times readers report
+        from .cost import CostFitter
+
         self.fitter = (CostFitter(self.planner.cost, prior_weight=self.cfg.cost.prior_weight)
                        if self.cfg.cost.fit else None)
         self._step_lengths: OrderedDict[int, list[np.ndarray]] = OrderedDict()
@@ -207,9 +208,15 @@ class Coordinator:
             self.roles._log("coordinator", "planner", "lost", str(self._lost.get("from")),
                             self.roles._own_address())
 
-    async def handles(self) -> dict[str, Any]:
-        """Current actor handles: ``{"constructors": [...], "loaders": {source: {slot: h}}}``."""
-        return {"constructors": list(self.roles.constructors), "loaders": self.roles.view()}
+    async def handles(self, loaders: bool = True) -> dict[str, Any]:
+        """Current actor handles: ``{"constructors": [...], "loaders": {source: {slot: h}}}``.
+
+        ``loaders=False`` leaves the loaders out: a training process unpickling
+        a loader's handle imports :mod:`msd_dask.loader` (and its tokenizer), about
+        1 MiB for each of the job's ranks, and readers only talk to constructors.
+        """
+        return {"constructors": list(self.roles.constructors),
+                "loaders": self.roles.view() if loaders else {}}
 
     async def loader_stats(self) -> dict[str, list[dict[str, Any]]]:
         """Stats of every active loader, per source."""

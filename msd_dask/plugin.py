@@ -51,7 +51,7 @@ async def collect(registry: dict[str, Any], since: int = 0) -> dict[str, Any]:
     ``history`` holds the planner's per-step records from step ``since`` on.
     """
     coordinator = await registry["coordinator"]
-    constructors = (await coordinator.handles())["constructors"]
+    constructors = (await coordinator.handles(False))["constructors"]
     planner = await coordinator.stats()
     loader_stats = await coordinator.loader_stats()
     cons = [await c.stats() for c in constructors]

@@ -303,7 +303,7 @@ class DataService:
             with self._swap:
                 coordinator, gen = self.coordinator, self.generation
             try:  # short waits: a call to a lost actor may hang instead of failing
-                handles = coordinator.handles().result(timeout=5.0)
+                handles = coordinator.handles(False).result(timeout=5.0)
             except Exception as e:  # noqa: BLE001 - lost or busy: look for a successor
                 if self._adopt_published():
                     continue
@@ -480,7 +480,7 @@ class DataService:
                 raise
             self.client.publish_dataset(registry, name=_PREFIX + self.name, override=True,
                                         callback_timeout=cfg.timeout)
-            handles = coordinator.handles().result(timeout=cfg.timeout)
+            handles = coordinator.handles(False).result(timeout=cfg.timeout)
             with self._swap:
                 self._registry, self.coordinator, self.generation = registry, coordinator, gen
                 self.constructors = list(handles["constructors"])
