@@ -42,7 +42,7 @@ def source_figures(planner: Mapping[str, Any], loader_stats: Mapping[str, Sequen
             "weight": planner["weights"][name],
             "read_seconds": read_seconds,
             "seconds_per_token": read_seconds / tokens_read if tokens_read else 0.0,
-            # 0 when any loader does not measure it (a pool's workers)
+            # 0 when a loader has measured none yet (every loader measures, pools included)
             "cpu_seconds": cpu_seconds if all(x.get("cpu_seconds") for x in ls) else 0.0,
             "cpu_wait_seconds": sum(x.get("cpu_wait_seconds", 0.0) for x in ls),
             "threads": ls[0].get("threads", 1) if ls else 1,

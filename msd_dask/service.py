@@ -110,25 +110,19 @@ def _discover_on_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     Runs there so that the process that starts the service never imports the file
     formats' libraries (pyarrow, fsspec, s3fs, zstandard: ~30 MiB).  A
-    :class:`DataError` travels back as it is (it pickles with its fields); a
-    :class:`ConfigError` (a ``uri`` that matches no file) is returned as its key and
-    reason, since it does not pickle.  The starting process waits for it (see
-    :func:`_discover_remote`).
+    :class:`DataError` or :class:`ConfigError` (a ``uri`` that matches no file)
+    travels back as it is (both pickle with their fields).  The starting process
+    waits for it (see :func:`_discover_remote`).
 
     Returns
     -------
     dict
-        ``{"units", "roots", "quarantined"}`` as :func:`discover_units` gives them,
-        or ``{"config_error": (key, reason)}``.
+        ``{"units", "roots", "quarantined"}`` as :func:`discover_units` gives them.
     """
-    try:
-        config = load_config(cfg)
-    except ConfigError as e:
-        return {"config_error": (e.key, e.reason)}
     quarantined: dict[str, list[str]] = {}
     try:
-        units, roots = discover_units(config, quarantined=quarantined)
-    except DataError as e:
+        units, roots = discover_units(load_config(cfg), quarantined=quarantined)
+    except (ConfigError, DataError) as e:
         # the library's own exception (its message is in e's) stays here: Dask sends the
         # causes too, and unpickling e.g. pyarrow's would import pyarrow in the starter
         e.__cause__ = e.__context__ = None
@@ -181,9 +175,6 @@ def _discover_remote(client: Any, cfg: Config, timeout: float
             "sources' storage") from None
     finally:
         fut.release()
-    if "config_error" in got:
-        key, reason = got["config_error"]
-        raise ConfigError(key, reason)
     for name, entries in got["quarantined"].items():
         for entry in entries:
             _log.warning("source %r quarantined %s", name, entry)
