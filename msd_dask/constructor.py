@@ -207,7 +207,7 @@ class DataConstructor:
         for k, arrays in zip(keys, results, strict=True):
             for pos, arr in zip(where[k], arrays, strict=True):
                 tokens[pos] = arr
-        tickets: dict[int, list[int]] = defaultdict(list)  # rank -> its steps of the round
+        tickets: dict[tuple[int, int], list[int]] = defaultdict(list)  # (rank, dp) -> steps
         for step, work, info in steps:
             for dp, rows in work.items():
                 packed_rows = []
@@ -229,7 +229,7 @@ class DataConstructor:
                     self._ready[(step, dp)] = packed
                     self._unclaimed[(step, dp)] = waiting
                     for r in waiting:
-                        tickets[r].append(step)
+                        tickets[(r, dp)].append(step)
                 else:
                     await self._done(step, dp)
             self.batches_built += len(work)
@@ -239,11 +239,10 @@ class DataConstructor:
         async with self._built:
             self._built.notify_all()
         self.rounds_built += 1
-        for r in sorted(tickets):
-            dp = next(d for d, rs in self.members.items() if r in rs)
-            await self._queues[r].put({"steps": tickets[r], "c": self.index, "dp": dp,
+        for (r, dp), ticket in sorted(tickets.items()):
+            await self._queues[r].put({"steps": ticket, "c": self.index, "dp": dp,
                                        "g": self.generation})
-            self.published[r] += len(tickets[r])
+            self.published[r] += len(ticket)
             self.tickets_put += 1
 
     async def _fetch(self, source: str, slot: int,
@@ -304,7 +303,8 @@ class DataConstructor:
                            f"{self.index} (already claimed, or never published)")
         # the rank returned every step before this round (it claims when it has none left)
         self.returned[rank] = max(self.returned.get(rank, -1), int(steps[0]) - 1)
-        return [to_wire(view_for_rank(await self._take(step, rank), *view)) for step in steps]
+        return [to_wire(view_for_rank(await self._hand_over((int(step), dp), rank), *view))
+                for step in steps]
 
     async def skip(self, step: int, rank: int) -> None:
         """Mark ``step`` claimed by ``rank`` without sending it (a resumed rank had it)."""
@@ -375,18 +375,22 @@ class DataConstructor:
                     pass
 
     async def _take(self, step: int, rank: int) -> dict[str, Any]:
-        assert self._room is not None
         key = (int(step), self._dp_of(rank))
         await self._wait_built(*key)
         self._check_open()
         if key not in self._ready:
             raise KeyError(f"step {step} of rank {rank} is not held by constructor "
                            f"{self.index} (already claimed, or never published)")
+        return await self._hand_over(key, rank)
+
+    async def _hand_over(self, key: tuple[int, int], rank: int) -> dict[str, Any]:
+        """Mark the built batch ``key`` (step, dp) claimed by ``rank`` and return it."""
+        self._check_open()  # closed while a claim of several steps awaited room
         out = self._ready[key]
         waiting = self._unclaimed[key]
         waiting.discard(rank)
         self.claimed[rank] += 1
-        self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), int(step))
+        self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), key[0])
         if not waiting:
             await self._done(*key)
         return out

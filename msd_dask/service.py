@@ -1,4 +1,5 @@
-"""The public face of a running service: :class:`DataService` and :class:`Reader`.
+"""The public face of a running service: :class:`DataService` (a rank's
+:class:`~msd_dask.reader.Reader` lives in :mod:`msd_dask.reader`).
 
 ``DataService.start`` has a worker list every source's units, places the roles
 as actors across the cluster's workers (coordinator, constructors, loaders) and
