@@ -24,6 +24,24 @@ def _plugin_state(dask_scheduler):
             "decisions": {n: list(d) for n, d in p.decisions.items()}}
 
 
+def serve_until_cpu_cap(svc, source: str, more: float, timeout: float
+                        ) -> tuple[list[dict], dict, dict[str, int]]:
+    """Serve every rank's steps until the plugin holds a CPU cap for ``source`` of ``svc``,
+    then ``more`` seconds; returns the records read, the plugin's state and the loaders."""
+    readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
+    recs: list[dict] = []
+
+    def state() -> dict:
+        return svc.client.run_on_scheduler(_plugin_state)
+
+    serve_steps_until(readers, recs,
+                      lambda: source in state()["scalers"].get(svc.name, {}).get("cpu_caps", {}),
+                      f"a CPU cap for source {source!r}", timeout=timeout)
+    t_cap = time.monotonic()
+    serve_steps_until(readers, recs, lambda: time.monotonic() > t_cap + more, f"{more} s more")
+    return recs, state(), svc.stats()["planner"]["loaders"]
+
+
 def test_plugin_fetches_a_registry_once_until_it_is_published_again(corpus):
     root, texts = corpus
     with DataService.start(config(root, name="cached"), n_workers=1,
@@ -61,17 +79,7 @@ def test_cpu_bound_source_is_held_at_what_the_cores_allow(corpus):
     cfg["sources"][1].update(loaders=1, weight=0.5,
                              preprocess="msd_dask.examples.preprocess:cpu_bound")
     with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        client = svc.client
-        readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
-        recs: list[dict] = []
-        state = lambda: client.run_on_scheduler(_plugin_state)  # noqa: E731
-        serve_steps_until(readers, recs,
-                          lambda: "prose" in state()["scalers"].get("cpucap", {}).get("cpu_caps", {}),
-                     "a CPU cap for the costly source", timeout=60)
-        t_cap = time.monotonic()
-        serve_steps_until(readers, recs, lambda: time.monotonic() > t_cap + 8, "8 s more")
-        st = state()
-        loaders = svc.stats()["planner"]["loaders"]
+        recs, st, loaders = serve_until_cpu_cap(svc, "prose", more=8, timeout=60)
     sc = st["scalers"]["cpucap"]
     cap, f = sc["cpu_caps"]["prose"], sc["cpu_fraction"]["prose"]
     # hashing is on a core for most of its busy time; the cap follows from it and the 2 threads

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from typing import Any
 
 import dask
 import pytest
-from test_adaptive import serve_steps_until
-from test_adaptive_plugin import _plugin_state
+from test_adaptive_plugin import serve_until_cpu_cap
 
 from msd_dask import DataService, load_config
 from msd_dask.config import PoolConfig, SourceConfig
@@ -144,17 +142,7 @@ def test_cpu_bound_source_on_a_process_pool_is_held_at_what_the_cores_allow(corp
                              pool={"kind": "process", "size": 2})
     with dask.config.set({"distributed.worker.daemon": False}), \
             DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        client = svc.client
-        readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
-        recs: list[dict[str, Any]] = []
-        state = lambda: client.run_on_scheduler(_plugin_state)  # noqa: E731
-        serve_steps_until(readers, recs,
-                          lambda: "prose" in state()["scalers"].get("poolcap", {})
-                          .get("cpu_caps", {}), "a CPU cap for the pooled source", timeout=90)
-        t_cap = time.monotonic()
-        serve_steps_until(readers, recs, lambda: time.monotonic() > t_cap + 5, "5 s more")
-        st = state()
-        loaders = svc.stats()["planner"]["loaders"]
+        recs, st, loaders = serve_until_cpu_cap(svc, "prose", more=5, timeout=90)
     sc = st["scalers"]["poolcap"]
     cap, f = sc["cpu_caps"]["prose"], sc["cpu_fraction"]["prose"]
     assert f > 0.5, sc
