@@ -232,13 +232,12 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
 
 def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,
                  tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]]
-                 ) -> tuple[list[np.ndarray | ImageDoc | DataError], float]:
+                 ) -> list[np.ndarray | ImageDoc | DataError]:
     """Preprocess and tokenize ``(row, record)`` items of file ``path``, in order.
 
-    Returns one result per item (the tokens, an :class:`ImageDoc`, or the
-    :class:`DataError` of a bad document, as a value) and the seconds it took.
+    Returns one result per item: the tokens, an :class:`ImageDoc`, or the
+    :class:`DataError` of a bad document, as a value (:func:`_cpu_timed` times it).
     """
-    t0 = time.perf_counter()
     compact = _compacts(tokenizer)
     out: list[np.ndarray | ImageDoc | DataError] = []
     for row, rec in items:
@@ -247,7 +246,7 @@ def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | 
             out.append(_compact(_with_image(src, rec, tokens, tokenizer, path, row), compact))
         except DataError as e:
             out.append(e)
-    return out, time.perf_counter() - t0
+    return out
 
 
 def _compacts(tokenizer: Any) -> bool:
@@ -321,7 +320,7 @@ def _process_in_worker(path: str, items: list[tuple[int, dict[str, Any]]]) -> _C
     The CPU seconds are the process's (``time.process_time``: threads the
     preprocessor or tokenizer start count too), the wait the task thread's.
     """
-    (res, _), busy, cpu, waited = _cpu_timed(
+    res, busy, cpu, waited = _cpu_timed(
         process_docs, _WORKER["src"], _WORKER["prep"], _WORKER["tokenizer"], path, items,
         clock=time.process_time)
     return [_Failure(r) if isinstance(r, DataError) else r for r in res], busy, cpu, waited
@@ -331,8 +330,7 @@ def _process_in_thread(src: SourceConfig, prep: Callable[[str, dict[str, Any]], 
                        tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]]
                        ) -> _Chunk:
     """Documents processed on this thread: results, busy, CPU and core-wait seconds."""
-    (res, _), busy, cpu, waited = _cpu_timed(process_docs, src, prep, tokenizer, path, items)
-    return res, busy, cpu, waited
+    return _cpu_timed(process_docs, src, prep, tokenizer, path, items)
 
 
 def _cpu_timed(fn: Callable[..., Any], *args: Any,
