@@ -237,6 +237,8 @@ class _Greedy:
             rk = row_key[r]
             if mb == 1:
                 m = 0
+            elif min(f) >= length:  # every row has room: the first cheapest row
+                m = rk.index(min(rk))
             else:
                 m = -1
                 low = 0.0

@@ -12,10 +12,11 @@ is delivered exactly once.  Its whole state is a small JSON-able dict.
 from __future__ import annotations
 
 import copy
+import gc
 from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from heapq import heappop, heappush
+from heapq import heapify, heappop, heappush
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from .config import Config
 from .cost import CostModel
 from .formats import Unit
 from .mixing import Mixer
-from .stream import MetaLookup, NeedMetadata, Piece, SourceStream
+from .stream import MetaLookup, NeedMetadata, Piece, SourceStream, Window, new_piece
 
 #: outliers held at most, in release groups (a source whose next piece finds the hold
 #: full waits for the next release)
@@ -91,13 +92,46 @@ class Planner:
         self.long_sources = {s.name for s in cfg.sources if s.context == "long"}
         self.cost = CostModel.from_config(cfg.cost)
         self.step = 0
-        self.carry: list[Piece] = []
-        #: outliers held back (``cfg.outliers``): (piece, step it was drawn at), oldest first
-        self.held: list[tuple[Piece, int]] = []
+        #: the sources in config order; a piece table's column 0 indexes this list
+        self._names = [s.name for s in cfg.sources]
+        self._index = {n: i for i, n in enumerate(self._names)}
+        #: pieces carried to the next step, in order (a piece table, see :meth:`_table`)
+        self._carry = _no_pieces()
+        #: outliers held back (``cfg.outliers``), oldest first, and the step each was drawn at
+        self._held = _no_pieces()
+        self._held_step = np.zeros(0, dtype=np.int64)
         #: live weight changes: (from_step, {source: weight}), in the order made
         self.overrides: list[tuple[int, dict[str, float]]] = []
         self.tokens = {s.name: 0 for s in cfg.sources}
         self.pieces_planned = {s.name: 0 for s in cfg.sources}
+
+    # ------------------------------------------------------------ piece tables
+    # A step's pieces are rows of an int64 table: source index (in ``_names``), epoch,
+    # unit, row, chunk, start, end, doc_len; :class:`Piece` objects are made only for
+    # what leaves the planner (a plan's rows, ``pending()``, ``state_dict()``).
+    def _pieces(self, table: np.ndarray) -> list[Piece]:
+        if len(table) == 0:
+            return []
+        cols = table.T.tolist()
+        names = self._names
+        return list(map(new_piece, zip([names[i] for i in cols[0]], *cols[1:], strict=True)))
+
+    def _table(self, tuples: Sequence[Sequence[Any]]) -> np.ndarray:
+        if not tuples:
+            return _no_pieces()
+        index = self._index
+        return np.array([[index[str(t[0])], *(int(x) for x in t[1:])] for t in tuples],
+                        dtype=np.int64).reshape(len(tuples), 8)
+
+    @property
+    def carry(self) -> list[Piece]:
+        """Pieces carried to the next step, in order."""
+        return self._pieces(self._carry)
+
+    @property
+    def held(self) -> list[tuple[Piece, int]]:
+        """Outliers held back: (piece, step it was drawn at), oldest first."""
+        return list(zip(self._pieces(self._held), self._held_step.tolist(), strict=True))
 
     # ----------------------------------------------------------------- weights
     def weights_at(self, step: int) -> dict[str, float]:
@@ -135,37 +169,132 @@ class Planner:
             When a unit's lengths are not known yet; the planner's state is
             unchanged, so the caller fetches them and calls again.
         """
-        snapshot = self.state_dict()
+        # what a step changes before its last lookup: the streams' positions, the
+        # mixer's credit and the held outliers (the other fields change only after it,
+        # and the piece tables are replaced, never written to)
+        saved = ([(st.epoch, st.window, st.offset) for st in self.streams.values()],
+                 dict(self.mixer.credit), self._held, self._held_step)
+        # a big step makes ~10⁵-10⁶ objects that live on (the plan's pieces, its rows):
+        # the cyclic collector would walk the heap several times meanwhile; one pass after
+        # the step costs a tenth of that (and it finds no cycles made here)
+        collect = gc.isenabled()
+        gc.disable()
         try:
             return self._plan(lookup)
         except NeedMetadata:
-            self.load_state_dict(snapshot)
+            positions, credit, self._held, self._held_step = saved
+            for st, (e, w, o) in zip(self.streams.values(), positions, strict=True):
+                st.load_state_dict({"epoch": e, "window": w, "offset": o})
+            self.mixer.load_state_dict(credit)
             raise
+        finally:
+            if collect:
+                gc.enable()
 
     def pending(self) -> list[Piece]:
         """Pieces drawn from the streams but not placed yet (carried and held)."""
-        return self.carry + [p for p, _ in self.held]
+        return self.carry + self._pieces(self._held)
 
-    def _release(self, group: int) -> list[Piece]:
+    def _release(self, group: int) -> np.ndarray:
         """Held outliers that join this step: ``group`` of them, or those held too long."""
-        if len(self.held) >= group:
+        m = len(self._held)
+        if m >= group:
             n = group
-        elif self.held and self.step - self.held[0][1] >= self.cfg.outliers.max_wait:
-            n = len(self.held)
+        elif m and self.step - int(self._held_step[0]) >= self.cfg.outliers.max_wait:
+            n = m
         else:
-            return []
-        if n < len(self.held):
-            # the oldest, and the held pieces closest to it in length
-            first = self.held[0][0].length
-            rest = sorted(range(1, len(self.held)),
-                          key=lambda i: (abs(self.held[i][0].length - first), i))[: n - 1]
-            take = sorted([0, *rest])
+            return _no_pieces()
+        if n < m:
+            # the oldest, and the held pieces closest to it in length (ties: the older)
+            lengths = self._held[:, 6] - self._held[:, 5]
+            rest = 1 + np.argsort(np.abs(lengths[1:] - lengths[0]), kind="stable")[: n - 1]
+            take = np.zeros(m, dtype=bool)
+            take[0] = True
+            take[rest] = True
         else:
-            take = list(range(n))
-        out = [self.held[i][0] for i in take]
-        keep = set(take)
-        self.held = [h for i, h in enumerate(self.held) if i not in keep]
+            take = np.ones(m, dtype=bool)
+        out = self._held[take]
+        self._held, self._held_step = self._held[~take], self._held_step[~take]
         return out
+
+    def _draw(self, lookup: MetaLookup, weights: dict[str, float], eligible: dict[str, float],
+              capacity: int, total: int, n_long: int, long_budget: int | None, hold: int,
+              hold_limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Draw the step's new pieces, in the order the mixer picks them.
+
+        The mixer picks the eligible source with the most credit; its next piece
+        is held if it is an outlier (while the hold has room; else the source
+        sits this step out), joins the step if it fits in what is left of
+        ``capacity``, and otherwise ends the draw.  A piece taken or held is
+        consumed and charged to the mixer.
+
+        Returns the new pieces' and the newly held pieces' tables.
+        """
+        names = self._names
+        streams = [self.streams[n] for n in names]
+        S = len(names)
+        js = range(S)
+        w = [weights.get(n, 0.0) for n in names]
+        el = [eligible.get(n, 0.0) > 0 for n in names]
+        is_long = [n in self.long_sources for n in names]
+        credit = [self.mixer.credit[n] for n in names]
+        offset = [st.offset for st in streams]
+        lens: list[list[int] | None] = [None] * S
+        slot = [0] * S
+        windows: list[Window] = []
+        win_src: list[int] = []
+        taken: list[int] = []      # (window slot << 32) | offset of each piece, in order
+        held: list[int] = []
+        n_held = len(self._held)
+        loading = -1
+        try:
+            while True:
+                if long_budget is not None and n_long >= long_budget:
+                    el = [e and not lg for e, lg in zip(el, is_long, strict=True)]
+                    long_budget = None
+                src = -1
+                for j in js:
+                    if el[j] and (src < 0 or credit[j] > credit[src]):
+                        src = j
+                if src < 0:
+                    break
+                o = offset[src]
+                ls = lens[src]
+                if ls is None or o >= len(ls):
+                    st = streams[src]
+                    st.offset = o
+                    loading = src
+                    win = st.current(lookup)
+                    loading = -1
+                    o = offset[src] = st.offset
+                    ls = lens[src] = win.lengths
+                    slot[src] = len(windows) << 32
+                    windows.append(win)
+                    win_src.append(src)
+                n = ls[o]
+                if hold and n >= hold:
+                    if n_held >= hold_limit:
+                        # no room to hold it: the source waits for a release, the others fill
+                        el[src] = False
+                        continue
+                    held.append(slot[src] | o)
+                    n_held += 1
+                elif total + n > capacity:
+                    break
+                else:
+                    taken.append(slot[src] | o)
+                    total += n
+                    n_long += is_long[src]
+                offset[src] = o + 1
+                for j in js:
+                    credit[j] += w[j] * n
+                credit[src] -= n
+        finally:
+            for j, (st, o) in enumerate(zip(streams, offset, strict=True)):
+                if j != loading:
+                    st.offset = o
+            self.mixer.credit = dict(zip(names, credit, strict=True))
+        return _gather(taken, windows, win_src), _gather(held, windows, win_src)
 
     def _plan(self, lookup: MetaLookup) -> StepPlan:
         cfg = self.cfg
@@ -175,56 +304,43 @@ class Planner:
         hold = cfg.outliers.threshold(seq_len)
         group = cfg.outliers.group or dp * mb
         # released outliers (a row each), then carried pieces: placed before anything new
-        pieces = self._release(group) + self.carry
-        n_first = len(pieces)
-        total = sum(p.length for p in pieces)
+        first = np.concatenate([self._release(group), self._carry])
+        n_first = len(first)
+        total = int((first[:, 6] - first[:, 5]).sum())
         lc = cfg.long_context
         long_budget = dp * lc.max_per_rank if lc.mode == "spread" and lc.max_per_rank else None
-        n_long = sum(p.source in self.long_sources for p in pieces)
+        long_src = np.array([n in self.long_sources for n in self._names], dtype=bool)
+        n_long = int(long_src[first[:, 0]].sum())
         eligible = self._eligible(weights, capacity)
-        while True:
-            if long_budget is not None and n_long >= long_budget:
-                eligible = {k: 0.0 if k in self.long_sources else v for k, v in eligible.items()}
-            if not any(v > 0 for v in eligible.values()):
-                break
-            src = self.mixer.choose(eligible)
-            p = self.streams[src].peek(lookup)
-            if hold and p.length >= hold:
-                if len(self.held) >= HOLD_GROUPS * group:
-                    # no room to hold it: the source waits for a release, the others fill
-                    eligible = {k: 0.0 if k == src else v for k, v in eligible.items()}
-                    continue
-                self.streams[src].advance()
-                self.mixer.take(src, p.length, weights)
-                self.held.append((p, self.step))
-                continue
-            if total + p.length > capacity:
-                break
-            self.streams[src].advance()
-            self.mixer.take(src, p.length, weights)
-            pieces.append(p)
-            total += p.length
-            n_long += src in self.long_sources
-        lengths = np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
+        new, held = self._draw(lookup, weights, eligible, capacity, total, n_long, long_budget, hold,
+                               HOLD_GROUPS * group)
+        if len(held):
+            self._held = np.concatenate([self._held, held])
+            self._held_step = np.concatenate([self._held_step,
+                                              np.full(len(held), self.step, dtype=np.int64)])
+        table = np.concatenate([first, new])
+        lengths = table[:, 6] - table[:, 5]
         costs = self.cost(lengths)
         rank, micro = place_step(lengths, costs, n_first, dp, mb, seq_len, cfg.balance)
         if long_budget is not None:
-            is_long = np.fromiter((p.source in self.long_sources for p in pieces), dtype=bool,
-                                  count=len(pieces))
-            _spread_long(is_long, n_first, lengths, costs, rank, micro, dp, mb, seq_len,
+            _spread_long(long_src[table[:, 0]], n_first, lengths, costs, rank, micro, dp, mb, seq_len,
                          lc.max_per_rank)
-        rows: list[list[list[Piece]]] = [[[] for _ in range(mb)] for _ in range(dp)]
-        carry = []
-        for i, p in enumerate(pieces):
-            r = int(rank[i])
-            if r < 0:
-                carry.append(p)
-            else:
-                rows[r][int(micro[i])].append(p)
-                self.tokens[p.source] += p.length
-                self.pieces_planned[p.source] += 1
-        self.carry = carry
         placed = rank >= 0
+        self._carry = table[~placed]
+        # the rows, each in step order: the placed pieces sorted (stably) by row
+        idx = np.flatnonzero(placed)
+        row_of = rank[idx] * mb + micro[idx]
+        order = np.argsort(row_of, kind="stable")
+        flat = self._pieces(table[idx[order]])
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=dp * mb))]).tolist()
+        row_lists = [flat[i:j] for i, j in zip(bounds[:-1], bounds[1:], strict=True)]
+        rows = [row_lists[r * mb:(r + 1) * mb] for r in range(dp)]
+        src = table[idx, 0]
+        for j in np.unique(src).tolist():
+            mine = src == j
+            name = self._names[j]
+            self.tokens[name] += int(lengths[idx[mine]].sum())
+            self.pieces_planned[name] += int(mine.sum())
         rank_cost = np.bincount(rank[placed], weights=costs[placed], minlength=dp)
         plan = StepPlan(self.step, rows, [float(c) for c in rank_cost],
                         lower_bound(costs[placed], dp), weights)
@@ -250,12 +366,14 @@ class Planner:
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """The planner's whole state, small and JSON-serialisable."""
+        names = self._names
         return {
             "step": self.step,
             "streams": {k: s.state_dict() for k, s in self.streams.items()},
             "mixer": self.mixer.state_dict(),
-            "carry": [list(p.to_tuple()) for p in self.carry],
-            "held": [[list(p.to_tuple()), s] for p, s in self.held],
+            "carry": [[names[t[0]], *t[1:]] for t in self._carry.tolist()],
+            "held": [[[names[t[0]], *t[1:]], s]
+                     for t, s in zip(self._held.tolist(), self._held_step.tolist(), strict=True)],
             "overrides": [[s, dict(w)] for s, w in self.overrides],
             "tokens": dict(self.tokens),
             "pieces": dict(self.pieces_planned),
@@ -268,14 +386,34 @@ class Planner:
         for k, s in state["streams"].items():
             self.streams[k].load_state_dict(s)
         self.mixer.load_state_dict(state["mixer"])
-        self.carry = [Piece.from_tuple(t) for t in state["carry"]]
-        self.held = [(Piece.from_tuple(t), int(s)) for t, s in state.get("held", [])]
+        self._carry = self._table(state["carry"])
+        held = state.get("held", [])
+        self._held = self._table([t for t, _ in held])
+        self._held_step = np.array([int(s) for _, s in held], dtype=np.int64)
         self.overrides = [(int(s), {k: float(v) for k, v in w.items()})
                           for s, w in state["overrides"]]
         self.tokens = {k: int(v) for k, v in state["tokens"].items()}
         self.pieces_planned = {k: int(v) for k, v in state["pieces"].items()}
         if "cost" in state:
             self.cost = CostModel(float(state["cost"][0]), float(state["cost"][1]))
+
+
+def _no_pieces() -> np.ndarray:
+    return np.zeros((0, 8), dtype=np.int64)
+
+
+def _gather(keys: list[int], windows: list[Window], sources: list[int]) -> np.ndarray:
+    """The piece table of ``(window slot << 32) | offset`` keys, in their order."""
+    out = np.empty((len(keys), 8), dtype=np.int64)
+    if not keys:
+        return out
+    k = np.array(keys, dtype=np.int64)
+    slot, offset = k >> 32, k & 0xFFFFFFFF
+    for i, (win, src) in enumerate(zip(windows, sources, strict=True)):
+        mine = slot == i
+        out[mine, 0] = src
+        out[mine, 1:] = win.table[offset[mine]]
+    return out
 
 
 def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro: np.ndarray,
@@ -318,36 +456,76 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     number of rows matters, not how they are split into ranks and
     micro-batches, so a step holds the same pieces after an elastic resume
     with another ``dp`` and the same ``dp × micro_batches``.
+
+    Runs of pieces of one length are placed a row at a time: the row with the
+    tightest room that fits ``L`` stays the tightest while it takes ``L`` after
+    ``L`` (its room is then in no other row's range), so it takes
+    ``room // L`` of them before the next row, which is what placing them one
+    by one does.
     """
     n = len(lengths)
     row = np.full(n, -1, dtype=np.int64)
     if n == 0 or n_rows <= 0:
         return row
+    lengths = np.asarray(lengths, dtype=np.int64)
     new = n_carried + np.argsort(-lengths[n_carried:], kind="stable")
-    order = np.concatenate([np.arange(n_carried), new]).tolist()
+    order = np.concatenate([np.arange(n_carried), new])
+    ls = lengths[order]
+    # runs of equal lengths in placement order: (length, count)
+    cut = np.flatnonzero(ls[1:] != ls[:-1]) + 1
+    starts = np.concatenate([[0], cut])
+    run_len = ls[starts].tolist()
+    run_count = np.diff(np.concatenate([starts, [n]])).tolist()
     # the distinct rooms left, sorted, and the rows with each room (a heap: lowest row first)
     rooms = [seq_len]
     rows_at = {seq_len: list(range(n_rows))}
-    ls = lengths.tolist()
-    out = [-1] * n
-    for i in order:
-        k = bisect_left(rooms, ls[i])  # the tightest room that fits, lowest row on ties
-        if k == len(rooms):
-            continue
-        room = rooms[k]
-        at = rows_at[room]
-        r = heappop(at)
-        if not at:
-            del rows_at[room]
-            del rooms[k]
-        left = room - ls[i]
-        if left in rows_at:
-            heappush(rows_at[left], r)
-        else:
-            rows_at[left] = [r]
-            insort(rooms, left)
-        out[i] = r
-    row[:] = out
+    shortest = int(ls.min())
+    seg_row: list[int] = []     # the placement order, in segments of pieces going to one row
+    seg_count: list[int] = []
+    for L, m in zip(run_len, run_count, strict=True):
+        while m:
+            k = bisect_left(rooms, L)  # the tightest room that fits, lowest row on ties
+            if k == len(rooms):
+                seg_row.append(-1)
+                seg_count.append(m)
+                break
+            room = rooms[k]
+            at = rows_at[room]
+            q = room // L if L > 0 else m
+            need = -(-m // q)
+            if need >= len(at):
+                at.sort()
+                take = at
+                del rows_at[room]
+                del rooms[k]
+            elif need <= 16 or 32 * need < len(at):
+                take = [heappop(at) for _ in range(need)]
+            else:
+                at.sort()
+                take = at[:need]
+                del at[:need]
+            t = len(take)
+            last = min(q, m - (t - 1) * q)
+            seg_row.extend(take)
+            seg_count.extend([q] * (t - 1))
+            seg_count.append(last)
+            m -= (t - 1) * q + last
+            # rows that took q pieces, then the last one (fewer, maybe); a row with less
+            # room than the shortest piece is full
+            for left, rs in ((room - q * L, take[:-1]), (room - last * L, take[-1:])):
+                if not rs or left < shortest:
+                    continue
+                have = rows_at.get(left)
+                if have is None:
+                    rows_at[left] = list(rs)  # ascending: a heap
+                    insort(rooms, left)
+                elif len(rs) <= 8 or 16 * len(rs) < len(have):
+                    for r in rs:
+                        heappush(have, r)
+                else:
+                    have.extend(rs)
+                    heapify(have)
+    row[order] = np.repeat(np.array(seg_row, dtype=np.int64), seg_count)
     return row
 
 

@@ -19,21 +19,24 @@ document is delivered exactly once per source epoch.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import DataError
 from .formats import Unit
 
-__all__ = ["Piece", "SourceStream", "NeedMetadata", "MetaLookup"]
+__all__ = ["Piece", "SourceStream", "NeedMetadata", "MetaLookup", "Window"]
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One chunk of one document, as planned.
+class Piece(NamedTuple):
+    """One chunk of one document, as planned (immutable, hashable).
+
+    A named tuple, so a step's hundreds of thousands of pieces are cheap to
+    make; it compares equal only to another :class:`Piece` (never to a plain
+    tuple), as a frozen dataclass would.
 
     Attributes
     ----------
@@ -66,12 +69,25 @@ class Piece:
         return self.end - self.start
 
     def to_tuple(self) -> tuple[Any, ...]:
-        return (self.source, self.epoch, self.unit, self.row, self.chunk,
-                self.start, self.end, self.doc_len)
+        return tuple(self)
 
     @classmethod
     def from_tuple(cls, t: Sequence[Any]) -> Piece:
         return cls(str(t[0]), *(int(x) for x in t[1:]))
+
+    def __eq__(self, other: object) -> bool:
+        return other.__class__ is self.__class__ and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return tuple.__hash__(self)
+
+
+#: ``Piece`` from an iterable of its 8 fields, without the checks of ``Piece._make``
+#: (for the planner's bulk conversions)
+new_piece: Callable[[Iterable[Any]], Piece] = partial(tuple.__new__, Piece)
 
 
 class NeedMetadata(LookupError):
@@ -91,6 +107,26 @@ MetaLookup = Callable[[str, int, int], np.ndarray]
 
 def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in key]))
+
+
+class Window:
+    """The pieces of one window of a source's stream, in stream order, as columns.
+
+    Attributes
+    ----------
+    epoch, window : int
+    table : ndarray of int64, shape (n, 7)
+        Per piece ``epoch, unit, row, chunk, start, end, doc_len`` (a
+        :class:`Piece` without its source).
+    lengths : list of int
+        Per piece ``end - start``.
+    """
+
+    __slots__ = ("epoch", "window", "table", "lengths")
+
+    def __init__(self, epoch: int, window: int, table: np.ndarray):
+        self.epoch, self.window, self.table = epoch, window, table
+        self.lengths: list[int] = (table[:, 5] - table[:, 4]).tolist()
 
 
 class SourceStream:
@@ -126,7 +162,7 @@ class SourceStream:
         self.offset = 0
         self._order_cache: dict[int, np.ndarray] = {}
         self._position_cache: dict[int, np.ndarray] = {}
-        self._pieces_cache: tuple[int, int, list[Piece]] | None = None
+        self._window_cache: Window | None = None
 
     # ------------------------------------------------------------------ order
     @property
@@ -176,10 +212,12 @@ class SourceStream:
         return out[:limit]
 
     # ----------------------------------------------------------------- pieces
-    def _window_pieces(self, lookup: MetaLookup) -> list[Piece]:
+    def _window(self, lookup: MetaLookup) -> Window:
+        """The current window's pieces (cached until the window changes)."""
         e, w = self.epoch, self.window
-        if self._pieces_cache is not None and self._pieces_cache[:2] == (e, w):
-            return self._pieces_cache[2]
+        cached = self._window_cache
+        if cached is not None and cached.epoch == e and cached.window == w:
+            return cached
         units = self.window_units(e, w)
         missing = []
         lengths: dict[int, np.ndarray] = {}
@@ -190,33 +228,55 @@ class SourceStream:
                 missing.extend(nm.units)
         if missing:
             raise NeedMetadata(self.name, missing)
-        docs: list[tuple[int, int, int]] = []  # (unit, row, length)
+        # the documents (unit, row, length), units in window order, rows in file order
+        doc_unit, doc_row, doc_len = [], [], []
         for u in units:
-            off = self.units[u].row_offset
-            docs.extend((u, off + i, int(n)) for i, n in enumerate(lengths[u]) if n > 0)
-        perm = _rng(self.seed, self._salt, e, w + 1).permutation(len(docs))
-        pieces = []
+            n = np.asarray(lengths[u]).reshape(-1)
+            keep = np.flatnonzero(n > 0)
+            doc_unit.append(np.full(len(keep), u, dtype=np.int64))
+            doc_row.append(self.units[u].row_offset + keep)
+            doc_len.append(n[keep].astype(np.int64))
+        du, dr, dn = (np.concatenate(c).astype(np.int64, copy=False) if c else np.zeros(0, np.int64)
+                      for c in (doc_unit, doc_row, doc_len))
+        perm = _rng(self.seed, self._salt, e, w + 1).permutation(len(du))
+        du, dr, dn = du[perm], dr[perm], dn[perm]
+        # each document in seq_len chunks, consecutively
         s = self.seq_len
-        for i in perm:
-            u, row, n = docs[int(i)]
-            for c, start in enumerate(range(0, n, s)):
-                pieces.append(Piece(self.name, e, u, row, c, start, min(start + s, n), n))
-        self._pieces_cache = (e, w, pieces)
-        return pieces
+        k = (dn + (s - 1)) // s
+        doc = np.repeat(np.arange(len(dn)), k)
+        first = np.cumsum(k) - k
+        chunk = np.arange(len(doc), dtype=np.int64) - first[doc]
+        start = chunk * s
+        table = np.empty((len(doc), 7), dtype=np.int64)
+        table[:, 0] = e
+        table[:, 1] = du[doc]
+        table[:, 2] = dr[doc]
+        table[:, 3] = chunk
+        table[:, 4] = start
+        table[:, 5] = np.minimum(start + s, dn[doc])
+        table[:, 6] = dn[doc]
+        self._window_cache = win = Window(e, w, table)
+        return win
 
-    def peek(self, lookup: MetaLookup) -> Piece:
-        """The next piece, without consuming it."""
+    def current(self, lookup: MetaLookup) -> Window:
+        """The window holding the next piece (moving past exhausted windows): its
+        ``offset``-th piece is the next."""
         empty = 0
         while True:
-            pieces = self._window_pieces(lookup)
-            if self.offset < len(pieces):
-                return pieces[self.offset]
-            if not pieces:
+            win = self._window(lookup)
+            if self.offset < len(win.lengths):
+                return win
+            if not win.lengths:
                 empty += 1
                 if empty > self.n_windows:
                     raise DataError("the source has no documents in a whole epoch",
                                     source=self.name)
             self._next_window()
+
+    def peek(self, lookup: MetaLookup) -> Piece:
+        """The next piece, without consuming it."""
+        win = self.current(lookup)
+        return Piece(self.name, *win.table[self.offset].tolist())
 
     def advance(self) -> None:
         """Consume the piece :meth:`peek` returned."""
@@ -237,4 +297,4 @@ class SourceStream:
         self.epoch = int(state["epoch"])
         self.window = int(state["window"])
         self.offset = int(state["offset"])
-        self._pieces_cache = None
+        self._window_cache = None
