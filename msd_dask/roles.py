@@ -452,10 +452,12 @@ class _Roles:
                 await asyncio.wait_for(h.close(), 5)
             except Exception:  # noqa: BLE001 - best effort
                 pass
-        for f in self._cfuts:
-            f.release()
-        for _, f in self._all_loaders():
-            f.release()
+        # the handles' own futures too: released only through the submit futures, the
+        # roles' keys stayed on the scheduler and their actors on the workers after close
+        for c, f in zip(self.constructors, self._cfuts, strict=True):
+            _drop(c, f)
+        for h, f in self._all_loaders():
+            _drop(h, f)
 
 
 async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, Any]:

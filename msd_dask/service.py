@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -197,6 +198,24 @@ def _has_client(client_id: str, dask_scheduler: Any = None) -> bool:
     """Whether the client ``client_id`` is connected (runs on the scheduler)."""
     return client_id in dask_scheduler.clients
 
+
+
+def _drop_queues(names: list[str], dask_scheduler: Any = None) -> int:
+    """Delete the ticket queues ``names`` on the scheduler; returns how many existed.
+
+    A ``distributed.Queue`` lives on the scheduler until every client that made
+    it releases it, which nothing does: the queues of a closed (or crashed)
+    service of the same name still hold its last tickets, which a new service's
+    readers would take for their own.
+    """
+    ext = dask_scheduler.extensions.get("queues")
+    dropped = 0
+    for name in names:
+        if ext is not None and name in ext.queues:
+            ext.client_refcount[name] = 1
+            ext.release(name=name)
+            dropped += 1
+    return dropped
 
 
 def _install_plugin(client: Any) -> None:
@@ -552,6 +571,13 @@ class DataService:
             if key in client.list_datasets():
                 raise ServiceError(f"a service named {cfg.name!r} is already running on "
                                    f"{address}; pick another 'name' or close it first")
+            from .constructor import queue_name
+
+            stale = client.run_on_scheduler(
+                _drop_queues, [queue_name(cfg.name, r) for r in range(cfg.parallel.world_size)])
+            if stale:
+                _log.info("msd_dask %s: dropped %d ticket queues a closed service of this name "
+                          "left", cfg.name, stale)
             try:
                 client.wait_for_workers(1, timeout=timeout)
             except TimeoutError:
@@ -603,7 +629,11 @@ class DataService:
                 members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
         from .coordinator import Coordinator  # the starting process only (see coordinator.py)
 
-        key = f"msd-{cfg.name}-coordinator" + (f"-g{generation}" if generation else "")
+        # unique: a service started again under this name right after a close must not
+        # find the old planner's key still held (by the plugin's cached registry) and
+        # attach to that planner
+        key = (f"msd-{cfg.name}-coordinator" + (f"-g{generation}" if generation else "")
+               + f"-{uuid.uuid4().hex[:8]}")
         coordinator = client.submit(
             Coordinator, cfg.to_dict(), units, roots, dict(resume) if resume else None,
             members=members, pad_id=make_tokenizer(cfg.tokenizer).pad_id,
@@ -783,17 +813,62 @@ class DataService:
             self._watcher.join(self.config.timeout)
         try:
             if self._owner and self.client.status == "running":
+                keys: list[Any] = list(self._pinned or ())
                 try:
+                    keys += self._role_keys()
                     self.coordinator.close_roles().result(timeout=30)
                 except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
                     pass
                 self.client.unpublish_dataset(_PREFIX + self.name)
                 if self._pinned is not None:
                     self.client.unpublish_dataset(_ROLES + self.name)
+                self._forget(keys)
+                self._tell_closed()
         finally:
             self.client.close()
             if self._cluster is not None:
                 self._cluster.close()
+
+    def _role_keys(self) -> list[Any]:
+        """The Dask keys of the planner, its loaders and its constructors."""
+        h = self.coordinator.handles().result(timeout=10)
+        return ([self._registry["coordinator"].key] + [c.key for c in h["constructors"]]
+                + [x.key for slots in h["loaders"].values() for x in slots.values()])
+
+    def _tell_closed(self) -> None:
+        """Put a last ticket in every rank's queue: a reader still waiting raises
+        :class:`ServiceError` saying the service was closed, instead of timing out."""
+        from distributed import Queue
+
+        from .constructor import queue_name
+
+        msg = {"error": "closed by its owner", "g": self.generation}
+        for r in range(self.config.parallel.world_size):
+            try:
+                Queue(queue_name(self.name, r), client=self.client).put(msg, timeout=5)
+            except Exception as e:  # noqa: BLE001 - best effort: the cluster may be gone
+                _log.warning("msd_dask %s: could not tell rank %d the service closed: %r",
+                             self.name, r, e)
+                return
+
+    def _forget(self, keys: list[Any]) -> None:
+        """Make Dask forget the closed roles' keys, whoever still holds a reference.
+
+        Every client that unpickled a handle (the planner's worker, constructors,
+        the plugin's cached registry) holds a reference to a role's key, and one
+        kept past close kept the actor on its worker and the key on the scheduler
+        for as long as the cluster ran.  Cancelling with ``force`` releases the
+        keys for every client.
+        """
+        from distributed import Future
+
+        if not keys:
+            return
+        futures: list[Any] = [Future(k, self.client) for k in dict.fromkeys(keys)]
+        try:
+            self.client.cancel(futures, force=True, reason=f"msd_dask service {self.name!r} closed")
+        except Exception as e:  # noqa: BLE001 - best effort: the cluster may be gone
+            _log.warning("msd_dask %s: could not release the roles' keys: %r", self.name, e)
 
     def __enter__(self) -> DataService:
         return self
