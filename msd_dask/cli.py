@@ -224,10 +224,15 @@ def _serve(args: argparse.Namespace) -> int:
                             security=_security(args))
     stop = {"now": False}
 
-    def _stop(*_: object) -> None:
+    def _stop(signum: int, _frame: object) -> None:
+        if stop["now"] and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for a clean close
         stop["now"] = True
 
+    # Ctrl-C too: a KeyboardInterrupt raised inside a call to the cluster could leave
+    # that call half done before close() (CI once saw serve not exit within 30 s of it)
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     print(f"serving {svc.name!r} on {args.scheduler}; connect with "
           f"DataService.connect({args.scheduler!r}, {svc.name!r}). Ctrl-C stops.", flush=True)
     lost = ("msd-dask serve: lost the scheduler at {}; restart the service from the last "
