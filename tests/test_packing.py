@@ -140,3 +140,30 @@ def test_wire_form_round_trip_of_every_rank_view(cp, pp_rank):
             assert back[k].shape == v.shape
         else:
             assert back[k] == v, k
+
+
+@pytest.mark.parametrize("key, value", [("input_ids", 2**31), ("labels", -(2**31) - 1),
+                                        ("position_ids", 2**40)])
+def test_wire_form_rejects_values_outside_int32(key, value):
+    from msd_dask.packing import to_wire
+
+    batch = pack_rows([[(np.arange(5, dtype=np.uint16), 5)]], 8, 0)
+    a = batch[key].astype(np.int64)
+    a[0, 1] = value
+    batch[key] = a
+    with pytest.raises(ValueError, match=rf"{key} holds {value}, outside int32"):
+        to_wire(batch)
+
+
+def test_wire_form_rejects_cu_seqlens_outside_int32_and_keeps_int64_that_fits():
+    from msd_dask.packing import from_wire, to_wire
+
+    batch = pack_rows([[(np.arange(5, dtype=np.uint16), 5)]], 8, 0)
+    batch["input_ids"] = batch["input_ids"].astype(np.int64)  # fits: cast, same values
+    np.testing.assert_array_equal(from_wire(to_wire(batch))["input_ids"], batch["input_ids"])
+    batch["cu_seqlens"] = [np.array([0, 2**33], dtype=np.int64)]
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] holds 8589934592"):
+        to_wire(batch)
+    batch["cu_seqlens"] = [np.array([0.0, 5.0])]
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] has dtype float64, not integers"):
+        to_wire(batch)
