@@ -280,7 +280,13 @@ class Coordinator:
         the adaptive policy, two per read thread of the source's loaders if that is more
         (at most ``read_ahead``)."""
         keys = self.planner.upcoming_units(source, read_ahead)
-        window = len(self.planner.upcoming_units(source, 0))
+        # the current window's units come first: the prefix in the stream's current window
+        st = self.planner.streams[source]
+        window = 0
+        for e, u in keys:
+            if e != st.epoch or st.window_of(e, u) != st.window:
+                break
+            window += 1
         known = self._unit_tokens[source]
         seen = known[known >= 0]
         mean = float(seen.mean()) if len(seen) else None

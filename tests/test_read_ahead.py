@@ -113,3 +113,50 @@ def test_token_cap_bounds_what_loaders_hold_and_keeps_the_batches(tmp_path) -> N
     assert 0 < held_cap <= bound, (held_cap, bound, pos)
     # without the cap the loader holds read_ahead = 8 units after the window: more
     assert held_all > bound, (held_all, bound, pos)
+
+
+def test_upcoming_asks_the_planner_once_per_call_and_keeps_what_it_chose(corpus) -> None:
+    """``Coordinator._upcoming`` takes the window and the read-ahead from one
+    ``upcoming_units`` call: the same units as asking for the window separately, at
+    every position of the stream (windows and epochs crossed by planning steps)."""
+    import numpy as np
+
+    from msd_dask.coordinator import Coordinator
+
+    root, _ = corpus
+    c = load_config(config(root))
+    units, roots = discover_units(c)
+    co = Coordinator(c.to_dict(), units, roots)
+    planner = co.planner
+    ask = planner.upcoming_units
+    calls: list[tuple[str, int]] = []
+
+    def counted(source: str, n: int) -> list[tuple[int, int]]:
+        calls.append((source, n))
+        return ask(source, n)
+
+    planner.upcoming_units = counted  # type: ignore[method-assign]
+    lengths = {}
+    for s in c.sources:
+        fs = open_source(s.uri, s.storage_options).fs
+        tok = ByteTokenizer()
+        for i, u in enumerate(co.units[s.name]):
+            lengths[(s.name, i)] = np.array([len(d) for d in read_unit(s, fs, u, tok)])
+            co._unit_tokens[s.name][i] = int(lengths[(s.name, i)].sum())
+    co._ahead_cap = {s.name: 300 for s in c.sources}  # small: the token cap decides
+    epochs = set()
+    for _ in range(60):
+        for s in c.sources:
+            for read_ahead in (0, 1, 3, 100):
+                calls.clear()
+                got = co._upcoming(s.name, read_ahead)
+                assert calls == [(s.name, read_ahead)]
+                # what asking for the window separately chose
+                keys, window = ask(s.name, read_ahead), len(ask(s.name, 0))
+                known = co._unit_tokens[s.name]
+                est = [float(known[u]) for _, u in keys[window:]]
+                want = keys[:window + max(ahead_within(est, 300), 1)]
+                assert got == want
+        epochs.add(planner.streams["code"].epoch)
+        planner.plan_step(lambda source, e, u: lengths[(source, u)])
+    assert len(epochs) > 1  # the stream crossed an epoch
