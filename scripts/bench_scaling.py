@@ -5,7 +5,8 @@ waits 2 ms per KiB on a store (`msd_dask.examples.preprocess:store_1x`), the cos
 one 40 ms per KiB (`store_20x`; waiting releases the GIL).  ``--mode cpu``: the
 costly one burns about 40 ms of CPU per KiB (`cpu_bound`, hashing that releases
 the GIL like image decoding; ``--costly`` picks another preprocessor, e.g.
-`cpu_bound_py`, which holds it, with ``--pool process:2``).
+`cpu_bound_py` (a short name is one of `msd_dask.examples.preprocess`), which
+holds it, with ``--pool process:2``).
 
 A consumer emulates a training job: one reader per DP rank, each claiming up to
 ``--prefetch`` batches ahead in a background thread (`msd_dask.torch.Prefetcher`, as
@@ -37,6 +38,7 @@ the same cores allow less: the bound the service can reach on them.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 import threading
@@ -46,6 +48,28 @@ from typing import Any
 RANKS = 2
 SEQ_LEN = 4096
 PREP = "msd_dask.examples.preprocess:"
+
+
+def preprocess_path(name: str) -> str:
+    """The full import path of a preprocessor: ``name`` as given if it has a ``:``, else
+    the function of that name in :mod:`msd_dask.examples.preprocess`.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` has no ``:`` and is not a function of that module.
+    """
+    if ":" in name:
+        return name
+    from msd_dask.examples import preprocess
+
+    known = sorted(k for k, v in vars(preprocess).items()
+                   if inspect.isfunction(v) and not k.startswith("_")
+                   and v.__module__ == preprocess.__name__)
+    if name not in known:
+        raise ValueError(f"--costly {name!r}: not a function of {PREP[:-1]} (one of "
+                         f"{', '.join(known)}), nor a full path 'package.module:function'")
+    return PREP + name
 
 
 def make_config(data: str, policy: str, mode: str, costly: str | None = None,
@@ -235,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="demo corpus with 64 prose shards (written if missing): a source "
                         "needs many units for several loaders to share it")
     p.add_argument("--mode", choices=["io", "cpu"], default="io")
-    p.add_argument("--costly", help="preprocess of the costly source (default: store_20x "
-                                    "for io, cpu_bound for cpu)")
+    p.add_argument("--costly", help="preprocess of the costly source: a function of "
+                                    "msd_dask.examples.preprocess by its name (e.g. "
+                                    "cpu_bound_py) or a full path package.module:function "
+                                    "(default: store_20x for io, cpu_bound for cpu)")
     p.add_argument("--pool", help="the costly source's pool as KIND:SIZE, e.g. process:2 "
                                   "(default: the loader's one thread)")
     p.add_argument("--read-ahead-tokens", type=int, default=0,
@@ -254,6 +280,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the third run, with no costly source (io: both store_1x; cpu: "
                         "no preprocessing), which also measures the service's own CPU")
     args = p.parse_args(argv)
+    if args.costly:
+        try:
+            args.costly = preprocess_path(args.costly)
+        except ValueError as e:
+            p.error(str(e))
     import dask
 
     # process pools (``--pool process:N``) need workers that may start processes
