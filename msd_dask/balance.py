@@ -219,6 +219,14 @@ class _Greedy:
                 out_rank[i], out_micro[i] = r, 0
                 head += 1
             idx, lens, ks = idx[head:], lens[head:], ks[head:]
+        if len(idx) >= _BLOCKS_MIN_PIECES and self.n_ranks >= _BLOCKS_MIN_RANKS:
+            done = self._blocks(np.asarray(idx, dtype=np.int64), np.asarray(lens, dtype=np.int64),
+                                np.asarray(ks, dtype=np.float64))
+            if done:
+                free, row_key, rank_key, max_free = (self.free, self.row_key, self.rank_key,
+                                                     self.max_free)
+                out_rank, out_micro = self.rank, self.micro
+                idx, lens, ks = idx[done:], lens[done:], ks[done:]
         heap = [(rank_key[r], r) for r in range(self.n_ranks)]
         heapify(heap)
         for i, length, key in zip(idx, lens, ks, strict=True):
@@ -252,6 +260,65 @@ class _Greedy:
             heapreplace(heap, (rank_key[r], r))
             out_rank[i] = r
             out_micro[i] = m
+
+    def _blocks(self, idx: np.ndarray, lens: np.ndarray, ks: np.ndarray) -> int:
+        """:meth:`fill`'s placements for a prefix of the pieces, a block at a time; how many.
+
+        The pieces of a block go, in order, to the ranks that come first by
+        ``(key sum, rank)`` among those with room for the block's shortest piece,
+        one each, which is what placing them one by one does when (a) each of
+        those ranks has room for the block's longest piece and (b) no rank that
+        took a piece overtakes, with its new key sum, a rank still to take one.
+        A block is the longest run of pieces for which both hold, at most
+        ``n_ranks``; each piece goes to the row of its rank with the least key
+        sum that has room.  Stops (for the loop of :meth:`fill` to go on) once
+        blocks stay too short to be worth their sorting.
+        """
+        R = self.n_ranks
+        free = np.array(self.free, dtype=np.int64).reshape(R, self.micro_batches)
+        row_key = np.array(self.row_key, dtype=np.float64).reshape(R, self.micro_batches)
+        rank_key = np.array(self.rank_key, dtype=np.float64)
+        out_rank = np.array(self.rank, dtype=np.int64)
+        out_micro = np.array(self.micro, dtype=np.int64)
+        max_free = free.max(axis=1)
+        pos, n, short = 0, len(idx), 0
+        while pos < n and short < _BLOCKS_SHORT_TRIES:
+            want = min(R, n - pos)
+            ln, kk = lens[pos:pos + want], ks[pos:pos + want]
+            cand = np.flatnonzero(max_free >= ln.min())
+            cand = cand[np.argsort(rank_key[cand], kind="stable")[:want]]
+            b = len(cand)
+            ln, kk = ln[:b], kk[:b]
+            v = rank_key[cand]
+            # (a): every rank of the block has room for its longest piece
+            ok = np.minimum.accumulate(max_free[cand]) >= np.maximum.accumulate(ln)
+            # (b): the ranks before the t-th end above its key sum (ties: stop, to be safe)
+            above = np.minimum.accumulate(v + kk)
+            ok[1:] &= above[:-1] > v[1:]
+            stop = np.flatnonzero(~ok)
+            k = int(stop[0]) if len(stop) else b
+            if k == 0:
+                break
+            short = short + 1 if k < _BLOCKS_SHORT else 0
+            r, ln, kk = cand[:k], ln[:k], kk[:k]
+            room = free[r] >= ln[:, None]
+            m = np.argmin(np.where(room, row_key[r], np.inf), axis=1)
+            free[r, m] -= ln
+            row_key[r, m] += kk
+            rank_key[r] += kk
+            max_free[r] = free[r].max(axis=1)
+            i = idx[pos:pos + k]
+            out_rank[i] = r
+            out_micro[i] = m
+            pos += k
+        if pos:
+            self.free = free.tolist()
+            self.row_key = row_key.tolist()
+            self.rank_key = rank_key.tolist()
+            self.max_free = max_free.tolist()
+            self.rank = out_rank.tolist()
+            self.micro = out_micro.tolist()
+        return pos
 
     def fill_tail(self, order: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> None:
         """:meth:`fill` for pieces whose keys are too small to matter one by one.
@@ -340,6 +407,13 @@ def _min_cost_per_token(lengths: np.ndarray, costs: np.ndarray) -> float:
 #: Weight of the plain cost in the excess keys: breaks ties between pieces of
 #: no excess (all of one length, say) towards the cheaper ranks.
 _COST_SHARE = 1e-3
+#: :meth:`_Greedy.fill` places pieces in blocks (:meth:`_Greedy._blocks`) when there are
+#: at least this many ranks and pieces, until ``_BLOCKS_SHORT_TRIES`` blocks in a row
+#: are shorter than ``_BLOCKS_SHORT`` (then its loop is faster)
+_BLOCKS_MIN_RANKS = 256
+_BLOCKS_MIN_PIECES = 4096
+_BLOCKS_SHORT = 512
+_BLOCKS_SHORT_TRIES = 3
 #: Pieces whose key is below this share of a mean rank's key sum are placed in
 #: vectorised rounds (:meth:`_Greedy.fill_tail`) when there are many.
 _TINY = 1e-4

@@ -104,6 +104,9 @@ def specs() -> list[Spec]:
                  outliers=0.5 if balance == "balanced" else 0.0, units=400, rows=200, need=64,
                  tags=("golden",) if balance == "balanced" else ()),
         ]
+    for balance, outliers in (("lpt", 0.0), ("balanced", 0.0), ("balanced", 0.5)):
+        out.append(Spec(f"{balance}-out{outliers}-dp512-seq128", 512, 4, seq_len=128, balance=balance,
+                        outliers=outliers, seed=14, steps=4, units=300, need=64, resume_at=2))
     out.append(Spec("sequential-spread", 16, 4, balance="sequential", long_mode="spread", max_per_rank=1,
                     seed=12, resume_at=3))
     out.append(Spec("balanced-no-need", 32, 8, seed=13, need=0, outliers=0.5, tags=("golden",)))
