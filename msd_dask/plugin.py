@@ -241,7 +241,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                 seconds_per_token=float(v["seconds_per_token"]), threads=int(v["threads"]),
                 starved=starved, cpu_per_token=(v["cpu_seconds"] / v["tokens_read"]
                                                 if v["tokens_read"] else 0.0),
-                cpu_fraction=_cpu_fraction(v, prev["sources"].get(s)), cores=cores)
+                cpu_fraction=_cpu_fraction(v, prev["sources"].get(s)), cores=cores,
+                core_wait_per_token=(v["cpu_wait_seconds"] / v["tokens_read"]
+                                     if v["tokens_read"] else 0.0))
         scaler = self._scalers[name]
         decided = scaler.decide(time.monotonic(), loads)
         self._targets[name] = {s: scaler.target(s, ld) for s, ld in loads.items()}

@@ -45,11 +45,13 @@ CPU cap
     slowed by other threads holding the GIL, which would let the cap overshoot
     and come back).  When the cluster grows the cap grows with it.
 saturation
-    Each source's capacity (``loaders × threads / seconds_per_token``) is
+    Each source's capacity (``loaders × threads / seconds_per_token``, the
+    seconds waiting for a core left out) is
     recorded per loader count once a change has settled (``cooldown``).  If
     the loaders added since the count below, ``n₀``, each supply less than
     ``MIN_EFFICIENCY`` of what each of the ``n₀`` did, they share an exhausted
-    resource (the cores, for CPU-bound preprocessing: busy time per token grows
+    resource (the GIL, a store, or the cores where the wait for a core is not
+    measured: busy time per token grows
     with every loader): the source is held at the count that resource allows
     from then on, and the loaders above it are removed at once (down to that
     count, not below: further scale-downs follow the hysteresis).  A saturation
@@ -114,6 +116,9 @@ class SourceLoad:
         time they waited for a core (0: not measured).
     cores : float
         Threads of the cluster's workers (0: not known).
+    core_wait_per_token : float
+        Of ``seconds_per_token``, the seconds the loaders' threads were runnable but
+        waited for a core (other threads had them; 0: not measured).
     """
 
     loaders: int
@@ -125,6 +130,7 @@ class SourceLoad:
     cpu_per_token: float = 0.0
     cpu_fraction: float = 0.0
     cores: float = 0.0
+    core_wait_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -281,13 +287,19 @@ class Scaler:
         each of the first ones.  Below :data:`MIN_EFFICIENCY` of that, the
         source is held at ``n₀ + ceil((c - c₀) / (c₀ / n₀))`` loaders: the added
         loaders that brought capacity are kept, no more are added.
+
+        The time the loaders waited for a core is not counted: the cores are the CPU
+        cap's to share out (:func:`cpu_caps`), and threads of other processes (or the
+        service's own event loops) taking a core from a CPU-bound loader would make
+        a second loader on two cores look like one that adds too little.
         """
         if load.seconds_per_token <= 0 or \
                 now - self._changed.get(source, -math.inf) < self.policy.cooldown:
             return  # not measured yet, or the new loaders have not settled
         caps = self.capacity.setdefault(source, {})
         n = load.loaders
-        caps[n] = n * load.threads / load.seconds_per_token
+        busy = load.seconds_per_token - load.core_wait_per_token
+        caps[n] = n * load.threads / (busy if busy > 0 else load.seconds_per_token)
         below = [k for k in caps if k < n]
         if not below:
             return

@@ -283,3 +283,23 @@ def test_cpu_cap_waits_for_a_few_windows_before_exceeding_the_cores():
         loaders=n, seconds_per_token=0.001, consumption=20_000.0, starved=0.5,
         cpu_per_token=0.00005, cpu_fraction=0.05, cores=2.0))
     assert changes == [(0, 2), (2, 4), (3, 8)]
+
+
+def test_waiting_for_a_core_is_not_taken_for_a_saturated_source():
+    # a CPU-bound source on 2 cores, 1 -> 2 loaders: busy time per token doubles from
+    # 24 to 48 us (two supply what one did), all of it waiting for a core (other
+    # processes took the cores); on a core each hashes as fast as one alone: the cores
+    # are the CPU cap's to share, and 2 loaders are kept
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    kw = dict(consumption=100_000.0, starved=0.5, cpu_per_token=24e-6, cpu_fraction=1.0,
+              cores=2.0)
+    assert s.decide(0.0, {"a": load(loaders=1, seconds_per_token=24e-6, **kw)}) == {"a": 2}
+    for t in range(5, 100):
+        assert s.decide(float(t), {"a": load(loaders=2, seconds_per_token=48e-6,
+                                             core_wait_per_token=24e-6, **kw)}) == {}
+    assert s.saturated == {}
+    # the same growth without waiting for a core (the GIL, a store): saturated at 1
+    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    assert s.decide(0.0, {"a": load(loaders=1, seconds_per_token=24e-6, **kw)}) == {"a": 2}
+    assert s.decide(5.0, {"a": load(loaders=2, seconds_per_token=48e-6, **kw)}) == {"a": 1}
+    assert s.saturated == {"a": 1}
