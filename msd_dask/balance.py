@@ -747,6 +747,7 @@ def balanced(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches
     rho = _min_cost_per_token(lengths, costs)
     best: tuple[float, int] | None = None
     chosen = None
+    chosen_bound = 0.0
     goal_ratio = 1.0 + tol
     spent = 0
     for start in _starts(lengths, costs, n_ranks, micro_batches, seq_len, rho):
@@ -759,14 +760,14 @@ def balanced(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches
         ratio = float(a.rank_cost.max()) / bound if bound > 0 else 1.0
         score = (ratio, int((~ok).sum()))
         if best is None or score < best:
-            best, chosen = score, a
+            best, chosen, chosen_bound = score, a, bound
         if ratio <= 1.0 + 2 * tol:
             break
     assert chosen is not None
     st = _State(chosen, lengths, costs, seq_len)
     if n_ranks > 1:
-        ok = st.row >= 0
-        goal = capacity_bound(lengths[ok], costs[ok], n_ranks, micro_batches, seq_len) * goal_ratio
+        # the bound of the pieces the chosen start placed, as computed for it
+        goal = chosen_bound * goal_ratio
         _balance_ranks(st, goal, _Budget(work, per_round, k_max))
     _place_leftovers(st)
     _even_rows(st, tol, _Budget(work // 3, per_round, k_max))

@@ -234,12 +234,17 @@ class Planner:
         streams = [self.streams[n] for n in names]
         S = len(names)
         js = range(S)
+        two = S == 2  # the common case, with the mixer's loops written out
         w = [weights.get(n, 0.0) for n in names]
+        w0, w1 = (w + [0.0, 0.0])[:2]
         el = [eligible.get(n, 0.0) > 0 for n in names]
         is_long = [n in self.long_sources for n in names]
+        if long_budget is not None and n_long >= long_budget:
+            el = [e and not lg for e, lg in zip(el, is_long, strict=True)]
         credit = [self.mixer.credit[n] for n in names]
         offset = [st.offset for st in streams]
-        lens: list[list[int] | None] = [None] * S
+        lens: list[list[int]] = [[] for _ in js]
+        end = [-1] * S             # pieces in the source's current window (-1: not looked at yet)
         slot = [0] * S
         windows: list[Window] = []
         win_src: list[int] = []
@@ -249,29 +254,35 @@ class Planner:
         loading = -1
         try:
             while True:
-                if long_budget is not None and n_long >= long_budget:
-                    el = [e and not lg for e, lg in zip(el, is_long, strict=True)]
-                    long_budget = None
-                src = -1
-                for j in js:
-                    if el[j] and (src < 0 or credit[j] > credit[src]):
-                        src = j
-                if src < 0:
-                    break
+                # the eligible source with the most credit (ties: the first)
+                if two:
+                    if el[1] and (not el[0] or credit[1] > credit[0]):
+                        src = 1
+                    elif el[0]:
+                        src = 0
+                    else:
+                        break
+                else:
+                    src = -1
+                    for j in js:
+                        if el[j] and (src < 0 or credit[j] > credit[src]):
+                            src = j
+                    if src < 0:
+                        break
                 o = offset[src]
-                ls = lens[src]
-                if ls is None or o >= len(ls):
+                if o >= end[src]:
                     st = streams[src]
                     st.offset = o
                     loading = src
                     win = st.current(lookup)
                     loading = -1
                     o = offset[src] = st.offset
-                    ls = lens[src] = win.lengths
+                    lens[src] = win.lengths
+                    end[src] = len(win.lengths)
                     slot[src] = len(windows) << 32
                     windows.append(win)
                     win_src.append(src)
-                n = ls[o]
+                n = lens[src][o]
                 if hold and n >= hold:
                     if n_held >= hold_limit:
                         # no room to hold it: the source waits for a release, the others fill
@@ -284,10 +295,17 @@ class Planner:
                 else:
                     taken.append(slot[src] | o)
                     total += n
-                    n_long += is_long[src]
+                    if is_long[src]:
+                        n_long += 1
+                        if long_budget is not None and n_long >= long_budget:
+                            el = [e and not lg for e, lg in zip(el, is_long, strict=True)]
                 offset[src] = o + 1
-                for j in js:
-                    credit[j] += w[j] * n
+                if two:
+                    credit[0] += w0 * n
+                    credit[1] += w1 * n
+                else:
+                    for j in js:
+                        credit[j] += w[j] * n
                 credit[src] -= n
         finally:
             for j, (st, o) in enumerate(zip(streams, offset, strict=True)):
