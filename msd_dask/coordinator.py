@@ -539,6 +539,23 @@ class Coordinator:
                 "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
                 "address": self.roles._own_address(), "keys": self.roles.keys()}
 
+    async def snapshot(self, since: int = 0, lookahead: int | None = None) -> dict[str, Any]:
+        """What the scheduler plugin polls, in one call (each call costs both ends CPU).
+
+        Returns
+        -------
+        dict
+            ``planner``: :meth:`stats`; ``loaders``: :meth:`loader_stats`;
+            ``constructors``: each constructor's ``stats()``; ``history``:
+            :meth:`history_since` ``since``; ``weights_ahead``: :meth:`weights_ahead`
+            over ``lookahead`` steps (``None`` without ``lookahead``).
+        """
+        cons = await asyncio.gather(*(c.stats() for c in list(self.constructors)))
+        return {"planner": await self.stats(), "loaders": await self.loader_stats(),
+                "constructors": list(cons), "history": await self.history_since(since),
+                "weights_ahead": None if lookahead is None else
+                await self.weights_ahead(int(lookahead))}
+
     async def history_since(self, step: int) -> list[dict[str, Any]]:
         return [h for h in self.history if h["step"] >= step]
 

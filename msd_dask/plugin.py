@@ -45,21 +45,23 @@ logger = logging.getLogger(__name__)
 _PREFIX = "msd-"
 
 
-async def collect(registry: dict[str, Any], since: int = 0) -> dict[str, Any]:
+async def collect(registry: dict[str, Any], since: int = 0,
+                  lookahead: int | None = None) -> dict[str, Any]:
     """Gather the figures of one service from its roles (async; any client).
 
-    ``history`` holds the planner's per-step records from step ``since`` on.
+    One call to the planner (:meth:`~msd_dask.coordinator.Coordinator.snapshot`),
+    which asks its loaders and constructors.  ``history`` holds the planner's per-step
+    records from step ``since`` on; ``weights_ahead`` each source's largest weight
+    over the next ``lookahead`` steps (``None`` without ``lookahead``).
     """
     coordinator = await registry["coordinator"]
-    constructors = (await coordinator.handles(False))["constructors"]
-    planner = await coordinator.stats()
-    loader_stats = await coordinator.loader_stats()
-    cons = [await c.stats() for c in constructors]
-    sources = source_figures(planner, loader_stats, registry.get("quarantined", {}))
+    snap = await coordinator.snapshot(since, lookahead)
+    planner, cons = snap["planner"], snap["constructors"]
+    sources = source_figures(planner, snap["loaders"], registry.get("quarantined", {}))
     ranks = {str(r): v for r, v in rank_figures(cons).items()}  # JSON keys
-    history = await coordinator.history_since(since)
-    return {"sources": sources, "ranks": ranks, "planner": planner, "history": history,
-            "constructors": len(constructors), "time": time.time()}
+    return {"sources": sources, "ranks": ranks, "planner": planner, "history": snap["history"],
+            "weights_ahead": snap["weights_ahead"], "constructors": len(cons),
+            "time": time.time()}
 
 
 class _Page(web.RequestHandler):
@@ -163,8 +165,11 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                 self._configs[name] = load_config(registry["config"], check_files=False)
             hist = self.imbalance.setdefault(name, deque(maxlen=300))
             since = hist[-1][0] + 1 if hist else 0
+            sc = self._configs[name].scaling
             try:
-                snap = await asyncio.wait_for(collect(registry, since), 10)
+                snap = await asyncio.wait_for(
+                    collect(registry, since, sc.lookahead if sc.policy == "adaptive" else None),
+                    10)
             except Exception:
                 self._registries.pop(name, None)  # a new planner, or a new service of that name
                 raise
@@ -221,14 +226,13 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         cfg = self._configs[name]
         if cfg.scaling.policy != "adaptive":
             return
-        sc = cfg.scaling
         if name not in self._scalers:
             self._scalers[name] = Scaler(ScalingPolicy.from_config(cfg))
         dt = snap["time"] - prev["time"]
         planned = sum(snap["planner"]["tokens_planned"].values())
         before = sum(prev["planner"]["tokens_planned"].values())
         coordinator = await registry["coordinator"]
-        ahead = await coordinator.weights_ahead(sc.lookahead)
+        ahead = snap["weights_ahead"]
         cores = float(sum(ws.nthreads for ws in self.scheduler.workers.values()
                           if _running(ws)))
         loads = {}

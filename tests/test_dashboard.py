@@ -70,3 +70,58 @@ def test_status_page_and_metrics(tmp_path):
             assert shot.exists() and shot.stat().st_size > 1000
             if os.environ.get("MSD_SAVE_SCREENSHOT"):
                 shutil.copy(shot, os.environ["MSD_SAVE_SCREENSHOT"])
+
+
+def _count_planner_calls(dask_worker):
+    """Count the actor calls this worker's planner (coordinator actor) gets, by method."""
+    import collections
+    import functools
+
+    counts = dask_worker._msd_planner_calls = collections.Counter()
+    handler = dask_worker.handlers["actor_execute"]
+
+    @functools.wraps(handler)
+    async def counted(*args, **kwargs):
+        if "coordinator" in str(kwargs.get("actor")):
+            counts[str(kwargs.get("function"))] += 1
+        return await handler(*args, **kwargs)
+
+    dask_worker.handlers["actor_execute"] = counted
+
+
+def _planner_calls(dask_worker):
+    return dict(getattr(dask_worker, "_msd_planner_calls", {}))
+
+
+async def _polls(n, dask_scheduler):
+    plugin = dask_scheduler.plugins["msd_dask"]
+    for _ in range(n):
+        await plugin.poll()
+    return plugin.status()["services"]
+
+
+def test_a_poll_asks_the_planner_once(corpus):
+    """The plugin polls every service each second: one call to its planner, which asks
+    its loaders and constructors (each call costs CPU at both ends), with the same
+    figures as :meth:`DataService.stats`; the adaptive policy's look-ahead weights too."""
+    root, _ = corpus
+    cfg = config(root, name="polled", scaling={"policy": "adaptive"})
+    with DataService.start(cfg, n_workers=1, threads_per_worker=1) as svc:
+        readers = [svc.reader(r) for r in range(2)]
+        for _ in range(5):
+            for rd in readers:
+                next(rd)
+        svc.client.run(_count_planner_calls)
+        status = svc.client.run_on_scheduler(_polls, 3)["polled"]
+        calls = {}
+        for c in svc.client.run(_planner_calls).values():
+            calls.update(c)
+        stats = svc.stats()
+    # besides the polls: the owner's checkpoint each second, the policy's decisions
+    polled = {k: v for k, v in calls.items() if k not in ("checkpoint", "scale")}
+    assert set(polled) == {"snapshot"} and polled["snapshot"] >= 3, calls
+    assert set(status["sources"]) == set(stats["sources"]) == {"code", "prose"}
+    for s, v in status["sources"].items():
+        assert v["weight"] == stats["sources"][s]["weight"]
+        assert v["tokens_read"] <= stats["sources"][s]["tokens_read"]
+    assert set(status["ranks"]) == {str(r) for r in stats["ranks"]}
