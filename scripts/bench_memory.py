@@ -46,6 +46,11 @@ processes' own python+torch).  Baseline total / msd_dask total, which counts
 the ``R`` training processes on the baseline side only, is printed below it
 for comparison with earlier runs.
 
+``--cluster-env KEY=VALUE`` adds a variable to the environment of the dask
+scheduler and workers only, as a deployment sets it for ``dask scheduler`` /
+``dask worker`` (e.g. ``ARROW_DEFAULT_MEMORY_POOL=system``, to measure a
+setting before recommending it); nothing else gets it.
+
     python scripts/bench_memory.py --quick      # (R, W, S) = (8, 2, 8)
     python scripts/bench_memory.py              # (16, 4, 16)
 """
@@ -53,6 +58,7 @@ for comparison with earlier runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -60,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -279,16 +286,28 @@ def _variant_head(v: str, default_ra: int) -> str:
     return f"{v}, no token cap"
 
 
+def start_cluster(tmp: str, workers: int, env: dict[str, str]
+                  ) -> tuple[str, list[subprocess.Popen]]:
+    """A ``dask scheduler`` and ``workers`` ``dask worker`` processes (``--no-nanny``, with
+    the nanny's environment) for msd_dask, ``env`` added to their environment only.
+
+    Returns the scheduler's address and the processes (scheduler first).
+    """
+    from bench_scheduler_bytes import _start_cluster
+
+    with _environ(env):
+        return _start_cluster(tmp, workers, count=False, nthreads=_DASK_THREADS)
+
+
 def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
             variant: tuple[int | None, int | None]) -> dict[str, float]:
     """msd_dask's processes, its sources' ``read_ahead`` and ``read_ahead_tokens`` set to
     ``variant`` (``None``: the config's)."""
     read_ahead, read_ahead_tokens = variant
-    from bench_scheduler_bytes import _start_cluster, _stop
+    from bench_scheduler_bytes import _stop
 
     with tempfile.TemporaryDirectory() as tmp:
-        address, cluster = _start_cluster(tmp, a.dask_workers, count=False,
-                                          nthreads=_DASK_THREADS)
+        address, cluster = start_cluster(tmp, a.dask_workers, _cluster_env(a.cluster_env))
         procs = Procs()
         try:
             procs.start("serve", ["--child", "serve", "--address", address, *common,
@@ -320,6 +339,32 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
            "loaders": held["loaders"]}
     out["total"] = out["scheduler"] + out["workers"] + out["serve"] + a.ranks * out["reader_adds"]
     return out
+
+
+def _cluster_env(pairs: list[str]) -> dict[str, str]:
+    """``--cluster-env KEY=VALUE`` options as a dict (a malformed one is refused)."""
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--cluster-env wants KEY=VALUE, got {pair!r}")
+        env[key] = value
+    return env
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` set while the block runs (for the processes it starts)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _compiled_copy(root: str) -> str:
@@ -365,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="msd_dask runs, one per comma-separated value: 'config' (the sources' "
                         "read_ahead units and read_ahead_tokens cap), 'nocap' (the config's "
                         "units, no token cap), or N (N units, no token cap)")
+    p.add_argument("--cluster-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in the environment of the dask scheduler and workers only, as a "
+                        "deployment sets it for `dask scheduler` / `dask worker` (repeatable; "
+                        "e.g. ARROW_DEFAULT_MEMORY_POOL=system); the HF side, the starting "
+                        "process and the readers do not get it")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--bytecode", action="store_true",
@@ -385,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         a.ranks, a.workers, a.sources, a.warm = 2, 1, 2, 1
     if a.sources < 2 or a.sources % 2:
         p.error("--sources must be even and at least 2")
+    _cluster_env(a.cluster_env)
     if a.child:
         {"bare": lambda: child_bare(), "hf": lambda: child_hf(a), "serve": lambda: child_serve(a),
          "reader": lambda: child_reader(a)}[a.child]()
@@ -412,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(R, W, S) = ({a.ranks}, {a.workers}, {a.sources}); seq_len {a.seq_len} x "
           f"{a.micro_batches} micro-batches; {a.warm} batches read per rank; "
           f"{a.dask_workers} dask workers x {_DASK_THREADS} threads; {os.cpu_count()} cores; "
-          f"{secs:.0f} s" + ("; msd_dask from bytecode (--bytecode)" if a.bytecode else ""))
+          f"{secs:.0f} s" + ("; msd_dask from bytecode (--bytecode)" if a.bytecode else "")
+          + "".join(f"; dask scheduler and workers with {kv}" for kv in a.cluster_env))
     print(f"bare python+torch process: {hf['bare'] / mib:.0f} MiB (baseline run), "
           + ", ".join(f"{m['bare'] / mib:.0f}" for m in msds) + " MiB (msd_dask runs)")
     print(f"{'pipeline':<50}{'PSS MiB':>10}")
@@ -452,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"R": a.ranks, "W": a.workers, "S": a.sources, "hf": hf,
+                       "cluster_env": _cluster_env(a.cluster_env),
                        "msd": [dict(m, read_ahead=v) for m, v in zip(msds, variants, strict=True)]},
                       f)
     return 0

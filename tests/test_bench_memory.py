@@ -1,0 +1,49 @@
+"""scripts/bench_memory.py: ``--cluster-env`` reaches the dask scheduler and workers only."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def bench_memory():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    spec = importlib.util.spec_from_file_location("bench_memory",
+                                                  os.path.join(ROOT, "scripts", "bench_memory.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cluster_env_parses_pairs_and_refuses_a_malformed_one(bench_memory):
+    assert bench_memory._cluster_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
+    for bad in ("A", "=1"):
+        with pytest.raises(SystemExit, match="KEY=VALUE"):
+            bench_memory._cluster_env([bad])
+
+
+def test_cluster_env_reaches_the_scheduler_and_workers_only(bench_memory, tmp_path):
+    from distributed import Client
+
+    key = "MSD_BENCH_MEMORY_TEST"
+    os.environ.pop(key, None)
+    address, procs = bench_memory.start_cluster(str(tmp_path), 1, {key: "on"})
+    try:
+        assert key not in os.environ  # this process (and what it starts next) does not get it
+        with Client(address, timeout=60) as client:
+            client.wait_for_workers(1, timeout=60)
+            assert list(client.run(os.getenv, key).values()) == ["on"]
+            assert client.run_on_scheduler(os.getenv, key) == "on"
+    finally:
+        from bench_scheduler_bytes import _stop
+
+        _stop(procs)
