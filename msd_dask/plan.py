@@ -442,23 +442,23 @@ def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro:
     (the shortest that makes room), which is carried instead; so no piece
     waits more than one step.
     """
+    n = len(lengths)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    new = np.arange(n) >= n_carried
     for i in range(n_carried):
         if rank[i] >= 0:
             continue
-        placed = np.flatnonzero(rank >= 0)
-        used: dict[tuple[int, int], int] = {}
-        for j in placed:
-            k = (int(rank[j]), int(micro[j]))
-            used[k] = used.get(k, 0) + int(lengths[j])
-        best = -1
-        for j in placed:
-            if j < n_carried:
-                continue
-            room = seq_len - used[(int(rank[j]), int(micro[j]))] + int(lengths[j])
-            if room >= lengths[i] and (best < 0 or lengths[j] < lengths[best]):
-                best = int(j)
-        if best < 0:  # every row is full of carried pieces: cannot happen in practice
+        placed = rank >= 0
+        # tokens used in each piece's row; the new placed piece with the least length (the
+        # first of them) whose row has room for piece i once it leaves
+        row = rank * max(int(micro.max()) + 1, 1) + micro
+        used = np.zeros(max(int(row.max()) + 1, 1), dtype=np.int64)
+        np.add.at(used, row[placed], lengths[placed])
+        room = seq_len - used[np.maximum(row, 0)] + lengths
+        cand = np.flatnonzero(placed & new & (room >= lengths[i]))
+        if len(cand) == 0:  # every row is full of carried pieces: cannot happen in practice
             continue
+        best = int(cand[np.argmin(lengths[cand])])
         rank[i], micro[i] = rank[best], micro[best]
         rank[best] = micro[best] = -1
 

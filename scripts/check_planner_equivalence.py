@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         want = list(records(ref, s))
         t2 = time.perf_counter()
         t_new, t_ref = t_new + t1 - t0, t_ref + t2 - t1
-        n_plans = sum(r.startswith('{"step"') for r in want)
+        n_plans = sum('"rows": ' in r for r in want)
         bad = next((i for i, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), None)
         if bad is None and len(got) != len(want):
             bad = min(len(got), len(want))
