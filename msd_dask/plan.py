@@ -149,8 +149,11 @@ class Planner:
         Returns the step the change takes effect at.
         """
         start = self.step if from_step is None else max(int(from_step), self.step)
-        names = {s.name for s in self.cfg.sources}
-        unknown = set(weights) - names
+        # the config's order, not a set's: the mixer sums the weights in this order, and a
+        # set's order depends on the process's hash seed (the same seed and the same
+        # set_weights call must give the same steps in every process)
+        names = [s.name for s in self.cfg.sources]
+        unknown = set(weights) - set(names)
         if unknown:
             raise ValueError(f"set_weights: unknown source(s) {sorted(unknown)}")
         w = {n: float(weights.get(n, 0.0)) for n in names}

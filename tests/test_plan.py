@@ -389,3 +389,29 @@ def test_kept_rows_best_fit_decreasing_carried_first() -> None:
     # a carried piece goes first even though it is the shortest; a new one is carried instead
     assert rows([3, 10, 10], 1, 2, 10) == [0, 1, -1]
     assert rows([], 0, 4, 10) == []
+
+
+_HASHSEED_RUN = """
+import hashlib, json, sys
+sys.path.insert(0, {tests!r})
+from test_plan import WEIGHTS_3, make_cfg, plan_key, planner, run
+pl = planner(make_cfg(WEIGHTS_3))
+pl.set_weights({{"tiny": 0.7, "code": 0.2, "web": 0.1}}, from_step=5)
+plans = run(pl, 40)
+print(hashlib.sha256(repr([plan_key(p) for p in plans]).encode()
+                     + json.dumps(pl.state_dict()).encode()).hexdigest())
+"""
+
+
+def test_set_weights_plans_the_same_under_every_hash_seed() -> None:
+    # set_weights kept the weights in the order of a set of source names, which
+    # depends on the process's hash seed (the state's JSON and the mixer's sums with it)
+    import os
+    import subprocess
+    import sys
+
+    code = _HASHSEED_RUN.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    digests = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                              text=True, env=dict(os.environ, PYTHONHASHSEED=str(seed))
+                              ).stdout.strip() for seed in range(4)}
+    assert len(digests) == 1, digests
