@@ -94,7 +94,14 @@ def _planner_calls(dask_worker):
 
 
 async def _polls(n, dask_scheduler):
+    import asyncio
+    import time
+
     plugin = dask_scheduler.plugins["msd_dask"]
+    deadline = time.monotonic() + 30
+    while plugin._client is None:  # made by the plugin's own loop, after its first interval
+        assert time.monotonic() < deadline, "the plugin never connected"
+        await asyncio.sleep(0.1)
     for _ in range(n):
         await plugin.poll()
     return plugin.status()["services"]
