@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 from bisect import bisect_left, insort
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from heapq import heapify, heappop, heappush
 from typing import Any
@@ -69,6 +71,32 @@ class StepPlan:
         for p in self.pieces():
             out[p.source] = out.get(p.source, 0) + p.length
         return out
+
+
+
+_GC_LOCK = threading.Lock()
+_gc_state = {"pauses": 0, "was_on": False}
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (process-wide) while the block runs.
+
+    Counted, so that overlapping pauses (two planners in two threads) turn it back
+    on once, after the last, and only if it was on before the first.
+    """
+    with _GC_LOCK:
+        if _gc_state["pauses"] == 0:
+            _gc_state["was_on"] = gc.isenabled()
+            gc.disable()
+        _gc_state["pauses"] += 1
+    try:
+        yield
+    finally:
+        with _GC_LOCK:
+            _gc_state["pauses"] -= 1
+            if _gc_state["pauses"] == 0 and _gc_state["was_on"]:
+                gc.enable()
 
 
 class Planner:
@@ -139,7 +167,9 @@ class Planner:
         raw = {s.name: s.weight.at(step) for s in self.cfg.sources}
         for start, w in self.overrides:
             if start <= step:
-                raw = dict(w)
+                # in the config's order whatever the override's (a state saved with
+                # sorted keys must resume with the same sums, to the last bit)
+                raw = {n: float(w.get(n, 0.0)) for n in raw}
         total = sum(raw.values())
         return {k: v / total for k, v in raw.items()}
 
@@ -178,21 +208,18 @@ class Planner:
         saved = ([(st.epoch, st.window, st.offset) for st in self.streams.values()],
                  dict(self.mixer.credit), self._held, self._held_step)
         # a big step makes ~10⁵-10⁶ objects that live on (the plan's pieces, its rows):
-        # the cyclic collector would walk the heap several times meanwhile; one pass after
-        # the step costs a tenth of that (and it finds no cycles made here)
-        collect = gc.isenabled()
-        gc.disable()
-        try:
-            return self._plan(lookup)
-        except NeedMetadata:
-            positions, credit, self._held, self._held_step = saved
-            for st, (e, w, o) in zip(self.streams.values(), positions, strict=True):
-                st.load_state_dict({"epoch": e, "window": w, "offset": o})
-            self.mixer.load_state_dict(credit)
-            raise
-        finally:
-            if collect:
-                gc.enable()
+        # the cyclic collector would walk the heap several times meanwhile; paused for the
+        # step, it runs again at the next allocations after it (one pass costs a tenth of
+        # that, and finds no cycles made here)
+        with _gc_paused():
+            try:
+                return self._plan(lookup)
+            except NeedMetadata:
+                positions, credit, self._held, self._held_step = saved
+                for st, (e, w, o) in zip(self.streams.values(), positions, strict=True):
+                    st.load_state_dict({"epoch": e, "window": w, "offset": o})
+                self.mixer.load_state_dict(credit)
+                raise
 
     def pending(self) -> list[Piece]:
         """Pieces drawn from the streams but not placed yet (carried and held)."""
