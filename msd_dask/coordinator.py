@@ -230,6 +230,11 @@ class Coordinator:
         """Move every role except this planner off ``workers`` (before retiring them)."""
         return await self.roles.evacuate(list(workers))
 
+    async def role_keys(self) -> list[str]:
+        """The Dask keys of this planner's loaders and constructors (strings: the
+        asking process unpickles no handle)."""
+        return self.roles.keys()
+
     async def close_roles(self) -> None:
         """Stop planning and close every loader and constructor."""
         await self.stop()

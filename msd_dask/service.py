@@ -231,6 +231,18 @@ def _drop_queues(names: list[str], dask_scheduler: Any = None) -> int:
     return dropped
 
 
+def _put_in_queues(names: list[str], message: dict[str, Any], dask_scheduler: Any = None
+                   ) -> int:
+    """Put ``message`` in each of the queues ``names`` that exists; returns how many."""
+    ext = dask_scheduler.extensions.get("queues")
+    put = 0
+    for name in names:
+        if ext is not None and name in ext.queues:
+            ext.queues[name].put_nowait({"type": "msgpack", "value": message})
+            put += 1
+    return put
+
+
 def _install_plugin(client: Any) -> None:
     """Install :class:`~msd_dask.plugin.MsdSchedulerPlugin` unless the scheduler has it."""
     from .plugin import MsdSchedulerPlugin
@@ -829,9 +841,12 @@ class DataService:
             self._watcher.join(self.config.timeout)
         try:
             if self._owner and self.client.status == "running":
-                keys: list[Any] = list(self._pinned or ())
+                keys: list[Any] = [*(self._pinned or ()), self._registry["coordinator"].key]
                 try:
-                    keys += self._role_keys()
+                    keys += self.coordinator.role_keys().result(timeout=10)
+                except Exception:  # noqa: BLE001 - best effort: the pinned keys still go
+                    pass
+                try:
                     self.coordinator.close_roles().result(timeout=30)
                 except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
                     pass
@@ -845,27 +860,19 @@ class DataService:
             if self._cluster is not None:
                 self._cluster.close()
 
-    def _role_keys(self) -> list[Any]:
-        """The Dask keys of the planner, its loaders and its constructors."""
-        h = self.coordinator.handles().result(timeout=10)
-        return ([self._registry["coordinator"].key] + [c.key for c in h["constructors"]]
-                + [x.key for slots in h["loaders"].values() for x in slots.values()])
-
     def _tell_closed(self) -> None:
-        """Put a last ticket in every rank's queue: a reader still waiting raises
-        :class:`ServiceError` saying the service was closed, instead of timing out."""
-        from distributed import Queue
-
+        """Put a last ticket in every rank's queue that exists: a reader still waiting
+        raises :class:`ServiceError` saying the service was closed, instead of timing
+        out.  One call to the scheduler, whatever the number of ranks."""
         from .constructor import queue_name
 
         msg = {"error": "closed by its owner", "g": self.generation}
-        for r in range(self.config.parallel.world_size):
-            try:
-                Queue(queue_name(self.name, r), client=self.client).put(msg, timeout=5)
-            except Exception as e:  # noqa: BLE001 - best effort: the cluster may be gone
-                _log.warning("msd_dask %s: could not tell rank %d the service closed: %r",
-                             self.name, r, e)
-                return
+        names = [queue_name(self.name, r) for r in range(self.config.parallel.world_size)]
+        try:
+            self.client.run_on_scheduler(_put_in_queues, names, msg)
+        except Exception as e:  # noqa: BLE001 - best effort: the cluster may be gone
+            _log.warning("msd_dask %s: could not tell the ranks the service closed: %r",
+                         self.name, e)
 
     def _forget(self, keys: list[Any]) -> None:
         """Make Dask forget the closed roles' keys, whoever still holds a reference.
