@@ -24,6 +24,14 @@ def test_an_epoch_may_end_after_the_next_began():
     assert check_exactly_once(_recs(*steps), TEXTS, 512) == {"s": 2}
 
 
+def test_an_epoch_left_partial_long_before_the_end_fails():
+    # epoch 0 misses c, and epoch 1 began 4 steps before the last record: not a carry
+    steps = [[("a", 0), ("b", 0)], [("a", 1)], [("b", 1)], [], [], [("c", 1)]]
+    with pytest.raises(AssertionError, match=r"epoch 0 is not exactly-once: missing \[\('c', 0\)\]"):
+        check_exactly_once(_recs(*steps), TEXTS, 512)
+    assert check_exactly_once(_recs(*steps), TEXTS, 512, carry_steps=4) == {"s": 1}
+
+
 def test_a_missing_piece_before_the_last_two_epochs_fails():
     steps = [[("a", 0), ("b", 0)], [("a", 1), ("b", 1), ("c", 1)], [("a", 2)]]
     with pytest.raises(AssertionError, match=r"epoch 0 is not exactly-once: missing \[\('c', 0\)\]"):
