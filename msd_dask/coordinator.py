@@ -298,10 +298,13 @@ class Coordinator:
         est = [float(known[u]) if known[u] >= 0 else mean for _, u in keys[window:]]
         # under the adaptive policy two units per read thread (one read, one queued): the
         # policy sizes loaders by their measured rate, which a loader waiting for its next
-        # unit does not reach, and one it adds must have units to read; a fixed allocation
-        # keeps the cap's bound on memory
+        # unit does not reach, and one it adds must have units to read; and the whole next
+        # window, whose units' lengths the planner needs at once when it moves there (read
+        # on demand, a slow store stalled every step at each window change); a fixed
+        # allocation keeps the cap's bound on memory
         threads = len(self.roles.active.get(source, ())) * self.roles.loader_threads
-        least = 2 * threads if self.cfg.scaling.policy == "adaptive" else 1
+        least = (max(2 * threads, st.window_size) if self.cfg.scaling.policy == "adaptive"
+                 else 1)
         return keys[:window + max(ahead_within(est, self._ahead_cap[source]), least)]
 
     def _behind(self, source: str, epoch: int, unit: int) -> bool:
