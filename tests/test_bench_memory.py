@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
+from scripts_import import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,13 +14,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def bench_memory():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_memory",
-                                                  os.path.join(ROOT, "scripts", "bench_memory.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_memory", "bench_memory")
 
 
 def test_cluster_env_parses_pairs_and_refuses_a_malformed_one(bench_memory):

@@ -13,20 +13,12 @@ fails here.  If a decision is changed on purpose, recompute them with
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from scripts_import import load_script
 
 import msd_dask
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "check_planner_equivalence.py"
-_spec = importlib.util.spec_from_file_location("msd_check_planner_equivalence", _PATH)
-assert _spec is not None and _spec.loader is not None
-check = importlib.util.module_from_spec(_spec)
-sys.modules["msd_check_planner_equivalence"] = check
-_spec.loader.exec_module(check)
+check = load_script("check_planner_equivalence")
 
 GOLDEN = {
     "sequential-dp16-mb1-out0.0":

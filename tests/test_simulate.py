@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from scripts_import import load_script
 
 from msd_dask.config import load_config
 from msd_dask.plan import Planner, StepPlan
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "simulate.py"
-_spec = importlib.util.spec_from_file_location("msd_simulate", _PATH)
-assert _spec is not None and _spec.loader is not None
-sim = importlib.util.module_from_spec(_spec)
-sys.modules["msd_simulate"] = sim
-_spec.loader.exec_module(sim)
+sim = load_script("simulate")
 
 # heavy tail: lognormal sigma 2, so the top 1% of documents hold a large share of the tokens
 HEAVY = (sim.SourceSpec("text", 0.7, 5e-7, 1024.0, 2.0), sim.SourceSpec("image", 0.3, 1e-5, 1024.0, 2.0))
