@@ -291,7 +291,7 @@ class _Roles:
         self._slots[source][slot] = await self._new_loader(source, slot)
         new = self._slots[source][slot][0]
         self._log("loader", f"{source}#{slot}", why, old_h._address, new._address)
-        _drop(old_h, old_f)
+        _drop((old_h, old_f))
         await self._reassign(source, [slot], slot)
 
     async def _reassign(self, source: str, slots: list[int], heir: int) -> None:
@@ -322,7 +322,7 @@ class _Roles:
                              if step > safe], force=True)
         if why != "lost":
             await old.close()
-        _drop(old, old_f)
+        _drop((old, old_f))
 
     def _log(self, role: str, name: str, why: str, old: str, new: str) -> None:
         self.recovered[role] += 1
@@ -419,7 +419,7 @@ class _Roles:
             await h.close()
         except Exception:  # noqa: BLE001 - its worker may be gone already
             pass
-        _drop(h, f)
+        _drop((h, f))
 
     async def evacuate(self, workers: list[str]) -> dict[str, int]:
         """Move loaders and constructors off ``workers``; returns how many moved."""
@@ -454,10 +454,7 @@ class _Roles:
                 pass
         # the handles' own futures too: released only through the submit futures, the
         # roles' keys stayed on the scheduler and their actors on the workers after close
-        for c, f in zip(self.constructors, self._cfuts, strict=True):
-            _drop(c, f)
-        for h, f in self._all_loaders():
-            _drop(h, f)
+        _drop(*zip(self.constructors, self._cfuts, strict=True), *self._all_loaders())
 
 
 async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, Any]:
@@ -495,12 +492,16 @@ def _observe(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def _drop(handle: Any, fut: Any) -> None:
-    """Let Dask forget a role's actor: release every future that keeps its key alive."""
+def _drop(*roles: tuple[Any, Any]) -> None:
+    """Let Dask forget roles' actors: release every future that keeps their keys alive.
+
+    ``roles`` are ``(handle, submit future)`` pairs; one garbage collection after
+    them all (it finds the cycles that still hold a future)."""
     import gc
 
-    inner = handle.__dict__.get("_future")
-    if inner is not None:
-        inner.release()
-    fut.release()
+    for handle, fut in roles:
+        inner = handle.__dict__.get("_future")
+        if inner is not None:
+            inner.release()
+        fut.release()
     gc.collect()
