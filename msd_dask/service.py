@@ -213,6 +213,13 @@ def _has_client(client_id: str, dask_scheduler: Any = None) -> bool:
 
 
 
+def _rank_queues(cfg: Config) -> list[str]:
+    """The names of the service's ticket queues, one per global rank."""
+    from .constructor import queue_name
+
+    return [queue_name(cfg.name, r) for r in range(cfg.parallel.world_size)]
+
+
 def _drop_queues(names: list[str], dask_scheduler: Any = None) -> int:
     """Delete the ticket queues ``names`` on the scheduler; returns how many existed.
 
@@ -599,10 +606,7 @@ class DataService:
             if key in client.list_datasets():
                 raise ServiceError(f"a service named {cfg.name!r} is already running on "
                                    f"{address}; pick another 'name' or close it first")
-            from .constructor import queue_name
-
-            stale = client.run_on_scheduler(
-                _drop_queues, [queue_name(cfg.name, r) for r in range(cfg.parallel.world_size)])
+            stale = client.run_on_scheduler(_drop_queues, _rank_queues(cfg))
             if stale:
                 _log.info("msd_dask %s: dropped %d ticket queues a closed service of this name "
                           "left", cfg.name, stale)
@@ -864,12 +868,9 @@ class DataService:
         """Put a last ticket in every rank's queue that exists: a reader still waiting
         raises :class:`ServiceError` saying the service was closed, instead of timing
         out.  One call to the scheduler, whatever the number of ranks."""
-        from .constructor import queue_name
-
         msg = {"error": "closed by its owner", "g": self.generation}
-        names = [queue_name(self.name, r) for r in range(self.config.parallel.world_size)]
         try:
-            self.client.run_on_scheduler(_put_in_queues, names, msg)
+            self.client.run_on_scheduler(_put_in_queues, _rank_queues(self.config), msg)
         except Exception as e:  # noqa: BLE001 - best effort: the cluster may be gone
             _log.warning("msd_dask %s: could not tell the ranks the service closed: %r",
                          self.name, e)
