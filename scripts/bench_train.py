@@ -51,7 +51,10 @@ wall time (``imbal``) and CPU time (``cpu``), the wait those CPU times imply
 rank's own, over Σ of the slowest's: an estimate of the wait without the
 time slices other jobs on a shared machine take, which ``wait`` also holds;
 it leaves out the optimizer and all-reduce time, so it is a slight
-over-estimate of the share), the imbalance a cost model predicts from the
+over-estimate of the share), the wait a perfect plan would still leave on
+ranks this noisy (``floor``, :func:`noise_floor`: each rank-step keeps the
+factor by which its CPU time is off the fitted model below, every rank of a
+step gets the same model cost), the imbalance a cost model predicts from the
 ranks' segments (``model``) and the best any assignment of each step's
 segments to the ranks' rows could reach under it (``bound``,
 :func:`msd_dask.balance.capacity_bound` over the mean); that model is
@@ -330,6 +333,27 @@ def residual(ranks: list[dict[str, Any]], per_segment: bool) -> tuple[float, lis
     return float(np.sqrt(np.mean(((x @ coef - t) / t) ** 2))), [float(c) for c in coef]
 
 
+def noise_floor(model: np.ndarray, cpu: np.ndarray) -> float:
+    """The wait share a perfect plan would still leave, from the ranks' CPU-time noise.
+
+    ``model`` and ``cpu`` are ``(steps, ranks)``: each rank-step's cost under a
+    cost model and its measured CPU seconds.  Each rank-step keeps its own
+    factor ``cpu / model`` (what no function of its segments predicts) while
+    every rank of a step is given the same model cost: the ranks then differ
+    by those factors alone, and the wait share is computed as ``cpu wait``
+    is (Σ slowest minus own over Σ slowest).  A plan cannot go below it on
+    ranks this noisy; a rank-step with no model cost is left out.
+    """
+    model = np.asarray(model, dtype=np.float64)
+    cpu = np.asarray(cpu, dtype=np.float64)
+    ok = (model > 0).all(axis=1)
+    f = cpu[ok] / model[ok]
+    if f.size == 0:
+        return 0.0
+    top = f.max(axis=1)
+    return float((top[:, None] - f).sum() / (top.sum() * f.shape[1]))
+
+
 def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[str, Any]:
     steps = len(ranks[0]["recs"])
     wall = max(r["wall"] for r in ranks)
@@ -364,6 +388,9 @@ def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[st
         costs = alpha * lengths + beta * lengths.astype(np.float64) ** 2
         bound.append(capacity_bound(lengths, costs, len(ranks), ranks[0]["micro_batches"],
                                     ranks[0]["seq_len"]) / mean if mean > 0 else 1.0)
+    model = np.array([[alpha * r["recs"][i]["tokens"] + beta * r["recs"][i]["sq"] for r in ranks]
+                      for i in range(steps)])
+    cpus = np.array([[r["recs"][i]["cpu"] for r in ranks] for i in range(steps)])
     return {"steps": steps, "wall": wall, "steps_per_s": steps / wall, "tokens_per_s": tokens / wall,
             "allreduce_share": share("allreduce"), "wait_share": wait / step_time,
             "data_share": share("data"), "compute_share": share("compute"),
@@ -371,6 +398,7 @@ def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[st
             "compute_imbalance": statistics.mean(imbalance),
             "cpu_imbalance": statistics.mean(cpu_imbalance),
             "cpu_wait_share": cpu_idle / cpu_max if cpu_max > 0 else 0.0,
+            "noise_floor": noise_floor(model, cpus),
             "model_imbalance": statistics.mean(model_imbalance),
             "bound": statistics.mean(bound),
             "params": ranks[0]["params"],
@@ -487,11 +515,12 @@ def main(argv: list[str] | None = None) -> int:
           f"α = {cost[0] * 1e6:.2f} µs/token, β = {cost[1] * 1e9:.2f} ns/token², "
           f"β/α = {cost[1] / cost[0]:.2e}; the model and bound columns use these")
     print(f"{'pipeline':<26}{'steps/s':>9}{'tokens/s':>10}{'allreduce':>11}{'wait':>7}{'cpu wait':>9}"
-          f"{'data':>7}{'fwd+bwd':>9}{'imbal':>7}{'cpu':>7}{'model':>7}{'bound':>7}"
+          f"{'floor':>7}{'data':>7}{'fwd+bwd':>9}{'imbal':>7}{'cpu':>7}{'model':>7}{'bound':>7}"
           f"{'fill':>6}{'ΣL²/tok':>9}")
     for name, r in results.items():
         print(f"{name:<26}{r['steps_per_s']:>9.2f}{r['tokens_per_s']:>10,.0f}"
               f"{r['allreduce_share']:>11.1%}{r['wait_share']:>7.1%}{r['cpu_wait_share']:>9.1%}"
+              f"{r['noise_floor']:>7.1%}"
               f"{r['data_share']:>7.1%}"
               f"{r['compute_share']:>9.1%}{r['compute_imbalance']:>7.3f}{r['cpu_imbalance']:>7.3f}"
               f"{r['model_imbalance']:>7.3f}{r['bound']:>7.3f}{r['fill']:>6.0%}{r['span']:>9,.0f}")
@@ -519,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"goal: all-reduce wait <= {GOAL_WAIT:.0%} of step time with msd_dask; {name}: "
                   f"{msd['wait_share']:.1%} measured "
                   f"({'met' if msd['wait_share'] <= GOAL_WAIT else 'not met'}), "
-                  f"{msd['cpu_wait_share']:.1%} implied by the CPU times")
+                  f"{msd['cpu_wait_share']:.1%} implied by the CPU times; a perfect plan would "
+                  f"leave {msd['noise_floor']:.1%} on ranks this noisy")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"calibration": cal, "in_situ": {"alpha": cost[0], "beta": cost[1]},
