@@ -372,25 +372,26 @@ def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[st
     model_imbalance = []
     bound = []
     cpu_idle = cpu_max = 0.0
+    # per step and rank: the cost the model predicts, and the forward+backward CPU seconds
+    model = np.array([[alpha * r["recs"][i]["tokens"] + beta * r["recs"][i]["sq"] for r in ranks]
+                      for i in range(steps)])
+    cpus = np.array([[r["recs"][i]["cpu"] for r in ranks] for i in range(steps)])
     for i in range(steps):
         c = [r["recs"][i]["compute"] for r in ranks]
         imbalance.append(max(c) / (sum(c) / len(c)))
-        c = [r["recs"][i]["cpu"] for r in ranks]
+        c = cpus[i].tolist()
         cpu_imbalance.append(max(c) / (sum(c) / len(c)))
         cpu_idle += sum(max(c) - x for x in c)
         cpu_max += max(c) * len(c)
         # what the cost model predicts for each rank, and the best any assignment
         # of this step's pieces to the ranks' rows could reach under it
-        m = [alpha * r["recs"][i]["tokens"] + beta * r["recs"][i]["sq"] for r in ranks]
+        m = model[i].tolist()
         mean = sum(m) / len(m)
         model_imbalance.append(max(m) / mean if mean > 0 else 1.0)
         lengths = np.array([x for r in ranks for x in r["recs"][i]["segs"]], dtype=np.int64)
         costs = alpha * lengths + beta * lengths.astype(np.float64) ** 2
         bound.append(capacity_bound(lengths, costs, len(ranks), ranks[0]["micro_batches"],
                                     ranks[0]["seq_len"]) / mean if mean > 0 else 1.0)
-    model = np.array([[alpha * r["recs"][i]["tokens"] + beta * r["recs"][i]["sq"] for r in ranks]
-                      for i in range(steps)])
-    cpus = np.array([[r["recs"][i]["cpu"] for r in ranks] for i in range(steps)])
     return {"steps": steps, "wall": wall, "steps_per_s": steps / wall, "tokens_per_s": tokens / wall,
             "allreduce_share": share("allreduce"), "wait_share": wait / step_time,
             "data_share": share("data"), "compute_share": share("compute"),
