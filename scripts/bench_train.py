@@ -347,11 +347,18 @@ def noise_floor(model: np.ndarray, cpu: np.ndarray) -> float:
     model = np.asarray(model, dtype=np.float64)
     cpu = np.asarray(cpu, dtype=np.float64)
     ok = (model > 0).all(axis=1)
-    f = cpu[ok] / model[ok]
-    if f.size == 0:
+    return wait_share(cpu[ok] / model[ok])
+
+
+def wait_share(times: np.ndarray) -> float:
+    """Σ over steps and ranks of the slowest rank's time minus the rank's own, over Σ of the
+    slowest's (``times``: ``(steps, ranks)``); 0 when there is no time at all."""
+    times = np.asarray(times, dtype=np.float64)
+    if times.size == 0:
         return 0.0
-    top = f.max(axis=1)
-    return float((top[:, None] - f).sum() / (top.sum() * f.shape[1]))
+    top = times.max(axis=1)
+    total = float(top.sum()) * times.shape[1]
+    return float((top[:, None] - times).sum()) / total if total > 0 else 0.0
 
 
 def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[str, Any]:
@@ -371,7 +378,6 @@ def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[st
     cpu_imbalance = []
     model_imbalance = []
     bound = []
-    cpu_idle = cpu_max = 0.0
     # per step and rank: the cost the model predicts, and the forward+backward CPU seconds
     model = np.array([[alpha * r["recs"][i]["tokens"] + beta * r["recs"][i]["sq"] for r in ranks]
                       for i in range(steps)])
@@ -381,8 +387,6 @@ def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[st
         imbalance.append(max(c) / (sum(c) / len(c)))
         c = cpus[i].tolist()
         cpu_imbalance.append(max(c) / (sum(c) / len(c)))
-        cpu_idle += sum(max(c) - x for x in c)
-        cpu_max += max(c) * len(c)
         # what the cost model predicts for each rank, and the best any assignment
         # of this step's pieces to the ranks' rows could reach under it
         m = model[i].tolist()
@@ -398,7 +402,7 @@ def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[st
             "pure_allreduce_ms": 1e3 * statistics.mean(r["pure"] for r in ranks),
             "compute_imbalance": statistics.mean(imbalance),
             "cpu_imbalance": statistics.mean(cpu_imbalance),
-            "cpu_wait_share": cpu_idle / cpu_max if cpu_max > 0 else 0.0,
+            "cpu_wait_share": wait_share(cpus),
             "noise_floor": noise_floor(model, cpus),
             "model_imbalance": statistics.mean(model_imbalance),
             "bound": statistics.mean(bound),

@@ -20,3 +20,12 @@ def test_bench_train_noise_floor_is_the_wait_of_the_residuals_alone():
     # a rank-step without model cost (an empty rank) is left out
     assert bt.noise_floor(np.array([[0.0, 1.0], [1.0, 1.0]]),
                           np.array([[0.5, 1.0], [1.0, 1.5]])) == pytest.approx(0.5 / 3.0)
+
+
+def test_bench_train_wait_share_is_slowest_minus_own_over_slowest():
+    """``cpu wait``: Σ (slowest − own) over Σ slowest, per step and rank."""
+    bt = load_script("bench_train")
+    times = np.array([[1.0, 3.0], [2.0, 2.0]])
+    assert bt.wait_share(times) == pytest.approx((2.0 + 0.0) / (2 * (3.0 + 2.0)))
+    assert bt.wait_share(np.zeros((2, 2))) == 0.0
+    assert bt.wait_share(np.zeros((0, 2))) == 0.0
