@@ -71,6 +71,15 @@ def _holders(svc):
             | {c._address for c in svc.constructors} | {svc.coordinator._address})
 
 
+def _window(seen: list[set[str]], cluster, svc) -> str:
+    """What a failed window assertion needs: each change of the worker set, Adaptive's log
+    and the service's role events."""
+    changes = [(i, sorted(ws)) for i, ws in enumerate(seen) if i == 0 or ws != seen[i - 1]]
+    events = svc.stats()["planner"]["role_events"]
+    return f"worker sets (sample, set): {changes}; adaptive: {list(cluster._adaptive.log)}; " \
+           f"role events: {events}"
+
+
 def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
     root, texts = corpus
     # planner + 1 constructor (one worker at start) + 3 + 2 loaders = 7 roles, 3 per worker
@@ -137,7 +146,8 @@ def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
             start = len(seen_workers)
             t0 = time.monotonic()
             serve_until(lambda: time.monotonic() - t0 > 4.0, "serving", timeout=30)
-            assert all(len(ws) == 3 for ws in seen_workers[start:]), seen_workers[start:]
+            assert all(len(ws) == 3 for ws in seen_workers[start:]), _window(
+                seen_workers[start:], cluster, svc)
 
             # ... and once loaders are retired from the new workers, Adaptive takes those
             # workers back, but never the one that still holds roles
