@@ -22,6 +22,26 @@ def _wait_for(path: str, proc: subprocess.Popen, what: str, timeout: float = 60)
         time.sleep(0.1)
 
 
+def _wait_for_workers(address: str, n: int, workers: list[subprocess.Popen],
+                      tls: dict[str, str] | None, timeout: float = 60) -> None:
+    """Until ``n`` workers registered: a service started earlier would put every role on
+    the first one (a test that retires "a worker without the planner" found none)."""
+    from distributed import Client
+    from distributed.security import Security
+
+    sec = (Security(tls_ca_file=tls["ca"], tls_client_cert=tls["cert"],
+                    tls_client_key=tls["key"], require_encryption=True) if tls else None)
+    with Client(address, security=sec, timeout=timeout) as c:
+        deadline = time.monotonic() + timeout
+        while len(c.scheduler_info(n_workers=-1)["workers"]) < n:
+            dead = [w.returncode for w in workers if w.poll() is not None]
+            if dead:
+                raise RuntimeError(f"a dask worker exited with {dead[0]} before {n} registered")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{n} dask workers did not register within {timeout:.0f}s")
+            time.sleep(0.1)
+
+
 @contextmanager
 def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
                  preload: str | None = None, tls: dict[str, str] | None = None) -> Iterator[dict]:
@@ -57,6 +77,7 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
                 stdout=log, stderr=log, env=env)
             procs.append(w)
             workers.append(w)
+        _wait_for_workers(address, n_workers, workers, tls)
         yield {"address": address, "workers": workers, "scheduler": sched}
     finally:
         for p in reversed(procs):
