@@ -282,8 +282,8 @@ class Coordinator:
     def _upcoming(self, source: str, read_ahead: int) -> list[tuple[int, int]]:
         """The current window's units and, after them, at most ``read_ahead`` units
         holding at most the source's read-ahead tokens (:func:`ahead_within`), or, under
-        the adaptive policy, two per read thread of the source's loaders if that is more
-        (at most ``read_ahead``)."""
+        the adaptive policy, the whole next window and two per read thread of the source's
+        loaders after it if that is more (at most ``read_ahead``)."""
         keys = self.planner.upcoming_units(source, read_ahead)
         # the current window's units come first: the prefix in the stream's current window
         st = self.planner.streams[source]
@@ -296,14 +296,18 @@ class Coordinator:
         seen = known[known >= 0]
         mean = float(seen.mean()) if len(seen) else None
         est = [float(known[u]) if known[u] >= 0 else mean for _, u in keys[window:]]
-        # under the adaptive policy two units per read thread (one read, one queued): the
-        # policy sizes loaders by their measured rate, which a loader waiting for its next
-        # unit does not reach, and one it adds must have units to read; and the whole next
-        # window, whose units' lengths the planner needs at once when it moves there (read
-        # on demand, a slow store stalled every step at each window change); a fixed
-        # allocation keeps the cap's bound on memory
+        # under the adaptive policy the whole next window, whose units' lengths the planner
+        # needs at once when it moves there (read on demand, a slow store stalled every
+        # step at each window change), and after it two units per read thread (one read,
+        # one queued): the policy sizes loaders by their measured rate, which a loader
+        # waiting for its next unit does not reach, and one it adds must have units to
+        # read.  Beyond the next window because units are given out as the planner moves:
+        # with only that window ahead, a loader that read its share of it first waited for
+        # the slowest one (3-11% of a CPU-bound loader's time); with more ahead it is given
+        # more units (Coordinator._outstanding).  A fixed allocation keeps the cap's bound
+        # on memory
         threads = len(self.roles.active.get(source, ())) * self.roles.loader_threads
-        least = (max(2 * threads, st.window_size) if self.cfg.scaling.policy == "adaptive"
+        least = (st.window_size + 2 * threads if self.cfg.scaling.policy == "adaptive"
                  else 1)
         return keys[:window + max(ahead_within(est, self._ahead_cap[source]), least)]
 
@@ -316,10 +320,14 @@ class Coordinator:
     async def _ensure(self, source: str, keys: list[tuple[int, int]]) -> None:
         """Give every ``(epoch, unit)`` of ``source`` an owner and a metadata request."""
         new: dict[int, list[tuple[int, int]]] = {}
+        outstanding: dict[int, int] | None = None
         for e, u in keys:
             k = (source, e, u)
             if k not in self._owner:
-                li = self.roles.next_slot(source)
+                if outstanding is None:
+                    outstanding = self._outstanding(source)
+                li = self.roles.next_slot(source, outstanding)
+                outstanding[li] = outstanding.get(li, 0) + 1
                 self._owner[k] = li
                 new.setdefault(li, []).append((e, u))
         for li, ks in new.items():
@@ -328,6 +336,17 @@ class Coordinator:
             k = (source, e, u)
             if k not in self._meta and k not in self._meta_tasks:
                 self._request_meta(k)
+
+    def _outstanding(self, source: str) -> dict[int, int]:
+        """Units each loader slot of ``source`` was given and has not reported yet."""
+        out: dict[int, int] = {}
+        for k, li in self._owner.items():
+            if k[0] != source or k in self._meta:
+                continue
+            task = self._meta_tasks.get(k)
+            if task is None or not task.done():
+                out[li] = out.get(li, 0) + 1
+        return out
 
     def _request_meta(self, k: tuple[str, int, int]) -> None:
         loader = self.roles.loader(k[0], self._owner[k])

@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .constructor import DataConstructor
@@ -170,9 +171,12 @@ class _Roles:
         """The Dask keys of every current loader and constructor."""
         return [str(c.key) for c in self.constructors] + [str(h.key) for h, _ in self._all_loaders()]
 
-    def next_slot(self, source: str) -> int:
-        act = self.active[source]
-        return act[next(self._rr[source]) % len(act)]
+    def next_slot(self, source: str, outstanding: Mapping[int, int] | None = None) -> int:
+        """The active slot of ``source`` to give a new unit to
+        (:func:`~msd_dask.scaling.pick_loader`: fewest ``outstanding`` units, else in turn)."""
+        from .scaling import pick_loader
+
+        return pick_loader(self.active[source], outstanding, next(self._rr[source]))
 
     async def loader_stats(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from .config import Config, ScalingConfig
 
 __all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target", "demand",
-           "cpu_caps", "MAX_STARVED_BOOST", "MIN_EFFICIENCY", "CPU_ROUND",
+           "cpu_caps", "pick_loader", "MAX_STARVED_BOOST", "MIN_EFFICIENCY", "CPU_ROUND",
            "MIN_CPU_WINDOWS"]
 
 #: The most the starvation correction multiplies a source's measured demand by.
@@ -159,6 +159,37 @@ class ScalingPolicy:
         return cls(min_loaders=sc.min_loaders, max_loaders=sc.max_loaders,
                    headroom=sc.headroom, starve_fraction=sc.starve_fraction,
                    cooldown=sc.cooldown, scale_down_after=sc.scale_down_after, limits=limits)
+
+
+def pick_loader(slots: list[int], outstanding: Mapping[int, int] | None, turn: int) -> int:
+    """The loader slot to give a source's next unit to.
+
+    Parameters
+    ----------
+    slots : list of int
+        The source's slots that take new units, in their round-robin order
+        (not empty).
+    outstanding : mapping, optional
+        Units each slot was given and has not reported yet (a missing slot: 0).
+    turn : int
+        A counter the caller advances once per unit given out.
+
+    Returns
+    -------
+    int
+        The slot with the fewest outstanding units; ties go to the first from
+        ``slots[turn % len(slots)]`` on, so equal loaders take turns.  A loader
+        that reads faster (e.g. on a less busy worker) thus gets more units,
+        instead of waiting for its equal share while a slower one falls behind.
+        Which loader reads a unit never changes the stream's documents.
+    """
+    if not slots:
+        raise ValueError("pick_loader: the source has no loader slot to give a unit to")
+    start = turn % len(slots)
+    order = slots[start:] + slots[:start]
+    if not outstanding:
+        return order[0]
+    return min(order, key=lambda slot: outstanding.get(slot, 0))
 
 
 def demand(load: SourceLoad, corrected: bool = False) -> float:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from msd_dask.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps, proactive_target
+import pytest
+
+from msd_dask.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps, pick_loader, proactive_target
 
 
 def load(**kw):
@@ -303,3 +305,24 @@ def test_waiting_for_a_core_is_not_taken_for_a_saturated_source():
     assert s.decide(0.0, {"a": load(loaders=1, seconds_per_token=24e-6, **kw)}) == {"a": 2}
     assert s.decide(5.0, {"a": load(loaders=2, seconds_per_token=48e-6, **kw)}) == {"a": 1}
     assert s.saturated == {"a": 1}
+
+
+def test_pick_loader_gives_units_to_the_loader_with_the_fewest_outstanding():
+    # equal loaders take turns, from the turn's slot on
+    assert [pick_loader([0, 1, 2], None, t) for t in range(4)] == [0, 1, 2, 0]
+    assert [pick_loader([0, 1, 2], {}, t) for t in range(3)] == [0, 1, 2]
+    # a slot that reported its units (a faster loader) gets the next ones
+    assert pick_loader([0, 1], {0: 2, 1: 0}, 0) == 1
+    assert pick_loader([0, 1], {0: 2}, 0) == 1  # a missing slot has none outstanding
+    # ties among the least loaded go in turn, not always to the first
+    assert [pick_loader([3, 5, 7], {3: 1, 5: 0, 7: 0}, t) for t in range(3)] == [5, 5, 7]
+    # what a caller does: count each unit given; 5 units to 2 idle loaders and 1 with 3
+    # outstanding: the idle ones are filled up to it, the busy one gets none
+    out, given = {0: 3, 1: 0, 2: 0}, []
+    for t in range(5):
+        slot = pick_loader([0, 1, 2], out, t)
+        out[slot] += 1
+        given.append(slot)
+    assert out == {0: 3, 1: 3, 2: 2}, given
+    with pytest.raises(ValueError, match="no loader slot"):
+        pick_loader([], {}, 0)
