@@ -252,6 +252,15 @@ def raw_rate(cfg: dict[str, Any], source: str, procs: int, seconds: float) -> fl
     return sum(n for n, _ in res) / max(max(t for _, t in res), 1e-9)
 
 
+def cores_allow(cfg: dict[str, Any], cores: int, seconds: float = 8.0
+                ) -> tuple[dict[str, float], float, float]:
+    """What the cores allow with no service: each source's tokens/s on ``cores`` processes,
+    the costly source's on one, and the equal-weight mix of the two rates."""
+    rates = {s: raw_rate(cfg, s, cores, seconds) for s in ("costly", "code")}
+    one_core = raw_rate(cfg, "costly", 1, seconds)
+    return rates, one_core, 1.0 / (0.5 / rates["costly"] + 0.5 / rates["code"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -301,11 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     demand = RANKS * SEQ_LEN / args.step_seconds
     ceiling = None
+    allow: list[tuple[dict[str, float], float, float]] = []
     if args.mode == "cpu":
-        cfg = make_config(args.data, "fixed", args.mode, args.costly, pool, args.read_ahead_tokens)
-        rates = {s: raw_rate(cfg, s, cores, 8.0) for s in ("costly", "code")}
-        one_core = raw_rate(cfg, "costly", 1, 8.0)
-        ceiling = 1.0 / (0.5 / rates["costly"] + 0.5 / rates["code"])
+        allow.append(cores_allow(make_config(args.data, "fixed", args.mode, args.costly, pool,
+                                             args.read_ahead_tokens), cores))
     res = {}
     for policy in ("fixed", "adaptive"):
         cfg = make_config(args.data, policy, args.mode, args.costly, pool, args.read_ahead_tokens)
@@ -320,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "cpu":
             ref["sources"][1].pop("preprocess", None)
         res["no costly"] = run(ref, seconds, args.step_seconds, args.workers, args.prefetch)
+    if allow:
+        # measured again after the runs: the ratio is taken to the higher of the two, so a
+        # moment of other load on the machine while it was measured cannot raise it
+        allow.append(cores_allow(make_config(args.data, "fixed", args.mode, args.costly, pool,
+                                             args.read_ahead_tokens), cores))
+        rates, one_core, ceiling = max(allow, key=lambda a: a[2])
     print(f"mode {args.mode}: costly source '{costly}'"
           + (f" on a {pool['kind']} pool of {pool['size']}" if pool else "")
           + f", equal weights, {seconds:.0f}s per allocation, {args.workers} workers on "
@@ -330,10 +344,11 @@ def main(argv: list[str] | None = None) -> int:
           f"of compute (prefetch {args.prefetch}) = {demand:,.0f} tokens/s; one costly loader "
           f"measured {spt * 1e6:.1f} us/token busy, so the fixed allocation supplies at most "
           f"{fixed_max:,.0f} tokens/s ({demand / fixed_max:.1f}x below the demand)")
-    if ceiling is not None:
-        print(f"cores allow: costly source {rates['costly']:,.0f} tokens/s on {cores} processes "
-              f"({one_core:,.0f} on 1), cheap {rates['code']:,.0f}; at equal weights "
-              f"{ceiling:,.0f} tokens/s")
+    for when, (r, one, c) in zip(("before", "after"), allow, strict=False):
+        print(f"cores allow ({when} the runs): costly source {r['costly']:,.0f} tokens/s on "
+              f"{cores} processes ({one:,.0f} on 1), cheap {r['code']:,.0f}; at equal weights "
+              f"{c:,.0f} tokens/s" + (" (the higher: the ratios below use it)"
+                                      if len(allow) > 1 and c == ceiling else ""))
     print(f"{'allocation':<12}{'tokens/s':>12}{'wait':>8}{'tokens/s conv.':>16}"
           f"{'wait conv.':>12}{'CPU conv.':>11}{'final loaders':>26}  last change / changes / "
           "reversals")
