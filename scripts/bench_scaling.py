@@ -25,14 +25,21 @@ batches in the consumer's thread, one rank after the other (the consumer of earl
 versions of this benchmark).
 
 ``--mode cpu`` also measures what the machine's cores allow, in the same run before
-the services start: the costly and the cheap source read, preprocessed and
-tokenized by one process per core (no service) for a few seconds each; the mix of
-the two at equal weights gives the most tokens/s these cores can prepare.  With the
+the services start and again after them (the ratios use the higher of the two, so
+other load while it is measured cannot raise them): the costly and the cheap source
+read, preprocessed and tokenized by one process per core (no service) for a few
+seconds each; the mix of the two at equal weights gives the most tokens/s these
+cores can prepare.  With the
 service's own CPU per token (from the "no costly" run) added to the costly source's,
 the same cores allow less: the bound the service can reach on them.
 
     python scripts/bench_scaling.py --mode io --seconds 50 --plot docs/scaling.png
     python scripts/bench_scaling.py --mode cpu --seconds 50
+    python scripts/bench_scaling.py --mode cpu --seconds 50 --micro-batches 4 --step-seconds 0.16
+
+``--micro-batches 4 --step-seconds 0.16``: the same demand in four times fewer,
+larger steps (4 rows of 4096 tokens per rank every 160 ms), where the service's
+per-step messages cost a quarter as much per token.
 """
 
 from __future__ import annotations
@@ -73,8 +80,8 @@ def preprocess_path(name: str) -> str:
 
 
 def make_config(data: str, policy: str, mode: str, costly: str | None = None,
-                pool: dict[str, Any] | None = None, read_ahead_tokens: int = 0
-                ) -> dict[str, Any]:
+                pool: dict[str, Any] | None = None, read_ahead_tokens: int = 0,
+                micro_batches: int = 1) -> dict[str, Any]:
     """The service config of one allocation (``policy``: ``fixed`` or ``adaptive``)."""
     costly = costly or (PREP + "store_20x" if mode == "io" else PREP + "cpu_bound")
     cheap = PREP + "store_1x" if mode == "io" else None
@@ -94,7 +101,8 @@ def make_config(data: str, policy: str, mode: str, costly: str | None = None,
             del s["preprocess"]
     return {
         "name": f"scaling-{policy}", "seed": 1, "parallel": {"dp": RANKS},
-        "batch": {"seq_len": SEQ_LEN, "micro_batches": 1}, "prefetch": 4, "timeout": 120,
+        "batch": {"seq_len": SEQ_LEN, "micro_batches": micro_batches}, "prefetch": 4,
+        "timeout": 120,
         # the policy's defaults (docs/elastic.md): max_loaders 8, headroom 1.25, cooldown 5 s,
         # scale_down_after 30 s, lookahead 200 steps
         "scaling": {"policy": policy},
@@ -280,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="per allocation")
     p.add_argument("--step-seconds", type=float, default=0.04,
                    help="emulated compute per step (sets the demand)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="rows of seq_len tokens per rank and step (the demand grows with it; "
+                        "scale --step-seconds with it to keep the demand and take fewer, "
+                        "larger steps)")
     p.add_argument("--prefetch", type=int, default=2,
                    help="batches each rank claims ahead (0: claim in the consumer's thread)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
@@ -308,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         kind, _, size = args.pool.partition(":")
         pool = {"kind": kind, "size": int(size or 1)}
     cores = os.cpu_count() or 1
-    demand = RANKS * SEQ_LEN / args.step_seconds
+    mb = args.micro_batches
+    if mb < 1:
+        p.error(f"--micro-batches {mb}: must be at least 1")
+    demand = RANKS * SEQ_LEN * mb / args.step_seconds
     ceiling = None
     allow: list[tuple[dict[str, float], float, float]] = []
     if args.mode == "cpu":
@@ -316,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                                              args.read_ahead_tokens), cores))
     res = {}
     for policy in ("fixed", "adaptive"):
-        cfg = make_config(args.data, policy, args.mode, args.costly, pool, args.read_ahead_tokens)
+        cfg = make_config(args.data, policy, args.mode, args.costly, pool, args.read_ahead_tokens,
+                          mb)
         res[policy] = run(cfg, seconds, args.step_seconds, args.workers, args.prefetch)
     costly = cfg["sources"][1]["preprocess"].rsplit(":", 1)[-1]
     if not args.no_reference:
@@ -324,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         # what the service itself costs in CPU per token then
         ref = make_config(args.data, "fixed", args.mode,
                           PREP + "store_1x" if args.mode == "io" else None,
-                          read_ahead_tokens=args.read_ahead_tokens)
+                          read_ahead_tokens=args.read_ahead_tokens, micro_batches=mb)
         if args.mode == "cpu":
             ref["sources"][1].pop("preprocess", None)
         res["no costly"] = run(ref, seconds, args.step_seconds, args.workers, args.prefetch)
@@ -340,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{cores} cores")
     spt, threads = res["fixed"]["cost"]["costly"]
     fixed_max = threads / spt / 0.5 if spt else float("nan")
-    print(f"demand: {RANKS} ranks x {SEQ_LEN} tokens every {args.step_seconds * 1000:.0f} ms "
+    print(f"demand: {RANKS} ranks x {SEQ_LEN}" + (f" x {mb} micro-batches" if mb > 1 else "")
+          + f" tokens every {args.step_seconds * 1000:.0f} ms "
           f"of compute (prefetch {args.prefetch}) = {demand:,.0f} tokens/s; one costly loader "
           f"measured {spt * 1e6:.1f} us/token busy, so the fixed allocation supplies at most "
           f"{fixed_max:,.0f} tokens/s ({demand / fixed_max:.1f}x below the demand)")
