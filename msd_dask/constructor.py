@@ -199,8 +199,11 @@ class DataConstructor:
         keys = list(requests)
         span = f"{steps[0][0]}" if len(steps) == 1 else f"{steps[0][0]}-{steps[-1][0]}"
         self._fetching = f"step {span} from loaders " + ", ".join(f"{s}#{li}" for s, li in keys)
+        # each request list as one int64 array: Dask serializes a list of tuples element
+        # by element (566 us for a round's 27 pieces here, 35 us as one array)
         results = await asyncio.gather(
-            *(self._fetch(src, li, requests[(src, li)]) for src, li in keys))
+            *(self._fetch(src, li, np.asarray(requests[(src, li)], dtype=np.int64))
+              for src, li in keys))
         self._fetching = None
         t1 = time.perf_counter()
         tokens: dict[tuple[int, int, int, int], np.ndarray] = {}
@@ -245,8 +248,7 @@ class DataConstructor:
             self.published[r] += len(ticket)
             self.tickets_put += 1
 
-    async def _fetch(self, source: str, slot: int,
-                     requests: list[tuple[int, int, int, int, int]]) -> list[np.ndarray]:
+    async def _fetch(self, source: str, slot: int, requests: np.ndarray) -> list[np.ndarray]:
         """Fetch from a loader slot; if its loader is lost or retired, retry on the actor
         the coordinator puts in that slot (:meth:`set_loaders`) until ``timeout``."""
         from .errors import DataError

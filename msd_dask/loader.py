@@ -671,8 +671,10 @@ class SourceLoader:
             await self.assign([key])
         return await asyncio.shield(self._ready[key])
 
-    async def fetch(self, requests: list[tuple[int, int, int, int, int]]) -> JoinedPieces:
-        """Tokens of planned pieces, given as ``(epoch, unit, row, start, end)``.
+    async def fetch(self, requests: np.ndarray | list[tuple[int, int, int, int, int]]
+                    ) -> JoinedPieces:
+        """Tokens of planned pieces, given as ``(epoch, unit, row, start, end)`` (rows of an
+        integer array of shape ``(n, 5)``, or tuples).
 
         Returns, joined into one array (:func:`~msd_dask.packing.join_pieces`;
         :func:`~msd_dask.packing.split_pieces` undoes it), ``doc[start:end + 1]``
@@ -686,7 +688,9 @@ class SourceLoader:
         was lost.
         """
         out: list[np.ndarray | tuple[np.ndarray, np.ndarray]] = []
-        for epoch, unit, row, start, end in requests:
+        rows: Sequence[Sequence[int]] = (requests.reshape(-1, 5).tolist()
+                                         if isinstance(requests, np.ndarray) else requests)
+        for epoch, unit, row, start, end in rows:
             key = (int(epoch), int(unit))
             if key not in self._ready:
                 await self.assign([key])

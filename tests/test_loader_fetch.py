@@ -1,0 +1,54 @@
+"""``SourceLoader.fetch`` takes its requests as an int64 array (what constructors send) or as tuples.
+
+Constructors send one ``(n, 5)`` array per loader and round: Dask serializes a
+list of tuples element by element (566 us for 27 pieces, 35 us as one array).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+
+from msd_dask import load_config
+from msd_dask.formats import get_format
+from msd_dask.loader import SourceLoader
+from msd_dask.packing import split_pieces
+from msd_dask.storage import open_source
+
+from corpus import config
+
+
+def test_fetch_answers_an_array_of_requests_as_it_answers_tuples(corpus) -> None:
+    root, texts = corpus
+    src = load_config(config(root)).sources[0]
+    source = dataclasses.asdict(src)
+    source.pop("weight")
+    files = open_source(src.uri, src.storage_options)
+    units = [(u.path, u.part, u.row_offset) for p in files.paths
+             for u in get_format(src.format).units(files.fs, p)]
+
+    async def run() -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            lengths = np.asarray(await loader.metadata(0, 1))
+            off = units[1][2]
+            reqs = [(0, 1, off + r, 0, int(n) - 1) for r, n in enumerate(lengths) if n > 1]
+            reqs.append((0, 1, off, 1, 1))  # an empty piece inside a document: its label only
+            as_tuples = split_pieces(await loader.fetch(reqs))
+            as_array = split_pieces(await loader.fetch(np.asarray(reqs, dtype=np.int64)))
+            return as_tuples, as_array, lengths
+        finally:
+            await loader.close()
+
+    as_tuples, as_array, lengths = asyncio.run(run())
+    assert len(as_array) == len(as_tuples) == int((lengths > 1).sum()) + 1
+    for a, b in zip(as_array, as_tuples, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # and it is the source's text: the byte tokenizer's ids are the text's UTF-8 bytes
+    path, _part, off = units[1]
+    doc = texts[("code", f"{path.rsplit('/', 1)[-1]}:{off}")].encode("utf-8")
+    assert lengths[0] > 1
+    assert bytes(as_array[0][:len(doc)].astype(np.uint8)) == doc
+    assert list(as_array[-1]) == [doc[1]]  # piece (1, 1): no token, and the label doc[1]
