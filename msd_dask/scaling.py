@@ -186,10 +186,8 @@ def pick_loader(slots: list[int], outstanding: Mapping[int, int] | None, turn: i
     if not slots:
         raise ValueError("pick_loader: the source has no loader slot to give a unit to")
     start = turn % len(slots)
-    order = slots[start:] + slots[:start]
-    if not outstanding:
-        return order[0]
-    return min(order, key=lambda slot: outstanding.get(slot, 0))
+    counts = outstanding or {}
+    return min(slots[start:] + slots[:start], key=lambda slot: counts.get(slot, 0))
 
 
 def demand(load: SourceLoad, corrected: bool = False) -> float:
