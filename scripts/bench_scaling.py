@@ -326,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     demand = RANKS * SEQ_LEN * mb / args.step_seconds
     ceiling = None
     allow: list[tuple[dict[str, float], float, float]] = []
+    raw = make_config(args.data, "fixed", args.mode, args.costly, pool, args.read_ahead_tokens)
     if args.mode == "cpu":
-        allow.append(cores_allow(make_config(args.data, "fixed", args.mode, args.costly, pool,
-                                             args.read_ahead_tokens), cores))
+        allow.append(cores_allow(raw, cores))
     res = {}
     for policy in ("fixed", "adaptive"):
         cfg = make_config(args.data, policy, args.mode, args.costly, pool, args.read_ahead_tokens,
@@ -347,9 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     if allow:
         # measured again after the runs: the ratio is taken to the higher of the two, so a
         # moment of other load on the machine while it was measured cannot raise it
-        allow.append(cores_allow(make_config(args.data, "fixed", args.mode, args.costly, pool,
-                                             args.read_ahead_tokens), cores))
-        rates, one_core, ceiling = max(allow, key=lambda a: a[2])
+        allow.append(cores_allow(raw, cores))
+        rates, _, ceiling = max(allow, key=lambda a: a[2])
     print(f"mode {args.mode}: costly source '{costly}'"
           + (f" on a {pool['kind']} pool of {pool['size']}" if pool else "")
           + f", equal weights, {seconds:.0f}s per allocation, {args.workers} workers on "
