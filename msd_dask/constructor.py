@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ._direct import direct
 from .packing import pack_rows, split_pieces, to_wire
 
 __all__ = ["DataConstructor", "StepWork", "queue_name"]
@@ -258,7 +259,9 @@ class DataConstructor:
             loader = self.loaders[source][slot]
 
             async def call(h: Any) -> Any:
-                return await h.fetch(requests)  # a lost actor's handle raises on access
+                # a lost actor's handle raises on access; a loader on this worker is
+                # called directly (msd_dask._direct)
+                return await direct(h).fetch(requests)
 
             task = asyncio.ensure_future(call(loader))
             # a call to a lost worker's actor can hang: give up on it as soon as the

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._direct import direct
 from .config import load_config
 from .constructor import WorkItem, queue_name
 from .errors import ServiceError, ServiceTimeoutError
@@ -350,7 +351,8 @@ class Coordinator:
 
     def _request_meta(self, k: tuple[str, int, int]) -> None:
         loader = self.roles.loader(k[0], self._owner[k])
-        task = self._meta_tasks[k] = asyncio.ensure_future(loader.metadata(k[1], k[2]))
+        task = self._meta_tasks[k] = asyncio.ensure_future(
+            direct(loader).metadata(k[1], k[2]))
         task.add_done_callback(lambda t: self._note_tokens(k, t))
 
     def _note_tokens(self, k: tuple[str, int, int], task: asyncio.Future[Any]) -> None:
@@ -394,7 +396,7 @@ class Coordinator:
                 await self.roles.heal()  # a lost loader is re-created and asked again
             self._meta_wait[source] += time.monotonic() - t0
             self._meta_tasks.pop(k, None)
-            self._meta[k] = np.asarray(lengths)
+            self._meta[k] = np.array(lengths)  # a copy: a loader on this worker hands its own
             self.waiting = None
 
     def _split(self, plan: StepPlan) -> list[dict[int, list[list[WorkItem]]]]:
@@ -551,7 +553,7 @@ class Coordinator:
         complete = True
         for c in list(self.constructors):
             try:
-                st = await asyncio.wait_for(c.stats(), 3)
+                st = await asyncio.wait_for(direct(c).stats(), 3)
             except Exception:  # noqa: BLE001 - lost meanwhile: heal re-creates it
                 complete = False
                 continue
@@ -577,7 +579,7 @@ class Coordinator:
             :meth:`history_since` ``since``; ``weights_ahead``: :meth:`weights_ahead`
             over ``lookahead`` steps (``None`` without ``lookahead``).
         """
-        cons = await asyncio.gather(*(c.stats() for c in list(self.constructors)))
+        cons = await asyncio.gather(*(direct(c).stats() for c in list(self.constructors)))
         return {"planner": await self.stats(), "loaders": await self.loader_stats(),
                 "constructors": list(cons), "history": await self.history_since(since),
                 "weights_ahead": None if lookahead is None else

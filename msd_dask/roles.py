@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._direct import direct
 from .constructor import DataConstructor
 from .loader import SourceLoader
 
@@ -181,7 +182,7 @@ class _Roles:
     async def loader_stats(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}
         for source, slots in self._slots.items():
-            out[source] = [dict(await h.stats(), slot=slot, worker=h._address)
+            out[source] = [dict(await direct(h).stats(), slot=slot, worker=h._address)
                            for slot, (h, _) in sorted(slots.items())]
         return out
 
@@ -190,7 +191,7 @@ class _Roles:
         """Call a loader slot's ``method``; if its worker is lost meanwhile, call the actor
         re-created in that slot instead (a call to a lost actor may hang, not fail)."""
         async def call(h: Any) -> Any:
-            return await getattr(h, method)(*args)  # a lost actor raises on access
+            return await getattr(direct(h), method)(*args)  # a lost actor raises on access
 
         while True:
             h = self.loader(source, slot)
@@ -219,7 +220,7 @@ class _Roles:
         """
         async def call(i: int) -> Any:
             # inside a coroutine: a lost actor's handle raises on attribute access
-            c = self.constructors[i]
+            c = direct(self.constructors[i])
             if method == "submit":
                 steps, *rest = args
                 return await c.submit([(s, w[i], info) for s, w, info in steps], *rest)

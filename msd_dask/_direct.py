@@ -1,0 +1,77 @@
+"""Calls between roles on one worker, without the worker's loopback connection.
+
+Dask sends a call from an ``async def`` actor method to an actor on the same
+worker over a TCP connection to that worker itself: the arguments and the
+result are serialized, written, read and deserialized in one process (Dask
+short-cuts only calls made from an actor's own thread, i.e. from plain
+methods).  The planner, a constructor and a loader often share a worker, and
+every such message costs the service CPU at both ends whatever its size.
+:func:`direct` hands the caller the actor object itself when it lives in the
+calling worker, so the call is a coroutine on the same event loop.
+
+What stays as it was for a remote call:
+
+* the callee runs as a task of its own (:func:`asyncio.shield`): cancelling
+  the caller's wait (a slot re-filled, a timeout) does not cancel the callee's
+  work half-way, as it would not on another worker;
+* only ``async def`` methods are called this way (the roles' calls between one
+  another are all ``async``; a plain method would run on the event loop
+  instead of the actor's thread).
+
+What differs: arguments and results are the caller's objects, not copies, so
+neither side may change what it passed or got (none does; a test checks
+equal results both ways).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+__all__: list[str] = []
+
+
+class _Local:
+    """The actor object of a handle in this worker, called like the handle (``await``)."""
+
+    __slots__ = ("_obj", "key", "_address")
+
+    def __init__(self, obj: Any, key: str, address: str):
+        self._obj = obj
+        self.key = key
+        self._address = address
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._obj, name)
+        if not inspect.iscoroutinefunction(attr):
+            raise TypeError(f"{type(self._obj).__name__}.{name} is not an async method: "
+                            "call it through the actor handle")
+
+        def call(*args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+            return asyncio.shield(attr(*args, **kwargs))
+
+        return call
+
+
+def direct(handle: Any) -> Any:
+    """``handle``'s actor object if it lives in this worker process, else ``handle``.
+
+    Either is called the same way, ``await direct(h).method(...)``, for the
+    ``async def`` methods of the roles.  Outside a worker, or for an actor on
+    another worker (or one this worker no longer holds), the handle is returned
+    unchanged.
+    """
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:  # not on a worker (a client, a test)
+        return handle
+    address = getattr(handle, "_address", None)
+    if address is None or address != worker.address:
+        return handle
+    obj = worker.state.actors.get(handle.key)
+    if obj is None:
+        return handle
+    return _Local(obj, handle.key, address)
