@@ -24,18 +24,22 @@ demand when no source is costly, and the service's own CPU per token then
 batches in the consumer's thread, one rank after the other (the consumer of earlier
 versions of this benchmark).
 
-``--mode cpu`` also measures what the machine's cores allow, in the same run before
-the services start and again after them (the ratios use the higher of the two, so
-other load while it is measured cannot raise them): the costly and the cheap source
-read, preprocessed and tokenized by one process per core (no service) for a few
-seconds each; the mix of the two at equal weights gives the most tokens/s these
-cores can prepare.  With the
-service's own CPU per token (from the "no costly" run) added to the costly source's,
-the same cores allow less: the bound the service can reach on them.
+``--mode cpu`` also measures what the machine's cores allow, right before and right
+after each adaptive run (its ratio uses the higher of the two, so other load while
+either was measured cannot raise it): the costly and the cheap source read,
+preprocessed and tokenized by one process per core (no service) for a few seconds
+each; the mix of the two at equal weights gives the most tokens/s these cores can
+prepare.  A second figure needs no other moment of the machine: the cores' rate
+implied by the adaptive run's own loaders, their CPU seconds per token over its
+second half.  With the service's own CPU per token (from the "no costly" run) added
+to the costly source's, the same cores allow less: the bound the service can reach
+on them.  ``--repeat N`` runs the adaptive allocation N times (each between two
+measurements) and reports each ratio and their median.
 
     python scripts/bench_scaling.py --mode io --seconds 50 --plot docs/scaling.png
     python scripts/bench_scaling.py --mode cpu --seconds 50
     python scripts/bench_scaling.py --mode cpu --seconds 50 --micro-batches 4 --step-seconds 0.16
+    python scripts/bench_scaling.py --mode cpu --seconds 50 --repeat 3
 
 ``--micro-batches 4 --step-seconds 0.16``: the same demand in four times fewer,
 larger steps (4 rows of 4096 tokens per rank every 160 ms), where the service's
@@ -47,6 +51,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import statistics
 import sys
 import threading
 import time
@@ -81,7 +86,7 @@ def preprocess_path(name: str) -> str:
 
 def make_config(data: str, policy: str, mode: str, costly: str | None = None,
                 pool: dict[str, Any] | None = None, read_ahead_tokens: int = 0,
-                micro_batches: int = 1) -> dict[str, Any]:
+                micro_batches: int = 1, prefetch: int = 4) -> dict[str, Any]:
     """The service config of one allocation (``policy``: ``fixed`` or ``adaptive``)."""
     costly = costly or (PREP + "store_20x" if mode == "io" else PREP + "cpu_bound")
     cheap = PREP + "store_1x" if mode == "io" else None
@@ -101,7 +106,7 @@ def make_config(data: str, policy: str, mode: str, costly: str | None = None,
             del s["preprocess"]
     return {
         "name": f"scaling-{policy}", "seed": 1, "parallel": {"dp": RANKS},
-        "batch": {"seq_len": SEQ_LEN, "micro_batches": micro_batches}, "prefetch": 4,
+        "batch": {"seq_len": SEQ_LEN, "micro_batches": micro_batches}, "prefetch": prefetch,
         "timeout": 120,
         # the policy's defaults (docs/elastic.md): max_loaders 8, headroom 1.25, cooldown 5 s,
         # scale_down_after 30 s, lookahead 200 steps
@@ -175,9 +180,11 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
         waited = tokens = 0.0
         conv_wait = conv_time = conv_tokens = 0.0
         cpu0 = None
+        half: dict[str, list[dict[str, Any]]] = {}
         while (now := time.perf_counter() - t_start) < seconds:
             if now > seconds / 2 and cpu0 is None:
                 cpu0 = _cpu_seconds()
+                half = svc.coordinator.loader_stats().result()
             t0 = time.perf_counter()
             batches = [rd.get(timeout=cfg["timeout"]) for rd in readers]
             w = time.perf_counter() - t0
@@ -204,9 +211,23 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
             "converged_tokens_per_s": conv_tokens / conv_time if conv_time else 0.0,
             "converged_wait": conv_wait / conv_time if conv_time else 0.0,
             "timeline": timeline, "cost": cost, "policy": policy,
+            "loader_cpu_per_token": loader_cpu_per_token(half, loaders),
             # CPU of every process (consumer, scheduler, workers) after convergence
             "converged_cores": cpu / conv_time if conv_time else 0.0,
             "converged_cpu_per_token": cpu / conv_tokens if conv_tokens else 0.0}
+
+
+def loader_cpu_per_token(before: dict[str, list[dict[str, Any]]],
+                         after: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """Each source's CPU seconds per token read by its loaders between two
+    ``loader_stats()`` (slots are matched by number; a slot added between counts from 0)."""
+    out = {}
+    for source, ls in after.items():
+        old = {x["slot"]: x for x in before.get(source, [])}
+        cpu = sum(x["cpu_seconds"] - old.get(x["slot"], {}).get("cpu_seconds", 0.0) for x in ls)
+        tokens = sum(x["tokens_read"] - old.get(x["slot"], {}).get("tokens_read", 0) for x in ls)
+        out[source] = cpu / tokens if tokens > 0 else float("nan")
+    return out
 
 
 def changes(timeline: list[tuple[float, dict[str, int]]], source: str
@@ -260,13 +281,14 @@ def raw_rate(cfg: dict[str, Any], source: str, procs: int, seconds: float) -> fl
     return sum(n for n, _ in res) / max(max(t for _, t in res), 1e-9)
 
 
-def cores_allow(cfg: dict[str, Any], cores: int, seconds: float = 8.0
+def cores_allow(cfg: dict[str, Any], cores: int, seconds: float = 8.0, one_core: bool = True
                 ) -> tuple[dict[str, float], float, float]:
     """What the cores allow with no service: each source's tokens/s on ``cores`` processes,
-    the costly source's on one, and the equal-weight mix of the two rates."""
+    the costly source's on one (``nan`` without ``one_core``), and the equal-weight mix of
+    the two rates."""
     rates = {s: raw_rate(cfg, s, cores, seconds) for s in ("costly", "code")}
-    one_core = raw_rate(cfg, "costly", 1, seconds)
-    return rates, one_core, 1.0 / (0.5 / rates["costly"] + 0.5 / rates["code"])
+    one = raw_rate(cfg, "costly", 1, seconds) if one_core else float("nan")
+    return rates, one, 1.0 / (0.5 / rates["costly"] + 0.5 / rates["code"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,13 +316,22 @@ def main(argv: list[str] | None = None) -> int:
                         "larger steps)")
     p.add_argument("--prefetch", type=int, default=2,
                    help="batches each rank claims ahead (0: claim in the consumer's thread)")
+    p.add_argument("--service-prefetch", type=int, default=4,
+                   help="the service's prefetch: unclaimed steps each constructor holds; "
+                        "rounds are one step fewer (default 4)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     p.add_argument("--plot", help="write the loaders-over-time plot here (PNG)")
     p.add_argument("--quick", action="store_true", help="25 s per allocation")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="adaptive runs (cpu mode: each between two measurements of what the "
+                        "cores allow); the summary gives the median")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the third run, with no costly source (io: both store_1x; cpu: "
                         "no preprocessing), which also measures the service's own CPU")
     args = p.parse_args(argv)
+    for flag in ("micro_batches", "repeat", "service_prefetch"):
+        if getattr(args, flag) < 1:  # before the corpus is written or anything measured
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if args.costly:
         try:
             args.costly = preprocess_path(args.costly)
@@ -321,33 +352,45 @@ def main(argv: list[str] | None = None) -> int:
         pool = {"kind": kind, "size": int(size or 1)}
     cores = os.cpu_count() or 1
     mb = args.micro_batches
-    if mb < 1:
-        p.error(f"--micro-batches {mb}: must be at least 1")
     demand = RANKS * SEQ_LEN * mb / args.step_seconds
     ceiling = None
     allow: list[tuple[dict[str, float], float, float]] = []
     raw = make_config(args.data, "fixed", args.mode, args.costly, pool, args.read_ahead_tokens)
+    cfgs = {policy: make_config(args.data, policy, args.mode, args.costly, pool,
+                                args.read_ahead_tokens, mb, args.service_prefetch)
+            for policy in ("fixed", "adaptive")}
+    res = {"fixed": run(cfgs["fixed"], seconds, args.step_seconds, args.workers, args.prefetch)}
     if args.mode == "cpu":
         allow.append(cores_allow(raw, cores))
-    res = {}
-    for policy in ("fixed", "adaptive"):
-        cfg = make_config(args.data, policy, args.mode, args.costly, pool, args.read_ahead_tokens,
-                          mb)
-        res[policy] = run(cfg, seconds, args.step_seconds, args.workers, args.prefetch)
-    costly = cfg["sources"][1]["preprocess"].rsplit(":", 1)[-1]
+    runs = []
+    for _ in range(args.repeat):
+        r = run(cfgs["adaptive"], seconds, args.step_seconds, args.workers, args.prefetch)
+        if args.mode == "cpu":
+            # what the cores allow, measured right before and right after this run: its
+            # ratio is taken to the higher, so other load on the machine while either was
+            # measured cannot raise it
+            allow.append(cores_allow(raw, cores, one_core=False))
+            r["ceiling"] = max(allow[-2][2], allow[-1][2])
+        runs.append(r)
+    # the run the summary lines and the plot show: the median one (by its ratio to what the
+    # cores allow in cpu mode, else by tokens/s after convergence)
+    order = sorted(range(len(runs)), key=lambda i: runs[i]["converged_tokens_per_s"]
+                   / runs[i].get("ceiling", 1.0))
+    median = runs[order[(len(runs) - 1) // 2]]
+    res.update({"adaptive": median} if len(runs) == 1 else
+               {f"adaptive {i}": r for i, r in enumerate(runs, 1)})
+    costly = cfgs["adaptive"]["sources"][1]["preprocess"].rsplit(":", 1)[-1]
     if not args.no_reference:
         # what this machine delivers at this demand when no source is costly, and (cpu mode)
         # what the service itself costs in CPU per token then
         ref = make_config(args.data, "fixed", args.mode,
                           PREP + "store_1x" if args.mode == "io" else None,
-                          read_ahead_tokens=args.read_ahead_tokens, micro_batches=mb)
+                          read_ahead_tokens=args.read_ahead_tokens, micro_batches=mb,
+                          prefetch=args.service_prefetch)
         if args.mode == "cpu":
             ref["sources"][1].pop("preprocess", None)
         res["no costly"] = run(ref, seconds, args.step_seconds, args.workers, args.prefetch)
     if allow:
-        # measured again after the runs: the ratio is taken to the higher of the two, so a
-        # moment of other load on the machine while it was measured cannot raise it
-        allow.append(cores_allow(raw, cores))
         rates, _, ceiling = max(allow, key=lambda a: a[2])
     print(f"mode {args.mode}: costly source '{costly}'"
           + (f" on a {pool['kind']} pool of {pool['size']}" if pool else "")
@@ -357,14 +400,15 @@ def main(argv: list[str] | None = None) -> int:
     fixed_max = threads / spt / 0.5 if spt else float("nan")
     print(f"demand: {RANKS} ranks x {SEQ_LEN}" + (f" x {mb} micro-batches" if mb > 1 else "")
           + f" tokens every {args.step_seconds * 1000:.0f} ms "
-          f"of compute (prefetch {args.prefetch}) = {demand:,.0f} tokens/s; one costly loader "
+          f"of compute (prefetch {args.prefetch}, the service's {args.service_prefetch}) = "
+          f"{demand:,.0f} tokens/s; one costly loader "
           f"measured {spt * 1e6:.1f} us/token busy, so the fixed allocation supplies at most "
           f"{fixed_max:,.0f} tokens/s ({demand / fixed_max:.1f}x below the demand)")
-    for when, (r, one, c) in zip(("before", "after"), allow, strict=False):
-        print(f"cores allow ({when} the runs): costly source {r['costly']:,.0f} tokens/s on "
-              f"{cores} processes ({one:,.0f} on 1), cheap {r['code']:,.0f}; at equal weights "
-              f"{c:,.0f} tokens/s" + (" (the higher: the ratios below use it)"
-                                      if len(allow) > 1 and c == ceiling else ""))
+    for i, (r, one, c) in enumerate(allow):
+        when = "before adaptive run 1" if i == 0 else f"after adaptive run {i}"
+        print(f"cores allow ({when}): costly source {r['costly']:,.0f} tokens/s on "
+              f"{cores} processes" + (f" ({one:,.0f} on 1)" if one == one else "")
+              + f", cheap {r['code']:,.0f}; at equal weights {c:,.0f} tokens/s")
     print(f"{'allocation':<12}{'tokens/s':>12}{'wait':>8}{'tokens/s conv.':>16}"
           f"{'wait conv.':>12}{'CPU conv.':>11}{'final loaders':>26}  last change / changes / "
           "reversals")
@@ -375,13 +419,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<12}{r['tokens_per_s']:>12,.0f}{r['wait']:>8.1%}"
               f"{r['converged_tokens_per_s']:>16,.0f}{r['converged_wait']:>12.1%}"
               f"{r['converged_cores']:>11.2f}{str(final):>26}  {ch}")
-    ratio = res["adaptive"]["tokens_per_s"] / max(res["fixed"]["tokens_per_s"], 1e-9)
-    conv = (res["adaptive"]["converged_tokens_per_s"]
+    if len(runs) > 1:
+        print(f"the lines below take adaptive run {runs.index(median) + 1}, the median")
+    ratio = median["tokens_per_s"] / max(res["fixed"]["tokens_per_s"], 1e-9)
+    conv = (median["converged_tokens_per_s"]
             / max(res["fixed"]["converged_tokens_per_s"], 1e-9))
     print(f"adaptive / fixed tokens/s: {ratio:.2f} over the run, {conv:.2f} after convergence")
-    print(f"adaptive / demand: {res['adaptive']['converged_tokens_per_s'] / demand:.1%} "
+    print(f"adaptive / demand: {median['converged_tokens_per_s'] / demand:.1%} "
           "after convergence")
-    pol = res["adaptive"]["policy"]
+    pol = median["policy"]
     if pol.get("cpu_caps") or pol.get("saturated"):
         print("adaptive policy: CPU fraction of the loaders' busy time "
               + ", ".join(f"{s} {f:.2f}" for s, f in pol["cpu_fraction"].items())
@@ -395,9 +441,24 @@ def main(argv: list[str] | None = None) -> int:
               f"{res['no costly']['converged_tokens_per_s']:,.0f} tokens/s); with it these "
               f"cores allow at most {bound:,.0f} tokens/s, {bound / ceiling:.1%} of {ceiling:,.0f}")
     if ceiling is not None:
-        print(f"adaptive / what the cores allow: "
-              f"{res['adaptive']['converged_tokens_per_s'] / ceiling:.1%} after convergence "
-              f"(fixed: {res['fixed']['converged_tokens_per_s'] / ceiling:.1%})")
+        # each adaptive run against the higher of the measurements right before and after it;
+        # and against the cores' rate implied by its own loaders' CPU per token in the same
+        # seconds (no other moment of the machine in it)
+        shares = []
+        for i, r in enumerate(runs, 1):
+            cpt = r["loader_cpu_per_token"]
+            inrun = cores / (0.5 * cpt["costly"] + 0.5 * cpt["code"])
+            shares.append(r["converged_tokens_per_s"] / r["ceiling"])
+            print(f"adaptive run {i} / what the cores allow: {shares[-1]:.1%} after convergence "
+                  f"(of {r['ceiling']:,.0f}, the higher of the measurements around it); "
+                  f"{r['converged_tokens_per_s'] / inrun:.1%} of {inrun:,.0f} tokens/s, what "
+                  f"its loaders' CPU per token ({cpt['costly'] * 1e6:.1f} us costly, "
+                  f"{cpt['code'] * 1e6:.2f} us cheap) allows {cores} cores")
+        print(f"adaptive / what the cores allow: {statistics.median(shares):.1%} after "
+              f"convergence" + (f" (median of {len(runs)} runs, lowest {min(shares):.1%})"
+                                if len(runs) > 1 else "")
+              + f" (fixed: {res['fixed']['converged_tokens_per_s'] / ceiling:.1%} of the "
+              f"highest, {ceiling:,.0f})")
     if args.plot:
         import matplotlib
 
@@ -406,9 +467,7 @@ def main(argv: list[str] | None = None) -> int:
 
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for policy, style in (("adaptive", "-"), ("fixed", ":")):
-            if policy not in res:
-                continue
-            tl = res[policy]["timeline"]
+            tl = (median if policy == "adaptive" else res[policy])["timeline"]
             for src in ("code", "costly"):
                 ax.step([t for t, _ in tl], [d[src] for _, d in tl], style, where="post",
                         label=f"{policy}: {src}")

@@ -1,4 +1,4 @@
-"""``scripts/bench_scaling.py --costly`` takes a short name of msd_dask.examples.preprocess."""
+"""``scripts/bench_scaling.py``: its arguments, and the pure helpers of its figures."""
 
 from __future__ import annotations
 
@@ -34,3 +34,30 @@ def test_unknown_short_name_is_refused_naming_the_known_ones(name, capsys) -> No
         bench_scaling.main(["--mode", "cpu", "--costly", name])
     assert exc.value.code == 2
     assert f"--costly '{name}'" in capsys.readouterr().err
+
+
+def test_loader_cpu_per_token_counts_the_window_between_two_polls() -> None:
+    """Per source: the CPU seconds its loaders added between the polls over the tokens they
+    read then; a slot added between the polls counts from 0, one with no new token is nan."""
+    before = {"costly": [{"slot": 0, "cpu_seconds": 1.0, "tokens_read": 1000}],
+              "code": [{"slot": 0, "cpu_seconds": 0.5, "tokens_read": 10}]}
+    after = {"costly": [{"slot": 0, "cpu_seconds": 3.0, "tokens_read": 2000},
+                        {"slot": 1, "cpu_seconds": 2.0, "tokens_read": 1000}],
+             "code": [{"slot": 0, "cpu_seconds": 0.5, "tokens_read": 10}]}
+    got = bench_scaling.loader_cpu_per_token(before, after)
+    assert got["costly"] == pytest.approx(4.0 / 2000)
+    assert got["code"] != got["code"]  # nan: nothing read in the window
+
+
+@pytest.mark.parametrize("flag", ["--repeat", "--service-prefetch"])
+def test_counts_below_one_are_refused_before_anything_runs(flag, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_scaling.main(["--mode", "cpu", flag, "0"])
+    assert exc.value.code == 2
+    assert f"{flag} 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_the_service_prefetch_is_the_configs() -> None:
+    cfg = bench_scaling.make_config("data", "adaptive", "cpu", prefetch=8)
+    assert cfg["prefetch"] == 8
+    assert bench_scaling.make_config("data", "adaptive", "cpu")["prefetch"] == 4
