@@ -43,7 +43,8 @@ measurements) and reports each ratio and their median.
 
 ``--micro-batches 4 --step-seconds 0.16``: the same demand in four times fewer,
 larger steps (4 rows of 4096 tokens per rank every 160 ms), where the service's
-per-step messages cost a quarter as much per token.
+per-step messages cost a quarter as much per token.  ``--service-prefetch 8``: the
+same steps in rounds of 7 instead of 3 (the service's ``prefetch``, 4 by default).
 """
 
 from __future__ import annotations
