@@ -35,12 +35,10 @@ __all__: list[str] = []
 class _Local:
     """The actor object of a handle in this worker, called like the handle (``await``)."""
 
-    __slots__ = ("_obj", "key", "_address")
+    __slots__ = ("_obj",)
 
-    def __init__(self, obj: Any, key: str, address: str):
+    def __init__(self, obj: Any):
         self._obj = obj
-        self.key = key
-        self._address = address
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._obj, name)
@@ -74,4 +72,4 @@ def direct(handle: Any) -> Any:
     obj = worker.state.actors.get(handle.key)
     if obj is None:
         return handle
-    return _Local(obj, handle.key, address)
+    return _Local(obj)
