@@ -447,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         # seconds (no other moment of the machine in it)
         shares = []
         for i, r in enumerate(runs, 1):
-            cpt = r["loader_cpu_per_token"]
+            cpt = dict(r["loader_cpu_per_token"])
+            if cpt["code"] != cpt["code"]:  # nan: the cheap source read nothing in the window,
+                cpt["code"] = 0.0           # so it cost no CPU then (the ceiling only rises)
             inrun = cores / (0.5 * cpt["costly"] + 0.5 * cpt["code"])
             shares.append(r["converged_tokens_per_s"] / r["ceiling"])
             print(f"adaptive run {i} / what the cores allow: {shares[-1]:.1%} after convergence "

@@ -122,6 +122,34 @@ def test_adaptive_plugin_scales_a_costly_source_before_its_weight_rises(corpus):
     check_exactly_once(recs, texts, 512)
 
 
+def test_the_adaptive_plugin_trains_on_what_a_fixed_allocation_does(corpus):
+    # the plugin adds prose loaders while the readers run (a slow store, a reader that does
+    # not wait between steps), and every step's documents and ranks stay those of one
+    # loader per source: the stream does not depend on how many loaders serve it
+    root, texts = corpus
+
+    def cfg(policy):
+        c = config(root, name="same", prefetch=4,
+                   scaling={"policy": policy, "cooldown": 0.5, "max_loaders": 4,
+                            "scale_down_after": 600})
+        c["sources"][0].update(loaders=1, weight=0.5)
+        c["sources"][1].update(loaders=1, weight=0.5,
+                               preprocess="msd_dask.examples.preprocess:slow_store")
+        return c
+
+    with DataService.start(cfg("fixed"), n_workers=2, threads_per_worker=1) as svc:
+        fixed = _consume(svc, 90)
+    with DataService.start(cfg("adaptive"), n_workers=2, threads_per_worker=1) as svc:
+        adaptive = _consume(svc, 90)
+        events = svc.stats()["planner"]["role_events"]
+    added = [e for e in events if e["why"] == "added" and e["role"] == "loader"]
+    # added while steps were still to come, so later steps were read by more loaders
+    assert any(e["name"].startswith("prose#") and e["step"] < 80 for e in added), events
+    assert _docs(adaptive) == _docs(fixed)
+    check_content(adaptive, texts, 512)
+    check_exactly_once(adaptive, texts, 512)
+
+
 def test_new_roles_skip_a_paused_worker(corpus):
     """A role is only placed on a running worker: one that is paused (or closing, or being
     retired by Adaptive) would leave a role pinned to it waiting (a bug once)."""
