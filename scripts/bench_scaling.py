@@ -374,10 +374,12 @@ def main(argv: list[str] | None = None) -> int:
             r["ceiling"] = max(allow[-2][2], allow[-1][2])
         runs.append(r)
     # the run the summary lines and the plot show: the median one (by its ratio to what the
-    # cores allow in cpu mode, else by tokens/s after convergence)
+    # cores allow in cpu mode, else by tokens/s after convergence; the lower middle one of
+    # an even number)
     order = sorted(range(len(runs)), key=lambda i: runs[i]["converged_tokens_per_s"]
                    / runs[i].get("ceiling", 1.0))
-    median = runs[order[(len(runs) - 1) // 2]]
+    mid = order[(len(runs) - 1) // 2]
+    median = runs[mid]
     res.update({"adaptive": median} if len(runs) == 1 else
                {f"adaptive {i}": r for i, r in enumerate(runs, 1)})
     costly = cfgs["adaptive"]["sources"][1]["preprocess"].rsplit(":", 1)[-1]
@@ -421,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['converged_tokens_per_s']:>16,.0f}{r['converged_wait']:>12.1%}"
               f"{r['converged_cores']:>11.2f}{str(final):>26}  {ch}")
     if len(runs) > 1:
-        print(f"the lines below take adaptive run {runs.index(median) + 1}, the median")
+        print(f"the lines below take adaptive run {mid + 1}, the median")
     ratio = median["tokens_per_s"] / max(res["fixed"]["tokens_per_s"], 1e-9)
     conv = (median["converged_tokens_per_s"]
             / max(res["fixed"]["converged_tokens_per_s"], 1e-9))
@@ -450,14 +452,19 @@ def main(argv: list[str] | None = None) -> int:
             cpt = dict(r["loader_cpu_per_token"])
             if cpt["code"] != cpt["code"]:  # nan: the cheap source read nothing in the window,
                 cpt["code"] = 0.0           # so it cost no CPU then (the ceiling only rises)
-            inrun = cores / (0.5 * cpt["costly"] + 0.5 * cpt["code"])
             shares.append(r["converged_tokens_per_s"] / r["ceiling"])
-            print(f"adaptive run {i} / what the cores allow: {shares[-1]:.1%} after convergence "
-                  f"(of {r['ceiling']:,.0f}, the higher of the measurements around it); "
-                  f"{r['converged_tokens_per_s'] / inrun:.1%} of {inrun:,.0f} tokens/s, what "
-                  f"its loaders' CPU per token ({cpt['costly'] * 1e6:.1f} us costly, "
-                  f"{cpt['code'] * 1e6:.2f} us cheap) allows {cores} cores")
-        print(f"adaptive / what the cores allow: {statistics.median(shares):.1%} after "
+            line = (f"adaptive run {i} / what the cores allow: {shares[-1]:.1%} after convergence "
+                    f"(of {r['ceiling']:,.0f}, the higher of the measurements around it); ")
+            if cpt["costly"] == cpt["costly"]:
+                inrun = cores / (0.5 * cpt["costly"] + 0.5 * cpt["code"])
+                line += (f"{r['converged_tokens_per_s'] / inrun:.1%} of {inrun:,.0f} tokens/s, "
+                         f"what its loaders' CPU per token ({cpt['costly'] * 1e6:.1f} us costly, "
+                         f"{cpt['code'] * 1e6:.2f} us cheap) allows {cores} cores")
+            else:
+                line += "its costly loaders finished no unit in the second half: no in-run figure"
+            print(line)
+        # the lower median: the run the lines above the table's take
+        print(f"adaptive / what the cores allow: {statistics.median_low(shares):.1%} after "
               f"convergence" + (f" (median of {len(runs)} runs, lowest {min(shares):.1%})"
                                 if len(runs) > 1 else "")
               + f" (fixed: {res['fixed']['converged_tokens_per_s'] / ceiling:.1%} of the "

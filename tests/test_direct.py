@@ -92,6 +92,7 @@ async def test_outside_a_worker_the_handle_is_returned(c, s, a):
 async def test_cancelling_the_wait_does_not_cancel_the_callee(c, s, a):
     # as on another worker: the caller stops waiting, the callee's work still completes
     caller, _ = await _pair(c, a.address, a.address)
+    assert await caller.kind() == "object"  # the direct path, not the handle's
     assert await caller.cancel_a_slow_call() == 1
 
 
