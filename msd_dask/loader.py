@@ -759,8 +759,13 @@ class SourceLoader:
         }
 
     async def close(self) -> None:
+        """Stop reading and drop every unit held, as :meth:`release` does: a fetch or
+        metadata call still waiting for a unit here ends at once (cancelled) and its
+        caller asks the loader now in this slot, instead of waiting on one that reads
+        nothing more and keeping its units in memory."""
         if self._task is not None:
             self._task.cancel()
+        await self.release(list(self._ready))
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._docs is not None:
             self._docs.close()

@@ -52,3 +52,36 @@ def test_fetch_answers_an_array_of_requests_as_it_answers_tuples(corpus) -> None
     assert lengths[0] > 1
     assert bytes(as_array[0][:len(doc)].astype(np.uint8)) == doc
     assert list(as_array[-1]) == [doc[1]]  # piece (1, 1): no token, and the label doc[1]
+
+
+def test_close_ends_a_wait_for_a_unit_and_drops_what_it_holds(corpus) -> None:
+    """A call waiting for a unit of a closed (retired) loader is cancelled at once, as for a
+    released unit, rather than waiting forever; the units read are dropped."""
+    root, _texts = corpus
+    cfg = config(root)
+    cfg["sources"][1]["preprocess"] = "msd_dask.examples.preprocess:slow_store"
+    src = load_config(cfg).sources[1]
+    source = dataclasses.asdict(src)
+    source.pop("weight")
+    files = open_source(src.uri, src.storage_options)
+    units = [(u.path, u.part, u.row_offset) for p in files.paths
+             for u in get_format(src.format).units(files.fs, p)]
+
+    async def run() -> tuple[bool, BaseException | None, int]:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+        await loader.metadata(0, 0)  # one unit read and held (a few seconds at slow_store)
+        waiting = asyncio.ensure_future(loader.metadata(0, 1))
+        await asyncio.sleep(0.2)
+        still_reading = not waiting.done()
+        await loader.close()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiting), 5.0)
+            err = None
+        except BaseException as e:  # noqa: BLE001 - the test reports what ended the wait
+            err = e
+        return still_reading, err, len(loader._data)
+
+    still_reading, err, held = asyncio.run(run())
+    assert still_reading
+    assert isinstance(err, asyncio.CancelledError), repr(err)
+    assert held == 0
