@@ -1,4 +1,5 @@
-"""``SourceLoader.fetch`` takes its requests as an int64 array (what constructors send) or as tuples.
+"""``SourceLoader.fetch`` takes its requests as an int64 array (what constructors send) or as tuples;
+``close()`` ends the waits for its units.
 
 Constructors send one ``(n, 5)`` array per loader and round: Dask serializes a
 list of tuples element by element (566 us for 27 pieces, 35 us as one array).
@@ -20,14 +21,20 @@ from msd_dask.storage import open_source
 from corpus import config
 
 
-def test_fetch_answers_an_array_of_requests_as_it_answers_tuples(corpus) -> None:
-    root, texts = corpus
-    src = load_config(config(root)).sources[0]
+def _loader_inputs(cfg: dict, index: int) -> tuple[dict, list[tuple[str, int, int]]]:
+    """A SourceLoader's ``source`` and ``units`` for source ``index`` of ``cfg``."""
+    src = load_config(cfg).sources[index]
     source = dataclasses.asdict(src)
     source.pop("weight")
     files = open_source(src.uri, src.storage_options)
     units = [(u.path, u.part, u.row_offset) for p in files.paths
              for u in get_format(src.format).units(files.fs, p)]
+    return source, units
+
+
+def test_fetch_answers_an_array_of_requests_as_it_answers_tuples(corpus) -> None:
+    root, texts = corpus
+    source, units = _loader_inputs(config(root), 0)
 
     async def run() -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
         loader = SourceLoader(source, units, {"kind": "bytes"})
@@ -60,16 +67,11 @@ def test_close_ends_a_wait_for_a_unit_and_drops_what_it_holds(corpus) -> None:
     root, _texts = corpus
     cfg = config(root)
     cfg["sources"][1]["preprocess"] = "msd_dask.examples.preprocess:slow_store"
-    src = load_config(cfg).sources[1]
-    source = dataclasses.asdict(src)
-    source.pop("weight")
-    files = open_source(src.uri, src.storage_options)
-    units = [(u.path, u.part, u.row_offset) for p in files.paths
-             for u in get_format(src.format).units(files.fs, p)]
+    source, units = _loader_inputs(cfg, 1)
 
     async def run() -> tuple[bool, BaseException | None, int]:
         loader = SourceLoader(source, units, {"kind": "bytes"})
-        await loader.metadata(0, 0)  # one unit read and held (a few seconds at slow_store)
+        await loader.metadata(0, 0)  # one unit read and held
         waiting = asyncio.ensure_future(loader.metadata(0, 1))
         await asyncio.sleep(0.2)
         still_reading = not waiting.done()
