@@ -6,7 +6,7 @@ modules that the package layout makes easy to find.
 
 The public names are imported on first use (PEP 562 ``__getattr__``), so that
 a process importing one module of the package (the scheduler unpickling
-:mod:`msd_dask.plugin`, a worker unpickling a role) does not import the whole
+:mod:`msd_dask.plugin.scheduler`, a worker unpickling a role) does not import the whole
 service, and no process imports ``torch`` before it builds a batch.
 """
 
@@ -15,13 +15,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, DataError, ServiceError, ServiceTimeoutError
+from msd_dask.errors import ConfigError, DataError, ServiceError, ServiceTimeoutError
 
 if TYPE_CHECKING:
-    from .batch import Batch
-    from .config import Config, load_config
-    from .reader import Reader
-    from .service import DataService
+    from msd_dask.batch import Batch
+    from msd_dask.core.config import Config
+    from msd_dask.reader import Reader
+    from msd_dask.service import DataService
+    from msd_dask.sources.check import load_config
 
 __version__ = "0.1.0"
 
@@ -40,8 +41,8 @@ __all__ = [
 #: public name -> the module defining it, imported on first access
 _LAZY = {
     "Batch": ".batch",
-    "Config": ".config",
-    "load_config": ".config",
+    "Config": ".core.config",
+    "load_config": ".sources.check",
     "DataService": ".service",
     "Reader": ".reader",
 }

@@ -52,7 +52,7 @@ class Batch:
     pixel_values : torch.Tensor or None
         Image+text documents: ``torch.uint8 [patches, patch·patch·3]``, the image
         patches of every micro-batch in order (each patch flattened ``(y, x, rgb)``,
-        see :mod:`msd_dask.vision`; normalising is the model's business).  Patch
+        see :mod:`msd_dask.sources.vision`; normalising is the model's business).  Patch
         ``i`` stands for the ``i``-th image token of ``input_ids`` read row by row.
         ``None`` when the batch holds no image, and on pipeline stages but the first.
     image_spans : list of list or None

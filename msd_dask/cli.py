@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``msd-dask``; returns the exit status."""
-    from .errors import ServiceError
+    from msd_dask.errors import ServiceError
 
     args = _parser().parse_args(argv)
     try:
@@ -118,8 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .storage import list_files
+    from msd_dask.sources.check import load_config
+    from msd_dask.sources.storage import list_files
 
     cfg = load_config(args.config)
     print(f"config {args.config}: OK (service {cfg.name!r}, {cfg.parallel.world_size} ranks, "
@@ -135,7 +135,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _demo_corpus(args: argparse.Namespace) -> int:
-    from .demo import write_demo_corpus
+    from msd_dask.examples.demo import write_demo_corpus
 
     counts = write_demo_corpus(args.out_dir, progress=True)
     for k, n in counts.items():
@@ -147,7 +147,7 @@ def _demo_corpus(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .service import DataService
+    from msd_dask.service import DataService
 
     t_start = time.perf_counter()
     svc = DataService.start(args.config, args.scheduler, n_workers=args.workers,
@@ -214,7 +214,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .service import DataService
+    from msd_dask.service import DataService
 
     resume = None
     if args.resume:
@@ -260,7 +260,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _set_weights(args: argparse.Namespace) -> int:
-    from .service import DataService
+    from msd_dask.service import DataService
 
     weights = {}
     for item in args.weights:
@@ -280,7 +280,7 @@ def _set_weights(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from .service import DataService
+    from msd_dask.service import DataService
 
     with DataService.connect(args.scheduler, args.name, security=_security(args)) as svc:
         print(json.dumps(svc.stats(), indent=2, default=str))

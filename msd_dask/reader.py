@@ -3,7 +3,7 @@
 A rank takes small tickets (``{"steps", "c", "dp", "g"}``: the steps of a round)
 from its ``distributed.Queue`` and claims their tensors straight from the
 constructor the ticket names, all in one call
-(:meth:`~msd_dask.constructor.DataConstructor.claim`), so no batch passes
+(:meth:`~msd_dask.roles.constructor.DataConstructor.claim`), so no batch passes
 through the scheduler; it hands them out one step at a time.  It follows the service to a
 re-created planner (tickets carry the planner generation ``g``) and skips the
 steps it already has (:meth:`Reader.load_state_dict`).
@@ -16,13 +16,13 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .batch import Batch
-from .constructor import queue_name
-from .errors import RESTART_HINT, ServiceError, ServiceTimeoutError
-from .packing import from_wire
+from msd_dask.batch import Batch
+from msd_dask.core.packing import from_wire
+from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
+from msd_dask.roles.constructor import queue_name
 
 if TYPE_CHECKING:
-    from .service import DataService
+    from msd_dask.service import DataService
 
 __all__ = ["Reader"]
 

@@ -29,10 +29,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._figures import rank_figures, source_figures
-from .config import Config, load_config
-from .errors import RESTART_HINT, ConfigError, DataError, ServiceError, ServiceTimeoutError
-from .reader import Reader
+from msd_dask.core.config import Config, parse_config
+from msd_dask.core.figures import rank_figures, source_figures
+from msd_dask.errors import RESTART_HINT, ConfigError, DataError, ServiceError, ServiceTimeoutError
+from msd_dask.reader import Reader
+from msd_dask.sources.check import load_config
 
 __all__ = ["DataService", "Reader", "discover_units"]
 
@@ -73,9 +74,9 @@ def discover_units(cfg: Config, threads: int = 8,
     """
     # imported where units are listed (DataService.start: a worker, see
     # _discover_on_worker), never by a reader or the process that starts the service
-    from .formats import get_format
-    from .loader import with_source
-    from .storage import open_source
+    from msd_dask.formats import get_format
+    from msd_dask.roles.loader import with_source
+    from msd_dask.sources.storage import open_source
 
     units: dict[str, list[tuple[str, int, int]]] = {}
     roots: dict[str, str] = {}
@@ -215,7 +216,7 @@ def _has_client(client_id: str, dask_scheduler: Any = None) -> bool:
 
 def _rank_queues(cfg: Config) -> list[str]:
     """The names of the service's ticket queues, one per global rank."""
-    from .constructor import queue_name
+    from msd_dask.roles.constructor import queue_name
 
     return [queue_name(cfg.name, r) for r in range(cfg.parallel.world_size)]
 
@@ -251,8 +252,8 @@ def _put_in_queues(names: list[str], message: dict[str, Any], dask_scheduler: An
 
 
 def _install_plugin(client: Any) -> None:
-    """Install :class:`~msd_dask.plugin.MsdSchedulerPlugin` unless the scheduler has it."""
-    from .plugin import MsdSchedulerPlugin
+    """Install :class:`~msd_dask.plugin.scheduler.MsdSchedulerPlugin` unless the scheduler has it."""
+    from msd_dask.plugin.scheduler import MsdSchedulerPlugin
 
     def has(dask_scheduler: Any) -> bool:
         return MsdSchedulerPlugin.name in dask_scheduler.plugins
@@ -494,7 +495,9 @@ class DataService:
                          "state after step %s", self.name,
                          getattr(self.coordinator, "_address", None),
                          (ck["state"] or {}).get("step", "-1 (the start)"))
-            from .roles import close_service_roles  # the owner only: readers never import roles
+            from msd_dask.roles.supervisor import (
+                close_service_roles,  # the owner only: readers never import roles
+            )
 
             # the roles the lost planner leaves behind stop publishing and free their memory
             closed = self.client.run(close_service_roles, self.name, on_error="return",
@@ -584,9 +587,9 @@ class DataService:
         """
         from distributed import Client, LocalCluster
 
-        from .coordinator import planner_state
+        from msd_dask.roles.planner import planner_state
 
-        cfg = load_config(cfg, check_files=False)  # a worker checks and lists the files
+        cfg = parse_config(cfg)  # a worker checks and lists the files
         if resume is not None:
             planner_state(cfg, dict(resume))  # refuse a mismatched state before starting
         timeout = cfg.timeout if timeout is None else timeout
@@ -649,7 +652,7 @@ class DataService:
         ``members`` (constructor -> DP ranks) is kept across generations, so a
         ticket's constructor index means the same DP ranks in every generation.
         """
-        from .tokenizer import make_tokenizer
+        from msd_dask.sources.tokenizer import make_tokenizer
 
         workers = sorted(client.scheduler_info()["workers"])
         if not workers:
@@ -659,7 +662,7 @@ class DataService:
             members = [{} for _ in range(n_c)]
             for dp in range(cfg.parallel.dp):
                 members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
-        from .coordinator import Coordinator  # the starting process only (see coordinator.py)
+        from msd_dask.roles.planner import Coordinator  # the starting process only (see coordinator.py)
 
         # unique: a service started again under this name right after a close must not
         # find the old planner's key still held (by the plugin's cached registry) and
@@ -695,7 +698,7 @@ class DataService:
                                    f"{timeout:.0f}s (running: {running or 'none'})")
             time.sleep(0.2)
         registry = client.get_dataset(key)
-        cfg = load_config(registry["config"], check_files=False)
+        cfg = parse_config(registry["config"])
         return cls(client, cfg, registry)
 
     # --------------------------------------------------------------- readers

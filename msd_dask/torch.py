@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from .batch import Batch
+from msd_dask.batch import Batch
 
 __all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
 
@@ -209,7 +209,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
 
     def _connect(self) -> Any:
         if self._reader is None:
-            from .service import DataService
+            from msd_dask.service import DataService
 
             self._service = DataService.connect(self.address, self.name,
                                                 timeout=self.connect_timeout)

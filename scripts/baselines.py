@@ -3,10 +3,10 @@
 Shared by ``bench_memory.py``, ``bench_throughput.py`` and ``bench_train.py``.
 Every baseline reads the same sources as msd_dask (the demo corpus, its
 sources replicated under other names, or a config's sources), tokenizes with
-the same tokenizer (:class:`msd_dask.tokenizer.ByteTokenizer` unless a
+the same tokenizer (:class:`msd_dask.sources.tokenizer.ByteTokenizer` unless a
 tokenizer config is given), mixes with the same weights, and packs its own
 documents sequentially into ``micro_batches × seq_len`` rows with
-:func:`msd_dask.packing.pack_rows`, so a batch has exactly the fields of an
+:func:`msd_dask.core.packing.pack_rows`, so a batch has exactly the fields of an
 msd_dask batch (``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens``).
 
 Hugging Face ``datasets`` (:func:`hf_loader`)
@@ -79,7 +79,7 @@ def demo_sources(root: str = "data/demo", replicas: int = 1,
 
 
 def config_sources(cfg: Any) -> list[SourceSpec]:
-    """The sources of an msd_dask :class:`~msd_dask.config.Config` as :class:`SourceSpec` s.
+    """The sources of an msd_dask :class:`~msd_dask.core.config.Config` as :class:`SourceSpec` s.
 
     Only local ``parquet`` and ``jsonl`` sources have a Hugging Face builder
     here; any other raises ``ValueError``.  A source's weight is its weight at
@@ -133,9 +133,9 @@ def pack_stream(texts: Iterable[str], seq_len: int, micro_batches: int,
     """
     import torch
 
-    from msd_dask.config import TokenizerConfig
-    from msd_dask.packing import pack_rows
-    from msd_dask.tokenizer import make_tokenizer
+    from msd_dask.core.config import TokenizerConfig
+    from msd_dask.core.packing import pack_rows
+    from msd_dask.sources.tokenizer import make_tokenizer
 
     tok = make_tokenizer(TokenizerConfig(**dict(tokenizer or {"kind": "bytes"})))
     rows: list[list[tuple[np.ndarray, int]]] = []

@@ -1,13 +1,13 @@
 """Balance of rank costs: naive sequential packing against msd_dask's ``balanced``.
 
 For each workload and each ``dp × seq_len`` configuration, steps are filled the
-way :class:`msd_dask.plan.Planner` fills them: documents, chunked into pieces
+way :class:`msd_dask.core.plan.Planner` fills them: documents, chunked into pieces
 of at most ``seq_len`` tokens, are taken in stream order while they fit in the
 step's ``dp × micro_batches × seq_len`` tokens, after the pieces carried over
 from the step before.  Each step is assigned twice, on the same pieces:
 ``sequential`` (the naive baseline: rows filled in stream order, as a per-rank
 loader packs) and the planner's own placement with ``balanced`` (the default,
-:func:`msd_dask.plan.place_step`); the carry follows the planner.  Costs use the default cost model
+:func:`msd_dask.core.plan.place_step`); the carry follows the planner.  Costs use the default cost model
 (``L + L² / (12·4096)``).
 
 Workloads:
@@ -46,9 +46,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 
-from msd_dask.balance import _build, assign, capacity_bound, lower_bound  # noqa: E402
-from msd_dask.cost import CostModel  # noqa: E402
-from msd_dask.plan import place_step  # noqa: E402
+from msd_dask.core.balance import _build, assign, capacity_bound, lower_bound  # noqa: E402
+from msd_dask.core.cost import CostModel  # noqa: E402
+from msd_dask.core.plan import place_step  # noqa: E402
 
 LONGEST_CONTEXT = 131072
 DPS = (8, 64, 1024)

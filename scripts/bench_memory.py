@@ -107,9 +107,10 @@ def child_serve(a: argparse.Namespace) -> None:
     """Start the service; answer ``stats`` lines with the loaders' buffers; stop on anything else."""
     import baselines
 
-    from msd_dask import DataService, load_config
+    from msd_dask import DataService
+    from msd_dask.core.config import parse_config
 
-    base = load_config(a.config, check_files=False).to_dict()  # files: checked on a worker
+    base = parse_config(a.config).to_dict()  # files: checked on a worker
     cfg = baselines.source_config(base, baselines.demo_sources(a.root, replicas=a.sources // 2))
     cfg["name"] = "benchmem"
     cfg["parallel"] = {"dp": a.ranks}
@@ -257,7 +258,7 @@ def run_baseline(a: argparse.Namespace, common: list[str], timeout: float) -> di
 def _token_bytes(config: str) -> float:
     """Bytes a loader holds per token: uint16 for vocabularies up to 65,536 ids, else int32."""
     from msd_dask import load_config
-    from msd_dask.tokenizer import make_tokenizer
+    from msd_dask.sources.tokenizer import make_tokenizer
 
     return 2.0 if make_tokenizer(load_config(config).tokenizer).vocab_size <= 1 << 16 else 4.0
 
@@ -383,8 +384,8 @@ def _compiled_copy(root: str) -> str:
     if not compileall.compile_dir(dst, quiet=1):
         raise RuntimeError(f"could not compile {dst}")
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    probe = ("import msd_dask.service, msd_dask.config, sys; "
-             "print(msd_dask.__file__, msd_dask.config.__cached__)")
+    probe = ("import msd_dask.service, msd_dask.core.config, sys; "
+             "print(msd_dask.__file__, msd_dask.core.config.__cached__)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, cwd=root).stdout.split()
     if not out[0].startswith(dst) or not os.path.exists(out[1]):

@@ -1,6 +1,6 @@
 """Outlier delay on the demo corpus: what the pieces of each step allow, with and without it.
 
-The planner itself (:class:`msd_dask.plan.Planner`, the service's code) plans
+The planner itself (:class:`msd_dask.core.plan.Planner`, the service's code) plans
 ``--steps`` steps of the demo corpus (``configs/demo.yaml``'s sources, weights
 and seed, byte tokenizer) for ``dp`` ranks × ``micro_batches`` rows of
 ``seq_len`` tokens, once without outlier delay and once per ``min_length`` of
@@ -8,7 +8,7 @@ and seed, byte tokenizer) for ``dp`` ranks × ``micro_batches`` rows of
 defaults).  Costs are ``L + r·L²`` with ``r = --ratio`` (β/α).
 
 Columns, means over the steps: ``imbalance`` (max over mean rank cost of the
-planner's placement), ``bound`` (:func:`msd_dask.balance.capacity_bound` over
+planner's placement), ``bound`` (:func:`msd_dask.core.balance.capacity_bound` over
 the mean: the best any placement of that step's pieces could reach),
 ``wait`` (the mean of ``1 − 1/imbalance``: the share of a step the other ranks
 wait for the slowest, if cost were time), ``fill`` (tokens over the rows'
@@ -32,16 +32,17 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 
-from msd_dask.balance import capacity_bound  # noqa: E402
-from msd_dask.config import Config, load_config  # noqa: E402
-from msd_dask.cost import CostModel  # noqa: E402
+from msd_dask import load_config  # noqa: E402
+from msd_dask.core.balance import capacity_bound  # noqa: E402
+from msd_dask.core.config import Config  # noqa: E402
+from msd_dask.core.cost import CostModel  # noqa: E402
+from msd_dask.core.plan import Planner  # noqa: E402
+from msd_dask.core.stream import NeedMetadata  # noqa: E402
 from msd_dask.formats import Unit  # noqa: E402
-from msd_dask.loader import read_unit  # noqa: E402
-from msd_dask.plan import Planner  # noqa: E402
+from msd_dask.roles.loader import read_unit  # noqa: E402
 from msd_dask.service import discover_units  # noqa: E402
-from msd_dask.storage import open_source  # noqa: E402
-from msd_dask.stream import NeedMetadata  # noqa: E402
-from msd_dask.tokenizer import make_tokenizer  # noqa: E402
+from msd_dask.sources.storage import open_source  # noqa: E402
+from msd_dask.sources.tokenizer import make_tokenizer  # noqa: E402
 
 
 def make_cfg(path: str, dp: int, mb: int, seq_len: int, ratio: float,

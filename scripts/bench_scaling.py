@@ -246,13 +246,13 @@ def changes(timeline: list[tuple[float, dict[str, int]]], source: str
 
 
 def _rate_worker(src_cfg: dict[str, Any], units: list[int], deadline: float) -> tuple[int, float]:
-    from msd_dask.config import load_config
+    from msd_dask.core.config import parse_config
     from msd_dask.formats import get_format
-    from msd_dask.loader import read_unit
-    from msd_dask.storage import open_source
-    from msd_dask.tokenizer import ByteTokenizer
+    from msd_dask.roles.loader import read_unit
+    from msd_dask.sources.storage import open_source
+    from msd_dask.sources.tokenizer import ByteTokenizer
 
-    src = load_config(src_cfg, check_files=False).sources[0]
+    src = parse_config(src_cfg).sources[0]
     files = open_source(src.uri, src.storage_options)
     fmt = get_format(src.format)
     all_units = [u for p in files.paths for u in fmt.units(files.fs, p)]
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     # process pools (``--pool process:N``) need workers that may start processes
     dask.config.set({"distributed.worker.daemon": False})
     if not os.path.isdir(os.path.join(args.data, "code")):
-        from msd_dask.demo import write_demo_corpus
+        from msd_dask.examples.demo import write_demo_corpus
 
         write_demo_corpus(args.data, prose_shards=64, code_shards=16, row_group_size=16)
     seconds = 25.0 if args.quick else args.seconds

@@ -65,11 +65,11 @@ sys.path.insert(0, HERE)
 
 def single_process(cfg: Any, tokens_goal: int) -> tuple[int, float]:
     """Read, tokenize and pack until ``tokens_goal`` tokens; returns (tokens, seconds)."""
+    from msd_dask.core.packing import pack_rows
     from msd_dask.formats import get_format
-    from msd_dask.loader import read_unit
-    from msd_dask.packing import pack_rows
-    from msd_dask.storage import open_source
-    from msd_dask.tokenizer import make_tokenizer
+    from msd_dask.roles.loader import read_unit
+    from msd_dask.sources.storage import open_source
+    from msd_dask.sources.tokenizer import make_tokenizer
 
     tok = make_tokenizer(cfg.tokenizer)
     seq_len, rows_per_step = cfg.batch.seq_len, cfg.batch.micro_batches

@@ -28,7 +28,7 @@ Calibration: before training, the same model runs forward+backward in this
 process (one thread) on rows of known segment lengths (``seq_len/64`` up to
 one ``seq_len`` segment, mixed and half-full rows), timed by the thread's CPU
 clock (``time.thread_time``: other jobs on the machine do not inflate it),
-fastest of 3; :class:`msd_dask.cost.CostFitter` fits ``α·L + β·L²`` to them.
+fastest of 3; :class:`msd_dask.core.cost.CostFitter` fits ``α·L + β·L²`` to them.
 
 The model: ``--layers`` pre-norm transformer blocks, ``d_model`` 128, 4 heads,
 real per-document causal attention: ``scaled_dot_product_attention(is_causal=True)``
@@ -57,7 +57,7 @@ factor by which its CPU time is off the fitted model below, every rank of a
 step gets the same model cost), the imbalance a cost model predicts from the
 ranks' segments (``model``) and the best any assignment of each step's
 segments to the ranks' rows could reach under it (``bound``,
-:func:`msd_dask.balance.capacity_bound` over the mean); that model is
+:func:`msd_dask.core.balance.capacity_bound` over the mean); that model is
 ``α·L + β·L²`` fitted (``CostFitter``, no prior) after training to every
 pipeline's rank-steps: ``(ΣL, ΣL²)`` against the forward+backward CPU time,
 i.e. the cost as the ranks ran, which may differ from the calibration's; the fill
@@ -240,11 +240,11 @@ def calibrate(a: dict[str, Any], reps: int = 3) -> dict[str, Any]:
     ``backward``) runs on rows made of equal segments (``seq_len/64`` up to one
     segment of ``seq_len``), mixed segments, and half-full rows (they separate
     ``α`` from ``β``); each row is timed ``reps`` times, interleaved, and its
-    fastest time is given to :class:`msd_dask.cost.CostFitter` (``observe``,
+    fastest time is given to :class:`msd_dask.core.cost.CostFitter` (``observe``,
     no prior).  Returns ``alpha``, ``beta``, the rows and times, and the
     largest relative error of the fit over the rows.
     """
-    from msd_dask.cost import CostFitter
+    from msd_dask.core.cost import CostFitter
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -371,7 +371,7 @@ def summarize(ranks: list[dict[str, Any]], cost: tuple[float, float]) -> dict[st
         return sum(rec[key] for r in ranks for rec in r["recs"]) / step_time
 
     wait = sum(max(0.0, rec["allreduce"] - r["pure"]) for r in ranks for rec in r["recs"])
-    from msd_dask.balance import capacity_bound
+    from msd_dask.core.balance import capacity_bound
 
     alpha, beta = cost
     imbalance = []
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             raw[label] = train("msd", run)
             planner[label] = svc.stats()["planner"]
     # α, β as the ranks ran: every pipeline's (ΣL, ΣL², forward+backward CPU time) per rank-step
-    from msd_dask.cost import CostFitter
+    from msd_dask.core.cost import CostFitter
 
     situ = CostFitter(min_observations=1, prior_weight=0.0)
     for ranks in raw.values():

@@ -4,7 +4,7 @@ Plans a few steps for each of a grid of small configurations (every balance
 strategy, the outlier delay on and off, 1 and 8 micro-batches, dp from 2 to
 1024, several seeds and row lengths, long-context modes, a weight change and a
 resume from a JSON round trip of ``state_dict()`` mid-way, some of them elastic,
-and a lookup that raises :class:`~msd_dask.stream.NeedMetadata` for some units
+and a lookup that raises :class:`~msd_dask.core.stream.NeedMetadata` for some units
 before it knows them) and writes, per step, everything a decision shows: the
 plan (pieces, order, ranks, rows, ``rank_cost``, ``lower_bound``, weights),
 ``state_dict()``, ``pending()`` and ``upcoming_units()``, and every
@@ -71,6 +71,14 @@ class Spec:
     tags: tuple[str, ...] = field(default=())
 
 
+def _submodule(pkg: Any, name: str) -> Any:
+    """``pkg``'s module ``name``: under ``core/`` since the package has role folders, at its top before."""
+    try:
+        return importlib.import_module(f"{pkg.__name__}.core.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{pkg.__name__}.{name}")
+
+
 def specs() -> list[Spec]:
     """The grid (``tags``: ``golden`` marks those ``tests/test_plan_golden.py`` digests)."""
     out: list[Spec] = []
@@ -116,7 +124,7 @@ def specs() -> list[Spec]:
 
 
 def _cfg(pkg: ModuleType, s: Spec, dp: int, mb: int) -> Any:
-    config = importlib.import_module(pkg.__name__ + ".config")
+    config = _submodule(pkg, "config")
     srcs = []
     for name, w, _, _ in SOURCES:
         weight: Any = w
@@ -131,7 +139,7 @@ def _cfg(pkg: ModuleType, s: Spec, dp: int, mb: int) -> Any:
     extra: dict[str, Any] = {}
     if s.long_mode:
         extra["long_context"] = {"mode": s.long_mode, "max_per_rank": s.max_per_rank}
-    return config.load_config({
+    return config.parse_config({
         "name": "golden", "seed": s.seed,
         "batch": {"seq_len": s.seq_len, "micro_batches": mb},
         "parallel": {"dp": dp},
@@ -139,14 +147,14 @@ def _cfg(pkg: ModuleType, s: Spec, dp: int, mb: int) -> Any:
         "cost": {"linear": 1.0, "quadratic": 1.0 / (12 * 512)},
         "outliers": {"min_length": ml, "group": s.outlier_group, "max_wait": s.max_wait},
         "sources": srcs, **extra,
-    }, check_files=False)
+    })
 
 
 class _Lookup:
     """Unit lengths, a pure function of (spec seed, source, unit); some units unknown at first."""
 
     def __init__(self, pkg: ModuleType, s: Spec):
-        self.need_error = importlib.import_module(pkg.__name__ + ".stream").NeedMetadata
+        self.need_error = _submodule(pkg, "stream").NeedMetadata
         self.s = s
         self.known: set[tuple[str, int, int]] = set()
         self._cache: dict[tuple[str, int], np.ndarray] = {}
@@ -202,8 +210,8 @@ def _state_record(pl: Any) -> dict[str, Any]:
 
 def records(pkg: ModuleType, s: Spec) -> Iterator[str]:
     """Every decision of the package's planner on ``s``, one JSON line each."""
-    plan_mod = importlib.import_module(pkg.__name__ + ".plan")
-    stream_mod = importlib.import_module(pkg.__name__ + ".stream")
+    plan_mod = _submodule(pkg, "plan")
+    stream_mod = _submodule(pkg, "stream")
     cfg = _cfg(pkg, s, s.dp, s.mb)
     lookup = _Lookup(pkg, s)
     units = {name: [_unit(pkg, f"{name}/part-{u:04d}.parquet") for u in range(s.units)]
@@ -233,7 +241,7 @@ def records(pkg: ModuleType, s: Spec) -> Iterator[str]:
 
 
 def _unit(pkg: ModuleType, path: str) -> Any:
-    return importlib.import_module(pkg.__name__ + ".formats").Unit(path)
+    return _submodule(pkg, "formats").Unit(path)
 
 
 def digest(pkg: ModuleType, s: Spec) -> str:

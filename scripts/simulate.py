@@ -4,7 +4,7 @@ N ranks train in lock step.  A rank's step time is its compute plus the time
 it waits for its own data; the step waits for the slowest rank.
 
 Compute
-    The cost model ``α·L + β·L²`` of :class:`msd_dask.cost.CostModel` in
+    The cost model ``α·L + β·L²`` of :class:`msd_dask.core.cost.CostModel` in
     seconds, derived from a stated model: dense layers ``24·H²·layers`` FLOPs
     per token forward, causal attention ``2·L²·H·layers`` FLOPs per document
     forward, both ×3 for forward + backward, divided by an achieved FLOP/s:
@@ -17,13 +17,13 @@ Documents
 (a) Baseline: per-rank loaders
     Each rank draws its own documents (source chosen at random per piece with
     the token shares of the weights), packs them with
-    :func:`msd_dask.balance.sequential` and preprocesses them with its own
+    :func:`msd_dask.core.balance.sequential` and preprocesses them with its own
     ``W`` workers: data time = Σ preprocessing cost / W, overlapped with the
     previous step (the loader prefetches while the previous step runs, the
     barrier included): wait = max(0, data − previous step time).
 (b) msd_dask
-    The planner itself, end to end: a :class:`msd_dask.plan.Planner` built
-    from a :class:`msd_dask.config.Config` holding the simulator's parameters
+    The planner itself, end to end: a :class:`msd_dask.core.plan.Planner` built
+    from a :class:`msd_dask.core.config.Config` holding the simulator's parameters
     (dp, micro_batches, seq_len, the sources and weights, ``cost`` = α, β,
     ``balance`` = the strategy, ``outliers`` with ``--outliers``) plans every
     step through its ``lookup(source, epoch, unit) -> lengths`` callable, as a
@@ -66,11 +66,11 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.balance import sequential
-from msd_dask.config import Config, load_config
-from msd_dask.cost import CostModel
+from msd_dask.core.balance import sequential
+from msd_dask.core.config import Config, parse_config
+from msd_dask.core.cost import CostModel
+from msd_dask.core.plan import Planner, StepPlan
 from msd_dask.formats import Unit
-from msd_dask.plan import Planner, StepPlan
 
 __all__ = ["SourceSpec", "SimConfig", "CellResult", "Corpus", "simulate", "planner_config",
            "default_strategy", "model_coefficients", "balance_bound", "main", "steps_for"]
@@ -141,7 +141,7 @@ def planner_config(cfg: SimConfig) -> Config:
     """The service config the simulated planner runs with: the simulator's own parameters."""
     alpha, beta = model_coefficients(cfg.hidden, cfg.layers, cfg.flops)
     ml: float | int = cfg.outliers if 0 < cfg.outliers < 1 else int(cfg.outliers)
-    return load_config({
+    return parse_config({
         "name": "simulate",
         "seed": cfg.seed,
         "batch": {"seq_len": cfg.row, "micro_batches": cfg.micro_batches},
@@ -151,7 +151,7 @@ def planner_config(cfg: SimConfig) -> Config:
         "outliers": {"min_length": ml},
         "sources": [{"name": s.name, "uri": f"memory://simulate/{s.name}/*.parquet",
                      "format": "parquet", "weight": s.weight} for s in cfg.sources],
-    }, check_files=False)
+    })
 
 
 class Corpus:
@@ -370,7 +370,7 @@ def simulate(cfg: SimConfig) -> CellResult:
 
     True compute of a rank: ``α·(rows × seq_len) + β·Σ l²`` (rows are fixed-shape, so padding goes
     through the dense layers; attention is per piece).  The planner balances the service's own cost
-    model ``α·l + β·l²`` (:class:`msd_dask.cost.CostModel`) with the same α, β.
+    model ``α·l + β·l²`` (:class:`msd_dask.core.cost.CostModel`) with the same α, β.
     """
     alpha, beta = model_coefficients(cfg.hidden, cfg.layers, cfg.flops)
     cost = CostModel(linear=alpha, quadratic=beta)
@@ -536,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"   strategy={args.strategy} (Config.balance default: {default_strategy()})   seed={args.seed}")
     oc = planner_config(SimConfig(dp=1, context=max(args.context), seq_len=args.seq_len,
                                   outliers=args.outliers, sources=sources)).outliers
-    print("msd_dask: msd_dask.plan.Planner end to end (Config from these parameters, lookup = the "
+    print("msd_dask: msd_dask.core.plan.Planner end to end (Config from these parameters, lookup = the "
           f"corpus); shuffle_window={planner_config(SimConfig(dp=1, context=1)).sources[0].shuffle_window}"
           " units; outlier delay "
           + (f"ON: outliers.min_length={oc.min_length:g}"

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.tokenizer import ByteTokenizer
+from msd_dask.sources.tokenizer import ByteTokenizer
 
 
 def record(batch: Any) -> dict[str, Any]:

@@ -171,7 +171,7 @@ def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
 def test_closing_the_plugin_puts_the_scheduler_entry_points_back():
     import asyncio
 
-    from msd_dask.plugin import MsdSchedulerPlugin
+    from msd_dask.plugin.scheduler import MsdSchedulerPlugin
 
     async def main():
         async with Scheduler(port=0, dashboard_address="127.0.0.1:0") as s:

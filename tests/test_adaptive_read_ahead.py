@@ -11,9 +11,9 @@ import pytest
 from test_read_ahead import _run, _unit_tokens
 
 from msd_dask import load_config
+from msd_dask.core.stream import SourceStream
 from msd_dask.formats import Unit
 from msd_dask.service import discover_units
-from msd_dask.stream import SourceStream
 
 from checks import check_content, check_exactly_once
 from corpus import config, write_corpus

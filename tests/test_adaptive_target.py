@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from msd_dask._adaptive import capacity, roles_wanted, workers_needed
+from msd_dask.plugin.adaptive import capacity, roles_wanted, workers_needed
 
 
 def test_capacity_is_roles_per_worker_else_threads():
@@ -53,13 +53,13 @@ def test_new_capacity_must_be_positive():
 
 
 def test_roles_per_worker_config_key():
-    from msd_dask.config import ConfigError, load_config
+    from msd_dask.core.config import ConfigError, parse_config
 
     base = {"name": "t", "parallel": {"dp": 1}, "batch": {"seq_len": 64},
             "sources": [{"name": "a", "uri": "memory://none/*.jsonl", "format": "jsonl"}]}
-    assert load_config(base, check_files=False).scaling.roles_per_worker == 0
-    cfg = load_config(dict(base, scaling={"roles_per_worker": 3}), check_files=False)
+    assert parse_config(base).scaling.roles_per_worker == 0
+    cfg = parse_config(dict(base, scaling={"roles_per_worker": 3}))
     assert cfg.scaling.roles_per_worker == 3
-    assert load_config(cfg.to_dict(), check_files=False).scaling.roles_per_worker == 3
+    assert parse_config(cfg.to_dict()).scaling.roles_per_worker == 3
     with pytest.raises(ConfigError, match="scaling.roles_per_worker"):
-        load_config(dict(base, scaling={"roles_per_worker": -1}), check_files=False)
+        parse_config(dict(base, scaling={"roles_per_worker": -1}))

@@ -14,8 +14,8 @@ import pytest
 import zstandard
 
 from msd_dask import DataService, ServiceError
+from msd_dask.core.stream import SourceStream
 from msd_dask.errors import ConfigError, DataError
-from msd_dask.stream import SourceStream
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from msd_dask.balance import (
+from msd_dask.core.balance import (
     STRATEGIES,
     Assignment,
     assign,
@@ -17,7 +17,7 @@ from msd_dask.balance import (
     lower_bound,
     lpt,
 )
-from msd_dask.cost import CostModel
+from msd_dask.core.cost import CostModel
 
 COST = CostModel()
 
@@ -247,7 +247,7 @@ def test_block_placement_is_the_one_by_one_placement(monkeypatch, seed: int, dp:
     # _Greedy places pieces in vectorised blocks where that provably changes nothing:
     # lpt and balanced place as they do with the one-by-one loop alone (blocks forced
     # here down to the smallest sizes, and for as long as they place a piece)
-    import msd_dask.balance as bal
+    import msd_dask.core.balance as bal
 
     seq_len = 256
     lengths = lognormal_step(seed, dp, micro_batches, seq_len, mu=3.0 + seed % 4,

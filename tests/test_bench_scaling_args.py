@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import bench_scaling  # noqa: E402
 
-from msd_dask.config import resolve_import_path  # noqa: E402
+from msd_dask.core.config import resolve_import_path  # noqa: E402
 from msd_dask.examples import preprocess  # noqa: E402
 
 

@@ -30,7 +30,7 @@ def _run(script: str, *args: str, timeout: float = 240) -> str:
 def demo_corpus():
     """The benchmarks read configs/demo.yaml, i.e. data/demo: write it if it is missing."""
     if not (os.path.isdir(os.path.join(DEMO, "code")) and os.path.isdir(os.path.join(DEMO, "prose"))):
-        from msd_dask.demo import write_demo_corpus
+        from msd_dask.examples.demo import write_demo_corpus
 
         write_demo_corpus(DEMO)
 

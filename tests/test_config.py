@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import yaml
 
-from msd_dask.config import (
+from msd_dask import load_config
+from msd_dask.core.config import (
     BatchConfig,
     Config,
     ParallelConfig,
     WeightSchedule,
-    load_config,
+    parse_config,
 )
 from msd_dask.errors import ConfigError
 
@@ -170,7 +171,7 @@ def test_glob_matching_no_file(data_dir: Path) -> None:
     d["sources"][1]["uri"] = str(data_dir / "nothing-here" / "*.jsonl")
     refused(d, "sources[1].uri", check_files=True)
     # The same dict loads when files are not checked.
-    assert load_config(d, check_files=False).sources[1].uri.endswith("*.jsonl")
+    assert parse_config(d).sources[1].uri.endswith("*.jsonl")
 
 
 def test_seq_len_zero(data_dir: Path) -> None:
@@ -232,7 +233,7 @@ def test_schedule_point_with_both_until_and_step_is_refused(data_dir: Path) -> N
     d["sources"][0]["weight"] = [{"step": 0, "until": 10, "weight": 0.5},
                                  {"step": 100, "weight": 0.6}]
     with pytest.raises(ConfigError) as info:
-        load_config(d, check_files=False)
+        parse_config(d)
     assert info.value.key.startswith("sources[0].weight")
 
 
@@ -328,18 +329,17 @@ def test_to_dict_round_trips(data_dir: Path) -> None:
     cfg = load_config(d)
     assert d == original  # the input is not mutated
     out = cfg.to_dict()
-    again = load_config(out, check_files=False)
+    again = parse_config(out)
     assert again == cfg
     # ... and through YAML text too.
-    assert load_config(yaml.safe_dump(out), check_files=False) == cfg
+    assert parse_config(yaml.safe_dump(out)) == cfg
     assert again.to_dict() == out
 
 
 def test_to_dict_round_trips_defaults(data_dir: Path) -> None:
-    cfg = load_config({"name": "x", "batch": {"seq_len": 8},
-                       "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]},
-                      check_files=False)
-    assert load_config(cfg.to_dict(), check_files=False) == cfg
+    cfg = parse_config({"name": "x", "batch": {"seq_len": 8},
+                       "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]})
+    assert parse_config(cfg.to_dict()) == cfg
 
 
 # ---------------------------------------------------------------------------- mesh
@@ -380,13 +380,13 @@ def test_parallel_coords_other_order() -> None:
 def test_round_steps_defaults_to_prefetch_minus_one_and_is_bounded_by_it():
     base = {"name": "r", "batch": {"seq_len": 8},
             "sources": [{"name": "a", "uri": "x/*.jsonl", "format": "jsonl"}]}
-    assert load_config(dict(base, prefetch=4), check_files=False).steps_per_round == 3
-    assert load_config(dict(base, prefetch=1), check_files=False).steps_per_round == 1
-    assert load_config(dict(base, prefetch=4, round_steps=4), check_files=False).steps_per_round == 4
+    assert parse_config(dict(base, prefetch=4)).steps_per_round == 3
+    assert parse_config(dict(base, prefetch=1)).steps_per_round == 1
+    assert parse_config(dict(base, prefetch=4, round_steps=4)).steps_per_round == 4
     with pytest.raises(ConfigError, match="round_steps.*<= prefetch"):
-        load_config(dict(base, prefetch=2, round_steps=3), check_files=False)
+        parse_config(dict(base, prefetch=2, round_steps=3))
     with pytest.raises(ConfigError, match="round_steps.*>= 0"):
-        load_config(dict(base, round_steps=-1), check_files=False)
+        parse_config(dict(base, round_steps=-1))
 
 
 def test_errors_pickle_whole():

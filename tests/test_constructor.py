@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from distributed.utils_test import gen_cluster
 
-from msd_dask.constructor import DataConstructor
-from msd_dask.packing import from_wire, join_pieces
+from msd_dask.core.packing import from_wire, join_pieces
+from msd_dask.roles.constructor import DataConstructor
 
 
 class ToyLoader:

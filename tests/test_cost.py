@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from msd_dask.balance import assign
-from msd_dask.config import CostConfig, load_config
-from msd_dask.cost import CostFitter, CostModel, transformer_coefficients
+from msd_dask.core.balance import assign
+from msd_dask.core.config import CostConfig, parse_config
+from msd_dask.core.cost import CostFitter, CostModel, transformer_coefficients
 from msd_dask.errors import ConfigError
 
 
@@ -19,7 +19,7 @@ def cfg_with(cost: Any) -> CostConfig:
          "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]}
     if cost is not None:
         d["cost"] = cost
-    return load_config(d, check_files=False).cost
+    return parse_config(d).cost
 
 
 # ------------------------------------------------------------------------ the models
@@ -51,10 +51,9 @@ def test_model_from_transformer_shape(hidden: int, layers: int) -> None:
     assert m == CostModel.from_transformer(hidden, layers)
     assert cfg.model == {"hidden_size": hidden, "layers": layers}
     # the derived values round trip through to_dict()
-    full = load_config({"name": "x", "batch": {"seq_len": 8}, "cost": {"model": cfg.model},
-                        "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]},
-                       check_files=False)
-    assert load_config(json.loads(json.dumps(full.to_dict())), check_files=False) == full
+    full = parse_config({"name": "x", "batch": {"seq_len": 8}, "cost": {"model": cfg.model},
+                        "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]})
+    assert parse_config(json.loads(json.dumps(full.to_dict()))) == full
 
 
 @pytest.mark.parametrize("cost,key", [
@@ -90,11 +89,10 @@ def test_fit_config() -> None:
     assert CostFitter.from_config(cfg_with({"fit": True})).prior_weight == 0.1
     cfg = cfg_with({"fit": True, "prior_weight": 0})
     assert cfg.prior_weight == 0 and CostFitter.from_config(cfg).prior_weight == 0
-    full = load_config({"name": "x", "batch": {"seq_len": 8},
+    full = parse_config({"name": "x", "batch": {"seq_len": 8},
                         "cost": {"fit": True, "prior_weight": 0.5},
-                        "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]},
-                       check_files=False)
-    assert load_config(json.loads(json.dumps(full.to_dict())), check_files=False) == full
+                        "sources": [{"name": "a", "uri": "mem://a/*.jsonl", "format": "jsonl"}]})
+    assert parse_config(json.loads(json.dumps(full.to_dict()))) == full
 
 
 # ------------------------------------------------------------------------ the fitter

@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from msd_dask.demo import docstrings, write_demo_corpus
+from msd_dask.examples.demo import docstrings, write_demo_corpus
 from msd_dask.formats import get_format
-from msd_dask.storage import open_source
+from msd_dask.sources.storage import open_source
 
 CODE_SHARDS, PROSE_SHARDS, ROW_GROUP_SIZE = 3, 2, 16
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

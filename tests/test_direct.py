@@ -1,4 +1,4 @@
-"""msd_dask._direct: a role calls a role on its own worker as an object, others as a handle."""
+"""msd_dask.roles.direct: a role calls a role on its own worker as an object, others as a handle."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from distributed import get_worker
 from distributed.actor import Actor
 from distributed.utils_test import gen_cluster
 
-from msd_dask._direct import direct
+from msd_dask.roles.direct import direct
 
 
 class Target:

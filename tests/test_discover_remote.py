@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 
 #: the libraries of the file formats and storage (distributed imports zstandard itself)
 _FORMAT_LIBS = {"pyarrow", "fsspec", "s3fs"}
-_FORMAT_MODULES = {"msd_dask.formats", "msd_dask.storage"}
+_FORMAT_MODULES = {"msd_dask.formats", "msd_dask.sources.storage"}
 
 _STARTER = r"""
 import json, sys

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from msd_dask._figures import rank_figures, source_figures
+from msd_dask.core.figures import rank_figures, source_figures
 
 
 def loader(**kw: float) -> dict:

@@ -24,7 +24,7 @@ import zstandard
 from msd_dask.errors import DataError
 from msd_dask.formats import FORMATS, Format, Unit, get_format
 from msd_dask.formats.jsonl import compression_of
-from msd_dask.storage import open_source
+from msd_dask.sources.storage import open_source
 
 # ---------------------------------------------------------------------------------------
 # The shared records and one writer per format variant

@@ -1,8 +1,8 @@
 """What importing a part of msd_dask pulls in: torch only where a batch is built.
 
-The scheduler imports :mod:`msd_dask.plugin`, the Dask workers import the
-roles (:mod:`msd_dask.loader`, :mod:`msd_dask.constructor`,
-:mod:`msd_dask.coordinator`) and the process that starts the service imports
+The scheduler imports :mod:`msd_dask.plugin.scheduler`, the Dask workers import the
+roles (:mod:`msd_dask.roles.loader`, :mod:`msd_dask.roles.constructor`,
+:mod:`msd_dask.roles.planner`) and the process that starts the service imports
 :mod:`msd_dask.service`; none of them builds a torch tensor, and importing
 torch costs each process about 100 MiB (see docs/benchmarks.md, Memory).
 Each check runs in a fresh interpreter.
@@ -25,9 +25,9 @@ def _imported_after(code: str) -> set[str]:
     return set(json.loads(res.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("module", ["msd_dask", "msd_dask.loader", "msd_dask.plugin",
-                                    "msd_dask.constructor", "msd_dask.coordinator",
-                                    "msd_dask.roles", "msd_dask.service", "msd_dask.reader",
+@pytest.mark.parametrize("module", ["msd_dask", "msd_dask.roles.loader", "msd_dask.plugin.scheduler",
+                                    "msd_dask.roles.constructor", "msd_dask.roles.planner",
+                                    "msd_dask.roles.supervisor", "msd_dask.service", "msd_dask.reader",
                                     "msd_dask.cli"])
 def test_service_side_modules_do_not_import_torch(module: str) -> None:
     assert "torch" not in _imported_after(f"import {module}")
@@ -40,13 +40,13 @@ def test_public_names_do_not_import_torch() -> None:
 
 def test_plugin_does_not_import_the_service() -> None:
     """The scheduler unpickling the plugin gets neither the roles nor their readers' libraries."""
-    code = ("import msd_dask.plugin, sys\n"
+    code = ("import msd_dask.plugin.scheduler, sys\n"
             "print(sorted(m for m in sys.modules if m.startswith('msd_dask')))\n")
     mods = _imported_after(code)
     assert not {"torch", "pyarrow", "PIL"} & mods
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "msd_dask.service" not in res.stdout and "msd_dask.coordinator" not in res.stdout
+    assert "msd_dask.service" not in res.stdout and "msd_dask.roles.planner" not in res.stdout
 
 
 def test_building_a_batch_imports_torch() -> None:
@@ -68,8 +68,8 @@ def test_building_a_batch_imports_torch() -> None:
 def test_a_training_process_loads_no_file_format_or_image_library() -> None:
     """A reader unpickles the roles' actor handles (their modules get imported) but never
     reads files or decodes images: pyarrow and Pillow stay out of the training process."""
-    mods = _imported_after("import msd_dask.service, msd_dask.coordinator, msd_dask.loader, "
-                           "msd_dask.constructor, msd_dask.roles, msd_dask.torch")
+    mods = _imported_after("import msd_dask.service, msd_dask.roles.planner, msd_dask.roles.loader, "
+                           "msd_dask.roles.constructor, msd_dask.roles.supervisor, msd_dask.torch")
     assert not {"pyarrow", "PIL"} & mods, sorted({"pyarrow", "PIL"} & mods)
 
 
@@ -77,16 +77,17 @@ def test_a_training_process_loads_no_planner_or_storage_module() -> None:
     """The modules a reader imports (its own, and those of the actor handles it unpickles:
     planner, constructors, loaders) leave the planner's and the loaders' machinery out:
     every module costs each training process memory (docs/benchmarks.md, Memory)."""
-    code = ("import msd_dask.service, msd_dask.coordinator, msd_dask.loader, "
-            "msd_dask.constructor, msd_dask.torch, json, sys\n"
-            "msd_dask.config.load_config({'name': 'x', 'batch': {'seq_len': 8}, 'sources': "
-            "[{'name': 's', 'uri': 'm://x', 'format': 'jsonl'}]}, check_files=False)\n"
+    code = ("import msd_dask.service, msd_dask.roles.planner, msd_dask.roles.loader, "
+            "msd_dask.roles.constructor, msd_dask.torch, json, sys\n"
+            "msd_dask.core.config.parse_config({'name': 'x', 'batch': {'seq_len': 8}, 'sources': "
+            "[{'name': 's', 'uri': 'm://x', 'format': 'jsonl'}]})\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.startswith('msd_dask'))))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     loaded = set(json.loads(res.stdout.strip().splitlines()[-1]))
-    heavy = {"msd_dask.plan", "msd_dask.stream", "msd_dask.roles", "msd_dask.formats",
-             "msd_dask.storage", "msd_dask.vision", "msd_dask.mixing", "msd_dask.balance"}
+    heavy = {"msd_dask.core.plan", "msd_dask.core.stream", "msd_dask.roles.supervisor", "msd_dask.formats",
+             "msd_dask.sources.storage", "msd_dask.sources.vision", "msd_dask.core.mixing",
+             "msd_dask.core.balance"}
     assert not heavy & loaded, sorted(heavy & loaded)
     mods = _imported_after(code.splitlines()[0])
     assert not {"fsspec", "zstandard", "pyarrow", "PIL"} & mods, sorted(
@@ -94,7 +95,7 @@ def test_a_training_process_loads_no_planner_or_storage_module() -> None:
 
 
 def test_the_config_names_every_balance_strategy() -> None:
-    from msd_dask.balance import STRATEGIES
-    from msd_dask.config import KNOWN_BALANCE
+    from msd_dask.core.balance import STRATEGIES
+    from msd_dask.core.config import KNOWN_BALANCE
 
     assert sorted(KNOWN_BALANCE) == sorted(STRATEGIES)

@@ -13,10 +13,10 @@ import dataclasses
 import numpy as np
 
 from msd_dask import load_config
+from msd_dask.core.packing import split_pieces
 from msd_dask.formats import get_format
-from msd_dask.loader import SourceLoader
-from msd_dask.packing import split_pieces
-from msd_dask.storage import open_source
+from msd_dask.roles.loader import SourceLoader
+from msd_dask.sources.storage import open_source
 
 from corpus import config
 

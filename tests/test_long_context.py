@@ -8,9 +8,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from msd_dask.config import load_config
+from msd_dask.core.config import parse_config
+from msd_dask.core.plan import Planner
 from msd_dask.formats import Unit
-from msd_dask.plan import Planner
 
 SEQ_LEN, DP, MB = 1024, 8, 2
 rng = np.random.default_rng(3)
@@ -26,14 +26,14 @@ def lookup(source, epoch, unit):
 
 
 def make(long_context, balance="balanced", w_long=0.3):
-    cfg = load_config({
+    cfg = parse_config({
         "name": "lc", "seed": 5, "batch": {"seq_len": SEQ_LEN, "micro_batches": MB},
         "parallel": {"dp": DP}, "balance": balance, "long_context": long_context,
         "sources": [
             {"name": "short", "uri": "m://s", "format": "jsonl", "weight": 1 - w_long},
             {"name": "long", "uri": "m://l", "format": "jsonl", "weight": w_long,
              "context": "long"},
-        ]}, check_files=False)
+        ]})
     return Planner(cfg, UNITS)
 
 

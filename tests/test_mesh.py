@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from msd_dask.mesh import cp_indices, view_for_rank
-from msd_dask.packing import pack_rows
+from msd_dask.core.mesh import cp_indices, view_for_rank
+from msd_dask.core.packing import pack_rows
 
 
 def batch(seq_len=16, mb=2):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from msd_dask.mixing import Mixer
+from msd_dask.core.mixing import Mixer
 
 MAX_LEN = 512
 

@@ -20,14 +20,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from msd_dask import DataService
-from msd_dask.config import load_config
+from msd_dask import DataService, load_config
+from msd_dask.core.packing import IGNORE_INDEX, pack_rows
 from msd_dask.errors import ConfigError, DataError
 from msd_dask.formats import get_format
-from msd_dask.loader import ImageDoc, read_unit
-from msd_dask.packing import IGNORE_INDEX, pack_rows
-from msd_dask.tokenizer import IMG, ByteTokenizer
-from msd_dask.vision import decode_image, image_patches, patchify, resize, unpatchify
+from msd_dask.roles.loader import ImageDoc, read_unit
+from msd_dask.sources.tokenizer import IMG, ByteTokenizer
+from msd_dask.sources.vision import decode_image, image_patches, patchify, resize, unpatchify
 
 from checks import check_exactly_once, shares
 
@@ -110,7 +109,7 @@ def config(root: str, kind: str) -> dict[str, Any]:
 
 
 def _expected_patches(data: bytes) -> np.ndarray:
-    # our own Pillow path, independent of msd_dask.vision
+    # our own Pillow path, independent of msd_dask.sources.vision
     with Image.open(io.BytesIO(data)) as img:
         rgb = img.convert("RGB").resize((SIZE, SIZE), Image.Resampling.BICUBIC)
     arr = np.asarray(rgb)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from test_plan import SEQ_LEN, WEIGHTS_3, expected_pieces, lookup, make_cfg, plan_key, planner, run
 
-from msd_dask.balance import capacity_bound
-from msd_dask.config import Config, ConfigError, load_config
-from msd_dask.plan import Planner, StepPlan
+from msd_dask import load_config
+from msd_dask.core.balance import capacity_bound
+from msd_dask.core.config import Config, ConfigError, parse_config
+from msd_dask.core.plan import Planner, StepPlan
 
 MIN = 3 * SEQ_LEN // 4   # every piece this long is an outlier; two never share a row
 ROWS = 4                 # make_cfg: dp 2 x 2 micro-batches
@@ -158,7 +159,7 @@ def test_outliers_refused_with_grouped_long_context() -> None:
     d["long_context"] = {"mode": "grouped"}
     d["outliers"] = {"min_length": MIN}
     with pytest.raises(ConfigError, match=r"outliers\.min_length.*grouped"):
-        load_config(d, check_files=False)
+        parse_config(d)
 
 
 # ------------------------------------------------------------------ through the service
@@ -168,8 +169,8 @@ def test_outliers_refused_with_grouped_long_context() -> None:
 def test_service_delivers_held_pieces_exactly_once_with_their_text(tmp_path) -> None:
     """Held pieces wait in the planner while loaders move on: their units must stay readable."""
     from msd_dask import DataService
+    from msd_dask.core.stream import Piece
     from msd_dask.service import discover_units
-    from msd_dask.stream import Piece
 
     from checks import check_content, check_exactly_once, record, shares
     from corpus import config, write_corpus
@@ -228,7 +229,7 @@ def test_a_fraction_follows_seq_len() -> None:
     assert cfg.outliers.threshold(SEQ_LEN) == SEQ_LEN // 2 + 1
     d = cfg.to_dict()
     d["batch"]["seq_len"] = 1000
-    again = load_config(d, check_files=False)
+    again = parse_config(d)
     assert again.outliers.threshold(again.batch.seq_len) == 501
     assert make_cfg(WEIGHTS_3, outliers={"min_length": 0.0}).outliers.threshold(SEQ_LEN) == 0
     plans = run(planner(cfg), 100)

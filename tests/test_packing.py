@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from msd_dask.packing import IGNORE_INDEX, pack_rows
-from msd_dask.tokenizer import EOD, PAD
+from msd_dask.core.packing import IGNORE_INDEX, pack_rows
+from msd_dask.sources.tokenizer import EOD, PAD
 
 I = IGNORE_INDEX  # noqa: E741
 
@@ -96,7 +96,7 @@ def test_no_rows() -> None:
 
 
 def test_join_split_pieces_round_trip_with_image_pieces():
-    from msd_dask.packing import join_pieces, split_pieces
+    from msd_dask.core.packing import join_pieces, split_pieces
 
     rng = np.random.default_rng(0)
     pieces = [rng.integers(0, 60000, n).astype(np.uint16) for n in (5, 1, 0, 9)]
@@ -117,8 +117,8 @@ def test_join_split_pieces_round_trip_with_image_pieces():
 
 @pytest.mark.parametrize("cp, pp_rank", [(1, 0), (2, 0), (1, 1), (2, 2)])
 def test_wire_form_round_trip_of_every_rank_view(cp, pp_rank):
-    from msd_dask.mesh import view_for_rank
-    from msd_dask.packing import from_wire, to_wire
+    from msd_dask.core.mesh import view_for_rank
+    from msd_dask.core.packing import from_wire, to_wire
 
     rng = np.random.default_rng(1)
     rows = [[(rng.integers(0, 500, n + 1).astype(np.uint16), n) for n in (5, 9, 2)],
@@ -145,7 +145,7 @@ def test_wire_form_round_trip_of_every_rank_view(cp, pp_rank):
 @pytest.mark.parametrize("key, value", [("input_ids", 2**31), ("labels", -(2**31) - 1),
                                         ("position_ids", 2**40)])
 def test_wire_form_rejects_values_outside_int32(key, value):
-    from msd_dask.packing import to_wire
+    from msd_dask.core.packing import to_wire
 
     batch = pack_rows([[(np.arange(5, dtype=np.uint16), 5)]], 8, 0)
     a = batch[key].astype(np.int64)
@@ -156,7 +156,7 @@ def test_wire_form_rejects_values_outside_int32(key, value):
 
 
 def test_wire_form_rejects_cu_seqlens_outside_int32_and_keeps_int64_that_fits():
-    from msd_dask.packing import from_wire, to_wire
+    from msd_dask.core.packing import from_wire, to_wire
 
     batch = pack_rows([[(np.arange(5, dtype=np.uint16), 5)]], 8, 0)
     batch["input_ids"] = batch["input_ids"].astype(np.int64)  # fits: cast, same values

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from msd_dask.config import Config, load_config
+from msd_dask.core.config import Config, parse_config
+from msd_dask.core.plan import Planner, StepPlan
+from msd_dask.core.stream import NeedMetadata
 from msd_dask.formats import Unit
-from msd_dask.plan import Planner, StepPlan
-from msd_dask.stream import NeedMetadata
 
 SEQ_LEN = 128
 DP, MB = 2, 2
@@ -51,7 +51,7 @@ def make_cfg(weights: dict[str, Any], balance: str = "lpt", **extra: Any) -> Con
                      "weight": w, "shuffle_window": 2} for n, w in weights.items()],
         **extra,
     }
-    return load_config(d, check_files=False)
+    return parse_config(d)
 
 
 def planner(cfg: Config) -> Planner:
@@ -378,7 +378,7 @@ def test_set_weights_refusals() -> None:
 
 
 def test_kept_rows_best_fit_decreasing_carried_first() -> None:
-    from msd_dask.plan import kept_rows
+    from msd_dask.core.plan import kept_rows
 
     def rows(lengths: list[int], n_carried: int, n_rows: int, seq_len: int) -> list[int]:
         return kept_rows(np.array(lengths, dtype=np.int64), n_carried, n_rows, seq_len).tolist()
@@ -436,7 +436,7 @@ def test_resume_from_a_state_saved_with_sorted_keys_plans_the_same() -> None:
 def test_plan_step_pauses_the_collector_and_gives_it_back() -> None:
     import gc
 
-    from msd_dask import plan as plan_mod
+    from msd_dask.core import plan as plan_mod
 
     pl = planner(make_cfg(WEIGHTS_3))
     seen = []

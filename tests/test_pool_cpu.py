@@ -20,11 +20,11 @@ import pytest
 from test_adaptive_plugin import serve_until_cpu_cap
 
 from msd_dask import DataService, load_config
-from msd_dask.config import PoolConfig, SourceConfig
+from msd_dask.core.config import PoolConfig, SourceConfig
+from msd_dask.core.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps
 from msd_dask.formats import get_format
-from msd_dask.loader import SourceLoader
-from msd_dask.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps
-from msd_dask.storage import open_source
+from msd_dask.roles.loader import SourceLoader
+from msd_dask.sources.storage import open_source
 
 from checks import check_content, check_exactly_once
 from corpus import config

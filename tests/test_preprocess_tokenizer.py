@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from msd_dask import ConfigError, DataError, DataService, load_config
-from msd_dask.config import TokenizerConfig
+from msd_dask.core.config import TokenizerConfig
 from msd_dask.examples import preprocess as prep
 from msd_dask.formats import get_format
-from msd_dask.loader import read_unit
-from msd_dask.storage import open_source
-from msd_dask.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
+from msd_dask.roles.loader import read_unit
+from msd_dask.sources.storage import open_source
+from msd_dask.sources.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
 
 from checks import check_content, check_exactly_once, record
 from corpus import config

@@ -22,7 +22,8 @@ EXPECTED = {
     "load_config",
 }
 
-PURE_CORE = ["config", "stream", "mixing", "packing", "plan", "balance", "cost", "tokenizer"]
+PURE_CORE = ["core.config", "core.stream", "core.mixing", "core.packing", "core.plan", "core.balance",
+             "core.cost", "sources.tokenizer"]
 
 
 def test_all_is_exactly_the_public_names() -> None:

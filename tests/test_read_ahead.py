@@ -13,14 +13,14 @@ import time
 import pytest
 
 from msd_dask import DataService, load_config
-from msd_dask.config import ConfigError
-from msd_dask.coordinator import ahead_within
+from msd_dask.core.config import ConfigError
+from msd_dask.core.stream import SourceStream
 from msd_dask.formats import Unit
-from msd_dask.loader import read_unit
+from msd_dask.roles.loader import read_unit
+from msd_dask.roles.planner import ahead_within
 from msd_dask.service import discover_units
-from msd_dask.storage import open_source
-from msd_dask.stream import SourceStream
-from msd_dask.tokenizer import ByteTokenizer
+from msd_dask.sources.storage import open_source
+from msd_dask.sources.tokenizer import ByteTokenizer
 
 from checks import check_content, check_exactly_once, record
 from corpus import config, write_corpus
@@ -121,7 +121,7 @@ def test_upcoming_asks_the_planner_once_per_call_and_keeps_what_it_chose(corpus)
     every position of the stream (windows and epochs crossed by planning steps)."""
     import numpy as np
 
-    from msd_dask.coordinator import Coordinator
+    from msd_dask.roles.planner import Coordinator
 
     root, _ = corpus
     c = load_config(config(root))
@@ -169,7 +169,7 @@ def test_adaptive_policy_reads_the_whole_next_window_ahead(corpus) -> None:
     adaptive policy the read-ahead holds the whole next window whatever the token cap."""
     import numpy as np
 
-    from msd_dask.coordinator import Coordinator
+    from msd_dask.roles.planner import Coordinator
 
     root, _ = corpus
     raw = config(root, scaling={"policy": "adaptive"})

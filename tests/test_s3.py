@@ -12,7 +12,7 @@ import os
 import pytest
 
 from msd_dask import DataService, load_config
-from msd_dask.storage import list_files
+from msd_dask.sources.storage import list_files
 
 from checks import check_content, check_exactly_once, record, shares
 from corpus import config, write_corpus

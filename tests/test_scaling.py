@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from msd_dask.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps, pick_loader, proactive_target
+from msd_dask.core.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps, pick_loader, proactive_target
 
 
 def load(**kw):
@@ -83,14 +83,14 @@ def test_scale_down_waits_then_steps_one_at_a_time():
 
 
 def test_policy_from_config_uses_per_source_bounds():
-    from msd_dask.config import load_config
+    from msd_dask.core.config import parse_config
 
-    cfg = load_config({
+    cfg = parse_config({
         "name": "p", "batch": {"seq_len": 8},
         "scaling": {"policy": "adaptive", "min_loaders": 2, "max_loaders": 5, "cooldown": 1},
         "sources": [{"name": "a", "uri": "x", "format": "jsonl"},
                     {"name": "b", "uri": "y", "format": "jsonl", "min_loaders": 1,
-                     "max_loaders": 9}]}, check_files=False)
+                     "max_loaders": 9}]})
     p = ScalingPolicy.from_config(cfg)
     assert p.bounds("a") == (2, 5) and p.bounds("b") == (1, 9)
     assert p.cooldown == 1.0

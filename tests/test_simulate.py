@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scripts_import import load_script
 
-from msd_dask.config import load_config
-from msd_dask.plan import Planner, StepPlan
+from msd_dask.core.config import parse_config
+from msd_dask.core.plan import Planner, StepPlan
 
 sim = load_script("simulate")
 
@@ -25,7 +25,7 @@ def tiny(**kw) -> sim.SimConfig:
 
 
 def test_default_strategy_is_the_config_default():
-    from msd_dask.config import Config
+    from msd_dask.core.config import Config
 
     assert sim.default_strategy() == Config.__dataclass_fields__["balance"].default
     assert tiny().strategy == sim.default_strategy()
@@ -89,12 +89,12 @@ def test_msd_side_is_the_planner(outliers, plan_timeout):
     r = sim.simulate(cfg)
     # a Planner built here from the same parameters, fed the same unit lengths
     alpha, beta = sim.model_coefficients(1024, 8, 1e14)
-    conf = load_config({
+    conf = parse_config({
         "name": "t", "seed": 3, "batch": {"seq_len": 8192, "micro_batches": 4}, "parallel": {"dp": 16},
         "cost": {"linear": alpha, "quadratic": beta}, "outliers": {"min_length": outliers},
         "sources": [{"name": s.name, "uri": f"memory://x/{s.name}/*.parquet", "format": "parquet",
                      "weight": s.weight} for s in HEAVY],
-    }, check_files=False)
+    })
     corpus = sim.corpus_for(cfg)
     pl = Planner(conf, corpus.units())
     plans = [pl.plan_step(corpus) for _ in range(cfg.steps)]

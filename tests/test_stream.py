@@ -11,9 +11,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from msd_dask.core.stream import NeedMetadata, Piece, SourceStream
 from msd_dask.errors import DataError
 from msd_dask.formats import Unit
-from msd_dask.stream import NeedMetadata, Piece, SourceStream
 
 NAME = "web"
 SEQ_LEN = 16
@@ -217,7 +217,7 @@ def test_order_is_the_same_in_another_process() -> None:
 import json, sys
 import numpy as np
 from msd_dask.formats import Unit
-from msd_dask.stream import SourceStream
+from msd_dask.core.stream import SourceStream
 args = json.loads(sys.argv[1])
 units = [Unit(*u) for u in args["units"]]
 lengths = {int(k): np.array(v) for k, v in args["lengths"].items()}
@@ -317,8 +317,8 @@ def test_piece_tuple_round_trip() -> None:
 
 
 def test_window_of_matches_the_unit_order():
+    from msd_dask.core.stream import SourceStream as _Stream
     from msd_dask.formats import Unit as _Unit
-    from msd_dask.stream import SourceStream as _Stream
 
     s = _Stream("w", [_Unit(f"u{i}") for i in range(23)], 5, 4, 100)
     for e in range(3):

@@ -27,8 +27,9 @@ from typing import Any
 
 import fsspec
 
-from ..errors import DataError
-from . import Unit, register_format
+from msd_dask.core.units import Unit
+from msd_dask.errors import DataError
+from msd_dask.formats.registry import register_format
 
 __all__ = ["WebDatasetFormat", "IMAGE_EXTENSIONS", "split_key"]
 

@@ -1,7 +1,7 @@
 """Assignment of one step's pieces to DP ranks and micro-batches (pure, no Dask).
 
 Every step has ``n_ranks × micro_batches`` rows of ``seq_len`` tokens; a rank's
-cost is the sum of its pieces' costs (see :mod:`msd_dask.cost`).  Strategies
+cost is the sum of its pieces' costs (see :mod:`msd_dask.core.cost`).  Strategies
 are plain functions chosen by name (``balance:`` in the config):
 
 ``sequential``

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ._direct import direct
-from .packing import pack_rows, split_pieces, to_wire
+from msd_dask.core.packing import pack_rows, split_pieces, to_wire
+from msd_dask.roles.direct import direct
 
 __all__ = ["DataConstructor", "StepWork", "queue_name"]
 
@@ -252,7 +252,7 @@ class DataConstructor:
     async def _fetch(self, source: str, slot: int, requests: np.ndarray) -> list[np.ndarray]:
         """Fetch from a loader slot; if its loader is lost or retired, retry on the actor
         the coordinator puts in that slot (:meth:`set_loaders`) until ``timeout``."""
-        from .errors import DataError
+        from msd_dask.errors import DataError
 
         deadline = time.monotonic() + self.timeout
         while True:
@@ -260,7 +260,7 @@ class DataConstructor:
 
             async def call(h: Any) -> Any:
                 # a lost actor's handle raises on access; a loader on this worker is
-                # called directly (msd_dask._direct)
+                # called directly (msd_dask.roles.direct)
                 return await direct(h).fetch(requests)
 
             task = asyncio.ensure_future(call(loader))
@@ -290,13 +290,13 @@ class DataConstructor:
     async def claim(self, steps: list[int], rank: int,
                     view: tuple[int, int, int, int] = (0, 1, 0, 1)) -> list[dict[str, Any]]:
         """The batches of global ``rank`` for ``steps`` (each member claims a step once),
-        each as :func:`~msd_dask.packing.to_wire` sends it (:func:`~msd_dask.packing.from_wire`).
+        each as :func:`~msd_dask.core.packing.to_wire` sends it (:func:`~msd_dask.core.packing.from_wire`).
 
         ``view`` is the rank's ``(cp_rank, cp, pp_rank, pp)``: context-parallel
         ranks get their slice of every row, pipeline stages only the tensors
-        they need (:func:`msd_dask.mesh.view_for_rank`).
+        they need (:func:`msd_dask.core.mesh.view_for_rank`).
         """
-        from .mesh import view_for_rank
+        from msd_dask.core.mesh import view_for_rank
 
         dp = self._dp_of(rank)
         for step in steps:  # all built first: a claim takes all its steps or none

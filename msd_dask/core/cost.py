@@ -12,7 +12,7 @@ Three ways to get ``α`` (``linear``) and ``β`` (``quadratic``), chosen by the
     Learnt online from measured step times by :class:`CostFitter`, starting
     from the model the rest of the section gives.
 
-Only the ratio ``β / α`` matters to balancing (:mod:`msd_dask.balance`), so
+Only the ratio ``β / α`` matters to balancing (:mod:`msd_dask.core.balance`), so
 the units are free: tokens, FLOPs or seconds.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import CostConfig
+from msd_dask.core.config import CostConfig
 
 __all__ = ["CostModel", "CostFitter", "transformer_coefficients"]
 

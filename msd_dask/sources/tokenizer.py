@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .config import TokenizerConfig
+from msd_dask.core.config import TokenizerConfig
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer", "EOD", "PAD",
            "EOD_TOKENS", "PAD_TOKENS", "IMG"]

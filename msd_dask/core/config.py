@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from msd_dask.errors import ConfigError
 
 __all__ = [
     "BatchConfig",
@@ -30,14 +30,14 @@ __all__ = [
     "SourceConfig",
     "TokenizerConfig",
     "WeightSchedule",
-    "load_config",
+    "parse_config",
     "resolve_import_path",
 ]
 
 #: Known source formats (the readers registered in :mod:`msd_dask.formats`).
 KNOWN_FORMATS = ("parquet", "jsonl", "webdataset")
 KNOWN_TOKENIZERS = ("bytes", "hf")
-#: the keys of :data:`msd_dask.balance.STRATEGIES`, named here so that parsing a config (as
+#: the keys of :data:`msd_dask.core.balance.STRATEGIES`, named here so that parsing a config (as
 #: every training process does) does not import the balancer (tests/test_imports.py checks)
 KNOWN_BALANCE = ("sequential", "lpt", "balanced")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -96,7 +96,7 @@ class WeightSchedule:
 
 @dataclass(frozen=True)
 class ImageConfig:
-    """How a multimodal source's images become image tokens (see :mod:`msd_dask.vision`).
+    """How a multimodal source's images become image tokens (see :mod:`msd_dask.sources.vision`).
 
     Each image is resized to ``size × size`` RGB and cut into patches of
     ``patch × patch`` pixels: ``(size / patch)²`` image tokens.
@@ -212,7 +212,7 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class TokenizerConfig:
-    """Which tokenizer turns text into ids (see :mod:`msd_dask.tokenizer`).
+    """Which tokenizer turns text into ids (see :mod:`msd_dask.sources.tokenizer`).
 
     ``kind`` is ``"bytes"`` (UTF-8 bytes, the default) or ``"hf"`` (a Hugging
     Face ``tokenizer.json`` at the fsspec ``path``).  ``eod_id`` / ``pad_id``
@@ -243,14 +243,14 @@ def resolve_import_path(spec: str) -> Any:
 
 @dataclass(frozen=True)
 class CostConfig:
-    """Per-document cost ``linear·L + quadratic·L²`` (see :mod:`msd_dask.cost`).
+    """Per-document cost ``linear·L + quadratic·L²`` (see :mod:`msd_dask.core.cost`).
 
     The default ``quadratic`` is the ratio of causal attention to dense-layer
     FLOPs of a transformer of hidden size 4096 (``1 / (12·4096)``).  With
     ``model`` (``{"hidden_size": H, "layers": N}``), ``linear`` and
     ``quadratic`` are that transformer's forward FLOPs ``24·N·H²`` and
     ``2·N·H``.  With ``fit``, step times refine the model online
-    (:class:`~msd_dask.cost.CostFitter`), starting from it; ``prior_weight`` is
+    (:class:`~msd_dask.core.cost.CostFitter`), starting from it; ``prior_weight`` is
     how many observations the starting model counts as in the fit (0: none).
     """
 
@@ -263,7 +263,7 @@ class CostConfig:
 
 @dataclass(frozen=True)
 class ScalingConfig:
-    """The loader policy (see :mod:`msd_dask.scaling`).
+    """The loader policy (see :mod:`msd_dask.core.scaling`).
 
     ``policy: fixed`` keeps ``sources[].loaders``; ``adaptive`` lets the
     scheduler plugin size each source's loaders to demand × measured cost,
@@ -370,7 +370,7 @@ class Config:
         return {k: v / total for k, v in raw.items()}
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict that :func:`load_config` turns back into this config."""
+        """A plain dict that :func:`parse_config` turns back into this config."""
         d = dataclasses.asdict(self)
         d["sources"] = []
         for s in self.sources:
@@ -471,7 +471,7 @@ def parse_weight(v: Any, key: str) -> WeightSchedule:
     return WeightSchedule(kind, tuple(points))
 
 
-def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
+def _source(d: Any, key: str) -> SourceConfig:
     allowed = {f.name for f in dataclasses.fields(SourceConfig)}
     _check_keys(d, key, allowed, {"name", "uri", "format"})
     fmt = _str(d, "format", key)
@@ -502,15 +502,6 @@ def _source(d: Any, key: str, check_files: bool) -> SourceConfig:
         pool=_pool(d, key),
         **_image(d, key),
     )
-    if check_files:
-        from .storage import list_files
-
-        try:
-            files = list_files(src.uri, src.storage_options)
-        except Exception as e:  # noqa: BLE001 - report any storage error against the key
-            raise ConfigError(f"{key}.uri", f"cannot list {src.uri!r}: {e}") from e
-        if not files:
-            raise ConfigError(f"{key}.uri", f"glob {src.uri!r} matches no file")
     return src
 
 
@@ -567,7 +558,7 @@ def _preprocess(d: Mapping[str, Any], key: str) -> str | None:
     return spec
 
 
-def _tokenizer(tok: Any, check_files: bool) -> TokenizerConfig:
+def _tokenizer(tok: Any) -> TokenizerConfig:
     _check_keys(tok, "tokenizer", {"kind", "path", "eod_id", "pad_id", "storage_options",
                                    "image_token_id"})
     kind = tok.get("kind", "bytes")
@@ -589,13 +580,6 @@ def _tokenizer(tok: Any, check_files: bool) -> TokenizerConfig:
         return TokenizerConfig()
     cfg = TokenizerConfig(kind=kind, path=_str(tok, "path", "tokenizer"), storage_options=dict(so),
                           **ids)
-    if check_files:
-        from .tokenizer import make_tokenizer
-
-        try:
-            make_tokenizer(cfg)
-        except Exception as e:  # noqa: BLE001 - report any load failure against the key
-            raise ConfigError("tokenizer.path", f"cannot load tokenizer {cfg.path!r}: {e}") from e
     return cfg
 
 
@@ -609,17 +593,16 @@ def _validate_weights(sources: tuple[SourceConfig, ...]) -> None:
             raise ConfigError("sources", f"source weights sum to 0 at step {int(st)}")
 
 
-def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
-                check_files: bool = True) -> Config:
-    """Load and validate a service configuration.
+def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Config:
+    """Parse and validate a service configuration, without touching its sources' storage.
+
+    :func:`msd_dask.load_config` also checks each source's files and the tokenizer.
 
     Parameters
     ----------
     cfg : str, path, mapping or Config
         A YAML file path, a YAML string containing a mapping, or an already
         parsed mapping.  A :class:`Config` is returned as it is.
-    check_files : bool
-        Check that every source's ``uri`` matches at least one file.
 
     Returns
     -------
@@ -643,10 +626,10 @@ def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
             raise ConfigError("<root>", f"not valid YAML: {e}") from e
     else:
         data = cfg
-    return _parse(data, check_files)
+    return _parse(data)
 
 
-def _parse(d: Any, check_files: bool) -> Config:
+def _parse(d: Any) -> Config:
     allowed = {f.name for f in dataclasses.fields(Config)}
     _check_keys(d, "", allowed, {"name", "sources", "batch"})
     name = _str(d, "name", "")
@@ -663,7 +646,7 @@ def _parse(d: Any, check_files: bool) -> Config:
     _check_keys(b, "batch", {"seq_len", "micro_batches"}, {"seq_len"})
     batch = BatchConfig(seq_len=_int(b, "seq_len", "batch", 0),
                         micro_batches=_int(b, "micro_batches", "batch", 1))
-    tokenizer = _tokenizer(d.get("tokenizer", {}), check_files)
+    tokenizer = _tokenizer(d.get("tokenizer", {}))
     cost = d.get("cost", {})
     _check_keys(cost, "cost", {"linear", "quadratic", "model", "fit", "prior_weight"})
     fit = cost.get("fit", False)
@@ -678,7 +661,7 @@ def _parse(d: Any, check_files: bool) -> Config:
             fit=fit, prior_weight=prior_weight,
         )
     else:
-        from .cost import transformer_coefficients
+        from msd_dask.core.cost import transformer_coefficients
 
         _check_keys(shape, "cost.model", {"hidden_size", "layers"}, {"hidden_size", "layers"})
         model = {k: _int(shape, k, "cost.model", 1) for k in ("hidden_size", "layers")}
@@ -695,7 +678,7 @@ def _parse(d: Any, check_files: bool) -> Config:
     srcs = d["sources"]
     if not isinstance(srcs, list) or not srcs:
         raise ConfigError("sources", "must be a non-empty list of sources")
-    sources = tuple(_source(s, f"sources[{i}]", check_files) for i, s in enumerate(srcs))
+    sources = tuple(_source(s, f"sources[{i}]") for i, s in enumerate(srcs))
     seen: dict[str, int] = {}
     for i, s in enumerate(sources):
         if s.name in seen:

@@ -66,7 +66,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .config import Config, ScalingConfig
+from msd_dask.core.config import Config, ScalingConfig
 
 __all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target", "demand",
            "cpu_caps", "pick_loader", "MAX_STARVED_BOOST", "MIN_EFFICIENCY", "CPU_ROUND",

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import DataError
-from .formats import Unit
+from msd_dask.core.units import Unit
+from msd_dask.errors import DataError
 
 __all__ = ["Piece", "SourceStream", "NeedMetadata", "MetaLookup", "Window"]
 

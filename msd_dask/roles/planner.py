@@ -1,4 +1,4 @@
-"""The Planner role on the cluster: a Dask actor driving the pure :class:`~msd_dask.plan.Planner`.
+"""The Planner role on the cluster: a Dask actor driving the pure :class:`~msd_dask.core.plan.Planner`.
 
 It assigns units to loaders ahead of the stream, gathers their lengths,
 plans rounds of ``round_steps`` steps and hands every constructor the pieces of
@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._direct import direct
-from .config import load_config
-from .constructor import WorkItem, queue_name
-from .errors import ServiceError, ServiceTimeoutError
+from msd_dask.core.config import parse_config
+from msd_dask.errors import ServiceError, ServiceTimeoutError
+from msd_dask.roles.constructor import WorkItem, queue_name
+from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
-    from .plan import StepPlan
+    from msd_dask.core.plan import StepPlan
 
 # The planner's own modules (plan, stream, formats, roles, loader, storage: fsspec, zstandard)
 # are imported where the actor runs, not here: a training process unpickling this actor's
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Coordinator", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
 
-_log = logging.getLogger("msd_dask.coordinator")
+_log = logging.getLogger("msd_dask.roles.planner")
 
 #: Version tag of :meth:`DataService.state_dict`'s output.
 STATE_FORMAT = "msd_dask.state/1"
@@ -133,12 +133,12 @@ class Coordinator:
                  loader_threads: int = 1, source_payloads: dict[str, dict[str, Any]] | None = None,
                  tokenizer: dict[str, Any] | None = None, generation: int = 0,
                  had: dict[int, int] | None = None, lost: dict[str, Any] | None = None):
-        from .formats import Unit
-        from .plan import Planner
-        from .roles import _Roles
-        from .storage import SourceFiles
+        from msd_dask.core.plan import Planner
+        from msd_dask.core.units import Unit
+        from msd_dask.roles.supervisor import _Roles
+        from msd_dask.sources.storage import SourceFiles
 
-        self.cfg = load_config(config, check_files=False)
+        self.cfg = parse_config(config)
         self.generation = int(generation)
         self.had = {int(r): int(s) for r, s in (had or {}).items()}
         self._lost = lost
@@ -187,7 +187,7 @@ class Coordinator:
         self.waiting: str | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=1000)
         #: ``cost: {fit: true}``: fits α, β to the step times readers report
-        from .cost import CostFitter
+        from msd_dask.core.cost import CostFitter
 
         self.fitter = (CostFitter(self.planner.cost, prior_weight=self.cfg.cost.prior_weight)
                        if self.cfg.cost.fit else None)
@@ -213,7 +213,7 @@ class Coordinator:
         """Current actor handles: ``{"constructors": [...], "loaders": {source: {slot: h}}}``.
 
         ``loaders=False`` leaves the loaders out: a training process unpickling
-        a loader's handle imports :mod:`msd_dask.loader` (and its tokenizer), about
+        a loader's handle imports :mod:`msd_dask.roles.loader` (and its tokenizer), about
         1 MiB for each of the job's ranks, and readers only talk to constructors.
         """
         return {"constructors": list(self.roles.constructors),
@@ -253,7 +253,7 @@ class Coordinator:
 
     # ------------------------------------------------------------- internals
     def _lookup(self, source: str, epoch: int, unit: int) -> np.ndarray:
-        from .stream import NeedMetadata
+        from msd_dask.core.stream import NeedMetadata
 
         m = self._meta.get((source, epoch, unit))
         if m is None:
@@ -412,7 +412,7 @@ class Coordinator:
         return work
 
     async def _loop(self) -> None:
-        from .stream import NeedMetadata
+        from msd_dask.core.stream import NeedMetadata
 
         k = self.cfg.steps_per_round
         try:

@@ -15,7 +15,7 @@ and makes Dask's ``Adaptive`` (``cluster.adapt(...)``) serve the roles:
 
 * ``adaptive_target`` (the RPC handler ``Adaptive`` calls, and the method the
   HTTP API ``/api/v1/adaptive_target`` calls) returns at least the workers the
-  services' roles need (:func:`msd_dask._adaptive.workers_needed`);
+  services' roles need (:func:`msd_dask.plugin.adaptive.workers_needed`);
 * ``workers_to_close`` never proposes a worker that holds a role (an actor
   keyed ``msd-...``, or one being placed there): through the plugin hook
   ``valid_workers_downscaling`` and by filtering the handler's result.
@@ -37,7 +37,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
-from ._figures import rank_figures, source_figures
+from msd_dask.core.figures import rank_figures, source_figures
 
 __all__ = ["MsdSchedulerPlugin", "dask_setup"]
 
@@ -49,7 +49,7 @@ async def collect(registry: dict[str, Any], since: int = 0,
                   lookahead: int | None = None) -> dict[str, Any]:
     """Gather the figures of one service from its roles (async; any client).
 
-    One call to the planner (:meth:`~msd_dask.coordinator.Coordinator.snapshot`),
+    One call to the planner (:meth:`~msd_dask.roles.planner.Coordinator.snapshot`),
     which asks its loaders and constructors.  ``history`` holds the planner's per-step
     records from step ``since`` on; ``weights_ahead`` each source's largest weight
     over the next ``lookahead`` steps (``None`` without ``lookahead``).
@@ -160,9 +160,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             name = str(key)[len(_PREFIX):]
             registry = await self._registry(key)
             if name not in self._configs:
-                from .config import load_config
+                from msd_dask.core.config import parse_config
 
-                self._configs[name] = load_config(registry["config"], check_files=False)
+                self._configs[name] = parse_config(registry["config"])
             hist = self.imbalance.setdefault(name, deque(maxlen=300))
             since = hist[-1][0] + 1 if hist else 0
             sc = self._configs[name].scaling
@@ -183,7 +183,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             hist.extend((h["step"], h["imbalance"]) for h in snap.pop("history"))
             if prev is not None and snap["time"] > prev["time"]:
                 await self._scale(name, registry, snap, prev)
-            from ._adaptive import roles_wanted
+            from msd_dask.plugin.adaptive import roles_wanted
 
             self._wanted[name] = roles_wanted(snap["constructors"], snap["planner"]["loaders"],
                                               self._targets.get(name))
@@ -221,7 +221,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
     async def _scale(self, name: str, registry: dict[str, Any], snap: dict[str, Any],
                      prev: dict[str, Any]) -> None:
         """Apply the adaptive loader policy (``scaling: {policy: adaptive}``) to a service."""
-        from .scaling import Scaler, ScalingPolicy, SourceLoad
+        from msd_dask.core.scaling import Scaler, ScalingPolicy, SourceLoad
 
         cfg = self._configs[name]
         if cfg.scaling.policy != "adaptive":
@@ -303,8 +303,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         return held
 
     def workers_needed(self) -> int:
-        """Workers the roles of every service need (see :mod:`msd_dask._adaptive`)."""
-        from ._adaptive import capacity, workers_needed
+        """Workers the roles of every service need (see :mod:`msd_dask.plugin.adaptive`)."""
+        from msd_dask.plugin.adaptive import capacity, workers_needed
 
         sched = self.scheduler
         # configs of closed services are dropped at the next poll; a config is known before
@@ -415,7 +415,7 @@ def _is_role(ts: Any) -> bool:
 def _page() -> str:
     from importlib.resources import files
 
-    return files("msd_dask").joinpath("static/status.html").read_text(encoding="utf-8")
+    return files("msd_dask.plugin").joinpath("static/status.html").read_text(encoding="utf-8")
 
 
 _COLLECTOR_PLUGIN: list[MsdSchedulerPlugin] = []

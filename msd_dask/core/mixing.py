@@ -8,7 +8,7 @@ of sources times the longest piece), so over any window of steps the
 delivered token shares follow the weights in force, including weights that
 change with a schedule or a live re-mix.
 
-:meth:`msd_dask.plan.Planner._draw` applies the same rule inline, on plain
+:meth:`msd_dask.core.plan.Planner._draw` applies the same rule inline, on plain
 lists, for speed (a step draws up to millions of pieces): a change to the rule
 here must be made there too (``tests/test_plan_golden.py`` pins the planner's
 decisions, ``tests/test_mixing.py`` this reference).

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .config import PoolConfig, SourceConfig, TokenizerConfig, resolve_import_path
-from .errors import DataError
-from .packing import JoinedPieces, join_pieces
-from .tokenizer import make_tokenizer
+from msd_dask.core.config import PoolConfig, SourceConfig, TokenizerConfig, resolve_import_path
+from msd_dask.core.packing import JoinedPieces, join_pieces
+from msd_dask.errors import DataError
+from msd_dask.sources.tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
-    from .formats import Unit
+    from msd_dask.core.units import Unit
 
 # formats (fsspec, zstandard, tarfile), storage and vision are imported where a unit is read:
 # a training process imports this module when it unpickles a loader's actor handle, and
@@ -48,7 +48,7 @@ __all__ = ["SourceLoader", "read_unit", "ImageDoc", "DocPool"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _KEEP_KEYS = 100  # quarantined keys kept for stats() (all are logged)
-_log = logging.getLogger("msd_dask.loader")
+_log = logging.getLogger("msd_dask.roles.loader")
 
 
 @functools.lru_cache(maxsize=32)
@@ -90,7 +90,7 @@ class ImageDoc:
     """An image+text document as a loader keeps it.
 
     ``tokens`` is ``[image_id] * n + text tokens + [eod_id]`` and ``patches`` the
-    image's ``n`` patches (``uint8 [n, patch·patch·3]``, see :mod:`msd_dask.vision`),
+    image's ``n`` patches (``uint8 [n, patch·patch·3]``, see :mod:`msd_dask.sources.vision`),
     the ``i``-th patch standing for the ``i``-th token.  ``len()`` is its length in
     tokens, image tokens included.
     """
@@ -176,7 +176,7 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     The rows are read first, then their documents are preprocessed and tokenized
     (on ``pool`` when given); results and errors are taken in row order.
     """
-    from .formats import get_format
+    from msd_dask.formats import get_format
 
     fmt = get_format(src.format)
     # formats that can report a bad row without ending the read (JSON lines) do so
@@ -274,7 +274,7 @@ _WORKER: dict[str, Any] = {}  # in a pool process: its source, tokenizer and pre
 
 def _source_config(source: dict[str, Any]) -> SourceConfig:
     """A loader's SourceConfig from its payload (``dataclasses.asdict``, weight dropped)."""
-    from .config import WeightSchedule
+    from msd_dask.core.config import WeightSchedule
 
     source = dict(source)
     source["weight"] = WeightSchedule.constant(1.0)
@@ -510,7 +510,7 @@ def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, toke
         raise DataError("the tokenizer has no image token id (set tokenizer.image_token_id)",
                         source=src.name, path=path, row=row)
     try:
-        from .vision import image_patches
+        from msd_dask.sources.vision import image_patches
 
         patches = image_patches(bytes(data), src.image.size, src.image.patch)
     except ValueError as e:
@@ -559,8 +559,8 @@ class SourceLoader:
 
     def __init__(self, source: dict[str, Any], units: list[tuple[str, int, int]],
                  tokenizer: dict[str, Any], index: int = 0, threads: int = 1):
-        from .formats import Unit
-        from .storage import open_source
+        from msd_dask.core.units import Unit
+        from msd_dask.sources.storage import open_source
 
         self.src = _source_config(source)
         self.units = [Unit(*u) for u in units]
@@ -676,8 +676,8 @@ class SourceLoader:
         """Tokens of planned pieces, given as ``(epoch, unit, row, start, end)`` (rows of an
         integer array of shape ``(n, 5)``, or tuples).
 
-        Returns, joined into one array (:func:`~msd_dask.packing.join_pieces`;
-        :func:`~msd_dask.packing.split_pieces` undoes it), ``doc[start:end + 1]``
+        Returns, joined into one array (:func:`~msd_dask.core.packing.join_pieces`;
+        :func:`~msd_dask.core.packing.split_pieces` undoes it), ``doc[start:end + 1]``
         for each (one token more than the piece where the document goes on: the
         label of the piece's last token); for an image+text document a tuple
         ``(tokens, patches)``, the patches of the piece's image tokens

@@ -1,7 +1,7 @@
 """The planner's decisions (pure, no Dask): which pieces form a step, and where each goes.
 
 :class:`Planner` is the single decision point of a service.  Each step it
-draws pieces from the sources' streams in the order the :class:`~msd_dask.mixing.Mixer`
+draws pieces from the sources' streams in the order the :class:`~msd_dask.core.mixing.Mixer`
 picks (token shares follow the weights in force), fills the step's
 ``dp × micro_batches × seq_len`` token capacity, and assigns pieces to DP
 ranks and micro-batches with the configured balance strategy.  Pieces that do
@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from .balance import assign, lower_bound
-from .config import Config
-from .cost import CostModel
-from .formats import Unit
-from .mixing import Mixer
-from .stream import MetaLookup, NeedMetadata, Piece, SourceStream, Window, new_piece
+from msd_dask.core.balance import assign, lower_bound
+from msd_dask.core.config import Config
+from msd_dask.core.cost import CostModel
+from msd_dask.core.mixing import Mixer
+from msd_dask.core.stream import MetaLookup, NeedMetadata, Piece, SourceStream, Window, new_piece
+from msd_dask.core.units import Unit
 
 #: outliers held at most, in release groups (a source whose next piece finds the hold
 #: full waits for the next release)
@@ -598,7 +598,7 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
     dp, mb, seq_len : int
         ``dp × mb`` rows of ``seq_len`` tokens.
     strategy : str
-        A balance strategy (:data:`msd_dask.balance.STRATEGIES`).
+        A balance strategy (:data:`msd_dask.core.balance.STRATEGIES`).
 
     Returns
     -------

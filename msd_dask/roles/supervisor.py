@@ -34,12 +34,12 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._direct import direct
-from .constructor import DataConstructor
-from .loader import SourceLoader
+from msd_dask.roles.constructor import DataConstructor
+from msd_dask.roles.direct import direct
+from msd_dask.roles.loader import SourceLoader
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator
+    from msd_dask.roles.planner import Coordinator
 
 __all__: list[str] = []
 
@@ -174,8 +174,8 @@ class _Roles:
 
     def next_slot(self, source: str, outstanding: Mapping[int, int] | None = None) -> int:
         """The active slot of ``source`` to give a new unit to
-        (:func:`~msd_dask.scaling.pick_loader`: fewest ``outstanding`` units, else in turn)."""
-        from .scaling import pick_loader
+        (:func:`~msd_dask.core.scaling.pick_loader`: fewest ``outstanding`` units, else in turn)."""
+        from msd_dask.core.scaling import pick_loader
 
         return pick_loader(self.active[source], outstanding, next(self._rr[source]))
 
@@ -353,7 +353,7 @@ class _Roles:
 
     # -------------------------------------------------------------- scaling
     def bounds(self, source: str) -> tuple[int, int]:
-        from .scaling import ScalingPolicy
+        from msd_dask.core.scaling import ScalingPolicy
 
         return ScalingPolicy.from_config(self.cfg).bounds(source)
 
@@ -470,8 +470,8 @@ async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, A
     tickets and give their memory back.  Returns ``{"closed": n, "last_claimed":
     {rank: step}}``, the ranks' last claimed steps on the closed constructors.
     """
-    from .constructor import DataConstructor
-    from .loader import SourceLoader
+    from msd_dask.roles.constructor import DataConstructor
+    from msd_dask.roles.loader import SourceLoader
 
     prefix = f"msd-{name}-"
     closed = 0
