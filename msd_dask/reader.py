@@ -190,7 +190,7 @@ class Reader:
         """Which role is stuck, from the roles' own stats (best effort, a few seconds)."""
         parts = []
         try:
-            planner = self.service.coordinator.stats().result(timeout=5)
+            planner = self.service.planner.stats().result(timeout=5)
             if planner.get("error"):
                 parts.append(f"planner failed: {planner['error']}")
             elif planner.get("waiting"):
@@ -222,7 +222,7 @@ class Reader:
         if step is None:
             raise ValueError("report_step_time: no step was read yet")
         try:
-            self.service.coordinator.report_step_time(int(step), self.coords["dp"], float(seconds))
+            self.service.planner.report_step_time(int(step), self.coords["dp"], float(seconds))
         except Exception:  # noqa: BLE001 - a lost planner: its successor fits from new reports
             pass
 

@@ -2,14 +2,14 @@
 :class:`~msd_dask.reader.Reader` lives in :mod:`msd_dask.reader`).
 
 ``DataService.start`` has a worker list every source's units, places the roles
-as actors across the cluster's workers (coordinator, constructors, loaders) and
+as actors across the cluster's workers (planner, constructors, loaders) and
 publishes their handles under ``msd-<name>`` on the scheduler, so that any
 process can ``DataService.connect(address, name)`` and read a rank's batches.
 
-The coordinator re-creates lost loaders and constructors itself; the process
+The planner re-creates lost loaders and constructors itself; the process
 that started the service (``owner``) keeps the last state the planner can
-resume from and re-creates a lost coordinator: it closes the roles the lost
-one leaves behind, starts a new coordinator (a new *generation*) from that
+resume from and re-creates a lost planner: it closes the roles the lost
+one leaves behind, starts a new planner (a new *generation*) from that
 state and publishes it again under the same name.  Readers switch to it when
 the old one stops answering, drop the tickets of older generations and tell
 the new constructors which steps they already have (docs/resume.md).
@@ -312,14 +312,14 @@ class DataService:
         self._watcher: threading.Thread | None = None
         #: owner only: what re-creating the planner needs (units, roots, loader threads)
         self._recipe: dict[str, Any] = {}
-        #: owner only: the planner's last :meth:`Coordinator.checkpoint`
+        #: owner only: the planner's last :meth:`PlannerActor.checkpoint`
         self._checkpoint: dict[str, Any] | None = None
         self._pinned: list[str] | None = None
         #: this process's readers (told of a re-created planner together, see _tell_readers)
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
-        self.coordinator: Any = None
+        self.planner: Any = None
         try:
-            self.coordinator = registry["coordinator"].result(timeout=cfg.timeout)
+            self.planner = registry["planner"].result(timeout=cfg.timeout)
         except Exception:  # noqa: BLE001 - a lost planner: refresh finds its successor
             pass
         self.constructors: list[Any] = []
@@ -345,9 +345,9 @@ class DataService:
         deadline = time.monotonic() + self.config.timeout
         while True:
             with self._swap:
-                coordinator, gen = self.coordinator, self.generation
+                planner, gen = self.planner, self.generation
             try:  # short waits: a call to a lost actor may hang instead of failing
-                handles = coordinator.handles(False).result(timeout=5.0)
+                handles = planner.handles(False).result(timeout=5.0)
             except Exception as e:  # noqa: BLE001 - lost or busy: look for a successor
                 if self._adopt_published():
                     continue
@@ -362,7 +362,7 @@ class DataService:
 
     def _planner_lost(self) -> bool:
         """Whether Dask reports the current planner's worker as lost (no call to it)."""
-        fut = self._registry.get("coordinator")
+        fut = self._registry.get("planner")
         return fut is not None and fut.status in ("error", "lost", "cancelled")
 
     def _owner_alive(self) -> bool:
@@ -383,14 +383,14 @@ class DataService:
             reg = self.client.get_dataset(_PREFIX + self.name, default=None, callback_timeout=5)
             if reg is None or int(reg.get("generation", 0)) <= self.generation:
                 return False
-            coordinator = reg["coordinator"].result(timeout=5)
+            planner = reg["planner"].result(timeout=5)
         except Exception:  # noqa: BLE001 - not there yet, or unreachable: try again later
             return False
         with self._swap:
             gen = int(reg.get("generation", 0))
             if gen <= self.generation:
                 return False
-            self._registry, self.coordinator, self.generation = reg, coordinator, gen
+            self._registry, self.planner, self.generation = reg, planner, gen
         _log.warning("msd_dask %s: switched to the re-created planner (generation %d)",
                      self.name, gen)
         return True
@@ -399,7 +399,7 @@ class DataService:
                        ) -> None:
         """Raise if the planner is lost for good, or (past ``deadline``) did not answer."""
         lost = self._planner_lost()
-        where = getattr(self.coordinator, "_address", "?")
+        where = getattr(self.planner, "_address", "?")
         if lost and not self._owner_alive():
             raise ServiceError(
                 f"the planner of service {self.name!r} was lost with its worker {where}, and "
@@ -418,12 +418,12 @@ class DataService:
     def _ask(self, method: str, *args: Any) -> Any:
         """Call the planner's ``method``; once more on its successor if it was lost."""
         try:
-            return getattr(self.coordinator, method)(*args).result(timeout=self.config.timeout)
+            return getattr(self.planner, method)(*args).result(timeout=self.config.timeout)
         except (KeyError, ValueError, ServiceError):
             raise
         except Exception:  # noqa: BLE001 - lost or not answering: find the current one
             self.refresh()
-            return getattr(self.coordinator, method)(*args).result(timeout=self.config.timeout)
+            return getattr(self.planner, method)(*args).result(timeout=self.config.timeout)
 
     # ------------------------------------------------- owner: keep the planner
     def _start_watching(self) -> None:
@@ -437,7 +437,7 @@ class DataService:
 
     def _keep_checkpoint(self) -> None:
         with self._lock:
-            self._checkpoint = dict(self.coordinator.checkpoint().result(timeout=10))
+            self._checkpoint = dict(self.planner.checkpoint().result(timeout=10))
             self._pin(self._checkpoint.get("keys", []))
 
     def _pin(self, keys: list[str]) -> None:
@@ -462,7 +462,7 @@ class DataService:
         """Owner: keep the planner's last checkpoint; re-create the planner if it is lost."""
         while not self._stop.wait(self.watch_interval):
             try:
-                if self._coordinator_gone():
+                if self._planner_gone():
                     self._recover()
                 else:
                     self._keep_checkpoint()
@@ -471,7 +471,7 @@ class DataService:
                     return
                 _log.warning("msd_dask %s: watching the planner: %r", self.name, e)
 
-    def _coordinator_gone(self) -> bool:
+    def _planner_gone(self) -> bool:
         """Whether the planner's worker is gone while the scheduler is still there (a lost
         scheduler cancels every future too, but then there is nothing to re-create it on)."""
         if self.client.status != "running":
@@ -480,7 +480,7 @@ class DataService:
             info = self.client.sync(self.client.scheduler.identity, callback_timeout=5)
         except Exception:  # noqa: BLE001 - scheduler unreachable: nothing to do from here
             return False
-        return self._planner_lost() or self.coordinator._address not in info["workers"]
+        return self._planner_lost() or self.planner._address not in info["workers"]
 
     def _recover(self) -> None:
         """Re-create the lost planner from the last checkpoint (owner only)."""
@@ -493,7 +493,7 @@ class DataService:
             t0 = time.monotonic()
             _log.warning("msd_dask %s: the planner on %s was lost; re-creating it from the "
                          "state after step %s", self.name,
-                         getattr(self.coordinator, "_address", None),
+                         getattr(self.planner, "_address", None),
                          (ck["state"] or {}).get("step", "-1 (the start)"))
             from msd_dask.roles.supervisor import (
                 close_service_roles,  # the owner only: readers never import roles
@@ -508,31 +508,31 @@ class DataService:
                     for r, st in res["last_claimed"].items():
                         had[int(r)] = max(had.get(int(r), -1), int(st))
             gen = self.generation + 1
-            registry = self._place_coordinator(
+            registry = self._place_planner(
                 self.client, cfg, self._recipe["units"], self._recipe["roots"], ck["state"],
                 self._recipe["loader_threads"], members=old.get("members"), generation=gen,
-                had=had, lost={"from": getattr(self.coordinator, "_address", None),
+                had=had, lost={"from": getattr(self.planner, "_address", None),
                                "recovered": ck["recovered"], "events": ck["events"]})
             registry["quarantined"] = old.get("quarantined", {})
             registry["owner"] = self.client.id
-            coordinator = registry["coordinator"].result(timeout=cfg.timeout)
+            planner = registry["planner"].result(timeout=cfg.timeout)
             try:
-                coordinator.setup().result(timeout=cfg.timeout)
+                planner.setup().result(timeout=cfg.timeout)
             except BaseException:
                 try:
-                    coordinator.close_roles().result(timeout=30)
+                    planner.close_roles().result(timeout=30)
                 finally:
-                    registry["coordinator"].release()
+                    registry["planner"].release()
                 raise
             self.client.publish_dataset(registry, name=_PREFIX + self.name, override=True,
                                         callback_timeout=cfg.timeout)
-            handles = coordinator.handles(False).result(timeout=cfg.timeout)
+            handles = planner.handles(False).result(timeout=cfg.timeout)
             with self._swap:
-                self._registry, self.coordinator, self.generation = registry, coordinator, gen
+                self._registry, self.planner, self.generation = registry, planner, gen
                 self.constructors = list(handles["constructors"])
                 self._handles = (gen, self.constructors)
-            coordinator.start().result(timeout=cfg.timeout)
-            old["coordinator"].release()
+            planner.start().result(timeout=cfg.timeout)
+            old["planner"].release()
             self._tell_readers()
             _log.warning("msd_dask %s: planner re-created (generation %d) in %.1fs; closed "
                          "the old roles: %s", self.name, gen, time.monotonic() - t0, closed)
@@ -621,16 +621,16 @@ class DataService:
                     f"service {cfg.name!r} lists its sources' units and places its roles on "
                     f"workers; start some (dask worker {address})") from None
             units, roots, quarantined = _discover_remote(client, cfg, cfg.timeout)
-            registry = cls._place_coordinator(client, cfg, units, roots, resume, loader_threads)
+            registry = cls._place_planner(client, cfg, units, roots, resume, loader_threads)
             registry["quarantined"] = quarantined
             registry["owner"] = client.id
-            registry["coordinator"].result().setup().result()
+            registry["planner"].result().setup().result()
             client.publish_dataset(registry, name=key)
             svc = cls(client, cfg, registry, owner=True, cluster=cluster)
             svc._recipe = {"units": units, "roots": roots, "loader_threads": loader_threads,
                            "resume": dict(resume) if resume else None}
             _install_plugin(client)
-            svc.coordinator.start().result()
+            svc.planner.start().result()
             svc._start_watching()
             return svc
         except BaseException:
@@ -640,14 +640,14 @@ class DataService:
             raise
 
     @staticmethod
-    def _place_coordinator(client: Any, cfg: Config,
+    def _place_planner(client: Any, cfg: Config,
                            units: dict[str, list[tuple[str, int, int]]], roots: dict[str, str],
                            resume: Mapping[str, Any] | None,
                            loader_threads: int, *,
                            members: list[dict[int, list[int]]] | None = None,
                            generation: int = 0, had: dict[int, int] | None = None,
                            lost: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Start the coordinator; it creates the loaders and constructors itself.
+        """Start the planner; it creates the loaders and constructors itself.
 
         ``members`` (constructor -> DP ranks) is kept across generations, so a
         ticket's constructor index means the same DP ranks in every generation.
@@ -662,21 +662,21 @@ class DataService:
             members = [{} for _ in range(n_c)]
             for dp in range(cfg.parallel.dp):
                 members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
-        from msd_dask.roles.planner import Coordinator  # the starting process only (see coordinator.py)
+        from msd_dask.roles.planner import PlannerActor  # the starting process only (see planner.py)
 
         # unique: a service started again under this name right after a close must not
         # find the old planner's key still held (by the plugin's cached registry) and
         # attach to that planner
-        key = (f"msd-{cfg.name}-coordinator" + (f"-g{generation}" if generation else "")
+        key = (f"msd-{cfg.name}-planner" + (f"-g{generation}" if generation else "")
                + f"-{uuid.uuid4().hex[:8]}")
-        coordinator = client.submit(
-            Coordinator, cfg.to_dict(), units, roots, dict(resume) if resume else None,
+        planner = client.submit(
+            PlannerActor, cfg.to_dict(), units, roots, dict(resume) if resume else None,
             members=members, pad_id=make_tokenizer(cfg.tokenizer).pad_id,
             loader_threads=loader_threads,
             source_payloads={s.name: _source_payload(cfg, s.name) for s in cfg.sources},
             tokenizer=dataclasses.asdict(cfg.tokenizer), generation=generation, had=had,
             lost=lost, actor=True, workers=[workers[0]], pure=False, key=key)
-        return {"config": cfg.to_dict(), "coordinator": coordinator, "members": members,
+        return {"config": cfg.to_dict(), "planner": planner, "members": members,
                 "generation": generation}
 
     @classmethod
@@ -848,13 +848,13 @@ class DataService:
             self._watcher.join(self.config.timeout)
         try:
             if self._owner and self.client.status == "running":
-                keys: list[Any] = [*(self._pinned or ()), self._registry["coordinator"].key]
+                keys: list[Any] = [*(self._pinned or ()), self._registry["planner"].key]
                 try:
-                    keys += self.coordinator.role_keys().result(timeout=10)
+                    keys += self.planner.role_keys().result(timeout=10)
                 except Exception:  # noqa: BLE001 - best effort: the pinned keys still go
                     pass
                 try:
-                    self.coordinator.close_roles().result(timeout=30)
+                    self.planner.close_roles().result(timeout=30)
                 except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
                     pass
                 self.client.unpublish_dataset(_PREFIX + self.name)

@@ -185,7 +185,7 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
         while (now := time.perf_counter() - t_start) < seconds:
             if now > seconds / 2 and cpu0 is None:
                 cpu0 = _cpu_seconds()
-                half = svc.coordinator.loader_stats().result()
+                half = svc.planner.loader_stats().result()
             t0 = time.perf_counter()
             batches = [rd.get(timeout=cfg["timeout"]) for rd in readers]
             w = time.perf_counter() - t0
@@ -202,7 +202,7 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
         cpu = _cpu_seconds() - (cpu0 or 0.0)
         stop.set()
         poller.join(5)
-        loaders = svc.coordinator.loader_stats().result()
+        loaders = svc.planner.loader_stats().result()
         policy = svc.client.run_on_scheduler(_policy_state).get(cfg["name"], {})
         for rd in readers:
             rd.close(timeout=1.0)

@@ -157,7 +157,7 @@ def _writes(before: dict[str, int], after: dict[str, int]) -> tuple[int, int]:
 
 def _constructor_times(svc: Any) -> tuple[float, float, int]:
     """Seconds the constructors spent fetching and packing, and the batches they built."""
-    handles = svc.coordinator.handles().result()["constructors"]
+    handles = svc.planner.handles().result()["constructors"]
     st = [c.stats().result() for c in handles]
     return (sum(x["fetch_seconds"] for x in st), sum(x["build_seconds"] for x in st),
             sum(x["batches_built"] for x in st))
@@ -213,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         waits: collections.Counter[str] = collections.Counter()
         samples: dict[str, Any] = {}
         stop = threading.Event()
-        coordinator = svc.coordinator
+        planner = svc.planner
 
         def watch() -> None:  # what the planning loop is blocked on, every 50 ms
             while not stop.wait(0.05):
                 try:
-                    w = coordinator.stats().result()["waiting"]
+                    w = planner.stats().result()["waiting"]
                 except Exception as e:  # noqa: BLE001 - a missed sample
                     waits[f"error {e!r}"[:60]] += 1
                     continue

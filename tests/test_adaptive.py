@@ -66,9 +66,9 @@ def _one_group(ws):
 def _holders(svc):
     """Workers holding a role of ``svc`` (planner, constructors, loaders)."""
     svc.refresh()
-    loaders = svc.coordinator.loader_stats().result()
+    loaders = svc.planner.loader_stats().result()
     return ({s["worker"] for v in loaders.values() for s in v}
-            | {c._address for c in svc.constructors} | {svc.coordinator._address})
+            | {c._address for c in svc.constructors} | {svc.planner._address})
 
 
 def _window(seen: list[set[str]], cluster, svc) -> str:

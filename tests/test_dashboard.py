@@ -73,7 +73,7 @@ def test_status_page_and_metrics(tmp_path):
 
 
 def _count_planner_calls(dask_worker):
-    """Count the actor calls this worker's planner (coordinator actor) gets, by method."""
+    """Count the actor calls this worker's planner (planner actor) gets, by method."""
     import collections
     import functools
 
@@ -82,7 +82,7 @@ def _count_planner_calls(dask_worker):
 
     @functools.wraps(handler)
     async def counted(*args, **kwargs):
-        if "coordinator" in str(kwargs.get("actor")):
+        if "planner" in str(kwargs.get("actor")):
             counts[str(kwargs.get("function"))] += 1
         return await handler(*args, **kwargs)
 

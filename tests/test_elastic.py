@@ -65,8 +65,8 @@ def test_retiring_a_worker_moves_its_roles(tmp_path, corpus):
     cfg["sources"][1]["loaders"] = 2
     with dask_cluster(str(tmp_path), n_workers=3) as cl:
         with DataService.start(cfg, cl["address"]) as svc:
-            planner_at = svc.coordinator._address
-            held = {s["worker"] for v in svc.coordinator.loader_stats().result().values()
+            planner_at = svc.planner._address
+            held = {s["worker"] for v in svc.planner.loader_stats().result().values()
                     for s in v}
             victim = sorted(held - {planner_at})[0]
             moved = {}
@@ -80,7 +80,7 @@ def test_retiring_a_worker_moves_its_roles(tmp_path, corpus):
             while victim in svc.client.scheduler_info()["workers"]:
                 assert time.monotonic() < deadline, "the worker was not retired"
                 time.sleep(0.2)
-            workers_now = {s["worker"] for v in svc.coordinator.loader_stats().result().values()
+            workers_now = {s["worker"] for v in svc.planner.loader_stats().result().values()
                            for s in v} | {c._address for c in svc.constructors}
     assert moved.get("loaders", 0) >= 1, moved
     assert victim not in workers_now
@@ -158,7 +158,7 @@ def test_new_roles_skip_a_paused_worker(corpus):
     root, texts = corpus
     cfg = config(root, name="paused")
     with DataService.start(cfg, n_workers=3, threads_per_worker=1) as svc:
-        planner_at = svc.coordinator._address
+        planner_at = svc.planner._address
         spare = sorted(set(svc.client.scheduler_info()["workers"]) - {planner_at})
 
         def pause(dask_worker):
@@ -175,7 +175,7 @@ def test_new_roles_skip_a_paused_worker(corpus):
             time.sleep(0.1)
         assert svc.scale_loaders("code", 4) == 4
         recs = _consume(svc, 10)
-        placed = {s["index"]: s["worker"] for s in svc.coordinator.loader_stats().result()["code"]}
+        placed = {s["index"]: s["worker"] for s in svc.planner.loader_stats().result()["code"]}
         svc.client.run(resume, workers=spare)
     assert sorted(placed) == [0, 1, 2, 3], placed
     assert placed[2] == placed[3] == planner_at, placed  # the only running worker

@@ -34,7 +34,7 @@ def test_tp_cp_members_share_one_build(corpus):
         got = _read_all(svc, STEPS)
         par = svc.config.parallel
         # stop planning, then let submitted builds finish, so fetches and builds compare
-        svc.coordinator.stop().result()
+        svc.planner.stop().result()
         prev, st = None, svc.stats()
         for _ in range(40):
             now = [c["tokens_built"] for c in st["constructors"]]

@@ -180,7 +180,7 @@ def _serve(cfg: dict[str, Any], steps: int) -> tuple[list[dict[str, Any]], dict[
     with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
         readers = [svc.reader(r) for r in range(2)]
         recs = [record(next(rd)) for _ in range(steps) for rd in readers]
-        stats = svc.coordinator.loader_stats().result()
+        stats = svc.planner.loader_stats().result()
     return recs, stats
 
 

@@ -132,7 +132,7 @@ def test_elastic_resume_same_pieces_per_step_with_delay() -> None:
 
 
 def test_pending_names_held_pieces_for_the_loaders() -> None:
-    """The coordinator keeps the units of ``pending()`` pieces: held ones must be in it."""
+    """The planner keeps the units of ``pending()`` pieces: held ones must be in it."""
     pl = planner(outlier_cfg())
     run(pl, 3)
     assert pl.held

@@ -116,17 +116,17 @@ def test_token_cap_bounds_what_loaders_hold_and_keeps_the_batches(tmp_path) -> N
 
 
 def test_upcoming_asks_the_planner_once_per_call_and_keeps_what_it_chose(corpus) -> None:
-    """``Coordinator._upcoming`` takes the window and the read-ahead from one
+    """``PlannerActor._upcoming`` takes the window and the read-ahead from one
     ``upcoming_units`` call: the same units as asking for the window separately, at
     every position of the stream (windows and epochs crossed by planning steps)."""
     import numpy as np
 
-    from msd_dask.roles.planner import Coordinator
+    from msd_dask.roles.planner import PlannerActor
 
     root, _ = corpus
     c = load_config(config(root))
     units, roots = discover_units(c)
-    co = Coordinator(c.to_dict(), units, roots)
+    co = PlannerActor(c.to_dict(), units, roots)
     planner = co.planner
     ask = planner.upcoming_units
     calls: list[tuple[str, int]] = []
@@ -169,14 +169,14 @@ def test_adaptive_policy_reads_the_whole_next_window_ahead(corpus) -> None:
     adaptive policy the read-ahead holds the whole next window whatever the token cap."""
     import numpy as np
 
-    from msd_dask.roles.planner import Coordinator
+    from msd_dask.roles.planner import PlannerActor
 
     root, _ = corpus
     raw = config(root, scaling={"policy": "adaptive"})
     raw["sources"][0].update(shuffle_window=3, read_ahead=8)
     c = load_config(raw)
     units, roots = discover_units(c)
-    co = Coordinator(c.to_dict(), units, roots)
+    co = PlannerActor(c.to_dict(), units, roots)
     planner = co.planner
     lengths = {}
     for s in c.sources:

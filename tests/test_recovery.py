@@ -30,13 +30,13 @@ STEPS = 70
 
 
 def _roles(svc):
-    """worker address -> set of roles ('coordinator', 'constructor', 'loader')."""
+    """worker address -> set of roles ('planner', 'constructor', 'loader')."""
     out: dict[str, set[str]] = {}
-    out.setdefault(svc.coordinator._address, set()).add("coordinator")
+    out.setdefault(svc.planner._address, set()).add("planner")
     svc.refresh()
     for c in svc.constructors:
         out.setdefault(c._address, set()).add("constructor")
-    for stats in svc.coordinator.loader_stats().result().values():
+    for stats in svc.planner.loader_stats().result().values():
         for s in stats:
             out.setdefault(s["worker"], set()).add("loader")
     return out
@@ -44,7 +44,7 @@ def _roles(svc):
 
 def _current_keys(svc):
     """The Dask keys of the service's current loaders and constructors."""
-    handles = svc.coordinator.handles().result(timeout=30)
+    handles = svc.planner.handles().result(timeout=30)
     return sorted([*(c.key for c in handles["constructors"]),
                    *(h.key for slots in handles["loaders"].values() for h in slots.values())])
 
@@ -91,15 +91,15 @@ def _run_with_kill(tmp_path, role, n_workers=4, serve=False):
             c.wait_for_workers(n_workers, timeout=60)
         with _service(tmp_path, cfg, cl["address"], serve) as svc:
             roles = _roles(svc)
-            if role == "coordinator":
-                victims = [svc.coordinator._address]
+            if role == "planner":
+                victims = [svc.planner._address]
                 if n_workers == 2:  # the second constructor goes to the planner's worker
                     assert "constructor" in roles[victims[0]], roles
             else:
                 # prefer a worker holding only that role; else one holding it with loaders
-                # (not the planner's own worker: that is the coordinator case)
+                # (not the planner's own worker: that is the planner case)
                 victims = sorted((w for w, r in roles.items()
-                                  if role in r and "coordinator" not in r),
+                                  if role in r and "planner" not in r),
                                  key=lambda w: len(roles[w]))
             assert victims, f"no worker holds a {role} without the planner: {roles}"
             pid = svc.client.run(os.getpid)[victims[0]]
@@ -120,16 +120,16 @@ def _run_with_kill(tmp_path, role, n_workers=4, serve=False):
                 time.sleep(0.5)
                 stats = svc.stats()
             assert victims[0] not in _roles(svc)
-            if role == "coordinator":
+            if role == "planner":
                 assert svc.generation == 1
-                ev = [e for e in stats["planner"]["role_events"] if e["role"] == "coordinator"]
+                ev = [e for e in stats["planner"]["role_events"] if e["role"] == "planner"]
                 assert len(ev) == 1 and ev[0]["from"] == victims[0], ev
                 # the roles the lost planner left behind were closed, and Dask forgot them
                 # once nothing referenced them: only the current roles remain
                 def _service_keys(dask_scheduler, prefix):  # by value: the scheduler
                     return sorted(str(k) for k in dask_scheduler.tasks  # cannot import tests
                                   if str(k).startswith(prefix)
-                                  and not str(k).startswith(prefix + "coordinator"))
+                                  and not str(k).startswith(prefix + "planner"))
 
                 want = _current_keys(svc)
                 deadline = time.monotonic() + 20
@@ -156,18 +156,18 @@ def test_kill_worker_holding_a_constructor(tmp_path):
 
 
 def test_kill_worker_holding_the_planner(tmp_path):
-    _run_with_kill(tmp_path, "coordinator")
+    _run_with_kill(tmp_path, "planner")
 
 
 def test_kill_worker_holding_the_planner_of_a_served_service(tmp_path):
     """The planner re-created by a `msd-dask serve` process: readers elsewhere find it."""
-    _run_with_kill(tmp_path, "coordinator", serve=True)
+    _run_with_kill(tmp_path, "planner", serve=True)
 
 
 def test_kill_worker_holding_the_planner_and_a_constructor(tmp_path):
     """The rank of the lost constructor read past the planner's last kept state: the new
     constructors learn it from the readers, not only from the old constructors."""
-    _run_with_kill(tmp_path, "coordinator", n_workers=2)
+    _run_with_kill(tmp_path, "planner", n_workers=2)
 
 
 def test_planner_lost_with_its_owner_is_reported(tmp_path):
@@ -181,7 +181,7 @@ def test_planner_lost_with_its_owner_is_reported(tmp_path):
         readers = [svc.reader(r, timeout=60) for r in range(2)]
         for step in range(3):
             assert [next(rd).step for rd in readers] == [step, step]
-        pid = svc.client.run(os.getpid)[svc.coordinator._address]
+        pid = svc.client.run(os.getpid)[svc.planner._address]
         serve.kill()
         serve.wait(10)
         os.kill(pid, signal.SIGKILL)

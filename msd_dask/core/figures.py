@@ -17,7 +17,7 @@ def source_figures(planner: Mapping[str, Any], loader_stats: Mapping[str, Sequen
     Parameters
     ----------
     planner : mapping
-        The coordinator's ``stats()``: ``tokens_planned`` and ``weights`` per source.
+        The planner's ``stats()``: ``tokens_planned`` and ``weights`` per source.
     loader_stats : mapping
         ``{source: [stats() of each of its loaders]}``.
     listed_out : mapping, optional

@@ -49,13 +49,13 @@ async def collect(registry: dict[str, Any], since: int = 0,
                   lookahead: int | None = None) -> dict[str, Any]:
     """Gather the figures of one service from its roles (async; any client).
 
-    One call to the planner (:meth:`~msd_dask.roles.planner.Coordinator.snapshot`),
+    One call to the planner (:meth:`~msd_dask.roles.planner.PlannerActor.snapshot`),
     which asks its loaders and constructors.  ``history`` holds the planner's per-step
     records from step ``since`` on; ``weights_ahead`` each source's largest weight
     over the next ``lookahead`` steps (``None`` without ``lookahead``).
     """
-    coordinator = await registry["coordinator"]
-    snap = await coordinator.snapshot(since, lookahead)
+    planner = await registry["planner"]
+    snap = await planner.snapshot(since, lookahead)
     planner, cons = snap["planner"], snap["constructors"]
     sources = source_figures(planner, snap["loaders"], registry.get("quarantined", {}))
     ranks = {str(r): v for r, v in rank_figures(cons).items()}  # JSON keys
@@ -231,7 +231,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         dt = snap["time"] - prev["time"]
         planned = sum(snap["planner"]["tokens_planned"].values())
         before = sum(prev["planner"]["tokens_planned"].values())
-        coordinator = await registry["coordinator"]
+        planner = await registry["planner"]
         ahead = snap["weights_ahead"]
         cores = float(sum(ws.nthreads for ws in self.scheduler.workers.values()
                           if _running(ws)))
@@ -252,7 +252,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         decided = scaler.decide(time.monotonic(), loads)
         self._targets[name] = {s: scaler.target(s, ld) for s, ld in loads.items()}
         for s, n in decided.items():
-            got = await coordinator.scale(s, n)
+            got = await planner.scale(s, n)
             self.decisions.setdefault(name, deque(maxlen=1000)).append(
                 {"time": time.time(), "source": s, "loaders": got, "from": loads[s].loaders,
                  "starved": loads[s].starved, "consumption": loads[s].consumption,

@@ -127,7 +127,7 @@ class DataConstructor:
         self._task = asyncio.create_task(self._builder())
 
     async def set_loaders(self, loaders: dict[str, dict[int, Any]]) -> None:
-        """Replace the loader handles (slot -> actor; after the coordinator re-created one)."""
+        """Replace the loader handles (slot -> actor; after the planner re-created one)."""
         import gc
 
         self.loaders = loaders
@@ -153,7 +153,7 @@ class DataConstructor:
         and published (one ticket per rank for all its steps) together.  Waits
         until there is room for the round, then (``room``) until there is room
         for ``room`` more steps: the planner's next round, without another
-        message.  ``force`` skips both waits: the coordinator re-sends recent
+        message.  ``force`` skips both waits: the planner re-sends recent
         steps to a re-created constructor.
         """
         assert self._room is not None and self._work is not None
@@ -251,7 +251,7 @@ class DataConstructor:
 
     async def _fetch(self, source: str, slot: int, requests: np.ndarray) -> list[np.ndarray]:
         """Fetch from a loader slot; if its loader is lost or retired, retry on the actor
-        the coordinator puts in that slot (:meth:`set_loaders`) until ``timeout``."""
+        the planner puts in that slot (:meth:`set_loaders`) until ``timeout``."""
         from msd_dask.errors import DataError
 
         deadline = time.monotonic() + self.timeout
@@ -265,7 +265,7 @@ class DataConstructor:
 
             task = asyncio.ensure_future(call(loader))
             # a call to a lost worker's actor can hang: give up on it as soon as the
-            # coordinator has put another actor in the slot
+            # planner has put another actor in the slot
             replaced = False
             while not task.done():
                 await asyncio.wait({task}, timeout=0.5)

@@ -33,6 +33,8 @@ from typing import Any
 
 __all__: list[str] = []
 
+from msd_dask.dask_internals import local_actor
+
 
 class _Local:
     """The actor object of a handle in this worker, called like the handle (``await``)."""
@@ -68,10 +70,7 @@ def direct(handle: Any) -> Any:
         worker = get_worker()
     except ValueError:  # not on a worker (a client, a test)
         return handle
-    address = getattr(handle, "_address", None)
-    if address is None or address != worker.address:
-        return handle
-    obj = worker.state.actors.get(handle.key)
+    obj = local_actor(worker, handle)
     if obj is None:
         return handle
     return _Local(obj)

@@ -1,6 +1,6 @@
 """Source Loader: a Dask actor that owns the file access of a share of one source.
 
-The coordinator assigns it ``(epoch, unit)`` keys in stream order; it reads
+The planner assigns it ``(epoch, unit)`` keys in stream order; it reads
 up to ``threads`` units at once on a small thread pool (pyarrow and zstd
 release the GIL), preprocesses and tokenizes the documents of each unit on a
 bounded :class:`DocPool` (threads or processes, ``sources[].pool``; the

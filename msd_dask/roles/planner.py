@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # are imported where the actor runs, not here: a training process unpickling this actor's
 # handle imports this module, and every module costs each of them memory (tests/test_imports.py).
 
-__all__ = ["Coordinator", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
+__all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
 
 _log = logging.getLogger("msd_dask.roles.planner")
 
@@ -101,7 +101,7 @@ def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     return dict(state["planner"])
 
 
-class Coordinator:
+class PlannerActor:
     """Dask actor holding the service's planner.
 
     Parameters
@@ -206,7 +206,7 @@ class Coordinator:
         """Create the loaders and constructors, spread across the workers."""
         await self.roles.setup()
         if self._lost:
-            self.roles._log("coordinator", "planner", "lost", str(self._lost.get("from")),
+            self.roles._log("planner", "planner", "lost", str(self._lost.get("from")),
                             self.roles._own_address())
 
     async def handles(self, loaders: bool = True) -> dict[str, Any]:
@@ -305,7 +305,7 @@ class Coordinator:
         # read.  Beyond the next window because units are given out as the planner moves:
         # with only that window ahead, a loader that read its share of it first waited for
         # the slowest one (3-11% of a CPU-bound loader's time); with more ahead it is given
-        # more units (Coordinator._outstanding).  A fixed allocation keeps the cap's bound
+        # more units (PlannerActor._outstanding).  A fixed allocation keeps the cap's bound
         # on memory
         threads = len(self.roles.active.get(source, ())) * self.roles.loader_threads
         least = (st.window_size + 2 * threads if self.cfg.scaling.policy == "adaptive"

@@ -2,7 +2,7 @@
 
 Dask actors are not resilient: a lost worker loses its actors and nothing
 restarts them, and ``Adaptive`` cannot retire a worker that holds one.  The
-coordinator therefore creates the roles itself and keeps them alive:
+planner therefore creates the roles itself and keeps them alive:
 
 * **slots** — a source's loaders live in numbered slots.  Units are assigned
   to a slot, and a planned piece names the slot, never the actor, so a slot's
@@ -39,7 +39,7 @@ from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
 
 if TYPE_CHECKING:
-    from msd_dask.roles.planner import Coordinator
+    from msd_dask.roles.planner import PlannerActor
 
 __all__: list[str] = []
 
@@ -47,13 +47,13 @@ _log = logging.getLogger(__name__)
 
 
 class _Roles:
-    """The coordinator's loaders and constructors (see the module docstring)."""
+    """The planner's loaders and constructors (see the module docstring)."""
 
-    def __init__(self, coordinator: Coordinator, members: list[dict[int, list[int]]],
+    def __init__(self, planner: PlannerActor, members: list[dict[int, list[int]]],
                  pad_id: int, loader_threads: int, payloads: dict[str, dict[str, Any]],
                  tokenizer: dict[str, Any]):
-        self.co = coordinator
-        self.cfg = coordinator.cfg
+        self.co = planner
+        self.cfg = planner.cfg
         self.members = members
         self.pad_id = pad_id
         self.loader_threads = loader_threads
@@ -339,7 +339,7 @@ class _Roles:
                 "moved": f"moved from {old} to {new}",
                 "added": f"added on {new}",
                 "retired": f"retired from {old}; its units went to the loader on {new}"}[why]
-        if role == "coordinator":
+        if role == "planner":
             what += f", resuming after step {self.co.first_step - 1}"
         _log.warning("msd_dask %s: %s %s %s", self.cfg.name, role, name, what)
 
