@@ -1,9 +1,11 @@
-"""The scheduler plugin on a real service: registry caching and the CPU cap of the loader policy."""
+"""The scheduler plugin on a real service: registry caching and the CPU cap of the loader policy
+(on threads, and on a process pool: ``tests/unit/test_pool_cpu.py`` has its pure parts)."""
 
 from __future__ import annotations
 
 import time
 
+import dask
 import pytest
 from test_adaptive import serve_steps_until
 
@@ -89,5 +91,29 @@ def test_cpu_bound_source_is_held_at_what_the_cores_allow(corpus):
     counts = [d["loaders"] for d in st["decisions"].get("cpucap", []) if d["source"] == "prose"]
     assert counts and max(counts) <= max(cap, 2), st["decisions"]  # never tried above the cap
     assert counts == sorted(counts), counts  # no reversal
+    check_content(recs, texts, 512)
+    check_exactly_once(recs, texts, 512)
+
+
+def test_cpu_bound_source_on_a_process_pool_is_held_at_what_the_cores_allow(corpus):
+    # prose runs pure-Python preprocessing (holds the GIL) on a process pool of 2: its loader
+    # keeps both cores busy, so the CPU cap holds it at 1 loader however starved the planner
+    root, texts = corpus
+    cfg = config(root, name="poolcap", prefetch=4,
+                 scaling={"policy": "adaptive", "cooldown": 1.0, "max_loaders": 6,
+                          "scale_down_after": 600})
+    cfg["sources"][0].update(loaders=1, weight=0.5)
+    cfg["sources"][1].update(loaders=1, weight=0.5, preprocess="msd_dask.examples.preprocess:cpu_bound_py",
+                             pool={"kind": "process", "size": 2})
+    with dask.config.set({"distributed.worker.daemon": False}), \
+            DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
+        recs, st, loaders = serve_until_cpu_cap(svc, "prose", more=5, timeout=90)
+    sc = st["scalers"]["poolcap"]
+    cap, f = sc["cpu_caps"]["prose"], sc["cpu_fraction"]["prose"]
+    assert f > 0.5, sc
+    assert cap == max(1, int(2 / (2 * f) + 0.5)) == 1, sc
+    assert loaders["prose"] == 1, (loaders, sc)
+    assert not [d for d in st["decisions"].get("poolcap", []) if d["source"] == "prose"
+                and d["loaders"] > cap], st["decisions"]
     check_content(recs, texts, 512)
     check_exactly_once(recs, texts, 512)

@@ -15,18 +15,15 @@ import asyncio
 import dataclasses
 from typing import Any
 
-import dask
 import pytest
-from test_adaptive_plugin import serve_until_cpu_cap
 
-from msd_dask import DataService, load_config
+from msd_dask import load_config
 from msd_dask.core.config import PoolConfig, SourceConfig
 from msd_dask.core.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps
 from msd_dask.formats import get_format
 from msd_dask.roles.loader import SourceLoader
 from msd_dask.sources.storage import open_source
 
-from checks import check_content, check_exactly_once
 from corpus import config
 
 PREP = "msd_dask.examples.preprocess:"
@@ -125,30 +122,3 @@ def test_unconfirmed_fraction_does_not_remove_loaders_of_a_large_pool() -> None:
     counts = [3] + [c for _, c in changes]
     assert len(counts) > 2 and counts == sorted(set(counts)), changes  # up only
     assert changes[0][0] >= 2 and s.cpu_caps == {"a": 25}
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_cpu_bound_source_on_a_process_pool_is_held_at_what_the_cores_allow(corpus: Any
-                                                                           ) -> None:
-    # prose runs pure-Python preprocessing (holds the GIL) on a process pool of 2: its loader
-    # keeps both cores busy, so the CPU cap holds it at 1 loader however starved the planner
-    root, texts = corpus
-    cfg = config(root, name="poolcap", prefetch=4,
-                 scaling={"policy": "adaptive", "cooldown": 1.0, "max_loaders": 6,
-                          "scale_down_after": 600})
-    cfg["sources"][0].update(loaders=1, weight=0.5)
-    cfg["sources"][1].update(loaders=1, weight=0.5, preprocess=PREP + "cpu_bound_py",
-                             pool={"kind": "process", "size": 2})
-    with dask.config.set({"distributed.worker.daemon": False}), \
-            DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        recs, st, loaders = serve_until_cpu_cap(svc, "prose", more=5, timeout=90)
-    sc = st["scalers"]["poolcap"]
-    cap, f = sc["cpu_caps"]["prose"], sc["cpu_fraction"]["prose"]
-    assert f > 0.5, sc
-    assert cap == max(1, int(2 / (2 * f) + 0.5)) == 1, sc
-    assert loaders["prose"] == 1, (loaders, sc)
-    assert not [d for d in st["decisions"].get("poolcap", []) if d["source"] == "prose"
-                and d["loaders"] > cap], st["decisions"]
-    check_content(recs, texts, 512)
-    check_exactly_once(recs, texts, 512)

@@ -3,27 +3,23 @@
 Units can be large (a whole file), so ``read_ahead`` units per source can hold
 a lot of tokens.  The cap bounds the units assigned after the current shuffle
 window by their tokens (at least one is always assigned); it changes which
-units are read early, never which documents form a step.
+units are read early, never which documents form a step (on a service:
+``tests/integration/test_read_ahead_service.py``).
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from msd_dask import DataService, load_config
+from msd_dask import load_config
 from msd_dask.core.config import ConfigError
-from msd_dask.core.stream import SourceStream
-from msd_dask.formats import Unit
 from msd_dask.roles.loader import read_unit
 from msd_dask.roles.planner import ahead_within
 from msd_dask.service import discover_units
 from msd_dask.sources.storage import open_source
 from msd_dask.sources.tokenizer import ByteTokenizer
 
-from checks import check_content, check_exactly_once, record
-from corpus import config, write_corpus
+from corpus import config
 
 
 def test_ahead_within_keeps_the_prefix_under_the_cap_and_at_least_one_unit() -> None:
@@ -49,70 +45,6 @@ def test_bad_read_ahead_tokens_names_the_key(corpus, value) -> None:
 def test_default_read_ahead_tokens_is_zero_meaning_prefetch_steps(corpus) -> None:
     root, _ = corpus
     assert load_config(config(root)).sources[0].read_ahead_tokens == 0
-
-
-def _unit_tokens(cfg: dict, source: str) -> tuple[list[Unit], list[int]]:
-    """The source's units as the service lists them, and the tokens each holds."""
-    c = load_config(cfg)
-    units = [Unit(*u) for u in discover_units(c)[0][source]]
-    src = c.source(source)
-    fs = open_source(src.uri, src.storage_options).fs
-    tok = ByteTokenizer()
-    return units, [sum(len(d) for d in read_unit(src, fs, u, tok)) for u in units]
-
-
-def _run(cfg: dict, steps: int) -> tuple[list[dict], int, dict]:
-    """Read ``steps`` steps on every rank, wait until the planner and loaders hold still.
-
-    Returns the records, the tokens the ``code`` loaders hold and the planner's state.
-    """
-    with DataService.start(cfg, n_workers=1, threads_per_worker=1) as svc:
-        readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
-        recs = [record(next(r)) for _ in range(steps) for r in readers]
-        deadline = time.monotonic() + 60
-        last = -1
-        while True:  # planning blocks once the constructors are full; loaders finish reading
-            st = svc.stats()
-            held = st["sources"]["code"]["tokens_buffered"]
-            if "make room" in (st["planner"]["waiting"] or "") and held == last:
-                break
-            assert time.monotonic() < deadline, st["planner"]["waiting"]
-            last = held
-            time.sleep(0.5)
-        state = svc._ask("state")
-    return recs, held, state
-
-
-def test_token_cap_bounds_what_loaders_hold_and_keeps_the_batches(tmp_path) -> None:
-    root = str(tmp_path)
-    texts = write_corpus(root, code_files=6, code_rows=21)  # 18 code units of 7 rows
-    base = config(root)
-    base["sources"][0].update(loaders=1, shuffle_window=2, read_ahead=8)
-    units, tokens = _unit_tokens(base, "code")
-    assert len(units) == 18
-    runs = {}
-    for cap in (10 ** 9, 1):  # no cap in effect; one unit after the window
-        cfg = config(root)
-        cfg["sources"][0].update(loaders=1, shuffle_window=2, read_ahead=8, read_ahead_tokens=cap)
-        runs[cap] = _run(cfg, steps=4)
-    (recs_all, held_all, _), (recs_cap, held_cap, state) = runs[10 ** 9], runs[1]
-    # the same documents form every step, token for token
-    assert [r["documents"] for r in recs_cap] == [r["documents"] for r in recs_all]
-    for a, b in zip(recs_cap, recs_all, strict=True):
-        assert (a["input_ids"] == b["input_ids"]).all()
-    check_content(recs_cap, texts, 512)
-    check_exactly_once(recs_cap, texts, 512)
-    # what the capped loader may hold: the windows up to the planner's (units behind it
-    # are released once every rank claimed the steps that used them) and one unit after
-    pos = state["streams"]["code"]
-    assert pos["epoch"] == 0, pos
-    stream = SourceStream("code", units, load_config(base).seed, 2, 512)
-    upto = [u for w in range(pos["window"] + 1) for u in stream.window_units(0, w)]
-    after = stream.window_units(0, pos["window"] + 1)[:1]
-    bound = sum(tokens[u] for u in upto + after)
-    assert 0 < held_cap <= bound, (held_cap, bound, pos)
-    # without the cap the loader holds read_ahead = 8 units after the window: more
-    assert held_all > bound, (held_all, bound, pos)
 
 
 def test_upcoming_asks_the_planner_once_per_call_and_keeps_what_it_chose(corpus) -> None:

@@ -18,7 +18,7 @@ from cluster import dask_cluster, start_serve
 from corpus import config, write_corpus
 
 pytestmark = pytest.mark.integration
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: reader_proc.py, checks.py
 
 
 def test_service_over_tls(tmp_path):

@@ -216,7 +216,7 @@ def test_train_demo_tokenizer_script(corpus, tmp_path):
     import runpy
 
     root, texts = corpus
-    mod = runpy.run_path(str(__import__("pathlib").Path(__file__).parents[1]
+    mod = runpy.run_path(str(__import__("pathlib").Path(__file__).parents[2]
                              / "scripts" / "train_demo_tokenizer.py"))
     out = str(tmp_path / "bpe.json")
     mod["main"]([root, out, "--vocab", "320"])
