@@ -248,7 +248,7 @@ def changes(timeline: list[tuple[float, dict[str, int]]], source: str
 def _rate_worker(src_cfg: dict[str, Any], units: list[int], deadline: float) -> tuple[int, float]:
     from msd_dask.core.config import parse_config
     from msd_dask.formats import get_format
-    from msd_dask.roles.loader import read_unit
+    from msd_dask.sources.documents import read_unit
     from msd_dask.sources.storage import open_source
     from msd_dask.sources.tokenizer import ByteTokenizer
 

@@ -67,7 +67,7 @@ def single_process(cfg: Any, tokens_goal: int) -> tuple[int, float]:
     """Read, tokenize and pack until ``tokens_goal`` tokens; returns (tokens, seconds)."""
     from msd_dask.core.packing import pack_rows
     from msd_dask.formats import get_format
-    from msd_dask.roles.loader import read_unit
+    from msd_dask.sources.documents import read_unit
     from msd_dask.sources.storage import open_source
     from msd_dask.sources.tokenizer import make_tokenizer
 

@@ -12,7 +12,7 @@ from msd_dask import ConfigError, DataError, DataService, load_config
 from msd_dask.core.config import TokenizerConfig
 from msd_dask.examples import preprocess as prep
 from msd_dask.formats import get_format
-from msd_dask.roles.loader import read_unit
+from msd_dask.sources.documents import read_unit
 from msd_dask.sources.storage import open_source
 from msd_dask.sources.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
 

@@ -23,7 +23,7 @@ from msd_dask import ConfigError, DataError, DataService, load_config
 from msd_dask.core.config import PoolConfig, SourceConfig
 from msd_dask.examples import preprocess as prep
 from msd_dask.formats import Unit, get_format
-from msd_dask.roles.loader import DocPool, read_unit
+from msd_dask.sources.documents import DocPool, read_unit
 from msd_dask.sources.storage import open_source
 from msd_dask.sources.tokenizer import ByteTokenizer
 
@@ -206,7 +206,8 @@ def test_service_delivers_the_same_batches_with_a_process_pool(corpus: Any) -> N
 
 def test_unit_buffer_is_compact_for_small_vocabularies():
     """A loader keeps tokens as uint16 when the vocabulary allows: same ids, half the bytes."""
-    from msd_dask.roles.loader import ImageDoc, _compact, _compacts, _UnitData
+    from msd_dask.roles.loader import _UnitData
+    from msd_dask.sources.documents import ImageDoc, _compact, _compacts
     from msd_dask.sources.tokenizer import ByteTokenizer
 
     assert _compacts(ByteTokenizer())

@@ -24,7 +24,7 @@ from msd_dask import DataService, load_config
 from msd_dask.core.packing import IGNORE_INDEX, pack_rows
 from msd_dask.errors import ConfigError, DataError
 from msd_dask.formats import get_format
-from msd_dask.roles.loader import ImageDoc, read_unit
+from msd_dask.sources.documents import ImageDoc, read_unit
 from msd_dask.sources.tokenizer import IMG, ByteTokenizer
 from msd_dask.sources.vision import decode_image, image_patches, patchify, resize, unpatchify
 

@@ -1,0 +1,511 @@
+"""The document pipeline of a Source Loader: read a unit, preprocess, tokenize, images.
+
+:func:`read_unit` reads one unit's rows (through :mod:`msd_dask.formats`),
+preprocesses and tokenizes each document, and for an image+text source cuts
+its image into patches (:class:`ImageDoc`); bad input follows the source's
+``on_error``.  The documents of a unit go through a bounded :class:`DocPool`
+(threads or spawned processes, ``sources[].pool``) and come back in row
+order, so the stream does not depend on the pool.  Nothing here knows Dask:
+:class:`~msd_dask.roles.loader.SourceLoader` runs it on its worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from msd_dask.core.config import SourceConfig, TokenizerConfig, WeightSchedule, resolve_import_path
+from msd_dask.errors import DataError
+from msd_dask.sources.tokenizer import make_tokenizer
+
+if TYPE_CHECKING:
+    from msd_dask.core.units import Unit
+
+# formats (fsspec, zstandard, tarfile), storage and vision are imported where a unit is read:
+# a training process imports this module with msd_dask.roles.loader when it unpickles a
+# loader's actor handle, and every module costs each training process memory
+# (tests/test_imports.py)
+
+__all__ = ["DocPool", "ImageDoc", "preprocessor", "process_docs", "read_unit", "source_config",
+           "with_source"]
+
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@functools.lru_cache(maxsize=32)
+def preprocessor(spec: str) -> Callable[[str, dict[str, Any]], str | None]:
+    """The function ``sources[].preprocess`` names (``module:function``), imported once."""
+    fn = resolve_import_path(spec)
+    if not callable(fn):
+        raise TypeError(f"preprocess {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def with_source(e: BaseException, source: str, path: str | None = None, *,
+                whole_file: bool = False) -> DataError:
+    """``e`` as a :class:`DataError` naming ``source`` (and ``path`` if it names no file).
+
+    ``whole_file``: the error is the file's (its ``row`` is dropped).
+    """
+    if not isinstance(e, DataError):
+        return DataError(f"cannot read: {e!r}", source=source, path=path)
+    if e.source is not None and not (whole_file and e.row is not None):
+        return e
+    where = ([f"file '{e.path}'"] if e.path is not None else []) + (
+        [f"row {e.row}"] if e.row is not None else [])
+    msg = str(e)
+    prefix = ", ".join(where) + ": "
+    if where and msg.startswith(prefix):
+        msg = msg[len(prefix):]
+    if e.source is not None and msg.startswith(f"source '{e.source}', "):
+        msg = msg[len(f"source '{e.source}', "):]
+        if where and msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    out = DataError(msg if e.row is None or not whole_file else f"at row {e.row}: {msg}",
+                    source=source, path=e.path if e.path is not None else path,
+                    row=None if whole_file else e.row)
+    out.__cause__ = e.__cause__ or e
+    return out
+
+
+class ImageDoc:
+    """An image+text document as a loader keeps it.
+
+    ``tokens`` is ``[image_id] * n + text tokens + [eod_id]`` and ``patches`` the
+    image's ``n`` patches (``uint8 [n, patch·patch·3]``, see :mod:`msd_dask.sources.vision`),
+    the ``i``-th patch standing for the ``i``-th token.  ``len()`` is its length in
+    tokens, image tokens included.
+    """
+
+    __slots__ = ("tokens", "patches")
+
+    def __init__(self, tokens: np.ndarray, patches: np.ndarray):
+        self.tokens = tokens
+        self.patches = patches
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def piece(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens ``[start, end + 1)`` and the patches of the image tokens in ``[start, end)``."""
+        n = len(self.patches)
+        return self.tokens[start:end + 1], self.patches[min(start, n):min(end, n)]
+
+
+def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
+              quarantine: list[DataError] | None = None,
+              pool: DocPool | None = None,
+              timing: list[float] | None = None,
+              cpu: list[tuple[float, float]] | None = None) -> list[np.ndarray | ImageDoc]:
+    """Read and tokenize every row of ``unit``; one array per row, in row order.
+
+    The arrays are uint16 for a vocabulary of at most 65,536 ids, else int32.
+
+    ``pool``: preprocess and tokenize the documents on it (several at once);
+    ``None`` does it here, one after the other.  The result is the same.
+    ``timing``: the busy seconds (reading the rows, plus preprocessing summed
+    over the pool's workers) are appended to it.  ``cpu``: the CPU seconds of
+    that busy time and the part of it spent waiting for a core (runnable while
+    other threads had the cores) are appended as a pair: this thread's while it
+    reads the rows (and preprocesses, without a pool), plus the pool's workers'
+    summed over them (:meth:`DocPool.map`).  Both are measured over exactly the
+    busy intervals, so ``cpu / (busy - wait)`` is the share of that time spent
+    on a core (not counted: this thread waiting for the pool, and putting the
+    pool's results in order).
+
+    Rows of an image+text source (``src.image_field`` set) whose image field is not
+    null become an :class:`ImageDoc`: the image decoded, resized and cut into patches
+    (``src.image``), one image token per patch before the text's tokens.
+
+    With ``src.preprocess`` set, ``fn(text, record)`` runs on every document
+    first: a string replaces the text, ``None`` drops the document (its row
+    keeps an empty placeholder array, so its length is 0 and the stream skips
+    it; row indexes do not move).  Rows the format skips (blank JSON lines)
+    get the same empty placeholder.
+
+    Bad input follows ``src.on_error``: ``"fail"`` raises a :class:`DataError`
+    naming the source, file and row; ``"skip"`` quarantines it instead: a bad
+    document (missing field, invalid UTF-8, not text, preprocess failure) gets
+    an empty placeholder, a file that cannot be read (missing, corrupt,
+    truncated) yields no rows at all, and each error is appended to
+    ``quarantine`` (``error.row is None`` for a whole file).
+    """
+    if getattr(src, "on_error", "fail") != "skip":
+        try:
+            return _read_rows(src, fs, unit, tokenizer, [], None, pool, timing, cpu)
+        except (DataError, OSError) as e:
+            raise with_source(e, src.name, unit.path) from e
+    out: list[np.ndarray | ImageDoc] = []
+    bad: list[DataError] = []
+    try:
+        _read_rows(src, fs, unit, tokenizer, out, bad, pool, timing, cpu)
+    except (DataError, OSError) as e:
+        if quarantine is not None:
+            quarantine.append(with_source(e, src.name, unit.path, whole_file=True))
+        return []
+    if quarantine is not None:
+        quarantine.extend(bad)
+    return out
+
+
+def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
+               out: list[np.ndarray | ImageDoc],
+               bad: list[DataError] | None, pool: DocPool | None = None,
+               timing: list[float] | None = None,
+               cpu: list[tuple[float, float]] | None = None) -> list[np.ndarray | ImageDoc]:
+    """Append the tokens of the unit's rows to ``out`` (``bad``: collect row errors).
+
+    The rows are read first, then their documents are preprocessed and tokenized
+    (on ``pool`` when given); results and errors are taken in row order.
+    """
+    from msd_dask.formats import get_format
+
+    fmt = get_format(src.format)
+    # formats that can report a bad row without ending the read (JSON lines) do so
+    tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
+    read: Any = fmt.read
+    fields = [src.text_field] + ([src.image_field] if src.image_field else [])
+
+    def rows_in_order() -> list[tuple[int, Any]]:
+        rows = read(fs, unit, fields, errors="yield") if tolerant else read(fs, unit, fields)
+        items: list[tuple[int, Any]] = []
+        for row, rec in rows:
+            expected = unit.row_offset + len(items)
+            if row < expected:
+                raise DataError(f"rows out of order (expected {expected})", source=src.name,
+                                path=unit.path, row=row)
+            while len(items) < row - unit.row_offset:  # rows the format skipped (blank lines)
+                items.append((unit.row_offset + len(items), None))
+            items.append((row, rec))
+        return items
+
+    items, seconds, c, w = _cpu_timed(rows_in_order)
+    todo = [(row, rec) for row, rec in items if rec is not None and not isinstance(rec, DataError)]
+    busy = [seconds]
+    used = [(c, w)]  # CPU and core-wait seconds of the busy time
+    if pool is None:
+        prep = preprocessor(src.preprocess) if src.preprocess else None
+        done, seconds, c, w = _process_in_thread(src, prep, tokenizer, unit.path, todo)
+        busy.append(seconds)
+        used.append((c, w))
+    else:
+        done = pool.map(unit.path, todo, busy, used)
+    if timing is not None:
+        timing.append(sum(busy))
+    if cpu is not None:
+        cpu.append((sum(c for c, _ in used), sum(w for _, w in used)))
+    results = iter(done)
+    for _row, rec in items:
+        res: np.ndarray | ImageDoc | DataError
+        if rec is None:
+            res = _EMPTY
+        elif isinstance(rec, DataError):
+            res = rec
+        else:
+            res = next(results)
+        if isinstance(res, DataError):
+            if bad is None:
+                raise res
+            bad.append(with_source(res, src.name, unit.path))
+            res = _EMPTY
+        out.append(res)
+    return out
+
+
+def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,
+                 tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]]
+                 ) -> list[np.ndarray | ImageDoc | DataError]:
+    """Preprocess and tokenize ``(row, record)`` items of file ``path``, in order.
+
+    Returns one result per item: the tokens, an :class:`ImageDoc`, or the
+    :class:`DataError` of a bad document, as a value (:func:`_cpu_timed` times it).
+    """
+    compact = _compacts(tokenizer)
+    out: list[np.ndarray | ImageDoc | DataError] = []
+    for row, rec in items:
+        try:
+            tokens = _tokenize(src, rec, prep, tokenizer, path, row)
+            out.append(_compact(_with_image(src, rec, tokens, tokenizer, path, row), compact))
+        except DataError as e:
+            out.append(e)
+    return out
+
+
+def _compacts(tokenizer: Any) -> bool:
+    """Whether tokens of ``tokenizer`` fit uint16 (a vocabulary of at most 65,536 ids)."""
+    return bool(tokenizer.vocab_size <= 1 << 16)
+
+
+def _compact(doc: np.ndarray | ImageDoc, compact: bool) -> np.ndarray | ImageDoc:
+    """``doc`` with uint16 tokens if ``compact`` (a vocabulary of at most 65,536 ids).
+
+    Done per document as it is tokenized, so a unit's int32 tokens are never all held
+    at once (their freed memory would stay in the loader's heap, between the documents
+    kept).
+    """
+    if not compact:
+        return doc
+    if isinstance(doc, ImageDoc):
+        return ImageDoc(doc.tokens.astype(np.uint16, copy=False), doc.patches)
+    return doc.astype(np.uint16, copy=False)
+
+
+# ------------------------------------------------------------------ the document pool
+_WORKER: dict[str, Any] = {}  # in a pool process: its source, tokenizer and preprocessor
+
+
+def source_config(source: dict[str, Any]) -> SourceConfig:
+    """A loader's SourceConfig from its payload (``dataclasses.asdict``, weight dropped)."""
+    source = dict(source)
+    source["weight"] = WeightSchedule.constant(1.0)
+    return SourceConfig(**source)
+
+
+def _init_process(source: dict[str, Any], tokenizer: dict[str, Any]) -> None:
+    """Initializer of a pool process: build the tokenizer, import the preprocessor once."""
+    src = source_config(source)
+    _WORKER["src"] = src
+    _WORKER["tokenizer"] = make_tokenizer(TokenizerConfig(**tokenizer))
+    _WORKER["prep"] = preprocessor(src.preprocess) if src.preprocess else None
+
+
+class _Failure:
+    """A bad document's :class:`DataError`, as it crosses from a pool process (picklable)."""
+
+    __slots__ = ("message", "row", "cause")
+
+    def __init__(self, e: DataError):
+        prefix = str(DataError("", source=e.source, path=e.path, row=e.row))
+        msg = str(e)
+        self.message = msg[len(prefix):] if msg.startswith(prefix) else msg
+        self.row = e.row
+        cause = e.__cause__
+        self.cause = None if cause is None else f"{type(cause).__name__}: {cause}"
+
+    def error(self, source: str, path: str) -> DataError:
+        out = DataError(self.message, source=source, path=path, row=self.row)
+        if self.cause is not None:
+            out.__cause__ = RuntimeError(f"in a pool process: {self.cause}")
+        return out
+
+
+#: What a pool's task returns for a chunk of documents: the results, the busy seconds,
+#: the CPU seconds and the seconds the task waited for a core.
+_Chunk = tuple[list[Any], float, float, float]
+
+
+def _process_in_worker(path: str, items: list[tuple[int, dict[str, Any]]]) -> _Chunk:
+    """A chunk of documents in a pool process: results, busy, CPU and core-wait seconds.
+
+    The CPU seconds are the process's (``time.process_time``: threads the
+    preprocessor or tokenizer start count too), the wait the task thread's.
+    """
+    res, busy, cpu, waited = _cpu_timed(
+        process_docs, _WORKER["src"], _WORKER["prep"], _WORKER["tokenizer"], path, items,
+        clock=time.process_time)
+    return [_Failure(r) if isinstance(r, DataError) else r for r in res], busy, cpu, waited
+
+
+def _process_in_thread(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,
+                       tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]]
+                       ) -> _Chunk:
+    """Documents processed on this thread: results, busy, CPU and core-wait seconds."""
+    return _cpu_timed(process_docs, src, prep, tokenizer, path, items)
+
+
+def _cpu_timed(fn: Callable[..., Any], *args: Any,
+               clock: Callable[[], float] = time.thread_time) -> tuple[Any, float, float, float]:
+    """``fn(*args)`` and the seconds it took: ``(result, busy, cpu, waited)``.
+
+    ``busy`` is the wall time, ``cpu`` this thread's CPU time in it (``clock``;
+    ``time.process_time`` counts every thread of the process), ``waited`` the
+    time this thread was runnable but waited for a core (:func:`_run_delay`).
+    The CPU and wait readings are taken inside the wall clock's, so ``cpu +
+    waited <= busy`` for one thread (a preemption while reading them would
+    otherwise count as waiting but not as busy); the rest of ``busy`` the
+    thread was blocked (on I/O, a lock, the GIL).
+    """
+    t0 = time.perf_counter()
+    w0, c0 = _run_delay(), clock()
+    out = fn(*args)
+    c1 = clock()
+    w1 = _run_delay()
+    return out, time.perf_counter() - t0, c1 - c0, w1 - w0
+
+
+def _run_delay() -> float:
+    """Seconds this thread was runnable but waited for a core (Linux; 0.0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class DocPool:
+    """Preprocesses and tokenizes documents on ``size`` threads or processes.
+
+    :meth:`map` splits a unit's documents into contiguous chunks, runs them on
+    the pool and returns the results in the documents' order, so the stream
+    does not depend on the pool.
+
+    Parameters
+    ----------
+    src : SourceConfig
+    tokenizer : dict
+        The tokenizer config (a process builds its own tokenizer from it).
+    size : int
+        Documents processed at once.
+    kind : {"thread", "process"}
+        ``"process"``: spawned processes, for preprocessing that holds the GIL.
+        A daemonic process (a Dask worker by default) cannot start them: a
+        :class:`RuntimeError` says so.
+    """
+
+    def __init__(self, src: SourceConfig, tokenizer: dict[str, Any], size: int,
+                 kind: str = "thread"):
+        if kind not in ("thread", "process"):
+            raise ValueError(f"pool kind must be 'thread' or 'process', got {kind!r}")
+        self.src = src
+        self.size = max(1, int(size))
+        self.kind = kind
+        self._ex: Executor
+        if kind == "process":
+            if multiprocessing.current_process().daemon:
+                raise RuntimeError(
+                    f"source '{src.name}': pool.kind 'process' cannot start processes in a "
+                    "daemonic Dask worker; run the workers with distributed.worker.daemon: "
+                    "false (DASK_DISTRIBUTED__WORKER__DAEMON=False)")
+            payload = dataclasses.asdict(src)
+            payload.pop("weight")
+            self._ex = ProcessPoolExecutor(
+                self.size, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_process, initargs=(payload, dict(tokenizer)))
+        else:
+            self._tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
+            self._prep = preprocessor(src.preprocess) if src.preprocess else None
+            self._ex = ThreadPoolExecutor(self.size, thread_name_prefix=f"msd-prep-{src.name}")
+
+    def map(self, path: str, items: Sequence[tuple[int, dict[str, Any]]],
+            timing: list[float] | None = None,
+            cpu: list[tuple[float, float]] | None = None
+            ) -> list[np.ndarray | ImageDoc | DataError]:
+        """:func:`process_docs` of ``items`` on the pool, results in order.
+
+        Parameters
+        ----------
+        path : str
+            The file the documents come from (named by their errors).
+        items : sequence of tuple
+            ``(row, record)`` of each document.
+        timing : list of float, optional
+            The busy seconds of the pool's workers (summed over the chunks) are
+            appended.
+        cpu : list of tuple, optional
+            ``(CPU seconds, seconds waiting for a core)`` of that work, summed over
+            the chunks, is appended.  A thread measures each chunk it runs
+            (:func:`_cpu_timed`: its CPU time, and its run delay from Linux
+            ``schedstat``, 0.0 elsewhere); a process returns its
+            ``time.process_time()`` and its task thread's run delay with each chunk's
+            results.  Not counted: sending the documents to processes and their
+            results back (the executor's threads in this process).
+
+        Returns
+        -------
+        list
+            One result per item, in order: the tokens, an :class:`ImageDoc`, or
+            the :class:`DataError` of a bad document.
+        """
+        if not items:
+            return []
+        n = min(len(items), 4 * self.size)
+        bounds = [len(items) * i // n for i in range(n + 1)]
+        chunks = [list(items[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        futs: list[Any]
+        if self.kind == "process":
+            futs = [self._ex.submit(_process_in_worker, path, c) for c in chunks]
+        else:
+            futs = [self._ex.submit(_process_in_thread, self.src, self._prep, self._tokenizer,
+                                    path, c) for c in chunks]
+        out: list[np.ndarray | ImageDoc | DataError] = []
+        busy = used = waited = 0.0
+        for f in futs:
+            res, seconds, c, w = f.result()
+            busy += seconds
+            used += c
+            waited += w
+            out.extend(r.error(self.src.name, path) if isinstance(r, _Failure) else r
+                       for r in res)
+        if timing is not None:
+            timing.append(busy)
+        if cpu is not None:
+            cpu.append((used, waited))
+        return out
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=False, cancel_futures=True)
+
+
+def _tokenize(src: SourceConfig, rec: dict[str, Any],
+              prep: Callable[[str, dict[str, Any]], str | None] | None, tokenizer: Any,
+              path: str, row: int) -> np.ndarray:
+    text = rec.get(src.text_field)
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"field '{src.text_field}' is not valid UTF-8: {e}",
+                            source=src.name, path=path, row=row) from e
+    if not isinstance(text, str):
+        raise DataError(f"field '{src.text_field}' is {type(text).__name__}, not text",
+                        source=src.name, path=path, row=row)
+    if prep is not None:
+        try:
+            text = prep(text, rec)
+        except Exception as e:  # noqa: BLE001 - any failure of user code names the row
+            raise DataError(f"preprocess {src.preprocess!r} raised {type(e).__name__}: {e}",
+                            source=src.name, path=path, row=row) from e
+        if text is None:
+            return _EMPTY
+        if not isinstance(text, str):
+            raise DataError(f"preprocess {src.preprocess!r} returned "
+                            f"{type(text).__name__}, not str or None",
+                            source=src.name, path=path, row=row)
+    return tokenizer.encode(text)
+
+
+def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, tokenizer: Any,
+                path: str, row: int) -> np.ndarray | ImageDoc:
+    """``tokens`` of a text document, or the :class:`ImageDoc` of an image+text one."""
+    if not src.image_field or len(tokens) == 0:  # a text source, or a dropped document
+        return tokens
+    data = rec.get(src.image_field)
+    if data is None:  # no image: a text document of an image+text source
+        return tokens
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise DataError(f"field '{src.image_field}' is {type(data).__name__}, not image bytes",
+                        source=src.name, path=path, row=row)
+    assert src.image is not None
+    if tokenizer.image_id is None:
+        raise DataError("the tokenizer has no image token id (set tokenizer.image_token_id)",
+                        source=src.name, path=path, row=row)
+    try:
+        from msd_dask.sources.vision import image_patches
+
+        patches = image_patches(bytes(data), src.image.size, src.image.patch)
+    except ValueError as e:
+        raise DataError(f"field '{src.image_field}': {e}", source=src.name, path=path,
+                        row=row) from None
+    out = np.empty(len(patches) + len(tokens), dtype=np.int32)
+    out[:len(patches)] = tokenizer.image_id
+    out[len(patches):] = tokens
+    return ImageDoc(out, patches)
