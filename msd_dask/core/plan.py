@@ -206,7 +206,7 @@ class Planner:
         # mixer's credit and the held outliers (the other fields change only after it,
         # and the piece tables are replaced, never written to)
         saved = ([(st.epoch, st.window, st.offset) for st in self.streams.values()],
-                 dict(self.mixer.credit), self._held, self._held_step)
+                 self.mixer.state_dict(), self._held, self._held_step)
         # a big step makes ~10⁵-10⁶ objects that live on (the plan's pieces, its rows):
         # the cyclic collector would walk the heap several times meanwhile; paused for the
         # step, it runs again at the next allocations after it (one pass costs a tenth of
@@ -252,28 +252,29 @@ class Planner:
               hold_limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Draw the step's new pieces, in the order the mixer picks them.
 
-        The mixer picks the eligible source with the most credit; its next piece
-        is held if it is an outlier (while the hold has room; else the source
-        sits this step out), joins the step if it fits in what is left of
-        ``capacity``, and otherwise ends the draw.  A piece taken or held is
-        consumed and charged to the mixer.
+        The mixer picks the eligible source with the most credit
+        (:meth:`~msd_dask.core.mixing.Mixer.draw`); its next piece is held if
+        it is an outlier (while the hold has room; else the source sits this
+        step out), joins the step if it fits in what is left of ``capacity``,
+        and otherwise ends the draw.  A piece taken or held is consumed and
+        charged to the mixer.
 
         Returns the new pieces' and the newly held pieces' tables.
         """
         names = self._names
+        mixer = self.mixer
         streams = [self.streams[n] for n in names]
         S = len(names)
-        js = range(S)
-        two = S == 2  # the common case, with the mixer's loops written out
         w = [weights.get(n, 0.0) for n in names]
-        w0, w1 = (w + [0.0, 0.0])[:2]
         el = [eligible.get(n, 0.0) > 0 for n in names]
         is_long = [n in self.long_sources for n in names]
         if long_budget is not None and n_long >= long_budget:
             el = [e and not lg for e, lg in zip(el, is_long, strict=True)]
-        credit = [self.mixer.credit[n] for n in names]
+        # the pieces the mixer takes without asking: shorter than an outlier, and not long
+        # while long pieces are counted
+        limit = [0 if long_budget is not None and lg else hold or capacity + 1 for lg in is_long]
         offset = [st.offset for st in streams]
-        lens: list[list[int]] = [[] for _ in js]
+        lens: list[list[int]] = [[] for _ in names]
         end = [-1] * S             # pieces in the source's current window (-1: not looked at yet)
         slot = [0] * S
         windows: list[Window] = []
@@ -281,24 +282,15 @@ class Planner:
         taken: list[int] = []      # (window slot << 32) | offset of each piece, in order
         held: list[int] = []
         n_held = len(self._held)
+        room = capacity - total
         loading = -1
+        first = -1                 # the source of a piece placed here, for the mixer to charge
         try:
             while True:
-                # the eligible source with the most credit (ties: the first)
-                if two:
-                    if el[1] and (not el[0] or credit[1] > credit[0]):
-                        src = 1
-                    elif el[0]:
-                        src = 0
-                    else:
-                        break
-                else:
-                    src = -1
-                    for j in js:
-                        if el[j] and (src < 0 or credit[j] > credit[src]):
-                            src = j
-                    if src < 0:
-                        break
+                src, room = mixer.draw(w, el, lens, offset, end, limit, room, taken, slot, first)
+                first = -1
+                if src < 0:
+                    break
                 o = offset[src]
                 if o >= end[src]:
                     st = streams[src]
@@ -306,12 +298,13 @@ class Planner:
                     loading = src
                     win = st.current(lookup)
                     loading = -1
-                    o = offset[src] = st.offset
+                    offset[src] = st.offset
                     lens[src] = win.lengths
                     end[src] = len(win.lengths)
                     slot[src] = len(windows) << 32
                     windows.append(win)
                     win_src.append(src)
+                    continue
                 n = lens[src][o]
                 if hold and n >= hold:
                     if n_held >= hold_limit:
@@ -320,28 +313,20 @@ class Planner:
                         continue
                     held.append(slot[src] | o)
                     n_held += 1
-                elif total + n > capacity:
+                elif n > room:
                     break
-                else:
+                else:  # a long piece while they are counted
                     taken.append(slot[src] | o)
-                    total += n
-                    if is_long[src]:
-                        n_long += 1
-                        if long_budget is not None and n_long >= long_budget:
-                            el = [e and not lg for e, lg in zip(el, is_long, strict=True)]
-                offset[src] = o + 1
-                if two:
-                    credit[0] += w0 * n
-                    credit[1] += w1 * n
-                else:
-                    for j in js:
-                        credit[j] += w[j] * n
-                credit[src] -= n
+                    room -= n
+                    n_long += 1
+                    if long_budget is not None and n_long >= long_budget:
+                        for j in range(S):
+                            el[j] = el[j] and not is_long[j]
+                first = src
         finally:
             for j, (st, o) in enumerate(zip(streams, offset, strict=True)):
                 if j != loading:
                     st.offset = o
-            self.mixer.credit = dict(zip(names, credit, strict=True))
         return _gather(taken, windows, win_src), _gather(held, windows, win_src)
 
     def _plan(self, lookup: MetaLookup) -> StepPlan:

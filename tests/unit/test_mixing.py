@@ -75,9 +75,11 @@ def test_zero_weight_source_never_chosen() -> None:
     # Even with a large positive credit built up while it had a weight.
     m = Mixer(src)
     run(m, {"s0": 0.1, "s1": 0.8, "s2": 0.1}, 50, rng)
-    m.credit["s1"] = 10_000.0
-    m.credit["s0"] -= 5_000.0
-    m.credit["s2"] -= 5_000.0
+    credit = m.credit
+    credit["s1"] = 10_000.0
+    credit["s0"] -= 5_000.0
+    credit["s2"] -= 5_000.0
+    m.load_state_dict(credit)
     assert run(m, w, 500, rng)["s1"] == 0
 
 
@@ -129,3 +131,37 @@ def test_state_dict_round_trip() -> None:
             picks.append(s)
     assert picks1 == picks2
     assert m.state_dict() == m2.state_dict()
+
+
+@pytest.mark.parametrize("n_src", [1, 2, 3])
+def test_draw_takes_what_choose_and_take_would(n_src: int) -> None:
+    # the planner's batched draws (the two-source path and the general one) and the
+    # one-piece API are the same rule: the same picks and, to the last bit, the same credit
+    rng = np.random.default_rng(7 + n_src)
+    src = names(n_src)
+    w = dict(zip(src, rng.dirichlet(np.ones(n_src)).tolist(), strict=True))
+    lengths = [rng.integers(1, MAX_LEN, size=300).tolist() for _ in src]
+    limit = 400  # longer pieces end a draw; the caller takes them with ``first``
+    one = Mixer(src)
+    want: list[tuple[int, int]] = []
+    offset = [0] * n_src
+    for _ in range(200):
+        s = src.index(one.choose(w))
+        want.append((s, offset[s]))
+        one.take(src[s], lengths[s][offset[s]], w)
+        offset[s] += 1
+    batched = Mixer(src)
+    wl = [w[s] for s in src]
+    got: list[int] = []
+    offset = [0] * n_src
+    first, room = -1, sum(lengths[s][o] for s, o in want)
+    while True:
+        s, room = batched.draw(wl, [True] * n_src, lengths, offset, [300] * n_src, [limit] * n_src,
+                               room, got, [j << 32 for j in range(n_src)], first)
+        if s < 0 or lengths[s][offset[s]] > room:
+            break
+        got.append((s << 32) | offset[s])
+        room -= lengths[s][offset[s]]
+        first = s
+    assert [(k >> 32, k & 0xFFFFFFFF) for k in got] == want
+    assert batched.state_dict() == one.state_dict()
