@@ -1,8 +1,10 @@
 """Declarative service configuration: YAML or dict in, validated typed objects out.
 
 Every refusal raises :class:`~msd_dask.errors.ConfigError` naming the YAML key
-(``sources[1].weight``) and the reason.  Nothing here touches Dask; the only
-I/O is the optional check that each source's glob matches files.
+(``sources[1].weight``) and the reason.  A section's keys and defaults are
+its dataclass's fields (each default is written once, there).  Nothing here
+touches Dask or the sources' storage (:func:`msd_dask.load_config` adds that
+check).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from msd_dask.core.flops import transformer_coefficients
 from msd_dask.errors import ConfigError
 
 __all__ = [
@@ -404,7 +407,16 @@ def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozen
             raise ConfigError(where, "is required")
 
 
-def _int(d: Mapping[str, Any], k: str, key: str, default: int, lo: int = 1) -> int:
+def _names(cls: Any) -> set[str]:
+    """The keys of a config section: the fields of its dataclass."""
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+# The parsers below take a key's default from its dataclass (``Config.prefetch``), so
+# each default is written once, in the dataclass; ``None``: the key has no default.
+
+
+def _int(d: Mapping[str, Any], k: str, key: str, default: int | None = None, lo: int = 1) -> int:
     v = d.get(k, default)
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigError(f"{key}.{k}" if key else k, f"must be an integer, got {v!r}")
@@ -413,7 +425,7 @@ def _int(d: Mapping[str, Any], k: str, key: str, default: int, lo: int = 1) -> i
     return v
 
 
-def _num(d: Mapping[str, Any], k: str, key: str, default: float, lo: float = 0.0) -> float:
+def _num(d: Mapping[str, Any], k: str, key: str, default: float | None = None, lo: float = 0.0) -> float:
     v = d.get(k, default)
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise ConfigError(f"{key}.{k}" if key else k, f"must be a finite number, got {v!r}")
@@ -444,16 +456,16 @@ def parse_weight(v: Any, key: str) -> WeightSchedule:
     for i, item in enumerate(v):
         k = f"{key}[{i}]"
         _check_keys(item, k, {"until", "step", "weight"}, {"weight"})
-        w = _num(item, "weight", k, 0.0)
+        w = _num(item, "weight", k)
         if "step" in item and "until" in item:
             raise ConfigError(k, "a schedule point has either 'step' (a ramp point) or 'until' "
                               "(a constant segment), not both")
         if "step" in item:
             kinds.add("linear")
-            points.append((_int(item, "step", k, 0, lo=0), w))
+            points.append((_int(item, "step", k, lo=0), w))
         elif "until" in item:
             kinds.add("piecewise")
-            points.append((_int(item, "until", k, 0, lo=1), w))
+            points.append((_int(item, "until", k, lo=1), w))
         else:
             if i != len(v) - 1:
                 raise ConfigError(k, "only the last schedule point may omit 'until'")
@@ -472,15 +484,14 @@ def parse_weight(v: Any, key: str) -> WeightSchedule:
 
 
 def _source(d: Any, key: str) -> SourceConfig:
-    allowed = {f.name for f in dataclasses.fields(SourceConfig)}
-    _check_keys(d, key, allowed, {"name", "uri", "format"})
+    _check_keys(d, key, _names(SourceConfig), {"name", "uri", "format"})
     fmt = _str(d, "format", key)
     if fmt not in KNOWN_FORMATS:
         raise ConfigError(f"{key}.format", f"unknown format {fmt!r} (known: {', '.join(KNOWN_FORMATS)})")
     so = d.get("storage_options", {})
     if not isinstance(so, Mapping):
         raise ConfigError(f"{key}.storage_options", "must be a mapping")
-    context = d.get("context", "short")
+    context = d.get("context", SourceConfig.context)
     if context not in ("short", "long"):
         raise ConfigError(f"{key}.context", f"must be 'short' or 'long', got {context!r}")
     src = SourceConfig(
@@ -488,14 +499,14 @@ def _source(d: Any, key: str) -> SourceConfig:
         uri=_str(d, "uri", key),
         format=fmt,
         weight=parse_weight(d.get("weight", 1.0), f"{key}.weight"),
-        text_field=_str(d, "text_field", key, "text"),
+        text_field=_str(d, "text_field", key, SourceConfig.text_field),
         storage_options=dict(so),
-        loaders=_int(d, "loaders", key, 1),
-        min_loaders=_int(d, "min_loaders", key, 0, lo=0),
-        max_loaders=_int(d, "max_loaders", key, 0, lo=0),
-        shuffle_window=_int(d, "shuffle_window", key, 4),
-        read_ahead=_int(d, "read_ahead", key, 8),
-        read_ahead_tokens=_int(d, "read_ahead_tokens", key, 0, lo=0),
+        loaders=_int(d, "loaders", key, SourceConfig.loaders),
+        min_loaders=_int(d, "min_loaders", key, SourceConfig.min_loaders, lo=0),
+        max_loaders=_int(d, "max_loaders", key, SourceConfig.max_loaders, lo=0),
+        shuffle_window=_int(d, "shuffle_window", key, SourceConfig.shuffle_window),
+        read_ahead=_int(d, "read_ahead", key, SourceConfig.read_ahead),
+        read_ahead_tokens=_int(d, "read_ahead_tokens", key, SourceConfig.read_ahead_tokens, lo=0),
         context=context,
         preprocess=_preprocess(d, key),
         on_error=_on_error(d, key),
@@ -512,12 +523,12 @@ def _image(d: Mapping[str, Any], key: str) -> dict[str, Any]:
     field_ = _str(d, "image_field", key, "image")
     img = d.get("image") or {}
     k = f"{key}.image"
-    _check_keys(img, k, {"size", "patch"})
+    _check_keys(img, k, _names(ImageConfig))
     size = _int(img, "size", k, ImageConfig.size)
     patch = _int(img, "patch", k, ImageConfig.patch)
     if size % patch:
         raise ConfigError(f"{k}.patch", f"must divide image.size {size}, got {patch}")
-    if field_ == d.get("text_field", "text"):
+    if field_ == d.get("text_field", SourceConfig.text_field):
         raise ConfigError(f"{key}.image_field", f"must differ from text_field {field_!r}")
     return {"image_field": field_, "image": ImageConfig(size=size, patch=patch)}
 
@@ -528,15 +539,15 @@ def _pool(d: Mapping[str, Any], key: str) -> PoolConfig:
     if pool is None:
         return PoolConfig()
     k = f"{key}.pool"
-    _check_keys(pool, k, {"kind", "size"})
-    kind = pool.get("kind", "thread")
+    _check_keys(pool, k, _names(PoolConfig))
+    kind = pool.get("kind", PoolConfig.kind)
     if kind not in ("thread", "process"):
         raise ConfigError(f"{k}.kind", f"must be 'thread' or 'process', got {kind!r}")
-    return PoolConfig(kind=kind, size=_int(pool, "size", k, 0, lo=0))
+    return PoolConfig(kind=kind, size=_int(pool, "size", k, PoolConfig.size, lo=0))
 
 
 def _on_error(d: Mapping[str, Any], key: str) -> str:
-    v = d.get("on_error", "fail")
+    v = d.get("on_error", SourceConfig.on_error)
     if v not in ("fail", "skip"):
         raise ConfigError(f"{key}.on_error", f"must be 'fail' or 'skip', got {v!r}")
     return str(v)
@@ -559,9 +570,8 @@ def _preprocess(d: Mapping[str, Any], key: str) -> str | None:
 
 
 def _tokenizer(tok: Any) -> TokenizerConfig:
-    _check_keys(tok, "tokenizer", {"kind", "path", "eod_id", "pad_id", "storage_options",
-                                   "image_token_id"})
-    kind = tok.get("kind", "bytes")
+    _check_keys(tok, "tokenizer", _names(TokenizerConfig))
+    kind = tok.get("kind", TokenizerConfig.kind)
     if kind not in KNOWN_TOKENIZERS:
         raise ConfigError("tokenizer.kind",
                           f"unknown tokenizer {kind!r} (known: {', '.join(KNOWN_TOKENIZERS)})")
@@ -570,7 +580,7 @@ def _tokenizer(tok: Any) -> TokenizerConfig:
         raise ConfigError("tokenizer.storage_options", "must be a mapping")
     ids: dict[str, int | None] = {}
     for k in ("eod_id", "pad_id", "image_token_id"):
-        ids[k] = None if tok.get(k) is None else _int(tok, k, "tokenizer", 0, lo=0)
+        ids[k] = None if tok.get(k) is None else _int(tok, k, "tokenizer", lo=0)
     if kind == "bytes":
         for k in ("path", "eod_id", "pad_id", "storage_options", "image_token_id"):
             if k in tok:
@@ -630,26 +640,23 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
 
 
 def _parse(d: Any) -> Config:
-    allowed = {f.name for f in dataclasses.fields(Config)}
-    _check_keys(d, "", allowed, {"name", "sources", "batch"})
+    _check_keys(d, "", _names(Config), {"name", "sources", "batch"})
     name = _str(d, "name", "")
     par = d.get("parallel", {})
-    _check_keys(par, "parallel", {"dp", "tp", "cp", "pp", "order"})
-    order = par.get("order", "tp-cp-dp-pp")
+    _check_keys(par, "parallel", _names(ParallelConfig))
+    order = par.get("order", ParallelConfig.order)
     if not isinstance(order, str) or sorted(order.split("-")) != sorted(MESH_AXES):
         raise ConfigError("parallel.order", f"must order all of tp, cp, dp, pp joined by '-', got {order!r}")
     parallel = ParallelConfig(
-        dp=_int(par, "dp", "parallel", 1), tp=_int(par, "tp", "parallel", 1),
-        cp=_int(par, "cp", "parallel", 1), pp=_int(par, "pp", "parallel", 1), order=order,
-    )
+        order=order, **{a: _int(par, a, "parallel", getattr(ParallelConfig, a)) for a in MESH_AXES})
     b = d["batch"]
-    _check_keys(b, "batch", {"seq_len", "micro_batches"}, {"seq_len"})
-    batch = BatchConfig(seq_len=_int(b, "seq_len", "batch", 0),
-                        micro_batches=_int(b, "micro_batches", "batch", 1))
+    _check_keys(b, "batch", _names(BatchConfig), {"seq_len"})
+    batch = BatchConfig(seq_len=_int(b, "seq_len", "batch"),
+                        micro_batches=_int(b, "micro_batches", "batch", BatchConfig.micro_batches))
     tokenizer = _tokenizer(d.get("tokenizer", {}))
     cost = d.get("cost", {})
-    _check_keys(cost, "cost", {"linear", "quadratic", "model", "fit", "prior_weight"})
-    fit = cost.get("fit", False)
+    _check_keys(cost, "cost", _names(CostConfig))
+    fit = cost.get("fit", CostConfig.fit)
     if not isinstance(fit, bool):
         raise ConfigError("cost.fit", f"must be true or false, got {fit!r}")
     prior_weight = _num(cost, "prior_weight", "cost", CostConfig.prior_weight)
@@ -661,14 +668,12 @@ def _parse(d: Any) -> Config:
             fit=fit, prior_weight=prior_weight,
         )
     else:
-        from msd_dask.core.cost import transformer_coefficients
-
         _check_keys(shape, "cost.model", {"hidden_size", "layers"}, {"hidden_size", "layers"})
-        model = {k: _int(shape, k, "cost.model", 1) for k in ("hidden_size", "layers")}
+        model = {k: _int(shape, k, "cost.model") for k in ("hidden_size", "layers")}
         linear, quadratic = transformer_coefficients(model["hidden_size"], model["layers"])
         for k, derived in (("linear", linear), ("quadratic", quadratic)):
             # to_dict() writes the derived values next to the model: they must agree
-            if k in cost and not math.isclose(_num(cost, k, "cost", 0.0), derived, rel_tol=1e-9):
+            if k in cost and not math.isclose(_num(cost, k, "cost"), derived, rel_tol=1e-9):
                 raise ConfigError(f"cost.{k}", f"conflicts with cost.model, which gives {derived!r} "
                                   "(give one or the other)")
         cost_cfg = CostConfig(linear=linear, quadratic=quadratic, model=model, fit=fit,
@@ -702,7 +707,7 @@ def _parse(d: Any) -> Config:
         if tokenizer.kind == "hf" and tokenizer.image_token_id is None:
             raise ConfigError("tokenizer.image_token_id", f"is required by the image+text "
                               f"source sources[{i}] (the id of an image patch)")
-    seed = d.get("seed", 0)
+    seed = d.get("seed", Config.seed)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")
     balance = d.get("balance", Config.balance)
@@ -710,22 +715,24 @@ def _parse(d: Any) -> Config:
         raise ConfigError("balance",
                           f"unknown strategy {balance!r} (known: {', '.join(KNOWN_BALANCE)})")
     lc = d.get("long_context", {})
-    _check_keys(lc, "long_context", {"mode", "max_per_rank"})
-    mode = lc.get("mode", "spread")
+    _check_keys(lc, "long_context", _names(LongContextConfig))
+    mode = lc.get("mode", LongContextConfig.mode)
     if mode not in ("spread", "grouped"):
         raise ConfigError("long_context.mode", f"must be 'spread' or 'grouped', got {mode!r}")
     long_context = LongContextConfig(mode=mode,
-                                     max_per_rank=_int(lc, "max_per_rank", "long_context", 0, lo=0))
+                                     max_per_rank=_int(lc, "max_per_rank", "long_context",
+                                                       LongContextConfig.max_per_rank, lo=0))
     oc = d.get("outliers", {})
-    _check_keys(oc, "outliers", {f.name for f in dataclasses.fields(OutlierConfig)})
-    ml = oc.get("min_length", 0)
+    _check_keys(oc, "outliers", _names(OutlierConfig))
+    ml = oc.get("min_length", OutlierConfig.min_length)
     if isinstance(ml, float) and ml != 0 and not 0 < ml < 1:
         raise ConfigError("outliers.min_length", f"a fraction of batch.seq_len must be "
                           f"between 0 and 1 (exclusive), got {ml!r}")
-    outliers = OutlierConfig(min_length=ml if isinstance(ml, float)
-                             else _int(oc, "min_length", "outliers", 0, lo=0),
-                             group=_int(oc, "group", "outliers", 0, lo=0),
-                             max_wait=_int(oc, "max_wait", "outliers", 16))
+    if not isinstance(ml, float):
+        ml = _int(oc, "min_length", "outliers", int(OutlierConfig.min_length), lo=0)
+    outliers = OutlierConfig(min_length=ml,
+                             group=_int(oc, "group", "outliers", OutlierConfig.group, lo=0),
+                             max_wait=_int(oc, "max_wait", "outliers", OutlierConfig.max_wait))
     if outliers.min_length and mode == "grouped" and any(s.context == "long" for s in sources):
         raise ConfigError("outliers.min_length", "cannot be combined with long_context.mode "
                           "'grouped' (held pieces would land on the other kind of step)")
@@ -733,28 +740,27 @@ def _parse(d: Any) -> Config:
         raise ConfigError("outliers.min_length", f"must be <= batch.seq_len ({batch.seq_len}), "
                           f"got {outliers.min_length} (a fraction such as 0.5 follows seq_len)")
     sc = d.get("scaling", {})
-    _check_keys(sc, "scaling", {f.name for f in dataclasses.fields(ScalingConfig)})
-    policy = sc.get("policy", "fixed")
+    _check_keys(sc, "scaling", _names(ScalingConfig))
+    policy = sc.get("policy", ScalingConfig.policy)
     if policy not in ("fixed", "adaptive"):
         raise ConfigError("scaling.policy", f"must be 'fixed' or 'adaptive', got {policy!r}")
-    d0 = ScalingConfig()
     scaling = ScalingConfig(
         policy=policy,
-        min_loaders=_int(sc, "min_loaders", "scaling", d0.min_loaders),
-        max_loaders=_int(sc, "max_loaders", "scaling", d0.max_loaders),
-        headroom=_num(sc, "headroom", "scaling", d0.headroom, lo=1.0),
-        starve_fraction=_num(sc, "starve_fraction", "scaling", d0.starve_fraction),
-        cooldown=_num(sc, "cooldown", "scaling", d0.cooldown),
-        scale_down_after=_num(sc, "scale_down_after", "scaling", d0.scale_down_after),
-        lookahead=_int(sc, "lookahead", "scaling", d0.lookahead),
-        interval=_num(sc, "interval", "scaling", d0.interval, lo=0.05),
-        roles_per_worker=_int(sc, "roles_per_worker", "scaling", d0.roles_per_worker, lo=0),
+        min_loaders=_int(sc, "min_loaders", "scaling", ScalingConfig.min_loaders),
+        max_loaders=_int(sc, "max_loaders", "scaling", ScalingConfig.max_loaders),
+        headroom=_num(sc, "headroom", "scaling", ScalingConfig.headroom, lo=1.0),
+        starve_fraction=_num(sc, "starve_fraction", "scaling", ScalingConfig.starve_fraction),
+        cooldown=_num(sc, "cooldown", "scaling", ScalingConfig.cooldown),
+        scale_down_after=_num(sc, "scale_down_after", "scaling", ScalingConfig.scale_down_after),
+        lookahead=_int(sc, "lookahead", "scaling", ScalingConfig.lookahead),
+        interval=_num(sc, "interval", "scaling", ScalingConfig.interval, lo=0.05),
+        roles_per_worker=_int(sc, "roles_per_worker", "scaling", ScalingConfig.roles_per_worker, lo=0),
     )
     if scaling.max_loaders < scaling.min_loaders:
         raise ConfigError("scaling.max_loaders", f"must be >= scaling.min_loaders "
                           f"({scaling.min_loaders}), got {scaling.max_loaders}")
-    prefetch = _int(d, "prefetch", "", 4)
-    round_steps = _int(d, "round_steps", "", 0, lo=0)
+    prefetch = _int(d, "prefetch", "", Config.prefetch)
+    round_steps = _int(d, "round_steps", "", Config.round_steps, lo=0)
     if round_steps > prefetch:
         raise ConfigError("round_steps", f"must be <= prefetch ({prefetch}): a round is planned "
                           f"only when every constructor has room for it, got {round_steps}")
@@ -771,7 +777,7 @@ def _parse(d: Any) -> Config:
         prefetch=prefetch,
         round_steps=round_steps,
         cost=cost_cfg,
-        constructors=_int(d, "constructors", "", 0, lo=0),
-        timeout=_num(d, "timeout", "", 300.0, lo=0.001),
+        constructors=_int(d, "constructors", "", Config.constructors, lo=0),
+        timeout=_num(d, "timeout", "", Config.timeout, lo=0.001),
         balance=balance,
     )
