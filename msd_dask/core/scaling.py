@@ -135,18 +135,17 @@ class SourceLoad:
 
 @dataclass(frozen=True)
 class ScalingPolicy:
-    """Knobs of the loader policy (``scaling:`` in the config; the same defaults)."""
+    """The loader policy's knobs: the ``scaling:`` section and each source's loader bounds.
 
-    min_loaders: int = ScalingConfig.min_loaders
-    max_loaders: int = ScalingConfig.max_loaders
-    headroom: float = ScalingConfig.headroom
-    starve_fraction: float = ScalingConfig.starve_fraction
-    cooldown: float = ScalingConfig.cooldown
-    scale_down_after: float = ScalingConfig.scale_down_after
+    ``limits`` maps a source to its ``(min, max)`` loaders; a source without
+    one gets ``scaling.min_loaders`` and ``scaling.max_loaders``.
+    """
+
+    scaling: ScalingConfig = ScalingConfig()
     limits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def bounds(self, source: str) -> tuple[int, int]:
-        return self.limits.get(source, (self.min_loaders, self.max_loaders))
+        return self.limits.get(source, (self.scaling.min_loaders, self.scaling.max_loaders))
 
     @classmethod
     def from_config(cls, cfg: Config) -> ScalingPolicy:
@@ -156,9 +155,7 @@ class ScalingPolicy:
         for s in cfg.sources:
             lo = s.min_loaders or sc.min_loaders
             limits[s.name] = (lo, max(lo, s.max_loaders or sc.max_loaders))
-        return cls(min_loaders=sc.min_loaders, max_loaders=sc.max_loaders,
-                   headroom=sc.headroom, starve_fraction=sc.starve_fraction,
-                   cooldown=sc.cooldown, scale_down_after=sc.scale_down_after, limits=limits)
+        return cls(sc, limits)
 
 
 def pick_loader(slots: list[int], outstanding: Mapping[int, int] | None, turn: int) -> int:
@@ -259,12 +256,12 @@ def cpu_caps(loads: Mapping[str, SourceLoad], fractions: Mapping[str, float],
 
 def _bottleneck(load: SourceLoad, policy: ScalingPolicy) -> bool:
     """The reactive rule: starved, and not (measurably) supplied twice over."""
-    if load.starved <= policy.starve_fraction:
+    if load.starved <= policy.scaling.starve_fraction:
         return False
     if load.seconds_per_token <= 0:
         return True
     capacity = load.loaders * load.threads / load.seconds_per_token
-    return capacity < 2 * policy.headroom * demand(load, corrected=True)
+    return capacity < 2 * policy.scaling.headroom * demand(load, corrected=True)
 
 
 class Scaler:
@@ -298,7 +295,7 @@ class Scaler:
     def target(self, source: str, load: SourceLoad) -> int:
         """The count the rules ask for now, before hysteresis."""
         lo, hi = self.policy.bounds(source)
-        want = proactive_target(load, self.policy.headroom)
+        want = proactive_target(load, self.policy.scaling.headroom)
         if _bottleneck(load, self.policy):
             want = max(want, load.loaders + 1)
         return max(lo, int(min(hi, want, self.limit(source))))
@@ -323,7 +320,7 @@ class Scaler:
         a second loader on two cores look like one that adds too little.
         """
         if load.seconds_per_token <= 0 or \
-                now - self._changed.get(source, -math.inf) < self.policy.cooldown:
+                now - self._changed.get(source, -math.inf) < self.policy.scaling.cooldown:
             return  # not measured yet, or the new loaders have not settled
         caps = self.capacity.setdefault(source, {})
         n = load.loaders
@@ -363,14 +360,14 @@ class Scaler:
             want = self.target(source, load)
             last = self._changed.get(source, -math.inf)
             floor = self.floors.get(source)
-            if floor is not None and demand(load) < floor[1] / p.headroom:
+            if floor is not None and demand(load) < floor[1] / p.scaling.headroom:
                 del self.floors[source]  # demand fell: the floor no longer holds
                 floor = None
             limit = self.limit(source)
             if floor is not None:
                 want = max(want, int(min(floor[0], p.bounds(source)[1], limit)))
             if load.loaders > limit:
-                if now - last >= p.cooldown:  # loaders that add nothing: remove them at once
+                if now - last >= p.scaling.cooldown:  # loaders that add nothing: remove them at once
                     out[source] = max(int(limit), p.bounds(source)[0])
                     self._changed[source] = now
                     self._down_at[source] = now
@@ -378,20 +375,20 @@ class Scaler:
                 continue
             if want > load.loaders:
                 self._low_since.pop(source, None)
-                if now - last >= p.cooldown:
+                if now - last >= p.scaling.cooldown:
                     # at most double at a time: each step is measured (see _measure); the
                     # CPU cap is known without trying: go there at once
                     if want < self.cpu_caps.get(source, math.inf):
                         want = min(want, max(2 * load.loaders, p.bounds(source)[0]))
                     out[source] = want
                     self._changed[source] = now
-                    if now - self._down_at.get(source, -math.inf) < p.scale_down_after \
+                    if now - self._down_at.get(source, -math.inf) < p.scaling.scale_down_after \
                             and _bottleneck(load, p):
                         # the last scale-down starved the planner: hold this count
                         self.floors[source] = (want, demand(load))
             elif want < load.loaders:
                 since = self._low_since.setdefault(source, now)
-                if now - since >= p.scale_down_after and now - last >= p.cooldown:
+                if now - since >= p.scaling.scale_down_after and now - last >= p.scaling.cooldown:
                     out[source] = load.loaders - 1
                     self._changed[source] = now
                     self._low_since[source] = now

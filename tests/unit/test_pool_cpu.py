@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from msd_dask import load_config
-from msd_dask.core.config import PoolConfig, SourceConfig
+from msd_dask.core.config import PoolConfig, ScalingConfig, SourceConfig
 from msd_dask.core.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps
 from msd_dask.formats import get_format
 from msd_dask.roles.loader import SourceLoader
@@ -100,7 +100,7 @@ def _pooled_load(loaders: int, fraction: float, threads: int = 4) -> SourceLoad:
 def test_cpu_cap_of_a_pooled_source_counts_its_pool() -> None:
     # a process pool of 2 burning CPU keeps both cores busy: one loader
     assert cpu_caps({"a": _pooled_load(1, 0.95, threads=2)}, {"a": 0.95}) == {"a": 1}
-    s = Scaler(ScalingPolicy(cooldown=1.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=1.0, scale_down_after=30.0)))
     for t in range(30):
         assert s.decide(float(t), {"a": _pooled_load(1, 0.95, threads=2)}) == {}
     assert s.cpu_caps == {"a": 1}
@@ -112,7 +112,7 @@ def test_unconfirmed_fraction_does_not_remove_loaders_of_a_large_pool() -> None:
     # 4 threads waiting on a store, 2% on a core, on 2 cores: 25 such loaders keep them busy.
     # Before MIN_CPU_WINDOWS windows the cap is at most cores / threads (0 here) or the
     # loaders the source has: it stays at 3, then grows; it used to go 3 -> 1 -> 2 -> 4 ...
-    s = Scaler(ScalingPolicy(cooldown=1.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=1.0, scale_down_after=30.0)))
     n, changes = 3, []
     for t in range(30):
         d = s.decide(float(t), {"a": _pooled_load(n, 0.02)})

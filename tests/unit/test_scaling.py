@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from msd_dask.core.config import ScalingConfig
 from msd_dask.core.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps, pick_loader, proactive_target
 
 
@@ -27,7 +28,7 @@ def test_proactive_sizes_to_demand_times_cost():
 
 
 def test_weight_ramp_ahead_scales_up_before_it_starts():
-    s = Scaler(ScalingPolicy(max_loaders=16))
+    s = Scaler(ScalingPolicy(ScalingConfig(max_loaders=16)))
     now_low = s.decide(0.0, {"img": load(weight_ahead=0.1, seconds_per_token=0.01)})
     assert now_low == {"img": 2}  # ceil(1.25 * 0.1 * 1000 / 100)
     ahead = s.decide(10.0, {"img": load(loaders=2, weight_ahead=0.5, seconds_per_token=0.01)})
@@ -45,7 +46,7 @@ def test_reactive_rule_adds_one_to_a_starved_source():
 
 
 def test_bounds_clamp_targets():
-    s = Scaler(ScalingPolicy(min_loaders=2, max_loaders=4))
+    s = Scaler(ScalingPolicy(ScalingConfig(min_loaders=2, max_loaders=4)))
     assert s.decide(0.0, {"a": load(seconds_per_token=1.0)}) == {"a": 2}  # doubling
     assert s.decide(5.0, {"a": load(loaders=2, seconds_per_token=1.0)}) == {"a": 4}
     s = Scaler(ScalingPolicy(limits={"a": (3, 3)}))
@@ -53,7 +54,7 @@ def test_bounds_clamp_targets():
 
 
 def test_hysteresis_no_flapping():
-    p = ScalingPolicy(cooldown=5.0, scale_down_after=30.0)
+    p = ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0))
     s = Scaler(p)
     # demand oscillates around one loader's capacity: up once, then no flapping down
     changes = []
@@ -68,7 +69,7 @@ def test_hysteresis_no_flapping():
 
 
 def test_scale_down_waits_then_steps_one_at_a_time():
-    p = ScalingPolicy(cooldown=5.0, scale_down_after=30.0)
+    p = ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0))
     s = Scaler(p)
     changes = []
     loaders = 6
@@ -93,7 +94,7 @@ def test_policy_from_config_uses_per_source_bounds():
                      "max_loaders": 9}]})
     p = ScalingPolicy.from_config(cfg)
     assert p.bounds("a") == (2, 5) and p.bounds("b") == (1, 9)
-    assert p.cooldown == 1.0
+    assert p.scaling is cfg.scaling  # the config's section itself, not a copy
 
 
 def test_reactive_rule_corrects_demand_for_the_wait():
@@ -140,14 +141,14 @@ def _simulate(s: Scaler, loaders: int, seconds: int, consumption=lambda t: 1000.
 def test_a_scale_down_that_starves_is_undone_once_not_repeated():
     # the model asks for 5 (ceil(1.25 * 500 * 0.007)) but the source starves below 7:
     # without a floor the policy would go 7 -> 6 -> 7 every scale_down_after seconds
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     changes = _simulate(s, 7, 600)
     assert changes == [(30, 6), (35, 7)]
     assert s.floors["a"][0] == 7
 
 
 def test_the_floor_goes_when_demand_falls():
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     # demand drops to a third at t=100: the floor is released and loaders step down
     changes = _simulate(s, 7, 600, consumption=lambda t: 1000.0 if t < 100 else 330.0,
                         need=lambda t: 7 if t < 100 else 3)
@@ -168,7 +169,7 @@ def _cpu_bound(s: Scaler, cores: int, seconds: int, loaders: int = 1):
 def test_loaders_that_add_no_capacity_are_removed_and_not_added_again():
     # demand 10k tok/s, 1k per loader: the model asks for 8 (the maximum); on 2 cores
     # 4 loaders supply what 2 do, so the policy goes back to 2 and stays there
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     changes = _cpu_bound(s, cores=2, seconds=300)
     assert changes == [(0, 2), (5, 4), (10, 2)]
     assert s.saturated == {"a": 2}
@@ -178,7 +179,7 @@ def test_loaders_that_add_no_capacity_are_removed_and_not_added_again():
 
 def test_loaders_that_each_add_capacity_are_kept():
     # an I/O-bound source: busy time per token does not grow with loaders
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     changes = _cpu_bound(s, cores=64, seconds=300)
     assert changes == [(0, 2), (5, 4), (10, 8)]
     assert s.saturated == {}
@@ -186,7 +187,7 @@ def test_loaders_that_each_add_capacity_are_kept():
 
 def test_a_loader_that_adds_some_capacity_is_kept_but_no_more_are_added():
     # the second loader adds 25% (cores shared with other jobs): keep 2, add no third
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     kw = dict(consumption=20_000.0, starved=0.5)
     assert s.decide(0.0, {"a": load(loaders=1, seconds_per_token=0.001, **kw)}) == {"a": 2}
     for t in range(5, 200):
@@ -206,19 +207,19 @@ def _cpu_load(n: int, cores: float = 2.0, fraction: float = 0.95, **kw) -> Sourc
 
 def test_cpu_cap_converges_in_one_change_and_never_reverses():
     # on 2 cores the source is held at 2 loaders from the first measurement, not tried at 4
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     changes = _drive(s, 1, 300, lambda t, n: _cpu_load(n))
     assert changes == [(0, 2)]
     assert s.cpu_caps == {"a": 2}
     # 8 cores: straight to 8 (the cap), not 2 -> 4 -> 8
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     assert _drive(s, 1, 300, lambda t, n: _cpu_load(n, cores=8)) == [(0, 8)]
 
 
 def test_cpu_cap_uses_the_least_contended_fraction():
     # with 3 loaders on 2 cores a loader is on a core 2/3 of its busy time; that window
     # alone would allow 3, but the fraction measured earlier (0.95) holds the cap at 2
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     assert s.decide(0.0, {"a": _cpu_load(1)}) == {"a": 2}
     for t in range(1, 100):
         assert s.decide(float(t), {"a": _cpu_load(2, fraction=0.66)}) == {}
@@ -226,14 +227,14 @@ def test_cpu_cap_uses_the_least_contended_fraction():
 
 
 def test_cpu_cap_grows_with_the_cluster():
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     changes = _drive(s, 1, 100, lambda t, n: _cpu_load(n, cores=2 if t < 50 else 6))
     assert changes == [(0, 2), (50, 6)]
 
 
 def test_cpu_cap_does_not_bind_an_io_bound_source():
     # busy 1 ms per token, 5% of it on a core: 2 cores keep 40 such loaders busy
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     changes = _drive(s, 1, 100, lambda t, n: load(
         loaders=n, seconds_per_token=0.001, consumption=20_000.0, starved=0.5,
         cpu_per_token=0.00005, cpu_fraction=0.05, cores=2.0))
@@ -256,14 +257,14 @@ def test_cpu_cap_shares_the_cores_by_need():
 def test_saturation_removes_loaders_down_to_the_limit_not_below():
     # a window with no consumption (the planner stalled) asks for the minimum; loaders above
     # the saturation are removed down to it, not to the minimum (the 3 -> 1 of a CPU run)
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     s.saturated["a"] = 2
     assert s.decide(0.0, {"a": load(loaders=3, consumption=0.0, seconds_per_token=0.001)}) \
         == {"a": 2}
 
 
 def test_saturation_is_probed_again_when_the_cluster_grows():
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     changes = _drive(s, 1, 200, lambda t, n: load(
         loaders=n, seconds_per_token=0.001 * max(1.0, n / (2 if t < 100 else 8)),
         consumption=20_000.0, starved=0.5, cores=2.0 if t < 100 else 8.0))
@@ -276,11 +277,11 @@ def test_saturation_is_probed_again_when_the_cluster_grows():
 def test_cpu_cap_waits_for_a_few_windows_before_exceeding_the_cores():
     # a first window slowed by the GIL (fraction 0.45) would allow 4 loaders on 2 cores; the
     # cap stays at the cores' 2 until MIN_CPU_WINDOWS windows, which find 0.95: no 4 -> 2
-    s = Scaler(ScalingPolicy(cooldown=1.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=1.0, scale_down_after=30.0)))
     changes = _drive(s, 1, 60, lambda t, n: _cpu_load(n, fraction=0.45 if t == 0 else 0.95))
     assert changes == [(0, 2)]
     # an I/O-bound source passes the cores once it was measured over those windows
-    s = Scaler(ScalingPolicy(cooldown=1.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=1.0, scale_down_after=30.0)))
     changes = _drive(s, 1, 60, lambda t, n: load(
         loaders=n, seconds_per_token=0.001, consumption=20_000.0, starved=0.5,
         cpu_per_token=0.00005, cpu_fraction=0.05, cores=2.0))
@@ -292,7 +293,7 @@ def test_waiting_for_a_core_is_not_taken_for_a_saturated_source():
     # 24 to 48 us (two supply what one did), all of it waiting for a core (other
     # processes took the cores); on a core each hashes as fast as one alone: the cores
     # are the CPU cap's to share, and 2 loaders are kept
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     kw = dict(consumption=100_000.0, starved=0.5, cpu_per_token=24e-6, cpu_fraction=1.0,
               cores=2.0)
     assert s.decide(0.0, {"a": load(loaders=1, seconds_per_token=24e-6, **kw)}) == {"a": 2}
@@ -301,7 +302,7 @@ def test_waiting_for_a_core_is_not_taken_for_a_saturated_source():
                                              core_wait_per_token=24e-6, **kw)}) == {}
     assert s.saturated == {}
     # the same growth without waiting for a core (the GIL, a store): saturated at 1
-    s = Scaler(ScalingPolicy(cooldown=5.0, scale_down_after=30.0))
+    s = Scaler(ScalingPolicy(ScalingConfig(cooldown=5.0, scale_down_after=30.0)))
     assert s.decide(0.0, {"a": load(loaders=1, seconds_per_token=24e-6, **kw)}) == {"a": 2}
     assert s.decide(5.0, {"a": load(loaders=2, seconds_per_token=48e-6, **kw)}) == {"a": 1}
     assert s.saturated == {"a": 1}
