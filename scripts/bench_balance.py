@@ -7,8 +7,8 @@ step's ``dp × micro_batches × seq_len`` tokens, after the pieces carried over
 from the step before.  Each step is assigned twice, on the same pieces:
 ``sequential`` (the naive baseline: rows filled in stream order, as a per-rank
 loader packs) and the planner's own placement with ``balanced`` (the default,
-:func:`msd_dask.core.plan.place_step`); the carry follows the planner.  Costs use the default cost model
-(``L + L² / (12·4096)``).
+:func:`msd_dask.core.row_placement.place_step`); the carry follows the planner.  Costs use the
+default cost model (``L + L² / (12·4096)``).
 
 Workloads:
 
@@ -46,9 +46,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 
-from msd_dask.core.balance import _build, assign, capacity_bound, lower_bound  # noqa: E402
+from msd_dask.core.balance import assign, build_assignment, capacity_bound, lower_bound  # noqa: E402
 from msd_dask.core.cost import CostModel  # noqa: E402
-from msd_dask.core.plan import place_step  # noqa: E402
+from msd_dask.core.row_placement import place_step  # noqa: E402
 
 LONGEST_CONTEXT = 131072
 DPS = (8, 64, 1024)
@@ -152,7 +152,7 @@ def run_config(docs: Iterator[np.ndarray], dp: int, mb: int, seq_len: int, steps
         t0 = time.perf_counter()
         rank, micro = place_step(lengths, costs, len(carry), dp, mb, seq_len, "balanced")
         ms.append((time.perf_counter() - t0) * 1e3)
-        a = _build(rank, micro, lengths, costs, dp, mb)
+        a = build_assignment(rank, micro, lengths, costs, dp, mb)
         ok = a.placed
         naive.append(n.imbalance)
         ours.append(a.imbalance)

@@ -33,7 +33,7 @@ from heapq import heapify, heappop, heappush, heapreplace
 
 import numpy as np
 
-__all__ = ["Assignment", "assign", "STRATEGIES", "lower_bound", "capacity_bound",
+__all__ = ["Assignment", "assign", "build_assignment", "STRATEGIES", "lower_bound", "capacity_bound",
            "sequential", "lpt", "balanced"]
 
 
@@ -137,7 +137,7 @@ def _empty(n: int, n_ranks: int, micro_batches: int) -> Assignment:
     )
 
 
-def _build(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.ndarray,
+def build_assignment(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.ndarray,
            n_ranks: int, micro_batches: int) -> Assignment:
     """An :class:`Assignment` whose row sums are recomputed from ``rank``/``micro``."""
     a = _empty(len(lengths), n_ranks, micro_batches)
@@ -173,7 +173,7 @@ def sequential(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batch
         out[i] = row
     rows = np.asarray(out, dtype=np.int64)
     ok = rows >= 0
-    return _build(np.where(ok, rows // micro_batches, -1), np.where(ok, rows % micro_batches, -1),
+    return build_assignment(np.where(ok, rows // micro_batches, -1), np.where(ok, rows % micro_batches, -1),
                   lengths, costs, n_ranks, micro_batches)
 
 
@@ -380,7 +380,7 @@ class _Greedy:
             self.rank_key[r] = sum(rk)
 
     def result(self, lengths: np.ndarray, costs: np.ndarray) -> Assignment:
-        return _build(np.asarray(self.rank, dtype=np.int64), np.asarray(self.micro, dtype=np.int64),
+        return build_assignment(np.asarray(self.rank, dtype=np.int64), np.asarray(self.micro, dtype=np.int64),
                       lengths, costs, self.n_ranks, self.micro_batches)
 
 
@@ -492,7 +492,7 @@ class _State:
     def assignment(self) -> Assignment:
         ok = self.row >= 0
         mb = self.micro_batches
-        return _build(np.where(ok, self.row // mb, -1), np.where(ok, self.row % mb, -1),
+        return build_assignment(np.where(ok, self.row // mb, -1), np.where(ok, self.row % mb, -1),
                       self.lengths, self.costs, self.n_ranks, mb)
 
 

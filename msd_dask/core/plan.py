@@ -12,21 +12,18 @@ is delivered exactly once.  Its whole state is a small JSON-able dict.
 from __future__ import annotations
 
 import copy
-import gc
-import threading
-from bisect import bisect_left, insort
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from heapq import heapify, heappop, heappush
 from typing import Any
 
 import numpy as np
 
-from msd_dask.core.balance import assign, lower_bound
+from msd_dask.core.balance import lower_bound
 from msd_dask.core.config import Config
 from msd_dask.core.cost import CostModel
+from msd_dask.core.gcpause import gc_paused
 from msd_dask.core.mixing import Mixer
+from msd_dask.core.row_placement import place_step, spread_long
 from msd_dask.core.stream import MetaLookup, NeedMetadata, Piece, SourceStream, Window, new_piece
 from msd_dask.core.units import Unit
 
@@ -34,7 +31,7 @@ from msd_dask.core.units import Unit
 #: full waits for the next release)
 HOLD_GROUPS = 4
 
-__all__ = ["Planner", "StepPlan", "NeedMetadata", "place_step", "kept_rows"]
+__all__ = ["Planner", "StepPlan", "NeedMetadata"]
 
 
 @dataclass
@@ -71,32 +68,6 @@ class StepPlan:
         for p in self.pieces():
             out[p.source] = out.get(p.source, 0) + p.length
         return out
-
-
-
-_GC_LOCK = threading.Lock()
-_gc_state = {"pauses": 0, "was_on": False}
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (process-wide) while the block runs.
-
-    Counted, so that overlapping pauses (two planners in two threads) turn it back
-    on once, after the last, and only if it was on before the first.
-    """
-    with _GC_LOCK:
-        if _gc_state["pauses"] == 0:
-            _gc_state["was_on"] = gc.isenabled()
-            gc.disable()
-        _gc_state["pauses"] += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _gc_state["pauses"] -= 1
-            if _gc_state["pauses"] == 0 and _gc_state["was_on"]:
-                gc.enable()
 
 
 class Planner:
@@ -207,11 +178,8 @@ class Planner:
         # and the piece tables are replaced, never written to)
         saved = ([(st.epoch, st.window, st.offset) for st in self.streams.values()],
                  self.mixer.state_dict(), self._held, self._held_step)
-        # a big step makes ~10⁵-10⁶ objects that live on (the plan's pieces, its rows):
-        # the cyclic collector would walk the heap several times meanwhile; paused for the
-        # step, it runs again at the next allocations after it (one pass costs a tenth of
-        # that, and finds no cycles made here)
-        with _gc_paused():
+        # a step's objects live on, so collector passes meanwhile find nothing (see gcpause)
+        with gc_paused():
             try:
                 return self._plan(lookup)
             except NeedMetadata:
@@ -356,7 +324,7 @@ class Planner:
         costs = self.cost(lengths)
         rank, micro = place_step(lengths, costs, n_first, dp, mb, seq_len, cfg.balance)
         if long_budget is not None:
-            _spread_long(long_src[table[:, 0]], n_first, lengths, costs, rank, micro, dp, mb, seq_len,
+            spread_long(long_src[table[:, 0]], n_first, lengths, costs, rank, micro, dp, mb, seq_len,
                          lc.max_per_rank)
         placed = rank >= 0
         self._carry = table[~placed]
@@ -447,228 +415,3 @@ def _gather(keys: list[int], windows: list[Window], sources: list[int]) -> np.nd
         out[mine, 0] = src
         out[mine, 1:] = win.table[offset[mine]]
     return out
-
-
-def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro: np.ndarray,
-                   seq_len: int) -> None:
-    """Make sure pieces carried from the last step are placed now.
-
-    A carried piece the strategy left out takes the row of a new piece
-    (the shortest that makes room), which is carried instead; so no piece
-    waits more than one step.
-    """
-    n = len(lengths)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    new = np.arange(n) >= n_carried
-    for i in range(n_carried):
-        if rank[i] >= 0:
-            continue
-        placed = rank >= 0
-        # tokens used in each piece's row; the new placed piece with the least length (the
-        # first of them) whose row has room for piece i once it leaves
-        row = rank * max(int(micro.max()) + 1, 1) + micro
-        used = np.zeros(max(int(row.max()) + 1, 1), dtype=np.int64)
-        np.add.at(used, row[placed], lengths[placed])
-        room = seq_len - used[np.maximum(row, 0)] + lengths
-        cand = np.flatnonzero(placed & new & (room >= lengths[i]))
-        if len(cand) == 0:  # every row is full of carried pieces: cannot happen in practice
-            continue
-        best = int(cand[np.argmin(lengths[cand])])
-        rank[i], micro[i] = rank[best], micro[best]
-        rank[best] = micro[best] = -1
-
-
-def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) -> np.ndarray:
-    """Which pieces a step places, decided without the mesh: a row of each, ``-1`` if carried.
-
-    Best-fit decreasing over ``n_rows`` rows of ``seq_len`` tokens: the pieces
-    carried from the last step first (in order), then the new ones by
-    decreasing length (stable); each goes to the row with the least room that
-    still fits it (lowest row on ties), and a piece that fits in no row is
-    carried.  Only the
-    number of rows matters, not how they are split into ranks and
-    micro-batches, so a step holds the same pieces after an elastic resume
-    with another ``dp`` and the same ``dp × micro_batches``.
-
-    Runs of pieces of one length are placed a row at a time: the row with the
-    tightest room that fits ``L`` stays the tightest while it takes ``L`` after
-    ``L`` (its room is then in no other row's range), so it takes
-    ``room // L`` of them before the next row, which is what placing them one
-    by one does.
-    """
-    n = len(lengths)
-    row = np.full(n, -1, dtype=np.int64)
-    if n == 0 or n_rows <= 0:
-        return row
-    lengths = np.asarray(lengths, dtype=np.int64)
-    new = n_carried + np.argsort(-lengths[n_carried:], kind="stable")
-    order = np.concatenate([np.arange(n_carried), new])
-    ls = lengths[order]
-    # runs of equal lengths in placement order: (length, count)
-    cut = np.flatnonzero(ls[1:] != ls[:-1]) + 1
-    starts = np.concatenate([[0], cut])
-    run_len = ls[starts].tolist()
-    run_count = np.diff(np.concatenate([starts, [n]])).tolist()
-    # the distinct rooms left, sorted, and the rows with each room (a heap: lowest row first)
-    rooms = [seq_len]
-    rows_at = {seq_len: list(range(n_rows))}
-    shortest = int(ls.min())
-    seg_row: list[int] = []     # the placement order, in segments of pieces going to one row
-    seg_count: list[int] = []
-    for L, m in zip(run_len, run_count, strict=True):
-        while m:
-            k = bisect_left(rooms, L)  # the tightest room that fits, lowest row on ties
-            if k == len(rooms):
-                seg_row.append(-1)
-                seg_count.append(m)
-                break
-            room = rooms[k]
-            at = rows_at[room]
-            q = room // L if L > 0 else m
-            need = -(-m // q)
-            if need >= len(at):
-                at.sort()
-                take = at
-                del rows_at[room]
-                del rooms[k]
-            elif need <= 16 or 32 * need < len(at):
-                take = [heappop(at) for _ in range(need)]
-            else:
-                at.sort()
-                take = at[:need]
-                del at[:need]
-            t = len(take)
-            last = min(q, m - (t - 1) * q)
-            seg_row.extend(take)
-            seg_count.extend([q] * (t - 1))
-            seg_count.append(last)
-            m -= (t - 1) * q + last
-            # rows that took q pieces, then the last one (fewer, maybe); a row with less
-            # room than the shortest piece is full
-            for left, rs in ((room - q * L, take[:-1]), (room - last * L, take[-1:])):
-                if not rs or left < shortest:
-                    continue
-                have = rows_at.get(left)
-                if have is None:
-                    rows_at[left] = list(rs)  # ascending: a heap
-                    insort(rooms, left)
-                elif len(rs) <= 8 or 16 * len(rs) < len(have):
-                    for r in rs:
-                        heappush(have, r)
-                else:
-                    have.extend(rs)
-                    heapify(have)
-    row[order] = np.repeat(np.array(seg_row, dtype=np.int64), seg_count)
-    return row
-
-
-def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, mb: int,
-               seq_len: int, strategy: str) -> tuple[np.ndarray, np.ndarray]:
-    """Rank and micro-batch of each of a step's pieces (``-1``: carried to the next step).
-
-    The planner's placement, reusable by benchmarks and the simulator.  With
-    ``sequential`` the pieces fill rows next fit in order (carried pieces
-    first, and always placed).  With the other strategies the pieces the step
-    keeps are chosen by :func:`kept_rows`, independently of how the rows are
-    grouped into ranks, and the strategy balances them over the mesh; in the
-    rare case it cannot place them all, the kept rows themselves are dealt to
-    ranks (most costly row first, to the cheapest rank with a free
-    micro-batch), which always fits.
-
-    Parameters
-    ----------
-    lengths, costs : ndarray
-        Tokens and cost of each piece, the ``n_carried`` carried pieces first.
-    n_carried : int
-    dp, mb, seq_len : int
-        ``dp × mb`` rows of ``seq_len`` tokens.
-    strategy : str
-        A balance strategy (:data:`msd_dask.core.balance.STRATEGIES`).
-
-    Returns
-    -------
-    rank, micro : ndarray of int
-    """
-    if strategy == "sequential":  # next fit over the rows: mesh-agnostic already
-        a = assign(lengths, costs, dp, mb, seq_len, strategy)
-        rank, micro = a.rank.copy(), a.micro.copy()
-        _place_carried(n_carried, lengths, rank, micro, seq_len)
-        return rank, micro
-    rows = kept_rows(lengths, n_carried, dp * mb, seq_len)
-    idx = np.flatnonzero(rows >= 0)
-    rank = np.full(len(lengths), -1, dtype=np.int64)
-    micro = rank.copy()
-    a = assign(lengths[idx], costs[idx], dp, mb, seq_len, strategy)
-    if (a.rank >= 0).all():
-        rank[idx], micro[idx] = a.rank, a.micro
-        return rank, micro
-    row_cost = np.bincount(rows[idx], weights=costs[idx], minlength=dp * mb)
-    load = [(0.0, r) for r in range(dp)]
-    slots = [0] * dp
-    rank_of = np.empty(dp * mb, dtype=np.int64)
-    micro_of = np.empty(dp * mb, dtype=np.int64)
-    for row in np.argsort(-row_cost, kind="stable").tolist():
-        c, r = heappop(load)
-        rank_of[row], micro_of[row] = r, slots[r]
-        slots[r] += 1
-        if slots[r] < mb:
-            heappush(load, (c + float(row_cost[row]), r))
-    rank[idx], micro[idx] = rank_of[rows[idx]], micro_of[rows[idx]]
-    return rank, micro
-
-
-def _spread_long(is_long: np.ndarray, n_carried: int, lengths: np.ndarray, costs: np.ndarray,
-                 rank: np.ndarray, micro: np.ndarray, dp: int, mb: int, seq_len: int,
-                 max_per_rank: int) -> None:
-    """Move long pieces off ranks holding more than ``max_per_rank`` of them.
-
-    A long piece moves to the cheapest rank still under the limit, into its
-    emptiest row; short pieces it displaces there take its old row where they
-    fit, else they are carried to the next step (never pieces carried already).
-    """
-    placed = rank >= 0
-    count = np.bincount(rank[placed & is_long], minlength=dp)
-    used = np.zeros((dp, mb), dtype=np.int64)
-    np.add.at(used, (rank[placed], micro[placed]), lengths[placed])
-    load = np.bincount(rank[placed], weights=costs[placed], minlength=dp)
-    for r in np.flatnonzero(count > max_per_rank):
-        mine = [int(i) for i in np.flatnonzero((rank == r) & is_long)]
-        mine.sort(key=lambda i: costs[i])
-        for i in mine[: int(count[r]) - max_per_rank]:
-            for t in np.argsort(load, kind="stable"):
-                if count[t] >= max_per_rank:
-                    continue
-                m = int(np.argmin(used[t]))
-                ri, mi = int(rank[i]), int(micro[i])
-                need = int(lengths[i]) - (seq_len - int(used[t, m]))
-                evict: list[int] = []
-                if need > 0:
-                    cands = [int(j) for j in np.flatnonzero((rank == t) & (micro == m) & ~is_long)
-                             if j >= n_carried]
-                    cands.sort(key=lambda j: -lengths[j])
-                    freed = 0
-                    for j in cands:
-                        if freed >= need:
-                            break
-                        evict.append(j)
-                        freed += int(lengths[j])
-                    if freed < need:
-                        continue
-                # move i to (t, m); displaced pieces go to i's old row or are carried
-                for j in evict:
-                    used[t, m] -= lengths[j]
-                    load[t] -= costs[j]
-                    rank[j] = micro[j] = -1
-                rank[i], micro[i] = t, m
-                used[ri, mi] -= lengths[i]
-                used[t, m] += lengths[i]
-                load[ri] -= costs[i]
-                load[t] += costs[i]
-                count[ri] -= 1
-                count[t] += 1
-                for j in evict:
-                    if used[ri, mi] + lengths[j] <= seq_len:
-                        rank[j], micro[j] = ri, mi
-                        used[ri, mi] += lengths[j]
-                        load[ri] += costs[j]
-                break

@@ -378,7 +378,7 @@ def test_set_weights_refusals() -> None:
 
 
 def test_kept_rows_best_fit_decreasing_carried_first() -> None:
-    from msd_dask.core.plan import kept_rows
+    from msd_dask.core.row_placement import kept_rows
 
     def rows(lengths: list[int], n_carried: int, n_rows: int, seq_len: int) -> list[int]:
         return kept_rows(np.array(lengths, dtype=np.int64), n_carried, n_rows, seq_len).tolist()
@@ -436,12 +436,12 @@ def test_resume_from_a_state_saved_with_sorted_keys_plans_the_same() -> None:
 def test_plan_step_pauses_the_collector_and_gives_it_back() -> None:
     import gc
 
-    from msd_dask.core import plan as plan_mod
+    from msd_dask.core.gcpause import gc_paused
 
     pl = planner(make_cfg(WEIGHTS_3))
     seen = []
     assert gc.isenabled()
-    with plan_mod._gc_paused():  # an overlapping pause (another planner's step)
+    with gc_paused():  # an overlapping pause (another planner's step)
         pl.plan_step(lambda s, e, u: (seen.append(gc.isenabled()), lookup(s, e, u))[1])
         assert not gc.isenabled()  # still paused: the outer pause has not ended
     assert gc.isenabled() and seen and not any(seen)
