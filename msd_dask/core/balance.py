@@ -181,7 +181,7 @@ def sequential(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batch
 
 
 class _Greedy:
-    """Rows' free room and key sums, filled greedily (pure Python: ~1 µs a piece).
+    """Rows' free room and key sums, filled greedily (pure Python).
 
     :meth:`fill` puts each piece on the rank with the least key sum that has a
     row with room (ties: lowest rank), inside it on the row with the least key

@@ -34,9 +34,10 @@ def join_pieces(pieces: Sequence[Any]) -> JoinedPieces:
     """Pieces (token arrays, or ``(tokens, patches)`` pairs) as three objects.
 
     A loader sends a constructor one array instead of one per piece: each
-    array of a message is a frame of its own, and the frames, not the bytes,
-    cost the CPU of a Dask message (a step's fetch of 16 pieces: 18 frames,
-    5x the CPU of 4).  :func:`split_pieces` gives the pieces back (views).
+    array of a message is a frame of its own, and a Dask message's CPU cost
+    grows with its frames more than with its bytes, so a fetch costs a few
+    frames whatever its number of pieces.  :func:`split_pieces` gives the
+    pieces back (views).
     """
     images: dict[int, np.ndarray] = {}
     tokens = []
@@ -68,9 +69,9 @@ def to_wire(batch: dict[str, Any]) -> dict[str, Any]:
     """A packed batch (:func:`pack_rows`, a rank's view of it) with its integer arrays
     in one int32 array, for the way to a reader.
 
-    Each array of a Dask message is a frame of its own, and frames cost CPU at
-    both ends whatever their size: a round of two steps took 919 us to
-    serialize as 24 frames, 184 us as 6.  :func:`from_wire` undoes it (views).
+    Each array of a Dask message is a frame of its own, and each frame costs
+    CPU at both ends whatever its size, so the integer arrays travel as one
+    frame.  :func:`from_wire` undoes it (views).
 
     Raises
     ------
