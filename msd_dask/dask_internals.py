@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["actor_address", "local_actor"]
+__all__ = ["actor_address", "local_actor", "release_actor", "worker_actors"]
 
 
 def actor_address(handle: Any) -> str | None:
@@ -34,3 +34,28 @@ def local_actor(worker: Any, handle: Any) -> Any | None:
     if actor_address(handle) != worker.address:
         return None
     return worker.state.actors.get(handle.key)
+
+
+def worker_actors(worker: Any) -> dict[Any, Any]:
+    """The actors ``worker`` holds: ``{key: actor object}``.
+
+    Relies on ``Worker.state.actors``: Dask has no public way to reach the actor
+    objects a worker holds, and the process re-creating a lost planner must
+    close the roles the lost one left on every worker (they would go on
+    publishing tickets and holding memory; see
+    :func:`msd_dask.roles.supervisor.close_service_roles`).
+    """
+    return dict(worker.state.actors)
+
+
+def release_actor(handle: Any) -> None:
+    """Release the future an actor handle holds on its actor's key, if it holds one.
+
+    Relies on ``distributed.Actor._future`` (set on a handle made from a
+    ``submit(..., actor=True)`` future): released only through the submit
+    future, a closed role's key stayed on the scheduler and its actor on its
+    worker for as long as the cluster ran.
+    """
+    inner = handle.__dict__.get("_future")
+    if inner is not None:
+        inner.release()

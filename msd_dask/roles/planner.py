@@ -25,10 +25,12 @@ from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
     from msd_dask.core.plan import StepPlan
+    from msd_dask.roles.supervisor import StepRound
 
-# The planner's own modules (plan, stream, formats, roles, loader, storage: fsspec, zstandard)
-# are imported where the actor runs, not here: a training process unpickling this actor's
-# handle imports this module, and every module costs each of them memory (tests/test_imports.py).
+# The planner's own modules (plan, stream, the role supervisor and the loader module it
+# imports, storage: fsspec, zstandard) are imported where the actor runs, not here: a
+# training process unpickling this actor's handle imports this module, and every module
+# costs each of them memory (tests/test_imports.py).
 
 __all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
 
@@ -102,7 +104,7 @@ def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
 
 
 class PlannerActor:
-    """Dask actor holding the service's planner.
+    """Dask actor holding the service's :class:`~msd_dask.core.plan.Planner` (``self.planner``).
 
     Parameters
     ----------
@@ -135,7 +137,7 @@ class PlannerActor:
                  had: dict[int, int] | None = None, lost: dict[str, Any] | None = None):
         from msd_dask.core.plan import Planner
         from msd_dask.core.units import Unit
-        from msd_dask.roles.supervisor import _Roles
+        from msd_dask.roles.supervisor import RoleSupervisor
         from msd_dask.sources.storage import SourceFiles
 
         self.cfg = parse_config(config)
@@ -156,10 +158,10 @@ class PlannerActor:
         self._snapshots: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._keep = 2 * self.cfg.prefetch + 16
         self._snapshot(self.planner.step - 1)
-        #: role placement and recovery (see :class:`_Roles`)
-        self.roles = _Roles(self, members or [{d: self.cfg.parallel.ranks_of_dp(d)
+        #: role placement and recovery (see :class:`~msd_dask.roles.supervisor.RoleSupervisor`)
+        self.roles = RoleSupervisor(self, members or [{d: self.cfg.parallel.ranks_of_dp(d)
                                                for d in range(self.cfg.parallel.dp)}],
-                            pad_id, loader_threads, source_payloads or {}, tokenizer or {})
+                                    pad_id, loader_threads, source_payloads or {}, tokenizer or {})
         if lost:
             self.roles.recovered.update(lost.get("recovered", {}))
             self.roles.events.extend(lost.get("events", []))
@@ -206,8 +208,9 @@ class PlannerActor:
         """Create the loaders and constructors, spread across the workers."""
         await self.roles.setup()
         if self._lost:
-            self.roles._log("planner", "planner", "lost", str(self._lost.get("from")),
-                            self.roles._own_address())
+            self.roles.record_event("planner", "planner", "lost", str(self._lost.get("from")),
+                                    self.roles.own_address(),
+                                    detail=f", resuming after step {self.first_step - 1}")
 
     async def handles(self, loaders: bool = True) -> dict[str, Any]:
         """Current actor handles: ``{"constructors": [...], "loaders": {source: {slot: h}}}``.
@@ -251,7 +254,64 @@ class PlannerActor:
             self._task.cancel()
             self._task = None
 
+    # ------------------------- what the supervisor asks (roles.supervisor.PlannerSide)
+    def next_step(self) -> int:
+        """The step this planner plans next."""
+        return self.planner.step
+
+    def is_planning(self) -> bool:
+        """Whether the planning loop runs."""
+        return self._task is not None
+
+    def unclaimed_steps(self) -> list[StepRound]:
+        """``(step, [work of each constructor], info)`` of the recent steps not every rank
+        may have claimed yet, in order (a re-created constructor gets them again)."""
+        safe = self._claimed_by_all()
+        return [(step, work, info) for step, (work, info) in self._recent.items() if step > safe]
+
+    async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
+        """Give the live units of loader ``slots`` of ``source`` (a slot whose actor was
+        replaced, or retired ones) to slot ``heir``, which re-reads them, and ask it for
+        the lengths not known yet."""
+        resolve = self.roles.resolve
+        moved = [k for k, s in self._owner.items()
+                 if k[0] == source and (s in slots or resolve(source, s) in slots)]
+        for k in moved:
+            self._owner[k] = heir
+        await self.roles.loader(source, heir).assign([(k[1], k[2]) for k in moved])
+        for k in moved:
+            if k not in self._meta:
+                self._ask_again(k)
+
+    async def spread_units(self, source: str) -> None:
+        """Re-split the units of ``source`` assigned but not read yet over its active
+        loader slots in turn (after slots were added: they help at once instead of after
+        the backlog); a unit that moves is released by its old slot."""
+        resolve = self.roles.resolve
+        pending = [k for k in self._owner if k[0] == source and k not in self._meta]
+        act = self.roles.active[source]
+        moves: dict[int, list[tuple[str, int, int]]] = {}
+        for i, k in enumerate(pending):
+            want = act[i % len(act)]
+            if resolve(source, self._owner[k]) != want:
+                moves.setdefault(want, []).append(k)
+        for slot, keys in moves.items():
+            old: dict[int, list[tuple[int, int]]] = {}
+            for k in keys:
+                old.setdefault(resolve(source, self._owner[k]), []).append((k[1], k[2]))
+                self._owner[k] = slot
+            await self.roles.loader(source, slot).assign([(k[1], k[2]) for k in keys])
+            for k in keys:
+                self._ask_again(k)
+            for s, ks in old.items():
+                await self.roles.loader(source, s).release(ks)
+
     # ------------------------------------------------------------- internals
+    def _claimed_by_all(self) -> int:
+        """The last step every rank has claimed for sure: a constructor holds at most
+        ``prefetch`` unclaimed steps (see :class:`~msd_dask.roles.constructor.DataConstructor`)."""
+        return self._last_submitted - self.cfg.prefetch
+
     def _lookup(self, source: str, epoch: int, unit: int) -> np.ndarray:
         from msd_dask.core.stream import NeedMetadata
 
@@ -268,8 +328,8 @@ class PlannerActor:
             keep.update((s.name, e, u) for e, u in keys)
             await self._ensure(s.name, keys)
         # release units the stream has moved past once every step that used them was
-        # claimed by all ranks (steps <= last submitted - prefetch: see DataConstructor)
-        safe = self._last_submitted - self.cfg.prefetch
+        # claimed by all ranks
+        safe = self._claimed_by_all()
         done: dict[tuple[str, int], list[tuple[int, int]]] = {}
         for k in [k for k in self._owner if k not in keep and self._behind(*k)]:
             if self._last_use.get(k, -1) <= safe:
@@ -278,7 +338,7 @@ class PlannerActor:
                 self._meta.pop(k, None)
                 self._last_use.pop(k, None)
         for (source, slot), ks in done.items():
-            await self.roles.on_loader(source, slot, "release", ks)
+            await self.roles.release_units(source, slot, ks)
 
     def _upcoming(self, source: str, read_ahead: int) -> list[tuple[int, int]]:
         """The current window's units and, after them, at most ``read_ahead`` units
@@ -332,7 +392,7 @@ class PlannerActor:
                 self._owner[k] = li
                 new.setdefault(li, []).append((e, u))
         for li, ks in new.items():
-            await self.roles.on_loader(source, li, "assign", ks)
+            await self.roles.assign_units(source, li, ks)
         for e, u in keys:
             k = (source, e, u)
             if k not in self._meta and k not in self._meta_tasks:
@@ -354,6 +414,14 @@ class PlannerActor:
         task = self._meta_tasks[k] = asyncio.ensure_future(
             direct(loader).metadata(k[1], k[2]))
         task.add_done_callback(lambda t: self._note_tokens(k, t))
+
+    def _ask_again(self, k: tuple[str, int, int]) -> None:
+        """Ask the loader that owns unit ``k`` now for its lengths (a request to its
+        previous owner is cancelled)."""
+        old = self._meta_tasks.pop(k, None)
+        if old is not None:
+            old.cancel()
+        self._request_meta(k)
 
     def _note_tokens(self, k: tuple[str, int, int], task: asyncio.Future[Any]) -> None:
         """Keep the tokens of a unit its loader reported (for the read-ahead cap)."""
@@ -418,7 +486,7 @@ class PlannerActor:
         try:
             self.waiting = (f"constructors to make room for step {self.planner.step} (each "
                             f"holds at most prefetch={self.cfg.prefetch} unclaimed steps)")
-            await self.roles.on_constructors("wait_room", k)
+            await self.roles.wait_room(k)
             while True:
                 await self.roles.heal()
                 await self.roles.apply_scaling()
@@ -472,7 +540,7 @@ class PlannerActor:
         self.waiting = (f"constructors to make room for step {last + 1} (handing over step "
                         f"{span}; each holds at most prefetch={self.cfg.prefetch} unclaimed "
                         "steps)")
-        await self.roles.on_constructors("submit", steps, room)
+        await self.roles.submit(steps, room)
         self._last_submitted = last
         self.waiting = None
 
@@ -558,7 +626,7 @@ class PlannerActor:
                 complete = False
                 continue
             claimed.update({int(r): int(s) for r, s in st["last_claimed"].items()})
-        floor = max(self.first_step - 1, self._last_submitted - self.cfg.prefetch)
+        floor = max(self.first_step - 1, self._claimed_by_all())
         world = range(self.cfg.parallel.world_size)
         step = min(claimed.get(r, self.first_step - 1) for r in world) if complete else floor
         # ranks may have read past what this planner planned (a re-created planner
@@ -566,7 +634,7 @@ class PlannerActor:
         step = min(max(step, floor), next(reversed(self._snapshots)))
         return {"state": await self.state_at(step), "claimed": claimed,
                 "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
-                "address": self.roles._own_address(), "keys": self.roles.keys()}
+                "address": self.roles.own_address(), "keys": self.roles.keys()}
 
     async def snapshot(self, since: int = 0, lookahead: int | None = None) -> dict[str, Any]:
         """What the scheduler plugin polls, in one call (each call costs both ends CPU).

@@ -9,11 +9,11 @@ planner therefore creates the roles itself and keeps them alive:
   actor can be replaced (lost worker) or its units handed to another slot
   (scale-down, evacuation) without re-planning: the stream, and so every
   step's documents, does not depend on which loader reads a unit.
-* **recovery** — :meth:`_Roles.heal` compares the roles' workers with the
+* **recovery** — :meth:`RoleSupervisor.heal` compares the roles' workers with the
   scheduler's live workers; a lost loader is re-created in its slot and
   re-reads the slot's live units; a lost constructor is re-created and the
   recent steps are sent to it again (readers drop the duplicate tickets).
-* **scaling** — :meth:`_Roles.scale` adds slots or retires them; a retired
+* **scaling** — :meth:`RoleSupervisor.scale` adds slots or retires them; a retired
   slot's units move to a remaining slot, which re-reads them on demand.
 * **the planner itself** cannot heal itself: the process that started the
   service re-creates it (:class:`~msd_dask.service.DataService`), after
@@ -21,6 +21,11 @@ planner therefore creates the roles itself and keeps them alive:
 
 Loaders keep a unit until the planner releases it, after every step using it
 was claimed by all ranks, so re-sending a step never finds its tokens gone.
+
+The supervisor owns the roles; the planner owns the units (which slot reads
+each) and the recent steps.  What the supervisor needs from the planner is
+:class:`PlannerSide`: when a slot's actor is replaced or retired, the planner
+moves the slot's units itself (:meth:`PlannerSide.hand_over`).
 """
 
 from __future__ import annotations
@@ -31,28 +36,77 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from msd_dask.roles.constructor import DataConstructor
+from msd_dask.core.scaling import ScalingPolicy, pick_loader
+from msd_dask.dask_internals import actor_address, release_actor, worker_actors
+from msd_dask.roles.constructor import DataConstructor, WorkItem
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
 
 if TYPE_CHECKING:
-    from msd_dask.roles.planner import PlannerActor
+    from msd_dask.core.config import Config
+    from msd_dask.core.units import Unit
 
-__all__: list[str] = []
+__all__ = ["PlannerSide", "RoleSupervisor", "close_service_roles"]
 
 _log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 
-class _Roles:
+#: One planned step as the planner hands it over: ``(step, [work of each constructor], info)``
+StepRound = tuple[int, list[dict[int, list[list[WorkItem]]]], dict[str, Any]]
+
+
+class PlannerSide(Protocol):
+    """What a :class:`RoleSupervisor` needs from the planner that owns it.
+
+    The planner (:class:`~msd_dask.roles.planner.PlannerActor`) keeps which loader
+    slot reads each unit and the lengths it asked for; the supervisor tells it
+    when a slot's units must move, and it moves them.
+    """
+
+    #: the service's config
+    cfg: Config
+    #: the planner's generation (see :class:`~msd_dask.roles.planner.PlannerActor`)
+    generation: int
+    #: ``{rank: step}``: steps ranks read from the planner this one replaces
+    had: dict[int, int]
+    #: ``{source: units}``, sorted (a loader gets them all; the planner assigns them)
+    units: dict[str, list[Unit]]
+
+    def next_step(self) -> int:
+        """The step the planner plans next."""
+        ...
+
+    def is_planning(self) -> bool:
+        """Whether the planning loop runs (scaling then waits for the next step)."""
+        ...
+
+    def unclaimed_steps(self) -> list[StepRound]:
+        """The recent steps not every rank may have claimed yet, in order: a
+        re-created constructor gets them again."""
+        ...
+
+    async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
+        """Give the live units of loader ``slots`` of ``source`` to slot ``heir``, which
+        re-reads them, and ask it for their lengths again."""
+        ...
+
+    async def spread_units(self, source: str) -> None:
+        """Re-split the units of ``source`` assigned but not read yet over its active
+        slots (after slots were added, so they help at once)."""
+        ...
+
+
+class RoleSupervisor:
     """The planner's loaders and constructors (see the module docstring)."""
 
-    def __init__(self, planner: PlannerActor, members: list[dict[int, list[int]]],
+    def __init__(self, planner: PlannerSide, members: list[dict[int, list[int]]],
                  pad_id: int, loader_threads: int, payloads: dict[str, dict[str, Any]],
                  tokenizer: dict[str, Any]):
-        self.co = planner
+        self.planner = planner
         self.cfg = planner.cfg
         self.members = members
         self.pad_id = pad_id
@@ -95,7 +149,7 @@ class _Roles:
             for _ in range(s.loaders):
                 await self._add_slot(s.name)
         view = self.view()
-        await asyncio.gather(*(c.setup(view, self.co.had) for c in self.constructors))
+        await asyncio.gather(*(c.setup(view, self.planner.had) for c in self.constructors))
 
     async def _workers(self, placeable: bool = False) -> list[str]:
         """Workers the scheduler knows; ``placeable``: only running ones (not paused, closing
@@ -109,12 +163,13 @@ class _Roles:
         workers = [w for w in await self._workers(placeable=True) if w not in self._evacuating]
         if not workers:
             raise RuntimeError("no worker left to place a role on")
-        load = Counter(h._address for h, _ in self._all_loaders())
-        load.update(c._address for c in self.constructors)
-        load[self._own_address()] += 1
+        load = Counter(actor_address(h) for h, _ in self._all_loaders())
+        load.update(actor_address(c) for c in self.constructors)
+        load[self.own_address()] += 1
         return min(workers, key=lambda w: (load[w], w))
 
-    def _own_address(self) -> str:
+    def own_address(self) -> str:
+        """The address of the worker this supervisor (and its planner) runs on."""
         from distributed import get_worker
 
         return str(get_worker().address)
@@ -123,7 +178,7 @@ class _Roles:
         where = await self._place()
         fut = self._client.submit(
             DataConstructor, self.cfg.name, index, self.members[index], self.cfg.batch.seq_len,
-            self.pad_id, self.cfg.prefetch, self.cfg.timeout, self.co.generation,
+            self.pad_id, self.cfg.prefetch, self.cfg.timeout, self.planner.generation,
             actor=True, workers=[where],
             allow_other_workers=False, pure=False,
             key=f"msd-{self.cfg.name}-constructor-{index}-{uuid.uuid4().hex[:8]}")
@@ -131,7 +186,7 @@ class _Roles:
 
     async def _new_loader(self, source: str, slot: int) -> tuple[Any, Any]:
         where = await self._place()
-        units = [(u.path, u.part, u.row_offset) for u in self.co.units[source]]
+        units = [(u.path, u.part, u.row_offset) for u in self.planner.units[source]]
         fut = self._client.submit(
             SourceLoader, self.payloads[source], units, self.tokenizer, slot,
             self.loader_threads, actor=True, workers=[where], allow_other_workers=False,
@@ -145,7 +200,8 @@ class _Roles:
         return slot
 
     # ---------------------------------------------------------------- lookup
-    def _resolve(self, source: str, slot: int) -> int:
+    def resolve(self, source: str, slot: int) -> int:
+        """The slot that reads the units of ``slot`` now (a retired slot's heir)."""
         seen = set()
         while slot in self._alias[source]:
             if slot in seen:  # pragma: no cover - aliases never form a cycle
@@ -155,7 +211,8 @@ class _Roles:
         return slot
 
     def loader(self, source: str, slot: int) -> Any:
-        return self._slots[source][self._resolve(source, slot)][0]
+        """The actor handle reading the units of ``source``'s ``slot``."""
+        return self._slots[source][self.resolve(source, slot)][0]
 
     def view(self) -> dict[str, dict[int, Any]]:
         """Slot -> actor handle for every slot ever used (retired slots point at their heir)."""
@@ -175,27 +232,35 @@ class _Roles:
     def next_slot(self, source: str, outstanding: Mapping[int, int] | None = None) -> int:
         """The active slot of ``source`` to give a new unit to
         (:func:`~msd_dask.core.scaling.pick_loader`: fewest ``outstanding`` units, else in turn)."""
-        from msd_dask.core.scaling import pick_loader
-
         return pick_loader(self.active[source], outstanding, next(self._rr[source]))
 
     async def loader_stats(self) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}
         for source, slots in self._slots.items():
-            out[source] = [dict(await direct(h).stats(), slot=slot, worker=h._address)
+            out[source] = [dict(await direct(h).stats(), slot=slot, worker=actor_address(h))
                            for slot, (h, _) in sorted(slots.items())]
         return out
 
     # -------------------------------------------------------------- calls
-    async def on_loader(self, source: str, slot: int, method: str, *args: Any) -> Any:
-        """Call a loader slot's ``method``; if its worker is lost meanwhile, call the actor
-        re-created in that slot instead (a call to a lost actor may hang, not fail)."""
-        async def call(h: Any) -> Any:
-            return await getattr(direct(h), method)(*args)  # a lost actor raises on access
+    async def assign_units(self, source: str, slot: int, keys: list[tuple[int, int]]) -> None:
+        """Queue ``(epoch, unit)`` keys on a loader slot (:meth:`SourceLoader.assign`)."""
+        await self._on_loader(source, slot, lambda loader: loader.assign(keys))
+
+    async def release_units(self, source: str, slot: int, keys: list[tuple[int, int]]) -> None:
+        """Let a loader slot drop units (:meth:`SourceLoader.release`)."""
+        await self._on_loader(source, slot, lambda loader: loader.release(keys))
+
+    async def _on_loader(self, source: str, slot: int,
+                         call: Callable[[Any], Awaitable[_T]]) -> _T:
+        """``call(loader)`` on a loader slot's actor; if its worker is lost meanwhile, on
+        the actor re-created in that slot instead (a call to a lost actor may hang, not fail)."""
+        async def run(h: Any) -> _T:
+            # inside a coroutine: a lost actor's handle raises on attribute access
+            return await call(direct(h))
 
         while True:
             h = self.loader(source, slot)
-            task = asyncio.ensure_future(call(h))
+            task = asyncio.ensure_future(run(h))
             replaced = False
             while not task.done():
                 await asyncio.wait({task}, timeout=1.0)
@@ -212,22 +277,31 @@ class _Roles:
                 continue
             raise exc
 
-    async def on_constructors(self, method: str, *args: Any) -> None:
-        """Call ``method`` on every constructor; survive constructors lost meanwhile.
+    async def wait_room(self, steps: int) -> None:
+        """Return once every constructor has room for ``steps`` more steps
+        (:meth:`DataConstructor.wait_room`); survives constructors lost meanwhile."""
+        await self._on_constructors(lambda i, c: c.wait_room(steps), resend=True)
 
-        ``submit`` gets each constructor's own share of the round ``args[0]``
-        (``[(step, [work of each constructor], info)]``).
+    async def submit(self, steps: list[StepRound], room: int) -> None:
+        """Hand every constructor its share of a round of ``steps`` and return once each
+        has room for ``room`` more (:meth:`DataConstructor.submit`); survives constructors
+        lost meanwhile (one re-created got the recent steps already: not sent again)."""
+        await self._on_constructors(
+            lambda i, c: c.submit([(s, w[i], info) for s, w, info in steps], room), resend=False)
+
+    async def _on_constructors(self, call: Callable[[int, Any], Awaitable[Any]],
+                               resend: bool) -> None:
+        """``call(i, constructor)`` on every constructor; survive constructors lost meanwhile.
+
+        ``resend``: call a constructor re-created (or moved) meanwhile again; else its
+        call is dropped (a re-created constructor got what :meth:`submit` sends).
         """
-        async def call(i: int) -> Any:
+        async def run(i: int) -> Any:
             # inside a coroutine: a lost actor's handle raises on attribute access
-            c = direct(self.constructors[i])
-            if method == "submit":
-                steps, *rest = args
-                return await c.submit([(s, w[i], info) for s, w, info in steps], *rest)
-            return await getattr(c, method)(*args)
+            return await call(i, direct(self.constructors[i]))
 
         handles = list(self.constructors)
-        pending = {i: asyncio.ensure_future(call(i)) for i in range(len(handles))}
+        pending = {i: asyncio.ensure_future(run(i)) for i in range(len(handles))}
         try:
             while pending:
                 done, _ = await asyncio.wait(pending.values(), timeout=1.0)
@@ -239,12 +313,12 @@ class _Roles:
                             await self.heal(wait=True)
                             if self.constructors[i] is handles[i]:
                                 raise t.exception()  # type: ignore[misc]
-                            # re-created: ``submit`` was re-sent with the recent steps
-                            if method == "submit":
+                            # re-created: it was sent the recent steps on creation
+                            if not resend:
                                 del pending[i]
                             else:
                                 handles[i] = self.constructors[i]
-                                pending[i] = asyncio.ensure_future(call(i))
+                                pending[i] = asyncio.ensure_future(run(i))
                 # a constructor replaced meanwhile (lost, or moved off a retiring worker by
                 # evacuate while it stays alive): its pending call is dropped or re-issued
                 if pending and (await self.heal() or any(
@@ -254,9 +328,9 @@ class _Roles:
                             gone = pending.pop(i)
                             gone.cancel()
                             gone.add_done_callback(_observe)
-                            if method != "submit":
+                            if resend:
                                 handles[i] = self.constructors[i]
-                                pending[i] = asyncio.ensure_future(call(i))
+                                pending[i] = asyncio.ensure_future(run(i))
         finally:  # raised early: the other calls must not fail unobserved later
             for t in pending.values():
                 t.cancel()
@@ -278,8 +352,9 @@ class _Roles:
             while True:
                 alive = set(await self._workers()) - self._evacuating
                 lost_l = [(s, slot) for s, slots in self._slots.items()
-                          for slot, (h, _) in slots.items() if h._address not in alive]
-                lost_c = [i for i, c in enumerate(self.constructors) if c._address not in alive]
+                          for slot, (h, _) in slots.items() if actor_address(h) not in alive]
+                lost_c = [i for i, c in enumerate(self.constructors)
+                          if actor_address(c) not in alive]
                 if lost_l or lost_c or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(0.25)
@@ -295,53 +370,42 @@ class _Roles:
         old_h, old_f = self._slots[source][slot]
         self._slots[source][slot] = await self._new_loader(source, slot)
         new = self._slots[source][slot][0]
-        self._log("loader", f"{source}#{slot}", why, old_h._address, new._address)
+        self.record_event("loader", f"{source}#{slot}", why, actor_address(old_h),
+                          actor_address(new))
         _drop((old_h, old_f))
-        await self._reassign(source, [slot], slot)
-
-    async def _reassign(self, source: str, slots: list[int], heir: int) -> None:
-        """Give the live units of ``slots`` to ``heir`` (which re-reads them) and re-ask lengths."""
-        co = self.co
-        moved = [k for k, s in co._owner.items()
-                 if k[0] == source and (s in slots or self._resolve(source, s) in slots)]
-        for k in moved:
-            co._owner[k] = heir
-        await self.loader(source, heir).assign([(k[1], k[2]) for k in moved])
-        for k in moved:
-            if k not in co._meta:
-                old = co._meta_tasks.pop(k, None)
-                if old is not None:
-                    old.cancel()
-                co._request_meta(k)
+        await self.planner.hand_over(source, [slot], slot)
 
     async def _replace_constructor(self, i: int, why: str) -> None:
         old = self.constructors[i]
         handle, fut = await self._new_constructor(i)
-        await handle.setup(self.view(), self.co.had)
+        await handle.setup(self.view(), self.planner.had)
         self.constructors[i] = handle
         old_f, self._cfuts[i] = self._cfuts[i], fut
-        self._log("constructor", str(i), why, old._address, handle._address)
+        self.record_event("constructor", str(i), why, actor_address(old), actor_address(handle))
         # steps that may not have been claimed by every rank yet go to the new one
-        safe = self.co._last_submitted - self.cfg.prefetch
-        await handle.submit([(step, work[i], info) for step, (work, info) in self.co._recent.items()
-                             if step > safe], force=True)
+        await handle.submit([(step, work[i], info)
+                             for step, work, info in self.planner.unclaimed_steps()], force=True)
         if why != "lost":
             await old.close()
         _drop((old, old_f))
 
-    def _log(self, role: str, name: str, why: str, old: str, new: str) -> None:
+    def record_event(self, role: str, name: str, why: str, old: str | None, new: str | None,
+                     detail: str = "") -> None:
+        """Count and log a role re-created, moved, added or retired (:attr:`events`, the
+        last 100; ``why``: ``lost``, ``moved``, ``added`` or ``retired``).
+
+        ``old``, ``new``: the workers it was on and is on now; ``detail`` ends the log line.
+        """
         self.recovered[role] += 1
         ev = {"time": time.time(), "role": role, "name": name, "why": why, "from": old,
-              "to": new, "step": self.co.planner.step}
+              "to": new, "step": self.planner.next_step()}
         self.events.append(ev)
         del self.events[:-100]
         what = {"lost": f"lost on {old}, re-created on {new}",
                 "moved": f"moved from {old} to {new}",
                 "added": f"added on {new}",
                 "retired": f"retired from {old}; its units went to the loader on {new}"}[why]
-        if role == "planner":
-            what += f", resuming after step {self.co.first_step - 1}"
-        _log.warning("msd_dask %s: %s %s %s", self.cfg.name, role, name, what)
+        _log.warning("msd_dask %s: %s %s %s%s", self.cfg.name, role, name, what, detail)
 
     async def _push_loaders(self) -> None:
         view = self.view()
@@ -353,8 +417,7 @@ class _Roles:
 
     # -------------------------------------------------------------- scaling
     def bounds(self, source: str) -> tuple[int, int]:
-        from msd_dask.core.scaling import ScalingPolicy
-
+        """The least and most loaders ``source`` may have (the config's scaling bounds)."""
         return ScalingPolicy.from_config(self.cfg).bounds(source)
 
     async def scale(self, source: str, n: int) -> int:
@@ -363,11 +426,12 @@ class _Roles:
             raise KeyError(f"no source {source!r}")
         lo, hi = self.bounds(source)
         self._targets[source] = max(lo, min(hi, n))
-        if self.co._task is None:  # not planning: apply now
+        if not self.planner.is_planning():  # not planning: apply now
             await self.apply_scaling()
         return self._targets[source]
 
     async def apply_scaling(self) -> None:
+        """Add or retire loader slots to reach the counts :meth:`scale` asked for."""
         async with self._lock:
             changed = False
             for source, n in list(self._targets.items()):
@@ -375,11 +439,11 @@ class _Roles:
                 grew = len(act) < n
                 while len(act) < n:
                     slot = await self._add_slot(source)
-                    self._log("loader", f"{source}#{slot}", "added", "-",
-                              self._slots[source][slot][0]._address)
+                    self.record_event("loader", f"{source}#{slot}", "added", "-",
+                                      actor_address(self._slots[source][slot][0]))
                     changed = True
-                if grew:
-                    await self._spread_pending(source)
+                if grew:  # the units not read yet: added loaders help at once
+                    await self.planner.spread_units(source)
                 while len(act) > n:
                     slot = act.pop()
                     await self._retire_slot(source, slot, act[0])
@@ -388,37 +452,12 @@ class _Roles:
             if changed:
                 await self._push_loaders()
 
-    async def _spread_pending(self, source: str) -> None:
-        """Re-split the units assigned but not read yet over all active slots (new ones too),
-        so added loaders help at once instead of after the backlog."""
-        co = self.co
-        pending = [k for k in co._owner if k[0] == source and k not in co._meta]
-        act = self.active[source]
-        moves: dict[int, list[tuple[str, int, int]]] = {}
-        for i, k in enumerate(pending):
-            want = act[i % len(act)]
-            if self._resolve(source, co._owner[k]) != want:
-                moves.setdefault(want, []).append(k)
-        for slot, keys in moves.items():
-            old: dict[int, list[tuple[int, int]]] = {}
-            for k in keys:
-                old.setdefault(self._resolve(source, co._owner[k]), []).append((k[1], k[2]))
-                co._owner[k] = slot
-            await self.loader(source, slot).assign([(k[1], k[2]) for k in keys])
-            for k in keys:
-                task = co._meta_tasks.pop(k, None)
-                if task is not None:
-                    task.cancel()
-                co._request_meta(k)
-            for s, ks in old.items():
-                await self.loader(source, s).release(ks)
-
     async def _retire_slot(self, source: str, slot: int, heir: int) -> None:
         h, f = self._slots[source].pop(slot)
         self._alias[source][slot] = heir
-        await self._reassign(source, [slot], heir)
-        self._log("loader", f"{source}#{slot}", "retired", h._address,
-                  self.loader(source, heir)._address)
+        await self.planner.hand_over(source, [slot], heir)
+        self.record_event("loader", f"{source}#{slot}", "retired", actor_address(h),
+                          actor_address(self.loader(source, heir)))
         await self._push_loaders()
         try:
             await h.close()
@@ -428,25 +467,26 @@ class _Roles:
 
     async def evacuate(self, workers: list[str]) -> dict[str, int]:
         """Move loaders and constructors off ``workers``; returns how many moved."""
-        if self._own_address() in workers:
-            raise ValueError(f"the planner itself runs on {self._own_address()}; it cannot "
+        if self.own_address() in workers:
+            raise ValueError(f"the planner itself runs on {self.own_address()}; it cannot "
                              "move (restart the service from a state_dict instead)")
         moved = Counter[str]()
         async with self._lock:
             self._evacuating.update(workers)
             for source, slots in self._slots.items():
                 for slot, (h, _) in list(slots.items()):
-                    if h._address in workers:
+                    if actor_address(h) in workers:
                         await self._replace_loader(source, slot, "moved")
                         moved["loaders"] += 1
             await self._push_loaders()
             for i, c in enumerate(list(self.constructors)):
-                if c._address in workers:
+                if actor_address(c) in workers:
                     await self._replace_constructor(i, "moved")
                     moved["constructors"] += 1
         return dict(moved)
 
     async def close(self) -> None:
+        """Close every constructor and loader and let Dask forget their actors."""
         for c in self.constructors:
             try:
                 await asyncio.wait_for(c.close(), 5)
@@ -470,13 +510,10 @@ async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, A
     tickets and give their memory back.  Returns ``{"closed": n, "last_claimed":
     {rank: step}}``, the ranks' last claimed steps on the closed constructors.
     """
-    from msd_dask.roles.constructor import DataConstructor
-    from msd_dask.roles.loader import SourceLoader
-
     prefix = f"msd-{name}-"
     closed = 0
     last: dict[int, int] = {}
-    for key, role in list(dask_worker.state.actors.items()):
+    for key, role in list(worker_actors(dask_worker).items()):
         if not str(key).startswith(prefix) or not isinstance(role, DataConstructor | SourceLoader):
             continue
         try:
@@ -505,8 +542,6 @@ def _drop(*roles: tuple[Any, Any]) -> None:
     import gc
 
     for handle, fut in roles:
-        inner = handle.__dict__.get("_future")
-        if inner is not None:
-            inner.release()
+        release_actor(handle)
         fut.release()
     gc.collect()
