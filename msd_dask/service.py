@@ -75,7 +75,7 @@ def discover_units(cfg: Config, threads: int = 8,
     # imported where units are listed (DataService.start: a worker, see
     # _discover_on_worker), never by a reader or the process that starts the service
     from msd_dask.formats import get_format
-    from msd_dask.roles.loader import with_source
+    from msd_dask.sources.documents import with_source
     from msd_dask.sources.storage import open_source
 
     units: dict[str, list[tuple[str, int, int]]] = {}
