@@ -8,9 +8,13 @@ the one module to adapt; each function says what it relies on.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["actor_address", "local_actor", "release_actor", "worker_actors"]
+__all__ = ["actor_address", "drop_queues", "has_client", "keys_on", "local_actor",
+           "published_datasets", "put_in_queues", "scheduler_workers", "task_worker",
+           "wrap_scheduler_call"]
 
 
 def actor_address(handle: Any) -> str | None:
@@ -36,26 +40,147 @@ def local_actor(worker: Any, handle: Any) -> Any | None:
     return worker.state.actors.get(handle.key)
 
 
-def worker_actors(worker: Any) -> dict[Any, Any]:
-    """The actors ``worker`` holds: ``{key: actor object}``.
+# ------------------------------------------------------- the front (service, plugin)
+def task_worker(key: str, dask_scheduler: Any = None) -> str | None:
+    """The worker running the task ``key``, if any (runs on the scheduler).
 
-    Relies on ``Worker.state.actors``: Dask has no public way to reach the actor
-    objects a worker holds, and the process re-creating a lost planner must
-    close the roles the lost one left on every worker (they would go on
-    publishing tickets and holding memory; see
-    :func:`msd_dask.roles.supervisor.close_service_roles`).
+    Relies on ``Scheduler.tasks`` and ``TaskState.processing_on``: Dask's client
+    has no call that says where a task runs; the service names the worker in the
+    message of a unit listing that did not finish.
     """
-    return dict(worker.state.actors)
+    ts = dask_scheduler.tasks.get(key)
+    ws = getattr(ts, "processing_on", None)
+    return None if ws is None else str(ws.address)
 
 
-def release_actor(handle: Any) -> None:
-    """Release the future an actor handle holds on its actor's key, if it holds one.
+def keys_on(dask_scheduler: Any, workers: list[str], prefix: str) -> list[str]:
+    """Keys starting with ``prefix`` held or running on ``workers`` (runs on the scheduler).
 
-    Relies on ``distributed.Actor._future`` (set on a handle made from a
-    ``submit(..., actor=True)`` future): released only through the submit
-    future, a closed role's key stayed on the scheduler and its actor on its
-    worker for as long as the cluster ran.
+    Relies on ``Scheduler.workers`` and ``WorkerState.has_what`` / ``.processing``:
+    ``Client.has_what`` does not list running tasks (an actor is one), and
+    retiring a worker must wait until no role's key is left on it.
     """
-    inner = handle.__dict__.get("_future")
-    if inner is not None:
-        inner.release()
+    out = []
+    for w in workers:
+        ws = dask_scheduler.workers.get(w)
+        if ws is not None:
+            out += [str(ts.key) for ts in (*ws.has_what, *ws.processing)
+                    if str(ts.key).startswith(prefix)]
+    return out
+
+
+def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
+    """Whether the client ``client_id`` is connected (runs on the scheduler).
+
+    Relies on ``Scheduler.clients`` (client id -> state): Dask has no call that
+    says whether another client is connected; a reader asks whether the process
+    that started the service (the only one that can re-create a lost planner) is.
+    """
+    return client_id in dask_scheduler.clients
+
+
+def drop_queues(names: list[str], dask_scheduler: Any = None) -> int:
+    """Delete the ``distributed.Queue`` s ``names``; returns how many existed (on the scheduler).
+
+    Relies on the queue extension (``Scheduler.extensions["queues"]``: its
+    ``queues``, ``client_refcount`` and ``release``): a queue lives on the
+    scheduler until every client that made it releases it, which nothing does,
+    and Dask has no call to delete one.  The queues of a closed (or crashed)
+    service of the same name still hold its last tickets, which a new service's
+    readers would take for their own.
+    """
+    ext = dask_scheduler.extensions.get("queues")
+    dropped = 0
+    for name in names:
+        if ext is not None and name in ext.queues:
+            ext.client_refcount[name] = 1
+            ext.release(name=name)
+            dropped += 1
+    return dropped
+
+
+def put_in_queues(names: list[str], message: dict[str, Any], dask_scheduler: Any = None
+                  ) -> int:
+    """Put ``message`` in each of the queues ``names`` that exists; returns how many.
+
+    Relies on the queue extension's ``queues`` (name -> ``asyncio.Queue`` of
+    ``{"type", "value"}`` items): ``Queue.put`` from a client would create the
+    queues that do not exist and costs one round trip per queue; this is one
+    call to the scheduler whatever the number of ranks.
+    """
+    ext = dask_scheduler.extensions.get("queues")
+    put = 0
+    for name in names:
+        if ext is not None and name in ext.queues:
+            ext.queues[name].put_nowait({"type": "msgpack", "value": message})
+            put += 1
+    return put
+
+
+def scheduler_workers(client: Any, timeout: float) -> set[str]:
+    """The addresses of the workers the scheduler knows now (raises if it does not answer).
+
+    Relies on ``Client.sync`` and the scheduler RPC ``client.scheduler.identity``:
+    ``Client.scheduler_info()`` may answer from the client's cached copy and
+    takes no timeout, and the owner must tell a lost worker from an unreachable
+    scheduler within ``timeout`` seconds.
+    """
+    info = client.sync(client.scheduler.identity, callback_timeout=timeout)
+    return set(info["workers"])
+
+
+def published_datasets(scheduler: Any) -> dict[Any, Any] | None:
+    """The datasets published on ``scheduler`` (name -> entry), from inside the scheduler.
+
+    Relies on the publish extension (``Scheduler.extensions["publish"].datasets``):
+    a scheduler plugin reads them without a client round trip, and an entry's
+    identity tells whether a name was published again since.  ``None`` if the
+    extension is missing or changed.
+    """
+    ext = getattr(scheduler, "extensions", {}).get("publish")
+    datasets = getattr(ext, "datasets", None)
+    return datasets if isinstance(datasets, dict) else None
+
+
+def wrap_scheduler_call(scheduler: Any, name: str, wrap: Callable[..., Any]
+                        ) -> Callable[[], None]:
+    """Route the scheduler's RPC handler ``name`` and its method ``name`` through
+    ``wrap(original, *args, **kwargs)``; returns a function that puts both back
+    (unless something wrapped them again since).
+
+    Relies on ``Scheduler.handlers`` (the table the scheduler's server dispatches
+    RPCs from) and on setting a method on the scheduler instance: Dask has no
+    hook on the answers of ``adaptive_target`` and ``workers_to_close``, which
+    ``Adaptive`` calls as RPCs and the scheduler (HTTP API, ``retire_workers``)
+    as methods.
+    """
+    hooks = []
+    for where in (scheduler.handlers, scheduler):
+        original = where[name] if where is scheduler.handlers else getattr(where, name)
+        wrapper = _wrapped(wrap, original)
+        if where is scheduler.handlers:
+            where[name] = wrapper
+        else:
+            setattr(where, name, wrapper)
+        hooks.append((where, original, wrapper))
+
+    def unwrap() -> None:
+        for where, original, wrapper in reversed(hooks):
+            if isinstance(where, dict):
+                if where.get(name) is wrapper:
+                    where[name] = original
+            elif where.__dict__.get(name) is wrapper:
+                del where.__dict__[name]  # back to the class's method
+                if getattr(where, name) != original:
+                    setattr(where, name, original)
+
+    return unwrap
+
+
+def _wrapped(wrap: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrap(original, ...)`` under ``original``'s name and signature (Dask's RPC reads both)."""
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return wrap(original, *args, **kwargs)
+
+    return wrapper

@@ -26,7 +26,6 @@ Moving roles off a worker is :meth:`msd_dask.DataService.retire_workers`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -38,6 +37,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
 from msd_dask.core.figures import rank_figures, source_figures
+from msd_dask.dask_internals import published_datasets, wrap_scheduler_call
 
 __all__ = ["MsdSchedulerPlugin", "dask_setup"]
 
@@ -109,8 +109,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self._targets: dict[str, dict[str, int]] = {}
         #: roles each service wants (last poll), for ``adaptive_target``
         self._wanted: dict[str, int] = {}
-        #: (where, name, original, wrapper) of every hooked scheduler entry point
-        self._hooks: list[tuple[Any, str, Any, Any]] = []
+        #: what puts back each scheduler entry point :meth:`_hook` wrapped
+        self._unhooks: list[Callable[[], None]] = []
         #: name -> (the scheduler's entry of the published dataset, registry): a registry
         #: is fetched again only when it is published again (a new entry) or a poll fails
         self._registries: dict[str, tuple[Any, dict[str, Any]]] = {}
@@ -152,7 +152,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
 
     async def poll(self) -> None:
         """Refresh the figures of every published service."""
-        published = self._published()
+        published = published_datasets(self.scheduler)
         listed = list(published) if published is not None else await self._client.list_datasets()
         names = [n for n in listed if str(n).startswith(_PREFIX)]
         self.polls += 1
@@ -195,12 +195,6 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         for gone in set(self._registries) - live:
             del self._registries[gone]
 
-    def _published(self) -> dict[Any, Any] | None:
-        """The scheduler's published datasets (this plugin runs in the scheduler)."""
-        ext = getattr(self.scheduler, "extensions", {}).get("publish")
-        datasets = getattr(ext, "datasets", None)
-        return datasets if isinstance(datasets, dict) else None
-
     async def _registry(self, key: Any) -> dict[str, Any]:
         """A service's published registry; fetched (≈21 KB) only when published anew.
 
@@ -208,7 +202,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         tells whether the cached registry is still the published one.
         """
         name = str(key)[len(_PREFIX):]
-        published = self._published()
+        published = published_datasets(self.scheduler)
         entry = published.get(key) if published is not None else None
         cached = self._registries.get(name)
         if cached is not None and entry is not None and cached[0] is entry:
@@ -267,26 +261,13 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         wrappers: dict[str, Callable[..., Any]] = {
             "adaptive_target": self._adaptive_target, "workers_to_close": self._workers_to_close}
         for name, wrap in wrappers.items():
-            for where in (scheduler.handlers, scheduler):
-                original = where[name] if where is scheduler.handlers else getattr(where, name)
-                wrapper = _wrapped(wrap, original)
-                if where is scheduler.handlers:
-                    where[name] = wrapper
-                else:
-                    setattr(where, name, wrapper)
-                self._hooks.append((where, name, original, wrapper))
+            self._unhooks.append(wrap_scheduler_call(scheduler, name, wrap))
 
     def _unhook(self) -> None:
         """Put back what :meth:`_hook` wrapped (unless something wrapped it again since)."""
-        for where, name, original, wrapper in reversed(self._hooks):
-            if isinstance(where, dict):
-                if where.get(name) is wrapper:
-                    where[name] = original
-            elif where.__dict__.get(name) is wrapper:
-                del where.__dict__[name]  # back to the class's method
-                if getattr(where, name) != original:
-                    setattr(where, name, original)
-        self._hooks.clear()
+        for unhook in reversed(self._unhooks):
+            unhook()
+        self._unhooks.clear()
 
     def _active(self) -> bool:
         """Whether this plugin is still installed (a removed one must not steer Adaptive)."""
@@ -374,15 +355,6 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                          "scaling": list(self.decisions.get(name, []))[-20:],
                          "error": snap["planner"].get("error")}
         return {"services": out, "time": time.time()}
-
-
-def _wrapped(wrap: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    """``wrap(original, ...)`` under ``original``'s name and signature (Dask's RPC reads both)."""
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return wrap(original, *args, **kwargs)
-
-    return wrapper
 
 
 def _running(ws: Any) -> bool:
