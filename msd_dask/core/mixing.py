@@ -34,6 +34,8 @@ class Mixer:
         self.sources = list(sources)
         #: each source's credit, in the order of :attr:`sources`
         self.credits = [0.0] * len(self.sources)
+        self._js = range(len(self.sources))
+        self._two = len(self.sources) == 2
 
     @property
     def credit(self) -> dict[str, float]:
@@ -67,10 +69,13 @@ class Mixer:
             eligible) and the room left.
         """
         credit = self.credits
-        js = range(len(credit))
-        two = len(credit) == 2  # the common case, with the loops over sources written out
-        w0, w1 = (list(weights) + [0.0, 0.0])[:2]
-        c0, c1 = (credit + [0.0, 0.0])[:2]  # the credit while ``two``
+        js = self._js
+        two = self._two  # the common case, with the loops over sources written out
+        if two:
+            w0, w1 = weights
+            c0, c1 = credit  # the credit while ``two``
+        else:
+            w0 = w1 = c0 = c1 = 0.0
         src = first
         while True:
             if src < 0:
