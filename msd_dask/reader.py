@@ -7,37 +7,77 @@ constructor the ticket names, all in one call
 through the scheduler; it hands them out one step at a time.  It follows the service to a
 re-created planner (tickets carry the planner generation ``g``) and skips the
 steps it already has (:meth:`Reader.load_state_dict`).
+
+A reader reads through a :class:`ServiceLink` (what it needs from its service;
+:class:`~msd_dask.link.PlannerLink` is the one :meth:`DataService.reader` hands it).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
 
 from msd_dask.batch import Batch
+from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import queue_name
 
-if TYPE_CHECKING:
-    from msd_dask.service import DataService
+__all__ = ["Reader", "ServiceLink"]
 
-__all__ = ["Reader"]
+
+class ServiceLink(Protocol):
+    """What a :class:`Reader` needs from its service: the current planner generation.
+
+    The planner may be lost and re-created (a higher ``generation``, published
+    under the same name); the link switches to it and tells every reader of the
+    process (:meth:`announce_generation`).
+    """
+
+    client: Any
+    config: Config
+    name: str
+    #: the current planner generation, its planner and constructors (actor handles)
+    generation: int
+    planner: Any
+    constructors: list[Any]
+    #: (generation, constructors of that generation), replaced together
+    handles: tuple[int, list[Any]]
+
+    def refresh(self) -> None:
+        """Fetch the current constructors; switch to a re-created planner if needed."""
+
+    def adopt_published(self) -> bool:
+        """Switch to the published planner if it is a newer generation; whether it was."""
+
+    def planner_lost(self, *, confirm: bool = False) -> bool:
+        """Whether Dask reports the current planner lost."""
+
+    def raise_if_lost(self, deadline: float | None = None,
+                      cause: BaseException | None = None) -> None:
+        """Raise if the planner is lost for good, or (past ``deadline``) did not answer."""
+
+    def on_new_generation(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (held weakly) each time the planner was re-created."""
+
+    def announce_generation(self) -> None:
+        """Call every listener: the readers tell the new constructors what they have."""
 
 
 class Reader:
     """Iterator over one global rank's batches (see :meth:`DataService.reader`)."""
 
-    def __init__(self, service: DataService, rank: int, *, timeout: float):
+    def __init__(self, link: ServiceLink, rank: int, *, timeout: float):
         from distributed import Queue
 
-        cfg = service.config
+        cfg = link.config
         if not 0 <= rank < cfg.parallel.world_size:
             raise ValueError(f"rank {rank} is outside [0, {cfg.parallel.world_size}) for "
                              f"parallel {cfg.parallel}")
-        self.service = service
+        #: the service's current planner generation (see :class:`ServiceLink`)
+        self.link = link
         self.rank = rank
         self.coords = cfg.parallel.coords(rank)
         self.timeout = timeout
@@ -45,10 +85,11 @@ class Reader:
         self._view = (self.coords["cp"], cfg.parallel.cp, self.coords["pp"], cfg.parallel.pp)
         self._skip_through = -1
         #: the planner generation whose constructors know what this reader has
-        self._gen = service._handles[0]
-        self._queue = Queue(queue_name(cfg.name, rank), client=service.client)
+        self._gen = link.handles[0]
+        self._queue = Queue(queue_name(cfg.name, rank), client=link.client)
         #: batches of the last round claimed and not returned yet (in step order)
         self._held: deque[Batch] = deque()
+        link.on_new_generation(self._tell_new_generation)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the last step this reader returned (``None``: none yet)."""
@@ -69,7 +110,7 @@ class Reader:
     def _done(self) -> int:
         """The last step this reader has (returned, skipped or claimed and held); -1 if none."""
         done = self._skip_through if self.step is None else max(self.step, self._skip_through)
-        try:  # another reader's thread may ask (_tell_readers) while this one pops
+        try:  # another reader's thread may ask (announce_generation) while this one pops
             return max(done, self._held[-1].step)
         except IndexError:
             return done
@@ -88,15 +129,15 @@ class Reader:
         while True:
             ticket = self._ticket()
             g = int(ticket.get("g", 0))
-            if g > self.service.generation:  # from a re-created planner: switch to it
+            if g > self.link.generation:  # from a re-created planner: switch to it
                 self._follow(g)
-            self.service._tell_readers()
-            if g < self.service.generation:
+            self.link.announce_generation()
+            if g < self.link.generation:
                 # planned by a planner since replaced: the current one plans every step
                 # after the state it resumed from again, so this one comes again
                 continue
             if "error" in ticket:
-                raise ServiceError(f"service {self.service.name!r}: {ticket['error']}")
+                raise ServiceError(f"service {self.link.name!r}: {ticket['error']}")
             done = self._done()
             steps = [int(s) for s in ticket["steps"]]
             for step in steps:
@@ -111,21 +152,21 @@ class Reader:
     def _follow(self, generation: int) -> None:
         """Switch the service to the published planner of ``generation`` (or later)."""
         deadline = time.monotonic() + self.timeout
-        while self.service.generation < generation:
-            if not self.service._adopt_published():
+        while self.link.generation < generation:
+            if not self.link.adopt_published():
                 if time.monotonic() > deadline:
                     raise ServiceTimeoutError(
                         f"rank {self.rank}: got a ticket of planner generation {generation} of "
-                        f"service {self.service.name!r} but found only generation "
-                        f"{self.service.generation} published within {self.timeout:.0f}s")
+                        f"service {self.link.name!r} but found only generation "
+                        f"{self.link.generation} published within {self.timeout:.0f}s")
                 time.sleep(0.25)
-        self.service.refresh()
+        self.link.refresh()
 
     def _tell_new_generation(self) -> None:
         """After the planner was re-created: tell its constructors which steps this rank
         has, so they do not hold those steps for it (best effort: the tickets of those
         steps are skipped anyway)."""
-        gen, constructors = self.service._handles
+        gen, constructors = self.link.handles
         if self._gen == gen:
             return
         self._gen = gen
@@ -150,7 +191,7 @@ class Reader:
         deadline = time.monotonic() + self.timeout
         while True:
             try:  # short waits: a call to a lost actor hangs instead of failing
-                self.service.constructors[c].skip(step, self.rank).result(timeout=2.0)
+                self.link.constructors[c].skip(step, self.rank).result(timeout=2.0)
                 return
             except KeyError:
                 return  # nothing held for this rank at that step
@@ -158,7 +199,7 @@ class Reader:
                 if time.monotonic() > deadline:
                     return  # give up on releasing; the claim path reports real trouble
                 time.sleep(0.25)
-                self.service.refresh()
+                self.link.refresh()
 
     def _ticket(self) -> dict[str, Any]:
         waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
@@ -169,28 +210,28 @@ class Reader:
                                                                  deadline - time.monotonic()))))
             except TimeoutError:
                 pass
-            if self.service._planner_lost():
+            if self.link.planner_lost():
                 # its successor (if the service's owner re-creates it) is published; a
                 # planner nobody can re-create is reported at once
-                if self.service._adopt_published():
-                    self.service.refresh()
-                    self.service._tell_readers()
+                if self.link.adopt_published():
+                    self.link.refresh()
+                    self.link.announce_generation()
                 else:
-                    self.service._raise_if_lost()
+                    self.link.raise_if_lost()
             if time.monotonic() > deadline:
                 lost = ""
-                if self.service._planner_lost():
+                if self.link.planner_lost():
                     lost = (f"the planner was lost with its worker and not re-created; "
                             f"{RESTART_HINT}; ")
                 raise ServiceTimeoutError(
                     f"rank {self.rank} waited {self.timeout:.0f}s for {waiting_for} of service "
-                    f"{self.service.name!r}: no batch was published; {lost}{self._diagnose()}")
+                    f"{self.link.name!r}: no batch was published; {lost}{self._diagnose()}")
 
     def _diagnose(self) -> str:
         """Which role is stuck, from the roles' own stats (best effort, a few seconds)."""
         parts = []
         try:
-            planner = self.service.planner.stats().result(timeout=5)
+            planner = self.link.planner.stats().result(timeout=5)
             if planner.get("error"):
                 parts.append(f"planner failed: {planner['error']}")
             elif planner.get("waiting"):
@@ -198,7 +239,7 @@ class Reader:
                              f"{planner['waiting']}")
             else:
                 parts.append(f"planner is planning step {planner['steps_planned']}")
-            for i, c in enumerate(self.service.constructors):
+            for i, c in enumerate(self.link.constructors):
                 st = c.stats().result(timeout=5)
                 if st.get("error"):
                     parts.append(f"constructor {i} failed: {st['error']}")
@@ -222,14 +263,14 @@ class Reader:
         if step is None:
             raise ValueError("report_step_time: no step was read yet")
         try:
-            self.service.planner.report_step_time(int(step), self.coords["dp"], float(seconds))
+            self.link.planner.report_step_time(int(step), self.coords["dp"], float(seconds))
         except Exception:  # noqa: BLE001 - a lost planner: its successor fits from new reports
             pass
 
     def _claim(self, c: int, steps: list[int]) -> list[Batch]:
         """Claim ``steps`` from constructor ``c`` in one call (on its current actor)."""
         deadline = time.monotonic() + self.timeout
-        constructor = self.service.constructors[c]
+        constructor = self.link.constructors[c]
         what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
         call = None
         while True:
@@ -255,8 +296,8 @@ class Reader:
                         f"handed over {what} within {self.timeout:.0f}s ({e!r})") from e
                 time.sleep(0.5)
                 call = None
-            self.service.refresh()
-            self.service._tell_readers()
-            if self.service.constructors[c].key != constructor.key:
-                constructor, call = self.service.constructors[c], None
+            self.link.refresh()
+            self.link.announce_generation()
+            if self.link.constructors[c].key != constructor.key:
+                constructor, call = self.link.constructors[c], None
         return [Batch.from_payload(from_wire(p), self.rank) for p in payloads]

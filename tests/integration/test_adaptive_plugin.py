@@ -60,7 +60,7 @@ def test_plugin_fetches_a_registry_once_until_it_is_published_again(corpus):
         # one fetch for all those polls (it was one per poll: ~21 KB a second per service)
         assert state()["fetches"] == 1
         # published again (a re-created planner publishes its registry anew): fetched again
-        client.publish_dataset(svc._registry, name="msd-cached", override=True)
+        client.publish_dataset(svc.link.registry, name="msd-cached", override=True)
         now = state()["polls"]
         serve_steps_until(readers, recs, lambda: state()["polls"] >= now + 2, "two more polls")
         assert state()["fetches"] == 2

@@ -43,7 +43,7 @@ except DataError as e:
     out["error"] = {"type": type(e).__name__, "message": str(e), "source": e.source,
                     "path": e.path, "row": e.row}
 else:
-    out["units"], out["roots"] = svc._recipe["units"], svc._recipe["roots"]
+    out["units"], out["roots"] = svc.keeper.recipe["units"], svc.keeper.recipe["roots"]
     svc.close()
 out["modules"] = sorted(sys.modules)
 print(json.dumps(out))

@@ -57,7 +57,7 @@ def _run(cfg: dict, steps: int) -> tuple[list[dict], int, dict]:
             assert time.monotonic() < deadline, st["planner"]["waiting"]
             last = held
             time.sleep(0.5)
-        state = svc._ask("state")
+        state = svc.link.call(lambda p: p.state())
     return recs, held, state
 
 

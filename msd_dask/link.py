@@ -1,0 +1,208 @@
+"""A process's link to a service's current planner: what a handle and its readers share.
+
+The planner may be lost with its worker; the process that started the service
+re-creates it (a new *generation*, :mod:`msd_dask.recovery`) and publishes it
+again under the same name.  A :class:`PlannerLink` holds the handles of the
+current generation (planner, constructors), switches to a newer one when the
+current planner stops answering, and tells this process's readers when it did
+(they tell the new constructors which steps they have).  It is the
+:class:`~msd_dask.reader.ServiceLink` a :class:`~msd_dask.reader.Reader` reads through.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from msd_dask.core.config import Config
+from msd_dask.dask_internals import actor_address, has_client, scheduler_workers
+from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
+from msd_dask.placement import REGISTRY_PREFIX
+
+__all__ = ["PlannerLink"]
+
+_log = logging.getLogger("msd_dask.service")
+
+
+class PlannerLink:
+    """The current planner generation of service ``cfg.name``, as seen from this process.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    cfg : Config
+    registry : dict
+        The published registry (see :func:`msd_dask.placement.place_planner`).
+    owner : bool
+        Whether this process started the service (and re-creates a lost planner).
+    """
+
+    def __init__(self, client: Any, cfg: Config, registry: dict[str, Any], *,
+                 owner: bool = False):
+        self.client = client
+        self.config = cfg
+        self.name = cfg.name
+        self.owner = owner
+        #: set when the owner's handle closes (a closed owner re-creates nothing)
+        self.closed = False
+        self.registry = registry
+        #: the planner's generation: 0, then one more each time a lost one is re-created
+        self.generation = int(registry.get("generation", 0))
+        #: held while the planner handle, its generation and the constructors change
+        self._swap = threading.Lock()
+        self.planner: Any = None
+        try:
+            self.planner = registry["planner"].result(timeout=cfg.timeout)
+        except Exception:  # noqa: BLE001 - a lost planner: refresh finds its successor
+            pass
+        self.constructors: list[Any] = []
+        #: (generation, constructors of that generation), replaced together
+        self.handles: tuple[int, list[Any]] = (-1, [])
+        self._listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self._listeners_lock = threading.Lock()
+
+    def refresh(self) -> None:
+        """Fetch the current constructor handles (they change when a role is re-created).
+
+        If the planner does not answer, switch to the one the service re-created
+        after losing it (published under the same name, a higher generation).
+
+        Raises
+        ------
+        ServiceError
+            The planner was lost and the process that started the service is gone,
+            so nothing can re-create it.
+        ServiceTimeoutError
+            The planner did not answer, and no successor appeared, within the
+            config's ``timeout``.
+        """
+        deadline = time.monotonic() + self.config.timeout
+        while True:
+            with self._swap:
+                planner, gen = self.planner, self.generation
+            try:  # short waits: a call to a lost actor may hang instead of failing
+                handles = planner.handles(False).result(timeout=5.0)
+            except Exception as e:  # noqa: BLE001 - lost or busy: look for a successor
+                if self.adopt_published():
+                    continue
+                self.raise_if_lost(deadline, e)
+                time.sleep(0.5)
+                continue
+            with self._swap:
+                if gen == self.generation:
+                    self.constructors = list(handles["constructors"])
+                    self.handles = (gen, self.constructors)
+                    return
+
+    def call(self, request: Callable[[Any], Any]) -> Any:
+        """``request(planner)``'s result (an actor call); once more on its successor if
+        the planner was lost or did not answer within the config's ``timeout``."""
+        try:
+            return request(self.planner).result(timeout=self.config.timeout)
+        except (KeyError, ValueError, ServiceError):
+            raise
+        except Exception:  # noqa: BLE001 - lost or not answering: find the current one
+            self.refresh()
+            return request(self.planner).result(timeout=self.config.timeout)
+
+    def planner_lost(self, *, confirm: bool = False) -> bool:
+        """Whether the current planner is lost with its worker.
+
+        Without ``confirm``: whether Dask reports the planner's future lost (no
+        call).  With ``confirm`` (the owner, before re-creating it): also when its
+        worker is no longer among the scheduler's, but only while the scheduler
+        answers (a lost scheduler cancels every future too, but then there is
+        nothing to re-create the planner on).
+        """
+        fut = self.registry.get("planner")
+        lost = fut is not None and fut.status in ("error", "lost", "cancelled")
+        if not confirm:
+            return lost
+        if self.client.status != "running":
+            return False
+        try:
+            workers = scheduler_workers(self.client, 5)
+        except Exception:  # noqa: BLE001 - scheduler unreachable: nothing to do from here
+            return False
+        return lost or actor_address(self.planner) not in workers
+
+    def owner_alive(self) -> bool:
+        """Whether the process that started the service is still connected (True if unknown)."""
+        if self.owner:
+            return not self.closed
+        cid = self.registry.get("owner")
+        if cid is None:
+            return True
+        try:
+            return bool(self.client.run_on_scheduler(has_client, cid, callback_timeout=5))
+        except Exception:  # noqa: BLE001 - unknown: assume it is
+            return True
+
+    def adopt_published(self) -> bool:
+        """Switch to the published planner if it is a newer generation; returns whether it was."""
+        try:
+            reg = self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
+                                          callback_timeout=5)
+            if reg is None or int(reg.get("generation", 0)) <= self.generation:
+                return False
+            planner = reg["planner"].result(timeout=5)
+        except Exception:  # noqa: BLE001 - not there yet, or unreachable: try again later
+            return False
+        with self._swap:
+            gen = int(reg.get("generation", 0))
+            if gen <= self.generation:
+                return False
+            self.registry, self.planner, self.generation = reg, planner, gen
+        _log.warning("msd_dask %s: switched to the re-created planner (generation %d)",
+                     self.name, gen)
+        return True
+
+    def adopt(self, registry: dict[str, Any], planner: Any, constructors: list[Any]) -> None:
+        """Switch to the planner the owner re-created (``registry``'s generation)."""
+        gen = int(registry["generation"])
+        with self._swap:
+            self.registry, self.planner, self.generation = registry, planner, gen
+            self.constructors = list(constructors)
+            self.handles = (gen, self.constructors)
+
+    def raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None
+                      ) -> None:
+        """Raise if the planner is lost for good, or (past ``deadline``) did not answer."""
+        lost = self.planner_lost()
+        where = actor_address(self.planner) or "?"
+        if lost and not self.owner_alive():
+            raise ServiceError(
+                f"the planner of service {self.name!r} was lost with its worker {where}, and "
+                f"the process that started the service is gone, so nothing can re-create it; "
+                f"{RESTART_HINT}")
+        if deadline is not None and time.monotonic() > deadline:
+            if lost:
+                raise ServiceTimeoutError(
+                    f"the planner of service {self.name!r} was lost with its worker {where} "
+                    f"and was not re-created within {self.config.timeout:.0f}s; "
+                    f"{RESTART_HINT}")
+            raise ServiceTimeoutError(
+                f"the planner of service {self.name!r} did not answer within "
+                f"{self.config.timeout:.0f}s (its worker may be lost): {cause!r}")
+
+    # ------------------------------------------------------------- readers
+    def on_new_generation(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (a bound method: held weakly) at each :meth:`announce_generation`."""
+        with self._listeners_lock:
+            self._listeners = [w for w in self._listeners if w() is not None]
+            self._listeners.append(weakref.WeakMethod(listener))
+
+    def announce_generation(self) -> None:
+        """After the planner was re-created: every reader of this process tells the new
+        constructors which steps it has.  All of them, not only the one that noticed:
+        ranks read one after the other in one thread would otherwise wait for each other
+        (a constructor holds at most ``prefetch`` steps a rank has not released)."""
+        with self._listeners_lock:
+            listeners = [w() for w in self._listeners]
+        for listener in listeners:
+            if listener is not None:
+                listener()

@@ -1,0 +1,119 @@
+"""Where a service's roles go on the cluster, and what a closed service leaves behind.
+
+:func:`place_planner` starts a service's planner on a worker (it creates the
+loaders and constructors itself) and returns the *registry* the service
+publishes under ``msd-<name>``; :func:`forget_keys` and :func:`tell_closed`
+remove what a closed service leaves: its roles' keys, readers still waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from msd_dask.core.config import Config
+from msd_dask.dask_internals import put_in_queues
+from msd_dask.errors import ServiceError
+
+__all__ = ["REGISTRY_PREFIX", "ROLES_PREFIX", "forget_keys", "place_planner", "rank_queues",
+           "source_payload", "tell_closed"]
+
+#: a service's registry is published under this prefix and its name
+REGISTRY_PREFIX = "msd-"
+#: dataset holding the keys of a service's roles (see :meth:`PlannerKeeper.pin`)
+ROLES_PREFIX = "msd_roles/"
+_log = logging.getLogger("msd_dask.service")
+
+
+def rank_queues(cfg: Config) -> list[str]:
+    """The names of the service's ticket queues, one per global rank."""
+    from msd_dask.roles.constructor import queue_name
+
+    return [queue_name(cfg.name, r) for r in range(cfg.parallel.world_size)]
+
+
+def source_payload(cfg: Config, name: str) -> dict[str, Any]:
+    """Source ``name``'s config as its loaders get it (without its weight)."""
+    d = next(s for s in cfg.to_dict()["sources"] if s["name"] == name)
+    d.pop("weight")
+    return d
+
+
+def place_planner(client: Any, cfg: Config,
+                  units: dict[str, list[tuple[str, int, int]]], roots: dict[str, str],
+                  resume: Mapping[str, Any] | None,
+                  loader_threads: int, *,
+                  members: list[dict[int, list[int]]] | None = None,
+                  generation: int = 0, had: dict[int, int] | None = None,
+                  lost: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start the planner; it creates the loaders and constructors itself.
+
+    ``members`` (constructor -> DP ranks) is kept across generations, so a
+    ticket's constructor index means the same DP ranks in every generation.
+
+    Returns
+    -------
+    dict
+        The registry: ``{"config", "planner" (its future), "members", "generation"}``.
+    """
+    from msd_dask.sources.tokenizer import make_tokenizer
+
+    workers = sorted(client.scheduler_info()["workers"])
+    if not workers:
+        raise ServiceError(f"no worker to place the planner of service {cfg.name!r} on")
+    if members is None:
+        n_c = cfg.constructors or min(cfg.parallel.dp, len(workers))
+        members = [{} for _ in range(n_c)]
+        for dp in range(cfg.parallel.dp):
+            members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
+    from msd_dask.roles.planner import PlannerActor  # the starting process only (see planner.py)
+
+    # unique: a service started again under this name right after a close must not
+    # find the old planner's key still held (by the plugin's cached registry) and
+    # attach to that planner
+    key = (f"msd-{cfg.name}-planner" + (f"-g{generation}" if generation else "")
+           + f"-{uuid.uuid4().hex[:8]}")
+    planner = client.submit(
+        PlannerActor, cfg.to_dict(), units, roots, dict(resume) if resume else None,
+        members=members, pad_id=make_tokenizer(cfg.tokenizer).pad_id,
+        loader_threads=loader_threads,
+        source_payloads={s.name: source_payload(cfg, s.name) for s in cfg.sources},
+        tokenizer=dataclasses.asdict(cfg.tokenizer), generation=generation, had=had,
+        lost=lost, actor=True, workers=[workers[0]], pure=False, key=key)
+    return {"config": cfg.to_dict(), "planner": planner, "members": members,
+            "generation": generation}
+
+
+def tell_closed(client: Any, cfg: Config, generation: int) -> None:
+    """Put a last ticket in every rank's queue that exists: a reader still waiting
+    raises :class:`ServiceError` saying the service was closed, instead of timing
+    out.  One call to the scheduler, whatever the number of ranks."""
+    msg = {"error": "closed by its owner", "g": generation}
+    try:
+        client.run_on_scheduler(put_in_queues, rank_queues(cfg), msg)
+    except Exception as e:  # noqa: BLE001 - best effort: the cluster may be gone
+        _log.warning("msd_dask %s: could not tell the ranks the service closed: %r",
+                     cfg.name, e)
+
+
+def forget_keys(client: Any, name: str, keys: list[Any]) -> None:
+    """Make Dask forget the closed roles' keys, whoever still holds a reference.
+
+    Every client that unpickled a handle (the planner's worker, constructors,
+    the plugin's cached registry) holds a reference to a role's key, and one
+    kept past close kept the actor on its worker and the key on the scheduler
+    for as long as the cluster ran.  Cancelling with ``force`` releases the
+    keys for every client.
+    """
+    from distributed import Future
+
+    if not keys:
+        return
+    futures: list[Any] = [Future(k, client) for k in dict.fromkeys(keys)]
+    try:
+        client.cancel(futures, force=True, reason=f"msd_dask service {name!r} closed")
+    except Exception as e:  # noqa: BLE001 - best effort: the cluster may be gone
+        _log.warning("msd_dask %s: could not release the roles' keys: %r", name, e)

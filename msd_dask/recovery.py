@@ -1,0 +1,172 @@
+"""The owner's side of a service: keep the planner's state, re-create a lost planner.
+
+The process that started the service (``owner``) keeps the last state the
+planner can resume from (:meth:`PlannerKeeper.keep_checkpoint`) and holds its
+roles' keys (:meth:`PlannerKeeper.pin`).  When the planner's worker is lost it
+closes the roles the lost planner leaves behind, starts a new planner (a new
+*generation*) from that state and publishes it again under the same name
+(:meth:`PlannerKeeper.recover`); readers follow through their
+:class:`~msd_dask.link.PlannerLink` (docs/resume.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from msd_dask.dask_internals import actor_address
+from msd_dask.link import PlannerLink
+from msd_dask.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
+
+__all__ = ["PlannerKeeper"]
+
+_log = logging.getLogger("msd_dask.service")
+
+
+class PlannerKeeper:
+    """Watches the planner of the service ``link`` reads from (owner only).
+
+    Parameters
+    ----------
+    link : PlannerLink
+        The owner's link; the keeper switches it to each re-created planner.
+    recipe : dict
+        What re-creating the planner needs: ``units``, ``roots``,
+        ``loader_threads`` and the ``resume`` state the service started from.
+    interval : float
+        Seconds between two checks of the planner.
+    """
+
+    def __init__(self, link: PlannerLink, recipe: dict[str, Any], interval: float = 1.0):
+        self.link = link
+        self.recipe = recipe
+        self.interval = interval
+        #: the planner's last :meth:`PlannerActor.checkpoint`
+        self.checkpoint: dict[str, Any] | None = None
+        #: the roles' keys held from the dataset ``msd_roles/<name>`` (None: none yet)
+        self.pinned: list[str] | None = None
+        #: held while a checkpoint is kept or the planner re-created
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Keep a first checkpoint and watch the planner in a thread."""
+        try:
+            self.keep_checkpoint()
+        except Exception as e:  # noqa: BLE001 - the watcher tries again
+            _log.warning("msd_dask %s: no planner checkpoint yet: %r", self.link.name, e)
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name=f"msd-{self.link.name}-watch")
+        self._watcher.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop watching (waits up to ``timeout`` seconds for a recovery under way)."""
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout)
+
+    def keep_checkpoint(self) -> None:
+        """Keep the planner's last checkpoint, and hold the keys of the roles it names."""
+        with self._lock:
+            self.checkpoint = dict(self.link.planner.checkpoint().result(timeout=10))
+            self.pin(self.checkpoint.get("keys", []))
+
+    def pin(self, keys: list[str]) -> None:
+        """Hold the roles' keys from a published dataset.
+
+        Only the planner's own client asks Dask for its roles' keys, so when the
+        planner's worker dies Dask forgets every role at once: removed from their
+        workers' actors, still running, and out of reach.  Held here, they stay
+        reachable until :meth:`recover` has closed them.
+        """
+        from distributed import Future
+
+        keys = sorted(keys)
+        if keys == self.pinned:
+            return
+        client = self.link.client
+        futures: list[Any] = [Future(k, client) for k in keys]
+        client.publish_dataset(futures, name=ROLES_PREFIX + self.link.name, override=True,
+                               callback_timeout=10)
+        self.pinned = keys
+
+    def _watch(self) -> None:
+        """Keep the planner's last checkpoint; re-create the planner if it is lost."""
+        while not self._stop.wait(self.interval):
+            try:
+                if self.link.planner_lost(confirm=True):
+                    self.recover()
+                else:
+                    self.keep_checkpoint()
+            except Exception as e:  # noqa: BLE001 - logged; the next round tries again
+                if self._stop.is_set():
+                    return
+                _log.warning("msd_dask %s: watching the planner: %r", self.link.name, e)
+
+    def recover(self) -> None:
+        """Re-create the lost planner from the last checkpoint."""
+        link = self.link
+        with self._lock:
+            # without a checkpoint (lost before the first one), from where this service
+            # started: readers skip what they have, the plans are the same
+            ck = self.checkpoint or {"state": self.recipe.get("resume"), "claimed": {},
+                                     "recovered": {}, "events": []}
+            t0 = time.monotonic()
+            _log.warning("msd_dask %s: the planner on %s was lost; re-creating it from the "
+                         "state after step %s", link.name, actor_address(link.planner),
+                         (ck["state"] or {}).get("step", "-1 (the start)"))
+            closed, had = self._close_lost_roles(ck)
+            old = link.registry
+            registry = place_planner(
+                link.client, link.config, self.recipe["units"], self.recipe["roots"],
+                ck["state"], self.recipe["loader_threads"], members=old.get("members"),
+                generation=link.generation + 1, had=had,
+                lost={"from": actor_address(link.planner), "recovered": ck["recovered"],
+                      "events": ck["events"]})
+            registry["quarantined"] = old.get("quarantined", {})
+            registry["owner"] = link.client.id
+            self._start_generation(registry)
+            old["planner"].release()
+            link.announce_generation()
+            _log.warning("msd_dask %s: planner re-created (generation %d) in %.1fs; closed "
+                         "the old roles: %s", link.name, link.generation,
+                         time.monotonic() - t0, closed)
+            self.keep_checkpoint()
+
+    def _close_lost_roles(self, ck: dict[str, Any]) -> tuple[dict[str, Any], dict[int, int]]:
+        """Close the roles the lost planner leaves behind (they stop publishing and free
+        their memory); returns what each worker answered and the last step each rank
+        claimed (from the checkpoint and the closed constructors)."""
+        from msd_dask.roles.supervisor import (
+            close_service_roles,  # the owner only: readers never import roles
+        )
+
+        closed = self.link.client.run(close_service_roles, self.link.name, on_error="return",
+                                      callback_timeout=60)
+        had = {int(r): int(s) for r, s in ck["claimed"].items()}
+        for res in closed.values():
+            if isinstance(res, dict):
+                for r, st in res["last_claimed"].items():
+                    had[int(r)] = max(had.get(int(r), -1), int(st))
+        return closed, had
+
+    def _start_generation(self, registry: dict[str, Any]) -> None:
+        """Set up the new planner of ``registry``, publish it and switch the link to it."""
+        client, cfg = self.link.client, self.link.config
+        planner = registry["planner"].result(timeout=cfg.timeout)
+        try:
+            planner.setup().result(timeout=cfg.timeout)
+        except BaseException:
+            try:
+                planner.close_roles().result(timeout=30)
+            finally:
+                registry["planner"].release()
+            raise
+        client.publish_dataset(registry, name=REGISTRY_PREFIX + self.link.name, override=True,
+                               callback_timeout=cfg.timeout)
+        handles = planner.handles(False).result(timeout=cfg.timeout)
+        self.link.adopt(registry, planner, handles["constructors"])
+        planner.start().result(timeout=cfg.timeout)

@@ -1,0 +1,159 @@
+"""Listing every source's units: on a Dask worker, for :meth:`msd_dask.DataService.start`.
+
+The process that starts a service never imports the file formats' libraries
+(pyarrow, fsspec, s3fs, zstandard: ~30 MiB): :func:`discover_remote` has a
+worker check the sources and list their units (:func:`discover_units`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from msd_dask.core.config import Config
+from msd_dask.dask_internals import task_worker
+from msd_dask.errors import ConfigError, DataError, ServiceTimeoutError
+from msd_dask.sources.check import load_config
+
+__all__ = ["anchored", "discover_on_worker", "discover_remote", "discover_units"]
+
+#: the service's logger: these messages are about starting a service
+_log = logging.getLogger("msd_dask.service")
+
+#: ``{source: [(path, part, row_offset), ...]}``
+Units = dict[str, list[tuple[str, int, int]]]
+
+
+def discover_units(cfg: Config, threads: int = 8,
+                   quarantined: dict[str, list[str]] | None = None
+                   ) -> tuple[Units, dict[str, str]]:
+    """List every source's units (parquet footers are read here, in parallel).
+
+    A file whose units cannot be listed raises :class:`DataError`, unless its
+    source has ``on_error: skip``: then it is left out and its error appended to
+    ``quarantined[source]``.
+
+    Returns
+    -------
+    units : dict
+        ``{source: [(path, part, row_offset), ...]}``, sorted.
+    roots : dict
+        ``{source: root}`` for document keys.
+    """
+    # imported where units are listed (DataService.start: a worker, see
+    # discover_on_worker), never by a reader or the process that starts the service
+    from msd_dask.formats import get_format
+    from msd_dask.sources.documents import with_source
+    from msd_dask.sources.storage import open_source
+
+    units: Units = {}
+    roots: dict[str, str] = {}
+    with ThreadPoolExecutor(threads) as ex:
+        for s in cfg.sources:
+            files = open_source(s.uri, s.storage_options)
+            fmt = get_format(s.format)
+
+            def listing(p: str, fs: Any = files.fs, fmt: Any = fmt, name: str = s.name) -> Any:
+                try:
+                    return fmt.units(fs, p)
+                except (DataError, OSError) as e:
+                    return with_source(e, name, p)
+
+            found = []
+            for got in ex.map(listing, files.paths):
+                if isinstance(got, DataError):
+                    if s.on_error != "skip":
+                        raise got
+                    _log.warning("source %r quarantined %s", s.name, got)
+                    if quarantined is not None:
+                        quarantined.setdefault(s.name, []).append(str(got))
+                    continue
+                found.append(got)
+            units[s.name] = [(u.path, u.part, u.row_offset) for u in itertools.chain(*found)]
+            roots[s.name] = files.root
+            if not units[s.name]:
+                raise DataError(f"no readable units in {len(files.paths)} file(s) matching "
+                                f"{s.uri!r} (empty files?)", source=s.name)
+    return units, roots
+
+
+def anchored(uri: str) -> str:
+    """A local relative ``uri`` made absolute against this process's working directory.
+
+    fsspec resolves a relative local path against the current directory of the process
+    that lists it; the units are listed on a worker, whose directory may differ, so the
+    path is fixed where the user gave it.  URLs (``proto://``, ``a::b``) are unchanged.
+    """
+    if "://" in uri or "::" in uri or os.path.isabs(uri):
+        return uri
+    return os.path.abspath(os.path.expanduser(uri))
+
+
+def discover_on_worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Check and list the sources of ``cfg`` (a :meth:`Config.to_dict`) on a Dask worker.
+
+    Runs there so that the process that starts the service never imports the file
+    formats' libraries.  A :class:`DataError` or :class:`ConfigError` (a ``uri``
+    that matches no file) travels back as it is (both pickle with their fields).
+    The starting process waits for it (see :func:`discover_remote`).
+
+    Returns
+    -------
+    dict
+        ``{"units", "roots", "quarantined"}`` as :func:`discover_units` gives them.
+    """
+    quarantined: dict[str, list[str]] = {}
+    try:
+        units, roots = discover_units(load_config(cfg), quarantined=quarantined)
+    except (ConfigError, DataError) as e:
+        # the library's own exception (its message is in e's) stays here: Dask sends the
+        # causes too, and unpickling e.g. pyarrow's would import pyarrow in the starter
+        e.__cause__ = e.__context__ = None
+        raise
+    return {"units": units, "roots": roots, "quarantined": quarantined}
+
+
+def discover_remote(client: Any, cfg: Config, timeout: float
+                    ) -> tuple[Units, dict[str, str], dict[str, list[str]]]:
+    """:func:`discover_units` of ``cfg`` on one of ``client``'s workers, with its checks.
+
+    Returns
+    -------
+    units, roots, quarantined
+        As :func:`discover_units` gives them.
+
+    Raises
+    ------
+    ConfigError
+        A source's ``uri`` matches no file or cannot be listed.
+    DataError
+        A file cannot be listed (its source does not skip bad input).
+    ServiceTimeoutError
+        The listing did not finish within ``timeout``.
+    """
+    d = cfg.to_dict()
+    d["sources"] = [dict(s, uri=anchored(str(s["uri"]))) for s in d["sources"]]
+    fut = client.submit(discover_on_worker, d, pure=False)
+    try:
+        got = fut.result(timeout=timeout)
+    except TimeoutError:
+        try:
+            where = client.run_on_scheduler(task_worker, fut.key, callback_timeout=5)
+        except Exception:  # noqa: BLE001 - only for the message
+            where = None
+        fut.cancel()
+        raise ServiceTimeoutError(
+            f"listing the units of service {cfg.name!r}'s {len(cfg.sources)} source(s) "
+            f"({', '.join(s.name for s in cfg.sources)}) on "
+            f"{f'worker {where}' if where else 'a Dask worker'} did not finish within "
+            f"{timeout:.0f}s (the config's 'timeout'); check that the workers reach the "
+            "sources' storage") from None
+    finally:
+        fut.release()
+    for name, entries in got["quarantined"].items():
+        for entry in entries:
+            _log.warning("source %r quarantined %s", name, entry)
+    return got["units"], got["roots"], got["quarantined"]
