@@ -1,8 +1,11 @@
-"""Shared assertions on delivered batches: content, exactly-once, mix."""
+"""Shared reading and assertions on delivered batches: records, every rank's steps, content,
+exactly-once, mix; and waiting for a condition."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,6 +25,41 @@ def record(batch: Any) -> dict[str, Any]:
         "cu_seqlens": None if batch.cu_seqlens is None else [arr(c) for c in batch.cu_seqlens],
         "documents": batch.documents, "epochs": batch.epochs,
     }
+
+
+def read_steps(svc: Any, steps: int, *, readers: list[Any] | None = None,
+               on_step: Callable[[int], Any] | None = None) -> list[dict[str, Any]]:
+    """Read ``steps`` steps on every rank of ``svc`` (or on ``readers``), step by step (a rank
+    read alone stalls after ``prefetch`` steps); their records, by step then rank.
+
+    Each batch is the next step of its reader and of its rank; ``on_step(i)`` runs before
+    the ``i``-th step is read.  Readers made here are dropped on return: pass ``readers``
+    (and keep them) where the service must still count what they returned
+    (:meth:`DataService.consumed_step`, ``state_dict()``).
+    """
+    if readers is None:
+        readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
+    first = [0 if rd.step is None else rd.step + 1 for rd in readers]  # a fresh reader: step 0
+    out = []
+    for i in range(steps):
+        if on_step is not None:
+            on_step(i)
+        for rd, f in zip(readers, first, strict=True):
+            b = next(rd)
+            assert b.step == f + i and b.rank == rd.rank, (b.step, f + i, b.rank, rd.rank)
+            out.append(record(b))
+    return out
+
+
+def wait_until(cond: Callable[[], Any], timeout: float = 10.0, interval: float = 0.01) -> bool:
+    """Poll ``cond`` every ``interval`` seconds until it is true (``True``) or ``timeout``
+    seconds passed (``False``)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 def check_content(records: list[dict[str, Any]], texts: dict[tuple[str, str], str],

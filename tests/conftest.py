@@ -1,4 +1,5 @@
-"""Shared fixtures: the small test corpus, and a loopback S3 server (moto's server mode)."""
+"""Shared fixtures: the small test corpus, a BPE tokenizer trained on it, and a loopback S3
+server (moto's server mode)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ def corpus(tmp_path_factory):
 
     root = str(tmp_path_factory.mktemp("corpus"))
     return root, write_corpus(root)
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus, tmp_path_factory):
+    """A small byte-level BPE ``tokenizer.json`` trained on the corpus's texts, once per test module."""
+    from corpus import train_bpe
+
+    _, texts = corpus
+    return train_bpe(list(texts.values()), str(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
 
 
 def _free_port() -> int:

@@ -19,7 +19,7 @@ from msd_dask import DataService
 from checks import check_content, check_exactly_once, record
 from corpus import config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 class _Shrinking(Adaptive):

@@ -14,7 +14,7 @@ from msd_dask import DataService
 from checks import check_content, check_exactly_once
 from corpus import config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def _plugin_state(dask_scheduler):
@@ -69,17 +69,24 @@ def test_plugin_fetches_a_registry_once_until_it_is_published_again(corpus):
     check_exactly_once(recs, texts, 512)
 
 
+def _cpu_bound_prose(root: str, name: str, preprocess: str, **prose) -> dict:
+    """The adaptive policy (up to 6 loaders, no scale-down) over code and a prose source
+    preprocessed by ``msd_dask.examples.preprocess:<preprocess>``, one loader each at first."""
+    cfg = config(root, name=name, prefetch=4,
+                 scaling={"policy": "adaptive", "cooldown": 1.0, "max_loaders": 6,
+                          "scale_down_after": 600})
+    cfg["sources"][0].update(loaders=1, weight=0.5)
+    cfg["sources"][1].update(loaders=1, weight=0.5,
+                             preprocess=f"msd_dask.examples.preprocess:{preprocess}", **prose)
+    return cfg
+
+
 def test_cpu_bound_source_is_held_at_what_the_cores_allow(corpus):
     # prose burns ~40 ms of CPU per KiB (hashing, GIL released): its demand is far above what
     # two cores supply, so the model asks for the maximum (6); the CPU cap holds it at about
     # the cluster's 2 threads, reached without a reversal
     root, texts = corpus
-    cfg = config(root, name="cpucap", prefetch=4,
-                 scaling={"policy": "adaptive", "cooldown": 1.0, "max_loaders": 6,
-                          "scale_down_after": 600})
-    cfg["sources"][0].update(loaders=1, weight=0.5)
-    cfg["sources"][1].update(loaders=1, weight=0.5,
-                             preprocess="msd_dask.examples.preprocess:cpu_bound")
+    cfg = _cpu_bound_prose(root, "cpucap", "cpu_bound")
     with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
         recs, st, loaders = serve_until_cpu_cap(svc, "prose", more=8, timeout=60)
     sc = st["scalers"]["cpucap"]
@@ -99,12 +106,7 @@ def test_cpu_bound_source_on_a_process_pool_is_held_at_what_the_cores_allow(corp
     # prose runs pure-Python preprocessing (holds the GIL) on a process pool of 2: its loader
     # keeps both cores busy, so the CPU cap holds it at 1 loader however starved the planner
     root, texts = corpus
-    cfg = config(root, name="poolcap", prefetch=4,
-                 scaling={"policy": "adaptive", "cooldown": 1.0, "max_loaders": 6,
-                          "scale_down_after": 600})
-    cfg["sources"][0].update(loaders=1, weight=0.5)
-    cfg["sources"][1].update(loaders=1, weight=0.5, preprocess="msd_dask.examples.preprocess:cpu_bound_py",
-                             pool={"kind": "process", "size": 2})
+    cfg = _cpu_bound_prose(root, "poolcap", "cpu_bound_py", pool={"kind": "process", "size": 2})
     with dask.config.set({"distributed.worker.daemon": False}), \
             DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
         recs, st, loaders = serve_until_cpu_cap(svc, "prose", more=5, timeout=90)

@@ -17,8 +17,6 @@ from msd_dask import DataService, ServiceError
 from msd_dask.core.stream import SourceStream
 from msd_dask.errors import ConfigError, DataError
 
-pytestmark = pytest.mark.integration
-
 
 def _texts(f: int, n: int) -> list[str]:
     rng = np.random.default_rng(f)

@@ -1,4 +1,5 @@
-"""scripts/bench_memory.py: ``--cluster-env`` reaches the dask scheduler and workers only."""
+"""scripts/bench_memory.py: ``--cluster-env`` reaches the dask scheduler and workers only
+(``tests/unit/test_bench_memory_args.py``: its parsing)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,10 @@ from scripts_import import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def bench_memory():
     return load_script("bench_memory", "bench_memory")
-
-
-def test_cluster_env_parses_pairs_and_refuses_a_malformed_one(bench_memory):
-    assert bench_memory._cluster_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
-    for bad in ("A", "=1"):
-        with pytest.raises(SystemExit, match="KEY=VALUE"):
-            bench_memory._cluster_env([bad])
 
 
 def test_cluster_env_reaches_the_scheduler_and_workers_only(bench_memory, tmp_path):

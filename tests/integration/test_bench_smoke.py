@@ -16,7 +16,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = os.path.join(ROOT, "data", "demo")
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.slow
 
 
 def _run(script: str, *args: str, timeout: float = 240) -> str:

@@ -12,7 +12,7 @@ from msd_dask import DataService, ServiceError
 from checks import check_content, record
 from corpus import config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def _actors(prefix: str, dask_worker=None) -> list[str]:

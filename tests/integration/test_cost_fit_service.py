@@ -5,13 +5,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
 
 from msd_dask import DataService
 
 from corpus import config, write_corpus
 
-pytestmark = pytest.mark.integration
 ALPHA, BETA = 2e-6, 3e-8  # hidden: β/α = 0.015, far from the prior's 1/(12·4096)
 
 

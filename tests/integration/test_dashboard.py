@@ -15,8 +15,6 @@ from msd_dask import DataService
 from cluster import dask_cluster
 from corpus import config, write_corpus
 
-pytestmark = pytest.mark.integration
-
 
 def _chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome", "chromium-headless-shell"):

@@ -26,8 +26,6 @@ from msd_dask.service import discover_units
 from cluster import dask_cluster
 from corpus import config, write_corpus
 
-pytestmark = pytest.mark.integration
-
 #: the libraries of the file formats and storage (distributed imports zstandard itself)
 _FORMAT_LIBS = {"pyarrow", "fsspec", "s3fs"}
 _FORMAT_MODULES = {"msd_dask.formats", "msd_dask.sources.storage"}

@@ -9,34 +9,21 @@ import pytest
 
 from msd_dask import DataService
 
-from checks import check_content, check_exactly_once, record
+from checks import check_content, check_exactly_once, read_steps
 from cluster import dask_cluster
 from corpus import config
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 
 def _docs(recs):
     return [(r["step"], r["rank"], r["documents"]) for r in recs]
 
 
-def _consume(svc, steps, on_step=None):
-    readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
-    out = []
-    for step in range(steps):
-        if on_step:
-            on_step(step)
-        for rd in readers:
-            b = next(rd)
-            assert b.step == step
-            out.append(record(b))
-    return out
-
-
 def test_adding_and_removing_loaders_keeps_every_step(corpus):
     root, texts = corpus
     with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
-        fixed = _consume(svc, 80)
+        fixed = read_steps(svc, 80)
 
     def change(step):
         if step == 15:
@@ -48,7 +35,7 @@ def test_adding_and_removing_loaders_keeps_every_step(corpus):
             assert svc.scale_loaders("prose", 1) == 1
 
     with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
-        scaled = _consume(svc, 80, change)
+        scaled = read_steps(svc, 80, on_step=change)
         st = svc.stats()
     assert st["planner"]["loaders"] == {"code": 1, "prose": 1}
     assert sum(e["why"] == "added" for e in st["planner"]["role_events"]) == 4
@@ -75,7 +62,7 @@ def test_retiring_a_worker_moves_its_roles(tmp_path, corpus):
                 if step == 20:
                     moved.update(svc.retire_workers([victim]))
 
-            recs = _consume(svc, 70, retire)
+            recs = read_steps(svc, 70, on_step=retire)
             deadline = time.monotonic() + 20
             while victim in svc.client.scheduler_info()["workers"]:
                 assert time.monotonic() < deadline, "the worker was not retired"
@@ -113,7 +100,7 @@ def test_adaptive_plugin_scales_a_costly_source_before_its_weight_rises(corpus):
                 st = svc.stats()["planner"]
                 seen.append((step, st["steps_planned"], st["loaders"]["prose"]))
 
-        recs = _consume(svc, 200, watch)
+        recs = read_steps(svc, 200, on_step=watch)
     # the plugin added prose loaders while the planner had not planned the step where
     # prose's weight rises: from the schedule ahead, not after its buffer ran dry
     before = [(s, planned, n) for s, planned, n in seen if planned < rising["at"]]
@@ -138,9 +125,9 @@ def test_the_adaptive_plugin_trains_on_what_a_fixed_allocation_does(corpus):
         return c
 
     with DataService.start(cfg("fixed"), n_workers=2, threads_per_worker=1) as svc:
-        fixed = _consume(svc, 90)
+        fixed = read_steps(svc, 90)
     with DataService.start(cfg("adaptive"), n_workers=2, threads_per_worker=1) as svc:
-        adaptive = _consume(svc, 90)
+        adaptive = read_steps(svc, 90)
         events = svc.stats()["planner"]["role_events"]
     added = [e for e in events if e["why"] == "added" and e["role"] == "loader"]
     # added while steps were still to come, so later steps were read by more loaders
@@ -174,7 +161,7 @@ def test_new_roles_skip_a_paused_worker(corpus):
             assert time.monotonic() < deadline, "the scheduler did not see the pause"
             time.sleep(0.1)
         assert svc.scale_loaders("code", 4) == 4
-        recs = _consume(svc, 10)
+        recs = read_steps(svc, 10)
         placed = {s["index"]: s["worker"] for s in svc.planner.loader_stats().result()["code"]}
         svc.client.run(resume, workers=spare)
     assert sorted(placed) == [0, 1, 2, 3], placed

@@ -6,14 +6,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
 
 from msd_dask import DataService
 
 from checks import check_content, check_exactly_once, record
 from corpus import config
 
-pytestmark = pytest.mark.integration
 STEPS = 12
 
 

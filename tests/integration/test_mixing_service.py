@@ -11,8 +11,6 @@ from msd_dask import DataService
 
 from corpus import config
 
-pytestmark = pytest.mark.integration
-
 SEQ = 64
 
 

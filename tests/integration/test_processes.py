@@ -9,13 +9,10 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 from checks import check_content, check_exactly_once, shares
 from cluster import dask_cluster, start_serve
 from corpus import config, write_corpus
 
-pytestmark = pytest.mark.integration
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: reader_proc.py, checks.py
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from msd_dask import DataService, load_config
 from msd_dask.core.stream import SourceStream
 from msd_dask.formats import Unit
@@ -23,10 +21,8 @@ from msd_dask.service import discover_units
 from msd_dask.sources.storage import open_source
 from msd_dask.sources.tokenizer import ByteTokenizer
 
-from checks import check_content, check_exactly_once, record
+from checks import check_content, check_exactly_once, read_steps
 from corpus import config, write_corpus
-
-pytestmark = [pytest.mark.integration]
 
 
 def _unit_tokens(cfg: dict, source: str) -> tuple[list[Unit], list[int]]:
@@ -46,7 +42,7 @@ def _run(cfg: dict, steps: int) -> tuple[list[dict], int, dict]:
     """
     with DataService.start(cfg, n_workers=1, threads_per_worker=1) as svc:
         readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
-        recs = [record(next(r)) for _ in range(steps) for r in readers]
+        recs = read_steps(svc, steps, readers=readers)
         deadline = time.monotonic() + 60
         last = -1
         while True:  # planning blocks once the constructors are full; loaders finish reading

@@ -25,7 +25,7 @@ from checks import check_content, check_exactly_once, record
 from cluster import dask_cluster
 from corpus import config, write_corpus
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 STEPS = 70
 
 

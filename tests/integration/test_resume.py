@@ -13,8 +13,6 @@ from msd_dask import DataService, ServiceError
 from checks import record
 from corpus import config, write_corpus
 
-pytestmark = pytest.mark.integration
-
 K = 7  # steps served before the state is taken
 N = 100  # steps compared after it
 

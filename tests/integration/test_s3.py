@@ -14,23 +14,10 @@ import pytest
 from msd_dask import DataService, load_config
 from msd_dask.sources.storage import list_files
 
-from checks import check_content, check_exactly_once, record, shares
+from checks import check_content, check_exactly_once, read_steps, shares
 from corpus import config, write_corpus
 
-pytestmark = pytest.mark.integration
-
 SEQ = 256
-
-
-def _consume(svc: DataService, steps: int) -> list[dict]:
-    readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
-    out = []
-    for step in range(steps):
-        for rd in readers:
-            b = next(rd)
-            assert b.step == step
-            out.append(record(b))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +61,7 @@ def test_s3_glob_lists_the_keys(s3_server, s3_corpus):
 def test_s3_sources_content_exactly_once_and_mix(s3_server, s3_corpus):
     texts, _ = s3_corpus
     with DataService.start(_s3_config(s3_server), n_workers=2, threads_per_worker=1) as svc:
-        recs = _consume(svc, 70)
+        recs = read_steps(svc, 70)
     tokens = check_content(recs, texts, SEQ)
     epochs = check_exactly_once(recs, texts, SEQ)
     assert epochs["code"] >= 1 and epochs["prose"] >= 1, epochs
@@ -90,7 +77,7 @@ def test_s3_glob_over_many_small_keys(s3_server, s3_corpus):
                          "storage_options": s3_server["storage_options"]}
     cfg["sources"][0]["weight"] = 0.5
     with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        recs = _consume(svc, 30)
+        recs = read_steps(svc, 30)
     both = {**texts, **many}
     check_content(recs, both, SEQ)
     epochs = check_exactly_once(recs, both, SEQ)

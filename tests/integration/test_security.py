@@ -13,11 +13,10 @@ from distributed.security import Security
 
 from msd_dask import DataService
 
-from checks import check_content, record
+from checks import check_content, read_steps
 from cluster import dask_cluster, start_serve
 from corpus import config, write_corpus
 
-pytestmark = pytest.mark.integration
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: reader_proc.py, checks.py
 
 
@@ -34,7 +33,7 @@ def test_service_over_tls(tmp_path):
         # a training process connects with its own credentials and reads over TLS
         with DataService.connect(address, "tls", security=sec) as other:
             readers = [other.reader(r) for r in range(2)]
-            recs = [record(next(rd)) for _ in range(5) for rd in readers]
+            recs = read_steps(other, 5, readers=readers)
         # without credentials the scheduler cannot even be reached
         with pytest.raises(Exception):  # noqa: B017 - distributed raises a few kinds here
             DataService.connect(address, "tls", timeout=3)

@@ -6,29 +6,15 @@ import pytest
 
 from msd_dask import DataService, ServiceError, ServiceTimeoutError
 
-from checks import check_content, check_exactly_once, record, shares
+from checks import check_content, check_exactly_once, read_steps, shares
 from corpus import config
-
-pytestmark = pytest.mark.integration
-
-
-def _consume(svc: DataService, steps: int) -> list[dict]:
-    world = svc.config.parallel.world_size
-    readers = [svc.reader(r) for r in range(world)]
-    out = []
-    for step in range(steps):
-        for reader in readers:
-            b = next(reader)
-            assert b.step == step and b.rank == reader.rank
-            out.append(record(b))
-    return out
 
 
 def test_content_exactly_once_and_mix(corpus):
     root, texts = corpus
     cfg = config(root)
     with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        recs = _consume(svc, 200)
+        recs = read_steps(svc, 200)
         stats = svc.stats()
     tokens = check_content(recs, texts, 512)
     epochs = check_exactly_once(recs, texts, 512)
@@ -78,14 +64,14 @@ def test_same_seed_same_batches_whatever_the_workers(corpus):
         cfg = config(root)
         cfg["sources"][0]["loaders"] = code_loaders
         with DataService.start(cfg, n_workers=workers, threads_per_worker=1) as svc:
-            runs.append(_consume(svc, 30))
+            runs.append(read_steps(svc, 30))
     for a, b in zip(*runs, strict=True):
         assert a["documents"] == b["documents"]
         assert (a["input_ids"] == b["input_ids"]).all()
     # and another seed changes the stream
     cfg = config(root, seed=8)
     with DataService.start(cfg, n_workers=1, threads_per_worker=1) as svc:
-        other = _consume(svc, 5)
+        other = read_steps(svc, 5)
     assert [r["documents"] for r in other] != [r["documents"] for r in runs[0][:10]]
 
 
@@ -97,7 +83,7 @@ def test_rounds_send_fewer_messages_and_the_same_batches(corpus):
     for k in (1, 3):
         cfg = config(root, name=f"rounds{k}", prefetch=4, round_steps=k)
         with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-            runs.append(_consume(svc, 40))
+            runs.append(read_steps(svc, 40))
             cons = svc.stats()["constructors"]
         tickets.append(sum(c["tickets_put"] for c in cons))
         published.append(sum(c["rounds_built"] for c in cons))

@@ -10,8 +10,6 @@ from msd_dask import DataService, ServiceTimeoutError
 
 from corpus import config, write_corpus
 
-pytestmark = pytest.mark.integration
-
 
 def test_stalled_reader_bounds_memory_and_is_named(tmp_path):
     root = str(tmp_path / "corpus")

@@ -1,10 +1,9 @@
-"""msd_dask.torch: the Prefetcher (pure), and MsdIterableDataset through a torch DataLoader
-on an embedded LocalCluster."""
+"""msd_dask.torch: MsdIterableDataset through a torch DataLoader on an embedded LocalCluster
+(``tests/unit/test_torch_prefetch.py``: the Prefetcher alone)."""
 
 from __future__ import annotations
 
 import pickle
-import threading
 import time
 
 import pytest
@@ -12,64 +11,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from msd_dask import DataService
-from msd_dask.torch import MsdIterableDataset, Prefetcher
+from msd_dask.torch import MsdIterableDataset
 
+from checks import wait_until
 from corpus import config, write_corpus
-
-
-class Counting:
-    """An iterator over 0, 1, ... that counts how often it was advanced and can fail."""
-
-    def __init__(self, fail_at: int | None = None):
-        self.taken = 0
-        self.fail_at = fail_at
-        self.lock = threading.Lock()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        with self.lock:
-            i = self.taken
-            self.taken += 1
-        if i == self.fail_at:
-            raise OSError(f"source failed at item {i}")
-        return i
-
-
-def _until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def test_prefetcher_reads_ahead_in_order_and_at_most_depth():
-    src = Counting()
-    pf = Prefetcher(src, 3)
-    try:
-        assert _until(lambda: src.taken == 3)
-        time.sleep(0.3)                      # it stops at the depth: nothing more is taken
-        assert src.taken == 3 and pf.ahead == 3
-        assert [pf.get(timeout=5) for _ in range(5)] == [0, 1, 2, 3, 4]
-        assert _until(lambda: src.taken == 8)
-        time.sleep(0.3)
-        assert src.taken == 8 and pf.ahead == 3
-    finally:
-        pf.close()
-
-
-def test_prefetcher_hands_on_the_sources_error_after_its_items():
-    pf = Prefetcher(Counting(fail_at=2), 4)
-    assert [pf.get(timeout=5), pf.get(timeout=5)] == [0, 1]
-    for _ in range(2):                       # raised again on every later call
-        with pytest.raises(OSError, match="failed at item 2"):
-            pf.get(timeout=5)
-    pf.close()
-    with pytest.raises(ValueError, match="depth"):
-        Prefetcher(Counting(), 0)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +33,6 @@ def _rank_loaders(service, **kwargs):
     return datasets, [iter(DataLoader(ds, batch_size=None, num_workers=0)) for ds in datasets]
 
 
-@pytest.mark.integration
 def test_dataloader_yields_the_readers_batches(service):
     datasets, loaders = _rank_loaders(service, steps=3)
     try:
@@ -114,7 +58,6 @@ def test_dataloader_yields_the_readers_batches(service):
             ds.close()
 
 
-@pytest.mark.integration
 def test_pickles_unconnected_and_refuses_loader_workers(service):
     addr = service.client.scheduler.address
     ds = pickle.loads(pickle.dumps(MsdIterableDataset(addr, "torchtest", 0, steps=1)))
@@ -128,14 +71,13 @@ def test_pickles_unconnected_and_refuses_loader_workers(service):
                              multiprocessing_context="spawn")))
 
 
-@pytest.mark.integration
 def test_prefetch_claims_ahead_and_reports_step_times(service):
     datasets, loaders = _rank_loaders(service, prefetch=2)
     try:
         first = [next(it)["step"] for it in loaders]
         assert first[0] == first[1]
         # both ranks' threads claim two more steps while "the model computes", then stop
-        assert _until(lambda: all(ds.ahead == 2 for ds in datasets), timeout=60)
+        assert wait_until(lambda: all(ds.ahead == 2 for ds in datasets), timeout=60)
         time.sleep(0.5)
         for ds in datasets:
             assert ds.ahead == 2 and ds._reader.step == first[0] + 2
@@ -150,7 +92,7 @@ def test_prefetch_claims_ahead_and_reports_step_times(service):
         for ds in datasets:
             ds.report_step_time(0.25)        # the step of the last batch handed out
             ds.report_step_time(0.25, step=first[0] + 2)
-        assert _until(lambda: service.stats()["planner"]["cost_model"]["observations"]
+        assert wait_until(lambda: service.stats()["planner"]["cost_model"]["observations"]
                       == observed + 4, timeout=30)
         with pytest.raises(RuntimeError, match="before the first iter"):
             datasets[0].load_state_dict({"rank": 0, "step": 0})

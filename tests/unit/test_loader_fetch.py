@@ -14,11 +14,9 @@ import numpy as np
 
 from msd_dask import load_config
 from msd_dask.core.packing import split_pieces
-from msd_dask.formats import get_format
 from msd_dask.roles.loader import SourceLoader
-from msd_dask.sources.storage import open_source
 
-from corpus import config
+from corpus import config, source_units
 
 
 def _loader_inputs(cfg: dict, index: int) -> tuple[dict, list[tuple[str, int, int]]]:
@@ -26,9 +24,7 @@ def _loader_inputs(cfg: dict, index: int) -> tuple[dict, list[tuple[str, int, in
     src = load_config(cfg).sources[index]
     source = dataclasses.asdict(src)
     source.pop("weight")
-    files = open_source(src.uri, src.storage_options)
-    units = [(u.path, u.part, u.row_offset) for p in files.paths
-             for u in get_format(src.format).units(files.fs, p)]
+    units = [(u.path, u.part, u.row_offset) for u in source_units(src)[1]]
     return source, units
 
 

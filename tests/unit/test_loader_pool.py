@@ -3,7 +3,8 @@
 Documents of a unit are preprocessed and tokenized several at once, on
 threads or processes; the results must come back in row order, so the
 stream does not depend on the pool, and a bad document must still be named
-by source, file and row.
+by source, file and row (through the service:
+``tests/integration/test_loader_pool_service.py``).
 """
 
 from __future__ import annotations
@@ -15,33 +16,23 @@ import os
 import re
 from typing import Any
 
-import dask
 import numpy as np
 import pytest
 
-from msd_dask import ConfigError, DataError, DataService, load_config
+from msd_dask import ConfigError, DataError, load_config
 from msd_dask.core.config import PoolConfig, SourceConfig
 from msd_dask.examples import preprocess as prep
-from msd_dask.formats import Unit, get_format
 from msd_dask.sources.documents import DocPool, read_unit
-from msd_dask.sources.storage import open_source
 from msd_dask.sources.tokenizer import ByteTokenizer
 
-from checks import check_content, check_exactly_once, record
-from corpus import config
+from corpus import config, source_units
 
 TOK = {"kind": "bytes"}
 POOLS = [("thread", 1), ("thread", 4), ("process", 1), ("process", 3)]
 
 
-def _units(src: SourceConfig) -> tuple[Any, list[Unit]]:
-    files = open_source(src.uri, src.storage_options)
-    fmt = get_format(src.format)
-    return files.fs, [u for p in files.paths for u in fmt.units(files.fs, p)]
-
-
 def _read_all(src: SourceConfig, pool: DocPool | None) -> list[list[np.ndarray]]:
-    fs, units = _units(src)
+    fs, units = source_units(src)
     return [[np.asarray(d) for d in read_unit(src, fs, u, ByteTokenizer(), pool=pool)]
             for u in units]
 
@@ -59,7 +50,7 @@ def test_pool_keeps_row_order_and_content(sources: dict[str, SourceConfig], corp
     _, texts = corpus
     src = sources[name]
     inline = _read_all(src, None)
-    fs, units = _units(src)
+    fs, units = source_units(src)
     tok = ByteTokenizer()
     n = 0
     for u, docs in zip(units, inline, strict=True):  # content equals the source text
@@ -84,7 +75,7 @@ def test_pool_runs_the_preprocessor_in_order(sources: dict[str, SourceConfig],
                                              corpus: Any) -> None:
     _, texts = corpus
     src = dataclasses.replace(sources["prose"], preprocess="msd_dask.examples.preprocess:clean")
-    fs, units = _units(src)
+    fs, units = source_units(src)
     tok = ByteTokenizer()
     for kind, size in POOLS:
         pool = DocPool(src, TOK, size, kind)
@@ -119,7 +110,7 @@ def _failing_source(tmp_path: Any, on_error: str) -> SourceConfig:
 def test_errors_in_a_pool_name_source_file_and_first_row(tmp_path: Any, kind: str,
                                                          size: int) -> None:
     src = _failing_source(tmp_path, "fail")
-    fs, units = _units(src)
+    fs, units = source_units(src)
     pool = DocPool(src, TOK, size, kind)
     try:
         with pytest.raises(DataError, match=r"source 'bad', file '.*x\.jsonl', row 3: "
@@ -174,34 +165,6 @@ def test_pool_config_is_validated_against_its_key(corpus: Any) -> None:
     c = load_config(cfg)
     assert c.sources[1].pool == PoolConfig("process", 2)
     assert load_config(c.to_dict()).sources[1].pool == PoolConfig("process", 2)
-
-
-def _serve(cfg: dict[str, Any], steps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        readers = [svc.reader(r) for r in range(2)]
-        recs = [record(next(rd)) for _ in range(steps) for rd in readers]
-        stats = svc.planner.loader_stats().result()
-    return recs, stats
-
-
-def test_service_delivers_the_same_batches_with_a_process_pool(corpus: Any) -> None:
-    root, texts = corpus
-    steps = 12
-    base, _ = _serve(config(root), steps)
-    cfg = config(root)
-    cfg["sources"][1]["pool"] = {"kind": "process", "size": 2}
-    cfg["sources"][0]["pool"] = {"kind": "thread", "size": 3}
-    with dask.config.set({"distributed.worker.daemon": False}):
-        pooled, stats = _serve(cfg, steps)
-    assert [r["documents"] for r in pooled] == [r["documents"] for r in base]
-    for a, b in zip(pooled, base, strict=True):
-        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
-    check_content(pooled, texts, 512)
-    check_exactly_once(pooled, texts, 512)
-    # the adaptive policy counts the pool's size as the loader's parallelism
-    assert {s["threads"] for s in stats["prose"]} == {2}
-    assert {s["pool"] for s in stats["prose"]} == {"process"}
-    assert {s["threads"] for s in stats["code"]} == {3}
 
 
 def test_unit_buffer_is_compact_for_small_vocabularies():

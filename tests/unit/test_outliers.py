@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from typing import Any
 
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 from test_plan import SEQ_LEN, WEIGHTS_3, expected_pieces, lookup, make_cfg, plan_key, planner, run
 
-from msd_dask import load_config
 from msd_dask.core.balance import capacity_bound
 from msd_dask.core.config import Config, ConfigError, parse_config
 from msd_dask.core.plan import Planner, StepPlan
@@ -160,48 +158,6 @@ def test_outliers_refused_with_grouped_long_context() -> None:
     d["outliers"] = {"min_length": MIN}
     with pytest.raises(ConfigError, match=r"outliers\.min_length.*grouped"):
         parse_config(d)
-
-
-# ------------------------------------------------------------------ through the service
-
-
-@pytest.mark.integration
-def test_service_delivers_held_pieces_exactly_once_with_their_text(tmp_path) -> None:
-    """Held pieces wait in the planner while loaders move on: their units must stay readable."""
-    from msd_dask import DataService
-    from msd_dask.core.stream import Piece
-    from msd_dask.service import discover_units
-
-    from checks import check_content, check_exactly_once, record, shares
-    from corpus import config, write_corpus
-
-    texts = write_corpus(str(tmp_path))
-    cfg = config(str(tmp_path), name="outliers", outliers={"min_length": 257})
-    with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        readers = [svc.reader(r) for r in range(2)]
-        recs = [record(next(r)) for _ in range(200) for r in readers]
-        state = svc.state_dict()
-    assert state["step"] == 199
-    tokens = check_content(recs, texts, 512)
-    # pieces drawn by step 199 but held (or carried) then count as delivered later: without
-    # them the epochs they belong to look incomplete
-    units, _ = discover_units(load_config(cfg))
-    later = [Piece.from_tuple(t) for t in state["planner"]["carry"]]
-    later += [Piece.from_tuple(t) for t, _ in state["planner"]["held"]]
-    assert later, "nothing was pending at the end: the check below would not need it"
-    docs = [(q.source, f"{os.path.basename(units[q.source][q.unit][0])}:{q.row}", q.chunk)
-            for q in later]
-    pending = {"documents": [docs], "epochs": [[q.epoch for q in later]]}
-    epochs = check_exactly_once([*recs, pending], texts, 512)
-    assert epochs["code"] >= 1 and epochs["prose"] >= 1, epochs
-    got = shares(tokens)
-    assert abs(got["code"] - 0.7) < 0.02, got
-    by_step: dict[int, int] = {}
-    for rec in recs:
-        for cu in rec["cu_seqlens"]:
-            by_step[rec["step"]] = by_step.get(rec["step"], 0) + int((np.diff(cu) >= 257).sum())
-    counts = Counter(by_step.values())
-    assert counts[4] >= 5 and set(counts) <= {0, 4}, counts  # a row each, or none
 
 
 @pytest.mark.parametrize("balance", ["sequential", "lpt", "balanced"])

@@ -20,11 +20,9 @@ import pytest
 from msd_dask import load_config
 from msd_dask.core.config import PoolConfig, ScalingConfig, SourceConfig
 from msd_dask.core.scaling import Scaler, ScalingPolicy, SourceLoad, cpu_caps
-from msd_dask.formats import get_format
 from msd_dask.roles.loader import SourceLoader
-from msd_dask.sources.storage import open_source
 
-from corpus import config
+from corpus import config, source_units
 
 PREP = "msd_dask.examples.preprocess:"
 
@@ -34,9 +32,7 @@ def _read_all(src: SourceConfig, preprocess: str, pool: PoolConfig | None) -> di
     source = dataclasses.asdict(dataclasses.replace(src, preprocess=PREP + preprocess,
                                                     pool=pool or PoolConfig()))
     source.pop("weight")
-    files = open_source(src.uri, src.storage_options)
-    fmt = get_format(src.format)
-    units = [(u.path, u.part, u.row_offset) for p in files.paths for u in fmt.units(files.fs, p)]
+    units = [(u.path, u.part, u.row_offset) for u in source_units(src)[1]]
 
     async def run() -> dict[str, Any]:
         loader = SourceLoader(source, units, {"kind": "bytes"})

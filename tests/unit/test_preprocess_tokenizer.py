@@ -1,45 +1,20 @@
-"""User preprocessors (``sources[i].preprocess``) and Hugging Face tokenizers (``tokenizer.kind: hf``)."""
+"""User preprocessors (``sources[i].preprocess``) and Hugging Face tokenizers (``tokenizer.kind: hf``);
+through the service: ``tests/integration/test_preprocess_tokenizer_service.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 
 import numpy as np
 import pytest
 
-from msd_dask import ConfigError, DataError, DataService, load_config
+from msd_dask import ConfigError, DataError, load_config
 from msd_dask.core.config import TokenizerConfig
 from msd_dask.examples import preprocess as prep
-from msd_dask.formats import get_format
 from msd_dask.sources.documents import read_unit
-from msd_dask.sources.storage import open_source
 from msd_dask.sources.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
 
-from checks import check_content, check_exactly_once, record
-from corpus import config
-
-
-def train_bpe(texts: list[str], path: str, vocab: int = 400, pad: bool = True) -> str:
-    """A small byte-level BPE ``tokenizer.json`` trained on ``texts``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<pad>"] if pad else ["</s>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=special, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    tok.save(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def bpe(corpus, tmp_path_factory):
-    _, texts = corpus
-    return train_bpe(list(texts.values()), str(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
-
+from corpus import config, source_units, train_bpe
 
 # ------------------------------------------------------------------ config
 
@@ -116,17 +91,11 @@ def test_hf_tokenizer_special_ids_and_round_trip(corpus, bpe, tmp_path):
 # --------------------------------------------------------------- preprocess
 
 
-def _units(src):
-    files = open_source(src.uri, src.storage_options)
-    fmt = get_format(src.format)
-    return files.fs, [u for p in files.paths for u in fmt.units(files.fs, p)]
-
-
 def test_read_unit_preprocess_drops_replaces_and_reports(corpus):
     root, texts = corpus
     cfg = load_config(_src_cfg(root, preprocess="msd_dask.examples.preprocess:clean"))
     src = cfg.sources[1]
-    fs, units = _units(src)
+    fs, units = source_units(src)
     tok = ByteTokenizer()
     dropped = kept = 0
     for u in units:
@@ -150,66 +119,12 @@ def test_read_unit_preprocess_drops_replaces_and_reports(corpus):
     with open(f"{fail_root}/x.jsonl", "w") as f:
         f.write(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "a FAIL-ME b"}) + "\n")
     bad = dataclasses.replace(bad, uri=f"{fail_root}/*.jsonl")
-    fs, units = _units(bad)
+    fs, units = source_units(bad)
     with pytest.raises(DataError, match=r"source 'prose', file '.*x\.jsonl', row 1: preprocess "
                        r"'msd_dask.examples.preprocess:fail_on_marker' raised ValueError"):
         read_unit(bad, fs, units[0], tok)
 
 
-
-
-def _consume(svc: DataService, steps: int) -> list[dict]:
-    readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
-    return [record(next(rd)) for _ in range(steps) for rd in readers]
-
-
-@pytest.mark.integration
-def test_service_with_preprocess_exactly_once_over_kept_documents(corpus):
-    root, texts = corpus
-    cfg = config(root, batch={"seq_len": 256, "micro_batches": 2})
-    cfg["sources"][0]["preprocess"] = "msd_dask.examples.preprocess:normalize_whitespace"
-    cfg["sources"][1]["preprocess"] = "msd_dask.examples.preprocess:drop_short"
-    fns = {"code": prep.normalize_whitespace, "prose": prep.drop_short}
-    expected = {k: fns[k[0]](t, {}) for k, t in texts.items()}
-    kept = {k: t for k, t in expected.items() if t is not None}
-    assert len(kept) < len(expected)
-    with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        recs = _consume(svc, 100)
-    check_content(recs, kept, 256)
-    epochs = check_exactly_once(recs, kept, 256)
-    assert epochs["code"] >= 1 and epochs["prose"] >= 1, epochs
-
-
-@pytest.mark.integration
-def test_service_with_hf_tokenizer_decodes_to_source_text(corpus, bpe):
-    root, texts = corpus
-    seq_len = 128
-    cfg = config(root, tokenizer={"kind": "hf", "path": bpe},
-                 batch={"seq_len": seq_len, "micro_batches": 2})
-    tok = HFTokenizer(bpe)
-    with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
-        recs = _consume(svc, 40)
-    pieces: dict[tuple[str, str, int], dict[int, np.ndarray]] = defaultdict(dict)
-    for rec in recs:
-        for m, docs in enumerate(rec["documents"]):
-            cu = rec["cu_seqlens"][m]
-            for j, (src, key, chunk) in enumerate(docs):
-                seg = rec["input_ids"][m, int(cu[j]):int(cu[j + 1])]
-                k = (src, key, rec["epochs"][m][j])
-                assert chunk not in pieces[k], f"{k} chunk {chunk} twice in one epoch"
-                pieces[k][chunk] = seg
-            assert (rec["input_ids"][m, int(cu[-1]):] == tok.pad_id).all()
-    complete = 0
-    for (src, key, _), chunks in pieces.items():
-        full = tok.encode(texts[(src, key)])
-        n = -(-len(full) // seq_len)
-        for c, seg in chunks.items():
-            np.testing.assert_array_equal(seg, full[c * seq_len:c * seq_len + len(seg)])
-        if len(chunks) == n:
-            ids = np.concatenate([chunks[c] for c in range(n)])
-            assert tok.decode(ids) == texts[(src, key)]
-            complete += 1
-    assert complete > 50, complete
 
 
 def test_train_demo_tokenizer_script(corpus, tmp_path):
