@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["actor_address", "drop_queues", "has_client", "keys_on", "local_actor",
-           "published_datasets", "put_in_queues", "scheduler_workers", "task_worker",
-           "wrap_scheduler_call"]
+           "published_datasets", "put_in_queues", "release_actor", "scheduler_workers",
+           "task_worker", "worker_actors", "wrap_scheduler_call"]
 
 
 def actor_address(handle: Any) -> str | None:
@@ -38,6 +38,31 @@ def local_actor(worker: Any, handle: Any) -> Any | None:
     if actor_address(handle) != worker.address:
         return None
     return worker.state.actors.get(handle.key)
+
+
+def worker_actors(worker: Any) -> dict[Any, Any]:
+    """The actors ``worker`` holds: ``{key: actor object}``.
+
+    Relies on ``Worker.state.actors``: Dask has no public way to reach the actor
+    objects a worker holds, and the process re-creating a lost planner must
+    close the roles the lost one left on every worker (they would go on
+    publishing tickets and holding memory; see
+    :func:`msd_dask.roles.supervisor.close_service_roles`).
+    """
+    return dict(worker.state.actors)
+
+
+def release_actor(handle: Any) -> None:
+    """Release the future an actor handle holds on its actor's key, if it holds one.
+
+    Relies on ``distributed.Actor._future`` (set on a handle made from a
+    ``submit(..., actor=True)`` future): released only through the submit
+    future, a closed role's key stayed on the scheduler and its actor on its
+    worker for as long as the cluster ran.
+    """
+    inner = handle.__dict__.get("_future")
+    if inner is not None:
+        inner.release()
 
 
 # ------------------------------------------------------- the front (service, plugin)
