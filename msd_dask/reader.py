@@ -9,7 +9,7 @@ re-created planner (tickets carry the planner generation ``g``) and skips the
 steps it already has (:meth:`Reader.load_state_dict`).
 
 A reader reads through a :class:`ServiceLink` (what it needs from its service;
-:class:`~msd_dask.link.PlannerLink` is the one :meth:`DataService.reader` hands it).
+:class:`~msd_dask.service.link.PlannerLink` is the one :meth:`DataService.reader` hands it).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from msd_dask.core.cost import CostModel  # noqa: E402
 from msd_dask.core.plan import Planner  # noqa: E402
 from msd_dask.core.stream import NeedMetadata  # noqa: E402
 from msd_dask.formats import Unit  # noqa: E402
-from msd_dask.service import discover_units  # noqa: E402
+from msd_dask.sources.discover import discover_units  # noqa: E402
 from msd_dask.sources.documents import read_unit  # noqa: E402
 from msd_dask.sources.storage import open_source  # noqa: E402
 from msd_dask.sources.tokenizer import make_tokenizer  # noqa: E402

@@ -15,7 +15,7 @@ With ``--reference DIR`` it imports a second copy of the package from ``DIR``
 ``msd_golden``; make one with ``git archive <commit> msd_dask | tar -x -C DIR``
 and rename the folder) and compares the two record by record, naming the
 first difference of each configuration.  Without it, it prints one sha256 per
-configuration (``tests/test_plan_golden.py`` keeps those of a few).
+configuration (``tests/unit/test_plan_golden.py`` keeps those of a few).
 
 Usage::
 
@@ -80,7 +80,7 @@ def _submodule(pkg: Any, name: str) -> Any:
 
 
 def specs() -> list[Spec]:
-    """The grid (``tags``: ``golden`` marks those ``tests/test_plan_golden.py`` digests)."""
+    """The grid (``tags``: ``golden`` marks those ``tests/unit/test_plan_golden.py`` digests)."""
     out: list[Spec] = []
     for balance in ("sequential", "lpt", "balanced"):
         for dp, mb in ((2, 1), (2, 8), (16, 1), (16, 8), (256, 1), (256, 8)):
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reference", default="", help="directory holding the reference package")
     ap.add_argument("--reference-name", default="msd_golden")
-    ap.add_argument("--only", default="", help="'golden' (those tests/test_plan_golden.py checks), or a "
+    ap.add_argument("--only", default="", help="'golden' (those tests/unit/test_plan_golden.py checks), or a "
                     "substring of the configuration names")
     ap.add_argument("--digests", action="store_true", help="print a sha256 per configuration")
     ap.add_argument("--package", default="msd_dask", help="the package checked (importable)")

@@ -41,7 +41,7 @@ __all__ = [
 KNOWN_FORMATS = ("parquet", "jsonl", "webdataset")
 KNOWN_TOKENIZERS = ("bytes", "hf")
 #: the keys of :data:`msd_dask.core.balance.STRATEGIES`, named here so that parsing a config (as
-#: every training process does) does not import the balancer (tests/test_imports.py checks)
+#: every training process does) does not import the balancer (tests/unit/test_imports.py checks)
 KNOWN_BALANCE = ("sequential", "lpt", "balanced")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 MESH_AXES = ("tp", "cp", "dp", "pp")

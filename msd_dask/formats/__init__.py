@@ -3,7 +3,7 @@
 A reader splits a file into :class:`Unit`\\ s (the pieces a loader reads at
 once: a parquet row group, a whole JSON-lines file) and yields the records of
 one unit.  Every reader passes the shared conformance suite in
-``tests/test_formats.py``.
+``tests/unit/test_formats.py``.
 """
 
 from __future__ import annotations

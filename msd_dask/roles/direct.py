@@ -21,7 +21,7 @@ What stays as it was for a remote call:
 What differs: arguments and results are the caller's objects, not copies, so
 neither side may change what it passed or got.  None of the calls made
 through :func:`direct` does (the planner copies the lengths array a loader
-hands it, the one object it keeps); ``tests/test_direct.py`` checks that the
+hands it, the one object it keeps); ``tests/integration/test_direct.py`` checks that the
 results are equal both ways.
 """
 

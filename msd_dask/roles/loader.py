@@ -35,7 +35,7 @@ from msd_dask.sources.tokenizer import make_tokenizer
 # storage (fsspec) is imported where the loader starts, formats and vision where a unit is
 # read (msd_dask.sources.documents): a training process imports this module when it
 # unpickles a loader's actor handle, and every module costs each training process memory
-# (tests/test_imports.py)
+# (tests/unit/test_imports.py)
 
 __all__ = ["SourceLoader"]
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # The planner's own modules (plan, stream, the role supervisor and the loader module it
 # imports, storage: fsspec, zstandard) are imported where the actor runs, not here: a
 # training process unpickling this actor's handle imports this module, and every module
-# costs each of them memory (tests/test_imports.py).
+# costs each of them memory (tests/unit/test_imports.py).
 
 __all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
 

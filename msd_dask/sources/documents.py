@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # formats (fsspec, zstandard, tarfile), storage and vision are imported where a unit is read:
 # a training process imports this module with msd_dask.roles.loader when it unpickles a
 # loader's actor handle, and every module costs each training process memory
-# (tests/test_imports.py)
+# (tests/unit/test_imports.py)
 
 __all__ = ["DocPool", "ImageDoc", "preprocessor", "process_docs", "read_unit", "source_config",
            "with_source"]

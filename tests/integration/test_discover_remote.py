@@ -4,7 +4,7 @@ Reading parquet footers needs pyarrow and fsspec (~30 MiB in the process that
 starts the service, docs/benchmarks.md, Memory); a worker reads them instead.
 Each starter here runs in a fresh interpreter against real ``dask scheduler`` /
 ``dask worker`` processes, so what it imports can be checked.  The error texts
-of a file that cannot be listed are checked by tests/test_bad_input.py (it
+of a file that cannot be listed are checked by tests/integration/test_bad_input.py (it
 starts services the same way); here: that the error arrives as the same
 :class:`DataError`, its fields intact, from a worker.
 """
@@ -21,7 +21,7 @@ import pytest
 
 from msd_dask import DataService, load_config
 from msd_dask.errors import DataError, ServiceTimeoutError
-from msd_dask.service import discover_units
+from msd_dask.sources.discover import discover_units
 
 from cluster import dask_cluster
 from corpus import config, write_corpus

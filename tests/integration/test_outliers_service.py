@@ -10,7 +10,7 @@ import numpy as np
 
 from msd_dask import DataService, load_config
 from msd_dask.core.stream import Piece
-from msd_dask.service import discover_units
+from msd_dask.sources.discover import discover_units
 
 from checks import check_content, check_exactly_once, read_steps, shares
 from corpus import config, write_corpus

@@ -17,7 +17,7 @@ from msd_dask import DataService, load_config
 from msd_dask.core.stream import SourceStream
 from msd_dask.formats import Unit
 from msd_dask.roles.loader import read_unit
-from msd_dask.service import discover_units
+from msd_dask.sources.discover import discover_units
 from msd_dask.sources.storage import open_source
 from msd_dask.sources.tokenizer import ByteTokenizer
 

@@ -137,7 +137,7 @@ def written(request: pytest.FixtureRequest, where: tuple[fsspec.AbstractFileSyst
             ) -> tuple[Format, fsspec.AbstractFileSystem, str]:
     name, variant = request.param
     if name not in WRITERS:
-        pytest.fail(f"format {name!r} is registered but tests/test_formats.py has no writer "
+        pytest.fail(f"format {name!r} is registered but tests/unit/test_formats.py has no writer "
                     "for it: add one to WRITERS")
     fs, root = where
     path = WRITERS[name][variant](fs, f"{root}/sample", RECORDS)

@@ -14,7 +14,7 @@ import pytest
 from msd_dask import load_config
 from msd_dask.core.config import ConfigError
 from msd_dask.roles.planner import ahead_within
-from msd_dask.service import discover_units
+from msd_dask.sources.discover import discover_units
 from msd_dask.sources.documents import read_unit
 from msd_dask.sources.storage import open_source
 from msd_dask.sources.tokenizer import ByteTokenizer

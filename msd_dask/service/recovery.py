@@ -6,7 +6,7 @@ roles' keys (:meth:`PlannerKeeper.pin`).  When the planner's worker is lost it
 closes the roles the lost planner leaves behind, starts a new planner (a new
 *generation*) from that state and publishes it again under the same name
 (:meth:`PlannerKeeper.recover`); readers follow through their
-:class:`~msd_dask.link.PlannerLink` (docs/resume.md).
+:class:`~msd_dask.service.link.PlannerLink` (docs/resume.md).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from msd_dask.dask_internals import actor_address
-from msd_dask.link import PlannerLink
-from msd_dask.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
+from msd_dask.service.link import PlannerLink
+from msd_dask.service.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
 
 __all__ = ["PlannerKeeper"]
 

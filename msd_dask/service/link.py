@@ -1,7 +1,7 @@
 """A process's link to a service's current planner: what a handle and its readers share.
 
 The planner may be lost with its worker; the process that started the service
-re-creates it (a new *generation*, :mod:`msd_dask.recovery`) and publishes it
+re-creates it (a new *generation*, :mod:`msd_dask.service.recovery`) and publishes it
 again under the same name.  A :class:`PlannerLink` holds the handles of the
 current generation (planner, constructors), switches to a newer one when the
 current planner stops answering, and tells this process's readers when it did
@@ -21,7 +21,7 @@ from typing import Any
 from msd_dask.core.config import Config
 from msd_dask.dask_internals import actor_address, has_client, scheduler_workers
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
-from msd_dask.placement import REGISTRY_PREFIX
+from msd_dask.service.placement import REGISTRY_PREFIX
 
 __all__ = ["PlannerLink"]
 
@@ -36,7 +36,7 @@ class PlannerLink:
     client : distributed.Client
     cfg : Config
     registry : dict
-        The published registry (see :func:`msd_dask.placement.place_planner`).
+        The published registry (see :func:`msd_dask.service.placement.place_planner`).
     owner : bool
         Whether this process started the service (and re-creates a lost planner).
     """

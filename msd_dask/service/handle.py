@@ -3,14 +3,14 @@
 
 ``DataService.start`` has a worker list every source's units
 (:mod:`msd_dask.sources.discover`), places the planner on the cluster
-(:mod:`msd_dask.placement`; it creates the constructors and loaders) and
+(:mod:`msd_dask.service.placement`; it creates the constructors and loaders) and
 publishes the handles under ``msd-<name>`` on the scheduler, so that any
 process can ``DataService.connect(address, name)`` and read a rank's batches.
 
 The planner re-creates lost loaders and constructors itself; the process
 that started the service (``owner``) re-creates a lost planner
-(:mod:`msd_dask.recovery`).  Every handle reads through a
-:class:`~msd_dask.link.PlannerLink`, which follows the planner to its
+(:mod:`msd_dask.service.recovery`).  Every handle reads through a
+:class:`~msd_dask.service.link.PlannerLink`, which follows the planner to its
 successor (docs/resume.md).
 """
 
@@ -26,8 +26,9 @@ from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import drop_queues, keys_on
 from msd_dask.errors import ServiceError, ServiceTimeoutError
-from msd_dask.link import PlannerLink
-from msd_dask.placement import (
+from msd_dask.reader import Reader
+from msd_dask.service.link import PlannerLink
+from msd_dask.service.placement import (
     REGISTRY_PREFIX,
     ROLES_PREFIX,
     forget_keys,
@@ -35,11 +36,10 @@ from msd_dask.placement import (
     rank_queues,
     tell_closed,
 )
-from msd_dask.reader import Reader
-from msd_dask.recovery import PlannerKeeper
-from msd_dask.sources.discover import discover_remote, discover_units
+from msd_dask.service.recovery import PlannerKeeper
+from msd_dask.sources.discover import discover_remote
 
-__all__ = ["DataService", "Reader", "discover_units"]
+__all__ = ["DataService"]
 
 _log = logging.getLogger("msd_dask.service")
 
