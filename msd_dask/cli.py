@@ -230,7 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
         stop["now"] = True
 
     # Ctrl-C too: a KeyboardInterrupt raised inside a call to the cluster could leave
-    # that call half done before close() (CI once saw serve not exit within 30 s of it)
+    # that call half done, and close() then waits on it
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     print(f"serving {svc.name!r} on {args.scheduler}; connect with "

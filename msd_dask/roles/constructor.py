@@ -201,7 +201,7 @@ class DataConstructor:
         span = f"{steps[0][0]}" if len(steps) == 1 else f"{steps[0][0]}-{steps[-1][0]}"
         self._fetching = f"step {span} from loaders " + ", ".join(f"{s}#{li}" for s, li in keys)
         # each request list as one int64 array: Dask serializes a list of tuples element
-        # by element (566 us for a round's 27 pieces here, 35 us as one array)
+        # by element, an array as one buffer
         results = await asyncio.gather(
             *(self._fetch(src, li, np.asarray(requests[(src, li)], dtype=np.int64))
               for src, li in keys))

@@ -364,7 +364,7 @@ class PlannerActor:
         # waiting for its next unit does not reach, and one it adds must have units to
         # read.  Beyond the next window because units are given out as the planner moves:
         # with only that window ahead, a loader that read its share of it first waited for
-        # the slowest one (3-11% of a CPU-bound loader's time); with more ahead it is given
+        # the slowest one; with more ahead it is given
         # more units (PlannerActor._outstanding).  A fixed allocation keeps the cap's bound
         # on memory
         threads = len(self.roles.active.get(source, ())) * self.roles.loader_threads

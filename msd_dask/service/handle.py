@@ -46,10 +46,10 @@ _log = logging.getLogger("msd_dask.service")
 #: Dask settings of the embedded cluster (:meth:`DataService.start` without ``address``).
 #: Its workers run the service's actors only, and Dask's periodic callbacks (a stack
 #: sample of the task threads every 10 ms, an event-loop tick every 20 ms, a memory
-#: check every 100 ms, in every worker, nanny and the scheduler) cost an idle 2-worker
-#: cluster 0.10 cores here, 0.02 with these: 0.4 us of CPU per delivered token at
-#: 184K tokens/s (scripts/bench_scaling.py).  Blocked-loop warnings and memory limits
-#: still work, at this resolution.
+#: check every 100 ms, in every worker, nanny and the scheduler) cost CPU in every
+#: process whether it works or not; these intervals cut that cost about fivefold
+#: (docs/deployment.md).  Blocked-loop warnings and memory limits still work, at this
+#: resolution.
 EMBEDDED_DASK_CONFIG: dict[str, Any] = {
     "distributed.worker.profile.enabled": False,
     "distributed.admin.tick.interval": "200ms",
