@@ -19,20 +19,16 @@ __all__ = ["check_storage", "load_config"]
 
 def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
                 check_files: bool = True) -> Config:
-    """Load and validate a service configuration.
+    """Load and validate a service configuration, then check it against storage.
 
     Parameters
     ----------
     cfg : str, path, mapping or Config
-        A YAML file path, a YAML string containing a mapping, or an already
-        parsed mapping.  A :class:`Config` is returned as it is.
+        What :func:`~msd_dask.core.config.parse_config` takes; a :class:`Config`
+        is returned as it is, unchecked.
     check_files : bool
         Check that every source's ``uri`` matches at least one file and that the
         tokenizer loads (:func:`check_storage`).
-
-    Returns
-    -------
-    Config
 
     Raises
     ------
