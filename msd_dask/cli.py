@@ -156,9 +156,8 @@ def _run(args: argparse.Namespace) -> int:
         cfg = svc.config
         world = cfg.parallel.world_size
         readers = [svc.reader(r) for r in range(world)]
-        # one member per DP group counts the group's tokens
-        counting = {r for r in range(world)
-                    if all(v == 0 for k, v in cfg.parallel.coords(r).items() if k != "dp")}
+        # one member per DP group counts the group's tokens: its first rank (tp = cp = pp = 0)
+        counting = {ranks[0] for ranks in cfg.parallel.dp_groups()}
         tokens = 0
         by_source: dict[str, int] = defaultdict(int)
         imbalance = []

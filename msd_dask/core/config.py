@@ -203,8 +203,38 @@ class ParallelConfig:
         return out
 
     def ranks_of_dp(self, dp_rank: int) -> list[int]:
-        """All global ranks whose data-parallel coordinate is ``dp_rank``."""
-        return [r for r in range(self.world_size) if self.coords(r)["dp"] == dp_rank]
+        """All global ranks whose data-parallel coordinate is ``dp_rank``, ascending
+        (none outside ``[0, dp)``); ``world_size / dp`` of them, found by arithmetic."""
+        if not 0 <= dp_rank < self.dp:
+            return []
+        base = dp_rank * self._stride("dp")
+        return [base + o for o in self._group_offsets()]
+
+    def dp_groups(self) -> list[list[int]]:
+        """Every DP group's ranks at once, ``[ranks_of_dp(0), ranks_of_dp(1), ...]``:
+        one pass over the world (start-up maps all of them; ``ranks_of_dp`` per index
+        used to scan the whole world for each)."""
+        offsets, step = self._group_offsets(), self._stride("dp")
+        return [[d * step + o for o in offsets] for d in range(self.dp)]
+
+    def _stride(self, axis: str) -> int:
+        """How far apart two ranks one step apart along ``axis`` are."""
+        stride = 1
+        for a in self.order.split("-"):
+            if a == axis:
+                return stride
+            stride *= getattr(self, a)
+        raise ValueError(f"no mesh axis {axis!r} in order {self.order!r}")
+
+    def _group_offsets(self) -> list[int]:
+        """The ranks of DP group 0, ascending: every tp/cp/pp coordinate's offset.
+        Built from the fastest axis up, each axis's stride exceeds the offsets so far."""
+        offsets = [0]
+        for axis in self.order.split("-"):
+            if axis != "dp":
+                stride = self._stride(axis)
+                offsets = [k * stride + o for k in range(getattr(self, axis)) for o in offsets]
+        return offsets
 
 
 @dataclass(frozen=True)

@@ -159,8 +159,7 @@ class PlannerActor:
         self._keep = 2 * self.cfg.prefetch + 16
         self._snapshot(self.planner.step - 1)
         #: role placement and recovery (see :class:`~msd_dask.roles.supervisor.RoleSupervisor`)
-        self.roles = RoleSupervisor(self, members or [{d: self.cfg.parallel.ranks_of_dp(d)
-                                               for d in range(self.cfg.parallel.dp)}],
+        self.roles = RoleSupervisor(self, members or [dict(enumerate(self.cfg.parallel.dp_groups()))],
                                     pad_id, loader_threads, source_payloads or {}, tokenizer or {})
         if lost:
             self.roles.recovered.update(lost.get("recovered", {}))

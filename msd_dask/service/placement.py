@@ -18,8 +18,8 @@ from msd_dask.core.config import Config
 from msd_dask.dask_internals import put_in_queues
 from msd_dask.errors import ServiceError
 
-__all__ = ["REGISTRY_PREFIX", "ROLES_PREFIX", "forget_keys", "place_planner", "rank_queues",
-           "source_payload", "tell_closed"]
+__all__ = ["REGISTRY_PREFIX", "ROLES_PREFIX", "constructor_members", "forget_keys", "place_planner",
+           "rank_queues", "source_payload", "tell_closed"]
 
 #: a service's registry is published under this prefix and its name
 REGISTRY_PREFIX = "msd-"
@@ -40,6 +40,16 @@ def source_payload(cfg: Config, name: str) -> dict[str, Any]:
     d = next(s for s in cfg.to_dict()["sources"] if s["name"] == name)
     d.pop("weight")
     return d
+
+
+def constructor_members(cfg: Config, n_constructors: int) -> list[dict[int, list[int]]]:
+    """``{dp: ranks of that DP group}`` of each of ``n_constructors`` constructors: DP
+    index ``dp`` goes to constructor ``dp % n_constructors`` (the planner splits a
+    step's rows the same way).  One pass over the world (:meth:`ParallelConfig.dp_groups`)."""
+    members: list[dict[int, list[int]]] = [{} for _ in range(n_constructors)]
+    for dp, ranks in enumerate(cfg.parallel.dp_groups()):
+        members[dp % n_constructors][dp] = ranks
+    return members
 
 
 def place_planner(client: Any, cfg: Config,
@@ -66,9 +76,7 @@ def place_planner(client: Any, cfg: Config,
         raise ServiceError(f"no worker to place the planner of service {cfg.name!r} on")
     if members is None:
         n_c = cfg.constructors or min(cfg.parallel.dp, len(workers))
-        members = [{} for _ in range(n_c)]
-        for dp in range(cfg.parallel.dp):
-            members[dp % n_c][dp] = cfg.parallel.ranks_of_dp(dp)
+        members = constructor_members(cfg, n_c)
     from msd_dask.roles.planner import PlannerActor  # the starting process only (see planner.py)
 
     # unique: a service started again under this name right after a close must not
