@@ -21,6 +21,7 @@ waits for room, which is the service's backpressure.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections import defaultdict
 from typing import Any
@@ -43,6 +44,47 @@ def queue_name(service: str, rank: int) -> str:
 WorkItem = tuple[str, int, int, int, int, int, int, int, str]
 #: One step of a round: (step, {dp rank: rows of work items}, {"rank_cost": [...]})
 StepWork = tuple[int, dict[int, list[list[WorkItem]]], dict[str, Any]]
+
+
+class _FinishedPairs:
+    """The ``(step, dp)`` batches every member rank has claimed (``key in pairs``).
+
+    Once it holds more than ``keep`` pairs, adding one forgets the pairs of the
+    steps ``window`` or more before the added step, as a set rebuilt with
+    ``{k for k in pairs if k[0] > step - window}`` would, but it keeps the pairs by
+    step, with a heap of the steps, and drops whole steps: the work is O(1)
+    amortised per pair whatever the number of DP ranks per step (a rebuilt set
+    costs every pair kept, about ``window`` × DP ranks, for every pair added).
+    """
+
+    def __init__(self, keep: int = 4096, window: int = 64):
+        self.keep = keep
+        self.window = window
+        self._dps: dict[int, set[int]] = {}  # step -> its DP ranks held
+        self._steps: list[int] = []  # heap of the steps of _dps
+        self._n = 0
+
+    def add(self, step: int, dp: int) -> None:
+        dps = self._dps.get(step)
+        if dps is None:
+            dps = self._dps[step] = set()
+            heapq.heappush(self._steps, step)
+        if dp not in dps:
+            dps.add(dp)
+            self._n += 1
+        if self._n > self.keep:
+            cut = step - self.window
+            while self._steps and self._steps[0] <= cut:
+                self._n -= len(self._dps.pop(heapq.heappop(self._steps)))
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, tuple) or len(key) != 2:
+            return False
+        dps = self._dps.get(key[0])
+        return dps is not None and key[1] in dps
+
+    def __len__(self) -> int:
+        return self._n
 
 
 class DataConstructor:
@@ -71,6 +113,11 @@ class DataConstructor:
         self.service = service
         self.index = index
         self.members = {int(k): [int(r) for r in v] for k, v in members.items()}
+        #: global rank -> its DP rank (a claim looks it up, not through every group)
+        self._dp_by_rank: dict[int, int] = {}
+        for d, ranks in self.members.items():
+            for r in ranks:
+                self._dp_by_rank.setdefault(r, d)
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.prefetch = prefetch
@@ -78,9 +125,11 @@ class DataConstructor:
         self._queues: dict[int, Any] = {}
         self._ready: dict[tuple[int, int], dict[str, Any]] = {}
         self._unclaimed: dict[tuple[int, int], set[int]] = {}
-        self._held_steps: dict[int, int] = {}
-        self._gone: set[tuple[int, int]] = set()  # (step, dp) fully claimed
-        self._built: asyncio.Condition | None = None  # step -> DP batches of it not fully claimed
+        #: dp -> steps of it in ``_unclaimed``, in the order they were built
+        self._unclaimed_steps: defaultdict[int, dict[int, None]] = defaultdict(dict)
+        self._held_steps: dict[int, int] = {}  # step -> DP batches of it not fully claimed
+        self._gone = _FinishedPairs()  # (step, dp) fully claimed
+        self._built: asyncio.Condition | None = None
         self._work: asyncio.Queue[list[StepWork]] | None = None
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
@@ -114,7 +163,7 @@ class DataConstructor:
 
         self.loaders = loaders
         for r, step in (had or {}).items():
-            if any(int(r) in rs for rs in self.members.values()):
+            if int(r) in self._dp_by_rank:
                 self._had[int(r)] = max(self._had.get(int(r), -1), int(step))
                 self.last_claimed[int(r)] = max(self.last_claimed.get(int(r), -1), int(step))
         client = get_client()
@@ -232,6 +281,7 @@ class DataConstructor:
                 if waiting:
                     self._ready[(step, dp)] = packed
                     self._unclaimed[(step, dp)] = waiting
+                    self._unclaimed_steps[dp][step] = None
                     for r in waiting:
                         tickets[(r, dp)].append(step)
                 else:
@@ -326,11 +376,14 @@ class DataConstructor:
         rank (and stop at ``prefetch`` such steps) until its reader skipped them.
         """
         rank, step = int(rank), int(step)
-        if not any(rank in rs for rs in self.members.values()):
+        dp = self._dp_by_rank.get(rank)
+        if dp is None:
             return
         self._had[rank] = max(self._had.get(rank, -1), step)
         self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), step)
-        for key, waiting in list(self._unclaimed.items()):
+        # only the batches of the rank's DP group wait for it (the groups are disjoint)
+        for key, waiting in [((s, dp), self._unclaimed[(s, dp)])
+                             for s in self._unclaimed_steps.get(dp, ())]:
             if key[0] <= step and rank in waiting:
                 waiting.discard(rank)
                 if not waiting:
@@ -341,9 +394,12 @@ class DataConstructor:
         assert self._room is not None
         self._ready.pop((step, dp), None)
         self._unclaimed.pop((step, dp), None)
-        self._gone.add((step, dp))
-        if len(self._gone) > 4096:
-            self._gone = {k for k in self._gone if k[0] > step - 64}
+        steps = self._unclaimed_steps.get(dp)
+        if steps is not None:
+            steps.pop(step, None)
+            if not steps:
+                del self._unclaimed_steps[dp]
+        self._gone.add(step, dp)
         async with self._room:
             if step in self._held_steps:
                 self._held_steps[step] -= 1
@@ -359,7 +415,7 @@ class DataConstructor:
 
     def _dp_of(self, rank: int) -> int:
         self._check_open()
-        dp = next((d for d, rs in self.members.items() if rank in rs), None)
+        dp = self._dp_by_rank.get(rank)
         if dp is None:
             raise KeyError(f"rank {rank} is not served by constructor {self.index}")
         return dp
@@ -433,6 +489,7 @@ class DataConstructor:
         self.loaders = {}
         self._ready.clear()
         self._unclaimed.clear()
+        self._unclaimed_steps.clear()
         if self._built is not None:
             async with self._built:
                 self._built.notify_all()
