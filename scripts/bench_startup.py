@@ -101,7 +101,7 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
     roots = {"tiny": "memory://startup"}
 
     def place() -> tuple[dict[str, Any], bytes]:
-        registry = place_planner(client, cfg, units, roots, None, 1, members=members)
+        registry = place_planner(client, cfg, units, roots, None, 1, constructors=n_c)
         published = dict(registry, planner=registry["planner"].key)
         return registry, pickle.dumps(published, protocol=pickle.HIGHEST_PROTOCOL)
 

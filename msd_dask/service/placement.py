@@ -56,27 +56,28 @@ def place_planner(client: Any, cfg: Config,
                   units: dict[str, list[tuple[str, int, int]]], roots: dict[str, str],
                   resume: Mapping[str, Any] | None,
                   loader_threads: int, *,
-                  members: list[dict[int, list[int]]] | None = None,
+                  constructors: int | None = None,
                   generation: int = 0, had: dict[int, int] | None = None,
                   lost: dict[str, Any] | None = None) -> dict[str, Any]:
     """Start the planner; it creates the loaders and constructors itself.
 
-    ``members`` (constructor -> DP ranks) is kept across generations, so a
-    ticket's constructor index means the same DP ranks in every generation.
+    ``constructors`` (how many; :func:`constructor_members` gives each its DP
+    ranks) is kept across generations, so a ticket's constructor index means the
+    same DP ranks in every generation.  The registry, which every process that
+    connects reads, holds that count, not the members: they grow with the world.
 
     Returns
     -------
     dict
-        The registry: ``{"config", "planner" (its future), "members", "generation"}``.
+        The registry: ``{"config", "planner" (its future), "constructors", "generation"}``.
     """
     from msd_dask.sources.tokenizer import make_tokenizer
 
     workers = sorted(client.scheduler_info()["workers"])
     if not workers:
         raise ServiceError(f"no worker to place the planner of service {cfg.name!r} on")
-    if members is None:
-        n_c = cfg.constructors or min(cfg.parallel.dp, len(workers))
-        members = constructor_members(cfg, n_c)
+    n_c = constructors or cfg.constructors or min(cfg.parallel.dp, len(workers))
+    members = constructor_members(cfg, n_c)
     from msd_dask.roles.planner import PlannerActor  # the starting process only (see planner.py)
 
     # unique: a service started again under this name right after a close must not
@@ -91,7 +92,7 @@ def place_planner(client: Any, cfg: Config,
         source_payloads={s.name: source_payload(cfg, s.name) for s in cfg.sources},
         tokenizer=dataclasses.asdict(cfg.tokenizer), generation=generation, had=had,
         lost=lost, actor=True, workers=[workers[0]], pure=False, key=key)
-    return {"config": cfg.to_dict(), "planner": planner, "members": members,
+    return {"config": cfg.to_dict(), "planner": planner, "constructors": n_c,
             "generation": generation}
 
 

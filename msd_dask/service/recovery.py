@@ -122,7 +122,7 @@ class PlannerKeeper:
             old = link.registry
             registry = place_planner(
                 link.client, link.config, self.recipe["units"], self.recipe["roots"],
-                ck["state"], self.recipe["loader_threads"], members=old.get("members"),
+                ck["state"], self.recipe["loader_threads"], constructors=old.get("constructors"),
                 generation=link.generation + 1, had=had,
                 lost={"from": actor_address(link.planner), "recovered": ck["recovered"],
                       "events": ck["events"]})
