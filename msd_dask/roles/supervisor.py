@@ -31,12 +31,14 @@ moves the slot's units itself (:meth:`PlannerSide.hand_over`).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from msd_dask.core.config import Config
     from msd_dask.core.units import Unit
 
-__all__ = ["PlannerSide", "RoleSupervisor", "close_service_roles"]
+__all__ = ["PlannerSide", "RoleSupervisor", "close_service_roles", "pick_workers"]
 
 _log = logging.getLogger(__name__)
 
@@ -133,21 +135,41 @@ class RoleSupervisor:
 
     # ------------------------------------------------------------- creation
     async def setup(self) -> None:
+        """Create every constructor, then every source's loaders, spread across the workers.
+
+        One look at the scheduler's workers places them all (:func:`pick_workers`, the
+        same choices as placing them one at a time); every actor is submitted before
+        any is awaited, so start-up costs no round trip per role.
+        """
         from distributed import get_client
 
         self._client = get_client()
-        for i in range(len(self.members)):
-            handle, fut = await self._new_constructor(i)
-            self.constructors.append(handle)
-            self._cfuts.append(fut)
+        roles: list[tuple[str, Callable[[str], Any]]] = [
+            (f"constructor {i}", partial(self._submit_constructor, i))
+            for i in range(len(self.members))]
+        loader_slots: list[tuple[str, int]] = []
         for s in self.cfg.sources:
             self._slots[s.name] = {}
             self._alias[s.name] = {}
             self.active[s.name] = []
             self._rr[s.name] = itertools.count()
             self._seq[s.name] = itertools.count()
+            units = self._loader_units(s.name)
             for _ in range(s.loaders):
-                await self._add_slot(s.name)
+                slot = next(self._seq[s.name])
+                loader_slots.append((s.name, slot))
+                roles.append((f"loader {s.name}#{slot}",
+                              partial(self._submit_loader, s.name, slot, units=units)))
+        where = await self._place(len(roles))
+        made = await self._created([(name, w, submit(w))
+                                    for (name, submit), w in zip(roles, where, strict=True)])
+        n_c = len(self.members)
+        for handle, fut in made[:n_c]:
+            self.constructors.append(handle)
+            self._cfuts.append(fut)
+        for (source, slot), pair in zip(loader_slots, made[n_c:], strict=True):
+            self._slots[source][slot] = pair
+            self.active[source].append(slot)
         view = self.view()
         await asyncio.gather(*(c.setup(view, self.planner.had) for c in self.constructors))
 
@@ -158,15 +180,17 @@ class RoleSupervisor:
         return sorted(w for w, d in info["workers"].items()
                       if not placeable or d.get("status", "running") == "running")
 
-    async def _place(self) -> str:
-        """The live worker holding the fewest roles (the planner's own counts as one)."""
+    async def _place(self, n: int = 1) -> list[str]:
+        """The workers for ``n`` new roles placed one after the other, each on the live
+        worker holding the fewest roles (the planner's own counts as one): one look at the
+        scheduler's workers (:func:`pick_workers`)."""
         workers = [w for w in await self._workers(placeable=True) if w not in self._evacuating]
-        if not workers:
-            raise RuntimeError("no worker left to place a role on")
-        load = Counter(actor_address(h) for h, _ in self._all_loaders())
-        load.update(actor_address(c) for c in self.constructors)
+        load = Counter(a for a in map(actor_address, self._all_role_handles()) if a is not None)
         load[self.own_address()] += 1
-        return min(workers, key=lambda w: (load[w], w))
+        return pick_workers(workers, load, n)
+
+    def _all_role_handles(self) -> list[Any]:
+        return [h for h, _ in self._all_loaders()] + list(self.constructors)
 
     def own_address(self) -> str:
         """The address of the worker this supervisor (and its planner) runs on."""
@@ -174,24 +198,63 @@ class RoleSupervisor:
 
         return str(get_worker().address)
 
-    async def _new_constructor(self, index: int) -> tuple[Any, Any]:
-        where = await self._place()
-        fut = self._client.submit(
+    def _submit_constructor(self, index: int, where: str) -> Any:
+        return self._client.submit(
             DataConstructor, self.cfg.name, index, self.members[index], self.cfg.batch.seq_len,
             self.pad_id, self.cfg.prefetch, self.cfg.timeout, self.planner.generation,
             actor=True, workers=[where],
             allow_other_workers=False, pure=False,
             key=f"msd-{self.cfg.name}-constructor-{index}-{uuid.uuid4().hex[:8]}")
-        return await fut, fut
 
-    async def _new_loader(self, source: str, slot: int) -> tuple[Any, Any]:
-        where = await self._place()
-        units = [(u.path, u.part, u.row_offset) for u in self.planner.units[source]]
-        fut = self._client.submit(
+    def _loader_units(self, source: str) -> list[tuple[Any, ...]]:
+        return [(u.path, u.part, u.row_offset) for u in self.planner.units[source]]
+
+    def _submit_loader(self, source: str, slot: int, where: str,
+                       units: list[tuple[Any, ...]]) -> Any:
+        return self._client.submit(
             SourceLoader, self.payloads[source], units, self.tokenizer, slot,
             self.loader_threads, actor=True, workers=[where], allow_other_workers=False,
             pure=False, key=f"msd-{self.cfg.name}-loader-{source}-{slot}-{uuid.uuid4().hex[:8]}")
-        return await fut, fut
+
+    async def _created(self, submitted: list[tuple[str, str, Any]]) -> list[tuple[Any, Any]]:
+        """``(actor handle, future)`` of each role submitted as ``(name, worker, future)``,
+        once every one is created: waits for them all, then fetches the handles in one
+        gather.  If a role failed, the first in order raises its error, with a note naming
+        the role and its worker; the roles created with it are closed and released.
+        """
+        futs = [f for _, _, f in submitted]
+        # waits until each is done, without a round trip (a failure is raised below)
+        await asyncio.gather(*(f.exception(asynchronous=True) for f in futs),
+                             return_exceptions=True)
+        made = [f for f in futs if f.status == "finished"]
+        handles = await self._client.gather(made, asynchronous=True) if made else []
+        if len(made) == len(futs):
+            return list(zip(handles, futs, strict=True))
+        await asyncio.gather(*(asyncio.wait_for(h.close(), 5) for h in handles),
+                             return_exceptions=True)
+        if handles:
+            _drop(*zip(handles, made, strict=True))
+        name, where, fut = next(r for r in submitted if r[2].status != "finished")
+        try:
+            await fut
+            raise RuntimeError(f"{fut.key} did not finish")  # pragma: no cover - it failed
+        except BaseException as e:
+            e.add_note(f"msd_dask {self.cfg.name}: creating {name} on {where}")
+            raise
+        finally:
+            for f in futs:
+                if f.status != "finished":
+                    f.release()
+
+    async def _new_constructor(self, index: int) -> tuple[Any, Any]:
+        where = (await self._place())[0]
+        return (await self._created([(f"constructor {index}", where,
+                                      self._submit_constructor(index, where))]))[0]
+
+    async def _new_loader(self, source: str, slot: int) -> tuple[Any, Any]:
+        where = (await self._place())[0]
+        fut = self._submit_loader(source, slot, where, self._loader_units(source))
+        return (await self._created([(f"loader {source}#{slot}", where, fut)]))[0]
 
     async def _add_slot(self, source: str) -> int:
         slot = next(self._seq[source])
@@ -526,6 +589,28 @@ async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, A
             for r, step in role.last_claimed.items():
                 last[int(r)] = max(last.get(int(r), -1), int(step))
     return {"closed": closed, "last_claimed": last}
+
+
+def pick_workers(workers: Iterable[str], load: Mapping[str, int], n: int) -> list[str]:
+    """The workers ``n`` new roles go to, placed one after the other: each on the worker of
+    ``workers`` (distinct addresses) holding the fewest roles, ties to the lowest address.
+
+    ``load`` counts each worker's roles before these (missing: none); every role placed
+    counts on its worker for the next.  Equal to taking ``min(workers, key=lambda w:
+    (load[w], w))`` and adding one to the chosen worker's count, ``n`` times, in
+    O(W + n log W): a heap of ``(count, address)`` whose top is exactly that minimum, and
+    only the chosen worker's entry changes.
+    """
+    heap = [(load.get(w, 0), w) for w in workers]
+    if n and not heap:
+        raise RuntimeError("no worker left to place a role on")
+    heapq.heapify(heap)
+    out = []
+    for _ in range(n):
+        count, w = heap[0]
+        out.append(w)
+        heapq.heapreplace(heap, (count + 1, w))
+    return out
 
 
 def _observe(task: asyncio.Future[Any]) -> None:

@@ -1,0 +1,199 @@
+"""Where :class:`~msd_dask.roles.supervisor.RoleSupervisor` places roles, without Dask:
+:func:`~msd_dask.roles.supervisor.pick_workers` (all of a setup's roles from one look at
+the workers) picks exactly what placing the roles one at a time picked (the old
+``_place``: the fewest roles, recounted before each, ties to the lowest address)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from msd_dask.roles.supervisor import pick_workers
+
+
+def one_at_a_time(workers: list[str], before: list[str], own: str, n: int) -> list[str]:
+    """The old placement: before each role, count every role placed so far by worker
+    (``before``, then those just placed; the planner's worker counts one more) and take
+    ``min(workers, key=(count, address))``."""
+    placed: list[str] = []
+    for _ in range(n):
+        load = Counter(before + placed)
+        load[own] += 1
+        placed.append(min(workers, key=lambda w: (load[w], w)))
+    return placed
+
+
+def _load(before: list[str], own: str) -> Counter[str]:
+    load = Counter(before)
+    load[own] += 1
+    return load
+
+
+def _addresses(k: int, rng: random.Random) -> list[str]:
+    # ports of different widths: sorted order is not numeric order
+    return sorted(f"tcp://10.0.{rng.randrange(4)}.{rng.randrange(256)}:{rng.randrange(1, 70000)}"
+                  for _ in range(k))
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3, 7, 32])
+@pytest.mark.parametrize("n_roles", [0, 1, 5, 31, 100])
+@pytest.mark.parametrize("seed", range(3))
+def test_picks_as_placing_one_at_a_time(n_workers: int, n_roles: int, seed: int) -> None:
+    rng = random.Random(seed * 1000 + n_workers * 10 + n_roles)
+    workers = sorted(set(_addresses(n_workers, rng)))
+    # roles already placed (heal, scale): some on workers gone or not placeable now
+    gone = _addresses(2, rng)
+    before = [rng.choice(workers + gone) for _ in range(rng.randrange(0, 3 * len(workers)))]
+    for own in (workers[0], workers[-1], rng.choice(workers), gone[0]):
+        old = one_at_a_time(workers, before, own, n_roles)
+        assert pick_workers(workers, _load(before, own), n_roles) == old
+        # the unsorted list the scheduler could hand over picks the same
+        shuffled = workers[:]
+        rng.shuffle(shuffled)
+        assert pick_workers(shuffled, _load(before, own), n_roles) == old
+
+
+def test_one_constructor_per_worker_then_loaders() -> None:
+    """Four roles on four workers, the planner on one: the other three get one each, then
+    every worker gets one in address order (string order: port 9 sorts last)."""
+    workers = [f"tcp://w:{p}" for p in (10, 11, 12, 9)]
+    own = "tcp://w:11"
+    picks = pick_workers(sorted(workers), _load([], own), 4 + 3)
+    assert picks == one_at_a_time(sorted(workers), [], own, 7)
+    assert picks == ["tcp://w:10", "tcp://w:12", "tcp://w:9",
+                     "tcp://w:10", "tcp://w:11", "tcp://w:12", "tcp://w:9"]
+
+
+def test_no_worker() -> None:
+    with pytest.raises(RuntimeError, match="no worker left"):
+        pick_workers([], Counter(), 1)
+    assert pick_workers([], Counter(), 0) == []
+
+
+# ------------------------------------------------ setup against a stand-in client
+class _Handle:
+    def __init__(self, address: str, key: str):
+        self._address = address  # what actor_address reads
+        self.key = key
+        self.closed = False
+        self.set_up = False
+
+    async def setup(self, view: object, had: object) -> None:
+        self.set_up = True
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class _Future:
+    def __init__(self, key: str, where: str, error: BaseException | None):
+        self.key, self.where, self.error = key, where, error
+        self.status = "error" if error else "finished"
+        self.released = False
+
+    async def exception(self, asynchronous: bool = False) -> BaseException | None:
+        return self.error
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        async def result() -> _Handle:
+            if self.error:
+                raise self.error
+            return _Handle(self.where, self.key)
+        return result().__await__()
+
+    def release(self) -> None:
+        self.released = True
+
+
+class _Scheduler:
+    def __init__(self, workers: list[str]):
+        self.workers = workers
+        self.calls = 0
+
+    async def identity(self) -> dict[str, object]:
+        self.calls += 1
+        return {"workers": {w: {"status": "running"} for w in self.workers}}
+
+
+class _Client:
+    def __init__(self, workers: list[str], fail: str | None = None):
+        self.scheduler = _Scheduler(workers)
+        self.submitted: list[_Future] = []
+        self.fail = fail
+        self.gathers = 0
+        self.handles: list[_Handle] = []
+
+    def submit(self, cls: type, *args: object, workers: list[str], key: str,
+               **kw: object) -> _Future:
+        err = ValueError("bad role") if self.fail and key.startswith(self.fail) else None
+        fut = _Future(key, workers[0], err)
+        self.submitted.append(fut)
+        return fut
+
+    async def gather(self, futs: list[_Future], asynchronous: bool = False) -> list[_Handle]:
+        self.gathers += 1
+        out = [_Handle(f.where, f.key) for f in futs]
+        self.handles += out
+        return out
+
+
+class _Planner:
+    generation = 0
+    had: dict[int, int] = {}
+
+    def __init__(self, loaders: int):
+        from msd_dask.core.config import parse_config
+
+        self.cfg = parse_config({"name": "p", "batch": {"seq_len": 8}, "sources": [
+            {"name": "a", "uri": "memory://a", "format": "jsonl", "loaders": loaders},
+            {"name": "b", "uri": "memory://b", "format": "jsonl", "loaders": 1}]})
+        self.units = {"a": [], "b": []}
+
+
+def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
+                n_constructors: int, loaders: int):  # type: ignore[no-untyped-def]
+    import distributed
+
+    from msd_dask.roles.supervisor import RoleSupervisor
+
+    class _Worker:
+        address = own
+
+    monkeypatch.setattr(distributed, "get_client", lambda: client)
+    monkeypatch.setattr(distributed, "get_worker", lambda: _Worker())
+    members = [{i: [i]} for i in range(n_constructors)]
+    return RoleSupervisor(_Planner(loaders), members, 0, 1, {"a": {}, "b": {}}, {})
+
+
+def test_setup_asks_for_the_workers_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    workers = [f"tcp://h:{p}" for p in range(5, 12)]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[2], 10, 3)
+    asyncio.run(sup.setup())
+    assert client.scheduler.calls == 1 and client.gathers == 1
+    where = one_at_a_time(sorted(workers), [], workers[2], 10 + 3 + 1)
+    assert [f.where for f in client.submitted] == where
+    assert [c._address for c in sup.constructors] == where[:10]
+    assert all(c.set_up for c in sup.constructors)
+    assert sorted(sup.active["a"]) == [0, 1, 2] and sup.active["b"] == [0]
+    assert [sup.loader("a", s)._address for s in range(3)] + [sup.loader("b", 0)._address] \
+        == where[10:]
+    # a role placed later (heal, scale) counts the ones setup placed
+    assert asyncio.run(sup._place()) == one_at_a_time(sorted(workers), where, workers[2], 1)
+
+
+def test_a_role_that_fails_is_named_and_the_others_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers, fail="msd-p-loader-a-1-")
+    sup = _supervisor(monkeypatch, client, workers[0], 3, 2)
+    with pytest.raises(ValueError, match="bad role") as info:
+        asyncio.run(sup.setup())
+    assert "msd_dask p: creating loader a#1 on tcp://h:2" in info.value.__notes__
+    assert sup.constructors == [] and all(f.released for f in client.submitted)
+    assert len(client.handles) == 5 and all(h.closed for h in client.handles)
