@@ -27,6 +27,9 @@ from msd_dask.core.row_placement import place_step, spread_long
 from msd_dask.core.stream import MetaLookup, NeedMetadata, Piece, SourceStream, Window, new_piece
 from msd_dask.core.units import Unit
 
+#: pieces made at a time from a piece table (see Planner._pieces)
+_SLICE = 4096
+
 #: outliers held at most, in release groups (a source whose next piece finds the hold
 #: full waits for the next release)
 HOLD_GROUPS = 4
@@ -109,11 +112,15 @@ class Planner:
     # unit, row, chunk, start, end, doc_len; :class:`Piece` objects are made only for
     # what leaves the planner (a plan's rows, ``pending()``, ``state_dict()``).
     def _pieces(self, table: np.ndarray) -> list[Piece]:
-        if len(table) == 0:
-            return []
-        cols = table.T.tolist()
         names = self._names
-        return list(map(new_piece, zip([names[i] for i in cols[0]], *cols[1:], strict=True)))
+        out: list[Piece] = []
+        # in slices: ``tolist`` and a ``map`` over a builtin hold the GIL throughout (tens
+        # of ms for a step of 10⁵ pieces), and the planner's actor plans in a thread while
+        # its worker's event loop answers calls (roles.planner.PlannerActor)
+        for i in range(0, len(table), _SLICE):
+            cols = table[i:i + _SLICE].T.tolist()
+            out.extend(map(new_piece, zip([names[j] for j in cols[0]], *cols[1:], strict=True)))
+        return out
 
     def _table(self, tuples: Sequence[Sequence[Any]]) -> np.ndarray:
         if not tuples:

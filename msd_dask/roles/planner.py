@@ -14,7 +14,10 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
 
 _log = logging.getLogger("msd_dask.roles.planner")
+
+_T = TypeVar("_T")
 
 #: Version tag of :meth:`DataService.state_dict`'s output.
 STATE_FORMAT = "msd_dask.state/1"
@@ -127,6 +132,32 @@ class PlannerActor:
         For a re-created planner: ``{"from": worker address of the lost one,
         "recovered": {...}, "events": [...]}`` (the lost planner's recovery
         counters, continued here).
+
+    Notes
+    -----
+    A step is planned, and a round split into the constructors' work, in a
+    thread of this worker (:meth:`_off_loop`), not on its event loop: the loop
+    answers this actor's other calls (stats, snapshot, checkpoint, set_weights,
+    report_step_time, the loaders' metadata...) and those of the roles the worker
+    hosts meanwhile, where a step at dp=16,384 takes seconds.  While the thread
+    works, the loop holds ``_plan_lock``, and:
+
+    * the thread reads and changes ``self.planner``, and reads ``_meta`` (through
+      :meth:`_lookup`), ``_owner`` and ``_relpath``.  ``_meta`` changes only in the
+      planning loop itself (:meth:`_await_meta`, :meth:`_assign_ahead`), which is
+      waiting for the thread; what changes ``_owner`` or the planner from another
+      call (:meth:`hand_over`, :meth:`spread_units`, :meth:`set_weights`) takes
+      ``_plan_lock`` first, so it waits for the step (a weight change lands on the
+      next unplanned step, as when the loop planned on the event loop);
+    * what reads the planner's state as a whole (:meth:`state`, :meth:`state_at`,
+      :meth:`checkpoint`, :meth:`snapshot`) takes ``_plan_lock`` too: it never sees
+      a half-planned step;
+    * :meth:`stats` answers at once: its step, tokens and pieces come from the
+      state after the last planned step (``_snapshots``, written by the loop), and
+      ``planning`` says whether a step is being planned;
+    * cancelled while the thread works (:meth:`stop`), the loop does not wait:
+      the thread finishes its step, whose result is dropped, and ``_plan_lock`` is
+      released then (one step at most).
     """
 
     def __init__(self, config: dict[str, Any], units: dict[str, list[tuple[str, int, int]]],
@@ -198,6 +229,15 @@ class PlannerActor:
         self.lower_bound_ratio_sum = 0.0
         self.steps_planned = 0
         self.started = time.time()
+        #: the planning thread (see the class notes), made at the first step
+        self._executor: ThreadPoolExecutor | None = None
+        #: held while the planning thread works and the loop takes in its result
+        self._plan_lock = asyncio.Lock()
+        #: the planning thread's job in flight, and when it started
+        self._job: asyncio.Future[Any] | None = None
+        self._job_started = 0.0
+        #: seconds the last step took to plan (in the planning thread)
+        self.plan_seconds = 0.0
 
     @property
     def constructors(self) -> list[Any]:
@@ -241,6 +281,9 @@ class PlannerActor:
     async def close_roles(self) -> None:
         """Stop planning and close every loader and constructor."""
         await self.stop()
+        if self._executor is not None:  # a step in flight ends on its own (its result dropped)
+            self._executor.shutdown(wait=False)
+            self._executor = None
         await self.roles.close()
 
     async def start(self) -> None:
@@ -273,10 +316,11 @@ class PlannerActor:
         replaced, or retired ones) to slot ``heir``, which re-reads them, and ask it for
         the lengths not known yet."""
         resolve = self.roles.resolve
-        moved = [k for k, s in self._owner.items()
-                 if k[0] == source and (s in slots or resolve(source, s) in slots)]
-        for k in moved:
-            self._owner[k] = heir
+        async with self._plan_lock:  # not while the planning thread reads the owners
+            moved = [k for k, s in self._owner.items()
+                     if k[0] == source and (s in slots or resolve(source, s) in slots)]
+            for k in moved:
+                self._owner[k] = heir
         await self.roles.loader(source, heir).assign([(k[1], k[2]) for k in moved])
         for k in moved:
             if k not in self._meta:
@@ -287,22 +331,25 @@ class PlannerActor:
         loader slots in turn (after slots were added: they help at once instead of after
         the backlog); a unit that moves is released by its old slot."""
         resolve = self.roles.resolve
-        pending = [k for k in self._owner if k[0] == source and k not in self._meta]
-        act = self.roles.active[source]
-        moves: dict[int, list[tuple[str, int, int]]] = {}
-        for i, k in enumerate(pending):
-            want = act[i % len(act)]
-            if resolve(source, self._owner[k]) != want:
-                moves.setdefault(want, []).append(k)
+        async with self._plan_lock:  # not while the planning thread reads the owners
+            pending = [k for k in self._owner if k[0] == source and k not in self._meta]
+            act = self.roles.active[source]
+            moves: dict[int, list[tuple[str, int, int]]] = {}
+            for i, k in enumerate(pending):
+                want = act[i % len(act)]
+                if resolve(source, self._owner[k]) != want:
+                    moves.setdefault(want, []).append(k)
+            olds: dict[int, dict[int, list[tuple[int, int]]]] = {}
+            for slot, keys in moves.items():
+                old = olds[slot] = {}
+                for k in keys:
+                    old.setdefault(resolve(source, self._owner[k]), []).append((k[1], k[2]))
+                    self._owner[k] = slot
         for slot, keys in moves.items():
-            old: dict[int, list[tuple[int, int]]] = {}
-            for k in keys:
-                old.setdefault(resolve(source, self._owner[k]), []).append((k[1], k[2]))
-                self._owner[k] = slot
             await self.roles.loader(source, slot).assign([(k[1], k[2]) for k in keys])
             for k in keys:
                 self._ask_again(k)
-            for s, ks in old.items():
+            for s, ks in olds[slot].items():
                 await self.roles.loader(source, s).release(ks)
 
     # ------------------------------------------------------------- internals
@@ -466,7 +513,76 @@ class PlannerActor:
             self._meta[k] = np.array(lengths)  # a copy: a loader on this worker hands its own
             self.waiting = None
 
+    # ------------------------------------------------------- the planning thread
+    @asynccontextmanager
+    async def _planning(self) -> AsyncIterator[None]:
+        """Hold ``_plan_lock`` while the block runs :meth:`_off_loop` and takes in its
+        result.  Left early while the thread still works (the loop cancelled), the lock is
+        released when the thread's job ends, not before: nothing reads a half-planned step."""
+        await self._plan_lock.acquire()
+        try:
+            yield
+        finally:
+            job = self._job
+            if job is not None and not job.done():
+                job.add_done_callback(lambda _: self._plan_lock.release())
+            else:
+                self._plan_lock.release()
+
+    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` in the planning thread (inside :meth:`_planning`).  Cancelled, the caller
+        returns at once; the thread finishes ``fn`` and its result is dropped."""
+        from msd_dask.core.gcpause import gc_paused
+
+        assert self._plan_lock.locked()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix=f"msd-{self.cfg.name}-planner")
+
+        def run() -> _T:
+            # what a job makes (a step's pieces, the constructors' work) outlives it, so
+            # collector passes meanwhile find nothing (see gcpause; plan_step pauses too)
+            with gc_paused():
+                return fn()
+
+        self._job_started = time.monotonic()
+        job = self._job = asyncio.get_running_loop().run_in_executor(self._executor, run)
+
+        def done(_: asyncio.Future[Any]) -> None:
+            if self._job is job:
+                self._job = None
+            if not job.cancelled():
+                job.exception()  # retrieved: when the caller was cancelled, no one else does
+
+        job.add_done_callback(done)
+        return await asyncio.shield(job)
+
+    def _plan_next(self) -> tuple[StepPlan, set[tuple[str, int, int]], dict[str, Any],
+                                  list[np.ndarray] | None]:
+        """In the planning thread: plan the next step (:meth:`Planner.plan_step`, which may
+        raise ``NeedMetadata``), and what the loop keeps of it that takes a pass over its
+        pieces: the units it uses, its history record, each DP rank's piece lengths (for
+        the cost fitter)."""
+        t0 = time.monotonic()
+        plan = self.planner.plan_step(self._lookup)
+        self.plan_seconds = time.monotonic() - t0
+        pieces = plan.pieces()
+        used = {(p.source, p.epoch, p.unit) for p in pieces}
+        record = {
+            "step": plan.step,
+            "imbalance": plan.imbalance,
+            "lower_bound": plan.lower_bound,
+            "max_cost": max(plan.rank_cost),
+            "tokens": plan.tokens_by_source(),
+            "weights": plan.weights,
+        }
+        lengths = None if self.fitter is None else [
+            np.fromiter((p.length for row in rows for p in row), dtype=np.int64)
+            for rows in plan.rows]
+        return plan, used, record, lengths
+
     def _split(self, plan: StepPlan) -> list[dict[int, list[list[WorkItem]]]]:
+        """In the planning thread: each constructor's work of ``plan``."""
         n = len(self.constructors)
         work: list[dict[int, list[list[WorkItem]]]] = [{} for _ in range(n)]
         for dp, rows in enumerate(plan.rows):
@@ -483,6 +599,8 @@ class PlannerActor:
 
         k = self.cfg.steps_per_round
         try:
+            async with self._plan_lock:  # a step of a cancelled loop still planning ends first
+                pass
             self.waiting = (f"constructors to make room for step {self.planner.step} (each "
                             f"holds at most prefetch={self.cfg.prefetch} unclaimed steps)")
             await self.roles.wait_room(k)
@@ -497,19 +615,20 @@ class PlannerActor:
                 plans: list[StepPlan] = []
                 need: NeedMetadata | None = None
                 while len(plans) < k:
-                    try:
-                        plan = self.planner.plan_step(self._lookup)
-                    except NeedMetadata as nm:
-                        need = nm
-                        break
-                    plans.append(plan)
-                    self._snapshot(plan.step)
-                    for p in plan.pieces():  # its units stay until the step is claimed
-                        self._last_use[(p.source, p.epoch, p.unit)] = plan.step
-                    # kept before any reader can have the step: its step time may come
-                    # back while the planner still waits for room after the round
-                    self._record(plan)
-                    self._keep_lengths(plan)
+                    async with self._planning():
+                        try:
+                            plan, used, record, lengths = await self._off_loop(self._plan_next)
+                        except NeedMetadata as nm:
+                            need = nm
+                            break
+                        plans.append(plan)
+                        self._snapshot(plan.step)
+                        for key in used:  # its units stay until the step is claimed
+                            self._last_use[key] = plan.step
+                        # kept before any reader can have the step: its step time may come
+                        # back while the planner still waits for room after the round
+                        self._record(record)
+                        self._keep_lengths(plan.step, lengths)
                     if len(plans) < k:
                         await self._assign_ahead()  # the next step's units and read-ahead
                 if plans:
@@ -527,8 +646,9 @@ class PlannerActor:
         """Hand a round to the constructors; return once each has room for ``room`` more
         steps (the next round: one message per constructor and round)."""
         steps = []
-        for plan in plans:
-            work = self._split(plan)
+        async with self._planning():  # hand_over may not move units meanwhile
+            works = await self._off_loop(lambda: [self._split(plan) for plan in plans])
+        for plan, work in zip(plans, works, strict=True):
             info = {"rank_cost": plan.rank_cost}
             self._recent[plan.step] = (work, info)
             steps.append((plan.step, work, info))
@@ -551,24 +671,19 @@ class PlannerActor:
             q = await Queue(queue_name(self.cfg.name, r), client=client)
             await q.put({"error": message, "g": self.generation})
 
-    def _record(self, plan: StepPlan) -> None:
+    def _record(self, record: dict[str, Any]) -> None:
+        """Count a planned step (its history record, see :meth:`_plan_next`)."""
         self.steps_planned += 1
-        self.imbalance_sum += plan.imbalance
-        if plan.lower_bound > 0:
-            self.lower_bound_ratio_sum += max(plan.rank_cost) / plan.lower_bound
-        self.history.append({
-            "step": plan.step,
-            "imbalance": plan.imbalance,
-            "lower_bound": plan.lower_bound,
-            "max_cost": max(plan.rank_cost),
-            "tokens": plan.tokens_by_source(),
-            "weights": plan.weights,
-        })
+        self.imbalance_sum += record["imbalance"]
+        if record["lower_bound"] > 0:
+            self.lower_bound_ratio_sum += record["max_cost"] / record["lower_bound"]
+        self.history.append(record)
 
     # ---------------------------------------------------------------- queries
     async def set_weights(self, weights: dict[str, float], from_step: int | None = None) -> int:
         """Change the mix from ``from_step`` (default: the first unplanned step)."""
-        return self.planner.set_weights(weights, from_step)
+        async with self._plan_lock:  # after the step being planned, which read the weights
+            return self.planner.set_weights(weights, from_step)
 
     def _snapshot(self, step: int) -> None:
         self._snapshots[step] = self.planner.state_dict()
@@ -577,7 +692,8 @@ class PlannerActor:
 
     async def state(self) -> dict[str, Any]:
         """The planner's state after the last planned step."""
-        return self.planner.state_dict()
+        async with self._plan_lock:
+            return self.planner.state_dict()
 
     async def start_step(self) -> int:
         """The first step this service plans (not 0 after a resume)."""
@@ -592,6 +708,10 @@ class PlannerActor:
             If ``step`` was not planned yet, or is older than the snapshots held.
         """
         step = int(step)
+        async with self._plan_lock:  # a step being planned is answered once it is planned
+            return self._state_at(step)
+
+    def _state_at(self, step: int) -> dict[str, Any]:
         if step not in self._snapshots:
             held = list(self._snapshots)
             if step > held[-1]:
@@ -625,15 +745,16 @@ class PlannerActor:
                 complete = False
                 continue
             claimed.update({int(r): int(s) for r, s in st["last_claimed"].items()})
-        floor = max(self.first_step - 1, self._claimed_by_all())
-        world = range(self.cfg.parallel.world_size)
-        step = min(claimed.get(r, self.first_step - 1) for r in world) if complete else floor
-        # ranks may have read past what this planner planned (a re-created planner
-        # re-plans from its saved state): the state after its last planned step then
-        step = min(max(step, floor), next(reversed(self._snapshots)))
-        return {"state": await self.state_at(step), "claimed": claimed,
-                "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
-                "address": self.roles.own_address(), "keys": self.roles.keys()}
+        async with self._plan_lock:  # not while a step is planned (or a round split)
+            floor = max(self.first_step - 1, self._claimed_by_all())
+            world = range(self.cfg.parallel.world_size)
+            step = min(claimed.get(r, self.first_step - 1) for r in world) if complete else floor
+            # ranks may have read past what this planner planned (a re-created planner
+            # re-plans from its saved state): the state after its last planned step then
+            step = min(max(step, floor), next(reversed(self._snapshots)))
+            return {"state": self._state_at(step), "claimed": claimed,
+                    "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
+                    "address": self.roles.own_address(), "keys": self.roles.keys()}
 
     async def snapshot(self, since: int = 0, lookahead: int | None = None) -> dict[str, Any]:
         """What the scheduler plugin polls, in one call (each call costs both ends CPU).
@@ -647,10 +768,12 @@ class PlannerActor:
             over ``lookahead`` steps (``None`` without ``lookahead``).
         """
         cons = await asyncio.gather(*(direct(c).stats() for c in list(self.constructors)))
-        return {"planner": await self.stats(), "loaders": await self.loader_stats(),
-                "constructors": list(cons), "history": await self.history_since(since),
-                "weights_ahead": None if lookahead is None else
-                await self.weights_ahead(int(lookahead))}
+        loaders = await self.loader_stats()
+        async with self._plan_lock:  # the planner's figures after a whole step
+            return {"planner": await self.stats(), "loaders": loaders,
+                    "constructors": list(cons), "history": await self.history_since(since),
+                    "weights_ahead": None if lookahead is None else
+                    await self.weights_ahead(int(lookahead))}
 
     async def history_since(self, step: int) -> list[dict[str, Any]]:
         return [h for h in self.history if h["step"] >= step]
@@ -674,24 +797,36 @@ class PlannerActor:
         self._reported.add(key)
         self.fitter.observe(lengths[int(dp_rank)], float(seconds))
 
-    def _keep_lengths(self, plan: StepPlan) -> None:
-        if self.fitter is None:
+    def _keep_lengths(self, step: int, lengths: list[np.ndarray] | None) -> None:
+        """Keep each DP rank's piece lengths of ``step`` (for the cost fitter)."""
+        if lengths is None:
             return
-        self._step_lengths[plan.step] = [
-            np.fromiter((p.length for row in rows for p in row), dtype=np.int64)
-            for rows in plan.rows]
+        self._step_lengths[step] = lengths
         while len(self._step_lengths) > 4 * self._keep:
             old, _ = self._step_lengths.popitem(last=False)
             self._reported = {k for k in self._reported if k[0] > old}
 
     async def stats(self) -> dict[str, Any]:
-        """Planner counters: steps, tokens per source, imbalance, weights in force."""
+        """Planner counters: steps, tokens per source, imbalance, weights in force.
+
+        Answered while a step is planned (in the planning thread): the counters are
+        those after the last planned step; ``planning``: whether the planning thread
+        works now (a step, or splitting a round for the constructors), ``planning_for``
+        for how many seconds; ``plan_seconds``: how long the last step took to plan.
+        """
         n = max(self.steps_planned, 1)
+        # the state after the last planned step (the planner's own counters change while
+        # the planning thread plans the next)
+        last = self._snapshots[next(reversed(self._snapshots))]
+        job = self._job
         return {
-            "steps_planned": self.planner.step,
-            "tokens_planned": dict(self.planner.tokens),
-            "pieces_planned": dict(self.planner.pieces_planned),
-            "weights": self.planner.weights_at(self.planner.step),
+            "steps_planned": last["step"],
+            "tokens_planned": dict(last["tokens"]),
+            "pieces_planned": dict(last["pieces"]),
+            "weights": self.planner.weights_at(last["step"]),
+            "planning": job is not None,
+            "planning_for": time.monotonic() - self._job_started if job is not None else 0.0,
+            "plan_seconds": self.plan_seconds,
             "mean_imbalance": self.imbalance_sum / n,
             "mean_max_over_lower_bound": self.lower_bound_ratio_sum / n,
             "last": self.history[-1] if self.history else None,
