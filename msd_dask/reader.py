@@ -8,13 +8,24 @@ through the scheduler; it hands them out one step at a time.  It follows the ser
 re-created planner (tickets carry the planner generation ``g``) and skips the
 steps it already has (:meth:`Reader.load_state_dict`).
 
+A reader that pauses tells its constructor the last step it returned: a claim
+tells it only that the rank returned every step before the round.  When a reader
+has returned a step its constructor does not know of and is not asked for the
+next batch for :data:`REPORT_IDLE` seconds, one daemon thread per process sends
+that step (one fire-and-forget call,
+:meth:`~msd_dask.roles.constructor.DataConstructor.returned_through`).  A
+training loop that keeps asking sends nothing; one that stops (a checkpoint, a
+barrier, an evaluation) sends one call.  :meth:`DataService.state_dict` counts it.
+
 A reader reads through a :class:`ServiceLink` (what it needs from its service;
 :class:`~msd_dask.service.link.PlannerLink` is the one :meth:`DataService.reader` hands it).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
@@ -25,7 +36,11 @@ from msd_dask.core.packing import from_wire
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import queue_name
 
-__all__ = ["Reader", "ServiceLink"]
+__all__ = ["REPORT_IDLE", "Reader", "ServiceLink"]
+
+#: seconds a reader waits, after returning a step its constructor does not know of,
+#: for the next ``next()`` before it reports that step (:class:`_Reporter`)
+REPORT_IDLE = 1.0
 
 
 class ServiceLink(Protocol):
@@ -66,6 +81,70 @@ class ServiceLink(Protocol):
         """Call every listener: the readers tell the new constructors what they have."""
 
 
+class _Reporter:
+    """The process's one thread that reports paused readers' last returned steps.
+
+    A reader registers itself (:meth:`pending`) when it returns a step its
+    constructor does not know of and is not registered already; the thread
+    wakes when the earliest registered reader may have been idle for
+    :data:`REPORT_IDLE` seconds, reports those that were (:meth:`Reader.report_returned`)
+    and sleeps again.  A reader that keeps reading stays registered: the thread
+    then wakes about once per ``REPORT_IDLE`` and sends nothing.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers: dict[int, weakref.ref[Reader]] = {}
+        self._thread: threading.Thread | None = None
+
+    def pending(self, reader: Reader) -> None:
+        with self._cond:
+            reader.report_pending = True
+            self._readers[id(reader)] = weakref.ref(reader)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="msd-reader-report",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _due(self) -> tuple[list[Reader], float | None]:
+        """Unregister the readers idle for ``REPORT_IDLE``; them, and how long until the
+        next may be (``None``: none is registered).  Called holding the lock."""
+        now = time.monotonic()
+        due, wait = [], None
+        for key, ref in list(self._readers.items()):
+            reader = ref()
+            if reader is None:
+                del self._readers[key]
+                continue
+            left = reader.returned_at + REPORT_IDLE - now
+            if left <= 0:
+                # unregistered before its step is read: a step returned meanwhile
+                # registers it again, or is the one reported
+                reader.report_pending = False
+                del self._readers[key]
+                due.append(reader)
+            else:
+                wait = left if wait is None else min(wait, left)
+        return due, wait
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                due, wait = self._due()
+                if not due:
+                    self._cond.wait(wait)
+                    continue
+            for reader in due:
+                try:
+                    reader.report_returned()
+                except Exception:  # noqa: BLE001 - best effort; the thread serves the others
+                    pass
+
+
+_REPORTER = _Reporter()
+
+
 class Reader:
     """Iterator over one global rank's batches (see :meth:`DataService.reader`)."""
 
@@ -89,6 +168,15 @@ class Reader:
         self._queue = Queue(queue_name(cfg.name, rank), client=link.client)
         #: batches of the last round claimed and not returned yet (in step order)
         self._held: deque[Batch] = deque()
+        #: the constructor of the last ticket (the one this rank's steps come from)
+        self._c: int | None = None
+        #: (key of the constructor actor, last step returned that it knows of): a
+        #: re-created constructor knows nothing yet
+        self._known: tuple[Any, int] = (None, -1)
+        #: when the last batch was returned (monotonic); whether the process's reporter
+        #: watches this reader (see :class:`_Reporter`)
+        self.returned_at = 0.0
+        self.report_pending = False
         link.on_new_generation(self._tell_new_generation)
 
     def state_dict(self) -> dict[str, Any]:
@@ -122,7 +210,33 @@ class Reader:
             self._held.extend(self._next_round())
         batch = self._held.popleft()
         self.step = batch.step
+        self.returned_at = time.monotonic()
+        if not self.report_pending:  # once per pause, not per step
+            _REPORTER.pending(self)
         return batch
+
+    def report_returned(self) -> Any:
+        """Tell this rank's constructor the last step this reader returned, if it does not
+        know it yet (:meth:`DataService.state_dict` counts it); the call's future, or
+        ``None`` if nothing was sent.
+
+        The process's reporter calls this once the reader was not asked for a batch
+        for :data:`REPORT_IDLE` seconds, and :meth:`DataService.close` before it
+        disconnects.  Fire and forget: best effort, a lost constructor learns nothing.
+        """
+        step = self.state_dict()["step"]
+        if step is None or self._c is None:
+            return None
+        try:
+            constructor = self.link.constructors[self._c]
+            key = constructor.key
+            if self._known[0] == key and step <= self._known[1]:
+                return None
+            call = constructor.returned_through(self.rank, int(step))
+        except Exception:  # noqa: BLE001 - a lost constructor: the state then needs a step
+            return None
+        self._known = (key, int(step))
+        return call
 
     def _next_round(self) -> list[Batch]:
         """The batches of the next ticket's steps this reader does not have yet."""
@@ -139,6 +253,7 @@ class Reader:
             if "error" in ticket:
                 raise ServiceError(f"service {self.link.name!r}: {ticket['error']}")
             done = self._done()
+            self._c = int(ticket["c"])
             steps = [int(s) for s in ticket["steps"]]
             for step in steps:
                 if step <= done:
@@ -170,6 +285,8 @@ class Reader:
         if self._gen == gen:
             return
         self._gen = gen
+        if not self.report_pending:  # tell the new constructor what it returned, if idle
+            _REPORTER.pending(self)
         done = self._done()
         if done < 0:
             return
@@ -300,4 +417,5 @@ class Reader:
             self.link.announce_generation()
             if self.link.constructors[c].key != constructor.key:
                 constructor, call = self.link.constructors[c], None
+        self._known = (constructor.key, steps[0] - 1)  # it knows the steps before
         return [Batch.from_payload(from_wire(p), self.rank) for p in payloads]

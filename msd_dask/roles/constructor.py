@@ -142,8 +142,15 @@ class DataConstructor:
         self.claimed: defaultdict[int, int] = defaultdict(int)
         self.last_claimed: dict[int, int] = {}
         #: rank -> last step it returned as far as this constructor knows: a reader
-        #: claims a round when it has returned every step before it
+        #: claims a round when it has returned every step before it, and reports the
+        #: last step it returned when it then pauses (:meth:`returned_through`)
         self.returned: dict[int, int] = {}
+        #: rank -> what last raised ``returned``: ``"claim"`` (the reader returns the
+        #: round's first step at once, so it has returned one more), ``"pause"`` (its
+        #: report after pausing: exact while it stays paused) or ``"skip"``
+        self.returned_by: dict[int, str] = {}
+        #: reports received (:meth:`returned_through`): none while readers keep reading
+        self.reports = 0
         self.build_seconds = 0.0
         self.fetch_seconds = 0.0
         self.batches_built = 0
@@ -357,14 +364,31 @@ class DataConstructor:
             raise KeyError(f"step(s) {missing} of rank {rank} are not held by constructor "
                            f"{self.index} (already claimed, or never published)")
         # the rank returned every step before this round (it claims when it has none left)
-        self.returned[rank] = max(self.returned.get(rank, -1), int(steps[0]) - 1)
+        self._raise_returned(rank, int(steps[0]) - 1, "claim")
         return [to_wire(view_for_rank(await self._hand_over((int(step), dp), rank), *view))
                 for step in steps]
 
     async def skip(self, step: int, rank: int) -> None:
         """Mark ``step`` claimed by ``rank`` without sending it (a resumed rank had it)."""
         await self._take(step, rank)
-        self.returned[rank] = max(self.returned.get(rank, -1), int(step))
+        self._raise_returned(rank, int(step), "skip")
+
+    async def returned_through(self, rank: int, step: int) -> None:
+        """``rank``'s reader returned every step up to ``step`` and then paused (it reports
+        when its training loop has not asked for a batch for ``REPORT_IDLE`` seconds)."""
+        rank = int(rank)
+        if rank in self._dp_by_rank:
+            self.reports += 1
+            self._raise_returned(rank, int(step), "pause")
+
+    def _raise_returned(self, rank: int, step: int, by: str) -> None:
+        """``rank`` returned every step up to ``step`` (learnt from a ``by``).  A report
+        that arrives after a claim of the same step (sent before the reader resumed)
+        does not hide the claim."""
+        known = self.returned.get(rank, -1)
+        if step > known or (step == known and by != "pause"):
+            self.returned[rank] = step
+            self.returned_by[rank] = by
 
     async def mark_had(self, rank: int, step: int) -> None:
         """``rank`` already has every step up to ``step``: release them for it, now and
@@ -465,6 +489,8 @@ class DataConstructor:
                             for rs in self.members.values() for r in rs},
             "last_claimed": dict(self.last_claimed),
             "returned": dict(self.returned),
+            "returned_by": dict(self.returned_by),
+            "reports": self.reports,
             "batches_built": self.batches_built,
             "rounds_built": self.rounds_built,
             "tickets_put": self.tickets_put,

@@ -26,7 +26,7 @@ from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import drop_queues, keys_on
 from msd_dask.errors import ServiceError, ServiceTimeoutError
-from msd_dask.reader import Reader
+from msd_dask.reader import REPORT_IDLE, Reader
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import (
     REGISTRY_PREFIX,
@@ -345,9 +345,10 @@ class DataService:
         ----------
         step : int, optional
             The last step the resumed service must not serve again.  Default:
-            :meth:`consumed_step`, the last step every reader has returned (ranks
-            that read further skip those steps again with their
-            :meth:`Reader.load_state_dict`).
+            :meth:`consumed_step`, the last step every reader has returned: taken
+            while every rank is stopped after returning step ``k`` (a checkpoint,
+            a barrier), the state of step ``k`` (ranks that read further skip
+            those steps again with their :meth:`Reader.load_state_dict`).
 
         Returns
         -------
@@ -358,7 +359,9 @@ class DataService:
         ------
         ValueError
             If ``step`` is not planned yet or no longer held (the service keeps
-            the planner state of the last ``2 × prefetch + 16`` steps).
+            the planner state of the last ``2 × prefetch + 16`` steps); without
+            ``step``, if the last step every rank returned cannot be known (see
+            :meth:`consumed_step`).
         """
         if step is None:
             step = self.consumed_step()
@@ -373,26 +376,78 @@ class DataService:
                                       f"within {self.config.timeout:.0f}s (its worker may be "
                                       "lost; the planner re-creates it)") from None
 
+    #: seconds :meth:`consumed_step` waits, beyond ``REPORT_IDLE``, for the reports
+    #: of paused readers (the reporter's wake-up and the call to the constructor)
+    report_margin = 1.0
+
     def consumed_step(self) -> int:
         """The last step every rank has returned (one before the first step if some has none).
 
-        A reader of this process counts the last step it returned.  For a rank read
-        in another process the constructors know less: a reader claims a whole round
-        (``round_steps``) when it has returned every step before it, so a rank that
-        holds part of a round counts up to the round's first step.  Either way no
-        step a rank has not returned is counted; pass ``step`` to
-        :meth:`state_dict` for the step your training loop checkpoints.
+        Exact for the ranks that are stopped (a checkpoint, a barrier, an evaluation)
+        or read in this process.  A reader of this process counts the last step it
+        returned.  For a rank read in another process the constructors know the
+        steps before the round it claimed last, and the last step it returned once
+        its reader was not asked for a batch for ``REPORT_IDLE`` seconds (it reports
+        it then).  If that leaves the answer open (a rank holds claimed steps it
+        has not reported returning), this waits ``REPORT_IDLE + report_margin``
+        seconds for the reports and reads again: a rank stopped since before the
+        call has reported by then.
+
+        Raises
+        ------
+        ValueError
+            If a rank still holds claimed steps it has not reported returning after
+            that wait (its reader keeps reading without pausing, or its process is
+            gone), naming the steps the answer lies between: pass ``step`` to
+            :meth:`state_dict`, the last step the training loop finished.
         """
         first = int(self.link.call(lambda p: p.start_step()))
-        last: dict[int, int] = {}
+        lo, hi = self._returned_bounds(first, trust_pauses=False)
+        if min(lo.values()) == min(hi.values()):
+            return min(lo.values())
+        time.sleep(REPORT_IDLE + self.report_margin)
+        lo, hi = self._returned_bounds(first, trust_pauses=True)
+        low, high = min(lo.values()), min(hi.values())
+        if low == high:
+            return low
+        open_ranks = sorted(r for r in lo if lo[r] < hi[r] and lo[r] < high)
+        shown = ", ".join(map(str, open_ranks[:8])) + (" ..." if len(open_ranks) > 8 else "")
+        raise ValueError(
+            f"service {self.name!r}: the last step every rank returned is between {low} and "
+            f"{high}: rank(s) {shown} hold claimed steps they did not report returning within "
+            f"{REPORT_IDLE + self.report_margin:.0f}s (still reading, or their process is "
+            f"gone); pass state_dict(step=N) with N the last step the training loop finished")
+
+    def _returned_bounds(self, first: int, *, trust_pauses: bool
+                         ) -> tuple[dict[int, int], dict[int, int]]:
+        """``(lo, hi)``: per rank, bounds of the last step it returned, as its constructors
+        and this process's readers know them.  ``trust_pauses``: a rank whose last word
+        was a report after a pause is taken to be still there (see :meth:`consumed_step`)."""
+        world = self.config.parallel.world_size
+        returned: dict[int, int] = {}
+        by: dict[int, str] = {}
+        claimed: dict[int, int] = {}
         for i, c in enumerate(self.constructors):
-            for r, s in self._constructor_stats(i, c)["returned"].items():
-                last[int(r)] = max(last.get(int(r), -1), int(s))
+            st = self._constructor_stats(i, c)
+            for r, s in st["returned"].items():
+                if int(s) >= returned.get(int(r), first - 1):
+                    returned[int(r)] = int(s)
+                    by[int(r)] = st.get("returned_by", {}).get(r, "")
+            for r, s in st["last_claimed"].items():
+                claimed[int(r)] = max(claimed.get(int(r), first - 1), int(s))
+        lo: dict[int, int] = {}
+        hi: dict[int, int] = {}
+        for r in range(world):
+            known = returned.get(r, first - 1)
+            # a reader returns a claimed round's first step at once
+            lo[r] = known + 1 if by.get(r) == "claim" else known
+            hi[r] = known if trust_pauses and by.get(r) == "pause" else claimed.get(r, first - 1)
+            hi[r] = max(hi[r], lo[r])
         for reader in list(self._readers):
             done = reader.state_dict()["step"]
             if done is not None:
-                last[reader.rank] = max(last.get(reader.rank, -1), int(done))
-        return min(last.get(r, first - 1) for r in range(self.config.parallel.world_size))
+                lo[reader.rank] = hi[reader.rank] = max(lo[reader.rank], int(done))
+        return lo, hi
 
     @property
     def dashboard_link(self) -> str:
@@ -406,6 +461,8 @@ class DataService:
         """Stop the service (if this handle started it) and disconnect."""
         if self._closed:
             return
+        if not self.link.owner:  # the last steps this process's readers returned
+            self._report_readers(5.0)
         self._closed = self.link.closed = True
         if self.keeper is not None:
             self.keeper.stop(self.config.timeout)
@@ -416,6 +473,17 @@ class DataService:
             self.client.close()
             if self._cluster is not None:
                 self._cluster.close()
+
+    def _report_readers(self, timeout: float) -> None:
+        """Tell the constructors the last step each reader of this handle returned, and
+        wait (up to ``timeout`` in all) until they know it."""
+        calls = [c for c in (r.report_returned() for r in list(self._readers)) if c is not None]
+        deadline = time.monotonic() + timeout
+        for call in calls:
+            try:
+                call.result(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - best effort: a lost constructor learns nothing
+                pass
 
     def _close_roles(self) -> None:
         """Owner: close the roles, unpublish the service and make Dask forget its keys."""

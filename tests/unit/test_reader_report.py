@@ -1,0 +1,64 @@
+"""What a reader tells its constructor about the steps it returned, without Dask: the
+process's reporter sends nothing while a loop keeps reading and one report per pause, and
+a constructor keeps what a claim taught it over a report that arrives late."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from msd_dask.reader import REPORT_IDLE, _Reporter
+from msd_dask.roles.constructor import DataConstructor
+
+
+class FakeReader:
+    """What the reporter uses of a :class:`~msd_dask.reader.Reader`: it counts reports."""
+
+    def __init__(self, reporter: _Reporter):
+        self.reporter = reporter
+        self.returned_at = 0.0
+        self.report_pending = False
+        self.reports = 0
+
+    def next(self) -> None:  # as Reader.__next__ does after a batch
+        self.returned_at = time.monotonic()
+        if not self.report_pending:
+            self.reporter.pending(self)
+
+    def report_returned(self) -> None:
+        self.reports += 1
+
+
+def test_no_report_while_reading_one_per_pause() -> None:
+    reporter = _Reporter()
+    readers = [FakeReader(reporter) for _ in range(3)]
+    end = time.monotonic() + 2.5 * REPORT_IDLE
+    while time.monotonic() < end:  # a loop that asks every 50 ms: nothing sent
+        for r in readers:
+            r.next()
+        time.sleep(0.05)
+    assert [r.reports for r in readers] == [0, 0, 0]
+    time.sleep(REPORT_IDLE + 0.5)  # the loops stop: one report each
+    assert [r.reports for r in readers] == [1, 1, 1]
+    time.sleep(REPORT_IDLE)  # and no more while they stay stopped
+    assert [r.reports for r in readers] == [1, 1, 1]
+    readers[0].next()  # one resumes and stops again: one more from it
+    time.sleep(REPORT_IDLE + 0.5)
+    assert [r.reports for r in readers] == [2, 1, 1]
+
+
+def test_constructor_counts_claims_and_pauses() -> None:
+    con = DataConstructor("unit", 0, {0: [0, 1]}, 8, 0, prefetch=4)
+
+    async def run() -> None:
+        con._raise_returned(0, 2, "claim")  # claimed steps 3-5: returned 0-2, and now 3
+        await con.returned_through(0, 4)  # paused after step 4
+        assert (con.returned[0], con.returned_by[0], con.reports) == (4, "pause", 1)
+        con._raise_returned(0, 5, "claim")  # resumed: claimed 6-8
+        await con.returned_through(0, 5)  # a report sent before the claim, arriving after
+        assert (con.returned[0], con.returned_by[0]) == (5, "claim")
+        await con.returned_through(7, 9)  # not a member: ignored
+        assert 7 not in con.returned and con.reports == 2
+        assert (await con.stats())["returned_by"] == {0: "claim"}
+
+    asyncio.run(run())
