@@ -23,11 +23,12 @@ A reader reads through a :class:`ServiceLink` (what it needs from its service;
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from msd_dask.batch import Batch
@@ -36,11 +37,16 @@ from msd_dask.core.packing import from_wire
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import queue_name
 
-__all__ = ["REPORT_IDLE", "Reader", "ServiceLink"]
+__all__ = ["REPORT_IDLE", "Reader", "ServiceLink", "idle_time"]
 
 #: seconds a reader waits, after returning a step its constructor does not know of,
 #: for the next ``next()`` before it reports that step (:class:`_Reporter`)
 REPORT_IDLE = 1.0
+#: a reader reports after ``max(REPORT_IDLE, IDLE_FACTOR x`` the median of its last
+#: ``IDLE_GAPS`` gaps between batches``)``: a training loop whose steps take longer
+#: than ``REPORT_IDLE`` does not report after every step, only when it stops
+IDLE_FACTOR = 3.0
+IDLE_GAPS = 8
 
 
 class ServiceLink(Protocol):
@@ -81,6 +87,16 @@ class ServiceLink(Protocol):
         """Call every listener: the readers tell the new constructors what they have."""
 
 
+def idle_time(gaps: Sequence[float]) -> float:
+    """Seconds without a request for a batch after which a reader reports the last step it
+    returned, given its last gaps between batches: ``REPORT_IDLE``, or ``IDLE_FACTOR``
+    times the median of the last ``IDLE_GAPS`` gaps once there are that many, whichever
+    is longer (a training loop pausing between its steps is not a stop)."""
+    if len(gaps) < IDLE_GAPS:
+        return REPORT_IDLE
+    return max(REPORT_IDLE, IDLE_FACTOR * statistics.median(list(gaps)[-IDLE_GAPS:]))
+
+
 class _Reporter:
     """The process's one thread that reports paused readers' last returned steps.
 
@@ -117,7 +133,7 @@ class _Reporter:
             if reader is None:
                 del self._readers[key]
                 continue
-            left = reader.returned_at + REPORT_IDLE - now
+            left = reader.returned_at + reader.report_after - now
             if left <= 0:
                 # unregistered before its step is read: a step returned meanwhile
                 # registers it again, or is the one reported
@@ -140,6 +156,7 @@ class _Reporter:
                     reader.report_returned()
                 except Exception:  # noqa: BLE001 - best effort; the thread serves the others
                     pass
+            del due, reader  # no reference keeps a reader alive while the thread waits
 
 
 _REPORTER = _Reporter()
@@ -177,6 +194,10 @@ class Reader:
         #: watches this reader (see :class:`_Reporter`)
         self.returned_at = 0.0
         self.report_pending = False
+        #: seconds without a request for a batch after which the reporter reports (see
+        #: :data:`IDLE_FACTOR`); the reader's claims tell its constructor
+        self.report_after = REPORT_IDLE
+        self._gaps: deque[float] = deque(maxlen=IDLE_GAPS)
         link.on_new_generation(self._tell_new_generation)
 
     def state_dict(self) -> dict[str, Any]:
@@ -210,7 +231,11 @@ class Reader:
             self._held.extend(self._next_round())
         batch = self._held.popleft()
         self.step = batch.step
-        self.returned_at = time.monotonic()
+        now = time.monotonic()
+        if self.returned_at:
+            self._gaps.append(now - self.returned_at)
+            self.report_after = idle_time(self._gaps)
+        self.returned_at = now
         if not self.report_pending:  # once per pause, not per step
             _REPORTER.pending(self)
         return batch
@@ -393,7 +418,8 @@ class Reader:
         while True:
             try:
                 if call is None:  # one claim per constructor actor: a claim is not repeatable
-                    call = constructor.claim(steps, self.rank, self._view)
+                    call = constructor.claim(steps, self.rank, self._view,
+                                             report_after=self.report_after)
                 payloads = call.result(timeout=2.0)
                 break
             except TimeoutError:

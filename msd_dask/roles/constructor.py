@@ -145,10 +145,12 @@ class DataConstructor:
         #: claims a round when it has returned every step before it, and reports the
         #: last step it returned when it then pauses (:meth:`returned_through`)
         self.returned: dict[int, int] = {}
-        #: rank -> what last raised ``returned``: ``"claim"`` (the reader returns the
-        #: round's first step at once, so it has returned one more), ``"pause"`` (its
-        #: report after pausing: exact while it stays paused) or ``"skip"``
+        #: rank -> what last raised ``returned``: ``"claim"`` (the steps before the
+        #: round), ``"pause"`` (its report after pausing: exact while it stays paused)
+        #: or ``"skip"``
         self.returned_by: dict[int, str] = {}
+        #: rank -> seconds its reader waits, after its loop stops asking, before it reports
+        self.report_after: dict[int, float] = {}
         #: reports received (:meth:`returned_through`): none while readers keep reading
         self.reports = 0
         self.build_seconds = 0.0
@@ -345,17 +347,22 @@ class DataConstructor:
 
     # ----------------------------------------------------------------- claims
     async def claim(self, steps: list[int], rank: int,
-                    view: tuple[int, int, int, int] = (0, 1, 0, 1)) -> list[dict[str, Any]]:
+                    view: tuple[int, int, int, int] = (0, 1, 0, 1),
+                    report_after: float | None = None) -> list[dict[str, Any]]:
         """The batches of global ``rank`` for ``steps`` (each member claims a step once),
         each as :func:`~msd_dask.core.packing.to_wire` sends it (:func:`~msd_dask.core.packing.from_wire`).
 
         ``view`` is the rank's ``(cp_rank, cp, pp_rank, pp)``: context-parallel
         ranks get their slice of every row, pipeline stages only the tensors
-        they need (:func:`msd_dask.core.mesh.view_for_rank`).
+        they need (:func:`msd_dask.core.mesh.view_for_rank`).  ``report_after``: the
+        seconds after which the rank's reader reports the last step it returned once
+        its training loop stops asking (:data:`msd_dask.reader.REPORT_IDLE`).
         """
         from msd_dask.core.mesh import view_for_rank
 
         dp = self._dp_of(rank)
+        if report_after is not None:
+            self.report_after[rank] = float(report_after)
         for step in steps:  # all built first: a claim takes all its steps or none
             await self._wait_built(int(step), dp)
         self._check_open()
@@ -490,6 +497,7 @@ class DataConstructor:
             "last_claimed": dict(self.last_claimed),
             "returned": dict(self.returned),
             "returned_by": dict(self.returned_by),
+            "report_after": dict(self.report_after),
             "reports": self.reports,
             "batches_built": self.batches_built,
             "rounds_built": self.rounds_built,

@@ -376,9 +376,10 @@ class DataService:
                                       f"within {self.config.timeout:.0f}s (its worker may be "
                                       "lost; the planner re-creates it)") from None
 
-    #: seconds :meth:`consumed_step` waits, beyond ``REPORT_IDLE``, for the reports
-    #: of paused readers (the reporter's wake-up and the call to the constructor)
-    report_margin = 1.0
+    #: seconds :meth:`consumed_step` gives the reports of paused readers beyond the
+    #: idle time their readers announced (the reporter's wake-up, the call to the
+    #: constructor, a busy worker)
+    report_margin = 3.0
 
     def consumed_step(self) -> int:
         """The last step every rank has returned (one before the first step if some has none).
@@ -387,11 +388,12 @@ class DataService:
         or read in this process.  A reader of this process counts the last step it
         returned.  For a rank read in another process the constructors know the
         steps before the round it claimed last, and the last step it returned once
-        its reader was not asked for a batch for ``REPORT_IDLE`` seconds (it reports
-        it then).  If that leaves the answer open (a rank holds claimed steps it
-        has not reported returning), this waits ``REPORT_IDLE + report_margin``
-        seconds for the reports and reads again: a rank stopped since before the
-        call has reported by then.
+        its training loop stopped asking for batches for its reader's idle time
+        (:data:`~msd_dask.reader.REPORT_IDLE`, or three times its usual time between
+        batches if that is longer; it reports then).  If that leaves the answer open
+        (a rank holds claimed steps it has not reported returning), this waits for
+        the reports: until the longest idle time the open ranks announced has passed,
+        then up to ``report_margin`` seconds more while they arrive.
 
         Raises
         ------
@@ -401,32 +403,42 @@ class DataService:
             gone), naming the steps the answer lies between: pass ``step`` to
             :meth:`state_dict`, the last step the training loop finished.
         """
+        t0 = time.monotonic()
         first = int(self.link.call(lambda p: p.start_step()))
-        lo, hi = self._returned_bounds(first, trust_pauses=False)
+        lo, hi, idle = self._returned_bounds(first, trust_pauses=False)
         if min(lo.values()) == min(hi.values()):
             return min(lo.values())
-        time.sleep(REPORT_IDLE + self.report_margin)
-        lo, hi = self._returned_bounds(first, trust_pauses=True)
-        low, high = min(lo.values()), min(hi.values())
-        if low == high:
-            return low
+        # a rank stopped since before t0 has reported once its idle time has passed
+        wait = max(idle[r] for r in lo if lo[r] < hi[r])
+        time.sleep(max(0.0, t0 + wait - time.monotonic()))
+        deadline = time.monotonic() + self.report_margin
+        while True:
+            lo, hi, _ = self._returned_bounds(first, trust_pauses=True)
+            low, high = min(lo.values()), min(hi.values())
+            if low == high:
+                return low
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         open_ranks = sorted(r for r in lo if lo[r] < hi[r] and lo[r] < high)
         shown = ", ".join(map(str, open_ranks[:8])) + (" ..." if len(open_ranks) > 8 else "")
         raise ValueError(
             f"service {self.name!r}: the last step every rank returned is between {low} and "
             f"{high}: rank(s) {shown} hold claimed steps they did not report returning within "
-            f"{REPORT_IDLE + self.report_margin:.0f}s (still reading, or their process is "
-            f"gone); pass state_dict(step=N) with N the last step the training loop finished")
+            f"{wait + self.report_margin:.0f}s (still reading, or their process is gone); "
+            "pass state_dict(step=N) with N the last step the training loop finished")
 
     def _returned_bounds(self, first: int, *, trust_pauses: bool
-                         ) -> tuple[dict[int, int], dict[int, int]]:
-        """``(lo, hi)``: per rank, bounds of the last step it returned, as its constructors
-        and this process's readers know them.  ``trust_pauses``: a rank whose last word
-        was a report after a pause is taken to be still there (see :meth:`consumed_step`)."""
+                         ) -> tuple[dict[int, int], dict[int, int], dict[int, float]]:
+        """``(lo, hi, idle)``: per rank, bounds of the last step it returned, as its
+        constructors and this process's readers know them, and the seconds its reader
+        waits before reporting.  ``trust_pauses``: a rank whose last word was a report
+        after a pause is taken to be still there (see :meth:`consumed_step`)."""
         world = self.config.parallel.world_size
         returned: dict[int, int] = {}
         by: dict[int, str] = {}
         claimed: dict[int, int] = {}
+        idle: dict[int, float] = {}
         for i, c in enumerate(self.constructors):
             st = self._constructor_stats(i, c)
             for r, s in st["returned"].items():
@@ -435,19 +447,22 @@ class DataService:
                     by[int(r)] = st.get("returned_by", {}).get(r, "")
             for r, s in st["last_claimed"].items():
                 claimed[int(r)] = max(claimed.get(int(r), first - 1), int(s))
+            for r, t in st.get("report_after", {}).items():
+                idle[int(r)] = max(idle.get(int(r), REPORT_IDLE), float(t))
         lo: dict[int, int] = {}
         hi: dict[int, int] = {}
         for r in range(world):
-            known = returned.get(r, first - 1)
-            # a reader returns a claimed round's first step at once
-            lo[r] = known + 1 if by.get(r) == "claim" else known
-            hi[r] = known if trust_pauses and by.get(r) == "pause" else claimed.get(r, first - 1)
+            # a claim says the steps before the round: the reader may not have the
+            # round yet (the claim is counted before its batches arrive)
+            lo[r] = returned.get(r, first - 1)
+            hi[r] = lo[r] if trust_pauses and by.get(r) == "pause" else claimed.get(r, first - 1)
             hi[r] = max(hi[r], lo[r])
+            idle.setdefault(r, REPORT_IDLE)
         for reader in list(self._readers):
             done = reader.state_dict()["step"]
             if done is not None:
                 lo[reader.rank] = hi[reader.rank] = max(lo[reader.rank], int(done))
-        return lo, hi
+        return lo, hi, idle
 
     @property
     def dashboard_link(self) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from msd_dask.reader import REPORT_IDLE, _Reporter
+from msd_dask.reader import IDLE_FACTOR, IDLE_GAPS, REPORT_IDLE, _Reporter, idle_time
 from msd_dask.roles.constructor import DataConstructor
 
 
@@ -18,6 +18,7 @@ class FakeReader:
         self.reporter = reporter
         self.returned_at = 0.0
         self.report_pending = False
+        self.report_after = REPORT_IDLE
         self.reports = 0
 
     def next(self) -> None:  # as Reader.__next__ does after a batch
@@ -45,6 +46,26 @@ def test_no_report_while_reading_one_per_pause() -> None:
     readers[0].next()  # one resumes and stops again: one more from it
     time.sleep(REPORT_IDLE + 0.5)
     assert [r.reports for r in readers] == [2, 1, 1]
+
+
+def test_a_reader_waits_longer_when_its_loop_is_slower() -> None:
+    """A loop whose steps take longer than REPORT_IDLE reports only when it stops, not after
+    every step: the idle time follows the median of the reader's recent gaps."""
+    assert idle_time([]) == REPORT_IDLE
+    assert idle_time([5.0] * (IDLE_GAPS - 1)) == REPORT_IDLE  # too few gaps to tell
+    assert idle_time([0.01] * IDLE_GAPS) == REPORT_IDLE  # fast loops: the floor
+    slow = [3.0] * (IDLE_GAPS - 1) + [600.0]  # 3 s steps, one long checkpoint among them
+    assert idle_time(slow) == IDLE_FACTOR * 3.0
+    assert idle_time([0.01] * 20 + [3.0] * IDLE_GAPS) == IDLE_FACTOR * 3.0  # the last ones count
+    reporter = _Reporter()
+    slow_reader = FakeReader(reporter)
+    slow_reader.report_after = idle_time([0.5] * IDLE_GAPS)  # 1.5 s
+    for _ in range(3):  # steps of 1.2 s: longer than REPORT_IDLE, no report
+        slow_reader.next()
+        time.sleep(1.2)
+    assert slow_reader.reports == 0
+    time.sleep(0.6)  # stopped for 1.8 s in all: one report
+    assert slow_reader.reports == 1
 
 
 def test_constructor_counts_claims_and_pauses() -> None:
