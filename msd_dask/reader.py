@@ -23,6 +23,7 @@ A reader reads through a :class:`ServiceLink` (what it needs from its service;
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -109,6 +110,12 @@ class _Reporter:
     """
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """No reader, no thread, a new lock: also what a forked process (a DataLoader
+        worker) starts with, since it has none of its parent's threads and may
+        inherit the lock held."""
         self._cond = threading.Condition()
         self._readers: dict[int, weakref.ref[Reader]] = {}
         self._thread: threading.Thread | None = None
@@ -160,6 +167,8 @@ class _Reporter:
 
 
 _REPORTER = _Reporter()
+
+os.register_at_fork(after_in_child=_REPORTER.reset)
 
 
 class Reader:

@@ -5,8 +5,10 @@ a constructor keeps what a claim taught it over a report that arrives late."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
+from msd_dask import reader as reader_module
 from msd_dask.reader import IDLE_FACTOR, IDLE_GAPS, REPORT_IDLE, _Reporter, idle_time
 from msd_dask.roles.constructor import DataConstructor
 
@@ -83,3 +85,20 @@ def test_constructor_counts_claims_and_pauses() -> None:
         assert (await con.stats())["returned_by"] == {0: "claim"}
 
     asyncio.run(run())
+
+
+def test_a_forked_child_starts_with_its_own_reporter() -> None:
+    """A DataLoader worker forked while the parent's reporter watches a reader and holds
+    its lock gets no reader of the parent's and a lock it can take."""
+    parent = FakeReader(reader_module._REPORTER)
+    parent.next()
+    with reader_module._REPORTER._cond:
+        pid = os.fork()
+        if pid == 0:  # the child: report what it inherited through its exit code
+            rep = reader_module._REPORTER
+            ok = not rep._readers and rep._thread is None and rep._cond.acquire(timeout=1)
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert reader_module._REPORTER._readers  # the parent's is untouched
+
