@@ -146,3 +146,29 @@ def check_exactly_once(records: list[dict[str, Any]], texts: dict[tuple[str, str
 def shares(tokens: dict[str, int]) -> dict[str, float]:
     total = sum(tokens.values())
     return {k: v / total for k, v in tokens.items()}
+
+
+def step_pieces(work: dict[int, list[list[tuple[Any, ...]]]]) -> Any:
+    """A constructor's work of one step, ``{dp: [row: [WorkItem, ...]]}``, as the planner
+    sends it (:class:`~msd_dask.roles.constructor.StepPieces`; keys ``f"{path}:{row}"``)."""
+    from msd_dask.roles.constructor import StepPieces
+
+    sources: list[str] = []
+    paths: list[str] = []
+    table = []
+    for rows in work.values():
+        for row in rows:
+            for src, li, ep, u, r, a, b, ch, key in row:
+                path, _, at = key.rpartition(":")
+                assert int(at) == r, f"a key is path:row, not {key!r} for row {r}"
+                for values, v in ((sources, src), (paths, path)):
+                    if v not in values:
+                        values.append(v)
+                table.append((sources.index(src), li, ep, u, r, a, b, ch, paths.index(path)))
+    dps = sorted(work)
+    return StepPieces(
+        dps=np.asarray(dps, dtype=np.int64),
+        rows=np.asarray([len(work[d]) for d in dps], dtype=np.int64),
+        lengths=np.asarray([len(row) for d in dps for row in work[d]], dtype=np.int64),
+        pieces=np.asarray(table, dtype=np.int64).reshape(-1, 9),
+        sources=tuple(sources), paths=tuple(paths))

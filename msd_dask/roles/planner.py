@@ -14,16 +14,18 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from itertools import chain
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from msd_dask.core.config import parse_config
 from msd_dask.errors import ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import WorkItem, queue_name
+from msd_dask.roles.constructor import StepPieces, queue_name
 from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
@@ -106,6 +108,74 @@ def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
         raise ServiceError(f"resume: the state has sources {sorted(state['sources'])} but the "
                            f"config has {sorted(names)}")
     return dict(state["planner"])
+
+
+def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int],
+               relpath: Mapping[str, Sequence[str]], names: Sequence[str]) -> list[StepPieces]:
+    """The work of ``plan`` for each of ``n`` constructors (constructor ``i`` builds DP
+    ranks ``i, i + n, ...``) as :class:`~msd_dask.roles.constructor.StepPieces`.
+
+    ``owner``: (source, epoch, unit) -> the loader slot that reads it; ``relpath``: each
+    source's units' paths relative to the source; ``names``: the sources.  One pass in
+    Python over the step's pieces (to columns), the rest in numpy: a loader slot is
+    looked up once per unit, a path once per unit and constructor.
+    """
+    dp = len(plan.rows)
+    n_rows = np.fromiter(map(len, plan.rows), dtype=np.int64, count=dp)
+    row_len = np.fromiter(map(len, chain.from_iterable(plan.rows)), dtype=np.int64,
+                          count=int(n_rows.sum()))
+    pieces = list(chain.from_iterable(chain.from_iterable(plan.rows)))
+    total = len(pieces)
+    table = np.zeros((total, 9), dtype=np.int64)
+    if total:
+        index = {s: i for i, s in enumerate(names)}
+        table[:, 0] = np.fromiter(map(index.__getitem__, map(attrgetter("source"), pieces)),
+                                  dtype=np.int64, count=total)
+        for col, name in enumerate(("epoch", "unit", "row", "start", "end", "chunk"), 2):
+            table[:, col] = np.fromiter(map(attrgetter(name), pieces), dtype=np.int64,
+                                        count=total)
+    s, e, u = table[:, 0], table[:, 2], table[:, 3]
+    n_units = int(u.max()) + 1 if total else 1
+    # loader slots, one look-up per (source, epoch, unit)
+    key = (s * (int(e.max()) + 1 if total else 1) + e) * n_units + u
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    slots = [owner[(names[a], b, c)] for a, b, c in table[first][:, [0, 2, 3]].tolist()]
+    table[:, 1] = np.asarray(slots, dtype=np.int64).reshape(-1)[inverse.reshape(-1)]
+    # each constructor's paths: its (source, unit) pairs, numbered from 0 in its own list
+    con_of_dp = np.arange(dp, dtype=np.int64) % n
+    row_con = np.repeat(con_of_dp, n_rows)
+    piece_con = np.repeat(row_con, row_len)
+    key = (piece_con * len(names) + s) * n_units + u
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    path_bound = np.searchsorted(piece_con[first], np.arange(n + 1))
+    table[:, 8] = inverse.reshape(-1) - path_bound[piece_con]
+    paths = [relpath[names[a]][b] for a, b in table[first][:, [0, 3]].tolist()]
+    # grouped by constructor, each in DP rank order (int32 where every value fits); each
+    # constructor's arrays are slices (views) of the step's
+    table = table[np.argsort(piece_con, kind="stable")]
+    if not total or (table.min() >= 0 and table.max() < 2**31):
+        table = table.astype(np.int32)
+    dp_order = np.argsort(con_of_dp, kind="stable")
+    dps, n_rows = dp_order.astype(np.int64), n_rows[dp_order]
+    row_len = row_len[np.argsort(row_con, kind="stable")]
+    dp_bound = _bounds(con_of_dp, n)
+    row_bound = _bounds(row_con, n)
+    piece_bound = _bounds(piece_con, n)
+    path_bound = path_bound.tolist()
+    sources = tuple(names)
+    out = []
+    for i in range(n):
+        d0, d1, r0, r1, p0, p1 = (dp_bound[i], dp_bound[i + 1], row_bound[i], row_bound[i + 1],
+                                  piece_bound[i], piece_bound[i + 1])
+        out.append(StepPieces(dps=dps[d0:d1], rows=n_rows[d0:d1], lengths=row_len[r0:r1],
+                              pieces=table[p0:p1], sources=sources,
+                              paths=tuple(paths[path_bound[i]:path_bound[i + 1]])))
+    return out
+
+
+def _bounds(group: np.ndarray, n: int) -> list[int]:
+    """Where each of groups ``0..n-1`` starts (and the end) in ``group`` sorted stably."""
+    return [0, *np.cumsum(np.bincount(group, minlength=n)).tolist()]
 
 
 class PlannerActor:
@@ -200,8 +270,7 @@ class PlannerActor:
         #: (source, epoch, unit) -> last step whose plan used it
         self._last_use: dict[tuple[str, int, int], int] = {}
         #: recent steps' work, for re-sending to a re-created constructor
-        self._recent: OrderedDict[int, tuple[list[dict[int, list[list[WorkItem]]]],
-                                             dict[str, Any]]] = OrderedDict()
+        self._recent: OrderedDict[int, tuple[list[StepPieces], dict[str, Any]]] = OrderedDict()
         self._last_submitted = self.planner.step - 1
         self._meta_wait = {s.name: 0.0 for s in self.cfg.sources}
         self._meta: dict[tuple[str, int, int], np.ndarray] = {}
@@ -581,18 +650,10 @@ class PlannerActor:
             for rows in plan.rows]
         return plan, used, record, lengths
 
-    def _split(self, plan: StepPlan) -> list[dict[int, list[list[WorkItem]]]]:
+    def _split(self, plan: StepPlan) -> list[StepPieces]:
         """In the planning thread: each constructor's work of ``plan``."""
-        n = len(self.constructors)
-        work: list[dict[int, list[list[WorkItem]]]] = [{} for _ in range(n)]
-        for dp, rows in enumerate(plan.rows):
-            work[dp % n][dp] = [
-                [(p.source, self._owner[(p.source, p.epoch, p.unit)], p.epoch, p.unit, p.row,
-                  p.start, p.end, p.chunk, f"{self._relpath[p.source][p.unit]}:{p.row}")
-                 for p in row]
-                for row in rows
-            ]
-        return work
+        return split_plan(plan, len(self.constructors), self._owner, self._relpath,
+                          [s.name for s in self.cfg.sources])
 
     async def _loop(self) -> None:
         from msd_dask.core.stream import NeedMetadata

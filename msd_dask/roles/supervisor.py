@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
 from msd_dask.dask_internals import actor_address, release_actor, worker_actors
-from msd_dask.roles.constructor import DataConstructor, WorkItem
+from msd_dask.roles.constructor import DataConstructor, StepPieces
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
 
@@ -58,7 +58,7 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 #: One planned step as the planner hands it over: ``(step, [work of each constructor], info)``
-StepRound = tuple[int, list[dict[int, list[list[WorkItem]]]], dict[str, Any]]
+StepRound = tuple[int, list[StepPieces], dict[str, Any]]
 
 
 class PlannerSide(Protocol):

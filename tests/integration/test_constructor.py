@@ -11,6 +11,8 @@ from distributed.utils_test import gen_cluster
 from msd_dask.core.packing import from_wire, join_pieces
 from msd_dask.roles.constructor import DataConstructor
 
+from checks import step_pieces
+
 
 class ToyLoader:
     """A loader that answers every piece with ``end - start + 1`` copies of its row."""
@@ -22,7 +24,7 @@ class ToyLoader:
 
 def _step(step: int, dp: int = 0, n: int = 4) -> tuple:
     row = [("toy", 0, 0, 0, step, 0, n, 0, f"f:{step}")]
-    return (step, {dp: [row]} if dp is not None else {}, {"rank_cost": [1.0]})
+    return (step, step_pieces({dp: [row]} if dp is not None else {}), {"rank_cost": [1.0]})
 
 
 async def _constructor(c, prefetch: int = 2, timeout: float = 2.0):

@@ -14,6 +14,8 @@ import pytest
 from msd_dask.core.packing import from_wire, join_pieces
 from msd_dask.roles.constructor import DataConstructor
 
+from checks import step_pieces
+
 
 class CountingStep(int):
     """A step number that counts the order comparisons made with it (as either operand)."""
@@ -133,8 +135,9 @@ def test_claims_skips_and_mark_had_release_only_their_groups_batches() -> None:
         con._task = asyncio.create_task(con._builder())
 
         def work(step: int) -> tuple:
-            return (step, {d: [[("toy", 0, 0, 0, 10 * step + d, 0, 3, 0, f"f:{step}")]]
-                           for d in members}, {"rank_cost": [1.0, 1.0]})
+            return (step, step_pieces({d: [[("toy", 0, 0, 0, 10 * step + d, 0, 3, 0,
+                                                f"f:{10 * step + d}")]] for d in members}),
+                    {"rank_cost": [1.0, 1.0]})
 
         await con.submit([work(0), work(1), work(2)])
         got = [from_wire(b) for b in await con.claim([0, 1], 2)]

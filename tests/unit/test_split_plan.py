@@ -1,0 +1,57 @@
+"""The planner's work for the constructors (split_plan, StepPieces): the same work items,
+rows and order as one tuple per piece, in a few arrays."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from msd_dask.core.plan import StepPlan
+from msd_dask.core.stream import Piece
+from msd_dask.roles.planner import split_plan
+
+NAMES = ["web", "code"]
+RELPATH = {s: [f"{s}/part-{u}.jsonl" for u in range(50)] for s in NAMES}
+OWNER = {(s, e, u): (u * 7 + e) % 3 for s in NAMES for e in range(3) for u in range(50)}
+
+
+def _plan(dp: int, mb: int, seed: int, big: bool = False) -> StepPlan:
+    rng = np.random.default_rng(seed)
+    rows = [[[Piece(NAMES[int(rng.integers(2))], int(rng.integers(3)), int(rng.integers(50)),
+                    int(rng.integers(1000)) + (2**40 if big else 0), int(rng.integers(2)),
+                    0, int(rng.integers(1, 99)), 99)
+              for _ in range(int(rng.integers(0, 6)))]
+             for _ in range(mb)]
+            for _ in range(dp)]
+    return StepPlan(0, rows, [1.0] * dp, 1.0)
+
+
+def _reference(plan: StepPlan, n: int) -> list[dict]:
+    """One tuple per piece, as the planner sent the work before."""
+    work: list[dict] = [{} for _ in range(n)]
+    for dp, rows in enumerate(plan.rows):
+        work[dp % n][dp] = [[(p.source, OWNER[(p.source, p.epoch, p.unit)], p.epoch, p.unit,
+                              p.row, p.start, p.end, p.chunk,
+                              f"{RELPATH[p.source][p.unit]}:{p.row}") for p in row]
+                            for row in rows]
+    return work
+
+
+@pytest.mark.parametrize(("dp", "mb", "n", "big"), [(1, 1, 1, False), (7, 3, 3, False),
+                                                      (4, 2, 6, False), (16, 4, 16, True),
+                                                      (0, 2, 2, False)])
+def test_same_work_items_in_the_same_order(dp: int, mb: int, n: int, big: bool) -> None:
+    for seed in range(3):
+        plan = _plan(dp, mb, seed, big)
+        got = split_plan(plan, n, OWNER, RELPATH, NAMES)
+        want = _reference(plan, n)
+        assert len(got) == n
+        for g, w in zip(got, want, strict=True):
+            assert len(g) == len(w)
+            assert dict(g.items()) == w
+            again = pickle.loads(pickle.dumps(g, protocol=5))
+            assert dict(again.items()) == w
+            assert g.pieces.dtype == (np.int64 if big and len(g.pieces) else np.int32)
+            assert len(g.paths) == len(set(g.paths))  # a unit's path once per constructor
