@@ -242,8 +242,10 @@ def _serve(args: argparse.Namespace) -> int:
                 time.sleep(1.0)
                 err, gone = None, svc.client.status != "running"
                 if not gone:
-                    try:
-                        err = svc.stats()["planner"]["error"]
+                    try:  # the planner's own figures: svc.stats() also asks every loader and
+                        # constructor, and one on a worker cut off but not yet dropped by the
+                        # scheduler hangs or raises until its role is re-created elsewhere
+                        err = svc.link.call(lambda p: p.stats())["error"]
                     except OSError:  # distributed's CommClosedError is one
                         gone = True
                 if gone:
