@@ -34,7 +34,7 @@ from heapq import heapify, heappop, heappush, heapreplace
 import numpy as np
 
 __all__ = ["Assignment", "assign", "build_assignment", "STRATEGIES", "lower_bound", "capacity_bound",
-           "sequential", "lpt", "balanced"]
+           "sequential", "lpt", "balanced", "improve"]
 
 
 @dataclass
@@ -701,6 +701,54 @@ def _place_leftovers(st: _State) -> None:
         st.refresh()
 
 
+def _place_by_swaps(st: _State, limit: int) -> None:
+    """Place left-out pieces by swapping each for a shorter placed piece.
+
+    A left-out piece ``u`` takes the place of a shorter placed piece ``x`` whose
+    row then has room for ``u`` (the row with the most room among those that
+    do, then the shortest such ``x``); ``x`` goes to a row with room for it if
+    there is one, else it is left out in turn.  The left-out tokens fall with
+    every swap, so at most ``limit`` swaps are tried.  Rank costs change by the
+    difference of two short pieces.
+    """
+    left = sorted(np.flatnonzero(st.row < 0).tolist(), key=lambda i: -int(st.lengths[i]))
+    if not left:
+        return
+    L = st.lengths
+    placed = np.flatnonzero(st.row >= 0)
+    by_len = placed[np.argsort(L[placed], kind="stable")]
+    sorted_len = L[by_len]
+    changed = False
+    while left and limit > 0:
+        limit -= 1
+        u = left.pop(0)
+        lu = int(L[u])
+        fits = np.flatnonzero(st.row_free >= lu)
+        if len(fits):  # room somewhere: the row with the least room that fits
+            r = int(fits[np.argmin(st.row_free[fits])])
+            st.row[u] = r
+            st.row_free[r] -= lu
+            st.row_cost[r] += st.costs[u]
+            changed = True
+            continue
+        cand = by_len[:int(np.searchsorted(sorted_len, lu, side="left"))]
+        cand = cand[st.row[cand] >= 0]
+        room = st.row_free[st.row[cand]] + L[cand]
+        cand = cand[room >= lu]
+        if len(cand) == 0:
+            continue
+        x = int(cand[np.lexsort((L[cand], -st.row_free[st.row[cand]]))[0]])
+        r = int(st.row[x])
+        st.row[u], st.row[x] = r, -1
+        st.row_free[r] += int(L[x]) - lu
+        st.row_cost[r] += st.costs[u] - st.costs[x]
+        left.append(x)
+        left.sort(key=lambda i: -int(L[i]))
+        changed = True
+    if changed:
+        st.refresh()
+
+
 def balanced(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
              seq_len: int, *, tol: float = 0.005, greedy_work: int = 30_000,
              work: int = 400_000, per_round: int = 100_000, k_max: int = 12) -> Assignment:
@@ -770,6 +818,26 @@ def balanced(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches
         goal = chosen_bound * goal_ratio
         _balance_ranks(st, goal, _Budget(work, per_round, k_max))
     _place_leftovers(st)
+    _place_by_swaps(st, 4 * int((st.row < 0).sum()) + 64)
+    _even_rows(st, tol, _Budget(work // 3, per_round, k_max))
+    return st.assignment()
+
+
+def improve(a: Assignment, lengths: np.ndarray, costs: np.ndarray, seq_len: int, *,
+            tol: float = 0.005, work: int = 400_000, per_round: int = 100_000,
+            k_max: int = 12) -> Assignment:
+    """:func:`balanced`'s exchanges (stages 2 and 4) from a given assignment.
+
+    Every piece stays placed and every row within ``seq_len``: for a start
+    that places every piece (as whole rows dealt to ranks do) where the greedy
+    starts of :func:`balanced` leave some out.
+    """
+    n_ranks, micro_batches = a.micro_cost.shape
+    st = _State(a, lengths, costs, seq_len)
+    ok = a.placed
+    if n_ranks > 1 and ok.any():
+        goal = capacity_bound(lengths[ok], costs[ok], n_ranks, micro_batches, seq_len) * (1 + tol)
+        _balance_ranks(st, goal, _Budget(work, per_round, k_max))
     _even_rows(st, tol, _Budget(work // 3, per_round, k_max))
     return st.assignment()
 

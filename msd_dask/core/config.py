@@ -335,28 +335,58 @@ class LongContextConfig:
 class OutlierConfig:
     """Outlier delay: hold long pieces back until every row of a step can get one.
 
-    A piece of at least ``min_length`` tokens (0: off; a float in (0, 1): longer
-    than that fraction of ``batch.seq_len``) is held when drawn
-    instead of joining the step; once ``group`` of them are held (0: the
-    step's ``dp × micro_batches`` rows) they are released together at the
-    front of a step, so no row (and no rank) is the only one with a long,
+    A piece of at least ``min_length`` tokens is held when drawn instead of
+    joining the step; once ``group`` of them are held (0: the step's
+    ``dp × micro_batches`` rows) they are released together at the front of a
+    step, so no row (and no rank) is the only one with a long,
     attention-heavy piece.  A piece is never held more than ``max_wait`` steps.
     The rule counts rows, not ranks, so a step holds the same pieces after an
     elastic resume that keeps ``dp × micro_batches``.
+
+    ``min_length`` is ``"auto"`` (the default: from the cost model, see
+    :func:`auto_outlier_length`), ``0`` (off), a number of tokens (an int), or
+    a fraction of ``batch.seq_len`` (a float in (0, 1), so it survives a change
+    of ``seq_len``).
     """
 
-    #: tokens (an int), or a fraction of ``batch.seq_len`` (a float in (0, 1): pieces
-    #: longer than that share of a row), so it survives a change of ``seq_len``
-    min_length: float = 0
+    min_length: float | str = "auto"
     group: int = 0
     max_wait: int = 16
 
-    def threshold(self, seq_len: int) -> int:
-        """The shortest outlier in tokens for rows of ``seq_len`` (0: off)."""
+    def threshold(self, seq_len: int, linear: float = 1.0, quadratic: float = 0.0) -> int:
+        """The shortest outlier in tokens for rows of ``seq_len`` (0: off).
+
+        ``linear`` and ``quadratic`` are the cost model's coefficients, which
+        ``"auto"`` reads.
+        """
         v = self.min_length
+        if v == "auto":
+            return auto_outlier_length(seq_len, linear, quadratic)
         if isinstance(v, float) and 0 < v < 1:
             return int(v * seq_len) + 1
         return int(v)
+
+
+#: ``outliers.min_length: auto`` holds a piece whose attention cost (``quadratic·L²``) is at
+#: least this share of a full row's per-token cost (``linear·seq_len``)
+AUTO_OUTLIER_SHARE = 0.25
+
+
+def auto_outlier_length(seq_len: int, linear: float, quadratic: float) -> int:
+    """``outliers.min_length: auto``: the shortest piece worth holding back (0: none is).
+
+    A step's rows are nearly full, so ranks differ in cost by their pieces'
+    attention term ``quadratic·L²``; a piece whose term is at least
+    :data:`AUTO_OUTLIER_SHARE` of a full row's ``linear·seq_len`` is more than the
+    other pieces of a rank can even out (a rank has only ``micro_batches`` rows),
+    so it waits until every row gets one.  With the default cost model
+    (``1 / (12·4096)``) that is pieces of at least 61% of a row at 32K and 31%
+    at 128K, and none at 4K (where the term stays below 8% of a row).
+    """
+    if quadratic <= 0 or linear <= 0:
+        return 0
+    length = math.ceil(math.sqrt(AUTO_OUTLIER_SHARE * linear * seq_len / quadratic))
+    return length if length <= seq_len else 0
 
 
 @dataclass(frozen=True)
@@ -754,19 +784,27 @@ def _parse(d: Any) -> Config:
                                                        LongContextConfig.max_per_rank, lo=0))
     oc = d.get("outliers", {})
     _check_keys(oc, "outliers", _names(OutlierConfig))
+    grouped = mode == "grouped" and any(s.context == "long" for s in sources)
     ml = oc.get("min_length", OutlierConfig.min_length)
-    if isinstance(ml, float) and ml != 0 and not 0 < ml < 1:
-        raise ConfigError("outliers.min_length", f"a fraction of batch.seq_len must be "
-                          f"between 0 and 1 (exclusive), got {ml!r}")
-    if not isinstance(ml, float):
-        ml = _int(oc, "min_length", "outliers", int(OutlierConfig.min_length), lo=0)
+    if isinstance(ml, str):
+        if ml != "auto":
+            raise ConfigError("outliers.min_length", f"must be 'auto', a number of tokens or a "
+                              f"fraction of batch.seq_len, got {ml!r}")
+        if grouped:  # the default: off where held pieces would land on the other kind of step
+            ml = 0
+    elif isinstance(ml, float):
+        if ml != 0 and not 0 < ml < 1:
+            raise ConfigError("outliers.min_length", f"a fraction of batch.seq_len must be "
+                              f"between 0 and 1 (exclusive), got {ml!r}")
+    else:
+        ml = _int(oc, "min_length", "outliers", 0, lo=0)
     outliers = OutlierConfig(min_length=ml,
                              group=_int(oc, "group", "outliers", OutlierConfig.group, lo=0),
                              max_wait=_int(oc, "max_wait", "outliers", OutlierConfig.max_wait))
-    if outliers.min_length and mode == "grouped" and any(s.context == "long" for s in sources):
+    if outliers.min_length and outliers.min_length != "auto" and grouped:
         raise ConfigError("outliers.min_length", "cannot be combined with long_context.mode "
                           "'grouped' (held pieces would land on the other kind of step)")
-    if outliers.min_length > batch.seq_len:
+    if not isinstance(outliers.min_length, str) and outliers.min_length > batch.seq_len:
         raise ConfigError("outliers.min_length", f"must be <= batch.seq_len ({batch.seq_len}), "
                           f"got {outliers.min_length} (a fraction such as 0.5 follows seq_len)")
     sc = d.get("scaling", {})

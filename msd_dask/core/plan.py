@@ -34,6 +34,10 @@ _SLICE = 4096
 #: full waits for the next release)
 HOLD_GROUPS = 4
 
+#: held outliers are released as a group once its longest piece is at most this many times
+#: its shortest (or once they are held too long, or the hold is full)
+RELEASE_SPREAD = 1.25
+
 __all__ = ["Planner", "StepPlan", "NeedMetadata"]
 
 
@@ -200,24 +204,30 @@ class Planner:
         """Pieces drawn from the streams but not placed yet (carried and held)."""
         return self.carry + self._pieces(self._held)
 
-    def _release(self, group: int) -> np.ndarray:
-        """Held outliers that join this step: ``group`` of them, or those held too long."""
+    def _release(self, group: int, hold_limit: int) -> np.ndarray:
+        """Held outliers that join this step: ``group`` of them, or those held too long.
+
+        The group is the run of ``group`` held pieces closest in length
+        (:func:`_closest_group`); it is released once its longest is at most
+        :data:`RELEASE_SPREAD` times its shortest, or once the hold is half full, and
+        must include the oldest piece once that has waited ``max_wait // 2`` steps.
+        """
         m = len(self._held)
-        if m >= group:
-            n = group
-        elif m and self.step - int(self._held_step[0]) >= self.cfg.outliers.max_wait:
-            n = m
-        else:
+        waited = self.step - int(self._held_step[0]) if m else 0
+        max_wait = self.cfg.outliers.max_wait
+        if m < group:
+            if m and waited >= max_wait:
+                out = self._held
+                self._held, self._held_step = _no_pieces(), self._held_step[:0]
+                return out
             return _no_pieces()
-        if n < m:
-            # the oldest, and the held pieces closest to it in length (ties: the older)
-            lengths = self._held[:, 6] - self._held[:, 5]
-            rest = 1 + np.argsort(np.abs(lengths[1:] - lengths[0]), kind="stable")[: n - 1]
-            take = np.zeros(m, dtype=bool)
-            take[0] = True
-            take[rest] = True
-        else:
-            take = np.ones(m, dtype=bool)
+        lengths = self._held[:, 6] - self._held[:, 5]
+        pick = _closest_group(lengths, group, waited >= max_wait // 2)
+        spread = float(lengths[pick].max()) / max(float(lengths[pick].min()), 1.0)
+        if spread > RELEASE_SPREAD and m < hold_limit // 2 and waited < max_wait // 2:
+            return _no_pieces()
+        take = np.zeros(m, dtype=bool)
+        take[pick] = True
         out = self._held[take]
         self._held, self._held_step = self._held[~take], self._held_step[~take]
         return out
@@ -309,10 +319,10 @@ class Planner:
         dp, mb, seq_len = cfg.parallel.dp, cfg.batch.micro_batches, cfg.batch.seq_len
         capacity = dp * mb * seq_len
         weights = self.weights_at(self.step)
-        hold = cfg.outliers.threshold(seq_len)
+        hold = cfg.outliers.threshold(seq_len, self.cost.linear, self.cost.quadratic)
         group = cfg.outliers.group or dp * mb
         # released outliers (a row each), then carried pieces: placed before anything new
-        first = np.concatenate([self._release(group), self._carry])
+        first = np.concatenate([self._release(group, HOLD_GROUPS * group), self._carry])
         n_first = len(first)
         total = int((first[:, 6] - first[:, 5]).sum())
         lc = cfg.long_context
@@ -404,6 +414,24 @@ class Planner:
         self.pieces_planned = {k: int(v) for k, v in state["pieces"].items()}
         if "cost" in state:
             self.cost = CostModel(float(state["cost"][0]), float(state["cost"][1]))
+
+
+def _closest_group(lengths: np.ndarray, n: int, keep_first: bool) -> np.ndarray:
+    """Indices of ``n`` of the pieces as close in length as can be.
+
+    The window of ``n`` consecutive pieces by length (stable order) whose longest
+    is the fewest times its shortest (ties: the shorter pieces); with
+    ``keep_first``, among the windows that hold the first piece (the oldest).
+    """
+    order = np.argsort(lengths, kind="stable")
+    ls = lengths[order].astype(np.float64)
+    lo, hi = 0, len(ls) - n
+    if keep_first:
+        pos = int(np.flatnonzero(order == 0)[0])
+        lo, hi = max(0, pos - n + 1), min(pos, hi)
+    starts = np.arange(lo, hi + 1)
+    best = int(starts[np.argmin(ls[starts + n - 1] / np.maximum(ls[starts], 1.0))])
+    return order[best:best + n]
 
 
 def _no_pieces() -> np.ndarray:

@@ -16,9 +16,13 @@ from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-from msd_dask.core.balance import assign
+from msd_dask.core.balance import assign, build_assignment, improve
 
-__all__ = ["kept_rows", "place_step", "spread_long"]
+__all__ = ["kept_rows", "place_step", "spread_long", "KEPT_SLACK"]
+
+#: the share of a step's tokens :func:`kept_rows` leaves free (rows packed to the last token
+#: leave the balance strategy no room to move pieces between ranks)
+KEPT_SLACK = 0.001
 
 
 def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) -> np.ndarray:
@@ -102,6 +106,14 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
                     have.extend(rs)
                     heapify(have)
     row[order] = np.repeat(np.array(seg_row, dtype=np.int64), seg_count)
+    # leave the balance strategy some room: the shortest new pieces over (1 - KEPT_SLACK) of
+    # the step's tokens wait for the next step (where they are placed first)
+    over = int(lengths[row >= 0].sum()) - int((1 - KEPT_SLACK) * n_rows * seq_len)
+    if over > 0:
+        kept_new = n_carried + np.flatnonzero(row[n_carried:] >= 0)
+        by_len = kept_new[np.argsort(lengths[kept_new], kind="stable")]
+        k = int(np.searchsorted(np.cumsum(lengths[by_len]), over, side="left")) + 1
+        row[by_len[:k]] = -1
     return row
 
 
@@ -157,6 +169,10 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         if slots[r] < mb:
             heappush(load, (c + float(row_cost[row]), r))
     rank[idx], micro[idx] = rank_of[rows[idx]], micro_of[rows[idx]]
+    if strategy == "balanced":  # then the exchanges, which keep every piece placed
+        b = improve(build_assignment(rank[idx], micro[idx], lengths[idx], costs[idx], dp, mb),
+                    lengths[idx], costs[idx], seq_len)
+        rank[idx], micro[idx] = b.rank, b.micro
     return rank, micro
 
 
