@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ HOLD_GROUPS = 4
 #: its shortest (or once they are held too long, or the hold is full)
 RELEASE_SPREAD = 1.25
 
-__all__ = ["Planner", "StepPlan", "NeedMetadata"]
+__all__ = ["Planner", "StepPlan", "NeedMetadata", "pieces_of"]
 
 
 @dataclass
@@ -48,8 +49,13 @@ class StepPlan:
     Attributes
     ----------
     step : int
-    rows : list of list of list of Piece
-        ``rows[dp_rank][micro_batch]``: the pieces of each row, in order.
+    table : ndarray of int64, shape (n, 8)
+        The step's pieces, row by row (DP rank, then micro-batch, each row in
+        order): source index (in ``sources``), epoch, unit, row, chunk, start,
+        end, doc_len, as the fields of :class:`~msd_dask.core.stream.Piece`.
+    row_sizes : ndarray of int64, shape (dp, micro_batches)
+        Pieces in each row.
+    sources : tuple of str
     rank_cost : list of float
         Cost of each DP rank under the cost model.
     lower_bound : float
@@ -57,24 +63,75 @@ class StepPlan:
     """
 
     step: int
-    rows: list[list[list[Piece]]]
+    table: np.ndarray
+    row_sizes: np.ndarray
+    sources: tuple[str, ...]
     rank_cost: list[float]
     lower_bound: float
     weights: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_rows(cls, step: int, rows: Sequence[Sequence[Sequence[Piece]]], rank_cost: list[float],
+                  lower_bound: float, sources: Sequence[str],
+                  weights: dict[str, float] | None = None) -> StepPlan:
+        """A plan from ``rows[dp_rank][micro_batch]`` lists of pieces."""
+        index = {n: i for i, n in enumerate(sources)}
+        flat = [p for rank in rows for row in rank for p in row]
+        table = np.array([[index[p.source], *p[1:]] for p in flat], dtype=np.int64).reshape(-1, 8)
+        mb = len(rows[0]) if len(rows) else 0
+        sizes = np.array([[len(row) for row in rank] for rank in rows], dtype=np.int64)
+        return cls(step, table, sizes.reshape(len(rows), mb), tuple(sources), rank_cost, lower_bound,
+                   dict(weights or {}))
+
+    @cached_property
+    def rows(self) -> list[list[list[Piece]]]:
+        """``rows[dp_rank][micro_batch]``: the pieces of each row, in order (made when first read)."""
+        flat = pieces_of(self.table, self.sources)
+        dp, mb = self.row_sizes.shape
+        bounds = [0, *np.cumsum(self.row_sizes.reshape(-1)).tolist()]
+        lists = [flat[i:j] for i, j in zip(bounds[:-1], bounds[1:], strict=True)]
+        return [lists[r * mb:(r + 1) * mb] for r in range(dp)]
 
     @property
     def imbalance(self) -> float:
         mean = sum(self.rank_cost) / len(self.rank_cost)
         return max(self.rank_cost) / mean if mean > 0 else 1.0
 
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens of each piece, in the order of :attr:`table`."""
+        return self.table[:, 6] - self.table[:, 5]
+
+    def rank_lengths(self) -> list[np.ndarray]:
+        """Each DP rank's piece lengths."""
+        bounds = np.cumsum(self.row_sizes.sum(axis=1))[:-1]
+        return np.split(self.lengths, bounds)
+
     def pieces(self) -> list[Piece]:
-        return [p for rank in self.rows for row in rank for p in row]
+        return pieces_of(self.table, self.sources)
+
+    def units(self) -> set[tuple[str, int, int]]:
+        """``(source, epoch, unit)`` of every unit the step's pieces come from."""
+        keys = np.unique(self.table[:, :3], axis=0) if len(self.table) else self.table[:, :3]
+        return {(self.sources[s], e, u) for s, e, u in keys.tolist()}
 
     def tokens_by_source(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for p in self.pieces():
-            out[p.source] = out.get(p.source, 0) + p.length
-        return out
+        sums = np.bincount(self.table[:, 0], weights=self.lengths, minlength=len(self.sources))
+        used = np.bincount(self.table[:, 0], minlength=len(self.sources)) > 0
+        return {n: int(sums[i]) for i, n in enumerate(self.sources) if used[i]}
+
+
+def pieces_of(table: np.ndarray, sources: Sequence[str]) -> list[Piece]:
+    """:class:`Piece` objects of a piece table (source index, epoch, unit, row, chunk, start,
+    end, doc_len)."""
+    out: list[Piece] = []
+    # in slices: ``tolist`` and a ``map`` over a builtin hold the GIL throughout (tens
+    # of ms for a step of 10⁵ pieces), and the planner's actor plans in a thread while
+    # its worker's event loop answers calls (roles.planner.PlannerActor)
+    for i in range(0, len(table), _SLICE):
+        cols = table[i:i + _SLICE].T.tolist()
+        out.extend(map(new_piece, zip([sources[j] for j in cols[0]], *cols[1:], strict=True)))
+    return out
 
 
 class Planner:
@@ -116,15 +173,7 @@ class Planner:
     # unit, row, chunk, start, end, doc_len; :class:`Piece` objects are made only for
     # what leaves the planner (a plan's rows, ``pending()``, ``state_dict()``).
     def _pieces(self, table: np.ndarray) -> list[Piece]:
-        names = self._names
-        out: list[Piece] = []
-        # in slices: ``tolist`` and a ``map`` over a builtin hold the GIL throughout (tens
-        # of ms for a step of 10⁵ pieces), and the planner's actor plans in a thread while
-        # its worker's event loop answers calls (roles.planner.PlannerActor)
-        for i in range(0, len(table), _SLICE):
-            cols = table[i:i + _SLICE].T.tolist()
-            out.extend(map(new_piece, zip([names[j] for j in cols[0]], *cols[1:], strict=True)))
-        return out
+        return pieces_of(table, self._names)
 
     def _table(self, tuples: Sequence[Sequence[Any]]) -> np.ndarray:
         if not tuples:
@@ -349,10 +398,6 @@ class Planner:
         idx = np.flatnonzero(placed)
         row_of = rank[idx] * mb + micro[idx]
         order = np.argsort(row_of, kind="stable")
-        flat = self._pieces(table[idx[order]])
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=dp * mb))]).tolist()
-        row_lists = [flat[i:j] for i, j in zip(bounds[:-1], bounds[1:], strict=True)]
-        rows = [row_lists[r * mb:(r + 1) * mb] for r in range(dp)]
         src = table[idx, 0]
         for j in np.unique(src).tolist():
             mine = src == j
@@ -360,8 +405,9 @@ class Planner:
             self.tokens[name] += int(lengths[idx[mine]].sum())
             self.pieces_planned[name] += int(mine.sum())
         rank_cost = np.bincount(rank[placed], weights=costs[placed], minlength=dp)
-        plan = StepPlan(self.step, rows, [float(c) for c in rank_cost],
-                        lower_bound(costs[placed], dp), weights)
+        plan = StepPlan(self.step, table[idx[order]],
+                        np.bincount(row_of, minlength=dp * mb).reshape(dp, mb), tuple(self._names),
+                        [float(c) for c in rank_cost], lower_bound(costs[placed], dp), weights)
         self.step += 1
         return plan
 

@@ -17,8 +17,6 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from itertools import chain
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -116,24 +114,23 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     ranks ``i, i + n, ...``) as :class:`~msd_dask.roles.constructor.StepPieces`.
 
     ``owner``: (source, epoch, unit) -> the loader slot that reads it; ``relpath``: each
-    source's units' paths relative to the source; ``names``: the sources.  One pass in
-    Python over the step's pieces (to columns), the rest in numpy: a loader slot is
-    looked up once per unit, a path once per unit and constructor.
+    source's units' paths relative to the source; ``names``: the sources.  In numpy from
+    the plan's piece table: a loader slot is looked up once per unit, a path once per
+    unit and constructor.
     """
-    dp = len(plan.rows)
-    n_rows = np.fromiter(map(len, plan.rows), dtype=np.int64, count=dp)
-    row_len = np.fromiter(map(len, chain.from_iterable(plan.rows)), dtype=np.int64,
-                          count=int(n_rows.sum()))
-    pieces = list(chain.from_iterable(chain.from_iterable(plan.rows)))
-    total = len(pieces)
+    dp, mb = plan.row_sizes.shape
+    n_rows = np.full(dp, mb, dtype=np.int64)
+    row_len = plan.row_sizes.reshape(-1).astype(np.int64)
+    src = plan.table
+    total = len(src)
     table = np.zeros((total, 9), dtype=np.int64)
     if total:
-        index = {s: i for i, s in enumerate(names)}
-        table[:, 0] = np.fromiter(map(index.__getitem__, map(attrgetter("source"), pieces)),
-                                  dtype=np.int64, count=total)
-        for col, name in enumerate(("epoch", "unit", "row", "start", "end", "chunk"), 2):
-            table[:, col] = np.fromiter(map(attrgetter(name), pieces), dtype=np.int64,
-                                        count=total)
+        # the plan's source indices follow its own source list; ours follow ``names``
+        index = np.array([list(names).index(n) for n in plan.sources], dtype=np.int64)
+        table[:, 0] = index[src[:, 0]]
+        # plan columns: source, epoch, unit, row, chunk, start, end, doc_len
+        table[:, 2:7] = src[:, [1, 2, 3, 5, 6]]
+        table[:, 7] = src[:, 4]
     s, e, u = table[:, 0], table[:, 2], table[:, 3]
     n_units = int(u.max()) + 1 if total else 1
     # loader slots, one look-up per (source, epoch, unit)
@@ -635,8 +632,7 @@ class PlannerActor:
         t0 = time.monotonic()
         plan = self.planner.plan_step(self._lookup)
         self.plan_seconds = time.monotonic() - t0
-        pieces = plan.pieces()
-        used = {(p.source, p.epoch, p.unit) for p in pieces}
+        used = plan.units()
         record = {
             "step": plan.step,
             "imbalance": plan.imbalance,
@@ -645,9 +641,7 @@ class PlannerActor:
             "tokens": plan.tokens_by_source(),
             "weights": plan.weights,
         }
-        lengths = None if self.fitter is None else [
-            np.fromiter((p.length for row in rows for p in row), dtype=np.int64)
-            for rows in plan.rows]
+        lengths = None if self.fitter is None else plan.rank_lengths()
         return plan, used, record, lengths
 
     def _split(self, plan: StepPlan) -> list[StepPieces]:

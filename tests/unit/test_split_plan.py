@@ -25,7 +25,7 @@ def _plan(dp: int, mb: int, seed: int, big: bool = False) -> StepPlan:
               for _ in range(int(rng.integers(0, 6)))]
              for _ in range(mb)]
             for _ in range(dp)]
-    return StepPlan(0, rows, [1.0] * dp, 1.0)
+    return StepPlan.from_rows(0, rows, [1.0] * dp, 1.0, NAMES)
 
 
 def _reference(plan: StepPlan, n: int) -> list[dict]:
