@@ -10,7 +10,7 @@ import pytest
 
 from msd_dask.core.plan import StepPlan
 from msd_dask.core.stream import Piece
-from msd_dask.roles.planner import split_plan
+from msd_dask.roles.planner import pack_work, split_plan, unpack_work
 
 NAMES = ["web", "code"]
 RELPATH = {s: [f"{s}/part-{u}.jsonl" for u in range(50)] for s in NAMES}
@@ -55,3 +55,14 @@ def test_same_work_items_in_the_same_order(dp: int, mb: int, n: int, big: bool) 
             assert dict(again.items()) == w
             assert g.pieces.dtype == (np.int64 if big and len(g.pieces) else np.int32)
             assert len(g.paths) == len(set(g.paths))  # a unit's path once per constructor
+
+
+def test_kept_work_comes_back_the_same() -> None:
+    """What the planner keeps for re-created constructors (pack_work) is the work it sent."""
+    plan = _plan(16, 4, 5, big=True)
+    work = split_plan(plan, 5, OWNER, RELPATH, NAMES)
+    packed = pack_work(work)
+    assert isinstance(packed, bytes)
+    again = unpack_work(packed)
+    assert [dict(w.items()) for w in again] == [dict(w.items()) for w in work]
+    assert all(a.pieces.dtype == w.pieces.dtype for a, w in zip(again, work, strict=True))
