@@ -1,13 +1,22 @@
 """Per-source and per-rank figures from the roles' own stats (pure, no Dask).
 
 Shared by :meth:`msd_dask.DataService.stats` and the scheduler plugin's
-dashboard and Prometheus metrics, so both report the same numbers.
+dashboard and Prometheus metrics, so both report the same numbers.  At
+thousands of ranks the dashboard and the metrics show :func:`rank_summary`
+(quantiles and the slowest ranks), not a line per rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
+
+#: ranks the summary names one by one, the slowest first
+SLOWEST = 8
+#: the dashboard's JSON lists every rank up to this many ranks
+RANKS_LISTED = 64
 
 
 def source_figures(planner: Mapping[str, Any], loader_stats: Mapping[str, Sequence[Mapping[str, Any]]],
@@ -63,3 +72,44 @@ def rank_figures(constructor_stats: Sequence[Mapping[str, Any]]) -> dict[int, di
         for r, depth in c["queue_depth"].items():
             ranks[int(r)] = {"queue_depth": depth, "last_claimed": c["last_claimed"].get(r)}
     return ranks
+
+
+def rank_summary(ranks: Mapping[int, Mapping[str, Any]], slowest: int = SLOWEST) -> dict[str, Any]:
+    """:func:`rank_figures` of any number of ranks in a few numbers.
+
+    Returns
+    -------
+    dict
+        ``ranks`` (how many), ``waiting`` (ranks that have claimed no step yet),
+        ``queue_depth`` and ``last_claimed`` (``min``, ``p50``, ``p90``, ``max``
+        over the ranks; ``last_claimed`` over those that claimed a step, ``None``
+        if none did), ``lag`` (steps between the most and the least advanced
+        rank, waiting ranks counted at step -1), and ``slowest``: up to
+        ``slowest`` ranks, least advanced first (ties: the deeper queue, then
+        the lower rank), each ``{"rank", "last_claimed", "queue_depth"}``.
+    """
+    if not ranks:
+        return {"ranks": 0, "waiting": 0, "queue_depth": None, "last_claimed": None, "lag": 0,
+                "slowest": []}
+    rs = np.array(sorted(ranks), dtype=np.int64)
+    depth = np.array([ranks[r]["queue_depth"] for r in rs.tolist()], dtype=np.int64)
+    raw = [ranks[r]["last_claimed"] for r in rs.tolist()]
+    claimed = np.array([-1 if c is None else c for c in raw], dtype=np.int64)
+    started = claimed >= 0
+
+    def quantiles(x: np.ndarray) -> dict[str, int] | None:
+        if not len(x):
+            return None
+        q = np.quantile(x, [0.5, 0.9], method="lower")
+        return {"min": int(x.min()), "p50": int(q[0]), "p90": int(q[1]), "max": int(x.max())}
+
+    order = np.lexsort((rs, -depth, claimed))[:slowest]
+    return {
+        "ranks": len(rs),
+        "waiting": int((~started).sum()),
+        "queue_depth": quantiles(depth),
+        "last_claimed": quantiles(claimed[started]),
+        "lag": int(claimed.max() - claimed.min()),
+        "slowest": [{"rank": int(rs[i]), "last_claimed": raw[i], "queue_depth": int(depth[i])}
+                    for i in order.tolist()],
+    }

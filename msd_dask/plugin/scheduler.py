@@ -6,7 +6,8 @@ the roles of every service published on the scheduler and serves
 
 * ``/msd/status`` — a live page on the dashboard's own address: per source
   configured vs delivered weight, loaders, tokens/s, read seconds per token,
-  buffer; per rank queue depth; per step imbalance;
+  buffer; the ranks' queue depths and claimed steps in quantiles, and the
+  slowest ranks (every rank, too, up to ``RANKS_LISTED``); per step imbalance;
 * ``/msd/api/status`` — the same as JSON;
 * ``msd_*`` metrics on the scheduler's ``/metrics`` endpoint.
 
@@ -36,7 +37,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
-from msd_dask.core.figures import rank_figures, source_figures
+from msd_dask.core.figures import RANKS_LISTED, SLOWEST, rank_figures, rank_summary, source_figures
 from msd_dask.dask_internals import published_datasets, wrap_scheduler_call
 
 __all__ = ["MsdSchedulerPlugin", "dask_setup"]
@@ -348,7 +349,11 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             rates = self.rates.get(name, {})
             sources = {s: dict(v, tokens_per_second=rates.get(s, 0.0))
                        for s, v in snap["sources"].items()}
-            out[name] = {"sources": sources, "ranks": snap["ranks"],
+            ranks = snap["ranks"]
+            summary = rank_summary({int(r): v for r, v in ranks.items()})
+            out[name] = {"sources": sources, "rank_summary": summary,
+                         # every rank only while that stays readable
+                         "ranks": ranks if len(ranks) <= RANKS_LISTED else {},
                          "steps_planned": snap["planner"]["steps_planned"],
                          "mean_imbalance": snap["planner"]["mean_imbalance"],
                          "imbalance": list(self.imbalance.get(name, [])),
@@ -423,19 +428,32 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
                     for src, v in d["sources"].items():
                         g.add_metric([svc, src], float(v[field]))
                 yield g
-            q = GaugeMetricFamily("msd_rank_queue_depth", "Batches published, not yet claimed",
-                                  labels=["service", "rank"])
+            # a few series per service whatever the number of ranks
+            n = GaugeMetricFamily("msd_ranks", "Ranks served", labels=["service"])
+            q = GaugeMetricFamily("msd_rank_queue_depth", "Batches published, not yet claimed, "
+                                  "over the ranks (quantile 0, 0.5, 0.9, 1)",
+                                  labels=["service", "quantile"])
+            lag = GaugeMetricFamily("msd_rank_lag_steps", "Steps between the most and the least "
+                                    "advanced rank", labels=["service"])
+            slow = GaugeMetricFamily("msd_slowest_rank_last_claimed", "Last step claimed by the "
+                                     f"least advanced ranks (up to {SLOWEST}; -1: none yet)",
+                                     labels=["service", "rank"])
             steps = GaugeMetricFamily("msd_steps_planned", "Steps planned", labels=["service"])
             imb = GaugeMetricFamily("msd_step_imbalance_mean",
                                     "Mean max/mean rank cost per step", labels=["service"])
             for svc, d in st.items():
-                for r, v in d["ranks"].items():
-                    q.add_metric([svc, r], float(v["queue_depth"]))
+                summary = d["rank_summary"]
+                n.add_metric([svc], float(summary["ranks"]))
+                for name, quantile in (("min", "0"), ("p50", "0.5"), ("p90", "0.9"), ("max", "1")):
+                    if summary["queue_depth"] is not None:
+                        q.add_metric([svc, quantile], float(summary["queue_depth"][name]))
+                lag.add_metric([svc], float(summary["lag"]))
+                for v in summary["slowest"]:
+                    claimed = v["last_claimed"]
+                    slow.add_metric([svc, str(v["rank"])], float(-1 if claimed is None else claimed))
                 steps.add_metric([svc], float(d["steps_planned"]))
                 imb.add_metric([svc], float(d["mean_imbalance"]))
-            yield q
-            yield steps
-            yield imb
+            yield from (n, q, lag, slow, steps, imb)
 
     REGISTRY.register(_Collector())
 

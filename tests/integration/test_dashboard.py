@@ -51,13 +51,19 @@ def test_status_page_and_metrics(tmp_path):
             for src in ("code", "prose"):
                 assert f'msd_source_weight{{service="dash",source="{src}"}}' in metrics
                 assert f'msd_source_loaders{{service="dash",source="{src}"}}' in metrics
-            assert 'msd_rank_queue_depth{rank="0",service="dash"}' in metrics or \
-                   'msd_rank_queue_depth{service="dash",rank="0"}' in metrics
+            # the ranks in a few series, not one per rank
+            assert 'msd_ranks{service="dash"} 2.0' in metrics, metrics
+            for quantile in ("0", "0.5", "0.9", "1"):
+                assert f'msd_rank_queue_depth{{quantile="{quantile}",service="dash"}}' in metrics
+            assert 'msd_rank_lag_steps{service="dash"}' in metrics
+            assert 'msd_slowest_rank_last_claimed{rank="0",service="dash"}' in metrics
+            assert 'msd_rank_queue_depth{rank=' not in metrics
             dom = subprocess.run(
                 [browser, "--headless", "--no-sandbox", "--disable-gpu",
                  "--virtual-time-budget=5000", "--dump-dom", base + "/msd/status"],
                 capture_output=True, text=True, timeout=120).stdout
             assert 'id="svc-dash"' in dom, dom[:2000]
+            assert "2 ranks, 0 waiting" in dom, dom[:4000]
             for src in ("code", "prose"):
                 assert f"<td>{src}</td>" in dom
             shot = tmp_path / "status.png"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from msd_dask.core.figures import rank_figures, source_figures
+from msd_dask.core.figures import SLOWEST, rank_figures, rank_summary, source_figures
 
 
 def loader(**kw: float) -> dict:
@@ -36,3 +36,35 @@ def test_ranks_from_every_constructor() -> None:
     assert rank_figures(cons) == {0: {"queue_depth": 2, "last_claimed": 7},
                                   2: {"queue_depth": 1, "last_claimed": None},
                                   1: {"queue_depth": 0, "last_claimed": 9}}
+
+
+def test_rank_summary_small() -> None:
+    ranks = {0: {"queue_depth": 2, "last_claimed": 7}, 1: {"queue_depth": 0, "last_claimed": 9},
+             2: {"queue_depth": 1, "last_claimed": None}, 3: {"queue_depth": 3, "last_claimed": 7}}
+    s = rank_summary(ranks)
+    assert s["ranks"] == 4 and s["waiting"] == 1
+    assert s["queue_depth"] == {"min": 0, "p50": 1, "p90": 2, "max": 3}
+    assert s["last_claimed"] == {"min": 7, "p50": 7, "p90": 7, "max": 9}
+    assert s["lag"] == 10    # rank 2 has claimed nothing: step -1
+    # least advanced first; ties: the deeper queue, then the lower rank
+    assert [v["rank"] for v in s["slowest"]] == [2, 3, 0, 1]
+    assert s["slowest"][0] == {"rank": 2, "last_claimed": None, "queue_depth": 1}
+    assert rank_summary({})["ranks"] == 0
+
+
+def test_rank_summary_stays_small_at_16k_ranks() -> None:
+    """16,384 ranks: the same few numbers, the slowest named, nothing per rank."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    claimed = rng.integers(100, 104, 16384)
+    claimed[[5, 9000]] = [40, 41]
+    ranks = {r: {"queue_depth": int(rng.integers(0, 5)), "last_claimed": int(c)}
+             for r, c in enumerate(claimed)}
+    s = rank_summary(ranks)
+    assert len(json.dumps(s)) < 2000
+    assert len(s["slowest"]) == SLOWEST
+    assert [v["rank"] for v in s["slowest"][:2]] == [5, 9000]
+    assert s["lag"] == 103 - 40 and s["last_claimed"]["p50"] in range(100, 104)
