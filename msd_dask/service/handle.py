@@ -33,6 +33,7 @@ from msd_dask.service.placement import (
     ROLES_PREFIX,
     forget_keys,
     place_planner,
+    published_event,
     rank_queues,
     tell_closed,
 )
@@ -239,6 +240,7 @@ class DataService:
         registry["owner"] = client.id
         registry["planner"].result().setup().result()
         client.publish_dataset(registry, name=key)
+        published_event(client, cfg.name).set()
         svc = cls(client, cfg, registry, owner=True, cluster=cluster)
         svc.keeper = PlannerKeeper(
             svc.link, {"units": units, "roots": roots, "loader_threads": loader_threads,
@@ -258,16 +260,21 @@ class DataService:
         _check_tls(address, security)
         client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
         key = REGISTRY_PREFIX + name
+        published = published_event(client, name)
         deadline = time.monotonic() + timeout
-        while key not in client.list_datasets():
-            if time.monotonic() > deadline:
+        while (registry := client.get_dataset(key, default=None)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 running = [d[len(REGISTRY_PREFIX):] for d in client.list_datasets()
                            if str(d).startswith(REGISTRY_PREFIX)]
                 client.close()
                 raise ServiceError(f"no service named {name!r} on {address} after "
                                    f"{timeout:.0f}s (running: {running or 'none'})")
-            time.sleep(0.2)
-        registry = client.get_dataset(key)
+            # one call the scheduler answers when the service is published (or at the
+            # deadline); set and still not published: the service is closing, look again
+            # in a second
+            if published.wait(timeout=left):
+                time.sleep(min(1.0, left))
         cfg = parse_config(registry["config"])
         return cls(client, cfg, registry)
 
@@ -512,6 +519,7 @@ class DataService:
             self.planner.close_roles().result(timeout=30)
         except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
             pass
+        published_event(self.client, self.name).clear()
         self.client.unpublish_dataset(REGISTRY_PREFIX + self.name)
         if pinned is not None:
             self.client.unpublish_dataset(ROLES_PREFIX + self.name)

@@ -19,13 +19,26 @@ from msd_dask.dask_internals import put_in_queues
 from msd_dask.errors import ServiceError
 
 __all__ = ["REGISTRY_PREFIX", "ROLES_PREFIX", "constructor_members", "forget_keys", "place_planner",
-           "rank_queues", "source_payload", "tell_closed"]
+           "published_event", "rank_queues", "source_payload", "tell_closed"]
 
 #: a service's registry is published under this prefix and its name
 REGISTRY_PREFIX = "msd-"
 #: dataset holding the keys of a service's roles (see :meth:`PlannerKeeper.pin`)
 ROLES_PREFIX = "msd_roles/"
+#: a scheduler ``Event`` set while a service's registry is published (see
+#: :func:`published_event`)
+PUBLISHED_PREFIX = "msd-published/"
 _log = logging.getLogger("msd_dask.service")
+
+
+def published_event(client: Any, name: str) -> Any:
+    """The scheduler ``Event`` of service ``name``: set once its registry is published, cleared
+    when it closes.  ``DataService.connect`` waits on it, one call the scheduler holds,
+    instead of polling the published datasets: thousands of ranks may start before the
+    service."""
+    from distributed import Event
+
+    return Event(PUBLISHED_PREFIX + name, client=client)
 
 
 def rank_queues(cfg: Config) -> list[str]:
