@@ -100,9 +100,12 @@ def test_scaling_smoke(tmp_path):
 @needs_demo
 def test_balance_smoke():
     """One step per configuration, both workloads, one micro-batch count."""
-    out = _run("bench_balance.py", "--steps", "1", "--micro-batches", "4")
+    out = _run("bench_balance.py", "--steps", "1", "--micro-batches", "4", "--scale-dp", "64",
+               "--scale-steps", "2")
     assert "lognormal, 4 micro-batches per rank, 1 steps" in out, out
     assert "demo, 4 micro-batches per rank, 1 steps" in out, out
+    assert "the default planner (composition)" in out and "| 1024 | 4 | 131072 |" in out, out
+    assert "the planner end to end at dp = 64" in out and "| 64 × 8 | 131072 |" in out, out
 
 
 @needs_demo
