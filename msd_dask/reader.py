@@ -48,6 +48,11 @@ REPORT_IDLE = 1.0
 #: than ``REPORT_IDLE`` does not report after every step, only when it stops
 IDLE_FACTOR = 3.0
 IDLE_GAPS = 8
+#: a claim still pending after ``CLAIM_WAIT`` seconds looks for a re-created constructor
+#: (one look per process and ``CLAIM_WAIT`` seconds), then after twice as long, up to
+#: every ``CLAIM_WAIT_MAX`` seconds
+CLAIM_WAIT = 2.0
+CLAIM_WAIT_MAX = 8.0
 
 
 class ServiceLink(Protocol):
@@ -68,8 +73,9 @@ class ServiceLink(Protocol):
     #: (generation, constructors of that generation), replaced together
     handles: tuple[int, list[Any]]
 
-    def refresh(self) -> None:
-        """Fetch the current constructors; switch to a re-created planner if needed."""
+    def refresh(self, max_age: float = 0.0) -> None:
+        """Fetch the current constructors; switch to a re-created planner if needed (not if
+        this process did within ``max_age`` seconds)."""
 
     def adopt_published(self) -> bool:
         """Switch to the published planner if it is a newer generation; whether it was."""
@@ -424,19 +430,25 @@ class Reader:
         constructor = self.link.constructors[c]
         what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
         call = None
+        wait = CLAIM_WAIT
         while True:
+            max_age = 0.0
             try:
                 if call is None:  # one claim per constructor actor: a claim is not repeatable
                     call = constructor.claim(steps, self.rank, self._view,
                                              report_after=self.report_after)
-                payloads = call.result(timeout=2.0)
+                payloads = call.result(timeout=wait)
                 break
             except TimeoutError:
-                # a call to a lost worker hangs: switch once the service re-created it
+                # a call to a lost worker hangs: switch once the service re-created it;
+                # a slow one only waits, so look less and less often, one look per
+                # process and interval (thousands of ranks may wait at once)
                 if time.monotonic() > deadline:
                     raise ServiceTimeoutError(
                         f"rank {self.rank}: constructor {c} did not hand over {what} "
                         f"within {self.timeout:.0f}s") from None
+                wait = min(2 * wait, CLAIM_WAIT_MAX, max(0.1, deadline - time.monotonic()))
+                max_age = CLAIM_WAIT
             except Exception as e:  # noqa: BLE001 - its worker was lost: wait for the new one
                 # a KeyError naming the actor: Dask forgot it (its planner was lost)
                 gone = isinstance(e, KeyError) and e.args and e.args[0] == constructor.key
@@ -448,7 +460,7 @@ class Reader:
                         f"handed over {what} within {self.timeout:.0f}s ({e!r})") from e
                 time.sleep(0.5)
                 call = None
-            self.link.refresh()
+            self.link.refresh(max_age=max_age)
             self.link.announce_generation()
             if self.link.constructors[c].key != constructor.key:
                 constructor, call = self.link.constructors[c], None

@@ -54,6 +54,9 @@ class PlannerLink:
         self.generation = int(registry.get("generation", 0))
         #: held while the planner handle, its generation and the constructors change
         self._swap = threading.Lock()
+        #: one refresh at a time; when the last one finished (monotonic)
+        self._refreshing = threading.Lock()
+        self._refreshed_at = float("-inf")
         self.planner: Any = None
         try:
             self.planner = registry["planner"].result(timeout=cfg.timeout)
@@ -65,11 +68,14 @@ class PlannerLink:
         self._listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._listeners_lock = threading.Lock()
 
-    def refresh(self) -> None:
+    def refresh(self, max_age: float = 0.0) -> None:
         """Fetch the current constructor handles (they change when a role is re-created).
 
         If the planner does not answer, switch to the one the service re-created
         after losing it (published under the same name, a higher generation).
+        One refresh at a time per process; with ``max_age``, none if one finished
+        less than ``max_age`` seconds ago (the readers of a process whose claims
+        wait share one call to the planner per interval).
 
         Raises
         ------
@@ -80,6 +86,13 @@ class PlannerLink:
             The planner did not answer, and no successor appeared, within the
             config's ``timeout``.
         """
+        with self._refreshing:
+            if max_age and time.monotonic() - self._refreshed_at < max_age:
+                return
+            self._refresh()
+            self._refreshed_at = time.monotonic()
+
+    def _refresh(self) -> None:
         deadline = time.monotonic() + self.config.timeout
         while True:
             with self._swap:

@@ -1,0 +1,65 @@
+"""A process's readers share their looks for re-created roles (PlannerLink.refresh(max_age)):
+thousands of ranks whose claims wait must not each call the planner every 2 s."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from msd_dask.core.config import parse_config
+from msd_dask.service.link import PlannerLink
+
+
+class _Done:
+    def __init__(self, value: Any, delay: float = 0.0):
+        self.value, self.delay = value, delay
+
+    def result(self, timeout: float | None = None) -> Any:
+        time.sleep(self.delay)
+        return self.value
+
+
+class _Planner:
+    """Answers ``handles`` after ``delay`` seconds and counts the calls."""
+
+    def __init__(self, delay: float):
+        self.calls = 0
+        self.delay = delay
+        self.lock = threading.Lock()
+
+    def handles(self, _with_loaders: bool) -> _Done:
+        with self.lock:
+            self.calls += 1
+        return _Done({"constructors": ["c0", "c1"]}, self.delay)
+
+
+def _link(planner: _Planner) -> PlannerLink:
+    cfg = parse_config({"name": "link", "batch": {"seq_len": 64}, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    return PlannerLink(None, cfg, {"planner": _Done(planner)})
+
+
+def test_readers_of_a_process_share_one_look_per_interval() -> None:
+    planner = _Planner(delay=0.2)
+    link = _link(planner)
+    threads = [threading.Thread(target=link.refresh, kwargs={"max_age": 2.0}) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert planner.calls == 1
+    assert link.constructors == ["c0", "c1"]
+    link.refresh(max_age=2.0)
+    assert planner.calls == 1     # still fresh
+    link.refresh()                # a forced look (a lost role) always calls
+    assert planner.calls == 2
+
+
+def test_a_stale_look_is_renewed() -> None:
+    planner = _Planner(delay=0.0)
+    link = _link(planner)
+    link.refresh(max_age=0.2)
+    time.sleep(0.3)
+    link.refresh(max_age=0.2)
+    assert planner.calls == 2
