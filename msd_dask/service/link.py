@@ -54,9 +54,11 @@ class PlannerLink:
         self.generation = int(registry.get("generation", 0))
         #: held while the planner handle, its generation and the constructors change
         self._swap = threading.Lock()
-        #: one refresh at a time; when the last one finished (monotonic)
+        #: one refresh with ``max_age`` at a time; when the last one finished (monotonic),
+        #: and when the last one failed and why
         self._refreshing = threading.Lock()
         self._refreshed_at = float("-inf")
+        self._failed: tuple[float, Exception | None] = (0.0, None)
         self.planner: Any = None
         try:
             self.planner = registry["planner"].result(timeout=cfg.timeout)
@@ -73,9 +75,10 @@ class PlannerLink:
 
         If the planner does not answer, switch to the one the service re-created
         after losing it (published under the same name, a higher generation).
-        One refresh at a time per process; with ``max_age``, none if one finished
-        less than ``max_age`` seconds ago (the readers of a process whose claims
-        wait share one call to the planner per interval).
+        With ``max_age``, none if one finished less than ``max_age`` seconds ago,
+        and one at a time per process (the readers of a process whose claims wait
+        share one call to the planner per interval; one that failed that recently
+        raises its error again).
 
         Raises
         ------
@@ -86,11 +89,23 @@ class PlannerLink:
             The planner did not answer, and no successor appeared, within the
             config's ``timeout``.
         """
-        with self._refreshing:
-            if max_age and time.monotonic() - self._refreshed_at < max_age:
-                return
+        if not max_age:  # a lost role: look now (concurrently with the process's others)
             self._refresh()
             self._refreshed_at = time.monotonic()
+            return
+        with self._refreshing:
+            now = time.monotonic()
+            if now - self._refreshed_at < max_age:
+                return
+            failed_at, error = self._failed
+            if error is not None and now - failed_at < max_age:
+                raise error  # the look that just failed, not one more full wait per reader
+            try:
+                self._refresh()
+            except Exception as e:
+                self._failed = (time.monotonic(), e)
+                raise
+            self._refreshed_at, self._failed = time.monotonic(), (0.0, None)
 
     def _refresh(self) -> None:
         deadline = time.monotonic() + self.config.timeout

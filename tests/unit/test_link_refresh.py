@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from msd_dask.core.config import parse_config
+from msd_dask.errors import ServiceTimeoutError
 from msd_dask.service.link import PlannerLink
 
 
@@ -63,3 +64,43 @@ def test_a_stale_look_is_renewed() -> None:
     time.sleep(0.3)
     link.refresh(max_age=0.2)
     assert planner.calls == 2
+
+
+class _Failing(_Planner):
+    def handles(self, _with_loaders: bool) -> _Done:
+        with self.lock:
+            self.calls += 1
+        raise OSError("the planner's worker is unreachable")
+
+
+class _Link(PlannerLink):
+    """No published successor; a look that fails gives up at once (no scheduler here)."""
+
+    def adopt_published(self) -> bool:
+        return False
+
+    def raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None) -> None:
+        time.sleep(0.3)  # the wait a real look spends before it gives up
+        raise ServiceTimeoutError(f"the planner did not answer ({cause!r})")
+
+
+def test_a_failed_look_is_not_repeated_by_every_waiting_reader() -> None:
+    """Readers queued behind a look that fails get its error, not one more wait each."""
+    planner = _Failing(delay=0.0)
+    link = _Link(None, _link(planner).config, {"planner": _Done(planner)})
+    errors: list[BaseException] = []
+
+    def look() -> None:
+        try:
+            link.refresh(max_age=2.0)
+        except ServiceTimeoutError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=look) for _ in range(8)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 8 and planner.calls == 1
+    assert time.monotonic() - t0 < 2.0   # one failing look, not eight in a row
