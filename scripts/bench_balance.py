@@ -307,7 +307,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
         t1 = time.perf_counter()
         work = split_plan(plan, min(constructors, dp), Owner(), relpath, names)
         t2 = time.perf_counter()
-        kept.append(pack_work(work))
+        kept.append(b"".join(pack_work(w) for w in work))
         t3 = time.perf_counter()
         plan_s.append(t1 - t0)
         split_s.append(t2 - t1)

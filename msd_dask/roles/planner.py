@@ -23,12 +23,11 @@ import numpy as np
 
 from msd_dask.core.config import parse_config
 from msd_dask.errors import ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import StepPieces, queue_name
+from msd_dask.roles.constructor import StepPieces, StepWork, queue_name
 from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
     from msd_dask.core.plan import StepPlan
-    from msd_dask.roles.supervisor import StepRound
 
 # The planner's own modules (plan, stream, the role supervisor and the loader module it
 # imports, storage: fsspec, zstandard) are imported where the actor runs, not here: a
@@ -170,9 +169,10 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     return out
 
 
-def pack_work(work: list[StepPieces]) -> bytes:
-    """A step's constructor work, pickled and compressed (zstd level 1), as the planner keeps
-    it for constructors re-created later: 4-6 times smaller than the arrays."""
+def pack_work(work: StepPieces) -> bytes:
+    """One constructor's work of a step, pickled and compressed (zstd level 1), as the
+    planner keeps it for that constructor if it is re-created: 4-6 times smaller than the
+    arrays."""
     import pickle
 
     import zstandard
@@ -180,13 +180,13 @@ def pack_work(work: list[StepPieces]) -> bytes:
     return zstandard.ZstdCompressor(level=1).compress(pickle.dumps(work, protocol=5))
 
 
-def unpack_work(packed: bytes) -> list[StepPieces]:
+def unpack_work(packed: bytes) -> StepPieces:
     """The work :func:`pack_work` kept."""
     import pickle
 
     import zstandard
 
-    work: list[StepPieces] = pickle.loads(zstandard.ZstdDecompressor().decompress(packed))
+    work: StepPieces = pickle.loads(zstandard.ZstdDecompressor().decompress(packed))
     return work
 
 
@@ -286,9 +286,9 @@ class PlannerActor:
         self._owner: dict[tuple[str, int, int], int] = {}
         #: (source, epoch, unit) -> last step whose plan used it
         self._last_use: dict[tuple[str, int, int], int] = {}
-        #: the steps not every rank may have claimed yet: their work (pack_work) for
-        #: re-sending to a re-created constructor
-        self._recent: OrderedDict[int, tuple[bytes, dict[str, Any]]] = OrderedDict()
+        #: the steps not every rank may have claimed yet: each constructor's work
+        #: (pack_work), for re-sending to a re-created constructor
+        self._recent: OrderedDict[int, tuple[list[bytes], dict[str, Any]]] = OrderedDict()
         self._last_submitted = self.planner.step - 1
         self._meta_wait = {s.name: 0.0 for s in self.cfg.sources}
         self._meta: dict[tuple[str, int, int], np.ndarray] = {}
@@ -392,12 +392,12 @@ class PlannerActor:
         """Whether the planning loop runs."""
         return self._task is not None
 
-    def unclaimed_steps(self) -> list[StepRound]:
-        """``(step, [work of each constructor], info)`` of the recent steps not every rank
-        may have claimed yet, in order (a re-created constructor gets them again)."""
+    def unclaimed_steps(self, constructor: int) -> list[StepWork]:
+        """``(step, work of constructor i, info)`` of the recent steps not every rank may
+        have claimed yet, in order (a re-created constructor gets them again)."""
         safe = self._claimed_by_all()
-        return [(step, unpack_work(work), info) for step, (work, info) in self._recent.items()
-                if step > safe]
+        return [(step, unpack_work(work[constructor]), info)
+                for step, (work, info) in self._recent.items() if step > safe]
 
     async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
         """Give the live units of loader ``slots`` of ``source`` (a slot whose actor was
@@ -725,7 +725,8 @@ class PlannerActor:
         steps = []
         async with self._planning():  # hand_over may not move units meanwhile
             works = await self._off_loop(lambda: [self._split(plan) for plan in plans])
-            packed = await self._off_loop(lambda: [pack_work(work) for work in works])
+            packed = await self._off_loop(lambda: [[pack_work(w) for w in work]
+                                                   for work in works])
         for plan, work, kept in zip(plans, works, packed, strict=True):
             info = {"rank_cost": plan.rank_cost}
             self._recent[plan.step] = (kept, info)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
 from msd_dask.dask_internals import actor_address, release_actor, worker_actors
-from msd_dask.roles.constructor import DataConstructor, StepPieces
+from msd_dask.roles.constructor import DataConstructor, StepPieces, StepWork
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
 
@@ -86,9 +86,10 @@ class PlannerSide(Protocol):
         """Whether the planning loop runs (scaling then waits for the next step)."""
         ...
 
-    def unclaimed_steps(self) -> list[StepRound]:
-        """The recent steps not every rank may have claimed yet, in order: a
-        re-created constructor gets them again."""
+    def unclaimed_steps(self, constructor: int) -> list[StepWork]:
+        """The recent steps not every rank may have claimed yet, in order, with
+        constructor ``constructor``'s work of each: a re-created constructor gets
+        them again."""
         ...
 
     async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
@@ -446,8 +447,7 @@ class RoleSupervisor:
         old_f, self._cfuts[i] = self._cfuts[i], fut
         self.record_event("constructor", str(i), why, actor_address(old), actor_address(handle))
         # steps that may not have been claimed by every rank yet go to the new one
-        await handle.submit([(step, work[i], info)
-                             for step, work, info in self.planner.unclaimed_steps()], force=True)
+        await handle.submit(self.planner.unclaimed_steps(i), force=True)
         if why != "lost":
             await old.close()
         _drop((old, old_f))
