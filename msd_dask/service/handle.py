@@ -262,6 +262,7 @@ class DataService:
         key = REGISTRY_PREFIX + name
         published = published_event(client, name)
         deadline = time.monotonic() + timeout
+        was_set = False
         while (registry := client.get_dataset(key, default=None)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -271,10 +272,12 @@ class DataService:
                 raise ServiceError(f"no service named {name!r} on {address} after "
                                    f"{timeout:.0f}s (running: {running or 'none'})")
             # one call the scheduler answers when the service is published (or at the
-            # deadline); set and still not published: the service is closing, look again
-            # in a second
+            # deadline); set twice in a row and still not published: the service is
+            # closing, look again in a second
             if published.wait(timeout=left):
-                time.sleep(min(1.0, left))
+                if was_set:
+                    time.sleep(min(1.0, left))
+                was_set = True
         cfg = parse_config(registry["config"])
         return cls(client, cfg, registry)
 
