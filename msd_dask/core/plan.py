@@ -369,6 +369,8 @@ class Planner:
         capacity = dp * mb * seq_len
         weights = self.weights_at(self.step)
         hold = cfg.outliers.threshold(seq_len, self.cost.linear, self.cost.quadratic)
+        if cfg.long_context.mode == "grouped" and self.long_sources:
+            hold = 0  # held pieces would land on the other kind of step (as parse_config says)
         group = cfg.outliers.group or dp * mb
         # released outliers (a row each), then carried pieces: placed before anything new
         first = np.concatenate([self._release(group, HOLD_GROUPS * group), self._carry])

@@ -165,3 +165,21 @@ def test_release_groups_are_runs_of_similar_length() -> None:
     assert len(spreads) >= 10
     assert np.median(spreads) <= 1.5
     assert min(spreads) <= RELEASE_SPREAD
+
+
+def test_a_grouped_config_built_in_python_holds_nothing() -> None:
+    """``auto`` with ``long_context.mode: grouped`` is off in the planner too, not only in
+    parse_config (a Config built or replaced in Python keeps the default ``auto``)."""
+    import dataclasses
+
+    from msd_dask.core.config import OutlierConfig
+
+    d = _cfg(8, 2, 131072, long_context={"mode": "grouped"})
+    d["sources"][1]["context"] = "long"
+    cfg = dataclasses.replace(parse_config(d), outliers=OutlierConfig())
+    assert cfg.outliers.min_length == "auto"
+    units = {n: [Unit(f"{n}/u{i:04d}.parquet") for i in range(64)] for n in "ab"}
+    pl = Planner(cfg, units)
+    for _ in range(10):
+        pl.plan_step(_Lognormal(131072))
+        assert not pl.held
