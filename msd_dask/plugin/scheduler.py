@@ -430,7 +430,7 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
                 yield g
             # a few series per service whatever the number of ranks
             n = GaugeMetricFamily("msd_ranks", "Ranks served", labels=["service"])
-            q = GaugeMetricFamily("msd_rank_queue_depth", "Batches published, not yet claimed, "
+            q = GaugeMetricFamily("msd_rank_queue_depth_quantile", "Batches published, not yet claimed, "
                                   "over the ranks (quantile 0, 0.5, 0.9, 1)",
                                   labels=["service", "quantile"])
             lag = GaugeMetricFamily("msd_rank_lag_steps", "Steps between the most and the least "

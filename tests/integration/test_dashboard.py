@@ -54,10 +54,10 @@ def test_status_page_and_metrics(tmp_path):
             # the ranks in a few series, not one per rank
             assert 'msd_ranks{service="dash"} 2.0' in metrics, metrics
             for quantile in ("0", "0.5", "0.9", "1"):
-                assert f'msd_rank_queue_depth{{quantile="{quantile}",service="dash"}}' in metrics
+                assert f'msd_rank_queue_depth_quantile{{quantile="{quantile}",service="dash"}}' in metrics
             assert 'msd_rank_lag_steps{service="dash"}' in metrics
             assert 'msd_slowest_rank_last_claimed{rank="0",service="dash"}' in metrics
-            assert 'msd_rank_queue_depth{rank=' not in metrics
+            assert 'msd_rank_queue_depth{' not in metrics
             dom = subprocess.run(
                 [browser, "--headless", "--no-sandbox", "--disable-gpu",
                  "--virtual-time-budget=5000", "--dump-dom", base + "/msd/status"],
