@@ -59,8 +59,10 @@ async def collect(registry: dict[str, Any], since: int = 0,
     snap = await planner.snapshot(since, lookahead)
     planner, cons = snap["planner"], snap["constructors"]
     sources = source_figures(planner, snap["loaders"], registry.get("quarantined", {}))
-    ranks = {str(r): v for r, v in rank_figures(cons).items()}  # JSON keys
-    return {"sources": sources, "ranks": ranks, "planner": planner, "history": snap["history"],
+    figures = rank_figures(cons)
+    ranks = {str(r): v for r, v in figures.items()}  # JSON keys
+    return {"sources": sources, "ranks": ranks, "rank_summary": rank_summary(figures),
+            "planner": planner, "history": snap["history"],
             "weights_ahead": snap["weights_ahead"], "constructors": len(cons),
             "time": time.time()}
 
@@ -350,8 +352,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             sources = {s: dict(v, tokens_per_second=rates.get(s, 0.0))
                        for s, v in snap["sources"].items()}
             ranks = snap["ranks"]
-            summary = rank_summary({int(r): v for r, v in ranks.items()})
-            out[name] = {"sources": sources, "rank_summary": summary,
+            out[name] = {"sources": sources, "rank_summary": snap["rank_summary"],
                          # every rank only while that stays readable
                          "ranks": ranks if len(ranks) <= RANKS_LISTED else {},
                          "steps_planned": snap["planner"]["steps_planned"],
@@ -444,9 +445,11 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
             for svc, d in st.items():
                 summary = d["rank_summary"]
                 n.add_metric([svc], float(summary["ranks"]))
-                for name, quantile in (("min", "0"), ("p50", "0.5"), ("p90", "0.9"), ("max", "1")):
-                    if summary["queue_depth"] is not None:
-                        q.add_metric([svc, quantile], float(summary["queue_depth"][name]))
+                depth = summary["queue_depth"]
+                if depth is not None:
+                    for name, quantile in (("min", "0"), ("p50", "0.5"), ("p90", "0.9"),
+                                           ("max", "1")):
+                        q.add_metric([svc, quantile], float(depth[name]))
                 lag.add_metric([svc], float(summary["lag"]))
                 for v in summary["slowest"]:
                     claimed = v["last_claimed"]
