@@ -32,10 +32,12 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     carried from the last step first (in order), then the new ones by
     decreasing length (stable); each goes to the row with the least room that
     still fits it (lowest row on ties), and a piece that fits in no row is
-    carried.  Only the
-    number of rows matters, not how they are split into ranks and
-    micro-batches, so a step holds the same pieces after an elastic resume
-    with another ``dp`` and the same ``dp × micro_batches``.
+    carried.  Then the shortest kept new pieces beyond ``1 - KEPT_SLACK`` of
+    the step's tokens are carried too, so the balance strategy has room to
+    move pieces between ranks.  Only the number of rows matters, not how
+    they are split into ranks and micro-batches, so a step holds the same
+    pieces after an elastic resume with another ``dp`` and the same
+    ``dp × micro_batches``.
 
     Runs of pieces of one length are placed a row at a time: the row with the
     tightest room that fits ``L`` stays the tightest while it takes ``L`` after
@@ -106,8 +108,8 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
                     have.extend(rs)
                     heapify(have)
     row[order] = np.repeat(np.array(seg_row, dtype=np.int64), seg_count)
-    # leave the balance strategy some room: the shortest new pieces over (1 - KEPT_SLACK) of
-    # the step's tokens wait for the next step (where they are placed first)
+    # the shortest new pieces over (1 - KEPT_SLACK) of the step's tokens wait for the next
+    # step (where they are placed first)
     over = int(lengths[row >= 0].sum()) - int((1 - KEPT_SLACK) * n_rows * seq_len)
     if over > 0:
         kept_new = n_carried + np.flatnonzero(row[n_carried:] >= 0)
@@ -128,7 +130,8 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
     grouped into ranks, and the strategy balances them over the mesh; in the
     rare case it cannot place them all, the kept rows themselves are dealt to
     ranks (most costly row first, to the cheapest rank with a free
-    micro-batch), which always fits.
+    micro-batch), which always fits, and with ``balanced`` then evened by its
+    exchanges (:func:`~msd_dask.core.balance.improve`).
 
     Parameters
     ----------
