@@ -299,7 +299,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
         def __missing__(self, key: tuple[str, int, int]) -> int:
             return key[2] % 16
 
-    kept: list[bytes] = []
+    kept: list[list[bytes]] = []
     plan_s, split_s, pack_s, pieces = [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -307,7 +307,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
         t1 = time.perf_counter()
         work = split_plan(plan, min(constructors, dp), Owner(), relpath, names)
         t2 = time.perf_counter()
-        kept.append(b"".join(pack_work(w) for w in work))
+        kept.append([pack_work(w) for w in work])
         t3 = time.perf_counter()
         plan_s.append(t1 - t0)
         split_s.append(t2 - t1)
@@ -320,7 +320,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
             "plan": float(np.median(plan_s)), "split": float(np.median(split_s)),
             "pack": float(np.median(pack_s)),
             "total": float(np.median(np.add(np.add(plan_s, split_s), pack_s))),
-            "rss": now, "peak": peak, "kept": sum(map(len, kept)) / 2**20}
+            "rss": now, "peak": peak, "kept": sum(len(b) for step in kept for b in step) / 2**20}
 
 
 SCALE_HEADER = ("| dp × rows per rank | seq_len | pieces/step | plan ms | split ms | keep ms "
