@@ -11,11 +11,11 @@ step (rank ``-1``).
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from heapq import heapify, heappop, heappush
+from heapq import heappop, heappush
 
 import numpy as np
 
+from msd_dask.core._kernels import best_fit_rows
 from msd_dask.core.balance import assign, build_assignment, improve
 
 __all__ = ["kept_rows", "place_step", "spread_long", "KEPT_SLACK"]
@@ -39,11 +39,8 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     pieces after an elastic resume with another ``dp`` and the same
     ``dp × micro_batches``.
 
-    Runs of pieces of one length are placed a row at a time: the row with the
-    tightest room that fits ``L`` stays the tightest while it takes ``L`` after
-    ``L`` (its room is then in no other row's range), so it takes
-    ``room // L`` of them before the next row, which is what placing them one
-    by one does.
+    The best fit is compiled (:func:`msd_dask.core._kernels.best_fit_rows`),
+    which places runs of pieces of one length a row at a time.
     """
     n = len(lengths)
     row = np.full(n, -1, dtype=np.int64)
@@ -52,62 +49,7 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     lengths = np.asarray(lengths, dtype=np.int64)
     new = n_carried + np.argsort(-lengths[n_carried:], kind="stable")
     order = np.concatenate([np.arange(n_carried), new])
-    ls = lengths[order]
-    # runs of equal lengths in placement order: (length, count)
-    cut = np.flatnonzero(ls[1:] != ls[:-1]) + 1
-    starts = np.concatenate([[0], cut])
-    run_len = ls[starts].tolist()
-    run_count = np.diff(np.concatenate([starts, [n]])).tolist()
-    # the distinct rooms left, sorted, and the rows with each room (a heap: lowest row first)
-    rooms = [seq_len]
-    rows_at = {seq_len: list(range(n_rows))}
-    shortest = int(ls.min())
-    seg_row: list[int] = []     # the placement order, in segments of pieces going to one row
-    seg_count: list[int] = []
-    for L, m in zip(run_len, run_count, strict=True):
-        while m:
-            k = bisect_left(rooms, L)  # the tightest room that fits, lowest row on ties
-            if k == len(rooms):
-                seg_row.append(-1)
-                seg_count.append(m)
-                break
-            room = rooms[k]
-            at = rows_at[room]
-            q = room // L if L > 0 else m
-            need = -(-m // q)
-            if need >= len(at):
-                at.sort()
-                take = at
-                del rows_at[room]
-                del rooms[k]
-            elif need <= 16 or 32 * need < len(at):
-                take = [heappop(at) for _ in range(need)]
-            else:
-                at.sort()
-                take = at[:need]
-                del at[:need]
-            t = len(take)
-            last = min(q, m - (t - 1) * q)
-            seg_row.extend(take)
-            seg_count.extend([q] * (t - 1))
-            seg_count.append(last)
-            m -= (t - 1) * q + last
-            # rows that took q pieces, then the last one (fewer, maybe); a row with less
-            # room than the shortest piece is full
-            for left, rs in ((room - q * L, take[:-1]), (room - last * L, take[-1:])):
-                if not rs or left < shortest:
-                    continue
-                have = rows_at.get(left)
-                if have is None:
-                    rows_at[left] = list(rs)  # ascending: a heap
-                    insort(rooms, left)
-                elif len(rs) <= 8 or 16 * len(rs) < len(have):
-                    for r in rs:
-                        heappush(have, r)
-                else:
-                    have.extend(rs)
-                    heapify(have)
-    row[order] = np.repeat(np.array(seg_row, dtype=np.int64), seg_count)
+    row[order] = best_fit_rows(lengths[order], n_rows, seq_len)
     # the shortest new pieces over (1 - KEPT_SLACK) of the step's tokens wait for the next
     # step (where they are placed first)
     over = int(lengths[row >= 0].sum()) - int((1 - KEPT_SLACK) * n_rows * seq_len)
