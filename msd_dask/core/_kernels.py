@@ -163,3 +163,120 @@ def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
             m -= (t - 1) * q + last
         pos = end
     return out
+
+
+# ----------------------------------------------------------------------------- greedy LPT
+
+
+@njit(cache=True)
+def _before(ka: float, ra: int, kb: float, rb: int) -> bool:
+    """``(ka, ra) < (kb, rb)``, as Python compares the tuples."""
+    return ka < kb or (ka == kb and ra < rb)
+
+
+@njit(cache=True)
+def _sift_down(key: np.ndarray, rid: np.ndarray, size: int, i: int) -> None:
+    while True:
+        least = i
+        a = 2 * i + 1
+        if a < size and _before(key[a], rid[a], key[least], rid[least]):
+            least = a
+        b = a + 1
+        if b < size and _before(key[b], rid[b], key[least], rid[least]):
+            least = b
+        if least == i:
+            return
+        key[i], key[least] = key[least], key[i]
+        rid[i], rid[least] = rid[least], rid[i]
+        i = least
+
+
+@njit(cache=True)
+def _push(key: np.ndarray, rid: np.ndarray, size: int, k: float, r: int) -> int:
+    """Push ``(k, r)`` on the heap of ``size`` entries; the new size."""
+    i = size
+    while i > 0:
+        up = (i - 1) >> 1
+        if not _before(k, r, key[up], rid[up]):
+            break
+        key[i], rid[i] = key[up], rid[up]
+        i = up
+    key[i], rid[i] = k, r
+    return size + 1
+
+
+@njit(cache=True)
+def _pop_top(key: np.ndarray, rid: np.ndarray, size: int) -> int:
+    """Drop the least entry of the heap; the new size."""
+    size -= 1
+    if size > 0:
+        key[0], rid[0] = key[size], rid[size]
+        _sift_down(key, rid, size, 0)
+    return size
+
+
+@njit(cache=True)
+def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
+                row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray,
+                out_rank: np.ndarray, out_micro: np.ndarray, fresh: bool) -> None:
+    """:meth:`msd_dask.core.balance._Greedy.fill` over the pieces ``idx`` (lengths ``lens``,
+    keys ``ks``, in that order), updating the state arrays in place.
+
+    Each piece goes to the rank with the least ``(key sum, rank)`` that has a
+    row with room, inside it to the row with the least key sum that has room
+    (the first on ties); a piece no rank has room for is left out.  On
+    ``fresh`` (empty) ranks the first pieces, while their keys are > 0, go to
+    ranks 0, 1, ... in turn.  Ranks without room for the current piece are
+    parked in a second heap by ``(-largest room, rank)`` and come back as soon
+    as a piece fits them.
+    """
+    n_ranks, mb = free.shape
+    n = len(idx)
+    start = 0
+    if fresh:
+        while start < min(n, n_ranks) and ks[start] > 0:
+            r = start
+            free[r, 0] -= lens[start]
+            row_key[r, 0] = ks[start]
+            rank_key[r] = ks[start]
+            max_free[r] = free[r].max()
+            out_rank[idx[start]] = r
+            out_micro[idx[start]] = 0
+            start += 1
+    hk = np.empty(n_ranks, dtype=np.float64)  # the ranks with room, by (key sum, rank)
+    hr = np.empty(n_ranks, dtype=np.int64)
+    h = 0
+    for r in range(n_ranks):
+        h = _push(hk, hr, h, rank_key[r], r)
+    pk = np.empty(n_ranks, dtype=np.float64)  # the parked ranks, by (-largest room, rank)
+    pr = np.empty(n_ranks, dtype=np.int64)
+    p = 0
+    for j in range(start, n):
+        length = lens[j]
+        while p and -pk[0] >= length:
+            r = pr[0]
+            p = _pop_top(pk, pr, p)
+            h = _push(hk, hr, h, rank_key[r], r)
+        r = -1
+        while h:
+            r = hr[0]
+            if max_free[r] >= length:
+                break
+            h = _pop_top(hk, hr, h)
+            p = _push(pk, pr, p, -float(max_free[r]), r)
+            r = -1
+        if r < 0:
+            continue
+        m = -1
+        for q in range(mb):
+            if free[r, q] >= length and (m < 0 or row_key[r, q] < row_key[r, m]):
+                m = q
+        key = ks[j]
+        free[r, m] -= length
+        row_key[r, m] += key
+        max_free[r] = free[r].max()
+        rank_key[r] += key
+        hk[0] = rank_key[r]
+        _sift_down(hk, hr, h, 0)
+        out_rank[idx[j]] = r
+        out_micro[idx[j]] = m

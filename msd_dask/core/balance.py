@@ -29,9 +29,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from heapq import heapify, heappop, heappush, heapreplace
 
 import numpy as np
+
+from msd_dask.core._kernels import greedy_fill
 
 __all__ = ["Assignment", "assign", "build_assignment", "STRATEGIES", "lower_bound", "capacity_bound",
            "sequential", "lpt", "balanced", "improve"]
@@ -181,144 +182,34 @@ def sequential(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batch
 
 
 class _Greedy:
-    """Rows' free room and key sums, filled greedily (pure Python).
+    """Rows' free room and key sums, filled greedily.
 
     :meth:`fill` puts each piece on the rank with the least key sum that has a
     row with room (ties: lowest rank), inside it on the row with the least key
     sum that has room (ties: lowest row).  Ranks without room for the current
     piece are parked in a heap by their largest room and come back as soon as
-    a piece fits them, so a full step costs ``O(n log n_ranks)``.
+    a piece fits them, so a full step costs ``O(n log n_ranks)``; the loop is
+    compiled (:func:`msd_dask.core._kernels.greedy_fill`).
     """
 
     def __init__(self, n: int, n_ranks: int, micro_batches: int, seq_len: int):
         self.n_ranks, self.micro_batches, self.seq_len = n_ranks, micro_batches, seq_len
-        self.free = [[seq_len] * micro_batches for _ in range(n_ranks)]
-        self.row_key = [[0.0] * micro_batches for _ in range(n_ranks)]
-        self.rank_key = [0.0] * n_ranks
-        self.max_free = [seq_len] * n_ranks
-        self.rank = [-1] * n
-        self.micro = [-1] * n
+        self.free = np.full((n_ranks, micro_batches), seq_len, dtype=np.int64)
+        self.row_key = np.zeros((n_ranks, micro_batches), dtype=np.float64)
+        self.rank_key = np.zeros(n_ranks, dtype=np.float64)
+        self.max_free = np.full(n_ranks, seq_len, dtype=np.int64)
+        self.rank = np.full(n, -1, dtype=np.int64)
+        self.micro = np.full(n, -1, dtype=np.int64)
         self.fresh = True
 
     def fill(self, order: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> None:
-        free, row_key, rank_key, max_free = self.free, self.row_key, self.rank_key, self.max_free
-        out_rank, out_micro = self.rank, self.micro
-        parked: list[tuple[int, int]] = []
-        mb = self.micro_batches
-        rows = range(mb)
-        idx, lens, ks = order.tolist(), lengths[order].tolist(), keys[order].tolist()
-        if self.fresh:
-            # empty ranks: the first pieces (while keys are > 0) go to ranks 0, 1, ...
-            self.fresh = False
-            head = 0
-            while head < min(len(idx), self.n_ranks) and ks[head] > 0:
-                i, r = idx[head], head
-                free[r][0] -= lens[head]
-                row_key[r][0] = rank_key[r] = ks[head]
-                max_free[r] = max(free[r])
-                out_rank[i], out_micro[i] = r, 0
-                head += 1
-            idx, lens, ks = idx[head:], lens[head:], ks[head:]
-        if len(idx) >= _BLOCKS_MIN_PIECES and self.n_ranks >= _BLOCKS_MIN_RANKS:
-            done = self._blocks(np.asarray(idx, dtype=np.int64), np.asarray(lens, dtype=np.int64),
-                                np.asarray(ks, dtype=np.float64))
-            if done:
-                free, row_key, rank_key, max_free = (self.free, self.row_key, self.rank_key,
-                                                     self.max_free)
-                out_rank, out_micro = self.rank, self.micro
-                idx, lens, ks = idx[done:], lens[done:], ks[done:]
-        heap = [(rank_key[r], r) for r in range(self.n_ranks)]
-        heapify(heap)
-        for i, length, key in zip(idx, lens, ks, strict=True):
-            while parked and -parked[0][0] >= length:
-                r = heappop(parked)[1]
-                heappush(heap, (rank_key[r], r))
-            while heap:
-                r = heap[0][1]
-                if max_free[r] >= length:
-                    break
-                heappop(heap)
-                heappush(parked, (-max_free[r], r))
-            else:
-                continue
-            f = free[r]
-            rk = row_key[r]
-            if mb == 1:
-                m = 0
-            elif min(f) >= length:  # every row has room: the first cheapest row
-                m = rk.index(min(rk))
-            else:
-                m = -1
-                low = 0.0
-                for q in rows:
-                    if f[q] >= length and (m < 0 or rk[q] < low):
-                        m, low = q, rk[q]
-            f[m] -= length
-            rk[m] += key
-            max_free[r] = max(f)
-            rank_key[r] += key
-            heapreplace(heap, (rank_key[r], r))
-            out_rank[i] = r
-            out_micro[i] = m
-
-    def _blocks(self, idx: np.ndarray, lens: np.ndarray, ks: np.ndarray) -> int:
-        """:meth:`fill`'s placements for a prefix of the pieces, a block at a time; how many.
-
-        The pieces of a block go, in order, to the ranks that come first by
-        ``(key sum, rank)`` among those with room for the block's shortest piece,
-        one each, which is what placing them one by one does when (a) each of
-        those ranks has room for the block's longest piece and (b) no rank that
-        took a piece overtakes, with its new key sum, a rank still to take one.
-        A block is the longest run of pieces for which both hold, at most
-        ``n_ranks``; each piece goes to the row of its rank with the least key
-        sum that has room.  Stops (for the loop of :meth:`fill` to go on) once
-        blocks stay too short to be worth their sorting.
-        """
-        R = self.n_ranks
-        free = np.array(self.free, dtype=np.int64).reshape(R, self.micro_batches)
-        row_key = np.array(self.row_key, dtype=np.float64).reshape(R, self.micro_batches)
-        rank_key = np.array(self.rank_key, dtype=np.float64)
-        out_rank = np.array(self.rank, dtype=np.int64)
-        out_micro = np.array(self.micro, dtype=np.int64)
-        max_free = free.max(axis=1)
-        pos, n, short = 0, len(idx), 0
-        while pos < n and short < _BLOCKS_SHORT_TRIES:
-            want = min(R, n - pos)
-            ln, kk = lens[pos:pos + want], ks[pos:pos + want]
-            cand = np.flatnonzero(max_free >= ln.min())
-            cand = cand[np.argsort(rank_key[cand], kind="stable")[:want]]
-            b = len(cand)
-            ln, kk = ln[:b], kk[:b]
-            v = rank_key[cand]
-            # (a): every rank of the block has room for its longest piece
-            ok = np.minimum.accumulate(max_free[cand]) >= np.maximum.accumulate(ln)
-            # (b): the ranks before the t-th end above its key sum (ties: stop, to be safe)
-            above = np.minimum.accumulate(v + kk)
-            ok[1:] &= above[:-1] > v[1:]
-            stop = np.flatnonzero(~ok)
-            k = int(stop[0]) if len(stop) else b
-            if k == 0:
-                break
-            short = short + 1 if k < _BLOCKS_SHORT else 0
-            r, ln, kk = cand[:k], ln[:k], kk[:k]
-            room = free[r] >= ln[:, None]
-            m = np.argmin(np.where(room, row_key[r], np.inf), axis=1)
-            free[r, m] -= ln
-            row_key[r, m] += kk
-            rank_key[r] += kk
-            max_free[r] = free[r].max(axis=1)
-            i = idx[pos:pos + k]
-            out_rank[i] = r
-            out_micro[i] = m
-            pos += k
-        if pos:
-            self.free = free.tolist()
-            self.row_key = row_key.tolist()
-            self.rank_key = rank_key.tolist()
-            self.max_free = max_free.tolist()
-            self.rank = out_rank.tolist()
-            self.micro = out_micro.tolist()
-        return pos
+        """Place the pieces ``order``, in that order; on empty ranks the first pieces (while
+        their keys are > 0) go to ranks 0, 1, ... in turn."""
+        order = np.asarray(order, dtype=np.int64)
+        greedy_fill(order, np.ascontiguousarray(lengths[order], dtype=np.int64),
+                    np.ascontiguousarray(keys[order], dtype=np.float64), self.free, self.row_key,
+                    self.rank_key, self.max_free, self.rank, self.micro, self.fresh)
+        self.fresh = False
 
     def fill_tail(self, order: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> None:
         """:meth:`fill` for pieces whose keys are too small to matter one by one.
@@ -330,11 +221,8 @@ class _Greedy:
         than 16 ranks have room (or for pieces that found no row).
         """
         R = self.n_ranks
-        free = np.array(self.free, dtype=np.int64)
-        row_key = np.array(self.row_key, dtype=np.float64)
-        rank_key = np.array(self.rank_key, dtype=np.float64)
-        out_rank = np.array(self.rank, dtype=np.int64)
-        out_micro = np.array(self.micro, dtype=np.int64)
+        free, row_key, rank_key = self.free, self.row_key, self.rank_key
+        out_rank, out_micro = self.rank, self.micro
         lens, ks = lengths[order], keys[order]
         left: list[np.ndarray] = []
         pos, n = 0, len(order)
@@ -359,29 +247,23 @@ class _Greedy:
             left.append(idx[~ok])
             pos += k
         left.append(order[pos:])
-        self.free = free.tolist()
-        self.row_key = row_key.tolist()
-        self.rank_key = rank_key.tolist()
-        self.max_free = free.max(axis=1).tolist()
-        self.rank = out_rank.tolist()
-        self.micro = out_micro.tolist()
+        self.max_free = free.max(axis=1)
         rest = np.concatenate(left)
         if len(rest):
             self.fill(rest[_decreasing(keys[rest])], lengths, keys)
 
     def shift_keys(self, rho: float) -> None:
         """Add ``rho`` per used token to every key sum (excess costs -> costs)."""
-        s = self.seq_len
-        for r in range(self.n_ranks):
-            rk = self.row_key[r]
-            f = self.free[r]
-            for m in range(self.micro_batches):
-                rk[m] += rho * (s - f[m])
-            self.rank_key[r] = sum(rk)
+        rk = self.row_key
+        rk += rho * (self.seq_len - self.free)
+        # each rank's sum row by row, in order (as a Python sum; numpy's pairwise sum is not)
+        total = rk[:, 0].copy()
+        for m in range(1, self.micro_batches):
+            total += rk[:, m]
+        self.rank_key[:] = total
 
     def result(self, lengths: np.ndarray, costs: np.ndarray) -> Assignment:
-        return build_assignment(np.asarray(self.rank, dtype=np.int64), np.asarray(self.micro, dtype=np.int64),
-                      lengths, costs, self.n_ranks, self.micro_batches)
+        return build_assignment(self.rank, self.micro, lengths, costs, self.n_ranks, self.micro_batches)
 
 
 def _decreasing(keys: np.ndarray) -> np.ndarray:
@@ -407,13 +289,6 @@ def _min_cost_per_token(lengths: np.ndarray, costs: np.ndarray) -> float:
 #: Weight of the plain cost in the excess keys: breaks ties between pieces of
 #: no excess (all of one length, say) towards the cheaper ranks.
 _COST_SHARE = 1e-3
-#: :meth:`_Greedy.fill` places pieces in blocks (:meth:`_Greedy._blocks`) when there are
-#: at least this many ranks and pieces, until ``_BLOCKS_SHORT_TRIES`` blocks in a row
-#: are shorter than ``_BLOCKS_SHORT`` (then its loop is faster)
-_BLOCKS_MIN_RANKS = 256
-_BLOCKS_MIN_PIECES = 4096
-_BLOCKS_SHORT = 512
-_BLOCKS_SHORT_TRIES = 3
 #: Pieces whose key is below this share of a mean rank's key sum are placed in
 #: vectorised rounds (:meth:`_Greedy.fill_tail`) when there are many.
 _TINY = 1e-4

@@ -238,38 +238,3 @@ def test_bounds_are_bounds() -> None:
         a = balanced(lengths, costs, dp, mb, seq_len)
         if a.placed.all():
             assert a.rank_cost.max() >= best * (1 - 1e-12)
-
-
-@pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("dp,micro_batches", [(16, 1), (64, 8), (256, 4)])
-def test_block_placement_is_the_one_by_one_placement(monkeypatch, seed: int, dp: int,
-                                                     micro_batches: int) -> None:
-    # _Greedy places pieces in vectorised blocks where that provably changes nothing:
-    # lpt and balanced place as they do with the one-by-one loop alone (blocks forced
-    # here down to the smallest sizes, and for as long as they place a piece)
-    import msd_dask.core.balance as bal
-
-    seq_len = 256
-    lengths = lognormal_step(seed, dp, micro_batches, seq_len, mu=3.0 + seed % 4,
-                             max_len=4 * seq_len)
-    if seed % 2:  # many equal lengths: ties between key sums
-        lengths = np.minimum(lengths, 32)
-    costs = COST(lengths)
-    used = []
-    blocks = bal._Greedy._blocks
-
-    def counted(self, idx, lens, ks):
-        used.append(blocks(self, idx, lens, ks))
-        return used[-1]
-
-    monkeypatch.setattr(bal._Greedy, "_blocks", counted)
-    monkeypatch.setattr(bal, "_BLOCKS_MIN_PIECES", 1)
-    monkeypatch.setattr(bal, "_BLOCKS_MIN_RANKS", 1)
-    monkeypatch.setattr(bal, "_BLOCKS_SHORT", 0)
-    got = {name: assign(lengths, costs, dp, micro_batches, seq_len, name) for name in ("lpt", "balanced")}
-    assert sum(used) > 0
-    monkeypatch.setattr(bal, "_BLOCKS_MIN_PIECES", 1 << 62)
-    for name, a in got.items():
-        b = assign(lengths, costs, dp, micro_batches, seq_len, name)
-        np.testing.assert_array_equal(a.rank, b.rank)
-        np.testing.assert_array_equal(a.micro, b.micro)

@@ -41,3 +41,54 @@ def test_best_fit_rows_is_best_fit_piece_by_piece(seed: int) -> None:
         ls = np.concatenate([ls[:head], -np.sort(-ls[head:])])
         assert best_fit_rows(ls, n_rows, seq_len).tolist() == \
             _best_fit_one_by_one(ls, n_rows, seq_len).tolist()
+
+
+def _greedy_one_by_one(lens: np.ndarray, ks: np.ndarray, n_ranks: int, mb: int,
+                       seq_len: int) -> tuple[list[int], list[int]]:
+    """LPT piece by piece, no heap: the first pieces (keys > 0) to ranks 0, 1, ... in turn,
+    then each to the least (key sum, rank) with a row with room, on its row with the least
+    key sum that has room (the first on ties)."""
+    free = [[seq_len] * mb for _ in range(n_ranks)]
+    row_key = [[0.0] * mb for _ in range(n_ranks)]
+    rank_key = [0.0] * n_ranks
+    rank, micro = [-1] * len(lens), [-1] * len(lens)
+    head = 0
+    while head < min(len(lens), n_ranks) and ks[head] > 0:
+        free[head][0] -= int(lens[head])
+        row_key[head][0] = rank_key[head] = float(ks[head])
+        rank[head], micro[head] = head, 0
+        head += 1
+    for i in range(head, len(lens)):
+        length, key = int(lens[i]), float(ks[i])
+        fits = [r for r in range(n_ranks) if max(free[r]) >= length]
+        if not fits:
+            continue
+        r = min(fits, key=lambda x: (rank_key[x], x))
+        m = min((q for q in range(mb) if free[r][q] >= length), key=lambda q: (row_key[r][q], q))
+        free[r][m] -= length
+        row_key[r][m] += key
+        rank_key[r] += key
+        rank[i], micro[i] = r, m
+    return rank, micro
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_fill_is_lpt_piece_by_piece(seed: int) -> None:
+    from msd_dask.core.balance import _Greedy
+
+    rng = np.random.default_rng(seed)
+    for _ in range(25):
+        n_ranks, mb = int(rng.integers(1, 40)), int(rng.choice([1, 2, 8]))
+        seq_len = int(rng.choice([16, 256]))
+        n = int(rng.integers(0, n_ranks * mb * 3))
+        lens = rng.integers(0, seq_len + 1, n) if seed % 2 else \
+            np.minimum(seq_len, rng.lognormal(2, 1.5, n).astype(np.int64))
+        lens = np.asarray(lens, dtype=np.int64)
+        # keys with ties (equal and zero keys), decreasing or not
+        ks = np.round(rng.random(n) * 4) if seed % 4 < 2 else lens.astype(np.float64) ** 1.5
+        if seed % 3 == 0:
+            ks = -np.sort(-ks)
+        g = _Greedy(n, n_ranks, mb, seq_len)
+        g.fill(np.arange(n), lens, ks)
+        rank, micro = _greedy_one_by_one(lens, ks, n_ranks, mb, seq_len)
+        assert g.rank.tolist() == rank and g.micro.tolist() == micro
