@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["best_fit_rows"]
+__all__ = ["best_fit_rows", "greedy_fill", "mix_draw"]
 
 
 # ----------------------------------------------------------------------------- best fit decreasing
@@ -280,3 +280,50 @@ def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndar
         _sift_down(hk, hr, h, 0)
         out_rank[idx[j]] = r
         out_micro[idx[j]] = m
+
+
+# ----------------------------------------------------------------------------- mixing
+
+
+@njit(cache=True)
+def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, lengths: np.ndarray,
+             base: np.ndarray, offset: np.ndarray, end: np.ndarray, limit: np.ndarray, room: int,
+             out: np.ndarray, n_out: int, tags: np.ndarray,
+             first: int) -> tuple[int, int, np.ndarray, int]:
+    """:meth:`msd_dask.core.mixing.Mixer.draw` (which says what it decides): ``credit`` and
+    ``offset`` change in place, source ``s``'s next piece is ``lengths[base[s] + offset[s]]``,
+    and the keys taken go to ``out[n_out:]`` (a larger copy when it is full).
+
+    Returns ``(src, room, out, n_out)``.
+    """
+    n_src = len(credit)
+    src = first
+    while True:
+        if src < 0:
+            for j in range(n_src):
+                if eligible[j] and (src < 0 or credit[j] > credit[src]):
+                    src = j
+            if src < 0:
+                break
+            o = offset[src]
+            if o >= end[src]:
+                break
+            n = lengths[base[src] + o]
+            if n >= limit[src] or n > room:
+                break
+            if n_out == len(out):
+                grown = np.empty(2 * len(out) + 1024, dtype=out.dtype)
+                grown[:n_out] = out
+                out = grown
+            out[n_out] = tags[src] | o
+            n_out += 1
+            room -= n
+        else:
+            o = offset[src]
+            n = lengths[base[src] + o]
+        offset[src] = o + 1
+        for j in range(n_src):
+            credit[j] += weights[j] * n
+        credit[src] -= n
+        src = -1
+    return src, room, out, n_out

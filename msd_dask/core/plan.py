@@ -299,21 +299,25 @@ class Planner:
         mixer = self.mixer
         streams = [self.streams[n] for n in names]
         S = len(names)
-        w = [weights.get(n, 0.0) for n in names]
-        el = [eligible.get(n, 0.0) > 0 for n in names]
-        is_long = [n in self.long_sources for n in names]
+        w = np.array([weights.get(n, 0.0) for n in names], dtype=np.float64)
+        el = np.array([eligible.get(n, 0.0) > 0 for n in names], dtype=bool)
+        is_long = np.array([n in self.long_sources for n in names], dtype=bool)
         if long_budget is not None and n_long >= long_budget:
-            el = [e and not lg for e, lg in zip(el, is_long, strict=True)]
+            el &= ~is_long
         # the pieces the mixer takes without asking: shorter than an outlier, and not long
         # while long pieces are counted
-        limit = [0 if long_budget is not None and lg else hold or capacity + 1 for lg in is_long]
-        offset = [st.offset for st in streams]
-        lens: list[list[int]] = [[] for _ in names]
-        end = [-1] * S             # pieces in the source's current window (-1: not looked at yet)
-        slot = [0] * S
+        limit = np.array([0 if long_budget is not None and lg else hold or capacity + 1
+                          for lg in is_long.tolist()], dtype=np.int64)
+        offset = np.array([st.offset for st in streams], dtype=np.int64)
+        lens = np.zeros(0, dtype=np.int64)   # the lengths of the windows looked at, one after another
+        n_lens = 0
+        base = np.zeros(S, dtype=np.int64)   # where each source's current window starts in lens
+        end = np.full(S, -1, dtype=np.int64)  # pieces in the source's current window (-1: not looked at yet)
+        slot = np.zeros(S, dtype=np.int64)
         windows: list[Window] = []
         win_src: list[int] = []
-        taken: list[int] = []      # (window slot << 32) | offset of each piece, in order
+        taken = np.zeros(0, dtype=np.int64)  # (window slot << 32) | offset of each piece, in order
+        n_taken = 0
         held: list[int] = []
         n_held = len(self._held)
         room = capacity - total
@@ -321,11 +325,12 @@ class Planner:
         first = -1                 # the source of a piece placed here, for the mixer to charge
         try:
             while True:
-                src, room = mixer.draw(w, el, lens, offset, end, limit, room, taken, slot, first)
+                src, room, taken, n_taken = mixer.draw(w, el, lens, base, offset, end, limit, room, taken,
+                                                       n_taken, slot, first)
                 first = -1
                 if src < 0:
                     break
-                o = offset[src]
+                o = int(offset[src])
                 if o >= end[src]:
                     st = streams[src]
                     st.offset = o
@@ -333,35 +338,35 @@ class Planner:
                     win = st.current(lookup)
                     loading = -1
                     offset[src] = st.offset
-                    lens[src] = win.lengths
-                    end[src] = len(win.lengths)
+                    lens, n_lens = _appended(lens, n_lens, win.table[:, 5] - win.table[:, 4])
+                    end[src] = len(win.table)
+                    base[src] = n_lens - end[src]
                     slot[src] = len(windows) << 32
                     windows.append(win)
                     win_src.append(src)
                     continue
-                n = lens[src][o]
+                n = int(lens[base[src] + o])
                 if hold and n >= hold:
                     if n_held >= hold_limit:
                         # no room to hold it: the source waits for a release, the others fill
                         el[src] = False
                         continue
-                    held.append(slot[src] | o)
+                    held.append(int(slot[src]) | o)
                     n_held += 1
                 elif n > room:
                     break
                 else:  # a long piece while they are counted
-                    taken.append(slot[src] | o)
+                    taken, n_taken = _appended(taken, n_taken, slot[src:src + 1] | o)
                     room -= n
                     n_long += 1
                     if long_budget is not None and n_long >= long_budget:
-                        for j in range(S):
-                            el[j] = el[j] and not is_long[j]
+                        el &= ~is_long
                 first = src
         finally:
-            for j, (st, o) in enumerate(zip(streams, offset, strict=True)):
+            for j, (st, o) in enumerate(zip(streams, offset.tolist(), strict=True)):
                 if j != loading:
                     st.offset = o
-        return _gather(taken, windows, win_src), _gather(held, windows, win_src)
+        return _gather(taken[:n_taken], windows, win_src), _gather(held, windows, win_src)
 
     def _plan(self, lookup: MetaLookup) -> StepPlan:
         cfg = self.cfg
@@ -486,10 +491,21 @@ def _no_pieces() -> np.ndarray:
     return np.zeros((0, 8), dtype=np.int64)
 
 
-def _gather(keys: list[int], windows: list[Window], sources: list[int]) -> np.ndarray:
+def _appended(buf: np.ndarray, n: int, values: np.ndarray) -> tuple[np.ndarray, int]:
+    """``buf[:n]`` followed by ``values``, in ``buf`` or in a larger copy of it: (array, length)."""
+    m = n + len(values)
+    if m > len(buf):
+        grown = np.empty(max(m, 2 * len(buf)), dtype=buf.dtype)
+        grown[:n] = buf[:n]
+        buf = grown
+    buf[n:m] = values
+    return buf, m
+
+
+def _gather(keys: Sequence[int] | np.ndarray, windows: list[Window], sources: list[int]) -> np.ndarray:
     """The piece table of ``(window slot << 32) | offset`` keys, in their order."""
     out = np.empty((len(keys), 8), dtype=np.int64)
-    if not keys:
+    if len(keys) == 0:
         return out
     k = np.array(keys, dtype=np.int64)
     slot, offset = k >> 32, k & 0xFFFFFFFF

@@ -135,8 +135,8 @@ def test_state_dict_round_trip() -> None:
 
 @pytest.mark.parametrize("n_src", [1, 2, 3])
 def test_draw_takes_what_choose_and_take_would(n_src: int) -> None:
-    # the planner's batched draws (the two-source path and the general one) and the
-    # one-piece API are the same rule: the same picks and, to the last bit, the same credit
+    # the planner's batched draws and the one-piece API are the same rule: the same picks
+    # and, to the last bit, the same credit
     rng = np.random.default_rng(7 + n_src)
     src = names(n_src)
     w = dict(zip(src, rng.dirichlet(np.ones(n_src)).tolist(), strict=True))
@@ -151,17 +151,23 @@ def test_draw_takes_what_choose_and_take_would(n_src: int) -> None:
         one.take(src[s], lengths[s][offset[s]], w)
         offset[s] += 1
     batched = Mixer(src)
-    wl = [w[s] for s in src]
-    got: list[int] = []
-    offset = [0] * n_src
+    wl = np.array([w[s] for s in src])
+    flat = np.array(sum(lengths, []), dtype=np.int64)
+    base = np.arange(n_src, dtype=np.int64) * 300
+    got = np.zeros(0, dtype=np.int64)  # grown by draw
+    n_got = 0
+    offset = np.zeros(n_src, dtype=np.int64)
+    tags = np.arange(n_src, dtype=np.int64) << 32
     first, room = -1, sum(lengths[s][o] for s, o in want)
     while True:
-        s, room = batched.draw(wl, [True] * n_src, lengths, offset, [300] * n_src, [limit] * n_src,
-                               room, got, [j << 32 for j in range(n_src)], first)
+        s, room, got, n_got = batched.draw(wl, np.ones(n_src, dtype=bool), flat, base, offset,
+                                           np.full(n_src, 300), np.full(n_src, limit), room, got,
+                                           n_got, tags, first)
         if s < 0 or lengths[s][offset[s]] > room:
             break
-        got.append((s << 32) | offset[s])
+        got = np.append(got[:n_got], (s << 32) | offset[s])
+        n_got += 1
         room -= lengths[s][offset[s]]
         first = s
-    assert [(k >> 32, k & 0xFFFFFFFF) for k in got] == want
+    assert [(k >> 32, k & 0xFFFFFFFF) for k in got[:n_got].tolist()] == want
     assert batched.state_dict() == one.state_dict()
