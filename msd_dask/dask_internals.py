@@ -12,8 +12,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["actor_address", "drop_queues", "has_client", "keys_on", "local_actor",
-           "published_datasets", "put_in_queues", "release_actor", "scheduler_workers",
+__all__ = ["actor_address", "has_client", "keys_on", "local_actor",
+           "published_datasets", "release_actor", "scheduler_workers",
            "task_worker", "worker_actors", "wrap_scheduler_call"]
 
 
@@ -46,7 +46,7 @@ def worker_actors(worker: Any) -> dict[Any, Any]:
     Relies on ``Worker.state.actors``: Dask has no public way to reach the actor
     objects a worker holds, and the process re-creating a lost planner must
     close the roles the lost one left on every worker (they would go on
-    publishing tickets and holding memory; see
+    building and holding memory; see
     :func:`msd_dask.roles.supervisor.close_service_roles`).
     """
     return dict(worker.state.actors)
@@ -102,44 +102,6 @@ def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
     that started the service (the only one that can re-create a lost planner) is.
     """
     return client_id in dask_scheduler.clients
-
-
-def drop_queues(names: list[str], dask_scheduler: Any = None) -> int:
-    """Delete the ``distributed.Queue`` s ``names``; returns how many existed (on the scheduler).
-
-    Relies on the queue extension (``Scheduler.extensions["queues"]``: its
-    ``queues``, ``client_refcount`` and ``release``): a queue lives on the
-    scheduler until every client that made it releases it, which nothing does,
-    and Dask has no call to delete one.  The queues of a closed (or crashed)
-    service of the same name still hold its last tickets, which a new service's
-    readers would take for their own.
-    """
-    ext = dask_scheduler.extensions.get("queues")
-    dropped = 0
-    for name in names:
-        if ext is not None and name in ext.queues:
-            ext.client_refcount[name] = 1
-            ext.release(name=name)
-            dropped += 1
-    return dropped
-
-
-def put_in_queues(names: list[str], message: dict[str, Any], dask_scheduler: Any = None
-                  ) -> int:
-    """Put ``message`` in each of the queues ``names`` that exists; returns how many.
-
-    Relies on the queue extension's ``queues`` (name -> ``asyncio.Queue`` of
-    ``{"type", "value"}`` items): ``Queue.put`` from a client would create the
-    queues that do not exist and costs one round trip per queue; this is one
-    call to the scheduler whatever the number of ranks.
-    """
-    ext = dask_scheduler.extensions.get("queues")
-    put = 0
-    for name in names:
-        if ext is not None and name in ext.queues:
-            ext.queues[name].put_nowait({"type": "msgpack", "value": message})
-            put += 1
-    return put
 
 
 def scheduler_workers(client: Any, timeout: float) -> set[str]:

@@ -75,6 +75,8 @@ class ServiceError(RuntimeError):
 
 
 #: what to do about a planner that cannot be re-created
+#: what readers of a service its owner closed are told (:class:`ServiceError`)
+CLOSED_BY_OWNER = "closed by its owner"
 RESTART_HINT = ("restart the service from the last DataService.state_dict() (msd-dask serve "
                  "CONFIG --resume STATE_JSON, or DataService.start(cfg, resume=state)); ranks "
                  "reload their Reader.state_dict() so no step is read twice")

@@ -1,12 +1,12 @@
 """Reader: the iterator a training rank reads its batches with.
 
-A rank takes small tickets (``{"steps", "c", "dp", "g"}``: the steps of a round)
-from its ``distributed.Queue`` and claims their tensors straight from the
-constructor the ticket names, all in one call
-(:meth:`~msd_dask.roles.constructor.DataConstructor.claim`), so no batch passes
-through the scheduler; it hands them out one step at a time.  It follows the service to a
-re-created planner (tickets carry the planner generation ``g``) and skips the
-steps it already has (:meth:`Reader.load_state_dict`).
+A rank asks the constructor of its DP rank for its next round of steps, and gets
+their tensors in the answer
+(:meth:`~msd_dask.roles.constructor.DataConstructor.next_round`: one call, peer to
+peer, that the constructor holds until a round is built); it hands them out one
+step at a time.  Nothing per step passes through the scheduler.  It follows the
+service to a re-created planner or constructor, and the constructor skips the
+steps the rank already has (:meth:`Reader.load_state_dict`).
 
 A reader that pauses tells its constructor the last step it returned: a claim
 tells it only that the rank returned every step before the round.  When a reader
@@ -36,7 +36,7 @@ from msd_dask.batch import Batch
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import queue_name
+from msd_dask.roles.constructor import POLL, constructor_of
 
 __all__ = ["REPORT_IDLE", "Reader", "ServiceLink", "idle_time"]
 
@@ -48,9 +48,10 @@ REPORT_IDLE = 1.0
 #: than ``REPORT_IDLE`` does not report after every step, only when it stops
 IDLE_FACTOR = 3.0
 IDLE_GAPS = 8
-#: a claim still pending after ``CLAIM_WAIT`` seconds looks for a re-created constructor
-#: (one look per process and ``CLAIM_WAIT`` seconds), then after twice as long, up to
-#: every ``CLAIM_WAIT_MAX`` seconds
+#: a request for a round not answered ``CLAIM_WAIT`` seconds after the constructor's
+#: own wait (:data:`~msd_dask.roles.constructor.POLL`) looks for a re-created
+#: constructor (one look per process and ``CLAIM_WAIT`` seconds), then after twice as
+#: long, up to every ``CLAIM_WAIT_MAX`` seconds
 CLAIM_WAIT = 2.0
 CLAIM_WAIT_MAX = 8.0
 
@@ -178,30 +179,42 @@ os.register_at_fork(after_in_child=_REPORTER.reset)
 
 
 class Reader:
-    """Iterator over one global rank's batches (see :meth:`DataService.reader`)."""
+    """Iterator over one global rank's batches (see :meth:`DataService.reader`).
 
-    def __init__(self, link: ServiceLink, rank: int, *, timeout: float):
-        from distributed import Queue
+    ``also``: more ranks of the rank's DP group with the same view (its tensor-parallel
+    peers) this reader reads for: their constructor sends each batch once, for all of
+    them (a host agent serving the ranks of its host reads so).
+    """
 
+    def __init__(self, link: ServiceLink, rank: int, *, timeout: float,
+                 also: Sequence[int] = ()):
         cfg = link.config
-        if not 0 <= rank < cfg.parallel.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {cfg.parallel.world_size}) for "
-                             f"parallel {cfg.parallel}")
+        for r in (rank, *also):
+            if not 0 <= r < cfg.parallel.world_size:
+                raise ValueError(f"rank {r} is outside [0, {cfg.parallel.world_size}) for "
+                                 f"parallel {cfg.parallel}")
+        coords = cfg.parallel.coords(rank)
+        for r in also:
+            other = cfg.parallel.coords(r)
+            if any(other[k] != coords[k] for k in ("dp", "cp", "pp")):
+                raise ValueError(f"rank {r} does not read what rank {rank} reads: its DP, "
+                                 f"CP and PP coordinates {other} differ from {coords}")
         #: the service's current planner generation (see :class:`ServiceLink`)
         self.link = link
         self.rank = rank
-        self.coords = cfg.parallel.coords(rank)
+        #: every rank this reader reads for (``rank`` first)
+        self.ranks = [rank, *(r for r in also if r != rank)]
+        self.coords = coords
         self.timeout = timeout
         self.step: int | None = None
         self._view = (self.coords["cp"], cfg.parallel.cp, self.coords["pp"], cfg.parallel.pp)
         self._skip_through = -1
         #: the planner generation whose constructors know what this reader has
         self._gen = link.handles[0]
-        self._queue = Queue(queue_name(cfg.name, rank), client=link.client)
         #: batches of the last round claimed and not returned yet (in step order)
         self._held: deque[Batch] = deque()
-        #: the constructor of the last ticket (the one this rank's steps come from)
-        self._c: int | None = None
+        #: the constructor this rank's steps come from
+        self._c = constructor_of(self.coords["dp"], len(link.constructors))
         #: (key of the constructor actor, last step returned that it knows of): a
         #: re-created constructor knows nothing yet
         self._known: tuple[Any, int] = (None, -1)
@@ -265,62 +278,97 @@ class Reader:
         disconnects.  Fire and forget: best effort, a lost constructor learns nothing.
         """
         step = self.state_dict()["step"]
-        if step is None or self._c is None:
+        if step is None:
             return None
         try:
             constructor = self.link.constructors[self._c]
             key = constructor.key
             if self._known[0] == key and step <= self._known[1]:
                 return None
-            call = constructor.returned_through(self.rank, int(step))
+            call = constructor.returned_through(self.rank, int(step), self.ranks)
         except Exception:  # noqa: BLE001 - a lost constructor: the state then needs a step
             return None
         self._known = (key, int(step))
         return call
 
     def _next_round(self) -> list[Batch]:
-        """The batches of the next ticket's steps this reader does not have yet."""
-        while True:
-            ticket = self._ticket()
-            g = int(ticket.get("g", 0))
-            if g > self.link.generation:  # from a re-created planner: switch to it
-                self._follow(g)
-            self.link.announce_generation()
-            if g < self.link.generation:
-                # planned by a planner since replaced: the current one plans every step
-                # after the state it resumed from again, so this one comes again
-                continue
-            if "error" in ticket:
-                raise ServiceError(f"service {self.link.name!r}: {ticket['error']}")
-            done = self._done()
-            self._c = int(ticket["c"])
-            steps = [int(s) for s in ticket["steps"]]
-            for step in steps:
-                if step <= done:
-                    # consumed before a restart, or a ticket re-sent by a re-created
-                    # constructor: release it without moving the tensors
-                    self._skip(int(ticket["c"]), step)
-            steps = [s for s in steps if s > done]
-            if steps:
-                return self._claim(int(ticket["c"]), steps)
+        """The batches of this rank's next round, which it does not have yet.
 
-    def _follow(self, generation: int) -> None:
-        """Switch the service to the published planner of ``generation`` (or later)."""
+        One call to the constructor at a time: it hands a round over once, so a call
+        is waited for until it answers, unless the service replaced that constructor.
+        The constructor answers ``None`` after :data:`POLL` seconds without a round;
+        a call to a lost worker hangs, and is given up once the link finds the
+        constructor re-created.
+        """
+        waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
         deadline = time.monotonic() + self.timeout
-        while self.link.generation < generation:
-            if not self.link.adopt_published():
-                if time.monotonic() > deadline:
-                    raise ServiceTimeoutError(
-                        f"rank {self.rank}: got a ticket of planner generation {generation} of "
-                        f"service {self.link.name!r} but found only generation "
-                        f"{self.link.generation} published within {self.timeout:.0f}s")
-                time.sleep(0.25)
-        self.link.refresh()
+        c = self._c
+        constructor = self.link.constructors[c]
+        call = None
+        wait = CLAIM_WAIT
+        while True:
+            max_age = 0.0
+            try:
+                if call is None:
+                    call = constructor.next_round(self.rank, self._done(), self._view,
+                                                  report_after=self.report_after, wait=POLL,
+                                                  ranks=self.ranks)
+                answer = call.result(timeout=POLL + wait)
+            except TimeoutError:
+                # a slow constructor only answers late; look less and less often, one
+                # look per process and interval (thousands of ranks may wait at once)
+                self._check_deadline(deadline, waiting_for)
+                wait = min(2 * wait, CLAIM_WAIT_MAX)
+                max_age = CLAIM_WAIT
+            except Exception as e:  # noqa: BLE001 - its worker was lost, or it was closed
+                # a KeyError naming the actor: Dask forgot it (its planner was lost)
+                gone = isinstance(e, KeyError) and e.args and e.args[0] == constructor.key
+                if isinstance(e, KeyError | ValueError) and not gone:
+                    raise
+                self._check_deadline(deadline, waiting_for, e)
+                time.sleep(0.5)
+                call = None
+            else:
+                call = None
+                if answer is not None:
+                    if "error" in answer:
+                        raise ServiceError(f"service {self.link.name!r}: {answer['error']}")
+                    steps = answer["steps"]
+                    self._known = (constructor.key, int(steps[0]) - 1)  # it knows the steps before
+                    return [Batch.from_payload(from_wire(p), self.rank) for p in answer["payloads"]]
+                # nothing built for this rank within POLL: is the planner still there?
+                self._check_deadline(deadline, waiting_for)
+                if not self.link.planner_lost():
+                    continue
+                # its successor (if the service's owner re-creates it) is published; a
+                # planner nobody can re-create is reported at once
+                if not self.link.adopt_published():
+                    self.link.raise_if_lost()
+                    continue
+            self.link.refresh(max_age=max_age)
+            self.link.announce_generation()
+            if self.link.constructors[c].key != constructor.key:
+                constructor, call = self.link.constructors[c], None
+
+    def _check_deadline(self, deadline: float, waiting_for: str,
+                        cause: BaseException | None = None) -> None:
+        """Raise if this rank has waited ``timeout`` for ``waiting_for``, saying why."""
+        if time.monotonic() <= deadline:
+            return
+        lost = ""
+        if self.link.planner_lost():
+            lost = (f"the planner was lost with its worker and not re-created; "
+                    f"{RESTART_HINT}; ")
+        if cause is not None:
+            lost += f"constructor {self._c} was lost ({cause!r}); "
+        raise ServiceTimeoutError(
+            f"rank {self.rank} waited {self.timeout:.0f}s for {waiting_for} of service "
+            f"{self.link.name!r}: no batch was published; {lost}{self._diagnose()}")
 
     def _tell_new_generation(self) -> None:
         """After the planner was re-created: tell its constructors which steps this rank
-        has, so they do not hold those steps for it (best effort: the tickets of those
-        steps are skipped anyway)."""
+        has, so they do not hold those steps for it (best effort: its next request for
+        a round says so too)."""
         gen, constructors = self.link.handles
         if self._gen == gen:
             return
@@ -330,59 +378,16 @@ class Reader:
         done = self._done()
         if done < 0:
             return
-        calls = []
-        for c in constructors:
-            try:
-                calls.append(c.mark_had(self.rank, done))
-            except Exception:  # noqa: BLE001 - lost meanwhile: its successor learns by skips
-                pass
+        calls: list[Any] = []
+        try:  # the one constructor of this rank's DP group
+            calls.extend(constructors[self._c].mark_had(r, done) for r in self.ranks)
+        except Exception:  # noqa: BLE001 - lost meanwhile: its successor learns from next_round
+            pass
         for call in calls:
             try:
                 call.result(timeout=5.0)
             except Exception:  # noqa: BLE001 - as above
                 pass
-
-    def _skip(self, c: int, step: int) -> None:
-        """Release ``step`` on constructor ``c``, on its current actor (it may be re-created:
-        a skip sent to a lost actor would leave the new one waiting for this rank)."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:  # short waits: a call to a lost actor hangs instead of failing
-                self.link.constructors[c].skip(step, self.rank).result(timeout=2.0)
-                return
-            except KeyError:
-                return  # nothing held for this rank at that step
-            except Exception:  # noqa: BLE001 - a lost actor: refresh the handles, try again
-                if time.monotonic() > deadline:
-                    return  # give up on releasing; the claim path reports real trouble
-                time.sleep(0.25)
-                self.link.refresh()
-
-    def _ticket(self) -> dict[str, Any]:
-        waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:  # in slices: between them, look after a lost planner
-                return dict(self._queue.get(timeout=max(0.1, min(5.0,
-                                                                 deadline - time.monotonic()))))
-            except TimeoutError:
-                pass
-            if self.link.planner_lost():
-                # its successor (if the service's owner re-creates it) is published; a
-                # planner nobody can re-create is reported at once
-                if self.link.adopt_published():
-                    self.link.refresh()
-                    self.link.announce_generation()
-                else:
-                    self.link.raise_if_lost()
-            if time.monotonic() > deadline:
-                lost = ""
-                if self.link.planner_lost():
-                    lost = (f"the planner was lost with its worker and not re-created; "
-                            f"{RESTART_HINT}; ")
-                raise ServiceTimeoutError(
-                    f"rank {self.rank} waited {self.timeout:.0f}s for {waiting_for} of service "
-                    f"{self.link.name!r}: no batch was published; {lost}{self._diagnose()}")
 
     def _diagnose(self) -> str:
         """Which role is stuck, from the roles' own stats (best effort, a few seconds)."""
@@ -423,46 +428,3 @@ class Reader:
             self.link.planner.report_step_time(int(step), self.coords["dp"], float(seconds))
         except Exception:  # noqa: BLE001 - a lost planner: its successor fits from new reports
             pass
-
-    def _claim(self, c: int, steps: list[int]) -> list[Batch]:
-        """Claim ``steps`` from constructor ``c`` in one call (on its current actor)."""
-        deadline = time.monotonic() + self.timeout
-        constructor = self.link.constructors[c]
-        what = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
-        call = None
-        wait = CLAIM_WAIT
-        while True:
-            max_age = 0.0
-            try:
-                if call is None:  # one claim per constructor actor: a claim is not repeatable
-                    call = constructor.claim(steps, self.rank, self._view,
-                                             report_after=self.report_after)
-                payloads = call.result(timeout=wait)
-                break
-            except TimeoutError:
-                # a call to a lost worker hangs: switch once the service re-created it;
-                # a slow one only waits, so look less and less often, one look per
-                # process and interval (thousands of ranks may wait at once)
-                if time.monotonic() > deadline:
-                    raise ServiceTimeoutError(
-                        f"rank {self.rank}: constructor {c} did not hand over {what} "
-                        f"within {self.timeout:.0f}s") from None
-                wait = min(2 * wait, CLAIM_WAIT_MAX, max(0.1, deadline - time.monotonic()))
-                max_age = CLAIM_WAIT
-            except Exception as e:  # noqa: BLE001 - its worker was lost: wait for the new one
-                # a KeyError naming the actor: Dask forgot it (its planner was lost)
-                gone = isinstance(e, KeyError) and e.args and e.args[0] == constructor.key
-                if isinstance(e, KeyError | ValueError) and not gone:
-                    raise
-                if time.monotonic() > deadline:
-                    raise ServiceTimeoutError(
-                        f"rank {self.rank}: constructor {c} was lost and no replacement "
-                        f"handed over {what} within {self.timeout:.0f}s ({e!r})") from e
-                time.sleep(0.5)
-                call = None
-            self.link.refresh(max_age=max_age)
-            self.link.announce_generation()
-            if self.link.constructors[c].key != constructor.key:
-                constructor, call = self.link.constructors[c], None
-        self._known = (constructor.key, steps[0] - 1)  # it knows the steps before
-        return [Batch.from_payload(from_wire(p), self.rank) for p in payloads]

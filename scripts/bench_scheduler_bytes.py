@@ -1,9 +1,8 @@
 """Bytes the Dask scheduler handles per delivered batch, for two batch sizes, side by side.
 
-The data path of msd_dask keeps tensors off the scheduler: a constructor puts
-a small ticket ``{"step", "c", "dp"}`` into a rank's ``distributed.Queue`` (on
-the scheduler) and the reader claims the tensors from the constructor's worker
-directly.  This script checks that claim by counting every byte the scheduler
+The data path of msd_dask keeps batches off the scheduler: a reader asks its
+constructor's worker for its next round directly and gets the tensors in the
+answer.  This script checks that claim by counting every byte the scheduler
 process reads from or writes to any TCP comm: the scheduler runs as its own
 process (``dask scheduler --preload`` of this file, which wraps
 ``distributed.comm.tcp``'s read and write), two ``dask worker`` processes

@@ -22,7 +22,7 @@ planner setup
     (what each constructor's worker does when it is created).
 
 Not counted: discovering the sources' units (storage I/O) and the messages of
-a real cluster (creating the actors, one ticket queue per rank).
+a real cluster (creating the actors).
 
 The old rank mapping (``ranks_of_dp`` scanned every rank for each DP index) is
 timed in the same run on ``--old-sample`` DP indices spread over ``[0, dp)``

@@ -3,16 +3,19 @@
 The planner hands it rounds of steps (``round_steps`` at a time).  For a
 round it fetches the pieces of its DP ranks straight from the loaders' workers
 (actor to actor, never through the client or the scheduler; one message per
-loader for the whole round), packs them into rows, keeps the result, and puts
-a small ticket ``{"steps", "c", "dp", "g"}`` into each member rank's
-``distributed.Queue`` (``g``: the generation of the planner that planned the
-steps, see :class:`~msd_dask.service.DataService`).  A rank's reader claims the
-tensors of the ticket's steps from this actor directly
-(:meth:`DataConstructor.claim`), so no batch bytes pass through the scheduler.
-One batch is built per DP group, whatever the tensor/context/pipeline
-parallelism: every member rank claims the same build.  Every message costs the
-service CPU whatever its size (about 0.5 ms at each end here), so a round of
-``k`` steps costs about ``1/k`` of the messages of single steps.
+loader for the whole round), packs them into rows, keeps the result, and posts
+the round's steps to each member rank.  A rank's reader asks this actor for its
+next round (:meth:`DataConstructor.next_round`, a call that waits here up to
+:data:`POLL` seconds for one) and gets the tensors of its steps in the answer:
+readers and constructors talk peer to peer, and nothing per step or per rank
+passes through the scheduler.  One batch is built per DP group, whatever the
+tensor/context/pipeline parallelism: every member rank claims the same build.
+Every message costs the service CPU whatever its size (about 0.5 ms at each end
+here), so a round of ``k`` steps costs about ``1/k`` of the messages of single
+steps.
+
+DP rank ``dp`` is built by constructor ``dp % n`` of ``n`` (:func:`constructor_of`),
+in every planner generation, so a reader knows which constructor to ask.
 
 At most ``prefetch`` steps are held unclaimed; :meth:`DataConstructor.submit`
 waits for room, which is the service's backpressure.
@@ -21,9 +24,8 @@ waits for room, which is the service's backpressure.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -34,12 +36,16 @@ import numpy as np
 from msd_dask.core.packing import pack_rows, split_pieces, to_wire
 from msd_dask.roles.direct import direct
 
-__all__ = ["DataConstructor", "StepPieces", "StepWork", "queue_name"]
+__all__ = ["POLL", "DataConstructor", "StepPieces", "StepWork", "constructor_of"]
+
+#: seconds :meth:`DataConstructor.next_round` waits for a round before it answers
+#: ``None`` (the reader then looks after a lost planner and asks again)
+POLL = 5.0
 
 
-def queue_name(service: str, rank: int) -> str:
-    """Name of the ``distributed.Queue`` of a global rank's tickets."""
-    return f"msd-{service}-rank-{rank}"
+def constructor_of(dp: int, n_constructors: int) -> int:
+    """The index of the constructor that builds DP rank ``dp``'s batches."""
+    return dp % n_constructors
 
 
 #: A planned piece as a constructor builds it (:meth:`StepPieces.items`):
@@ -99,54 +105,13 @@ class StepPieces:
 StepWork = tuple[int, StepPieces, dict[str, Any]]
 
 
-class _FinishedPairs:
-    """The ``(step, dp)`` batches every member rank has claimed (``key in pairs``).
-
-    Once it holds more than ``keep`` pairs, adding one forgets the pairs of the
-    steps ``window`` or more before the added step, as a set rebuilt with
-    ``{k for k in pairs if k[0] > step - window}`` would, but it keeps the pairs by
-    step, with a heap of the steps, and drops whole steps: the work is O(1)
-    amortised per pair whatever the number of DP ranks per step (a rebuilt set
-    costs every pair kept, about ``window`` × DP ranks, for every pair added).
-    """
-
-    def __init__(self, keep: int = 4096, window: int = 64):
-        self.keep = keep
-        self.window = window
-        self._dps: dict[int, set[int]] = {}  # step -> its DP ranks held
-        self._steps: list[int] = []  # heap of the steps of _dps
-        self._n = 0
-
-    def add(self, step: int, dp: int) -> None:
-        dps = self._dps.get(step)
-        if dps is None:
-            dps = self._dps[step] = set()
-            heapq.heappush(self._steps, step)
-        if dp not in dps:
-            dps.add(dp)
-            self._n += 1
-        if self._n > self.keep:
-            cut = step - self.window
-            while self._steps and self._steps[0] <= cut:
-                self._n -= len(self._dps.pop(heapq.heappop(self._steps)))
-
-    def __contains__(self, key: object) -> bool:
-        if not isinstance(key, tuple) or len(key) != 2:
-            return False
-        dps = self._dps.get(key[0])
-        return dps is not None and key[1] in dps
-
-    def __len__(self) -> int:
-        return self._n
-
-
 class DataConstructor:
     """Dask actor building and serving the batches of a set of DP ranks.
 
     Parameters
     ----------
     service : str
-        The service name (queue names derive from it).
+        The service name.
     index : int
         This constructor's index.
     members : dict
@@ -156,7 +121,7 @@ class DataConstructor:
         How long to wait for a loader, or for a step a rank claims to be built.
     generation : int
         The planner generation this constructor belongs to (0, then one more each
-        time the service re-creates a lost planner); it is in every ticket.
+        time the service re-creates a lost planner); it is in every answer to a reader.
     """
 
     def __init__(self, service: str, index: int, members: dict[int, list[int]], seq_len: int,
@@ -175,14 +140,19 @@ class DataConstructor:
         self.pad_id = pad_id
         self.prefetch = prefetch
         self.loaders: dict[str, dict[int, Any]] = {}
-        self._queues: dict[int, Any] = {}
+        #: rank -> the steps of each round posted to it and not asked for yet, in order
+        self._rounds: defaultdict[int, deque[list[int]]] = defaultdict(deque)
+        #: rank -> set when a round is posted to it (or the service has news for every
+        #: rank): wakes its reader's waiting :meth:`next_round`
+        self._posted: dict[int, asyncio.Event] = {}
+        #: what every reader is told once it has asked for every round posted to it:
+        #: the planner failed, or the owner closed the service
+        self._notice: str | None = None
         self._ready: dict[tuple[int, int], dict[str, Any]] = {}
         self._unclaimed: dict[tuple[int, int], set[int]] = {}
         #: dp -> steps of it in ``_unclaimed``, in the order they were built
         self._unclaimed_steps: defaultdict[int, dict[int, None]] = defaultdict(dict)
         self._held_steps: dict[int, int] = {}  # step -> DP batches of it not fully claimed
-        self._gone = _FinishedPairs()  # (step, dp) fully claimed
-        self._built: asyncio.Condition | None = None
         self._work: asyncio.Queue[list[StepWork]] | None = None
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
@@ -209,32 +179,27 @@ class DataConstructor:
         self.build_seconds = 0.0
         self.fetch_seconds = 0.0
         self.batches_built = 0
-        #: rounds built and tickets put (one per member rank and round)
+        #: rounds built, and posted to member ranks (one per rank and round)
         self.rounds_built = 0
-        self.tickets_put = 0
+        self.rounds_posted = 0
+        #: batches sent to readers: one per call's step, whatever the ranks it was for
+        self.batches_sent = 0
         #: tokens fetched from loaders and packed, once per DP group's batch
         self.tokens_built = 0
 
     async def setup(self, loaders: dict[str, dict[int, Any]],
                     had: dict[int, int] | None = None) -> None:
-        """Connect to the loaders and create the member ranks' queues.
+        """Connect to the loaders and start building.
 
         ``had``: ``{rank: step}``, steps ranks already have (see :meth:`mark_had`).
         """
-        from distributed import Queue, get_client
-
         self.loaders = loaders
         for r, step in (had or {}).items():
             if int(r) in self._dp_by_rank:
                 self._had[int(r)] = max(self._had.get(int(r), -1), int(step))
                 self.last_claimed[int(r)] = max(self.last_claimed.get(int(r), -1), int(step))
-        client = get_client()
-        for ranks in self.members.values():
-            for r in ranks:
-                self._queues[r] = await Queue(queue_name(self.service, r), client=client)
         self._work = asyncio.Queue()
         self._room = asyncio.Condition()
-        self._built = asyncio.Condition()
         self._task = asyncio.create_task(self._builder())
 
     async def set_loaders(self, loaders: dict[str, dict[int, Any]]) -> None:
@@ -261,7 +226,7 @@ class DataConstructor:
         """Accept a round: ``(step, work, info)`` of each step for this constructor's DP ranks.
 
         The round is fetched (one message per loader for all its steps), built
-        and published (one ticket per rank for all its steps) together.  Waits
+        and posted (one round per rank for all its steps) together.  Waits
         until there is room for the round, then (``room``) until there is room
         for ``room`` more steps: the planner's next round, without another
         message.  ``force`` skips both waits: the planner re-sends recent
@@ -290,11 +255,10 @@ class DataConstructor:
             steps = await self._work.get()
             try:
                 await self._build(steps)
-            except Exception as e:  # noqa: BLE001 - turned into error tickets for the readers
+            except Exception as e:  # noqa: BLE001 - told to every reader (next_round)
                 first = steps[0][0]
                 self._error = f"constructor {self.index} failed to build step {first}: {e!r}"
-                for q in self._queues.values():
-                    await q.put({"error": self._error, "step": first, "g": self.generation})
+                self._wake_all()
                 return
 
     async def _build(self, steps: list[StepWork]) -> None:
@@ -323,7 +287,7 @@ class DataConstructor:
         for k, arrays in zip(keys, results, strict=True):
             for pos, arr in zip(where[k], arrays, strict=True):
                 tokens[pos] = arr
-        tickets: dict[tuple[int, int], list[int]] = defaultdict(list)  # (rank, dp) -> steps
+        posts: dict[int, list[int]] = defaultdict(list)  # rank -> steps
         for (step, _work, info), work in zip(steps, works, strict=True):
             for dp, rows in work.items():
                 packed_rows = []
@@ -339,28 +303,27 @@ class DataConstructor:
                 packed.update(step=step, dp=dp, documents=docs, epochs=epochs,
                               cost=float(info["rank_cost"][dp]))
                 # ranks that already have this step (they read it from a replaced planner's
-                # constructors) get no ticket and are not waited for
+                # constructors) are not sent it and not waited for
                 waiting = {r for r in self.members[dp] if step > self._had.get(r, -1)}
                 if waiting:
                     self._ready[(step, dp)] = packed
                     self._unclaimed[(step, dp)] = waiting
                     self._unclaimed_steps[dp][step] = None
                     for r in waiting:
-                        tickets[(r, dp)].append(step)
+                        posts[r].append(step)
                 else:
                     await self._done(step, dp)
             self.batches_built += len(work)
         self.fetch_seconds += t1 - t0
         self.build_seconds += time.perf_counter() - t1
-        assert self._built is not None
-        async with self._built:
-            self._built.notify_all()
         self.rounds_built += 1
-        for (r, dp), ticket in sorted(tickets.items()):
-            await self._queues[r].put({"steps": ticket, "c": self.index, "dp": dp,
-                                       "g": self.generation})
-            self.published[r] += len(ticket)
-            self.tickets_put += 1
+        for r, posted in posts.items():
+            self._rounds[r].append(posted)
+            self.published[r] += len(posted)
+            self.rounds_posted += 1
+            event = self._posted.get(r)
+            if event is not None:
+                event.set()
 
     async def _fetch(self, source: str, slot: int, requests: np.ndarray) -> list[np.ndarray]:
         """Fetch from a loader slot; if its loader is lost or retired, retry on the actor
@@ -400,47 +363,138 @@ class DataConstructor:
             await asyncio.sleep(0.25)
 
     # ----------------------------------------------------------------- claims
-    async def claim(self, steps: list[int], rank: int,
-                    view: tuple[int, int, int, int] = (0, 1, 0, 1),
-                    report_after: float | None = None) -> list[dict[str, Any]]:
-        """The batches of global ``rank`` for ``steps`` (each member claims a step once),
-        each as :func:`~msd_dask.core.packing.to_wire` sends it (:func:`~msd_dask.core.packing.from_wire`).
+    async def next_round(self, rank: int, done: int = -1,
+                         view: tuple[int, int, int, int] = (0, 1, 0, 1),
+                         report_after: float | None = None, wait: float = POLL,
+                         ranks: list[int] | None = None) -> dict[str, Any] | None:
+        """Global ``rank``'s next round: the batches of its steps after ``done``.
+
+        Waits up to ``wait`` seconds for a round to be posted to the rank; ``None``
+        if none was.  A round's steps the rank already has (``done``: it read them
+        before a restart, or from a replaced constructor) are released without
+        being sent; a round with no step left is passed over.  Once every round
+        posted to the rank was asked for, a failed planner or constructor, or a
+        service closed by its owner, answers ``{"error": message, "g"}``.
+
+        Returns
+        -------
+        dict or None
+            ``{"steps": [...], "g": generation, "payloads": [...]}``, each payload as
+            :func:`~msd_dask.core.packing.to_wire` sends it
+            (:func:`~msd_dask.core.packing.from_wire`); each member rank is handed a
+            step once.
 
         ``view`` is the rank's ``(cp_rank, cp, pp_rank, pp)``: context-parallel
         ranks get their slice of every row, pipeline stages only the tensors
         they need (:func:`msd_dask.core.mesh.view_for_rank`).  ``report_after``: the
         seconds after which the rank's reader reports the last step it returned once
         its training loop stops asking (:data:`msd_dask.reader.REPORT_IDLE`).
+        ``ranks``: more ranks of ``rank``'s DP group that take the round with it, sent
+        once (a host agent reading for the tensor-parallel ranks of its host); they
+        share its ``view`` and ``done``.
         """
         from msd_dask.core.mesh import view_for_rank
 
-        dp = self._dp_of(rank)
-        if report_after is not None:
-            self.report_after[rank] = float(report_after)
-        for step in steps:  # all built first: a claim takes all its steps or none
-            await self._wait_built(int(step), dp)
-        self._check_open()
-        missing = [s for s in steps if (int(s), dp) not in self._ready]
-        if missing:
-            raise KeyError(f"step(s) {missing} of rank {rank} are not held by constructor "
-                           f"{self.index} (already claimed, or never published)")
-        # the rank returned every step before this round (it claims when it has none left)
-        self._raise_returned(rank, int(steps[0]) - 1, "claim")
-        return [to_wire(view_for_rank(await self._hand_over((int(step), dp), rank), *view))
-                for step in steps]
-
-    async def skip(self, step: int, rank: int) -> None:
-        """Mark ``step`` claimed by ``rank`` without sending it (a resumed rank had it)."""
-        await self._take(step, rank)
-        self._raise_returned(rank, int(step), "skip")
-
-    async def returned_through(self, rank: int, step: int) -> None:
-        """``rank``'s reader returned every step up to ``step`` and then paused (it reports
-        when its training loop has not asked for a batch for ``REPORT_IDLE`` seconds)."""
         rank = int(rank)
-        if rank in self._dp_by_rank:
+        others = [int(r) for r in ranks or () if int(r) != rank]
+        done = max(int(done), self._had.get(rank, -1))  # what it told this actor it has
+        deadline = time.monotonic() + wait
+        if self._closed and self._notice is not None:
+            return {"error": self._notice, "g": self.generation}
+        dp = self._dp_of(rank)
+        for r in others:
+            if self._dp_of(r) != dp:
+                raise KeyError(f"rank {r} is not in the DP group of rank {rank} (DP rank {dp})")
+        group = [rank, *others]
+        if report_after is not None:
+            for r in group:
+                self.report_after[r] = float(report_after)
+        posted = self._posted.setdefault(rank, asyncio.Event())
+        while True:
+            rounds = self._rounds.get(rank)
+            while rounds:
+                steps = rounds.popleft()
+                had = [s for s in steps if s <= done]
+                for s in had:
+                    for r in group:
+                        await self._release((s, dp), r)
+                if had:
+                    for r in group:
+                        self._drop_posted(r, had[-1])
+                        self._raise_returned(r, had[-1], "skip")
+                steps = [s for s in steps if s > done]
+                if not steps:
+                    continue
+                self._check_open()
+                missing = [s for s in steps if rank not in self._unclaimed.get((s, dp), ())]
+                if missing:
+                    raise KeyError(f"step(s) {missing} of rank {rank} are not held by "
+                                   f"constructor {self.index} (already claimed)")
+                # the rank returned every step before this round (it asks when it has none left)
+                for r in group:
+                    self._raise_returned(r, steps[0] - 1, "claim")
+                payloads = []
+                for s in steps:
+                    batch = await self._hand_over((s, dp), rank)
+                    for r in others:
+                        await self._release((s, dp), r)
+                    payloads.append(to_wire(view_for_rank(batch, *view)))
+                self.batches_sent += len(payloads)
+                for r in others:
+                    self._drop_posted(r, steps[-1])
+                return {"steps": steps, "g": self.generation, "payloads": payloads}
+            notice = self._error or self._notice
+            if notice is not None:
+                return {"error": notice, "g": self.generation}
+            self._check_open()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            posted.clear()
+            try:
+                await asyncio.wait_for(posted.wait(), left)
+            except TimeoutError:
+                pass
+
+    async def notify(self, message: str) -> None:
+        """Tell every member rank ``message`` (an error) once it has its rounds posted here."""
+        self._notice = message
+        self._wake_all()
+
+    def _drop_posted(self, rank: int, through: int) -> None:
+        """Forget the steps up to ``through`` posted to ``rank`` (another rank of its group
+        took them for it)."""
+        rounds = self._rounds.get(rank)
+        while rounds and rounds[0][-1] <= through:
+            rounds.popleft()
+        if rounds and rounds[0][0] <= through:
+            rounds[0] = [s for s in rounds[0] if s > through]
+
+    def _wake_all(self) -> None:
+        for event in self._posted.values():
+            event.set()
+
+    async def _release(self, key: tuple[int, int], rank: int) -> None:
+        """``rank`` has the batch ``key`` (step, dp) already: stop holding it for the rank."""
+        waiting = self._unclaimed.get(key)
+        if waiting is not None and rank in waiting:
+            waiting.discard(rank)
+            self.claimed[rank] += 1
+            self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), key[0])
+            if not waiting:
+                await self._done(*key)
+
+    async def returned_through(self, rank: int, step: int,
+                               ranks: list[int] | None = None) -> None:
+        """``rank``'s reader returned every step up to ``step`` and then paused (it reports
+        when its training loop has not asked for a batch for ``REPORT_IDLE`` seconds);
+        ``ranks``: every rank it reads for (see :meth:`next_round`)."""
+        group = [int(r) for r in ranks or (rank,)]
+        if any(r in self._dp_by_rank for r in group):
             self.reports += 1
-            self._raise_returned(rank, int(step), "pause")
+        for r in group:
+            if r in self._dp_by_rank:
+                self._raise_returned(r, int(step), "pause")
 
     def _raise_returned(self, rank: int, step: int, by: str) -> None:
         """``rank`` returned every step up to ``step`` (learnt from a ``by``).  A report
@@ -453,7 +507,7 @@ class DataConstructor:
 
     async def mark_had(self, rank: int, step: int) -> None:
         """``rank`` already has every step up to ``step``: release them for it, now and
-        when they are built, and send it no ticket for them.
+        when they are built, and do not send them to it.
 
         A reader calls this when the service re-created its lost planner: the new
         planner re-plans the steps after its saved state, some of which the rank
@@ -484,7 +538,6 @@ class DataConstructor:
             steps.pop(step, None)
             if not steps:
                 del self._unclaimed_steps[dp]
-        self._gone.add(step, dp)
         async with self._room:
             if step in self._held_steps:
                 self._held_steps[step] -= 1
@@ -504,30 +557,6 @@ class DataConstructor:
         if dp is None:
             raise KeyError(f"rank {rank} is not served by constructor {self.index}")
         return dp
-
-    async def _wait_built(self, step: int, dp: int) -> None:
-        """Wait (up to ``timeout``) until ``step`` of ``dp`` is built, if it is not gone:
-        a re-sent step (after this constructor was re-created) may still be building."""
-        key = (step, dp)
-        if key not in self._ready and key not in self._gone:
-            assert self._built is not None
-            async with self._built:
-                try:
-                    await asyncio.wait_for(
-                        self._built.wait_for(lambda: key in self._ready or self._closed
-                                             or self._error is not None),
-                        self.timeout)
-                except TimeoutError:
-                    pass
-
-    async def _take(self, step: int, rank: int) -> dict[str, Any]:
-        key = (int(step), self._dp_of(rank))
-        await self._wait_built(*key)
-        self._check_open()
-        if key not in self._ready:
-            raise KeyError(f"step {step} of rank {rank} is not held by constructor "
-                           f"{self.index} (already claimed, or never published)")
-        return await self._hand_over(key, rank)
 
     async def _hand_over(self, key: tuple[int, int], rank: int) -> dict[str, Any]:
         """Mark the built batch ``key`` (step, dp) claimed by ``rank`` and return it."""
@@ -555,7 +584,8 @@ class DataConstructor:
             "reports": self.reports,
             "batches_built": self.batches_built,
             "rounds_built": self.rounds_built,
-            "tickets_put": self.tickets_put,
+            "rounds_posted": self.rounds_posted,
+            "batches_sent": self.batches_sent,
             "tokens_built": self.tokens_built,
             "fetch_seconds": self.fetch_seconds,
             "build_seconds": self.build_seconds,
@@ -567,10 +597,17 @@ class DataConstructor:
             "unclaimed": {f"{st}/{dp}": sorted(rs) for (st, dp), rs in self._unclaimed.items()},
         }
 
-    async def close(self) -> None:
+    async def close(self, notice: str | None = None) -> None:
         """Stop building, drop the batches held and the loader handles (they keep the
-        loaders' keys alive).  Claims waiting here, or made later, raise
-        ``RuntimeError``: readers then switch to the service's current constructor."""
+        loaders' keys alive).
+
+        Without ``notice`` (the service replaced this constructor), readers waiting
+        here, or asking later, get ``RuntimeError`` and switch to the service's
+        current constructor; with it (the owner closed the service), they are
+        answered ``{"error": notice}``.
+        """
+        if notice is not None:
+            self._notice = notice
         self._closed = True
         if self._task is not None:
             self._task.cancel()
@@ -578,9 +615,7 @@ class DataConstructor:
         self._ready.clear()
         self._unclaimed.clear()
         self._unclaimed_steps.clear()
-        if self._built is not None:
-            async with self._built:
-                self._built.notify_all()
+        self._wake_all()
         if self._room is not None:  # a planner waiting for room here goes on
             async with self._room:
                 self._room.notify_all()

@@ -23,7 +23,7 @@ import numpy as np
 
 from msd_dask.core.config import parse_config
 from msd_dask.errors import ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import StepPieces, StepWork, queue_name
+from msd_dask.roles.constructor import StepPieces, StepWork
 from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
@@ -210,11 +210,10 @@ class PlannerActor:
         A :meth:`DataService.state_dict` (or a bare planner state) to resume from.
     generation : int
         0, then one more each time the service re-creates a lost planner; its
-        constructors put it in every ticket, so readers tell a replaced
-        planner's tickets from the current ones.
+        constructors put it in every answer to a reader.
     had : dict, optional
         ``{rank: step}``: steps ranks already read from the planner this one
-        replaces (the constructors send them no ticket for those).
+        replaces (the constructors do not send them those).
     lost : dict, optional
         For a re-created planner: ``{"from": worker address of the lost one,
         "recovered": {...}, "events": [...]}`` (the lost planner's recovery
@@ -365,13 +364,15 @@ class PlannerActor:
         asking process unpickles no handle)."""
         return self.roles.keys()
 
-    async def close_roles(self) -> None:
-        """Stop planning and close every loader and constructor."""
+    async def close_roles(self, notice: str | None = None) -> None:
+        """Stop planning and close every loader and constructor; ``notice``: what the
+        constructors tell the readers that ask them for a round afterwards
+        (:meth:`~msd_dask.roles.constructor.DataConstructor.close`)."""
         await self.stop()
         if self._executor is not None:  # a step in flight ends on its own (its result dropped)
             self._executor.shutdown(wait=False)
             self._executor = None
-        await self.roles.close()
+        await self.roles.close(notice)
 
     async def start(self) -> None:
         """Start the planning loop (idempotent)."""
@@ -717,7 +718,7 @@ class PlannerActor:
         except Exception as e:  # noqa: BLE001 - reported to every reader
             _log.exception("msd_dask %s: planner failed", self.cfg.name)
             self.error = f"planner failed at step {self.planner.step}: {e}"
-            await self._broadcast_error(self.error)
+            await self.roles.notify(self.error)
 
     async def _submit(self, plans: list[StepPlan], room: int) -> None:
         """Hand a round to the constructors; return once each has room for ``room`` more
@@ -743,14 +744,6 @@ class PlannerActor:
         while self._recent and next(iter(self._recent)) <= safe:
             self._recent.popitem(last=False)
         self.waiting = None
-
-    async def _broadcast_error(self, message: str) -> None:
-        from distributed import Queue, get_client
-
-        client = get_client()
-        for r in range(self.cfg.parallel.world_size):
-            q = await Queue(queue_name(self.cfg.name, r), client=client)
-            await q.put({"error": message, "g": self.generation})
 
     def _record(self, record: dict[str, Any]) -> None:
         """Count a planned step (its history record, see :meth:`_plan_next`)."""

@@ -12,7 +12,7 @@ planner therefore creates the roles itself and keeps them alive:
 * **recovery** — :meth:`RoleSupervisor.heal` compares the roles' workers with the
   scheduler's live workers; a lost loader is re-created in its slot and
   re-reads the slot's live units; a lost constructor is re-created and the
-  recent steps are sent to it again (readers drop the duplicate tickets).
+  recent steps are sent to it again (it skips the steps a reader says it has).
 * **scaling** — :meth:`RoleSupervisor.scale` adds slots or retires them; a retired
   slot's units move to a remaining slot, which re-reads them on demand.
 * **the planner itself** cannot heal itself: the process that started the
@@ -548,11 +548,18 @@ class RoleSupervisor:
                     moved["constructors"] += 1
         return dict(moved)
 
-    async def close(self) -> None:
-        """Close every constructor and loader and let Dask forget their actors."""
+    async def notify(self, message: str) -> None:
+        """Have every constructor tell its ranks ``message`` (an error), once they have
+        every round posted to them (best effort: a lost constructor tells nothing)."""
+        calls = [asyncio.wait_for(c.notify(message), 5) for c in self.constructors]
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    async def close(self, notice: str | None = None) -> None:
+        """Close every constructor and loader and let Dask forget their actors; ``notice``:
+        what the constructors tell readers that ask them afterwards."""
         for c in self.constructors:
             try:
-                await asyncio.wait_for(c.close(), 5)
+                await asyncio.wait_for(c.close(notice), 5)
             except Exception:  # noqa: BLE001 - best effort
                 pass
         for h, _ in self._all_loaders():
@@ -569,9 +576,10 @@ async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, A
     """Close the loaders and constructors of service ``name`` held by this worker.
 
     Run on every worker (``client.run``) by the process that re-creates a lost
-    planner, before it starts the new one: the old roles must stop publishing
-    tickets and give their memory back.  Returns ``{"closed": n, "last_claimed":
-    {rank: step}}``, the ranks' last claimed steps on the closed constructors.
+    planner, before it starts the new one: the old roles must stop building
+    and give their memory back (their readers switch to the new ones).  Returns
+    ``{"closed": n, "last_claimed": {rank: step}}``, the ranks' last claimed steps on
+    the closed constructors.
     """
     prefix = f"msd-{name}-"
     closed = 0

@@ -24,8 +24,8 @@ from typing import Any
 
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
-from msd_dask.dask_internals import drop_queues, keys_on
-from msd_dask.errors import ServiceError, ServiceTimeoutError
+from msd_dask.dask_internals import keys_on
+from msd_dask.errors import CLOSED_BY_OWNER, ServiceError, ServiceTimeoutError
 from msd_dask.reader import REPORT_IDLE, Reader
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import (
@@ -34,8 +34,6 @@ from msd_dask.service.placement import (
     forget_keys,
     place_planner,
     published_event,
-    rank_queues,
-    tell_closed,
 )
 from msd_dask.service.recovery import PlannerKeeper
 from msd_dask.sources.discover import discover_remote
@@ -223,10 +221,6 @@ class DataService:
         if key in client.list_datasets():
             raise ServiceError(f"a service named {cfg.name!r} is already running on "
                                f"{address}; pick another 'name' or close it first")
-        stale = client.run_on_scheduler(drop_queues, rank_queues(cfg))
-        if stale:
-            _log.info("msd_dask %s: dropped %d ticket queues a closed service of this name "
-                      "left", cfg.name, stale)
         try:
             client.wait_for_workers(1, timeout=timeout)
         except TimeoutError:
@@ -519,7 +513,7 @@ class DataService:
         except Exception:  # noqa: BLE001 - best effort: the pinned keys still go
             pass
         try:
-            self.planner.close_roles().result(timeout=30)
+            self.planner.close_roles(CLOSED_BY_OWNER).result(timeout=30)
         except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
             pass
         published_event(self.client, self.name).clear()
@@ -527,7 +521,6 @@ class DataService:
         if pinned is not None:
             self.client.unpublish_dataset(ROLES_PREFIX + self.name)
         forget_keys(self.client, self.name, keys)
-        tell_closed(self.client, self.config, self.generation)
 
     def __enter__(self) -> DataService:
         return self

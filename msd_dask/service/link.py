@@ -20,7 +20,7 @@ from typing import Any
 
 from msd_dask.core.config import Config
 from msd_dask.dask_internals import actor_address, has_client, scheduler_workers
-from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
+from msd_dask.errors import CLOSED_BY_OWNER, RESTART_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.service.placement import REGISTRY_PREFIX
 
 __all__ = ["PlannerLink"]
@@ -203,6 +203,8 @@ class PlannerLink:
         lost = self.planner_lost()
         where = actor_address(self.planner) or "?"
         if lost and not self.owner_alive():
+            if self._unpublished():
+                raise ServiceError(f"service {self.name!r}: {CLOSED_BY_OWNER}")
             raise ServiceError(
                 f"the planner of service {self.name!r} was lost with its worker {where}, and "
                 f"the process that started the service is gone, so nothing can re-create it; "
@@ -216,6 +218,15 @@ class PlannerLink:
             raise ServiceTimeoutError(
                 f"the planner of service {self.name!r} did not answer within "
                 f"{self.config.timeout:.0f}s (its worker may be lost): {cause!r}")
+
+    def _unpublished(self) -> bool:
+        """Whether the service's registry is gone: its owner closed it (one that crashed
+        leaves it published); ``False`` if the scheduler does not answer."""
+        try:
+            return self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
+                                           callback_timeout=5) is None
+        except Exception:  # noqa: BLE001 - unknown: not known to be closed
+            return False
 
     # ------------------------------------------------------------- readers
     def on_new_generation(self, listener: Callable[[], None]) -> None:

@@ -2,8 +2,8 @@
 
 :func:`place_planner` starts a service's planner on a worker (it creates the
 loaders and constructors itself) and returns the *registry* the service
-publishes under ``msd-<name>``; :func:`forget_keys` and :func:`tell_closed`
-remove what a closed service leaves: its roles' keys, readers still waiting.
+publishes under ``msd-<name>``; :func:`forget_keys` removes what a closed
+service leaves: its roles' keys.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from msd_dask.core.config import Config
-from msd_dask.dask_internals import put_in_queues
 from msd_dask.errors import ServiceError
 
 __all__ = ["REGISTRY_PREFIX", "ROLES_PREFIX", "constructor_members", "forget_keys", "place_planner",
-           "published_event", "rank_queues", "source_payload", "tell_closed"]
+           "published_event", "source_payload"]
 
 #: a service's registry is published under this prefix and its name
 REGISTRY_PREFIX = "msd-"
@@ -41,13 +40,6 @@ def published_event(client: Any, name: str) -> Any:
     return Event(PUBLISHED_PREFIX + name, client=client)
 
 
-def rank_queues(cfg: Config) -> list[str]:
-    """The names of the service's ticket queues, one per global rank."""
-    from msd_dask.roles.constructor import queue_name
-
-    return [queue_name(cfg.name, r) for r in range(cfg.parallel.world_size)]
-
-
 def source_payload(cfg: Config, name: str) -> dict[str, Any]:
     """Source ``name``'s config as its loaders get it (without its weight)."""
     d = next(s for s in cfg.to_dict()["sources"] if s["name"] == name)
@@ -57,11 +49,14 @@ def source_payload(cfg: Config, name: str) -> dict[str, Any]:
 
 def constructor_members(cfg: Config, n_constructors: int) -> list[dict[int, list[int]]]:
     """``{dp: ranks of that DP group}`` of each of ``n_constructors`` constructors: DP
-    index ``dp`` goes to constructor ``dp % n_constructors`` (the planner splits a
-    step's rows the same way).  One pass over the world (:meth:`ParallelConfig.dp_groups`)."""
+    index ``dp`` goes to constructor :func:`~msd_dask.roles.constructor.constructor_of`
+    (the planner splits a step's rows the same way, and readers ask that one).  One
+    pass over the world (:meth:`ParallelConfig.dp_groups`)."""
+    from msd_dask.roles.constructor import constructor_of
+
     members: list[dict[int, list[int]]] = [{} for _ in range(n_constructors)]
     for dp, ranks in enumerate(cfg.parallel.dp_groups()):
-        members[dp % n_constructors][dp] = ranks
+        members[constructor_of(dp, n_constructors)][dp] = ranks
     return members
 
 
@@ -75,8 +70,8 @@ def place_planner(client: Any, cfg: Config,
     """Start the planner; it creates the loaders and constructors itself.
 
     ``constructors`` (how many; :func:`constructor_members` gives each its DP
-    ranks) is kept across generations, so a ticket's constructor index means the
-    same DP ranks in every generation.  The registry, which every process that
+    ranks) is kept across generations, so a constructor index means the same DP
+    ranks in every generation.  The registry, which every process that
     connects reads, holds that count, not the members: they grow with the world.
 
     Returns
@@ -107,18 +102,6 @@ def place_planner(client: Any, cfg: Config,
         lost=lost, actor=True, workers=[workers[0]], pure=False, key=key)
     return {"config": cfg.to_dict(), "planner": planner, "constructors": n_c,
             "generation": generation}
-
-
-def tell_closed(client: Any, cfg: Config, generation: int) -> None:
-    """Put a last ticket in every rank's queue that exists: a reader still waiting
-    raises :class:`ServiceError` saying the service was closed, instead of timing
-    out.  One call to the scheduler, whatever the number of ranks."""
-    msg = {"error": "closed by its owner", "g": generation}
-    try:
-        client.run_on_scheduler(put_in_queues, rank_queues(cfg), msg)
-    except Exception as e:  # noqa: BLE001 - best effort: the cluster may be gone
-        _log.warning("msd_dask %s: could not tell the ranks the service closed: %r",
-                     cfg.name, e)
 
 
 def forget_keys(client: Any, name: str, keys: list[Any]) -> None:

@@ -34,7 +34,7 @@ def test_close_releases_every_role_and_the_name_starts_again_from_step_0(corpus)
             Client(cl) as client:
         for round_ in range(3):
             # each service reads 4 steps of the 7 it plans ahead (rounds of 3, prefetch 4):
-            # the tickets of the rest stay in the closed service's queues
+            # the rest are dropped with the closed service's constructors
             recs = []
             with DataService.start(config(root, name="closing"), cl.scheduler_address) as svc:
                 held, _ = _left(client, "msd-closing-")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 from distributed.utils_test import gen_cluster
 
 from msd_dask.core.packing import from_wire, join_pieces
@@ -36,16 +35,28 @@ async def _constructor(c, prefetch: int = 2, timeout: float = 2.0):
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
-async def test_a_claim_takes_all_its_steps_or_none(c, s, a):
-    con = await _constructor(c)
+async def test_a_round_is_handed_over_once_and_a_waiting_reader_gets_the_next_at_once(c, s, a):
+    con = await _constructor(c, prefetch=4)
     await con.submit([_step(0), _step(1)])
-    with pytest.raises(KeyError, match=r"\[5\]"):
-        await con.claim([0, 5], 0)  # step 5 is never published
-    # step 0 was not taken by the failed claim
-    got = [from_wire(p) for p in await con.claim([0, 1], 0)]
-    assert [p["step"] for p in got] == [0, 1]
-    assert got[1]["input_ids"][0, :4].tolist() == [1, 1, 1, 1]
+    got = await con.next_round(0, -1)
+    assert got["steps"] == [0, 1] and got["g"] == 0
+    batches = [from_wire(p) for p in got["payloads"]]
+    assert [b["step"] for b in batches] == [0, 1]
+    assert batches[1]["input_ids"][0, :4].tolist() == [1, 1, 1, 1]
     assert (await con.stats())["returned"] == {0: -1}
+    # nothing more posted: after its wait, the call answers None (no error, no traceback)
+    t0 = asyncio.get_running_loop().time()
+    assert await con.next_round(0, 1, wait=0.3) is None
+    assert asyncio.get_running_loop().time() - t0 >= 0.3
+    # a call waiting when the next round is built answers then, not at the end of its wait
+    waiting = asyncio.ensure_future(con.next_round(0, 1, wait=30.0))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    t0 = asyncio.get_running_loop().time()
+    await con.submit([_step(2)])
+    got = await asyncio.wait_for(waiting, 10)
+    assert got["steps"] == [2] and asyncio.get_running_loop().time() - t0 < 5
+    assert (await con.stats())["returned"] == {0: 1}
 
 
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])

@@ -77,26 +77,26 @@ def test_same_seed_same_batches_whatever_the_workers(corpus):
 
 def test_rounds_send_fewer_messages_and_the_same_batches(corpus):
     """``round_steps``: a round's steps are fetched, built, published and claimed together
-    (one ticket per rank and round), and what every rank reads does not change."""
+    (one round posted per rank and round), and what every rank reads does not change."""
     root, texts = corpus
-    runs, tickets, published = [], [], []
+    runs, posted, published = [], [], []
     for k in (1, 3):
         cfg = config(root, name=f"rounds{k}", prefetch=4, round_steps=k)
         with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
             runs.append(read_steps(svc, 40))
             cons = svc.stats()["constructors"]
-        tickets.append(sum(c["tickets_put"] for c in cons))
+        posted.append(sum(c["rounds_posted"] for c in cons))
         published.append(sum(c["rounds_built"] for c in cons))
         check_content(runs[-1], texts, 512)
         check_exactly_once(runs[-1], texts, 512)
     for a, b in zip(*runs, strict=True):
         assert a["documents"] == b["documents"] and a["step"] == b["step"]
         assert (a["input_ids"] == b["input_ids"]).all() and (a["labels"] == b["labels"]).all()
-    # k = 1: a ticket per rank and step; k = 3: about a third (rounds cut short where a
+    # k = 1: a round per rank and step; k = 3: about a third (rounds cut short where a
     # unit's lengths are not known yet are the rest)
     world = 2
-    assert tickets[0] >= 40 * world, tickets
-    assert tickets[1] <= 0.5 * tickets[0], tickets
+    assert posted[0] >= 40 * world, posted
+    assert posted[1] <= 0.5 * posted[0], posted
     assert published[1] <= 0.5 * published[0], published
 
 
