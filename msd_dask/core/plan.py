@@ -507,10 +507,13 @@ def _gather(keys: Sequence[int] | np.ndarray, windows: list[Window], sources: li
     out = np.empty((len(keys), 8), dtype=np.int64)
     if len(keys) == 0:
         return out
-    k = np.array(keys, dtype=np.int64)
+    k = np.asarray(keys, dtype=np.int64)
     slot, offset = k >> 32, k & 0xFFFFFFFF
+    # the keys grouped by window (a pass over the keys per window would cost windows × keys)
+    by_slot = np.argsort(slot, kind="stable")
+    bounds = np.searchsorted(slot[by_slot], np.arange(len(windows) + 1)).tolist()
     for i, (win, src) in enumerate(zip(windows, sources, strict=True)):
-        mine = slot == i
+        mine = by_slot[bounds[i]:bounds[i + 1]]
         out[mine, 0] = src
         out[mine, 1:] = win.table[offset[mine]]
     return out
