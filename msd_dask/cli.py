@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -21,6 +22,9 @@ EPILOG = """examples:
   msd-dask serve configs/demo.yaml --scheduler tcp://head:8786
                                               serve until interrupted; training jobs connect
   msd-dask set-weights demo code=0.5 prose=0.5 --scheduler tcp://head:8786
+  msd-dask agent --scheduler tcp://head:8786 --name demo --ranks 0-7
+                                              on each training host: one Dask client for
+                                              its ranks (export MSD_DASK_AGENT=<socket>)
   msd-dask serve configs/demo.yaml --scheduler tls://head:8786 \
       --tls-ca-file ca.pem --tls-cert client.pem --tls-key client.key
                                               the same on a TLS-secured cluster
@@ -49,6 +53,19 @@ def _security(args: argparse.Namespace) -> Any:
 
     return Security(tls_ca_file=args.tls_ca_file, tls_client_cert=args.tls_cert,
                     tls_client_key=args.tls_key, require_encryption=True)
+
+
+AGENT_EPILOG = """example, on each node of a torchrun job with 8 GPUs per node:
+  export MSD_DASK_AGENT=/tmp/msd-dask-agent-demo.sock
+  msd-dask agent --scheduler tcp://head:8786 --name demo \\
+      --ranks $((NODE_RANK*8))-$((NODE_RANK*8+7)) --socket $MSD_DASK_AGENT &
+  until [ -S $MSD_DASK_AGENT ]; do sleep 1; done
+  torchrun --nnodes ... --nproc-per-node 8 train.py   # train.py unchanged
+
+With MSD_DASK_AGENT set, DataService.connect(address, name).reader(rank) reads
+from the agent (no Dask client in the training process).  SIGTERM or Ctrl-C
+stops the agent: it frees its shared memory and removes its socket.
+"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,6 +109,29 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--from-step", type=int, default=None,
                    help="first step of the new mix (default: the first unplanned step)")
     _tls_options(w)
+
+    a = sub.add_parser(
+        "agent", help="serve this host's ranks from one connection to the service",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="One process per training host: connects to the service once (the "
+        "host's one Dask client), reads each group of its ranks that receive the same "
+        "tensors (tensor-parallel peers) once, and serves the host's training processes "
+        "over a Unix socket, the tensors in shared memory.",
+        epilog=AGENT_EPILOG)
+    a.add_argument("--scheduler", metavar="ADDR", required=True,
+                   help="address of the Dask scheduler")
+    a.add_argument("--name", required=True, help="the service's name")
+    a.add_argument("--ranks", required=True, metavar="A-B",
+                   help="the global ranks of this host: A-B (both included), A,B,C or a mix")
+    a.add_argument("--socket", metavar="PATH",
+                   help="the Unix socket to serve on (default: /tmp/msd-dask-agent-NAME.sock)")
+    a.add_argument("--prefetch", type=int, default=None, metavar="N",
+                   help="steps read ahead of a group's slowest rank (default: the "
+                   "service's prefetch)")
+    a.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds the agent waits for a step of the service (default: the "
+                   "service's timeout)")
+    _tls_options(a)
 
     st = sub.add_parser("stats", help="print the counters of a running service as JSON")
     st.add_argument("name", help="service name")
@@ -273,7 +313,7 @@ def _set_weights(args: argparse.Namespace) -> int:
         except ValueError:
             raise SystemExit(f"msd-dask set-weights: weight of {name!r} is not a number: "
                              f"{value!r}") from None
-    svc = DataService.connect(args.scheduler, args.name, security=_security(args))
+    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
     with svc:
         step = svc.set_weights(weights, args.from_step)
     print(f"weights {weights} take effect at step {step}")
@@ -283,12 +323,43 @@ def _set_weights(args: argparse.Namespace) -> int:
 def _stats(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
-    with DataService.connect(args.scheduler, args.name, security=_security(args)) as svc:
+    with DataService.connect(args.scheduler, args.name, security=_security(args),
+                             agent=False) as svc:
         print(json.dumps(svc.stats(), indent=2, default=str))
     return 0
 
 
+def _agent(args: argparse.Namespace) -> int:
+    from msd_dask.service import DataService
+    from msd_dask.service.agent import AGENT_ENV, HostAgent, parse_ranks
+
+    ranks = parse_ranks(args.ranks)
+    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
+    with svc:
+        agent = HostAgent.for_service(svc, ranks, args.socket, prefetch=args.prefetch,
+                                      timeout=args.timeout)
+
+        def _stop(_signum: int, _frame: object) -> None:
+            agent.stop()
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        threading.Thread(target=_announce, args=(agent, AGENT_ENV), daemon=True).start()
+        agent.run()
+        agent.report_returned()
+    return 0
+
+
+def _announce(agent: Any, env: str) -> None:
+    """Print one line once ``agent`` accepts connections."""
+    agent.ready.wait()
+    groups = "; ".join(",".join(map(str, g.ranks)) for g in agent.groups)
+    print(f"agent of {agent.name!r} serves ranks {groups} on {agent.path}; "
+          f"export {env}={agent.path}", flush=True)
+
+
 _COMMANDS = {
+    "agent": _agent,
     "run": _run,
     "serve": _serve,
     "validate": _validate,

@@ -20,13 +20,14 @@ import logging
 import time
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import keys_on
 from msd_dask.errors import CLOSED_BY_OWNER, ServiceError, ServiceTimeoutError
 from msd_dask.reader import REPORT_IDLE, Reader
+from msd_dask.service.agent import AgentHandle, agent_path
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import (
     REGISTRY_PREFIX,
@@ -245,10 +246,57 @@ class DataService:
         svc.keeper.start()
         return svc
 
+    @overload
     @classmethod
     def connect(cls, address: str, name: str, *, timeout: float = 30.0,
-                security: Any = None) -> DataService:
-        """Attach to the running service ``name`` on the scheduler at ``address``."""
+                security: Any = None, agent: Literal[False]) -> DataService: ...
+
+    @overload
+    @classmethod
+    def connect(cls, address: str, name: str, *, timeout: float = 30.0,
+                security: Any = None, agent: str | bool | None = None
+                ) -> DataService | AgentHandle: ...
+
+    @classmethod
+    def connect(cls, address: str, name: str, *, timeout: float = 30.0,
+                security: Any = None, agent: str | bool | None = None
+                ) -> DataService | AgentHandle:
+        """Attach to the running service ``name`` on the scheduler at ``address``.
+
+        Parameters
+        ----------
+        address : str
+            The Dask scheduler the service runs on.
+        name : str
+            The service's ``name``.
+        timeout : float
+            Seconds to wait for the service to appear (or for the agent to answer).
+        security : distributed.security.Security, optional
+            TLS settings of the cluster.
+        agent : str or bool, optional
+            Read through the host's ``msd-dask agent`` (docs/deployment.md): its socket
+            path, ``True`` for the default path of ``name``
+            (:data:`~msd_dask.service.agent.AGENT_SOCKET`), ``False`` to connect directly
+            whatever the environment says.  Default: the agent whose socket the
+            environment variable ``MSD_DASK_AGENT`` names, if set; else directly.
+
+        Returns
+        -------
+        DataService or AgentHandle
+            Directly: a handle with its own Dask client.  Through an agent: an
+            :class:`~msd_dask.service.agent.AgentHandle` (no Dask client in this
+            process) whose :meth:`~msd_dask.service.agent.AgentHandle.reader` gives
+            readers with the API of :class:`~msd_dask.reader.Reader`.
+
+        Raises
+        ------
+        ServiceError
+            No service ``name`` within ``timeout``; through an agent, no agent answers
+            at its socket, or it serves another service.
+        """
+        path = agent_path(name, agent)
+        if path is not None:
+            return AgentHandle.connect(path, name, timeout=timeout)
         from distributed import Client
 
         _check_tls(address, security)

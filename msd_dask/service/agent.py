@@ -1,0 +1,917 @@
+"""The host agent: one Dask client per host, batches to the host's ranks through shared memory.
+
+``msd-dask agent --scheduler ADDR --name SERVICE --ranks A-B`` runs one
+:class:`HostAgent` per host.  It connects to the service once (the host's one Dask
+client), groups its ranks by their ``(dp, cp, pp)`` coordinates (the ranks of a
+group, tensor-parallel peers, receive the same tensors) and reads each group with
+one :class:`~msd_dask.reader.Reader` whose ``also`` names the group's other ranks,
+so the group's constructor sends each batch once per host.
+
+The training processes of the host connect to the agent's Unix domain socket
+(:data:`AGENT_SOCKET`, or the path in the environment variable :data:`AGENT_ENV`)
+instead of to Dask: ``DataService.connect(address, name)`` returns an
+:class:`AgentHandle` when :data:`AGENT_ENV` is set, whose readers
+(:class:`AgentReader`) have the API of a :class:`~msd_dask.reader.Reader`.
+
+The protocol, one connection per rank reader, each message a 4-byte length and a
+JSON object:
+
+* rank → agent ``{"op": "hello", "rank", "service"}``; the agent answers
+  ``{"ok", "ranks", "timeout"}`` or ``{"error"}`` (a rank it does not serve, another
+  service).  Without ``rank``: a probe (:meth:`AgentHandle.connect`).
+* ``{"op": "next", "after", "timeout"}``: the first step after ``after`` the rank does
+  not have; the agent answers ``{"step", "block", "layout", "meta"}`` once it holds
+  one (``block``: the name of a :class:`~multiprocessing.shared_memory.SharedMemory`
+  holding the step's arrays at the offsets of ``layout``) or ``{"error", "kind"}``
+  after ``timeout`` seconds or when its own reader failed.
+* ``{"op": "ack", "step"}``: the rank copied the step out; once every rank of the
+  group has a step, the agent unlinks its block.
+* ``{"op": "step_time", "step", "seconds"}``: forwarded to the planner
+  (:meth:`~msd_dask.reader.Reader.report_step_time`).
+* ``{"op": "bye"}``: the reader is closed.
+
+The agent reads a group at most ``prefetch`` steps ahead of the group's slowest
+rank.  It starts reading a group once each of its ranks asked for a first step,
+from the lowest step they all lack (a rank restarted from
+:meth:`AgentReader.load_state_dict` skips what it has; so does the group's reader).
+The group's reader tells the constructor the slowest rank's last step as the step
+it returned (:class:`AgentGroupReader`), so :meth:`DataService.consumed_step` counts
+the steps the ranks took, not those the agent read ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from msd_dask.batch import Batch
+from msd_dask.core.config import Config
+from msd_dask.errors import ServiceError, ServiceTimeoutError
+from msd_dask.reader import Reader
+
+__all__ = [
+    "AGENT_ENV",
+    "AGENT_SOCKET",
+    "AgentGroupReader",
+    "AgentHandle",
+    "AgentReader",
+    "HostAgent",
+    "agent_path",
+    "local_groups",
+    "parse_ranks",
+]
+
+_log = logging.getLogger("msd_dask.agent")
+
+#: the environment variable naming the agent's socket: set, ``DataService.connect``
+#: reads through the agent (no Dask client in the training process)
+AGENT_ENV = "MSD_DASK_AGENT"
+#: the agent's socket by default, from the service's name
+AGENT_SOCKET = "/tmp/msd-dask-agent-{name}.sock"
+#: the prefix of the agent's shared memory blocks (``/dev/shm/`` on Linux), then its pid
+BLOCK_PREFIX = "msd-agent-"
+#: where POSIX shared memory blocks are files (Linux)
+SHM_DIR = "/dev/shm"
+#: seconds a rank waits for the agent's answer beyond its own ``timeout`` (the agent
+#: answers a wait that timed out itself, saying why)
+ANSWER_MARGIN = 10.0
+#: seconds after a group's first rank asked for a step before the agent starts reading
+#: the group without its ranks that did not ask yet, from the lowest step those that
+#: asked lack (normally every rank of a group asks at once, with the same state)
+START_GRACE = 2.0
+#: bytes each array of a block is aligned to
+_ALIGN = 64
+#: the arrays of a batch a block holds, as (field, dtype)
+_ARRAYS = (("input_ids", "int64"), ("labels", "int64"), ("position_ids", "int64"),
+           ("cu_seqlens", "int32"), ("cp_index", "int64"), ("pixel_values", "uint8"))
+
+T = TypeVar("T")
+
+
+def agent_path(name: str, agent: str | bool | None = None) -> str | None:
+    """The agent socket a process of service ``name`` reads through; ``None``: read directly.
+
+    ``agent``: a socket path, ``True`` (:data:`AGENT_SOCKET` of ``name``), ``False``
+    (directly, whatever the environment says) or ``None`` (the path in
+    :data:`AGENT_ENV` if set and not empty, else directly).
+    """
+    if agent is False:
+        return None
+    if agent is True:
+        return AGENT_SOCKET.format(name=name)
+    if agent is None:
+        return os.environ.get(AGENT_ENV) or None
+    return str(agent)
+
+
+def parse_ranks(text: str) -> list[int]:
+    """Ranks from ``"A-B"`` (both included), ``"A,B,C"`` or a mix (``"0-3,8"``), ascending."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise ValueError(f"ranks {text!r}: expected A-B or A,B,C with integers") from None
+        if a < 0 or b < a:
+            raise ValueError(f"ranks {text!r}: {part!r} is not a range A-B with 0 <= A <= B")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+def local_groups(cfg: Config, ranks: Sequence[int]) -> list[list[int]]:
+    """``ranks`` grouped by their ``(dp, cp, pp)`` coordinates: the ranks of a group read
+    the same tensors.  Groups in order of their lowest rank, each ascending."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for r in sorted(set(ranks)):
+        c = cfg.parallel.coords(r)  # raises ValueError outside the world
+        groups.setdefault((c["dp"], c["cp"], c["pp"]), []).append(r)
+    return sorted(groups.values())
+
+
+# ------------------------------------------------------------------ wire
+
+
+def _frame(msg: Mapping[str, Any]) -> bytes:
+    data = json.dumps(msg).encode()
+    return struct.pack("!I", len(data)) + data
+
+
+def _send(sock: socket.socket, msg: Mapping[str, Any]) -> None:
+    sock.sendall(_frame(msg))
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> dict[str, Any] | None:
+    """The next message, ``None`` if the other end closed the connection."""
+    head = _recv_exactly(sock, 4)
+    if head is None:
+        return None
+    data = _recv_exactly(sock, struct.unpack("!I", head)[0])
+    return None if data is None else dict(json.loads(data))
+
+
+async def _arecv(stream: asyncio.StreamReader) -> dict[str, Any] | None:
+    try:
+        head = await stream.readexactly(4)
+        return dict(json.loads(await stream.readexactly(struct.unpack("!I", head)[0])))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+async def _asend(writer: asyncio.StreamWriter, msg: Mapping[str, Any]) -> None:
+    writer.write(_frame(msg))
+    await writer.drain()
+
+
+# ---------------------------------------------------------- shared blocks
+
+
+def _arrays_of(batch: Batch) -> dict[str, np.ndarray]:
+    """The arrays of ``batch`` a block holds (``cu_seqlens`` one after another)."""
+    out: dict[str, np.ndarray] = {}
+    for name, dtype in _ARRAYS:
+        value = getattr(batch, name)
+        if value is None:
+            continue
+        if name == "cu_seqlens":
+            parts = [c.numpy() for c in value]
+            out[name] = (np.concatenate(parts) if parts else np.zeros(0)).astype(dtype, copy=False)
+        else:
+            out[name] = np.ascontiguousarray(value.numpy(), dtype=dtype)
+    return out
+
+
+def _meta_of(batch: Batch) -> dict[str, Any]:
+    """What a rank needs of ``batch`` besides its arrays (JSON)."""
+    return {
+        "documents": batch.documents, "epochs": batch.epochs, "cost": batch.cost,
+        "cu_lengths": None if batch.cu_seqlens is None else [len(c) for c in batch.cu_seqlens],
+        "image_spans": batch.image_spans,
+    }
+
+
+def write_block(batch: Batch, name: str) -> tuple[SharedMemory, dict[str, Any]]:
+    """Write ``batch``'s arrays into a new shared memory block ``name``.
+
+    Returns
+    -------
+    (SharedMemory, dict)
+        The block (the caller unlinks it) and the message a rank reads it with:
+        ``{"step", "block", "pid", "layout": {field: [offset, dtype, shape]}, "meta"}``
+        (``pid``: this process's).
+    """
+    arrays = _arrays_of(batch)
+    layout: dict[str, list[Any]] = {}
+    size = 0
+    for key, a in arrays.items():
+        layout[key] = [size, a.dtype.str, list(a.shape)]
+        size += -(-a.nbytes // _ALIGN) * _ALIGN
+    shm = SharedMemory(name=name, create=True, size=max(size, 1))
+    try:
+        for key, a in arrays.items():
+            view: np.ndarray = np.ndarray(a.shape, a.dtype, buffer=shm.buf, offset=layout[key][0])
+            view[...] = a
+            del view
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return shm, {"step": batch.step, "block": shm.name, "pid": os.getpid(), "layout": layout,
+                 "meta": _meta_of(batch)}
+
+
+@contextmanager
+def _mapped(name: str, owner: int) -> Iterator[Any]:
+    """The shared memory block ``name`` of the agent process ``owner``, mapped read-only.
+
+    On Linux the block is the file ``/dev/shm/<name>``, mapped directly: attaching a
+    :class:`SharedMemory` would register the block with this process's resource
+    tracker (one more process per rank, started on first use), which would unlink
+    it when this process exits, though the agent owns it.
+    """
+    path = os.path.join(SHM_DIR, name)
+    if os.path.isdir(SHM_DIR):
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            yield m
+        return
+    shm = SharedMemory(name=name)
+    try:
+        if os.getpid() != owner:  # the agent unlinks it, not this process's tracker
+            resource_tracker.unregister(f"/{shm.name}", "shared_memory")
+        yield shm.buf
+    finally:
+        shm.close()
+
+
+def read_block(msg: Mapping[str, Any], rank: int) -> Batch:
+    """The :class:`Batch` of global ``rank`` from a block message of :func:`write_block`
+    (the arrays are copied out; the block is left to the agent)."""
+    import torch
+
+    with _mapped(str(msg["block"]), int(msg["pid"])) as buf:
+        arrays = {key: np.ndarray(shape, np.dtype(dtype), buffer=buf, offset=offset).copy()
+                  for key, (offset, dtype, shape) in msg["layout"].items()}
+    meta = msg["meta"]
+
+    def tensor(key: str) -> torch.Tensor | None:
+        return torch.from_numpy(arrays[key]) if key in arrays else None
+
+    cu = None
+    if meta["cu_lengths"] is not None:
+        bounds = np.cumsum([0, *meta["cu_lengths"]])
+        flat = arrays.get("cu_seqlens", np.zeros(0, np.int32))
+        cu = [torch.from_numpy(flat[a:b].copy()) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    spans = meta["image_spans"]
+    return Batch(
+        step=int(msg["step"]), rank=rank,
+        input_ids=tensor("input_ids"), labels=tensor("labels"),
+        position_ids=tensor("position_ids"), cu_seqlens=cu,
+        documents=[[(str(s), str(k), int(c)) for s, k, c in row] for row in meta["documents"]],
+        cost=float(meta["cost"]), epochs=[[int(e) for e in row] for row in meta["epochs"]],
+        cp_index=tensor("cp_index"), pixel_values=tensor("pixel_values"),
+        image_spans=None if spans is None else
+        [[None if s is None else (int(s[0]), int(s[1])) for s in row] for row in spans],
+    )
+
+
+# ------------------------------------------------------------ agent side
+
+
+class GroupReader(Protocol):
+    """What :class:`HostAgent` needs of the reader of one group of its ranks."""
+
+    def __next__(self) -> Batch:
+        """The group's next batch (blocks)."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Skip every step up to ``state["step"]``."""
+
+    def report_step_time(self, seconds: float, step: int | None = None) -> None:
+        """Forward a rank's compute time on ``step`` to the planner."""
+
+    def mark_taken(self, step: int) -> None:
+        """Every rank of the group has ``step`` and the steps before it."""
+
+    def report_returned(self) -> Any:
+        """Tell the service the group's last step taken (best effort; a future or ``None``)."""
+
+
+class AgentGroupReader(Reader):
+    """A :class:`~msd_dask.reader.Reader` of a group of ranks for :class:`HostAgent`: its
+    :meth:`state_dict` (what the reader reports returning when it pauses) is the last
+    step every rank of the group took from the agent (:meth:`mark_taken`), not the
+    last step the agent read ahead."""
+
+    #: the last step every rank of the group has (``None``: none yet)
+    taken: int | None = None
+
+    def mark_taken(self, step: int) -> None:
+        """Every rank of the group has ``step`` and the steps before it."""
+        if self.taken is None or step > self.taken:
+            self.taken = int(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"rank", "step"}``: the last step every rank of the group took."""
+        return {"rank": self.rank, "step": self.taken}
+
+
+@dataclass
+class _Block:
+    """One step of a group held in shared memory."""
+
+    step: int
+    shm: SharedMemory
+    message: dict[str, Any]
+
+    def unlink(self) -> None:
+        try:
+            self.shm.close()
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+@dataclass
+class _Group:
+    """A group of the agent's ranks read together, and what its ranks have."""
+
+    ranks: list[int]
+    reader: GroupReader | None = None
+    #: per rank: the last step it has (taken, or skipped); -1: none
+    has: dict[int, int] = field(default_factory=dict)
+    #: the ranks that asked for a first step (reading starts when all did)
+    asked: set[int] = field(default_factory=set)
+    #: ranks that had not asked when reading started: taken to have what the others had
+    assumed: set[int] = field(default_factory=set)
+    #: steps read and not yet taken by every rank, ascending
+    blocks: dict[int, _Block] = field(default_factory=dict)
+    last_read: int = -1
+    reading: bool = False
+    #: the group reader's failure (``(message, kind)``), told to every rank that asks
+    error: tuple[str, str] | None = None
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def slowest(self) -> int:
+        return min(self.has.get(r, -1) for r in self.ranks)
+
+    def first_after(self, rank: int) -> _Block | None:
+        have = self.has.get(rank, -1)
+        return next((b for s, b in self.blocks.items() if s > have), None)
+
+
+def _in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` in a new daemon thread, as a future of the running loop: a call stuck
+    on the service (a reader waits up to its ``timeout``) does not keep the process
+    from exiting, as it would in the loop's default executor."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, False, e)
+        else:
+            loop.call_soon_threadsafe(settle, True, value)
+
+    threading.Thread(target=run, name="msd-agent-call", daemon=True).start()
+    return fut
+
+
+class HostAgent:
+    """Serves a host's ranks their batches from one connection to the service.
+
+    Parameters
+    ----------
+    name : str
+        The service's name (a rank asking for another service is refused).
+    config : Config
+        The service's configuration (its mesh and ``timeout``).
+    ranks : sequence of int
+        The global ranks of this host.
+    open_reader : callable
+        ``open_reader(first, others)``: the reader of a group of ranks (its lowest
+        rank, the others), e.g. an :class:`AgentGroupReader` of the service's link
+        (:meth:`for_service`).
+    path : str
+        The Unix domain socket to serve on (replaced if it is a stale socket).
+    prefetch : int, optional
+        Steps the agent reads ahead of a group's slowest rank (default: the
+        config's ``prefetch``).
+    """
+
+    def __init__(self, name: str, config: Config, ranks: Sequence[int],
+                 open_reader: Callable[[int, list[int]], GroupReader], path: str, *,
+                 prefetch: int | None = None):
+        self.name = name
+        self.config = config
+        self.path = path
+        self.prefetch = int(config.prefetch if prefetch is None else prefetch)
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        self.groups = [_Group(g) for g in local_groups(config, ranks)]
+        self.ranks = [r for g in self.groups for r in g.ranks]
+        self._group_of = {r: g for g in self.groups for r in g.ranks}
+        self._open_reader = open_reader
+        self._blocks = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._stopped: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: set once the socket accepts connections (:meth:`run` in another thread)
+        self.ready = threading.Event()
+
+    @classmethod
+    def for_service(cls, service: Any, ranks: Sequence[int], path: str | None = None, *,
+                    prefetch: int | None = None, timeout: float | None = None) -> HostAgent:
+        """An agent of a :class:`~msd_dask.service.handle.DataService` connected directly:
+        each group read by an :class:`AgentGroupReader` of its link."""
+        cfg = service.config
+        wait = cfg.timeout if timeout is None else float(timeout)
+
+        def open_reader(first: int, others: list[int]) -> GroupReader:
+            return AgentGroupReader(service.link, first, timeout=wait, also=others)
+
+        return cls(service.name, cfg, ranks, open_reader,
+                   path or AGENT_SOCKET.format(name=service.name), prefetch=prefetch)
+
+    # ------------------------------------------------------------ serving
+    async def serve(self) -> None:
+        """Serve until :meth:`stop`; then free every block and remove the socket."""
+        self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        self._remove_stale_socket()
+        self._server = await asyncio.start_unix_server(self._connection, path=self.path)
+        os.chmod(self.path, 0o600)  # the host's ranks run as the agent's user
+        self.ready.set()
+        try:
+            await self._stopped.wait()
+        finally:
+            self._server.close()
+            for g in self.groups:  # the ranks waiting hear that the agent closes
+                async with g.changed:
+                    g.changed.notify_all()
+            await asyncio.sleep(0.1)
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._free_all()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def run(self) -> None:
+        """:meth:`serve` in a new event loop (returns once stopped)."""
+        asyncio.run(self.serve())
+
+    def stop(self) -> None:
+        """Stop serving (from any thread; the ranks waiting are told the agent closes)."""
+        loop, stopped = self._loop, self._stopped
+        if loop is None or stopped is None:
+            return
+        try:
+            loop.call_soon_threadsafe(stopped.set)
+        except RuntimeError:  # the loop is closed already
+            pass
+
+    def report_returned(self, timeout: float = 5.0) -> None:
+        """Tell the service the last step every rank of each group took (best effort)."""
+        deadline = time.monotonic() + timeout
+        for g in self.groups:
+            if g.reader is None:
+                continue
+            try:
+                call = g.reader.report_returned()
+                if call is not None:
+                    call.result(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - a lost constructor learns nothing
+                pass
+
+    def _remove_stale_socket(self) -> None:
+        """Remove a socket left by an agent that is gone; refuse one that answers."""
+        if not os.path.exists(self.path):
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(self.path)
+        except OSError:
+            os.unlink(self.path)
+        else:
+            raise ServiceError(f"an agent already serves on {self.path}; stop it or pass "
+                               "another --socket")
+        finally:
+            probe.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connection(self, stream: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        try:
+            await self._talk(stream, writer)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _talk(self, stream: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = await _arecv(stream)
+        if hello is None or hello.get("op") != "hello":
+            return
+        info = {"ok": True, "service": self.name, "ranks": self.ranks,
+                "timeout": self.config.timeout}
+        if hello.get("service") not in (None, self.name):
+            await _asend(writer, {"error": f"the agent at {self.path} serves service "
+                                  f"{self.name!r}, not {hello['service']!r}"})
+            return
+        if "rank" not in hello:  # a probe
+            await _asend(writer, info)
+            return
+        rank = int(hello["rank"])
+        group = self._group_of.get(rank)
+        if group is None:
+            await _asend(writer, {"error": f"the agent at {self.path} serves ranks "
+                                  f"{_ranges(self.ranks)} of service {self.name!r}, not rank "
+                                  f"{rank}; start this host's agent with --ranks covering it"})
+            return
+        await _asend(writer, info)
+        while (msg := await _arecv(stream)) is not None:
+            op = msg.get("op")
+            if op == "next":
+                await _asend(writer, await self._next(group, rank, int(msg["after"]),
+                                                      float(msg["timeout"])))
+            elif op == "ack":
+                await self._taken(group, rank, int(msg["step"]))
+            elif op == "step_time" and group.reader is not None:
+                self._spawn(_in_thread(group.reader.report_step_time, float(msg["seconds"]),
+                                       int(msg["step"])))
+            elif op == "bye":
+                return
+
+    async def _next(self, g: _Group, rank: int, after: int, timeout: float) -> dict[str, Any]:
+        """The message of ``rank``'s first step after ``after`` it lacks, once read, or an
+        error after ``timeout`` seconds, saying what it waited for."""
+        assert self._stopped is not None
+        async with g.changed:
+            if rank in g.assumed and after < g.has[rank]:
+                return {"error": f"rank {rank} asked the agent at {self.path} for step "
+                        f"{after + 1}, but the agent began reading ranks {g.ranks} after step "
+                        f"{g.has[rank]}, the state the other ranks loaded; load the same "
+                        "state on every rank of the group (or restart the agent)",
+                        "kind": "error"}
+            g.assumed.discard(rank)
+            g.has[rank] = max(g.has.get(rank, -1), after)
+            if not g.asked:
+                self._spawn(self._start_later(g))
+            g.asked.add(rank)
+            self._free(g)
+            if g.asked >= set(g.ranks):
+                self._start(g)
+            g.changed.notify_all()
+
+            def ready() -> bool:
+                return (g.first_after(rank) is not None or g.error is not None
+                        or self._stopped is not None and self._stopped.is_set())
+
+            try:
+                await asyncio.wait_for(g.changed.wait_for(ready), timeout)
+            except TimeoutError:
+                return {"error": self._why_waiting(g, rank, timeout), "kind": "timeout"}
+            block = g.first_after(rank)
+            if block is not None:
+                return block.message
+            if g.error is not None:
+                return {"error": g.error[0], "kind": g.error[1]}
+            return {"error": f"the agent at {self.path} is closing", "kind": "closed"}
+
+    def _why_waiting(self, g: _Group, rank: int, timeout: float) -> str:
+        want = g.has.get(rank, -1) + 1
+        head = (f"rank {rank} waited {timeout:.0f}s for step {want} from the agent at "
+                f"{self.path}: ")
+        missing = sorted(set(g.ranks) - g.asked)
+        if not g.reading:
+            return head + (f"the agent reads for ranks {g.ranks} together and rank(s) {missing} "
+                           "did not ask for a step yet (not started on this host?)")
+        if g.last_read - g.slowest() >= self.prefetch:
+            slow = [r for r in g.ranks if g.has.get(r, -1) == g.slowest()]
+            never = [r for r in slow if r not in g.asked]
+            return head + (f"the agent holds {self.prefetch} step(s) ahead of rank(s) {slow} of "
+                           "the same group, which did not take them"
+                           + (f" (rank(s) {never} never asked: not started on this host?)"
+                              if never else ""))
+        return head + (f"the agent is waiting for step {g.last_read + 1} of service "
+                       f"{self.name!r} (msd-dask agent's log says more)")
+
+    def _start(self, g: _Group) -> None:
+        """Start reading ``g`` after the last step every rank that asked has; the ranks
+        that did not ask yet are taken to have it too (:data:`START_GRACE`)."""
+        if g.reading:
+            return
+        g.reading = True
+        start = min(g.has[r] for r in g.asked)
+        for r in g.ranks:
+            if r not in g.asked:
+                g.has[r] = start
+                g.assumed.add(r)
+        self._spawn(self._read(g))
+
+    async def _start_later(self, g: _Group) -> None:
+        """Start reading ``g`` :data:`START_GRACE` seconds after its first rank asked, if
+        not all did (one process reading several ranks of a group one after another)."""
+        await asyncio.sleep(START_GRACE)
+        async with g.changed:
+            self._start(g)
+            g.changed.notify_all()
+
+    async def _taken(self, g: _Group, rank: int, step: int) -> None:
+        async with g.changed:
+            g.has[rank] = max(g.has.get(rank, -1), step)
+            self._free(g)
+            g.changed.notify_all()
+
+    def _free(self, g: _Group) -> None:
+        """Unlink the blocks every rank of ``g`` has; tell its reader."""
+        slowest = g.slowest()
+        for step in [s for s in g.blocks if s <= slowest]:
+            g.blocks.pop(step).unlink()
+        if slowest >= 0 and g.reader is not None:
+            g.reader.mark_taken(slowest)
+
+    async def _read(self, g: _Group) -> None:
+        """Read ``g``'s steps while its slowest rank is less than ``prefetch`` behind."""
+        assert self._stopped is not None
+        first, others = g.ranks[0], g.ranks[1:]
+        try:
+            reader = await _in_thread(self._open_reader, first, others)
+            start = g.slowest()
+            if start >= 0:
+                reader.load_state_dict({"rank": first, "step": start})
+                reader.mark_taken(start)
+            g.reader, g.last_read = reader, max(g.last_read, start)
+            while not self._stopped.is_set():
+                async with g.changed:
+                    await g.changed.wait_for(
+                        lambda: g.last_read - g.slowest() < self.prefetch
+                        or self._stopped is not None and self._stopped.is_set())
+                if self._stopped.is_set():
+                    return
+                batch = await _in_thread(next, reader)
+                block = None
+                if batch.step > g.slowest():  # some rank lacks it: into shared memory
+                    self._blocks += 1
+                    name = f"{BLOCK_PREFIX}{os.getpid()}-{self._blocks}"
+                    shm, msg = await _in_thread(write_block, batch, name)
+                    block = _Block(batch.step, shm, msg)
+                async with g.changed:
+                    g.last_read = batch.step
+                    if block is not None:
+                        g.blocks[batch.step] = block
+                        self._free(g)  # every rank may have skipped it meanwhile
+                    g.changed.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - told to every rank of the group that asks
+            kind = "timeout" if isinstance(e, ServiceTimeoutError | TimeoutError) else "error"
+            _log.error("msd-dask agent: reading ranks %s failed: %s", g.ranks, e)
+            async with g.changed:
+                g.error = (f"the agent at {self.path} could not read ranks {g.ranks}: "
+                           f"{type(e).__name__}: {e}", kind)
+                g.changed.notify_all()
+
+    def _free_all(self) -> None:
+        for g in self.groups:
+            for block in g.blocks.values():
+                block.unlink()
+            g.blocks.clear()
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``."""
+    parts: list[str] = []
+    for r in sorted(ranks):
+        if parts and r == int(parts[-1].split("-")[-1]) + 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{r}"
+        else:
+            parts.append(str(r))
+    return ",".join(parts)
+
+
+# ------------------------------------------------------------- rank side
+
+
+def _dial(path: str, timeout: float, what: str) -> socket.socket:
+    """A connection to the agent at ``path``, or a :class:`ServiceError` saying it is not there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except OSError as e:
+        sock.close()
+        raise ServiceError(
+            f"{what}: no msd-dask agent answers at {path} ({type(e).__name__}: {e}); is "
+            f"`msd-dask agent` running on this host? ({AGENT_ENV} names its socket; unset it "
+            "to read without the agent)") from None
+    return sock
+
+
+def _hello(sock: socket.socket, path: str, msg: Mapping[str, Any], what: str) -> dict[str, Any]:
+    try:
+        _send(sock, msg)
+        answer = _recv(sock)
+    except TimeoutError:
+        raise ServiceTimeoutError(f"{what}: the agent at {path} did not answer within "
+                                  f"{sock.gettimeout():.0f}s") from None
+    if answer is None:
+        raise ServiceError(f"{what}: the agent at {path} closed the connection")
+    if "error" in answer:
+        raise ServiceError(f"{what}: {answer['error']}")
+    return answer
+
+
+class AgentReader:
+    """Iterator over one global rank's batches, read from the host's agent.
+
+    Made by :meth:`AgentHandle.reader`; the API of :class:`~msd_dask.reader.Reader`:
+    ``next()`` returns the rank's next :class:`~msd_dask.batch.Batch` (every step once,
+    in order), :meth:`state_dict` / :meth:`load_state_dict`, :meth:`report_step_time`
+    and :meth:`close`.  No Dask client: one Unix socket to the agent, the tensors
+    copied out of the agent's shared memory.
+    """
+
+    def __init__(self, path: str, name: str, rank: int, *, timeout: float):
+        self.path = path
+        self.name = name
+        self.rank = int(rank)
+        self.timeout = float(timeout)
+        self.step: int | None = None
+        #: the step of the last state loaded (:meth:`load_state_dict`)
+        self._loaded: int | None = None
+        self._sock: socket.socket | None = _dial(path, self.timeout, f"rank {self.rank}")
+        try:
+            _hello(self._sock, path, {"op": "hello", "rank": self.rank, "service": name},
+                   f"rank {self.rank}")
+        except BaseException:
+            self.close()
+            raise
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"rank", "step"}``: the last step returned, else of the state loaded, else ``None``."""
+        return {"rank": self.rank, "step": self._loaded if self.step is None else self.step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
+        if state.get("rank", self.rank) != self.rank:
+            raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
+        self._loaded = self._loaded if state.get("step") is None else int(state["step"])
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._sock is None:
+            raise ServiceError(f"rank {self.rank}: the reader is closed")
+        after = max(-1 if self.step is None else self.step,
+                    -1 if self._loaded is None else self._loaded)
+        waiting = f"step {after + 1}"
+        try:
+            _send(self._sock, {"op": "next", "after": after, "timeout": self.timeout})
+            self._sock.settimeout(self.timeout + ANSWER_MARGIN)
+            answer = _recv(self._sock)
+        except TimeoutError:
+            raise ServiceTimeoutError(
+                f"rank {self.rank} waited {self.timeout + ANSWER_MARGIN:.0f}s for {waiting} "
+                f"from the agent at {self.path} and got no answer; is `msd-dask agent` "
+                "running?") from None
+        except OSError as e:
+            raise ServiceError(f"rank {self.rank} lost the agent at {self.path} while asking "
+                               f"for {waiting} ({type(e).__name__}: {e}); did `msd-dask agent` "
+                               "exit?") from None
+        if answer is None:
+            raise ServiceError(f"rank {self.rank}: the agent at {self.path} closed the "
+                               f"connection while rank {self.rank} waited for {waiting}; did "
+                               "`msd-dask agent` exit?")
+        if "error" in answer:
+            err = ServiceTimeoutError if answer.get("kind") == "timeout" else ServiceError
+            raise err(f"service {self.name!r}: {answer['error']}")
+        batch = read_block(answer, self.rank)
+        _send(self._sock, {"op": "ack", "step": batch.step})
+        self.step = batch.step
+        return batch
+
+    def report_step_time(self, seconds: float, step: int | None = None) -> None:
+        """Report how long this rank computed on a step (default: the last one returned);
+        the agent forwards it to the planner.  Fire and forget."""
+        step = self.step if step is None else step
+        if step is None:
+            raise ValueError("report_step_time: no step was read yet")
+        if self._sock is not None:
+            try:
+                _send(self._sock, {"op": "step_time", "step": int(step), "seconds": float(seconds)})
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Close the connection to the agent (idempotent)."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            _send(sock, {"op": "bye"})
+        except OSError:
+            pass
+        sock.close()
+
+    def __del__(self) -> None:
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.close()
+
+
+class AgentHandle:
+    """A training process's handle on a service read through the host's agent.
+
+    What ``DataService.connect`` returns when :data:`AGENT_ENV` is set (or with
+    ``agent=``): :meth:`reader` gives :class:`AgentReader`\\ s; the process holds no
+    Dask client.  Operations on the service (stats, weights, state) are the
+    service owner's or a directly connected process's.
+    """
+
+    def __init__(self, path: str, name: str, info: Mapping[str, Any]):
+        self.path = path
+        self.name = name
+        #: the global ranks the agent serves
+        self.ranks: list[int] = [int(r) for r in info["ranks"]]
+        #: the service's ``timeout``: a reader's default
+        self.timeout = float(info["timeout"])
+        self._readers: list[AgentReader] = []
+
+    @classmethod
+    def connect(cls, path: str, name: str, *, timeout: float = 30.0) -> AgentHandle:
+        """Ask the agent at ``path`` whether it serves service ``name`` (fails at once if no
+        agent answers there)."""
+        what = f"service {name!r}"
+        sock = _dial(path, timeout, what)
+        try:
+            info = _hello(sock, path, {"op": "hello", "service": name}, what)
+        finally:
+            sock.close()
+        return cls(path, name, info)
+
+    def reader(self, rank: int, *, timeout: float | None = None) -> AgentReader:
+        """An iterator over the batches of global ``rank`` (one of the agent's ranks)."""
+        reader = AgentReader(self.path, self.name, rank,
+                             timeout=self.timeout if timeout is None else timeout)
+        self._readers.append(reader)
+        return reader
+
+    def close(self) -> None:
+        """Close this handle's readers (the agent and the service keep running)."""
+        for reader in self._readers:
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> AgentHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,394 @@
+"""The host agent without Dask: a :class:`HostAgent` over fake group readers serves rank
+readers in threads through its Unix socket and shared memory; every rank gets every step
+once and in order, a group is read once, the agent stays at most ``prefetch`` steps ahead
+of a group's slowest rank, and every wait that fails says what it waited for."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from msd_dask.batch import Batch
+from msd_dask.core.config import Config, parse_config
+from msd_dask.errors import ServiceError, ServiceTimeoutError
+from msd_dask.service import DataService
+from msd_dask.service.agent import (
+    AGENT_ENV,
+    BLOCK_PREFIX,
+    START_GRACE,
+    AgentHandle,
+    AgentReader,
+    HostAgent,
+    agent_path,
+    local_groups,
+    parse_ranks,
+    read_block,
+    write_block,
+)
+
+from checks import wait_until
+from corpus import config
+
+
+def _config(**parallel: int) -> Config:
+    return parse_config(config("/nonexistent", name="agentunit", timeout=5,
+                               parallel=parallel or {"dp": 2, "tp": 2}))
+
+
+def fake_batch(step: int, group: int, *, images: bool = False) -> Batch:
+    """A batch whose every number says its step and group."""
+    base = 1000 * group + step
+    ids = torch.full((2, 8), base, dtype=torch.long)
+    ids[1, 5:] = 0
+    return Batch(
+        step=step, rank=-1, input_ids=ids, labels=ids + 1,
+        position_ids=torch.arange(8).repeat(2, 1),
+        cu_seqlens=[torch.tensor([0, 3, 8], dtype=torch.int32),
+                    torch.tensor([0, 5], dtype=torch.int32)],
+        documents=[[("code", f"f{base}.parquet:0", 0), ("prose", "p.jsonl:1", 2)],
+                   [("code", f"f{base}.parquet:1", 0)]],
+        cost=float(base) / 3, epochs=[[0, 1], [0]],
+        pixel_values=torch.full((3, 12), step % 256, dtype=torch.uint8) if images else None,
+        image_spans=[[(0, 3), None], [None]] if images else None,
+    )
+
+
+class FakeGroupReader:
+    """A group's reader: batches of steps ``0, 1, ...`` (after a loaded state); fails at
+    ``fail_at`` if given."""
+
+    def __init__(self, group: int, ranks: list[int], fail_at: int | None = None,
+                 delay: float = 0.0):
+        self.group, self.ranks, self.fail_at, self.delay = group, ranks, fail_at, delay
+        self.next_step = 0
+        self.reads = 0
+        self.loaded: list[Mapping[str, Any]] = []
+        self.taken: int | None = None
+        self.step_times: list[tuple[float, int | None]] = []
+
+    def __next__(self) -> Batch:
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_at is not None and self.next_step >= self.fail_at:
+            raise ServiceTimeoutError(f"rank {self.ranks[0]} waited 5s for step {self.next_step}")
+        self.reads += 1
+        self.next_step += 1
+        return fake_batch(self.next_step - 1, self.group)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loaded.append(dict(state))
+        self.next_step = int(state["step"]) + 1
+
+    def report_step_time(self, seconds: float, step: int | None = None) -> None:
+        self.step_times.append((seconds, step))
+
+    def mark_taken(self, step: int) -> None:
+        assert self.taken is None or step >= self.taken
+        self.taken = step
+
+    def report_returned(self) -> None:
+        return None
+
+
+def _blocks_left() -> list[str]:
+    prefix = f"{BLOCK_PREFIX}{os.getpid()}-"
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+@contextmanager
+def running_agent(tmp_path: Any, ranks: list[int], *, prefetch: int = 3,
+                  cfg: Config | None = None, **fake: Any) -> Iterator[tuple[HostAgent, dict]]:
+    """A :class:`HostAgent` serving ``ranks`` in a thread; yields it and its fake readers
+    (by the group's first rank).  Checks on exit that it freed every block."""
+    cfg = cfg or _config()
+    readers: dict[int, FakeGroupReader] = {}
+
+    def open_reader(first: int, others: list[int]) -> FakeGroupReader:
+        readers[first] = FakeGroupReader(cfg.parallel.coords(first)["dp"], [first, *others], **fake)
+        return readers[first]
+
+    agent = HostAgent("agentunit", cfg, ranks, open_reader, str(tmp_path / "agent.sock"),
+                      prefetch=prefetch)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    assert agent.ready.wait(10)
+    try:
+        yield agent, readers
+    finally:
+        agent.stop()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert not os.path.exists(agent.path)
+        assert _blocks_left() == []
+
+
+def _read(handle: AgentHandle, rank: int, steps: int, out: dict[int, list[Batch]],
+          errors: list[BaseException]) -> None:
+    try:
+        reader = handle.reader(rank)
+        out[rank] = [next(reader) for _ in range(steps)]
+        reader.close()
+    except BaseException as e:  # noqa: BLE001 - the test reports it
+        errors.append(e)
+
+
+def _pair(agent: HostAgent) -> tuple[AgentHandle, AgentReader, AgentReader]:
+    """A handle on ``agent`` and readers of ranks 0 and 1."""
+    handle = AgentHandle.connect(agent.path, "agentunit")
+    return handle, handle.reader(0), handle.reader(1)
+
+
+def test_parse_ranks_and_groups() -> None:
+    assert parse_ranks("0-3") == [0, 1, 2, 3]
+    assert parse_ranks("8-9,2,4-5") == [2, 4, 5, 8, 9]
+    for bad in ("3-1", "a-b", "-1"):
+        with pytest.raises(ValueError, match="ranks"):
+            parse_ranks(bad)
+    assert local_groups(_config(), [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+    assert local_groups(_config(dp=2, tp=2, pp=2), [4, 5, 6, 7]) == [[4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="outside"):
+        local_groups(_config(), [4])
+
+
+def test_agent_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(AGENT_ENV, raising=False)
+    assert agent_path("demo") is None
+    assert agent_path("demo", True) == "/tmp/msd-dask-agent-demo.sock"
+    assert agent_path("demo", "/x.sock") == "/x.sock"
+    monkeypatch.setenv(AGENT_ENV, "/y.sock")
+    assert agent_path("demo") == "/y.sock"
+    assert agent_path("demo", False) is None
+    monkeypatch.setenv(AGENT_ENV, "")
+    assert agent_path("demo") is None
+
+
+def _round_trip(batch: Batch, rank: int) -> Batch:
+    """``batch`` written to a shared block and read back as ``rank``'s (the block unlinked)."""
+    shm, msg = write_block(batch, f"{BLOCK_PREFIX}{os.getpid()}-rt")
+    try:
+        return read_block(msg, rank)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+@pytest.mark.parametrize("images", [False, True])
+def test_block_round_trip(images: bool) -> None:
+    batch = fake_batch(7, 1, images=images)
+    batch.cp_index = torch.arange(4, dtype=torch.long) if images else None
+    got = _round_trip(batch, 3)
+    assert got.rank == 3 and got.step == 7
+    for name in ("input_ids", "labels", "position_ids", "cp_index", "pixel_values"):
+        a, b = getattr(batch, name), getattr(got, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert batch.cu_seqlens is not None and got.cu_seqlens is not None
+    assert [c.tolist() for c in got.cu_seqlens] == [c.tolist() for c in batch.cu_seqlens]
+    assert all(c.dtype == torch.int32 for c in got.cu_seqlens)
+    assert got.documents == batch.documents and got.epochs == batch.epochs
+    assert got.cost == batch.cost and got.image_spans == batch.image_spans
+    assert got.num_tokens == batch.num_tokens
+
+
+def test_middle_pipeline_stage_block_has_no_tensors() -> None:
+    batch = fake_batch(0, 0)
+    batch.input_ids = batch.labels = batch.position_ids = batch.cu_seqlens = None
+    got = _round_trip(batch, 1)
+    assert got.input_ids is None and got.cu_seqlens is None and got.num_tokens == 0
+
+
+def test_every_rank_gets_every_step_once_in_order(tmp_path: Any) -> None:
+    steps = 12
+    with running_agent(tmp_path, [0, 1, 2, 3]) as (agent, readers):
+        handle = DataService.connect("tcp://nowhere:1", "agentunit", agent=agent.path)
+        assert isinstance(handle, AgentHandle) and handle.ranks == [0, 1, 2, 3]
+        out: dict[int, list[Batch]] = {}
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=_read, args=(handle, r, steps, out, errors))
+                   for r in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == []
+        assert sorted(readers) == [0, 2]  # one reader per (dp, cp, pp) group
+        assert readers[0].ranks == [0, 1] and readers[2].ranks == [2, 3]
+        for rank, batches in out.items():
+            assert [b.step for b in batches] == list(range(steps))
+            assert all(b.rank == rank for b in batches)
+            group = rank // 2
+            for b in batches:
+                assert torch.equal(b.input_ids, fake_batch(b.step, group).input_ids)
+        for a, b in zip(out[0], out[1], strict=True):  # tensor-parallel peers: the same
+            assert torch.equal(a.labels, b.labels) and a.documents == b.documents
+        for r in readers.values():
+            assert r.reads <= steps + agent.prefetch
+            # the state it reports: what every rank took (the last ack may be on its way)
+            assert wait_until(lambda r=r: r.taken == steps - 1, 5), r.taken
+        # every block every rank took is unlinked: those left hold the steps read ahead
+        def ahead() -> int:
+            return sum(r.reads - steps for r in readers.values())
+
+        assert wait_until(lambda: len(_blocks_left()) == ahead() == 2 * agent.prefetch, 5), \
+            (_blocks_left(), ahead())
+
+
+def test_backpressure_and_a_slow_peer_is_named(tmp_path: Any) -> None:
+    with running_agent(tmp_path, [0, 1], prefetch=2) as (agent, readers):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        fast, slow = handle.reader(0, timeout=1.0), handle.reader(1, timeout=1.0)
+        t = threading.Thread(target=next, args=(slow,))
+        t.start()
+        assert next(fast).step == 0
+        t.join(10)
+        assert slow.step == 0
+        assert [next(fast).step for _ in range(2)] == [1, 2]
+        with pytest.raises(ServiceTimeoutError, match=r"rank 0 waited 1s for step 3 .*ahead "
+                                                      r"of rank\(s\) \[1\]"):
+            next(fast)
+        assert readers[0].reads == 3  # never more than prefetch ahead of rank 1
+        assert [next(slow).step for _ in range(3)] == [1, 2, 3]
+        assert next(fast).step == 3
+        handle.close()
+
+
+def test_reading_starts_when_every_rank_of_the_group_asked(tmp_path: Any) -> None:
+    with running_agent(tmp_path, [0, 1]) as (agent, readers):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        r0 = handle.reader(0, timeout=0.5)
+        with pytest.raises(ServiceTimeoutError, match=r"rank\(s\) \[1\] did not ask"):
+            next(r0)
+        assert readers == {}
+        handle.close()
+
+
+def test_one_thread_reads_a_group_one_rank_after_the_other(tmp_path: Any) -> None:
+    """Without its peers, a group is read START_GRACE seconds after its first rank asked."""
+    with running_agent(tmp_path, [0, 1], prefetch=2) as (agent, readers):
+        handle, r0, r1 = _pair(agent)
+        t0 = time.monotonic()
+        got = [(next(r0).step, next(r1).step) for _ in range(5)]
+        assert got == [(s, s) for s in range(5)]
+        assert START_GRACE <= time.monotonic() - t0 < START_GRACE + 3
+        handle.close()
+
+
+def test_a_late_rank_behind_the_start_is_refused(tmp_path: Any) -> None:
+    with running_agent(tmp_path, [0, 1]) as (agent, readers):
+        handle, r0, r1 = _pair(agent)
+        r0.load_state_dict({"rank": 0, "step": 3})
+        assert next(r0).step == 4  # after START_GRACE, from step 4
+        with pytest.raises(ServiceError, match=r"rank 1 asked .* for step 0, but the agent began "
+                                               r"reading ranks \[0, 1\] after step 3"):
+            next(r1)
+        handle.close()
+
+
+def test_load_state_dict_skips_and_the_group_reader_skips_too(tmp_path: Any) -> None:
+    with running_agent(tmp_path, [0, 1]) as (agent, readers):
+        handle, r0, r1 = _pair(agent)
+        r0.load_state_dict({"rank": 0, "step": 4})
+        r1.load_state_dict({"rank": 1, "step": 6})
+        assert r0.state_dict() == {"rank": 0, "step": 4}
+        got: dict[int, list[int]] = {}
+        t = threading.Thread(target=lambda: got.update({1: [next(r1).step for _ in range(2)]}))
+        t.start()
+        got[0] = [next(r0).step for _ in range(4)]
+        t.join(10)
+        assert got == {0: [5, 6, 7, 8], 1: [7, 8]}
+        assert readers[0].loaded == [{"rank": 0, "step": 4}]  # the lowest step both have
+        assert r0.state_dict() == {"rank": 0, "step": 8}
+        with pytest.raises(ValueError, match="rank 1 loaded into rank 0"):
+            r0.load_state_dict({"rank": 1, "step": 3})
+        handle.close()
+
+
+def test_step_times_are_forwarded(tmp_path: Any) -> None:
+    with running_agent(tmp_path, [0, 1]) as (agent, readers):
+        handle, r0, r1 = _pair(agent)
+        with pytest.raises(ValueError, match="no step"):
+            r0.report_step_time(1.0)
+        t = threading.Thread(target=next, args=(r1,))
+        t.start()
+        next(r0)
+        t.join(10)
+        r0.report_step_time(0.25)
+        r1.report_step_time(0.5, step=0)
+        handle.close()
+        deadline = time.monotonic() + 5
+        while len(readers[0].step_times) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(readers[0].step_times) == [(0.25, 0), (0.5, 0)]
+
+
+def test_a_failed_group_reader_is_told_to_its_ranks(tmp_path: Any) -> None:
+    with running_agent(tmp_path, [0, 1], fail_at=1) as (agent, _):
+        handle, r0, r1 = _pair(agent)
+        t = threading.Thread(target=next, args=(r1,))
+        t.start()
+        assert next(r0).step == 0
+        t.join(10)
+        with pytest.raises(ServiceTimeoutError, match=r"could not read ranks \[0, 1\].*waited 5s"):
+            next(r0)
+        handle.close()
+
+
+def test_a_closing_agent_is_told_to_waiting_ranks(tmp_path: Any) -> None:
+    with running_agent(tmp_path, [0, 1]) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        r0 = handle.reader(0, timeout=30)
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                next(r0)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.3)
+        agent.stop()
+        t.join(10)
+        assert len(errors) == 1 and isinstance(errors[0], ServiceError)
+        assert agent.path in str(errors[0]) and "clos" in str(errors[0])
+
+
+def test_refused_ranks_and_services(tmp_path: Any) -> None:
+    with running_agent(tmp_path, [2, 3]) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        with pytest.raises(ServiceError, match=r"serves ranks 2-3 .*not rank 0"):
+            handle.reader(0)
+        with pytest.raises(ServiceError, match="serves service 'agentunit', not 'other'"):
+            AgentHandle.connect(agent.path, "other")
+
+
+def test_no_agent_fails_at_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(AGENT_ENV, str(tmp_path / "none.sock"))
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError, match=r"no msd-dask agent answers at .*none\.sock.*"
+                                           r"is `msd-dask agent` running"):
+        DataService.connect("tcp://nowhere:1", "agentunit", timeout=30)
+    assert time.monotonic() - t0 < 2
+
+
+def test_a_stale_socket_is_replaced(tmp_path: Any) -> None:
+    import socket
+
+    path = str(tmp_path / "agent.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)  # bound, never listening: what a killed agent leaves
+    s.close()
+    with running_agent(tmp_path, [0, 1]) as (agent, _):
+        assert AgentHandle.connect(agent.path, "agentunit").ranks == [0, 1]
+        with pytest.raises(ServiceError, match="already serves"):
+            HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
+                      agent.path).run()
