@@ -1,0 +1,194 @@
+"""The host agent on real processes: a `dask scheduler`, `dask worker`s, one `msd-dask agent`
+for 4 ranks (2 DP groups x tp 2) and the ranks read in 2 other processes through it with
+``MSD_DASK_AGENT`` set: every rank reads every step once and in order, TP peers the same
+tensors, the same content as direct readers of an identical service; each batch leaves its
+constructor once per DP group (half of what direct readers cause), and the rank processes
+hold no Dask client."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from msd_dask.service import DataService
+from msd_dask.service.agent import AGENT_ENV, BLOCK_PREFIX, SHM_DIR
+
+from checks import check_content, check_exactly_once, read_steps, wait_until
+from cluster import dask_cluster
+from corpus import config, write_corpus
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: checks.py
+
+#: a training process: read RANKS (comma-separated) for STEPS steps through the agent
+#: named by MSD_DASK_AGENT, save the records, say so, and stay until a line on stdin
+RANK_PROC = """
+import pickle, sys
+from msd_dask import DataService
+from msd_dask.service.agent import AgentHandle
+from checks import record
+
+address, name, ranks, steps, out = sys.argv[1:6]
+with DataService.connect(address, name, timeout=60) as svc:
+    assert isinstance(svc, AgentHandle), type(svc)
+    readers = [svc.reader(int(r)) for r in ranks.split(",")]
+    recs = [record(next(rd)) for _ in range(int(steps)) for rd in readers]
+    states = [rd.state_dict() for rd in readers]
+    with open(out, "wb") as f:
+        pickle.dump({"records": recs, "states": states}, f)
+    print("read", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def _clients(svc: DataService, cluster: dict[str, Any]) -> set[int]:
+    """The processes outside the cluster with a Dask client at the scheduler: their pids as
+    Dask's client ids hold them (``Client-<uuid1 with clock_seq = pid>``, 14 bits)."""
+    def ids(dask_scheduler: Any) -> list[str]:
+        return list(dask_scheduler.clients)
+
+    inside = {_pid_bits(p.pid) for p in (cluster["scheduler"], *cluster["workers"])}
+    return {uuid.UUID(i[-36:]).clock_seq for i in svc.client.run_on_scheduler(ids)
+            if i.startswith("Client-")} - inside
+
+
+def _pid_bits(pid: int) -> int:
+    return pid & 0x3FFF
+
+
+def _sent(svc: DataService) -> int:
+    return sum(int(c["batches_sent"]) for c in svc.stats()["constructors"])
+
+
+def _blocks_of(pid: int) -> list[str]:
+    prefix = f"{BLOCK_PREFIX}{pid}-"
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+
+
+def _start_agent(address: str, name: str, sock: str, env: dict[str, str]) -> subprocess.Popen:
+    """``msd-dask agent`` for ranks 0-3, returned once it serves."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "msd_dask.cli", "agent", "--scheduler", address, "--name", name,
+         "--ranks", "0-3", "--socket", sock, "--prefetch", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    line = proc.stdout.readline()
+    if f"agent of {name!r} serves ranks 0,1; 2,3 on {sock}" not in line:
+        proc.kill()
+        raise AssertionError(line + proc.stdout.read())
+    return proc
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
+    root = str(tmp_path / "corpus")
+    texts = write_corpus(root)
+    steps = 12
+    # rounds of one step, the agent one step ahead: the batches sent are exact
+    cfg = config(root, name="agentit", parallel={"dp": 2, "tp": 2}, round_steps=1)
+    sock = str(tmp_path / "agent.sock")
+    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env[AGENT_ENV] = sock  # the agent itself connects directly all the same
+    agent = None
+    ranks: list[subprocess.Popen] = []
+    with dask_cluster(str(tmp_path), n_workers=2) as cl:
+        svc = DataService.start(cfg, cl["address"])
+        direct = DataService.start(dict(cfg, name="agentdirect"), cl["address"])
+        try:
+            assert _clients(svc, cl) == {_pid_bits(os.getpid())}  # the services' owner
+            agent = _start_agent(cl["address"], "agentit", sock, env)
+            with_agent = {_pid_bits(os.getpid()), _pid_bits(agent.pid)}
+            assert _clients(svc, cl) == with_agent  # the host's one client
+            outs = [str(tmp_path / f"r{i}.pkl") for i in range(2)]
+            # one process reads a rank of each DP group; TP peers are in the other process
+            ranks = [subprocess.Popen([sys.executable, "-c", RANK_PROC, cl["address"], "agentit",
+                                       rs, str(steps), out], env=env, cwd=HERE,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                     for rs, out in zip(("0,2", "1,3"), outs, strict=True)]
+            for p in ranks:
+                assert p.stdout.readline().strip() == "read", p.wait(60)
+            # the rank processes, alive and done reading, hold no Dask client
+            assert _clients(svc, cl) == with_agent
+            assert not {_pid_bits(p.pid) for p in ranks} & with_agent
+            # each step left its constructor once per DP group; the agent reads at most
+            # one step ahead of its slowest rank
+            assert wait_until(lambda: _sent(svc) == 2 * (steps + 1), 30), _sent(svc)
+            time.sleep(1.0)
+            assert _sent(svc) == 2 * (steps + 1)
+            want = read_steps(direct, steps)  # 4 direct readers, one per rank
+            assert _sent(direct) == 4 * steps
+            for p in ranks:
+                p.stdin.write("\n")
+                p.stdin.flush()
+                assert p.wait(60) == 0
+            agent_pid = agent.pid
+            _stop(agent)
+            assert agent.returncode == 0, agent.stdout.read()
+            assert _blocks_of(agent_pid) == [] and not os.path.exists(sock)
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+            if agent is not None:
+                _stop(agent)
+                for name in _blocks_of(agent.pid):  # a failed run leaves nothing behind
+                    os.unlink(os.path.join(SHM_DIR, name))
+            direct.close()
+            svc.close()
+    recs = []
+    for out in outs:
+        with open(out, "rb") as f:
+            got = pickle.load(f)
+        recs.extend(got["records"])
+        assert [s["step"] for s in got["states"]] == [steps - 1] * 2
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for r in recs:
+        by_rank.setdefault(r["rank"], []).append(r)
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    for rank, rs in by_rank.items():
+        assert [r["step"] for r in rs] == list(range(steps)), rank
+    expected = {(w["rank"], w["step"]): w for w in want}
+    for r in recs:  # the same as direct readers of an identical service
+        w = expected[(r["rank"], r["step"])]
+        for key in ("input_ids", "labels", "position_ids"):
+            np.testing.assert_array_equal(r[key], w[key], err_msg=f"{key} {r['rank']} {r['step']}")
+        assert [c.tolist() for c in r["cu_seqlens"]] == [c.tolist() for c in w["cu_seqlens"]]
+        assert r["documents"] == w["documents"] and r["epochs"] == w["epochs"]
+        assert r["cost"] == w["cost"]
+    for a, b in zip(by_rank[0], by_rank[1], strict=True):  # TP peers: identical tensors
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+        np.testing.assert_array_equal(a["labels"], b["labels"])
+    group = by_rank[0] + by_rank[2]  # one member per DP group
+    check_content(group, texts, 512)
+    check_exactly_once(group, texts, 512)
+
+
+def test_a_rank_without_a_running_agent_fails_at_once(tmp_path):
+    sock = str(tmp_path / "none.sock")
+    env = dict(os.environ, **{AGENT_ENV: sock})
+    code = ("from msd_dask import DataService\n"
+            "DataService.connect('tcp://127.0.0.1:9', 'agentit', timeout=60).reader(0)\n")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)
+    took = time.monotonic() - t0
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert "ServiceError" in last and f"no msd-dask agent answers at {sock}" in last, res.stderr
+    assert "is `msd-dask agent` running on this host?" in last
+    assert took < 30, took  # the import, not a wait for the connect timeout
