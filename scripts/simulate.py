@@ -53,6 +53,15 @@ Every parameter is printed first.
     python scripts/simulate.py --quick
     python scripts/simulate.py --dp 64 1024 16384 --context 4096 32768 131072 --steps 8
     python scripts/simulate.py --steps 8 --outliers 0.5     # the planner's outlier delay on
+    python scripts/simulate.py --control-plane              # the control plane's utilisation
+
+``--control-plane`` prints another table instead (:func:`control_plane`): how busy the
+scheduler, the planner and the constructors are at ``--cp-ranks`` ranks and a
+``--cp-step-seconds`` step, from per-message costs (``--cp-*``, defaults measured by
+``scripts/bench_many_readers.py``; docs/many_readers.md), for the ``queue`` design
+(tickets through the scheduler's ``distributed.Queue``, up to commit 4c9bf24) and the
+``direct`` one, which puts nothing on the scheduler per step (readers ask their
+constructor for each round directly, since 276d230).
 """
 
 from __future__ import annotations
@@ -73,7 +82,8 @@ from msd_dask.core.plan import Planner, StepPlan
 from msd_dask.formats import Unit
 
 __all__ = ["SourceSpec", "SimConfig", "CellResult", "Corpus", "simulate", "planner_config",
-           "default_strategy", "model_coefficients", "balance_bound", "main", "steps_for"]
+           "default_strategy", "model_coefficients", "balance_bound", "main", "steps_for",
+           "ControlPlaneCosts", "ControlPlaneRow", "control_plane"]
 
 
 def default_strategy() -> str:
@@ -456,6 +466,139 @@ def simulate(cfg: SimConfig) -> CellResult:
     )
 
 
+# ------------------------------------------------------------------------------------ control plane
+@dataclass(frozen=True)
+class ControlPlaneCosts:
+    """Per-message CPU costs of the control plane, in seconds (defaults: see docs/many_readers.md).
+
+    Attributes
+    ----------
+    sched_rank_step : float
+        The scheduler's CPU per rank and step with the ``queue`` design, net of its
+        idle load (``bench_many_readers.py``: sched CPU/step ÷ ranks).
+    queue_op : float
+        One ``distributed.Queue`` put or get on the scheduler.
+    connect : float
+        The scheduler's CPU per client that connects (one per training process).
+    plan_rank_step : float
+        The planner's ``plan_step`` time per DP rank and step (one planner, one thread).
+    constructor_rank_step : float
+        Constructor CPU per rank and step (packing, hand-over), summed over constructors.
+    idle_client : float
+        The scheduler's idle load per connected client, in cores (heartbeats), in
+        both designs.
+    """
+
+    # bench_many_readers.py, queue design (commit 4c9bf24), 1,024 ranks, rounds of 3 steps
+    sched_rank_step: float = 250e-6
+    # one put or get: the figure above is 2 of them per rank and round, plus the replies
+    queue_op: float = 0.3e-3
+    # a training process's client; bench_many_readers.py: 4-9 ms per host (client + 8 readers)
+    connect: float = 9e-3
+    # bench_balance.py, the planner end to end at dp 16,384 × 4 micro-batches × 4K: 1,315 ms
+    plan_rank_step: float = 1.315 / 16384
+    # bench_many_readers.py, every role of the workers net of their idle load, 1,024 ranks
+    constructor_rank_step: float = 1.5e-3
+    # bench_many_readers.py: the scheduler's idle load, 0.024 cores with 2 hosts, 0.044-0.046 with 128
+    idle_client: float = 1.6e-4
+
+
+@dataclass(frozen=True)
+class ControlPlaneRow:
+    """One design at one size: each role's busy fraction of a step (1.0: saturated)."""
+
+    design: str
+    ranks: int
+    dp: int
+    scheduler: float          # from the per-message model (queue ops + idle clients)
+    scheduler_measured: float  # from the measured per-rank-step CPU (+ idle clients); nan: none
+    planner: float
+    constructor: float        # each of the constructors (the load is shared evenly)
+    connect_s: float          # the scheduler's CPU seconds to connect every client
+
+    @property
+    def busiest(self) -> float:
+        """The largest busy fraction among the roles (> 1: the step cannot be held)."""
+        return max(self.scheduler, self.planner, self.constructor)
+
+
+def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, round_steps: int = 3,
+                  tp: int = 8, constructors: int = 32, clients: int | None = None
+                  ) -> list[ControlPlaneRow]:
+    """Each role's utilisation (busy seconds per step / ``step_seconds``) at ``ranks`` ranks.
+
+    ``queue``: every rank's reader takes one ticket per round of ``round_steps``
+    steps from its ``distributed.Queue`` on the scheduler, which a constructor put
+    there: 2 queue operations per rank and round.  ``direct``: readers ask their
+    constructor for each round directly (the rank → constructor map is fixed), so
+    nothing per step reaches the scheduler; the constructors are charged one more
+    request per rank and round, at a queue operation's cost (an upper bound: in
+    msd_dask that request replaced the claim, so they answer no more calls).  In both,
+    the scheduler carries the idle load of ``clients`` clients (default one per
+    rank), the planner plans ``ranks / tp`` DP ranks per step, and the constructors
+    share the per-rank-step packing evenly.
+
+    Parameters
+    ----------
+    costs : ControlPlaneCosts
+    ranks : int
+    step_seconds : float
+    round_steps : int
+        Steps per ticket (the config's ``round_steps``, default ``prefetch - 1`` = 3).
+    tp : int
+        Ranks per DP group (they share one plan entry).
+    constructors : int
+    clients : int, optional
+        Connected clients (default ``ranks``: one training process per rank).
+
+    Returns
+    -------
+    list of ControlPlaneRow
+        ``queue`` then ``direct``.
+    """
+    if ranks < 1 or step_seconds <= 0 or round_steps < 1 or tp < 1 or constructors < 1:
+        raise ValueError("ranks, round_steps, tp and constructors must be >= 1, step_seconds > 0")
+    clients = ranks if clients is None else clients
+    dp = max(1, ranks // tp)
+    idle = clients * costs.idle_client
+    planner = costs.plan_rank_step * dp / step_seconds
+    packing = costs.constructor_rank_step * ranks / step_seconds / constructors
+    per_round = ranks / round_steps / step_seconds   # rank-rounds per second
+    connect = clients * costs.connect
+    return [
+        ControlPlaneRow("queue", ranks, dp, idle + 2 * costs.queue_op * per_round,
+                        idle + costs.sched_rank_step * ranks / step_seconds, planner, packing,
+                        connect),
+        ControlPlaneRow("direct", ranks, dp, idle, idle, planner,
+                        packing + costs.queue_op * per_round / constructors, connect),
+    ]
+
+
+def print_control_plane(args: argparse.Namespace) -> None:
+    """The ``--control-plane`` table, with the costs it used."""
+    c = ControlPlaneCosts(args.cp_sched_rank_step, args.cp_queue_op, args.cp_connect,
+                          args.cp_plan_rank_step, args.cp_constructor_rank_step,
+                          args.cp_idle_client)
+    print("# control plane: each role's busy fraction of a step (1.00: saturated)")
+    print(f"step {args.cp_step_seconds:g} s, round_steps {args.cp_round_steps}, tp {args.cp_tp}, "
+          f"{args.cp_constructors} constructors, one client per {args.cp_ranks_per_client} "
+          "rank(s)")
+    print(f"costs: scheduler {c.sched_rank_step * 1e6:.1f} us per rank-step (measured), queue op "
+          f"{c.queue_op * 1e3:.2f} ms, connect {c.connect * 1e3:.1f} ms per client, idle "
+          f"{c.idle_client * 1e3:.3f} ms/s per client; planner {c.plan_rank_step * 1e6:.1f} us "
+          f"per DP rank-step; constructors {c.constructor_rank_step * 1e3:.3f} ms per rank-step")
+    hdr = (f"{'ranks':>7} {'dp':>6} {'design':<8} {'scheduler':>9} {'(measured)':>10} "
+           f"{'planner':>8} {'constructor':>11} {'busiest':>8} {'connect s':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n in args.cp_ranks:
+        for r in control_plane(c, n, args.cp_step_seconds, args.cp_round_steps, args.cp_tp,
+                               args.cp_constructors, -(-n // args.cp_ranks_per_client)):
+            print(f"{r.ranks:>7} {r.dp:>6} {r.design:<8} {r.scheduler:>9.2f} "
+                  f"{r.scheduler_measured:>10.2f} {r.planner:>8.2f} {r.constructor:>11.2f} "
+                  f"{r.busiest:>8.2f} {r.connect_s:>9.0f}")
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 def _parse_source(text: str) -> SourceSpec:
     parts = text.split(":")
@@ -515,7 +658,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="2 steps, a small token budget and a 15 s planner limit")
     ap.add_argument("--plot", default="", help="write a PNG of the speedups here")
+    cp = ap.add_argument_group("control plane", "--control-plane prints the control plane's "
+                               "utilisation instead of simulating (see control_plane)")
+    d = ControlPlaneCosts()
+    cp.add_argument("--control-plane", action="store_true", help="print the table and exit")
+    cp.add_argument("--cp-ranks", type=int, nargs="+", default=[4096, 16384],
+                    help="rank counts (default 4096 16384)")
+    cp.add_argument("--cp-step-seconds", type=float, default=1.0, help="step time (default 1)")
+    cp.add_argument("--cp-round-steps", type=int, default=3,
+                    help="steps per round: one ticket or request per rank and round (default 3)")
+    cp.add_argument("--cp-tp", type=int, default=8, help="ranks per DP group (default 8)")
+    cp.add_argument("--cp-constructors", type=int, default=32,
+                    help="constructors sharing the packing (default 32)")
+    cp.add_argument("--cp-ranks-per-client", type=int, default=1,
+                    help="ranks per Dask client: 1, one training process per rank (default); "
+                         "8, one process per host of 8 GPUs")
+    for name, what in (("sched_rank_step", "scheduler CPU s per rank-step, queue design (measured)"),
+                       ("queue_op", "s per distributed.Queue put or get on the scheduler"),
+                       ("connect", "scheduler CPU s per client connect"),
+                       ("plan_rank_step", "planner s per DP rank-step"),
+                       ("constructor_rank_step", "constructor CPU s per rank-step (all of them)"),
+                       ("idle_client", "scheduler idle cores per connected client")):
+        cp.add_argument("--cp-" + name.replace("_", "-"), type=float, default=getattr(d, name),
+                        help=f"{what} (default {getattr(d, name):.3g})")
     args = ap.parse_args(argv)
+    if args.control_plane:
+        print_control_plane(args)
+        return 0
     if args.quick:
         args.steps, args.token_budget = min(args.steps, 2), 2.0**30
         args.plan_timeout = min(args.plan_timeout, 15.0)

@@ -1,0 +1,66 @@
+"""scripts/simulate.py --control-plane: the utilisation arithmetic on a small case."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from scripts_import import load_script
+
+sim = load_script("simulate")
+
+COSTS = sim.ControlPlaneCosts(sched_rank_step=50e-6, queue_op=0.25e-3, connect=10e-3,
+                              plan_rank_step=1e-3, constructor_rank_step=2e-3, idle_client=1e-4)
+
+
+def test_utilisation_of_each_role_and_design():
+    # 96 ranks, tp 8 -> 12 DP ranks; a 2 s step; rounds of 4 steps; 3 constructors
+    queue, direct = sim.control_plane(COSTS, 96, 2.0, round_steps=4, tp=8, constructors=3)
+    assert (queue.design, direct.design) == ("queue", "direct")
+    idle = 96 * 1e-4                                  # 0.0096 cores for 96 clients
+    rounds = 96 / 4 / 2.0                             # 12 rank-rounds per second
+    assert queue.dp == direct.dp == 12
+    assert math.isclose(queue.scheduler, idle + 2 * 0.25e-3 * rounds)      # 0.0156
+    assert math.isclose(queue.scheduler_measured, idle + 50e-6 * 96 / 2.0)  # 0.012
+    assert math.isclose(direct.scheduler, idle) and math.isclose(direct.scheduler_measured, idle)
+    assert math.isclose(queue.planner, 1e-3 * 12 / 2.0) and direct.planner == queue.planner
+    assert math.isclose(queue.constructor, 2e-3 * 96 / 2.0 / 3)             # 0.032 each
+    assert math.isclose(direct.constructor, queue.constructor + 0.25e-3 * rounds / 3)
+    assert math.isclose(queue.connect_s, 0.96) and direct.connect_s == queue.connect_s
+    assert queue.busiest == max(queue.scheduler, queue.planner, queue.constructor)
+
+
+def test_utilisation_scales_with_ranks_and_step():
+    small = sim.control_plane(COSTS, 4096, 1.0)[0]
+    big = sim.control_plane(COSTS, 16384, 1.0)[0]
+    slow = sim.control_plane(COSTS, 16384, 4.0)[0]
+    assert math.isclose(big.scheduler, 4 * small.scheduler)  # the idle load scales with ranks too
+    assert math.isclose(slow.planner, big.planner / 4)
+    assert math.isclose(slow.scheduler - 16384 * 1e-4, (big.scheduler - 16384 * 1e-4) / 4)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError):
+        sim.control_plane(COSTS, 0, 1.0)
+    with pytest.raises(ValueError):
+        sim.control_plane(COSTS, 16, 0.0)
+
+
+def test_cli_prints_the_table(capsys):
+    assert sim.main(["--control-plane", "--cp-ranks", "64", "--cp-step-seconds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "control plane" in out and "scheduler" in out and "planner" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["64"]]
+    assert [r[2] for r in rows] == ["queue", "direct"], out
+
+
+def test_fewer_clients_cut_the_idle_load_and_the_connects():
+    per_rank = sim.control_plane(COSTS, 64, 1.0, clients=64)[1]
+    per_host = sim.control_plane(COSTS, 64, 1.0, clients=8)[1]
+    assert math.isclose(per_rank.scheduler, 64 * 1e-4) and math.isclose(per_host.scheduler, 8e-4)
+    assert math.isclose(per_host.connect_s, 8 * 10e-3)
+
+
+def test_cli_ranks_per_client(capsys):
+    assert sim.main(["--control-plane", "--cp-ranks", "64", "--cp-ranks-per-client", "8"]) == 0
+    assert "one client per 8 rank(s)" in capsys.readouterr().out
