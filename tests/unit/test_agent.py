@@ -392,3 +392,24 @@ def test_a_stale_socket_is_replaced(tmp_path: Any) -> None:
         with pytest.raises(ServiceError, match="already serves"):
             HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
                       agent.path).run()
+
+
+def test_the_torch_adapter_reads_through_the_agent(tmp_path: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from msd_dask.torch import MsdIterableDataset
+
+    with running_agent(tmp_path, [0, 1]) as (agent, readers):
+        monkeypatch.setenv(AGENT_ENV, agent.path)
+        sets = [MsdIterableDataset("tcp://nowhere:1", "agentunit", r, steps=3) for r in (0, 1)]
+        sets[1].load_state_dict({"rank": 1, "step": 0})
+        got: dict[int, list[int]] = {}
+        t = threading.Thread(target=lambda: got.update({1: [b["step"] for b in sets[1]]}))
+        t.start()
+        got[0] = [b["step"] for b in sets[0]]
+        t.join(10)
+        assert got == {0: [0, 1, 2], 1: [1, 2, 3]}
+        sets[0].report_step_time(0.5)
+        assert sets[1].state_dict() == {"rank": 1, "step": 3}
+        for ds in sets:
+            ds.close()
+        assert wait_until(lambda: readers[0].step_times == [(0.5, 2)], 5)
