@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                         "one service and N/8 host processes each")
     p.add_argument("--steps", type=int, default=10, help="steps every rank reads (default 10)")
     p.add_argument("--step-seconds", type=float, default=6.0,
-                   help="the pace: one step per this many seconds (default 6, which this "
-                        "2-core machine holds at 1,024 ranks)")
+                   help="the pace: one step per this many seconds (default 6: 1,024 ranks "
+                        "kept 95%% of it on a 2-core machine)")
     p.add_argument("--idle-seconds", type=float, default=8.0,
                    help="the idle baseline of the scheduler and the workers is measured for this "
                         "long with every host connected, before the reads (default 8)")
