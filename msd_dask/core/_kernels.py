@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["best_fit_rows", "greedy_fill", "mix_draw"]
+__all__ = ["best_fit_rows", "greedy_fill", "mix_draw", "stable_argsort"]
 
 
 # ----------------------------------------------------------------------------- best fit decreasing
@@ -286,15 +286,28 @@ def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndar
 
 
 @njit(cache=True)
+def _appended(buf: np.ndarray, n: int, key: int) -> np.ndarray:
+    """``buf`` with ``key`` at ``n`` (a larger copy when it is full)."""
+    if n == len(buf):
+        grown = np.empty(2 * len(buf) + 1024, dtype=buf.dtype)
+        grown[:n] = buf
+        buf = grown
+    buf[n] = key
+    return buf
+
+
+@njit(cache=True)
 def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, lengths: np.ndarray,
              base: np.ndarray, offset: np.ndarray, end: np.ndarray, limit: np.ndarray, room: int,
-             out: np.ndarray, n_out: int, tags: np.ndarray,
-             first: int) -> tuple[int, int, np.ndarray, int]:
-    """:meth:`msd_dask.core.mixing.Mixer.draw` (which says what it decides): ``credit`` and
-    ``offset`` change in place, source ``s``'s next piece is ``lengths[base[s] + offset[s]]``,
-    and the keys taken go to ``out[n_out:]`` (a larger copy when it is full).
+             out: np.ndarray, n_out: int, tags: np.ndarray, first: int, hold: int,
+             held: np.ndarray, n_held: int,
+             hold_room: int) -> tuple[int, int, np.ndarray, int, np.ndarray, int]:
+    """:meth:`msd_dask.core.mixing.Mixer.draw` (which says what it decides): ``credit``,
+    ``offset`` and ``eligible`` change in place, source ``s``'s next piece is
+    ``lengths[base[s] + offset[s]]``, and the keys taken (held) go to ``out[n_out:]``
+    (``held[n_held:]``), a larger copy when it is full.
 
-    Returns ``(src, room, out, n_out)``.
+    Returns ``(src, room, out, n_out, held, n_held)``.
     """
     n_src = len(credit)
     src = first
@@ -309,15 +322,20 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
             if o >= end[src]:
                 break
             n = lengths[base[src] + o]
-            if n >= limit[src] or n > room:
+            if hold > 0 and n >= hold:
+                if hold_room <= 0:
+                    eligible[src] = False  # the source waits for a release
+                    src = -1
+                    continue
+                held = _appended(held, n_held, tags[src] | o)
+                n_held += 1
+                hold_room -= 1
+            elif n >= limit[src] or n > room:
                 break
-            if n_out == len(out):
-                grown = np.empty(2 * len(out) + 1024, dtype=out.dtype)
-                grown[:n_out] = out
-                out = grown
-            out[n_out] = tags[src] | o
-            n_out += 1
-            room -= n
+            else:
+                out = _appended(out, n_out, tags[src] | o)
+                n_out += 1
+                room -= n
         else:
             o = offset[src]
             n = lengths[base[src] + o]
@@ -326,4 +344,98 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
             credit[j] += weights[j] * n
         credit[src] -= n
         src = -1
-    return src, room, out, n_out
+    return src, room, out, n_out, held, n_held
+
+
+# ----------------------------------------------------------------------------- sorting
+
+_SIGN = np.int64(-(1 << 63))
+_BELOW_SIGN = np.int64((1 << 63) - 1)
+_NAN = np.int64(0x7FF8000000000000)
+
+
+@njit(cache=True)
+def _int_order(a: np.ndarray) -> np.ndarray:
+    """Keys whose unsigned order is ``a``'s order."""
+    k = np.empty(len(a), dtype=np.int64)
+    for i in range(len(a)):
+        k[i] = np.int64(a[i]) ^ _SIGN
+    return k
+
+
+@njit(cache=True)
+def _float_order(a: np.ndarray) -> np.ndarray:
+    """Keys whose unsigned order is numpy's order of ``a`` (``-0.0`` equals ``0.0``, NaN last)."""
+    bits = a.view(np.int64)
+    k = np.empty(len(a), dtype=np.int64)
+    for i in range(len(a)):
+        x = a[i]
+        b = bits[i]
+        if x == 0.0:
+            b = 0
+        elif x != x:
+            b = _NAN
+        if b < 0:
+            b ^= _BELOW_SIGN
+        k[i] = b ^ _SIGN
+    return k
+
+
+@njit(cache=True)
+def _radix_argsort(k: np.ndarray) -> np.ndarray:
+    """The stable argsort of unsigned 64-bit keys: LSD radix over the bits that vary, in
+    one counting pass where they span at most 20 bits, else 16 bits a pass."""
+    n = len(k)
+    idx = np.arange(n)
+    if n < 2:
+        return idx
+    same1 = k[0]
+    any1 = k[0]
+    for i in range(n):
+        same1 &= k[i]
+        any1 |= k[i]
+    varies = same1 ^ any1
+    if varies == 0:
+        return idx
+    low = 0
+    while (varies >> low) & 1 == 0:
+        low += 1
+    high = 63
+    while (varies >> high) & 1 == 0:
+        high -= 1
+    width = high - low + 1 if high - low < 20 else 16
+    keys = k.copy()
+    keys2 = np.empty(n, dtype=np.int64)
+    idx2 = np.empty(n, dtype=np.int64)
+    count = np.empty((1 << width) + 1, dtype=np.int64)
+    mask = (1 << width) - 1
+    shift = low
+    while shift <= high:
+        count[:] = 0
+        for i in range(n):
+            count[((keys[i] >> shift) & mask) + 1] += 1
+        for d in range(1 << width):
+            count[d + 1] += count[d]
+        last = shift + width > high
+        for i in range(n):
+            d = (keys[i] >> shift) & mask
+            j = count[d]
+            count[d] = j + 1
+            if not last:
+                keys2[j] = keys[i]
+            idx2[j] = idx[i]
+        keys, keys2 = keys2, keys
+        idx, idx2 = idx2, idx
+        shift += width
+    return idx
+
+
+def stable_argsort(a: np.ndarray) -> np.ndarray:
+    """``np.argsort(a, kind="stable")`` of a 1-d int or float array, the same result in
+    linear time (a radix sort) for large arrays."""
+    a = np.ascontiguousarray(a)
+    if len(a) < 4096:
+        return np.argsort(a, kind="stable")
+    if a.dtype.kind == "f":
+        return _radix_argsort(_float_order(a.astype(np.float64, copy=False)))
+    return _radix_argsort(_int_order(a))

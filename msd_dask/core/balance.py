@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from msd_dask.core._kernels import greedy_fill
+from msd_dask.core._kernels import greedy_fill, stable_argsort
 
 __all__ = ["Assignment", "assign", "build_assignment", "STRATEGIES", "lower_bound", "capacity_bound",
            "sequential", "lpt", "balanced", "improve"]
@@ -108,7 +108,7 @@ def capacity_bound(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_b
     if n == 0:
         return 0.0
     best = lower_bound(costs, n_ranks)
-    order = np.argsort(-costs, kind="stable")
+    order = stable_argsort(-costs)
     cs, ls = costs[order], lengths[order]
     pos = ls > 0
     rho = float((cs[pos] / ls[pos]).min()) if pos.any() else 0.0
@@ -267,7 +267,7 @@ class _Greedy:
 
 
 def _decreasing(keys: np.ndarray) -> np.ndarray:
-    return np.argsort(-keys, kind="stable")
+    return stable_argsort(-keys)
 
 
 def lpt(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
@@ -379,7 +379,7 @@ def _tables(group: np.ndarray, n_groups: int, lengths: np.ndarray, k: int) -> np
     pieces stay available for fine adjustments.
     """
     span = int(lengths.max()) + 1 if len(lengths) else 1
-    order = np.argsort(group * span + (span - 1 - lengths), kind="stable")
+    order = stable_argsort(group * span + (span - 1 - lengths))
     order = order[group[order] >= 0]
     g = group[order]
     start = np.searchsorted(g, np.arange(n_groups))
@@ -591,7 +591,7 @@ def _place_by_swaps(st: _State, limit: int) -> None:
         return
     L = st.lengths
     placed = np.flatnonzero(st.row >= 0)
-    by_len = placed[np.argsort(L[placed], kind="stable")]
+    by_len = placed[stable_argsort(L[placed])]
     sorted_len = L[by_len]
     changed = False
     while left and limit > 0:

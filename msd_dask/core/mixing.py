@@ -24,6 +24,9 @@ from msd_dask.core._kernels import mix_draw
 
 __all__ = ["Mixer"]
 
+#: no held keys (the default ``held`` of :meth:`Mixer.draw`)
+_NONE = np.zeros(0, dtype=np.int64)
+
 
 class Mixer:
     """Chooses the source of the next piece.
@@ -46,21 +49,29 @@ class Mixer:
 
     def draw(self, weights: np.ndarray, eligible: np.ndarray, lengths: np.ndarray, base: np.ndarray,
              offset: np.ndarray, end: np.ndarray, limit: np.ndarray, room: int, out: np.ndarray,
-             n_out: int, tags: np.ndarray, first: int = -1) -> tuple[int, int, np.ndarray, int]:
+             n_out: int, tags: np.ndarray, first: int = -1, hold: int = 0,
+             held: np.ndarray = _NONE, n_held: int = 0,
+             hold_room: int = 0) -> tuple[int, int, np.ndarray, int, np.ndarray, int]:
         """Draw pieces while the chosen source's next piece is an ordinary one.
 
         Sources are indices into :attr:`sources`; every argument but ``room``,
-        ``n_out`` and ``first`` is an array with an entry per source, but
-        ``lengths`` (the pieces' lengths of all sources: source ``src``'s
-        ``o``-th piece is ``lengths[base[src] + o]``) and ``out``.  Each turn
-        the eligible source with the most credit is chosen (ties: the first);
-        its next piece is the one at ``offset[src]``.  A piece of ``n`` tokens
-        with ``offset[src] < end[src]``, ``n < limit[src]`` and ``n <= room``
-        is taken: ``tags[src] | offset[src]`` is stored at ``out[n_out]``,
-        ``n_out`` grows by one, ``room`` shrinks by ``n``, ``offset[src]``
-        advances, and every source ``t`` earns ``weights[t] · n`` credit while
-        ``src`` pays ``n``.  Any other piece ends the draw, untaken, for the
-        caller to decide on.
+        ``n_out``, ``first`` and the hold's is an array with an entry per
+        source, but ``lengths`` (the pieces' lengths of all sources: source
+        ``src``'s ``o``-th piece is ``lengths[base[src] + o]``) and ``out``.
+        Each turn the eligible source with the most credit is chosen (ties: the
+        first); its next piece is the one at ``offset[src]``.  A piece of ``n``
+        tokens with ``offset[src] < end[src]``, ``n < limit[src]`` and
+        ``n <= room`` is taken: ``tags[src] | offset[src]`` is stored at
+        ``out[n_out]``, ``n_out`` grows by one, ``room`` shrinks by ``n``,
+        ``offset[src]`` advances, and every source ``t`` earns
+        ``weights[t] · n`` credit while ``src`` pays ``n``.  With ``hold > 0``
+        a piece of at least ``hold`` tokens is held instead, while
+        ``hold_room`` (how many more may be held) allows: its key goes to
+        ``held[n_held]``, and it is consumed and charged like a piece taken,
+        but not counted against ``room``; once the hold is full such a piece
+        makes its source ineligible (``eligible[src] = False``) and the turn
+        goes on.  Any other piece ends the draw, untaken, for the caller to
+        decide on.
 
         ``first`` (a source; ``-1``: none) is the source of a piece the caller
         took itself, the one the last draw ended on: its next piece is consumed
@@ -74,13 +85,14 @@ class Mixer:
         src, room : int
             The source whose piece ended the draw (``-1``: no source is
             eligible) and the room left.
-        out, n_out : ndarray, int
-            The keys taken so far, in ``out[:n_out]`` (``out`` itself, or a
-            larger copy of it when it was full).
+        out, n_out, held, n_held : ndarray, int, ndarray, int
+            The keys taken (held) so far, in ``out[:n_out]`` (``held[:n_held]``):
+            the arrays given, or larger copies of them where they were full.
         """
-        src, room, out, n_out = mix_draw(self.credits, weights, eligible, lengths, base, offset, end,
-                                         limit, room, out, n_out, tags, first)
-        return int(src), int(room), out, int(n_out)
+        src, room, out, n_out, held, n_held = mix_draw(
+            self.credits, weights, eligible, lengths, base, offset, end, limit, room, out, n_out, tags,
+            first, hold, held, n_held, hold_room)
+        return int(src), int(room), out, int(n_out), held, int(n_held)
 
     def choose(self, weights: Mapping[str, float]) -> str:
         """The source with the most credit among those with a positive weight."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from msd_dask.core._kernels import stable_argsort
 from msd_dask.core.balance import lower_bound
 from msd_dask.core.config import Config
 from msd_dask.core.cost import CostModel
@@ -318,15 +319,16 @@ class Planner:
         win_src: list[int] = []
         taken = np.zeros(0, dtype=np.int64)  # (window slot << 32) | offset of each piece, in order
         n_taken = 0
-        held: list[int] = []
-        n_held = len(self._held)
+        held = np.zeros(0, dtype=np.int64)  # the keys of the pieces held, in order
+        n_new_held = 0
         room = capacity - total
         loading = -1
         first = -1                 # the source of a piece placed here, for the mixer to charge
         try:
             while True:
-                src, room, taken, n_taken = mixer.draw(w, el, lens, base, offset, end, limit, room, taken,
-                                                       n_taken, slot, first)
+                src, room, taken, n_taken, held, n_new_held = mixer.draw(
+                    w, el, lens, base, offset, end, limit, room, taken, n_taken, slot, first, hold, held,
+                    n_new_held, hold_limit - len(self._held) - n_new_held)
                 first = -1
                 if src < 0:
                     break
@@ -346,14 +348,7 @@ class Planner:
                     win_src.append(src)
                     continue
                 n = int(lens[base[src] + o])
-                if hold and n >= hold:
-                    if n_held >= hold_limit:
-                        # no room to hold it: the source waits for a release, the others fill
-                        el[src] = False
-                        continue
-                    held.append(int(slot[src]) | o)
-                    n_held += 1
-                elif n > room:
+                if n > room:  # (outliers are held by the draw)
                     break
                 else:  # a long piece while they are counted
                     taken, n_taken = _appended(taken, n_taken, slot[src:src + 1] | o)
@@ -366,7 +361,7 @@ class Planner:
             for j, (st, o) in enumerate(zip(streams, offset.tolist(), strict=True)):
                 if j != loading:
                     st.offset = o
-        return _gather(taken[:n_taken], windows, win_src), _gather(held, windows, win_src)
+        return _gather(taken[:n_taken], windows, win_src), _gather(held[:n_new_held], windows, win_src)
 
     def _plan(self, lookup: MetaLookup) -> StepPlan:
         cfg = self.cfg
@@ -404,7 +399,7 @@ class Planner:
         # the rows, each in step order: the placed pieces sorted (stably) by row
         idx = np.flatnonzero(placed)
         row_of = rank[idx] * mb + micro[idx]
-        order = np.argsort(row_of, kind="stable")
+        order = stable_argsort(row_of)
         src = table[idx, 0]
         for j in np.unique(src).tolist():
             mine = src == j
@@ -510,7 +505,7 @@ def _gather(keys: Sequence[int] | np.ndarray, windows: list[Window], sources: li
     k = np.asarray(keys, dtype=np.int64)
     slot, offset = k >> 32, k & 0xFFFFFFFF
     # the keys grouped by window (a pass over the keys per window would cost windows × keys)
-    by_slot = np.argsort(slot, kind="stable")
+    by_slot = stable_argsort(slot)
     bounds = np.searchsorted(slot[by_slot], np.arange(len(windows) + 1)).tolist()
     for i, (win, src) in enumerate(zip(windows, sources, strict=True)):
         mine = by_slot[bounds[i]:bounds[i + 1]]

@@ -15,7 +15,7 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from msd_dask.core._kernels import best_fit_rows
+from msd_dask.core._kernels import best_fit_rows, stable_argsort
 from msd_dask.core.balance import assign, build_assignment, improve
 
 __all__ = ["kept_rows", "place_step", "spread_long", "KEPT_SLACK"]
@@ -47,7 +47,7 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     if n == 0 or n_rows <= 0:
         return row
     lengths = np.asarray(lengths, dtype=np.int64)
-    new = n_carried + np.argsort(-lengths[n_carried:], kind="stable")
+    new = n_carried + stable_argsort(-lengths[n_carried:])
     order = np.concatenate([np.arange(n_carried), new])
     row[order] = best_fit_rows(lengths[order], n_rows, seq_len)
     # the shortest new pieces over (1 - KEPT_SLACK) of the step's tokens wait for the next
@@ -55,7 +55,7 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     over = int(lengths[row >= 0].sum()) - int((1 - KEPT_SLACK) * n_rows * seq_len)
     if over > 0:
         kept_new = n_carried + np.flatnonzero(row[n_carried:] >= 0)
-        by_len = kept_new[np.argsort(lengths[kept_new], kind="stable")]
+        by_len = kept_new[stable_argsort(lengths[kept_new])]
         k = int(np.searchsorted(np.cumsum(lengths[by_len]), over, side="left")) + 1
         row[by_len[:k]] = -1
     return row

@@ -92,3 +92,17 @@ def test_greedy_fill_is_lpt_piece_by_piece(seed: int) -> None:
         g.fill(np.arange(n), lens, ks)
         rank, micro = _greedy_one_by_one(lens, ks, n_ranks, mb, seq_len)
         assert g.rank.tolist() == rank and g.micro.tolist() == micro
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 5000, 70000])
+def test_stable_argsort_is_numpys(n: int) -> None:
+    from msd_dask.core._kernels import stable_argsort
+
+    rng = np.random.default_rng(n)
+    cases = [rng.integers(-5, 5, n), -rng.integers(0, 131073, n), rng.integers(0, 1 << 40, n),
+             rng.integers(-(1 << 62), 1 << 62, n), rng.integers(0, 3, n).astype(np.int32),
+             rng.normal(size=n), np.round(rng.normal(size=n), 1),
+             # equal zeros of either sign, infinities and NaNs (last)
+             np.where(rng.random(n) < 0.3, -0.0, rng.choice([0.0, 1.5, -2.0, np.inf, -np.inf, np.nan], n))]
+    for a in cases:
+        assert stable_argsort(a).tolist() == np.argsort(a, kind="stable").tolist(), a.dtype

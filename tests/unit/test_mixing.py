@@ -160,9 +160,9 @@ def test_draw_takes_what_choose_and_take_would(n_src: int) -> None:
     tags = np.arange(n_src, dtype=np.int64) << 32
     first, room = -1, sum(lengths[s][o] for s, o in want)
     while True:
-        s, room, got, n_got = batched.draw(wl, np.ones(n_src, dtype=bool), flat, base, offset,
-                                           np.full(n_src, 300), np.full(n_src, limit), room, got,
-                                           n_got, tags, first)
+        s, room, got, n_got, *_ = batched.draw(wl, np.ones(n_src, dtype=bool), flat, base, offset,
+                                               np.full(n_src, 300), np.full(n_src, limit), room, got,
+                                               n_got, tags, first)
         if s < 0 or lengths[s][offset[s]] > room:
             break
         got = np.append(got[:n_got], (s << 32) | offset[s])
@@ -171,3 +171,23 @@ def test_draw_takes_what_choose_and_take_would(n_src: int) -> None:
         first = s
     assert [(k >> 32, k & 0xFFFFFFFF) for k in got[:n_got].tolist()] == want
     assert batched.state_dict() == one.state_dict()
+
+
+def test_draw_holds_outliers_while_the_hold_has_room() -> None:
+    # pieces of at least ``hold`` tokens are held (consumed and charged, not counted against
+    # the room) while the hold has room; then their source sits out and the others fill
+    m, one = Mixer(["a", "b"]), Mixer(["a", "b"])
+    lengths = np.array([90, 95, 10, 20, 20, 20, 20], dtype=np.int64)
+    offset = np.zeros(2, dtype=np.int64)
+    el = np.ones(2, dtype=bool)
+    src, room, out, n_out, held, n_held = m.draw(
+        np.array([0.9, 0.1]), el, lengths, np.array([0, 3]), offset, np.array([3, 4]), np.array([50, 50]),
+        1000, np.zeros(0, dtype=np.int64), 0, np.array([0, 1 << 32]), -1, 50, np.zeros(0, dtype=np.int64),
+        0, 1)
+    assert held[:n_held].tolist() == [0]                     # a's 90 held: the hold is full
+    assert el.tolist() == [False, True]                      # so a's 95 waits, and b fills
+    assert out[:n_out].tolist() == [(1 << 32) | i for i in range(4)]
+    assert (src, room, offset.tolist()) == (1, 1000 - 80, [1, 4])
+    for s, n in (("a", 90), ("b", 20), ("b", 20), ("b", 20), ("b", 20)):
+        one.take(s, n, {"a": 0.9, "b": 0.1})
+    assert m.state_dict() == one.state_dict()
