@@ -11,7 +11,10 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from msd_dask.service.agent import HostAgent
 
 __all__ = ["main"]
 
@@ -350,7 +353,7 @@ def _agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def _announce(agent: Any, env: str) -> None:
+def _announce(agent: HostAgent, env: str) -> None:
     """Print one line once ``agent`` accepts connections."""
     agent.ready.wait()
     groups = "; ".join(",".join(map(str, g.ranks)) for g in agent.groups)

@@ -34,9 +34,11 @@ The agent reads a group at most ``prefetch`` steps ahead of the group's slowest
 rank.  It starts reading a group once each of its ranks asked for a first step,
 from the lowest step they all lack (a rank restarted from
 :meth:`AgentReader.load_state_dict` skips what it has; so does the group's reader).
-The group's reader tells the constructor the slowest rank's last step as the step
-it returned (:class:`AgentGroupReader`), so :meth:`DataService.consumed_step` counts
-the steps the ranks took, not those the agent read ahead.
+When it pauses, the group's reader reports the slowest rank's last step as the step
+it returned (:class:`AgentGroupReader`), not the last step the agent read; its claims
+still tell the constructor the steps before each claimed round were returned, so
+:meth:`DataService.consumed_step` may count up to ``prefetch - 1`` steps ahead of the
+slowest rank (``prefetch=1`` makes it exact).
 """
 
 from __future__ import annotations
