@@ -8,11 +8,13 @@ the one module to adapt; each function says what it relies on.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["actor_address", "has_client", "keys_on", "local_actor",
+__all__ = ["actor_address", "call_actor", "has_client", "keys_on", "local_actor",
            "published_datasets", "release_actor", "scheduler_workers",
            "task_worker", "worker_actors", "wrap_scheduler_call"]
 
@@ -25,6 +27,38 @@ def actor_address(handle: Any) -> str | None:
     or retiring worker held and whether a role is on the calling worker.
     """
     return getattr(handle, "_address", None)
+
+
+def call_actor(handle: Any, method: Callable[..., Any], /, *args: Any,
+               **kwargs: Any) -> concurrent.futures.Future[Any]:
+    """Call ``method`` (a method of the actor's class) on the actor behind ``handle``, from
+    a client's thread; a future that can be cancelled.
+
+    Relies on ``Actor._address``, ``Actor._worker_rpc``, ``Actor._io_loop`` and the
+    workers' ``actor_execute`` handler (what ``Actor.__getattr__`` sends).  A call
+    through the handle whose worker dies does not fail: it waits for the actor's key
+    to be computed again and, holding the handle meanwhile, keeps the key wanted,
+    so the scheduler re-creates the lost actor from its arguments on another
+    worker.  A reader long-polling a constructor is almost always in such a call;
+    this one fails on the lost connection instead, and the reader cancels it when
+    the service replaces the constructor.
+    """
+    from distributed.protocol import to_serialize
+
+    # the call holds none of the handle: a call still connecting to a lost worker (Dask
+    # retries for distributed.comm.timeouts.connect) would keep the actor's key wanted
+    rpc, key, loop = handle._worker_rpc, handle.key, handle._io_loop.asyncio_loop
+    name = method.__name__
+
+    async def execute() -> Any:
+        result = await rpc.actor_execute(
+            function=name, actor=key, args=[to_serialize(a) for a in args],
+            kwargs={k: to_serialize(v) for k, v in kwargs.items()})
+        if result["status"] == "OK":
+            return result["result"]
+        raise result["exception"]
+
+    return asyncio.run_coroutine_threadsafe(execute(), loop)
 
 
 def local_actor(worker: Any, handle: Any) -> Any | None:

@@ -35,8 +35,9 @@ from typing import Any, Protocol
 from msd_dask.batch import Batch
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
+from msd_dask.dask_internals import call_actor
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import POLL, constructor_of
+from msd_dask.roles.constructor import POLL, DataConstructor, constructor_of
 
 __all__ = ["REPORT_IDLE", "Reader", "ServiceLink", "idle_time"]
 
@@ -285,7 +286,8 @@ class Reader:
             key = constructor.key
             if self._known[0] == key and step <= self._known[1]:
                 return None
-            call = constructor.returned_through(self.rank, int(step), self.ranks)
+            call = call_actor(constructor, DataConstructor.returned_through, self.rank,
+                              int(step), self.ranks)
         except Exception:  # noqa: BLE001 - a lost constructor: the state then needs a step
             return None
         self._known = (key, int(step))
@@ -304,15 +306,16 @@ class Reader:
         deadline = time.monotonic() + self.timeout
         c = self._c
         constructor = self.link.constructors[c]
-        call = None
+        call: Any = None
         wait = CLAIM_WAIT
         while True:
             max_age = 0.0
             try:
                 if call is None:
-                    call = constructor.next_round(self.rank, self._done(), self._view,
-                                                  report_after=self.report_after, wait=POLL,
-                                                  ranks=self.ranks)
+                    poll = min(POLL, max(0.1, deadline - time.monotonic()))
+                    call = call_actor(constructor, DataConstructor.next_round, self.rank,
+                                      self._done(), self._view, report_after=self.report_after,
+                                      wait=poll, ranks=self.ranks)
                 answer = call.result(timeout=POLL + wait)
             except TimeoutError:
                 # a slow constructor only answers late; look less and less often, one
@@ -348,6 +351,8 @@ class Reader:
             self.link.refresh(max_age=max_age)
             self.link.announce_generation()
             if self.link.constructors[c].key != constructor.key:
+                if call is not None:
+                    call.cancel()  # a call to a lost worker would wait for ever
                 constructor, call = self.link.constructors[c], None
 
     def _check_deadline(self, deadline: float, waiting_for: str,
@@ -380,7 +385,8 @@ class Reader:
             return
         calls: list[Any] = []
         try:  # the one constructor of this rank's DP group
-            calls.extend(constructors[self._c].mark_had(r, done) for r in self.ranks)
+            calls.extend(call_actor(constructors[self._c], DataConstructor.mark_had, r, done)
+                         for r in self.ranks)
         except Exception:  # noqa: BLE001 - lost meanwhile: its successor learns from next_round
             pass
         for call in calls:
