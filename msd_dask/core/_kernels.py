@@ -383,8 +383,9 @@ def _float_order(a: np.ndarray) -> np.ndarray:
 
 @njit(cache=True)
 def _radix_argsort(k: np.ndarray) -> np.ndarray:
-    """The stable argsort of unsigned 64-bit keys: LSD radix over the bits that vary, in
-    one counting pass where they span at most 20 bits, else 16 bits a pass."""
+    """The stable argsort of unsigned 64-bit keys ``k`` (which it overwrites): LSD radix over
+    the bits that vary, in one counting pass where they span at most 20 bits, else 16 bits a
+    pass."""
     n = len(k)
     idx = np.arange(n)
     if n < 2:
@@ -404,8 +405,8 @@ def _radix_argsort(k: np.ndarray) -> np.ndarray:
     while (varies >> high) & 1 == 0:
         high -= 1
     width = high - low + 1 if high - low < 20 else 16
-    keys = k.copy()
-    keys2 = np.empty(n, dtype=np.int64)
+    keys = k  # (reordered in place: the callers' keys are temporaries)
+    keys2 = np.empty(n if width <= high - low else 0, dtype=np.int64)  # only with passes to come
     idx2 = np.empty(n, dtype=np.int64)
     count = np.empty((1 << width) + 1, dtype=np.int64)
     mask = (1 << width) - 1

@@ -110,13 +110,16 @@ def capacity_bound(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_b
     best = lower_bound(costs, n_ranks)
     order = stable_argsort(-costs)
     cs, ls = costs[order], lengths[order]
+    del order  # (temporaries of n pieces go as soon as they are used: steps hold millions)
     pos = ls > 0
     rho = float((cs[pos] / ls[pos]).min()) if pos.any() else 0.0
+    del pos
     free = n_ranks * micro_batches * seq_len - int(ls.sum())
     room = micro_batches * seq_len - free
     keys = cs - rho * ls
     # the t+1 cheapest of the top t·R+1 are the last t+1 when keys follow costs
     monotone = bool(np.all(np.diff(keys) <= 1e-9 * max(1.0, float(keys[0]))))
+    del keys
     t = np.arange((n - 1) // n_ranks + 1)
     hi = t * n_ranks + 1                      # prefix length
     lo = hi - (t + 1)

@@ -388,6 +388,7 @@ class Planner:
             self._held_step = np.concatenate([self._held_step,
                                               np.full(len(held), self.step, dtype=np.int64)])
         table = np.concatenate([first, new])
+        del first, new, held  # copied into table: their memory goes back before the placement
         lengths = table[:, 6] - table[:, 5]
         costs = self.cost(lengths)
         rank, micro = place_step(lengths, costs, n_first, dp, mb, seq_len, cfg.balance)
