@@ -46,6 +46,17 @@ processes' own python+torch).  Baseline total / msd_dask total, which counts
 the ``R`` training processes on the baseline side only, is printed below it
 for comparison with earlier runs.
 
+``--agents N`` (comma-separated, default ``0``): ``0`` is the above, the readers
+connect to the service directly (each its own Dask client); ``N > 0`` splits the
+``R`` ranks into ``N`` simulated hosts of consecutive ranks, each with one
+``msd-dask agent`` process for its ranks (started after the service and before the
+readers, each on its own socket in a temporary directory), and each reader gets
+``MSD_DASK_AGENT`` of its host's agent (no Dask client in the training process).
+The agents are part of the service on each host: msd_dask's total counts their PSS
+(with their children, e.g. the shared-memory resource tracker; the shared-memory
+blocks they hold are mapped by them, so in it) plus ``R`` × what a reader adds.  The
+msd_dask side runs once per read-ahead value and agent count, all in one table.
+
 ``--cluster-env KEY=VALUE`` adds a variable to the environment of the dask
 scheduler and workers only, as a deployment sets it for ``dask scheduler`` /
 ``dask worker`` (e.g. ``ARROW_DEFAULT_MEMORY_POOL=system``, to measure a
@@ -53,6 +64,7 @@ setting before recommending it); nothing else gets it.
 
     python scripts/bench_memory.py --quick      # (R, W, S) = (8, 2, 8)
     python scripts/bench_memory.py              # (16, 4, 16)
+    python scripts/bench_memory.py --agents 0,2 # also with the 16 ranks as 2 hosts of 8
 """
 
 from __future__ import annotations
@@ -62,6 +74,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -72,6 +85,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 GiB = 1024 ** 3
+#: the service's name
+_NAME = "benchmem"
 
 
 # ------------------------------------------------------------------ children
@@ -112,7 +127,7 @@ def child_serve(a: argparse.Namespace) -> None:
 
     base = parse_config(a.config).to_dict()  # files: checked on a worker
     cfg = baselines.source_config(base, baselines.demo_sources(a.root, replicas=a.sources // 2))
-    cfg["name"] = "benchmem"
+    cfg["name"] = _NAME
     cfg["parallel"] = {"dp": a.ranks}
     cfg["batch"] = {"seq_len": a.seq_len, "micro_batches": a.micro_batches}
     for src in cfg["sources"]:
@@ -136,7 +151,7 @@ def child_reader(a: argparse.Namespace) -> None:
 
     from msd_dask.torch import MsdIterableDataset
 
-    ds = MsdIterableDataset(a.address, "benchmem", a.rank, connect_timeout=120)
+    ds = MsdIterableDataset(a.address, _NAME, a.rank, connect_timeout=120)
     it = iter(DataLoader(ds, batch_size=None, num_workers=0))
     for _ in range(a.warm):
         next(it)
@@ -146,17 +161,32 @@ def child_reader(a: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------ parent
 class Procs:
-    """Child processes of this script, each in its own session, stopped by pid."""
+    """Child processes of this script, each in its own session, stopped by pid.
+
+    A child started with ``argv`` (another program) is stopped with SIGTERM; this
+    script's own children when a line reaches their stdin.  Either is killed with its
+    process group 30 s later.
+    """
 
     def __init__(self) -> None:
         self.procs: dict[str, subprocess.Popen] = {}
+        self.term: set[str] = set()
 
-    def start(self, key: str, args: list[str]) -> None:
+    def start(self, key: str, args: list[str], env: dict[str, str] | None = None,
+              argv: list[str] | None = None) -> None:
+        """Start ``key``: this script with ``args``, or ``argv``; ``env`` added to the
+        environment it inherits."""
+        if argv is not None:
+            self.term.add(key)
         self.procs[key] = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, start_new_session=True)
+            argv or [sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, start_new_session=True,
+            env=None if env is None else dict(os.environ, **env))
 
-    def wait_ready(self, keys: list[str], timeout: float) -> None:
+    def wait_ready(self, keys: list[str], timeout: float, ready: str = "ready") -> None:
+        """Wait for a line starting with ``ready`` from each of ``keys`` (``timeout`` s in all)."""
+        import select
+
         import psutil
 
         deadline = time.monotonic() + timeout
@@ -164,18 +194,16 @@ class Procs:
             p = self.procs[k]
             while True:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{k} not ready after {timeout:.0f}s")
+                    raise TimeoutError(f"{k} not ready (no line {ready!r}) after {timeout:.0f}s")
                 if psutil.virtual_memory().available < 2 * GiB:
                     raise MemoryError("less than 2 GiB of memory left: stopping")
-                import select
-
                 r, _, _ = select.select([p.stdout], [], [], 1.0)
                 if r:
                     line = p.stdout.readline()  # type: ignore[union-attr]
-                    if line.strip() == "ready":
+                    if line.startswith(ready):
                         break
                     if line == "" and p.poll() is not None:
-                        raise RuntimeError(f"{k} exited with {p.returncode}")
+                        raise RuntimeError(f"{k} exited with {p.returncode} before it was ready")
 
     def ask(self, key: str, line: str, timeout: float = 60) -> str:
         """Send ``line`` to child ``key`` and return its one-line answer."""
@@ -189,24 +217,40 @@ class Procs:
             raise TimeoutError(f"{key} did not answer {line!r} in {timeout:.0f}s")
         return p.stdout.readline()  # type: ignore[union-attr]
 
-    def stop(self) -> None:
-        for p in self.procs.values():
+    def stop(self, keys: list[str] | None = None) -> None:
+        """Stop ``keys`` (default: all), killing those still there after 30 s; never raises."""
+        keys = list(self.procs) if keys is None else [k for k in keys if k in self.procs]
+        for k in keys:
+            p = self.procs[k]
             try:
-                p.stdin.write("\n")  # type: ignore[union-attr]
-                p.stdin.flush()  # type: ignore[union-attr]
+                if k in self.term:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+                else:
+                    p.stdin.write("\n")  # type: ignore[union-attr]
+                    p.stdin.flush()  # type: ignore[union-attr]
             except (BrokenPipeError, OSError):
                 pass
         deadline = time.monotonic() + 30
-        for p in self.procs.values():
+        for k in keys:
+            p = self.procs.pop(k)
+            self.term.discard(k)
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                print(f"{k} (pid {p.pid}) still running 30 s after it was told to stop: killed",
+                      file=sys.stderr)
                 try:
-                    os.killpg(p.pid, signal.SIGKILL)  # the child's own session: it and its loader workers
+                    os.killpg(p.pid, signal.SIGKILL)  # the child's own session: it and its children
                 except ProcessLookupError:
                     pass
-                p.wait()
-        self.procs.clear()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    print(f"{k} (pid {p.pid}) still there 30 s after SIGKILL", file=sys.stderr)
+            for f in (p.stdin, p.stdout):
+                with contextlib.suppress(OSError):
+                    f.close()  # type: ignore[union-attr]
 
 
 def pss_tree(pid: int) -> tuple[int, int]:
@@ -300,45 +344,143 @@ def start_cluster(tmp: str, workers: int, env: dict[str, str]
         return _start_cluster(tmp, workers, count=False, nthreads=_DASK_THREADS)
 
 
+def _agent_counts(text: str, ranks: int) -> list[int]:
+    """``--agents``: comma-separated agent counts, each from 0 (direct) to ``ranks``."""
+    out = []
+    for part in text.split(","):
+        try:
+            n = int(part.strip())
+        except ValueError:
+            raise SystemExit(f"--agents wants comma-separated integers, got {text!r}") from None
+        if not 0 <= n <= ranks:
+            raise SystemExit(f"--agents {n}: want 0 (direct) to {ranks} (one rank per host)")
+        out.append(n)
+    return out
+
+
+def _hosts(ranks: int, n: int) -> list[list[int]]:
+    """Ranks ``0 .. ranks-1`` as ``n`` simulated hosts of consecutive ranks (sizes differ by
+    at most one)."""
+    return [list(range(i * ranks // n, (i + 1) * ranks // n)) for i in range(n)]
+
+
+def _agents_head(n: int, ranks: int) -> str:
+    """A column's second head: how its readers read."""
+    if n == 0:
+        return "direct"
+    sizes = sorted({len(h) for h in _hosts(ranks, n)})
+    each = str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    return f"{n} agent{'s' if n > 1 else ''} x {each} ranks"
+
+
+def _blocks(pid: int) -> list[str]:
+    """The shared memory blocks of the agent process ``pid`` (files under /dev/shm)."""
+    import glob
+
+    from msd_dask.service.agent import BLOCK_PREFIX, SHM_DIR
+
+    return glob.glob(os.path.join(SHM_DIR, f"{BLOCK_PREFIX}{pid}-*"))
+
+
+def _blocks_bytes(pids: list[int]) -> int:
+    """Bytes the agents ``pids`` hold in shared memory blocks now."""
+    total = 0
+    for pid in pids:
+        for path in _blocks(pid):
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(path).st_blocks * 512
+    return total
+
+
+def _remove_blocks(pid: int) -> None:
+    """Unlink what the agent ``pid`` left in shared memory (it was killed)."""
+    for path in _blocks(pid):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def start_agents(procs: Procs, address: str, ranks: int, n: int, tmp: str,
+                 timeout: float) -> dict[int, str]:
+    """One ``msd-dask agent`` per simulated host, each on its own socket under ``tmp``;
+    returns each rank's socket once every agent serves."""
+    socket_of: dict[int, str] = {}
+    paths = {}
+    for i, host in enumerate(_hosts(ranks, n)):
+        key, path = f"agent{i}", os.path.join(tmp, f"agent{i}.sock")
+        if len(path.encode()) > 100:
+            raise RuntimeError(f"{path}: too long for a Unix socket (set a shorter TMPDIR)")
+        procs.start(key, [], argv=[
+            sys.executable, "-m", "msd_dask.cli", "agent", "--scheduler", address,
+            "--name", _NAME, "--ranks", f"{host[0]}-{host[-1]}", "--socket", path])
+        paths[key] = path
+        socket_of.update(dict.fromkeys(host, path))
+    procs.wait_ready(list(paths), timeout, ready="agent of")
+    for key, path in paths.items():
+        if not (os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode)):
+            raise RuntimeError(f"{key} said it serves, but {path} is not a socket")
+    return socket_of
+
+
 def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
-            variant: tuple[int | None, int | None]) -> dict[str, float]:
+            variant: tuple[int | None, int | None], agents: int = 0) -> dict[str, float]:
     """msd_dask's processes, its sources' ``read_ahead`` and ``read_ahead_tokens`` set to
-    ``variant`` (``None``: the config's)."""
+    ``variant`` (``None``: the config's); the readers read through ``agents`` host agents
+    (0: directly)."""
     read_ahead, read_ahead_tokens = variant
     from bench_scheduler_bytes import _stop
 
-    with tempfile.TemporaryDirectory() as tmp:
+    from msd_dask.service.agent import AGENT_ENV
+
+    with tempfile.TemporaryDirectory(prefix="bm-") as tmp:
         address, cluster = start_cluster(tmp, a.dask_workers, _cluster_env(a.cluster_env))
         procs = Procs()
+        agent_pids: list[int] = []
         try:
             procs.start("serve", ["--child", "serve", "--address", address, *common,
                                   *(["--read-ahead-one", str(read_ahead)] if read_ahead else []),
                                   *(["--read-ahead-tokens-one", str(read_ahead_tokens)]
                                     if read_ahead_tokens is not None else [])])
             procs.wait_ready(["serve"], timeout)
+            socket_of = {}
+            if agents:
+                socket_of = start_agents(procs, address, a.ranks, agents, tmp, timeout)
+                agent_pids = [procs.procs[f"agent{i}"].pid for i in range(agents)]
             procs.start("bare", ["--child", "bare"])
             for r in range(a.ranks):
                 procs.start(f"rank{r}", ["--child", "reader", "--rank", str(r),
-                                         "--address", address, *common])
-            procs.wait_ready([k for k in procs.procs if k != "serve"], timeout)
+                                         "--address", address, *common],
+                            env={AGENT_ENV: socket_of.get(r, "")})  # "": directly
+            procs.wait_ready([k for k in procs.procs if k == "bare" or k.startswith("rank")],
+                             timeout)
             time.sleep(2.0)
             pids = {k: p.pid for k, p in procs.procs.items()}
             pids["scheduler"] = cluster[0].pid
             for i, w in enumerate(cluster[1:]):
                 pids[f"worker{i}"] = w.pid
             m = sample(pids)
+            blocks = _blocks_bytes(agent_pids)
             held = json.loads(procs.ask("serve", "stats"))
         finally:
-            procs.stop()
-            _stop(cluster)
+            try:  # the readers, then the agents, then the service and its cluster
+                procs.stop([k for k in procs.procs if k == "bare" or k.startswith("rank")])
+                procs.stop([k for k in procs.procs if k.startswith("agent")])
+                for pid in agent_pids:
+                    _remove_blocks(pid)
+                procs.stop()
+            finally:
+                _stop(cluster)
     bare = m["bare"][0]
     readers = [m[f"rank{r}"][0] for r in range(a.ranks)]
     out = {"bare": bare, "scheduler": m["scheduler"][0],
            "workers": sum(m[f"worker{i}"][0] for i in range(a.dask_workers)),
            "serve": m["serve"][0], "reader_adds": sum(x - bare for x in readers) / a.ranks,
            "token_buffers": _token_bytes(a.config) * held["tokens_buffered"],
-           "loaders": held["loaders"]}
-    out["total"] = out["scheduler"] + out["workers"] + out["serve"] + a.ranks * out["reader_adds"]
+           "loaders": held["loaders"], "hosts": agents,
+           # an agent with its children (the resource tracker of its shared memory)
+           "agents": sum(sum(m[f"agent{i}"]) for i in range(agents)),
+           "agent_blocks": blocks}
+    out["total"] = (out["scheduler"] + out["workers"] + out["serve"] + out["agents"]
+                    + a.ranks * out["reader_adds"])
     return out
 
 
@@ -411,6 +553,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="msd_dask runs, one per comma-separated value: 'config' (the sources' "
                         "read_ahead units and read_ahead_tokens cap), 'nocap' (the config's "
                         "units, no token cap), or N (N units, no token cap)")
+    p.add_argument("--agents", default="0", metavar="N[,N...]",
+                   help="msd_dask runs, one per comma-separated value (and --read-ahead value): "
+                        "0 (default), each reader connects to the service directly; N > 0, the "
+                        "R ranks as N simulated hosts, each with one `msd-dask agent` its "
+                        "readers read through (MSD_DASK_AGENT), the agents counted in msd_dask's "
+                        "total (e.g. --agents 0,2: both, side by side)")
     p.add_argument("--cluster-env", action="append", default=[], metavar="KEY=VALUE",
                    help="set in the environment of the dask scheduler and workers only, as a "
                         "deployment sets it for `dask scheduler` / `dask worker` (repeatable; "
@@ -437,11 +585,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.sources < 2 or a.sources % 2:
         p.error("--sources must be even and at least 2")
     _cluster_env(a.cluster_env)
+    agent_counts = _agent_counts(a.agents, a.ranks)
     if a.child:
         {"bare": lambda: child_bare(), "hf": lambda: child_hf(a), "serve": lambda: child_serve(a),
          "reader": lambda: child_reader(a)}[a.child]()
         return 0
 
+    # a SIGTERM unwinds like Ctrl-C: every child, socket and shared memory block is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bytecode_dir = tempfile.TemporaryDirectory() if a.bytecode else None
     if bytecode_dir is not None:
         print(f"msd_dask loaded from bytecode: {_compiled_copy(bytecode_dir.name)}")
@@ -458,7 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     default_ra = cfg.sources[0].read_ahead
     t0 = time.perf_counter()
     hf = run_baseline(a, common, a.timeout)
-    msds = [run_msd(a, common, a.timeout, _variant(v)) for v in variants]
+    cols = [(v, n) for v in variants for n in agent_counts]
+    msds = [run_msd(a, common, a.timeout, _variant(v), n) for v, n in cols]
     secs = time.perf_counter() - t0
     mib = 1024 ** 2
     print(f"(R, W, S) = ({a.ranks}, {a.workers}, {a.sources}); seq_len {a.seq_len} x "
@@ -476,13 +628,21 @@ def main(argv: list[str] | None = None) -> int:
         ("HF streaming loaders (total - R x bare)", hf["loaders"]),
     ]:
         print(f"{name:<50}{v / mib:>10,.0f}")
-    heads = [_variant_head(v, default_ra) for v in variants]
+    heads = [_variant_head(v, default_ra) for v, _ in cols]
     print(f"{'msd_dask':<50}" + "".join(f"{h:>22}" for h in heads))
-    rows: list[tuple[str, list[float], str]] = [
+    with_agents = agent_counts != [0]
+    if with_agents:
+        print(f"{'  readers read':<50}"
+              + "".join(f"{_agents_head(n, a.ranks):>22}" for _, n in cols))
+    rows: list[tuple[str, list[float | None], str]] = [
         ("scheduler", [m["scheduler"] for m in msds], "mib"),
         (f"{a.dask_workers} workers (all roles)", [m["workers"] for m in msds], "mib"),
         ("  of which loaders' token buffers (uint16)", [m["token_buffers"] for m in msds], "mib"),
         ("process that started the service", [m["serve"] for m in msds], "mib"),
+        *([("host agents (with their children)", [m["agents"] if m["hosts"] else None
+                                                   for m in msds], "mib"),
+           ("  of which shared-memory blocks", [m["agent_blocks"] if m["hosts"] else None
+                                                for m in msds], "mib")] if with_agents else []),
         ("what a reader adds to a training process", [m["reader_adds"] for m in msds], "mib"),
         (f"R x what a reader adds (R = {a.ranks})", [a.ranks * m["reader_adds"] for m in msds],
          "mib"),
@@ -493,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
          "x"),
     ]
     for name, vals, unit in rows:
-        cells = [f"{v / mib:,.0f}" if unit == "mib" else f"{v:.1f}" for v in vals]
+        cells = ["-" if v is None else f"{v / mib:,.0f}" if unit == "mib" else f"{v:.1f}"
+                 for v in vals]
         print(f"{name:<50}" + "".join(f"{c:>22}" for c in cells))
     step_tokens = a.ranks * a.micro_batches * a.seq_len
     cap = cfg.sources[0].read_ahead_tokens or cfg.prefetch * step_tokens
@@ -502,11 +663,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.prefetch} x {a.ranks} x {a.micro_batches} x {a.seq_len} = {cap:,} tokens) per "
           "source after its shuffle window; ratios: HF loaders excludes the R training "
           "processes' own python+torch, as msd_dask total does")
+    if with_agents:
+        print("with agents: msd_dask total counts them (part of the service on each host); "
+              "goal with 2 agents of 8 ranks at (16, 4, 16): ratio HF loaders / msd_dask >= 20")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"R": a.ranks, "W": a.workers, "S": a.sources, "hf": hf,
                        "cluster_env": _cluster_env(a.cluster_env),
-                       "msd": [dict(m, read_ahead=v) for m, v in zip(msds, variants, strict=True)]},
+                       # "hosts": agents (0: direct), "agents": their PSS
+                       "msd": [dict(m, read_ahead=v) for m, (v, _) in zip(msds, cols, strict=True)]},
                       f)
     return 0
 
