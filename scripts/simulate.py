@@ -484,9 +484,12 @@ class ControlPlaneCosts:
         The planner's ``plan_step`` time per DP rank and step (one planner, one thread).
     constructor_rank_step : float
         Constructor CPU per rank and step (packing, hand-over), summed over constructors.
-    idle_client : float
-        The scheduler's idle load per connected client, in cores (heartbeats), in
-        both designs.
+    client_beat : float
+        The scheduler's CPU per connected client and heartbeat interval (the client's
+        heartbeat and its ``identity`` call), in both designs.  Dask stretches a
+        client's interval with the number of clients (:func:`client_interval`), so the
+        idle load of ``n`` clients is ``n × client_beat / client_interval(n)``: at most
+        about 20 beats a second, whatever ``n``.
     """
 
     # bench_many_readers.py, queue design (commit 4c9bf24), 1,024 ranks, rounds of 3 steps
@@ -499,8 +502,18 @@ class ControlPlaneCosts:
     plan_rank_step: float = 1.315 / 16384
     # bench_many_readers.py, every role of the workers net of their idle load, 1,024 ranks
     constructor_rank_step: float = 1.5e-3
-    # bench_many_readers.py: the scheduler's idle load, 0.024 cores with 2 hosts, 0.044-0.046 with 128
-    idle_client: float = 1.6e-4
+    # bench_idle_clients.py: 0.137 ms/s per client with 128 clients (a 20 s interval),
+    # 0.078 with 512 (35.6 s): 2.7-2.8 ms per client and interval
+    client_beat: float = 2.75e-3
+
+
+def client_interval(clients: int) -> float:
+    """Seconds between two heartbeats (and ``identity`` calls) of each of ``clients`` Dask
+    clients: the scheduler tells every client ``10 × heartbeat_interval(clients)`` (Dask's
+    own rule, ``distributed.scheduler.heartbeat_interval``)."""
+    from distributed.scheduler import heartbeat_interval
+
+    return 10.0 * heartbeat_interval(clients)
 
 
 @dataclass(frozen=True)
@@ -535,8 +548,8 @@ def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, rou
     request per rank and round, at a queue operation's cost (an upper bound: in
     msd_dask that request replaced the claim, so they answer no more calls).  In both,
     the scheduler carries the idle load of ``clients`` clients (default one per
-    rank), the planner plans ``ranks / tp`` DP ranks per step, and the constructors
-    share the per-rank-step packing evenly.
+    rank; see :attr:`ControlPlaneCosts.client_beat`), the planner plans ``ranks / tp`` DP
+    ranks per step, and the constructors share the per-rank-step packing evenly.
 
     Parameters
     ----------
@@ -560,7 +573,7 @@ def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, rou
         raise ValueError("ranks, round_steps, tp and constructors must be >= 1, step_seconds > 0")
     clients = ranks if clients is None else clients
     dp = max(1, ranks // tp)
-    idle = clients * costs.idle_client
+    idle = clients * costs.client_beat / client_interval(clients)
     planner = costs.plan_rank_step * dp / step_seconds
     packing = costs.constructor_rank_step * ranks / step_seconds / constructors
     per_round = ranks / round_steps / step_seconds   # rank-rounds per second
@@ -578,14 +591,14 @@ def print_control_plane(args: argparse.Namespace) -> None:
     """The ``--control-plane`` table, with the costs it used."""
     c = ControlPlaneCosts(args.cp_sched_rank_step, args.cp_queue_op, args.cp_connect,
                           args.cp_plan_rank_step, args.cp_constructor_rank_step,
-                          args.cp_idle_client)
+                          args.cp_client_beat)
     print("# control plane: each role's busy fraction of a step (1.00: saturated)")
     print(f"step {args.cp_step_seconds:g} s, round_steps {args.cp_round_steps}, tp {args.cp_tp}, "
           f"{args.cp_constructors} constructors, one client per {args.cp_ranks_per_client} "
           "rank(s)")
     print(f"costs: scheduler {c.sched_rank_step * 1e6:.1f} us per rank-step (measured), queue op "
-          f"{c.queue_op * 1e3:.2f} ms, connect {c.connect * 1e3:.1f} ms per client, idle "
-          f"{c.idle_client * 1e3:.3f} ms/s per client; planner {c.plan_rank_step * 1e6:.1f} us "
+          f"{c.queue_op * 1e3:.2f} ms, connect {c.connect * 1e3:.1f} ms per client, "
+          f"{c.client_beat * 1e3:.2f} ms per client heartbeat; planner {c.plan_rank_step * 1e6:.1f} us "
           f"per DP rank-step; constructors {c.constructor_rank_step * 1e3:.3f} ms per rank-step")
     hdr = (f"{'ranks':>7} {'dp':>6} {'design':<8} {'scheduler':>9} {'(measured)':>10} "
            f"{'planner':>8} {'constructor':>11} {'busiest':>8} {'connect s':>9}")
@@ -678,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("connect", "scheduler CPU s per client connect"),
                        ("plan_rank_step", "planner s per DP rank-step"),
                        ("constructor_rank_step", "constructor CPU s per rank-step (all of them)"),
-                       ("idle_client", "scheduler idle cores per connected client")):
+                       ("client_beat", "scheduler CPU s per client and heartbeat interval")):
         cp.add_argument("--cp-" + name.replace("_", "-"), type=float, default=getattr(d, name),
                         help=f"{what} (default {getattr(d, name):.3g})")
     args = ap.parse_args(argv)

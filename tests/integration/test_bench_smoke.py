@@ -112,3 +112,10 @@ def test_balance_smoke():
 def test_reader_memory_smoke():
     out = _run("bench_reader_memory.py", "--sources", "2")
     assert "DataService.connect" in out and "all of msd_dask" in out, out
+
+
+def test_idle_clients_smoke():
+    out = _run("bench_idle_clients.py", "--smoke", timeout=120)
+    row = [line.split() for line in out.splitlines() if line.split()[:1] == ["8"]]
+    assert len(row) == 1 and len(row[0]) == 7, out
+    assert float(row[0][1]) > 0 and float(row[0][5]) == 5.0, out  # 8 clients beat every 5 s

@@ -10,14 +10,14 @@ from scripts_import import load_script
 sim = load_script("simulate")
 
 COSTS = sim.ControlPlaneCosts(sched_rank_step=50e-6, queue_op=0.25e-3, connect=10e-3,
-                              plan_rank_step=1e-3, constructor_rank_step=2e-3, idle_client=1e-4)
+                              plan_rank_step=1e-3, constructor_rank_step=2e-3, client_beat=1e-3)
 
 
 def test_utilisation_of_each_role_and_design():
     # 96 ranks, tp 8 -> 12 DP ranks; a 2 s step; rounds of 4 steps; 3 constructors
     queue, direct = sim.control_plane(COSTS, 96, 2.0, round_steps=4, tp=8, constructors=3)
     assert (queue.design, direct.design) == ("queue", "direct")
-    idle = 96 * 1e-4                                  # 0.0096 cores for 96 clients
+    idle = 96 * 1e-3 / 20.0                           # 96 clients beat every 10 x 2 s
     rounds = 96 / 4 / 2.0                             # 12 rank-rounds per second
     assert queue.dp == direct.dp == 12
     assert math.isclose(queue.scheduler, idle + 2 * 0.25e-3 * rounds)      # 0.0156
@@ -34,9 +34,10 @@ def test_utilisation_scales_with_ranks_and_step():
     small = sim.control_plane(COSTS, 4096, 1.0)[0]
     big = sim.control_plane(COSTS, 16384, 1.0)[0]
     slow = sim.control_plane(COSTS, 16384, 4.0)[0]
-    assert math.isclose(big.scheduler, 4 * small.scheduler)  # the idle load scales with ranks too
+    idle = 16384 * 1e-3 / (10 * (16384 / 200 + 1))   # Dask stretches the clients' interval
     assert math.isclose(slow.planner, big.planner / 4)
-    assert math.isclose(slow.scheduler - 16384 * 1e-4, (big.scheduler - 16384 * 1e-4) / 4)
+    assert math.isclose(slow.scheduler - idle, (big.scheduler - idle) / 4)
+    assert big.scheduler > small.scheduler
 
 
 def test_bad_arguments_are_refused():
@@ -57,8 +58,16 @@ def test_cli_prints_the_table(capsys):
 def test_fewer_clients_cut_the_idle_load_and_the_connects():
     per_rank = sim.control_plane(COSTS, 64, 1.0, clients=64)[1]
     per_host = sim.control_plane(COSTS, 64, 1.0, clients=8)[1]
-    assert math.isclose(per_rank.scheduler, 64 * 1e-4) and math.isclose(per_host.scheduler, 8e-4)
+    assert math.isclose(per_rank.scheduler, 64 * 1e-3 / 20.0)   # 64 clients: every 20 s
+    assert math.isclose(per_host.scheduler, 8 * 1e-3 / 5.0)     # 8 clients: every 5 s
     assert math.isclose(per_host.connect_s, 8 * 10e-3)
+
+
+def test_the_clients_idle_load_is_bounded_by_dasks_heartbeat_rule():
+    """Dask beats each of n > 200 clients every 10 x (n / 200 + 1) s: the load tends to
+    20 beats a second, so 16,384 clients cost about what 2,048 do."""
+    loads = [sim.control_plane(COSTS, n, 1.0, clients=n)[1].scheduler for n in (2048, 16384)]
+    assert all(x < 20 * 1e-3 for x in loads) and loads[1] < 1.1 * loads[0]
 
 
 def test_cli_ranks_per_client(capsys):

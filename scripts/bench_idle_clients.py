@@ -1,0 +1,118 @@
+"""The Dask scheduler's CPU for connected, idle clients: what every training process's (or host
+agent's) client costs it while nothing else happens, and what connecting them costs.
+
+A real ``dask scheduler`` process (no workers, no dashboard); ``N`` clients connect from ``P``
+forked processes.  Measured on the scheduler process (``psutil``): its idle CPU before any client,
+the CPU of connecting all of them, and its CPU over ``--window`` seconds once every client has
+had ``--settle`` seconds to take the heartbeat interval the scheduler gives it (``10 ×
+distributed.scheduler.heartbeat_interval(N)``: 20 s for 50-199 clients, ``10 × (N / 200 + 1)``
+s from 200).  Reported per ``N``: the CPU per connect, the load per client (cores, net of the
+idle scheduler) and the same per client and heartbeat interval, the figure
+``simulate.py --control-plane`` takes as ``--cp-client-beat``.
+
+    python scripts/bench_idle_clients.py --clients 128,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def _hold(address: str, n: int, ready: Any, stop: Any) -> None:
+    """Connect ``n`` clients, say so, and keep them until ``stop`` is set."""
+    from distributed import Client
+
+    clients = [Client(address, timeout=120) for _ in range(n)]
+    ready.put(len(clients))
+    stop.wait()
+    for c in clients:
+        c.close()
+
+
+def measure(clients: int, procs: int, settle: float, window: float, port: int) -> dict[str, float]:
+    """One scheduler, ``clients`` idle clients in ``procs`` processes: the figures of the module."""
+    import psutil
+    from distributed.scheduler import heartbeat_interval
+
+    sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--port",
+                              str(port), "--no-dashboard"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    holders: list[Any] = []
+    try:
+        sp = psutil.Process(sched.pid)
+
+        def cpu() -> float:
+            t = sp.cpu_times()
+            return t.user + t.system
+
+        time.sleep(3.0)  # the scheduler up
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(window / 2)
+        idle = (cpu() - c0) / (time.monotonic() - t0)
+        ready = ctx.Queue()
+        per = [clients // procs + (i < clients % procs) for i in range(procs)]
+        holders = [ctx.Process(target=_hold, args=(f"tcp://127.0.0.1:{port}", n, ready, stop))
+                   for n in per if n]
+        c0 = cpu()
+        for p in holders:
+            p.start()
+        for _ in holders:
+            try:
+                ready.get(timeout=300)
+            except Exception as e:  # noqa: BLE001 - one clear message
+                raise TimeoutError(f"{clients} clients did not all connect to the scheduler on "
+                                   f"port {port} within 300 s") from e
+        connect = cpu() - c0
+        time.sleep(settle)
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(window)
+        busy = (cpu() - c0) / (time.monotonic() - t0)
+        interval = 10.0 * heartbeat_interval(clients)
+        per_client = (busy - idle) / clients
+        return {"clients": clients, "connect_ms": connect / clients * 1e3, "idle_cores": idle,
+                "busy_cores": busy, "per_client_ms_s": per_client * 1e3,
+                "interval_s": interval, "per_beat_ms": per_client * interval * 1e3}
+    finally:
+        stop.set()
+        for p in holders:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        sched.terminate()
+        try:
+            sched.wait(10)
+        except subprocess.TimeoutExpired:
+            sched.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="128,512", help="comma-separated client counts")
+    p.add_argument("--procs", type=int, default=8, help="processes the clients connect from")
+    p.add_argument("--settle", type=float, default=30.0,
+                   help="seconds after connecting before the window (the intervals adjust)")
+    p.add_argument("--window", type=float, default=90.0, help="seconds measured")
+    p.add_argument("--port", type=int, default=8799)
+    p.add_argument("--smoke", action="store_true", help="8 clients, 2 processes, a few seconds (CI)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.clients, args.procs, args.settle, args.window = "8", 2, 1.0, 2.0
+    print(f"{'clients':>8} {'connect ms':>10} {'idle cores':>10} {'busy cores':>10} "
+          f"{'ms/s per client':>15} {'interval s':>10} {'ms per beat':>11}")
+    for n in (int(x) for x in args.clients.split(",")):
+        r = measure(n, min(args.procs, n), args.settle, args.window, args.port)
+        print(f"{n:>8} {r['connect_ms']:>10.1f} {r['idle_cores']:>10.4f} {r['busy_cores']:>10.4f} "
+              f"{r['per_client_ms_s']:>15.4f} {r['interval_s']:>10.1f} {r['per_beat_ms']:>11.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
