@@ -293,6 +293,11 @@ class Reader:
         self._known = (key, int(step))
         return call
 
+    def _batch(self, wire: dict[str, Any]) -> Batch:
+        """What this reader hands out for one payload of its constructor (the wire form of
+        :func:`msd_dask.core.packing.to_wire`): the rank's :class:`~msd_dask.batch.Batch`."""
+        return Batch.from_payload(from_wire(wire), self.rank)
+
     def _next_round(self) -> list[Batch]:
         """The batches of this rank's next round, which it does not have yet.
 
@@ -338,7 +343,7 @@ class Reader:
                         raise ServiceError(f"service {self.link.name!r}: {answer['error']}")
                     steps = answer["steps"]
                     self._known = (constructor.key, int(steps[0]) - 1)  # it knows the steps before
-                    return [Batch.from_payload(from_wire(p), self.rank) for p in answer["payloads"]]
+                    return [self._batch(p) for p in answer["payloads"]]
                 # nothing built for this rank within POLL: is the planner still there?
                 self._check_deadline(deadline, waiting_for)
                 if not self.link.planner_lost():

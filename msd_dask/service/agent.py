@@ -22,8 +22,11 @@ JSON object:
 * ``{"op": "next", "after", "timeout"}``: the first step after ``after`` the rank does
   not have; the agent answers ``{"step", "block", "layout", "meta"}`` once it holds
   one (``block``: the name of a :class:`~multiprocessing.shared_memory.SharedMemory`
-  holding the step's arrays at the offsets of ``layout``) or ``{"error", "kind"}``
-  after ``timeout`` seconds or when its own reader failed.
+  holding the numpy arrays of the step's wire form (:func:`~msd_dask.core.packing.to_wire`)
+  at the offsets of ``layout``, ``meta`` its other fields) or ``{"error", "kind"}``
+  after ``timeout`` seconds or when its own reader failed.  The agent keeps the wire
+  form and never imports torch (about 100 MiB); each rank builds its
+  :class:`~msd_dask.batch.Batch` as a direct reader does.
 * ``{"op": "ack", "step"}``: the rank copied the step out; once every rank of the
   group has a step, the agent unlinks its block.
 * ``{"op": "step_time", "step", "seconds"}``: forwarded to the planner
@@ -63,6 +66,7 @@ import numpy as np
 
 from msd_dask.batch import Batch
 from msd_dask.core.config import Config
+from msd_dask.core.packing import from_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
 
@@ -73,6 +77,7 @@ __all__ = [
     "AgentHandle",
     "AgentReader",
     "HostAgent",
+    "WireBatch",
     "agent_path",
     "local_groups",
     "parse_ranks",
@@ -98,9 +103,6 @@ ANSWER_MARGIN = 10.0
 START_GRACE = 2.0
 #: bytes each array of a block is aligned to
 _ALIGN = 64
-#: the arrays of a batch a block holds, as (field, dtype)
-_ARRAYS = (("input_ids", "int64"), ("labels", "int64"), ("position_ids", "int64"),
-           ("cu_seqlens", "int32"), ("cp_index", "int64"), ("pixel_values", "uint8"))
 
 T = TypeVar("T")
 
@@ -194,41 +196,43 @@ async def _asend(writer: asyncio.StreamWriter, msg: Mapping[str, Any]) -> None:
 # ---------------------------------------------------------- shared blocks
 
 
-def _arrays_of(batch: Batch) -> dict[str, np.ndarray]:
-    """The arrays of ``batch`` a block holds (``cu_seqlens`` one after another)."""
-    out: dict[str, np.ndarray] = {}
-    for name, dtype in _ARRAYS:
-        value = getattr(batch, name)
-        if value is None:
-            continue
-        if name == "cu_seqlens":
-            parts = [c.numpy() for c in value]
-            out[name] = (np.concatenate(parts) if parts else np.zeros(0)).astype(dtype, copy=False)
-        else:
-            out[name] = np.ascontiguousarray(value.numpy(), dtype=dtype)
-    return out
+@dataclass
+class WireBatch:
+    """One step of a group of ranks as its constructor sent it: the wire form of
+    :func:`~msd_dask.core.packing.to_wire` (its numpy arrays and plain fields), no
+    tensors.  What an :class:`AgentGroupReader` hands out and :func:`write_block` stores."""
+
+    wire: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.wire["step"])
 
 
-def _meta_of(batch: Batch) -> dict[str, Any]:
-    """What a rank needs of ``batch`` besides its arrays (JSON)."""
-    return {
-        "documents": batch.documents, "epochs": batch.epochs, "cost": batch.cost,
-        "cu_lengths": None if batch.cu_seqlens is None else [len(c) for c in batch.cu_seqlens],
-        "image_spans": batch.image_spans,
-    }
+def _plain(value: Any) -> Any:
+    """A field of a wire form as JSON: numpy scalars and arrays as Python numbers and
+    lists, tuples as lists."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
 
 
-def write_block(batch: Batch, name: str) -> tuple[SharedMemory, dict[str, Any]]:
-    """Write ``batch``'s arrays into a new shared memory block ``name``.
+def write_block(batch: WireBatch, name: str) -> tuple[SharedMemory, dict[str, Any]]:
+    """Write the numpy arrays of ``batch``'s wire form into a new shared memory block ``name``.
 
     Returns
     -------
     (SharedMemory, dict)
         The block (the caller unlinks it) and the message a rank reads it with:
         ``{"step", "block", "pid", "layout": {field: [offset, dtype, shape]}, "meta"}``
-        (``pid``: this process's).
+        (``pid``: this process's; ``meta``: the wire form's other fields, as JSON).
     """
-    arrays = _arrays_of(batch)
+    arrays = {k: np.ascontiguousarray(v) for k, v in batch.wire.items()
+              if isinstance(v, np.ndarray)}
     layout: dict[str, list[Any]] = {}
     size = 0
     for key, a in arrays.items():
@@ -244,8 +248,9 @@ def write_block(batch: Batch, name: str) -> tuple[SharedMemory, dict[str, Any]]:
         shm.close()
         shm.unlink()
         raise
+    meta = {k: _plain(v) for k, v in batch.wire.items() if k not in arrays}
     return shm, {"step": batch.step, "block": shm.name, "pid": os.getpid(), "layout": layout,
-                 "meta": _meta_of(batch)}
+                 "meta": meta}
 
 
 @contextmanager
@@ -273,33 +278,12 @@ def _mapped(name: str, owner: int) -> Iterator[Any]:
 
 def read_block(msg: Mapping[str, Any], rank: int) -> Batch:
     """The :class:`Batch` of global ``rank`` from a block message of :func:`write_block`
-    (the arrays are copied out; the block is left to the agent)."""
-    import torch
-
+    (the arrays are copied out; the block is left to the agent): the wire form rebuilt,
+    made a batch as a direct :class:`~msd_dask.reader.Reader` makes it."""
     with _mapped(str(msg["block"]), int(msg["pid"])) as buf:
         arrays = {key: np.ndarray(shape, np.dtype(dtype), buffer=buf, offset=offset).copy()
                   for key, (offset, dtype, shape) in msg["layout"].items()}
-    meta = msg["meta"]
-
-    def tensor(key: str) -> torch.Tensor | None:
-        return torch.from_numpy(arrays[key]) if key in arrays else None
-
-    cu = None
-    if meta["cu_lengths"] is not None:
-        bounds = np.cumsum([0, *meta["cu_lengths"]])
-        flat = arrays.get("cu_seqlens", np.zeros(0, np.int32))
-        cu = [torch.from_numpy(flat[a:b].copy()) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    spans = meta["image_spans"]
-    return Batch(
-        step=int(msg["step"]), rank=rank,
-        input_ids=tensor("input_ids"), labels=tensor("labels"),
-        position_ids=tensor("position_ids"), cu_seqlens=cu,
-        documents=[[(str(s), str(k), int(c)) for s, k, c in row] for row in meta["documents"]],
-        cost=float(meta["cost"]), epochs=[[int(e) for e in row] for row in meta["epochs"]],
-        cp_index=tensor("cp_index"), pixel_values=tensor("pixel_values"),
-        image_spans=None if spans is None else
-        [[None if s is None else (int(s[0]), int(s[1])) for s in row] for row in spans],
-    )
+    return Batch.from_payload(from_wire({**msg["meta"], **arrays}), rank)
 
 
 # ------------------------------------------------------------ agent side
@@ -308,8 +292,8 @@ def read_block(msg: Mapping[str, Any], rank: int) -> Batch:
 class GroupReader(Protocol):
     """What :class:`HostAgent` needs of the reader of one group of its ranks."""
 
-    def __next__(self) -> Batch:
-        """The group's next batch (blocks)."""
+    def __next__(self) -> WireBatch:
+        """The group's next step, its wire form (blocks)."""
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Skip every step up to ``state["step"]``."""
@@ -328,10 +312,21 @@ class AgentGroupReader(Reader):
     """A :class:`~msd_dask.reader.Reader` of a group of ranks for :class:`HostAgent`: its
     :meth:`state_dict` (what the reader reports returning when it pauses) is the last
     step every rank of the group took from the agent (:meth:`mark_taken`), not the
-    last step the agent read ahead."""
+    last step the agent read ahead.  It hands out each step's wire form
+    (:class:`WireBatch`): the agent never builds tensors, and never imports torch."""
 
     #: the last step every rank of the group has (``None``: none yet)
     taken: int | None = None
+
+    def _batch(self, wire: dict[str, Any]) -> WireBatch:  # type: ignore[override]
+        """The payload as it came, its wire form (Reader's own code reads only the
+        ``step`` of what it holds)."""
+        return WireBatch(wire)
+
+    def __next__(self) -> WireBatch:  # type: ignore[override]
+        batch = super().__next__()
+        assert isinstance(batch, WireBatch)
+        return batch
 
     def mark_taken(self, step: int) -> None:
         """Every rank of the group has ``step`` and the steps before it."""

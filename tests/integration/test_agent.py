@@ -2,8 +2,8 @@
 for 4 ranks (2 DP groups x tp 2) and the ranks read in 2 other processes through it with
 ``MSD_DASK_AGENT`` set: every rank reads every step once and in order, TP peers the same
 tensors, the same content as direct readers of an identical service; each batch leaves its
-constructor once per DP group (half of what direct readers cause), and the rank processes
-hold no Dask client."""
+constructor once per DP group (half of what direct readers cause), the rank processes
+hold no Dask client, and the agent never loads torch."""
 
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ def _sent(svc: DataService) -> int:
     return sum(int(c["batches_sent"]) for c in svc.stats()["constructors"])
 
 
+def _has_torch(pid: int) -> bool:
+    """Whether process ``pid`` loaded torch (its libtorch is mapped into its memory)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
 def _blocks_of(pid: int) -> list[str]:
     prefix = f"{BLOCK_PREFIX}{pid}-"
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
@@ -125,6 +131,9 @@ def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
             # the rank processes, alive and done reading, hold no Dask client
             assert _clients(svc, cl) == with_agent
             assert not {_pid_bits(p.pid) for p in ranks} & with_agent
+            # the agent served every step without torch; the ranks built their tensors
+            assert not _has_torch(agent.pid)
+            assert all(_has_torch(p.pid) for p in ranks)
             # each step left its constructor once per DP group; the agent reads at most
             # one step ahead of its slowest rank
             assert wait_until(lambda: _sent(svc) == 2 * (steps + 1), 30), _sent(svc)

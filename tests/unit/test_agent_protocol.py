@@ -5,6 +5,7 @@ of a group's slowest rank, and every wait that fails says what it waited for."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -12,11 +13,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from msd_dask.batch import Batch
 from msd_dask.core.config import Config, parse_config
+from msd_dask.core.packing import from_wire, to_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.service import DataService
 from msd_dask.service.agent import (
@@ -26,6 +29,7 @@ from msd_dask.service.agent import (
     AgentHandle,
     AgentReader,
     HostAgent,
+    WireBatch,
     agent_path,
     local_groups,
     parse_ranks,
@@ -42,22 +46,49 @@ def _config(**parallel: int) -> Config:
                                parallel=parallel or {"dp": 2, "tp": 2}))
 
 
-def fake_batch(step: int, group: int, *, images: bool = False) -> Batch:
-    """A batch whose every number says its step and group."""
+def fake_payload(step: int, group: int, *, images: bool = False) -> dict[str, Any]:
+    """A rank's packed batch (a constructor's, before :func:`to_wire`) whose every number
+    says its step and group; numpy scalars among its plain fields, as a constructor's may."""
     base = 1000 * group + step
-    ids = torch.full((2, 8), base, dtype=torch.long)
+    ids = np.full((2, 8), base, dtype=np.int64)
     ids[1, 5:] = 0
-    return Batch(
-        step=step, rank=-1, input_ids=ids, labels=ids + 1,
-        position_ids=torch.arange(8).repeat(2, 1),
-        cu_seqlens=[torch.tensor([0, 3, 8], dtype=torch.int32),
-                    torch.tensor([0, 5], dtype=torch.int32)],
-        documents=[[("code", f"f{base}.parquet:0", 0), ("prose", "p.jsonl:1", 2)],
-                   [("code", f"f{base}.parquet:1", 0)]],
-        cost=float(base) / 3, epochs=[[0, 1], [0]],
-        pixel_values=torch.full((3, 12), step % 256, dtype=torch.uint8) if images else None,
-        image_spans=[[(0, 3), None], [None]] if images else None,
-    )
+    return {
+        "step": np.int64(step), "input_ids": ids, "labels": ids + 1,
+        "position_ids": np.tile(np.arange(8), (2, 1)),
+        "cu_seqlens": [np.array([0, 3, 8], dtype=np.int32), np.array([0, 5], dtype=np.int32)],
+        "documents": [[("code", f"f{base}.parquet:0", 0), ("prose", "p.jsonl:1", np.int64(2))],
+                      [("code", f"f{base}.parquet:1", 0)]],
+        "cost": np.float64(base) / 3, "epochs": [[0, np.int64(1)], [0]],
+        "pixel_values": np.full((3, 12), step % 256, dtype=np.uint8) if images else None,
+        "image_spans": [[(0, 3), None], [None]] if images else None,
+    }
+
+
+def fake_wire(step: int, group: int, **kw: Any) -> WireBatch:
+    """:func:`fake_payload` as a group reader of the agent hands it out: its wire form."""
+    return WireBatch(to_wire(fake_payload(step, group, **kw)))
+
+
+def direct(batch: WireBatch, rank: int) -> Batch:
+    """What a direct reader makes of the same payload."""
+    return Batch.from_payload(from_wire(batch.wire), rank)
+
+
+def assert_same(got: Batch, want: Batch) -> None:
+    """Every field of ``got`` equals ``want``'s, the tensors with their dtypes."""
+    assert (got.step, got.rank) == (want.step, want.rank)
+    for name in ("input_ids", "labels", "position_ids", "cp_index", "pixel_values"):
+        a, b = getattr(want, name), getattr(got, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert (got.cu_seqlens is None) == (want.cu_seqlens is None)
+    if want.cu_seqlens is not None and got.cu_seqlens is not None:
+        assert [c.tolist() for c in got.cu_seqlens] == [c.tolist() for c in want.cu_seqlens]
+        assert [c.dtype for c in got.cu_seqlens] == [c.dtype for c in want.cu_seqlens]
+    assert got.documents == want.documents and got.epochs == want.epochs
+    assert got.cost == want.cost and got.image_spans == want.image_spans
+    assert got.num_tokens == want.num_tokens
 
 
 class FakeGroupReader:
@@ -73,14 +104,14 @@ class FakeGroupReader:
         self.taken: int | None = None
         self.step_times: list[tuple[float, int | None]] = []
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> WireBatch:
         if self.delay:
             time.sleep(self.delay)
         if self.fail_at is not None and self.next_step >= self.fail_at:
             raise ServiceTimeoutError(f"rank {self.ranks[0]} waited 5s for step {self.next_step}")
         self.reads += 1
         self.next_step += 1
-        return fake_batch(self.next_step - 1, self.group)
+        return fake_wire(self.next_step - 1, self.group)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.loaded.append(dict(state))
@@ -169,11 +200,12 @@ def test_agent_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert agent_path("demo") is None
 
 
-def _round_trip(batch: Batch, rank: int) -> Batch:
-    """``batch`` written to a shared block and read back as ``rank``'s (the block unlinked)."""
+def _round_trip(batch: WireBatch, rank: int) -> Batch:
+    """``batch`` written to a shared block and read back as ``rank``'s (the block unlinked;
+    the message through JSON, as it goes over the socket)."""
     shm, msg = write_block(batch, f"{BLOCK_PREFIX}{os.getpid()}-rt")
     try:
-        return read_block(msg, rank)
+        return read_block(json.loads(json.dumps(msg)), rank)
     finally:
         shm.close()
         shm.unlink()
@@ -181,28 +213,28 @@ def _round_trip(batch: Batch, rank: int) -> Batch:
 
 @pytest.mark.parametrize("images", [False, True])
 def test_block_round_trip(images: bool) -> None:
-    batch = fake_batch(7, 1, images=images)
-    batch.cp_index = torch.arange(4, dtype=torch.long) if images else None
+    payload = fake_payload(7, 1, images=images)
+    if images:
+        payload["cp_index"] = np.arange(4, dtype=np.int64)
+    batch = WireBatch(to_wire(payload))
     got = _round_trip(batch, 3)
     assert got.rank == 3 and got.step == 7
-    for name in ("input_ids", "labels", "position_ids", "cp_index", "pixel_values"):
-        a, b = getattr(batch, name), getattr(got, name)
-        assert (a is None) == (b is None), name
-        if a is not None:
-            assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert batch.cu_seqlens is not None and got.cu_seqlens is not None
-    assert [c.tolist() for c in got.cu_seqlens] == [c.tolist() for c in batch.cu_seqlens]
-    assert all(c.dtype == torch.int32 for c in got.cu_seqlens)
-    assert got.documents == batch.documents and got.epochs == batch.epochs
-    assert got.cost == batch.cost and got.image_spans == batch.image_spans
-    assert got.num_tokens == batch.num_tokens
+    want = direct(batch, 3)
+    assert_same(got, want)
+    assert (got.cp_index is not None) == images and (got.pixel_values is not None) == images
+    assert got.input_ids is not None and got.input_ids.dtype == torch.long
+    assert got.cu_seqlens is not None and all(c.dtype == torch.int32 for c in got.cu_seqlens)
+    assert got.num_tokens == 13
 
 
 def test_middle_pipeline_stage_block_has_no_tensors() -> None:
-    batch = fake_batch(0, 0)
-    batch.input_ids = batch.labels = batch.position_ids = batch.cu_seqlens = None
+    payload = fake_payload(0, 0)
+    payload["input_ids"] = payload["labels"] = payload["position_ids"] = None
+    payload["cu_seqlens"] = None
+    batch = WireBatch(to_wire(payload))
     got = _round_trip(batch, 1)
     assert got.input_ids is None and got.cu_seqlens is None and got.num_tokens == 0
+    assert_same(got, direct(batch, 1))
 
 
 def test_every_rank_gets_every_step_once_in_order(tmp_path: Any) -> None:
@@ -226,7 +258,7 @@ def test_every_rank_gets_every_step_once_in_order(tmp_path: Any) -> None:
             assert all(b.rank == rank for b in batches)
             group = rank // 2
             for b in batches:
-                assert torch.equal(b.input_ids, fake_batch(b.step, group).input_ids)
+                assert_same(b, direct(fake_wire(b.step, group), rank))
         for a, b in zip(out[0], out[1], strict=True):  # tensor-parallel peers: the same
             assert torch.equal(a.labels, b.labels) and a.documents == b.documents
         for r in readers.values():
