@@ -164,8 +164,8 @@ class Procs:
     """Child processes of this script, each in its own session, stopped by pid.
 
     A child started with ``argv`` (another program) is stopped with SIGTERM; this
-    script's own children when a line reaches their stdin.  Either is killed with its
-    process group 30 s later.
+    script's own children when a line reaches their stdin.  Its process group is killed
+    once it exited (what it left behind) or 30 s later (it too).
     """
 
     def __init__(self) -> None:
@@ -240,14 +240,14 @@ class Procs:
             except subprocess.TimeoutExpired:
                 print(f"{k} (pid {p.pid}) still running 30 s after it was told to stop: killed",
                       file=sys.stderr)
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)  # the child's own session: it and its children
-                except ProcessLookupError:
-                    pass
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    print(f"{k} (pid {p.pid}) still there 30 s after SIGKILL", file=sys.stderr)
+            # the child's own process group: it if still there, and what it left behind (a rank
+            # leaves its DataLoader workers, which may be blocked on a queue nobody reads)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                print(f"{k} (pid {p.pid}) still there 30 s after SIGKILL", file=sys.stderr)
             for f in (p.stdin, p.stdout):
                 with contextlib.suppress(OSError):
                     f.close()  # type: ignore[union-attr]

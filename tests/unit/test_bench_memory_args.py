@@ -66,3 +66,28 @@ def test_a_child_that_exits_early_is_named(bench_memory):
             procs.wait_ready(["agent1"], 60, ready="agent of")
     finally:
         procs.stop()
+
+
+def test_stop_kills_what_a_child_left_behind(bench_memory):
+    import time
+
+    leave = ("import subprocess, sys; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "print('ready', p.pid, flush=True)")
+    procs = bench_memory.Procs()
+    procs.start("agent2", [], argv=[sys.executable, "-c", leave])
+    line = procs.procs["agent2"].stdout.readline()
+    orphan = int(line.split()[1])
+    procs.stop()
+    deadline = time.monotonic() + 10
+
+    def state() -> str | None:
+        try:
+            with open(f"/proc/{orphan}/stat") as f:
+                return f.read().rsplit(")", 1)[-1].split()[0]
+        except FileNotFoundError:
+            return None
+
+    while state() not in (None, "Z") and time.monotonic() < deadline:  # Z: killed, not reaped
+        time.sleep(0.1)
+    assert state() in (None, "Z"), "the process a child left behind outlived stop()"
