@@ -498,8 +498,8 @@ class ControlPlaneCosts:
     queue_op: float = 0.3e-3
     # a training process's client; bench_many_readers.py: 4-9 ms per host (client + 8 readers)
     connect: float = 9e-3
-    # bench_balance.py, the planner end to end at dp 16,384 × 4 micro-batches × 4K: 1,315 ms
-    plan_rank_step: float = 1.315 / 16384
+    # bench_balance.py, the planner end to end at dp 16,384 × 4 micro-batches × 4K: 548 ms
+    plan_rank_step: float = 0.548 / 16384
     # bench_many_readers.py, every role of the workers net of their idle load, 1,024 ranks
     constructor_rank_step: float = 1.5e-3
     # bench_idle_clients.py: 0.137 ms/s per client with 128 clients (a 20 s interval),
