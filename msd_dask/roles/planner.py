@@ -120,17 +120,28 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     dp, mb = plan.row_sizes.shape
     n_rows = np.full(dp, mb, dtype=np.int64)
     row_len = plan.row_sizes.reshape(-1).astype(np.int64)
+    # grouped by constructor, each in DP rank order: the pieces are put in that order
+    # first and the table is made once, in int32 where every value fits (each
+    # constructor's arrays are slices, views, of it); at dp 16,384 x 128K an int64 table
+    # and its sorted copy were most of the planner's peak memory
+    con_of_dp = np.arange(dp, dtype=np.int64) % n
+    row_con = np.repeat(con_of_dp, n_rows)
+    piece_con = np.repeat(row_con, row_len)
+    order = np.argsort(piece_con, kind="stable")
+    piece_con = piece_con[order]
     src = plan.table
     total = len(src)
-    table = np.zeros((total, 9), dtype=np.int64)
+    wide = total and (src.min() < 0 or src.max() >= 2**31 or len(names) >= 2**31)
+    table = np.zeros((total, 9), dtype=np.int64 if wide else np.int32)
     if total:
         # the plan's source indices follow its own source list; ours follow ``names``
         index = np.array([list(names).index(n) for n in plan.sources], dtype=np.int64)
-        table[:, 0] = index[src[:, 0]]
+        table[:, 0] = index[src[order, 0]]
         # plan columns: source, epoch, unit, row, chunk, start, end, doc_len
-        table[:, 2:7] = src[:, [1, 2, 3, 5, 6]]
-        table[:, 7] = src[:, 4]
-    s, e, u = table[:, 0], table[:, 2], table[:, 3]
+        for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
+            table[:, col] = src[order, plan_col]
+    del order
+    s, e, u = (table[:, k].astype(np.int64) for k in (0, 2, 3))
     n_units = int(u.max()) + 1 if total else 1
     # loader slots, one look-up per (source, epoch, unit)
     key = (s * (int(e.max()) + 1 if total else 1) + e) * n_units + u
@@ -138,18 +149,14 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     slots = [owner[(names[a], b, c)] for a, b, c in table[first][:, [0, 2, 3]].tolist()]
     table[:, 1] = np.asarray(slots, dtype=np.int64).reshape(-1)[inverse.reshape(-1)]
     # each constructor's paths: its (source, unit) pairs, numbered from 0 in its own list
-    con_of_dp = np.arange(dp, dtype=np.int64) % n
-    row_con = np.repeat(con_of_dp, n_rows)
-    piece_con = np.repeat(row_con, row_len)
     key = (piece_con * len(names) + s) * n_units + u
+    del e
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    del key
     path_bound = np.searchsorted(piece_con[first], np.arange(n + 1))
     table[:, 8] = inverse.reshape(-1) - path_bound[piece_con]
     paths = [relpath[names[a]][b] for a, b in table[first][:, [0, 3]].tolist()]
-    # grouped by constructor, each in DP rank order (int32 where every value fits); each
-    # constructor's arrays are slices (views) of the step's
-    table = table[np.argsort(piece_con, kind="stable")]
-    if not total or (table.min() >= 0 and table.max() < 2**31):
+    if wide and table.min() >= 0 and table.max() < 2**31:
         table = table.astype(np.int32)
     dp_order = np.argsort(con_of_dp, kind="stable")
     dps, n_rows = dp_order.astype(np.int64), n_rows[dp_order]
