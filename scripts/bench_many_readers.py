@@ -473,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--steps must be at least 1 and --step-seconds positive")
     from msd_dask import load_config
 
-    root = os.path.dirname(load_config(a.config).sources[0].uri.split("*")[0].rstrip("/"))
+    # the files need not exist yet: they are written below if they are missing
+    root = os.path.dirname(load_config(a.config, check_files=False).sources[0].uri
+                           .split("*")[0].rstrip("/"))
     if not os.path.isdir(root):
         from msd_dask.examples.demo import write_demo_corpus
 
