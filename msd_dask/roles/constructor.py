@@ -435,9 +435,7 @@ class DataConstructor:
                     self._raise_returned(r, steps[0] - 1, "claim")
                 payloads = []
                 for s in steps:
-                    batch = await self._hand_over((s, dp), rank)
-                    for r in others:
-                        await self._release((s, dp), r)
+                    batch = await self._hand_over((s, dp), group)
                     payloads.append(to_wire(view_for_rank(batch, *view)))
                 self.batches_sent += len(payloads)
                 for r in others:
@@ -558,16 +556,12 @@ class DataConstructor:
             raise KeyError(f"rank {rank} is not served by constructor {self.index}")
         return dp
 
-    async def _hand_over(self, key: tuple[int, int], rank: int) -> dict[str, Any]:
-        """Mark the built batch ``key`` (step, dp) claimed by ``rank`` and return it."""
+    async def _hand_over(self, key: tuple[int, int], ranks: list[int]) -> dict[str, Any]:
+        """Mark the built batch ``key`` (step, dp) claimed by each of ``ranks`` and return it."""
         self._check_open()  # closed while a claim of several steps awaited room
         out = self._ready[key]
-        waiting = self._unclaimed[key]
-        waiting.discard(rank)
-        self.claimed[rank] += 1
-        self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), key[0])
-        if not waiting:
-            await self._done(*key)
+        for rank in ranks:
+            await self._release(key, rank)
         return out
 
     async def stats(self) -> dict[str, Any]:

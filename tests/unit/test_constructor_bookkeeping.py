@@ -40,7 +40,7 @@ def test_a_constructor_keeps_nothing_of_the_batches_every_member_has(dp_ranks: i
                 con._rounds[ranks[0]].append([step])
             con._held_steps[step] = dp_ranks
             for d, ranks in members.items():
-                await con._hand_over((step, d), ranks[0])
+                await con._hand_over((step, d), [ranks[0]])
                 await con._release((step, d), ranks[1])
         assert not con._ready and not con._unclaimed and not con._held_steps
         assert not con._unclaimed_steps
