@@ -1,24 +1,40 @@
-"""Compiled inner loops of the planner (numba, private).
+"""The planner's inner loops (private), compiled by numba once steps are large.
 
 Each kernel is the one implementation of its rule; the modules that own the
 rules (:mod:`~msd_dask.core.row_placement`, :mod:`~msd_dask.core.balance`,
 :mod:`~msd_dask.core.mixing`) prepare arrays, call it and document what it
-decides.  ``cache=True`` keeps the compiled code in ``__pycache__``, so only the
-first process after an install (or a change here) pays the compilation.
+decides.
+
+The kernels are plain Python over numpy arrays.  They run as such until a call
+has :data:`COMPILE_AT` pieces or more (or :func:`compile_for` is told a step
+will); from then on, in this process, every kernel runs compiled by numba
+(:func:`compile_kernels`).  As Python they take about 60 µs per piece, so a
+step of a few hundred pieces takes milliseconds either way, while numba and its
+compiled code cost a process about 120 MiB of memory and a second or two (about
+20 s where its cache is empty): a small service never imports it.  Compiled and interpreted runs
+decide the same, bit for bit (``tests/unit/test_kernels.py``).  ``cache=True``
+keeps the compiled code in ``__pycache__``, so only the first process after an
+install (or a change here) pays the compilation.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+import threading
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["best_fit_rows", "greedy_fill", "mix_draw", "stable_argsort"]
+import numpy as np
+
+__all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "greedy_fill",
+           "mix_draw", "stable_argsort"]
+
+#: a kernel call with this many items (pieces) compiles the kernels
+COMPILE_AT = 1024
 
 
 # ----------------------------------------------------------------------------- best fit decreasing
 
 
-@njit(cache=True)
 def _meld(a: int, b: int, child: np.ndarray, sib: np.ndarray) -> int:
     """Pairing heap of row ids (the least on top): the meld of roots ``a`` and ``b``."""
     if a < 0:
@@ -32,7 +48,6 @@ def _meld(a: int, b: int, child: np.ndarray, sib: np.ndarray) -> int:
     return a
 
 
-@njit(cache=True)
 def _pop(root: int, child: np.ndarray, sib: np.ndarray, stack: np.ndarray) -> int:
     """The new root once ``root`` leaves its pairing heap (two-pass pairing of its children)."""
     c = child[root]
@@ -57,7 +72,6 @@ def _pop(root: int, child: np.ndarray, sib: np.ndarray, stack: np.ndarray) -> in
     return h
 
 
-@njit(cache=True)
 def _mark(tree: np.ndarray, leaf: int, on: bool) -> None:
     """Set (``on``) or clear a leaf of a segment tree of "some row has this room" flags."""
     i = leaf
@@ -71,7 +85,6 @@ def _mark(tree: np.ndarray, leaf: int, on: bool) -> None:
         i = up
 
 
-@njit(cache=True)
 def _first_at_least(tree: np.ndarray, size: int, x: int) -> int:
     """The least room ``>= x`` that some row has, ``-1`` if none."""
     i = x + size
@@ -89,8 +102,7 @@ def _first_at_least(tree: np.ndarray, size: int, x: int) -> int:
     return i - size
 
 
-@njit(cache=True)
-def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
+def _best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     """:func:`~msd_dask.core.row_placement.kept_rows`' best fit, in placement order.
 
     ``ls``: the pieces' lengths in the order they are placed.  Returns each
@@ -168,13 +180,11 @@ def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- greedy LPT
 
 
-@njit(cache=True)
 def _before(ka: float, ra: int, kb: float, rb: int) -> bool:
     """``(ka, ra) < (kb, rb)``, as Python compares the tuples."""
     return ka < kb or (ka == kb and ra < rb)
 
 
-@njit(cache=True)
 def _sift_down(key: np.ndarray, rid: np.ndarray, size: int, i: int) -> None:
     while True:
         least = i
@@ -191,7 +201,6 @@ def _sift_down(key: np.ndarray, rid: np.ndarray, size: int, i: int) -> None:
         i = least
 
 
-@njit(cache=True)
 def _push(key: np.ndarray, rid: np.ndarray, size: int, k: float, r: int) -> int:
     """Push ``(k, r)`` on the heap of ``size`` entries; the new size."""
     i = size
@@ -205,7 +214,6 @@ def _push(key: np.ndarray, rid: np.ndarray, size: int, k: float, r: int) -> int:
     return size + 1
 
 
-@njit(cache=True)
 def _pop_top(key: np.ndarray, rid: np.ndarray, size: int) -> int:
     """Drop the least entry of the heap; the new size."""
     size -= 1
@@ -215,8 +223,7 @@ def _pop_top(key: np.ndarray, rid: np.ndarray, size: int) -> int:
     return size
 
 
-@njit(cache=True)
-def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
+def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
                 row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray,
                 out_rank: np.ndarray, out_micro: np.ndarray, fresh: bool) -> None:
     """:meth:`msd_dask.core.balance._Greedy.fill` over the pieces ``idx`` (lengths ``lens``,
@@ -285,7 +292,6 @@ def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndar
 # ----------------------------------------------------------------------------- mixing
 
 
-@njit(cache=True)
 def _appended(buf: np.ndarray, n: int, key: int) -> np.ndarray:
     """``buf`` with ``key`` at ``n`` (a larger copy when it is full)."""
     if n == len(buf):
@@ -296,8 +302,7 @@ def _appended(buf: np.ndarray, n: int, key: int) -> np.ndarray:
     return buf
 
 
-@njit(cache=True)
-def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, lengths: np.ndarray,
+def _mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, lengths: np.ndarray,
              base: np.ndarray, offset: np.ndarray, end: np.ndarray, limit: np.ndarray, room: int,
              out: np.ndarray, n_out: int, tags: np.ndarray, first: int, hold: int,
              held: np.ndarray, n_held: int,
@@ -354,7 +359,6 @@ _BELOW_SIGN = np.int64((1 << 63) - 1)
 _NAN = np.int64(0x7FF8000000000000)
 
 
-@njit(cache=True)
 def _int_order(a: np.ndarray) -> np.ndarray:
     """Keys whose unsigned order is ``a``'s order."""
     k = np.empty(len(a), dtype=np.int64)
@@ -363,7 +367,6 @@ def _int_order(a: np.ndarray) -> np.ndarray:
     return k
 
 
-@njit(cache=True)
 def _float_order(a: np.ndarray) -> np.ndarray:
     """Keys whose unsigned order is numpy's order of ``a`` (``-0.0`` equals ``0.0``, NaN last)."""
     bits = a.view(np.int64)
@@ -381,7 +384,6 @@ def _float_order(a: np.ndarray) -> np.ndarray:
     return k
 
 
-@njit(cache=True)
 def _radix_argsort(k: np.ndarray) -> np.ndarray:
     """The stable argsort of unsigned 64-bit keys ``k`` (which it overwrites): LSD radix over
     the bits that vary, in one counting pass where they span at most 20 bits, else 16 bits a
@@ -435,8 +437,83 @@ def stable_argsort(a: np.ndarray) -> np.ndarray:
     """``np.argsort(a, kind="stable")`` of a 1-d int or float array, the same result in
     linear time (a radix sort) for large arrays."""
     a = np.ascontiguousarray(a)
-    if len(a) < 4096:
+    if len(a) < 4096 or not _use_compiled(len(a)):
         return np.argsort(a, kind="stable")
-    if a.dtype.kind == "f":
-        return _radix_argsort(_float_order(a.astype(np.float64, copy=False)))
-    return _radix_argsort(_int_order(a))
+    keys = _compiled[_float_order](a.astype(np.float64, copy=False)) if a.dtype.kind == "f" else \
+        _compiled[_int_order](a)
+    return _compiled[_radix_argsort](keys)
+
+
+def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
+    """Each piece's row by best fit decreasing: see :func:`_best_fit_rows`."""
+    return _kernel(_best_fit_rows, len(ls))(ls, n_rows, seq_len)
+
+
+def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
+                row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray,
+                out_rank: np.ndarray, out_micro: np.ndarray, fresh: bool) -> None:
+    """The greedy LPT fill, in place: see :func:`_greedy_fill`."""
+    _kernel(_greedy_fill, len(idx))(idx, lens, ks, free, row_key, rank_key, max_free, out_rank,
+                                    out_micro, fresh)
+
+
+def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, lengths: np.ndarray,
+             base: np.ndarray, offset: np.ndarray, end: np.ndarray, limit: np.ndarray, room: int,
+             out: np.ndarray, n_out: int, tags: np.ndarray, first: int, hold: int,
+             held: np.ndarray, n_held: int,
+             hold_room: int) -> tuple[int, int, np.ndarray, int, np.ndarray, int]:
+    """The mixer's draw: see :func:`_mix_draw` (compiled once the kernels are: how many pieces
+    it takes is known only when it ends; the planner tells :func:`compile_for` the step's
+    rows before its first draw)."""
+    return _kernel(_mix_draw, 0)(credit, weights, eligible, lengths, base, offset, end,
+                                            limit, room, out, n_out, tags, first, hold, held,
+                                            n_held, hold_room)
+
+
+# ----------------------------------------------------------------------------- compiling
+
+#: the kernels that others call (numba finds them among the module's globals when it
+#: compiles a caller, so they are replaced there by their compiled versions)
+_CALLED = (_meld, _pop, _mark, _first_at_least, _before, _sift_down, _push, _pop_top, _appended)
+#: the kernels called from Python, and their compiled versions once compiled
+_ENTRY = (_best_fit_rows, _greedy_fill, _mix_draw, _int_order, _float_order, _radix_argsort)
+_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+_compiling = threading.Lock()
+
+
+def compiled() -> bool:
+    """Whether this process runs the kernels compiled."""
+    return bool(_compiled)
+
+
+def compile_kernels() -> None:
+    """Compile every kernel with numba (the first call of a kernel with :data:`COMPILE_AT`
+    items does it); from then on every kernel runs compiled in this process."""
+    with _compiling:
+        if _compiled:
+            return
+        from numba import njit
+
+        module = globals()
+        for fn in _CALLED:
+            module[fn.__name__] = njit(cache=True)(fn)
+        _compiled.update({fn: njit(cache=True)(fn) for fn in _ENTRY})
+
+
+def compile_for(items: int) -> None:
+    """Compile the kernels now if a coming call will have ``items`` items (at least
+    :data:`COMPILE_AT`)."""
+    _use_compiled(items)
+
+
+def _use_compiled(n: int) -> bool:
+    """Whether to run compiled a call of ``n`` items (compiling the kernels if this is the
+    first call with :data:`COMPILE_AT` or more)."""
+    if not _compiled and n >= COMPILE_AT:
+        compile_kernels()
+    return bool(_compiled)
+
+
+def _kernel(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
+    """``fn`` as a call of ``n`` items runs it: compiled or as Python (:func:`_use_compiled`)."""
+    return _compiled[fn] if _use_compiled(n) else fn

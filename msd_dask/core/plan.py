@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.core._kernels import stable_argsort
+from msd_dask.core._kernels import compile_for, stable_argsort
 from msd_dask.core.balance import lower_bound
 from msd_dask.core.config import Config
 from msd_dask.core.cost import CostModel
@@ -367,6 +367,7 @@ class Planner:
         cfg = self.cfg
         dp, mb, seq_len = cfg.parallel.dp, cfg.batch.micro_batches, cfg.batch.seq_len
         capacity = dp * mb * seq_len
+        compile_for(dp * mb)  # a step has a piece per row at least (the draw's loop is a kernel)
         weights = self.weights_at(self.step)
         hold = cfg.outliers.threshold(seq_len, self.cost.linear, self.cost.quadratic)
         if cfg.long_context.mode == "grouped" and self.long_sources:

@@ -1,5 +1,6 @@
-"""The compiled kernels of the planner (msd_dask.core._kernels) against plain one-piece-at-a-time
-statements of their rules, on random inputs with many ties."""
+"""The planner's kernels (msd_dask.core._kernels) against plain one-piece-at-a-time statements
+of their rules, on random inputs with many ties; and the same plans whether the kernels run as
+Python or compiled."""
 
 from __future__ import annotations
 
@@ -106,3 +107,62 @@ def test_stable_argsort_is_numpys(n: int) -> None:
              np.where(rng.random(n) < 0.3, -0.0, rng.choice([0.0, 1.5, -2.0, np.inf, -np.inf, np.nan], n))]
     for a in cases:
         assert stable_argsort(a).tolist() == np.argsort(a, kind="stable").tolist(), a.dtype
+
+
+_PLAN_DIGEST = """
+import hashlib, json, sys
+import numpy as np
+from msd_dask.core import _kernels
+from msd_dask.core.config import parse_config
+from msd_dask.core.plan import Planner
+from msd_dask.core.units import Unit
+
+mode, dp, mb = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if mode == "python":
+    _kernels.COMPILE_AT = 1 << 62
+elif mode == "compiled":
+    _kernels.compile_kernels()
+h = hashlib.sha256()
+for balance, outliers in (("balanced", None), ("lpt", {"min_length": 0.5})):
+    cfg = {"name": "k", "seed": 3, "batch": {"seq_len": 2048, "micro_batches": mb},
+           "parallel": {"dp": dp}, "balance": balance,
+           "sources": [{"name": n, "uri": f"memory://{n}/*.parquet", "format": "parquet",
+                        "weight": w} for n, w in (("web", 0.7), ("books", 0.3))]}
+    if outliers:
+        cfg["outliers"] = outliers
+    c = parse_config(cfg)
+    pl = Planner(c, {s.name: [Unit(f"{s.name}/u{i:04d}.parquet") for i in range(64)]
+                     for s in c.sources})
+
+    def look(source, epoch, unit):
+        rng = np.random.default_rng([epoch, ord(source[0]), unit])
+        # lognormal lengths, many of them equal (ties everywhere)
+        return np.clip(np.ceil(rng.lognormal(5.0, 1.5, 256) / 8) * 8, 1, 20000).astype(np.int64)
+
+    for _ in range(4):
+        plan = pl.plan_step(look)
+        h.update(plan.table.tobytes() + plan.row_sizes.tobytes()
+                 + json.dumps([plan.rank_cost, plan.lower_bound, pl.state_dict()]).encode())
+print(h.hexdigest(), "numba" in sys.modules, _kernels.compiled())
+"""
+
+
+def _plan_digest(mode: str, dp: int, mb: int) -> tuple[str, bool, bool]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PLAN_DIGEST, mode, str(dp), str(mb)], check=True,
+                         capture_output=True, text=True, timeout=300).stdout.split()
+    return out[0], out[1] == "True", out[2] == "True"
+
+
+def test_python_and_compiled_kernels_plan_the_same() -> None:
+    """The kernels decide the same run as Python and compiled (steps of about 2,000 pieces,
+    both balance strategies, outliers held), and a small service never imports numba."""
+    py, py_numba, _ = _plan_digest("python", 64, 4)
+    nb, _, nb_compiled = _plan_digest("compiled", 64, 4)
+    assert py == nb
+    assert not py_numba and nb_compiled
+    # left to itself: a step of 8 rows (tens of pieces) stays Python, one of 256 compiles
+    assert _plan_digest("auto", 4, 2)[1:] == (False, False)
+    assert _plan_digest("auto", 64, 4)[1:] == (True, True)
