@@ -12,13 +12,18 @@ plan (pieces, order, ranks, rows, ``rank_cost``, ``lower_bound``, weights),
 
 With ``--reference DIR`` it imports a second copy of the package from ``DIR``
 (a directory holding a package named ``--reference-name``, by default
-``msd_golden``; make one with ``git archive <commit> msd_dask | tar -x -C DIR``
-and rename the folder) and compares the two record by record, naming the
-first difference of each configuration.  Without it, it prints one sha256 per
+``msd_golden``: make one with ``git archive <commit> msd_dask | tar -x -C DIR``,
+rename the folder and its absolute imports, as below; a copy that still imports
+``msd_dask`` runs this checkout's modules and catches another class's
+``NeedMetadata``) and compares the two record by record, naming the first
+difference of each configuration.  Without it, it prints one sha256 per
 configuration (``tests/unit/test_plan_golden.py`` keeps those of a few).
 
 Usage::
 
+    mkdir -p /tmp/plgold && git archive HEAD msd_dask | tar -x -C /tmp/plgold
+    mv /tmp/plgold/msd_dask /tmp/plgold/msd_golden
+    grep -rl msd_dask /tmp/plgold/msd_golden | xargs sed -i 's/msd_dask/msd_golden/g'
     python scripts/check_planner_equivalence.py --reference /tmp/plgold
     python scripts/check_planner_equivalence.py --only golden
 """

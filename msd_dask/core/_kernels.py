@@ -20,13 +20,11 @@ install (or a change here) pays the compilation.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-__all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "greedy_fill",
-           "mix_draw", "stable_argsort"]
+__all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "fill_rounds",
+           "greedy_fill", "mix_draw", "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
@@ -289,6 +287,75 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
         out_micro[idx[j]] = m
 
 
+def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
+                 row_key: np.ndarray, rank_key: np.ndarray, out_rank: np.ndarray,
+                 out_micro: np.ndarray, left: np.ndarray) -> tuple[int, int]:
+    """:meth:`msd_dask.core.balance._Greedy.fill_tail`'s rounds over the pieces ``order``
+    (lengths ``lens``, keys ``ks``, in that order), updating the state arrays in place.
+
+    Each round, the ranks with a row with room for the round's first piece, by
+    ``(key sum, rank)``, take the round's next pieces one each, each piece on its
+    rank's row with the least key sum that has room (the first on ties).  Rounds
+    stop once fewer than ``min(16, ranks)`` ranks have room.  Pieces that found no
+    row go to ``left``, in order.  Returns ``(pos, n_left)``: ``order[pos:]`` were
+    not reached, ``left[:n_left]`` found no row.
+    """
+    n_ranks, mb = free.shape
+    n = len(order)
+    max_free = np.empty(n_ranks, dtype=np.int64)
+    for r in range(n_ranks):
+        max_free[r] = free[r].max()
+    # the shortest piece from each position on: a rank without room for it is done
+    shortest = lens.copy()
+    for j in range(n - 2, -1, -1):
+        shortest[j] = min(shortest[j], shortest[j + 1])
+    live = np.arange(n_ranks)  # the ranks that may still take a piece, in rank order
+    n_live = n_ranks
+    ranks = np.empty(n_ranks, dtype=np.int64)
+    keys = np.empty(n_ranks, dtype=np.float64)
+    least = min(16, n_ranks)
+    pos = 0
+    n_left = 0
+    while pos < n:
+        e = 0
+        kept = 0
+        for i in range(n_live):
+            r = live[i]
+            if max_free[r] < shortest[pos]:
+                continue
+            live[kept] = r
+            kept += 1
+            if max_free[r] >= lens[pos]:
+                ranks[e] = r
+                keys[e] = rank_key[r]
+                e += 1
+        n_live = kept
+        if e < least:
+            break
+        k = min(e, n - pos)
+        by_key = _radix_argsort(_float_order(keys[:e]))  # stable: ties by rank
+        for i in range(k):
+            r = ranks[by_key[i]]
+            j = pos + i
+            length = lens[j]
+            m = -1
+            for q in range(mb):
+                if free[r, q] >= length and (m < 0 or row_key[r, q] < row_key[r, m]):
+                    m = q
+            if m < 0:
+                left[n_left] = order[j]
+                n_left += 1
+                continue
+            free[r, m] -= length
+            row_key[r, m] += ks[j]
+            rank_key[r] += ks[j]
+            max_free[r] = free[r].max()
+            out_rank[order[j]] = r
+            out_micro[order[j]] = m
+        pos += k
+    return pos, n_left
+
+
 # ----------------------------------------------------------------------------- mixing
 
 
@@ -439,22 +506,31 @@ def stable_argsort(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     if len(a) < 4096 or not _use_compiled(len(a)):
         return np.argsort(a, kind="stable")
-    keys = _compiled[_float_order](a.astype(np.float64, copy=False)) if a.dtype.kind == "f" else \
-        _compiled[_int_order](a)
-    return _compiled[_radix_argsort](keys)
+    keys = _float_order(a.astype(np.float64, copy=False)) if a.dtype.kind == "f" else _int_order(a)
+    return _radix_argsort(keys)
 
 
 def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     """Each piece's row by best fit decreasing: see :func:`_best_fit_rows`."""
-    return _kernel(_best_fit_rows, len(ls))(ls, n_rows, seq_len)
+    _use_compiled(len(ls))
+    return _best_fit_rows(ls, n_rows, seq_len)
 
 
 def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
                 row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray,
                 out_rank: np.ndarray, out_micro: np.ndarray, fresh: bool) -> None:
     """The greedy LPT fill, in place: see :func:`_greedy_fill`."""
-    _kernel(_greedy_fill, len(idx))(idx, lens, ks, free, row_key, rank_key, max_free, out_rank,
-                                    out_micro, fresh)
+    _use_compiled(len(idx))
+    _greedy_fill(idx, lens, ks, free, row_key, rank_key, max_free, out_rank, out_micro, fresh)
+
+
+def fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
+                row_key: np.ndarray, rank_key: np.ndarray, out_rank: np.ndarray,
+                out_micro: np.ndarray, left: np.ndarray) -> tuple[int, int]:
+    """The greedy fill in rounds, in place: see :func:`_fill_rounds`."""
+    _use_compiled(len(order))
+    pos, n_left = _fill_rounds(order, lens, ks, free, row_key, rank_key, out_rank, out_micro, left)
+    return int(pos), int(n_left)
 
 
 def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, lengths: np.ndarray,
@@ -465,39 +541,39 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
     """The mixer's draw: see :func:`_mix_draw` (compiled once the kernels are: how many pieces
     it takes is known only when it ends; the planner tells :func:`compile_for` the step's
     rows before its first draw)."""
-    return _kernel(_mix_draw, 0)(credit, weights, eligible, lengths, base, offset, end,
-                                            limit, room, out, n_out, tags, first, hold, held,
-                                            n_held, hold_room)
+    return _mix_draw(credit, weights, eligible, lengths, base, offset, end, limit, room, out, n_out,
+                     tags, first, hold, held, n_held, hold_room)
 
 
 # ----------------------------------------------------------------------------- compiling
 
-#: the kernels that others call (numba finds them among the module's globals when it
-#: compiles a caller, so they are replaced there by their compiled versions)
-_CALLED = (_meld, _pop, _mark, _first_at_least, _before, _sift_down, _push, _pop_top, _appended)
-#: the kernels called from Python, and their compiled versions once compiled
-_ENTRY = (_best_fit_rows, _greedy_fill, _mix_draw, _int_order, _float_order, _radix_argsort)
-_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+#: every kernel: :func:`compile_kernels` replaces each in this module's globals by its
+#: compiled version (numba finds a kernel's callees there when it compiles it, and the
+#: functions above call the kernels by their names)
+_KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _before, _sift_down, _push, _pop_top,
+            _greedy_fill, _fill_rounds, _appended, _mix_draw, _int_order, _float_order, _radix_argsort)
+_compiled = False
 _compiling = threading.Lock()
 
 
 def compiled() -> bool:
     """Whether this process runs the kernels compiled."""
-    return bool(_compiled)
+    return _compiled
 
 
 def compile_kernels() -> None:
     """Compile every kernel with numba (the first call of a kernel with :data:`COMPILE_AT`
     items does it); from then on every kernel runs compiled in this process."""
+    global _compiled
     with _compiling:
         if _compiled:
             return
         from numba import njit
 
         module = globals()
-        for fn in _CALLED:
+        for fn in _KERNELS:
             module[fn.__name__] = njit(cache=True)(fn)
-        _compiled.update({fn: njit(cache=True)(fn) for fn in _ENTRY})
+        _compiled = True
 
 
 def compile_for(items: int) -> None:
@@ -507,13 +583,8 @@ def compile_for(items: int) -> None:
 
 
 def _use_compiled(n: int) -> bool:
-    """Whether to run compiled a call of ``n`` items (compiling the kernels if this is the
-    first call with :data:`COMPILE_AT` or more)."""
+    """Whether the kernels run compiled for a call of ``n`` items (compiling them if this is
+    the first call with :data:`COMPILE_AT` or more)."""
     if not _compiled and n >= COMPILE_AT:
         compile_kernels()
-    return bool(_compiled)
-
-
-def _kernel(fn: Callable[..., Any], n: int) -> Callable[..., Any]:
-    """``fn`` as a call of ``n`` items runs it: compiled or as Python (:func:`_use_compiled`)."""
-    return _compiled[fn] if _use_compiled(n) else fn
+    return _compiled

@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from msd_dask.core._kernels import greedy_fill, stable_argsort
+from msd_dask.core._kernels import fill_rounds, greedy_fill, stable_argsort
 
 __all__ = ["Assignment", "assign", "build_assignment", "STRATEGIES", "lower_bound", "capacity_bound",
            "sequential", "lpt", "balanced", "improve"]
@@ -217,41 +217,20 @@ class _Greedy:
     def fill_tail(self, order: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> None:
         """:meth:`fill` for pieces whose keys are too small to matter one by one.
 
-        Vectorised rounds: the next ``k`` pieces go, the longest first, to the
-        ``k`` ranks with the least key sums among those with room for the
-        round's first piece (``k``: how many such ranks), each on its row with
-        the least key sum that has room.  Finishes with :meth:`fill` once fewer
-        than 16 ranks have room (or for pieces that found no row).
+        Rounds: the next ``k`` pieces go, one each, to the ``k`` ranks with the
+        least key sums among those with room for the round's first piece (``k``:
+        how many such ranks), each on its row with the least key sum that has
+        room.  Finishes with :meth:`fill` once fewer than 16 ranks have room (or
+        for pieces that found no row).  The rounds are compiled
+        (:func:`msd_dask.core._kernels.fill_rounds`).
         """
-        R = self.n_ranks
-        free, row_key, rank_key = self.free, self.row_key, self.rank_key
-        out_rank, out_micro = self.rank, self.micro
-        lens, ks = lengths[order], keys[order]
-        left: list[np.ndarray] = []
-        pos, n = 0, len(order)
-        while pos < n:
-            eligible = np.flatnonzero(free.max(axis=1) >= lens[pos])
-            if len(eligible) < min(16, R):
-                break
-            k = min(len(eligible), n - pos)
-            ranks = eligible[np.argsort(rank_key[eligible], kind="stable")[:k]]
-            chunk = slice(pos, pos + k)
-            ln, kk = lens[chunk], ks[chunk]
-            room = free[ranks] >= ln[:, None]
-            rows = np.argmin(np.where(room, row_key[ranks], np.inf), axis=1)
-            ok = room[np.arange(k), rows]
-            r, m = ranks[ok], rows[ok]
-            free[r, m] -= ln[ok]
-            row_key[r, m] += kk[ok]
-            rank_key[r] += kk[ok]
-            idx = order[chunk]
-            out_rank[idx[ok]] = r
-            out_micro[idx[ok]] = m
-            left.append(idx[~ok])
-            pos += k
-        left.append(order[pos:])
-        self.max_free = free.max(axis=1)
-        rest = np.concatenate(left)
+        order = np.asarray(order, dtype=np.int64)
+        left = np.empty(len(order), dtype=np.int64)
+        pos, n_left = fill_rounds(order, np.ascontiguousarray(lengths[order], dtype=np.int64),
+                                  np.ascontiguousarray(keys[order], dtype=np.float64), self.free,
+                                  self.row_key, self.rank_key, self.rank, self.micro, left)
+        self.max_free = self.free.max(axis=1)
+        rest = np.concatenate([left[:n_left], order[pos:]])
         if len(rest):
             self.fill(rest[_decreasing(keys[rest])], lengths, keys)
 

@@ -95,6 +95,62 @@ def test_greedy_fill_is_lpt_piece_by_piece(seed: int) -> None:
         assert g.rank.tolist() == rank and g.micro.tolist() == micro
 
 
+def _rounds_vectorised(g: object, order: np.ndarray, lengths: np.ndarray,
+                       keys: np.ndarray) -> np.ndarray:
+    """The rounds of ``_Greedy.fill_tail`` in numpy: per round, the ``k`` ranks with room for
+    its first piece by (key sum, rank) take its ``k`` next pieces, each on its row with the
+    least key sum that has room; the pieces left over, in order."""
+    free, row_key, rank_key = g.free, g.row_key, g.rank_key  # type: ignore[attr-defined]
+    lens, ks = lengths[order], keys[order]
+    left, pos, n = [], 0, len(order)
+    while pos < n:
+        eligible = np.flatnonzero(free.max(axis=1) >= lens[pos])
+        if len(eligible) < min(16, len(free)):
+            break
+        k = min(len(eligible), n - pos)
+        ranks = eligible[np.argsort(rank_key[eligible], kind="stable")[:k]]
+        ln, kk = lens[pos:pos + k], ks[pos:pos + k]
+        room = free[ranks] >= ln[:, None]
+        rows = np.argmin(np.where(room, row_key[ranks], np.inf), axis=1)
+        ok = room[np.arange(k), rows]
+        r, m = ranks[ok], rows[ok]
+        free[r, m] -= ln[ok]
+        row_key[r, m] += kk[ok]
+        rank_key[r] += kk[ok]
+        idx = order[pos:pos + k]
+        g.rank[idx[ok]], g.micro[idx[ok]] = r, m  # type: ignore[attr-defined]
+        left.append(idx[~ok])
+        pos += k
+    return np.concatenate([*left, order[pos:]])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fill_tail_rounds_are_the_vectorised_rounds(seed: int) -> None:
+    from msd_dask.core.balance import _Greedy
+
+    rng = np.random.default_rng(seed)
+    for _ in range(12):
+        n_ranks, mb = int(rng.integers(1, 60)), int(rng.choice([1, 2, 8]))
+        seq_len = int(rng.choice([16, 256]))
+        n = int(rng.integers(0, n_ranks * mb * 6))
+        lens = np.asarray(np.minimum(seq_len, rng.lognormal(1.5, 1.5, n).astype(np.int64)) if seed % 2
+                          else rng.integers(0, seq_len + 1, n), dtype=np.int64)
+        ks = np.round(rng.random(n) * 3) if seed % 3 == 0 else lens.astype(np.float64) * 1e-3
+        # a few pieces placed first, so the rounds start from uneven ranks
+        head = int(rng.integers(0, n + 1)) // 4
+        a, b = _Greedy(n, n_ranks, mb, seq_len), _Greedy(n, n_ranks, mb, seq_len)
+        a.fill(np.arange(head), lens, ks)
+        b.fill(np.arange(head), lens, ks)
+        tail = rng.permutation(np.arange(head, n))
+        a.fill_tail(tail, lens, ks)
+        rest = _rounds_vectorised(b, tail, lens, ks)
+        b.max_free = b.free.max(axis=1)
+        if len(rest):
+            b.fill(rest[np.argsort(-ks[rest], kind="stable")], lens, ks)
+        assert a.rank.tolist() == b.rank.tolist() and a.micro.tolist() == b.micro.tolist()
+        assert a.row_key.tolist() == b.row_key.tolist() and a.rank_key.tolist() == b.rank_key.tolist()
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 5000, 70000])
 def test_stable_argsort_is_numpys(n: int) -> None:
     from msd_dask.core._kernels import stable_argsort
