@@ -21,9 +21,10 @@ JSON object:
   service).  Without ``rank``: a probe (:meth:`AgentHandle.connect`).
 * ``{"op": "next", "after", "timeout"}``: the first step after ``after`` the rank does
   not have; the agent answers ``{"step", "block", "layout", "meta"}`` once it holds
-  one (``block``: the name of a :class:`~multiprocessing.shared_memory.SharedMemory`
-  holding the numpy arrays of the step's wire form (:func:`~msd_dask.core.packing.to_wire`)
-  at the offsets of ``layout``, ``meta`` its other fields) or ``{"error", "kind"}``
+  one (``block``: the name of a POSIX shared memory block, on Linux the file
+  ``/dev/shm/<block>`` (:func:`write_block`), holding the numpy arrays of the step's
+  wire form (:func:`~msd_dask.core.packing.to_wire`) at the offsets of ``layout``,
+  ``meta`` its other fields) or ``{"error", "kind"}``
   after ``timeout`` seconds or when its own reader failed.  The agent keeps the wire
   form and never imports torch (about 100 MiB); each rank builds its
   :class:`~msd_dask.batch.Batch` as a direct reader does.
@@ -58,8 +59,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -103,6 +102,9 @@ ANSWER_MARGIN = 10.0
 START_GRACE = 2.0
 #: bytes each array of a block is aligned to
 _ALIGN = 64
+#: the watcher of a process's blocks (:func:`_watch_blocks`): a POSIX shell that waits for
+#: the end of a pipe only the process holds, then removes the files ``$1/$2*``
+_WATCH = 'trap "" INT TERM HUP; read -r _; rm -f -- "$1/$2"*'
 
 T = TypeVar("T")
 
@@ -221,15 +223,112 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def write_block(batch: WireBatch, name: str) -> tuple[SharedMemory, dict[str, Any]]:
+class SharedBlock(Protocol):
+    """A shared memory block :func:`write_block` made: a
+    :class:`~multiprocessing.shared_memory.SharedMemory` or its Linux file (:class:`_FileBlock`)."""
+
+    @property
+    def name(self) -> str:
+        """The block's name (``block`` of its message)."""
+
+    @property
+    def buf(self) -> memoryview | None:
+        """The block's bytes, writable while the block is open (a closed SharedMemory: ``None``)."""
+
+    def close(self) -> None:
+        """Unmap the block from this process."""
+
+    def unlink(self) -> None:
+        """Remove the block (once every process unmapped it, its memory is freed)."""
+
+
+class _FileBlock:
+    """A shared memory block as the file ``SHM_DIR/<name>`` (Linux), created and mapped
+    as :class:`~multiprocessing.shared_memory.SharedMemory` creates one (mode 0600),
+    but not registered with Python's resource tracker, a python process of its own
+    (about 8 MiB) per agent: :func:`_watch_blocks` removes the blocks of a process
+    that is killed."""
+
+    def __init__(self, name: str, size: int):
+        self.name = name
+        self._path = os.path.join(SHM_DIR, name)
+        fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(self._path)
+            raise
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+    def unlink(self) -> None:
+        os.unlink(self._path)
+
+
+#: ``(pid, fd)``: the process whose blocks the running watcher removes, and the end of
+#: the watcher's pipe that process holds (:func:`_watch_blocks`)
+_watcher: tuple[int, int] | None = None
+_watcher_lock = threading.Lock()
+
+
+def _watch_blocks() -> None:
+    """Make sure a watcher removes this process's blocks (``SHM_DIR/BLOCK_PREFIX<pid>-*``)
+    once the process is gone, however it ended.
+
+    The watcher, started once per process, is ``/bin/sh`` reading a pipe whose writing
+    end only this process holds: when the process ends (killed too), the read ends and
+    the shell removes whatever blocks are left.  Like Python's resource tracker, which
+    :class:`~multiprocessing.shared_memory.SharedMemory` starts for this, it ignores
+    SIGINT and SIGTERM (and SIGHUP), but it costs a shell, not a python process.
+    """
+    global _watcher
+    with _watcher_lock:
+        pid = os.getpid()
+        if _watcher is not None and _watcher[0] == pid:
+            return
+        read_end, write_end = os.pipe()
+        try:
+            os.posix_spawn("/bin/sh", ["sh", "-c", _WATCH, "msd-dask-agent-blocks", SHM_DIR,
+                                       f"{BLOCK_PREFIX}{pid}-"],
+                           os.environ, file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0)])
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        _watcher = (pid, write_end)
+
+
+def _new_block(name: str, size: int) -> SharedBlock:
+    """A new shared memory block ``name`` of ``size`` bytes, removed if this process is
+    killed: a :class:`_FileBlock` watched by :func:`_watch_blocks` when the name is one of
+    this process's (``BLOCK_PREFIX<pid>-``) and blocks are files (Linux), else a
+    :class:`~multiprocessing.shared_memory.SharedMemory` (its resource tracker)."""
+    if name.startswith(f"{BLOCK_PREFIX}{os.getpid()}-") and os.path.isdir(SHM_DIR):
+        _watch_blocks()
+        return _FileBlock(name, size)
+    from multiprocessing.shared_memory import SharedMemory
+
+    return SharedMemory(name=name, create=True, size=size)
+
+
+def write_block(batch: WireBatch, name: str) -> tuple[SharedBlock, dict[str, Any]]:
     """Write the numpy arrays of ``batch``'s wire form into a new shared memory block ``name``.
 
     Returns
     -------
-    (SharedMemory, dict)
-        The block (the caller unlinks it) and the message a rank reads it with:
-        ``{"step", "block", "pid", "layout": {field: [offset, dtype, shape]}, "meta"}``
-        (``pid``: this process's; ``meta``: the wire form's other fields, as JSON).
+    (SharedBlock, dict)
+        The block (the caller unlinks it; if this process is killed, the blocks it did
+        not unlink are removed for it, see :func:`_new_block`) and the message a rank
+        reads it with: ``{"step", "block", "pid", "layout": {field: [offset, dtype,
+        shape]}, "meta"}`` (``pid``: this process's; ``meta``: the wire form's other
+        fields, as JSON).
     """
     arrays = {k: np.ascontiguousarray(v) for k, v in batch.wire.items()
               if isinstance(v, np.ndarray)}
@@ -238,8 +337,9 @@ def write_block(batch: WireBatch, name: str) -> tuple[SharedMemory, dict[str, An
     for key, a in arrays.items():
         layout[key] = [size, a.dtype.str, list(a.shape)]
         size += -(-a.nbytes // _ALIGN) * _ALIGN
-    shm = SharedMemory(name=name, create=True, size=max(size, 1))
+    shm = _new_block(name, max(size, 1))
     try:
+        assert shm.buf is not None
         for key, a in arrays.items():
             view: np.ndarray = np.ndarray(a.shape, a.dtype, buffer=shm.buf, offset=layout[key][0])
             view[...] = a
@@ -267,6 +367,9 @@ def _mapped(name: str, owner: int) -> Iterator[Any]:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             yield m
         return
+    from multiprocessing import resource_tracker
+    from multiprocessing.shared_memory import SharedMemory
+
     shm = SharedMemory(name=name)
     try:
         if os.getpid() != owner:  # the agent unlinks it, not this process's tracker
@@ -343,7 +446,7 @@ class _Block:
     """One step of a group held in shared memory."""
 
     step: int
-    shm: SharedMemory
+    shm: SharedBlock
     message: dict[str, Any]
 
     def unlink(self) -> None:

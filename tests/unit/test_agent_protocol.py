@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -235,6 +238,49 @@ def test_middle_pipeline_stage_block_has_no_tensors() -> None:
     got = _round_trip(batch, 1)
     assert got.input_ids is None and got.cu_seqlens is None and got.num_tokens == 0
     assert_same(got, direct(batch, 1))
+
+
+#: a process writing two blocks as the agent does, then killed (no clean-up of its own)
+KILLED_WRITER = """
+import os, signal
+import numpy as np
+from multiprocessing import resource_tracker
+from msd_dask.service.agent import BLOCK_PREFIX, WireBatch, write_block
+
+blocks = [write_block(WireBatch({"step": s, "ids": np.arange(8)}), f"{BLOCK_PREFIX}{os.getpid()}-{s}")[0]
+          for s in range(2)]
+print(" ".join(b.name for b in blocks), resource_tracker._resource_tracker._pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_agent_leaves_no_block_and_starts_no_resource_tracker() -> None:
+    """The agent's blocks are files under /dev/shm, not registered with Python's resource
+    tracker (a python process per agent): a shell started with the first block removes
+    those left once the agent is gone, killed too."""
+    res = subprocess.run([sys.executable, "-c", KILLED_WRITER], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    *names, tracker = res.stdout.split()
+    assert len(names) == 2 and tracker == "None"
+    assert wait_until(lambda: not any(os.path.exists(os.path.join("/dev/shm", n)) for n in names),
+                      timeout=10), names
+
+
+def test_a_block_not_named_for_this_process_is_a_tracked_shared_memory() -> None:
+    """A name outside this process's ``BLOCK_PREFIX<pid>-`` (the shell removes only those)
+    gets a :class:`~multiprocessing.shared_memory.SharedMemory`, which its resource
+    tracker removes if the process is killed; it reads back the same."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    batch = WireBatch(to_wire(fake_payload(2, 0)))
+    shm, msg = write_block(batch, f"{BLOCK_PREFIX}x{os.getpid()}-rt")
+    try:
+        assert isinstance(shm, SharedMemory)
+        assert_same(read_block(json.loads(json.dumps(msg)), 1), direct(batch, 1))
+    finally:
+        shm.close()
+        shm.unlink()
 
 
 def test_every_rank_gets_every_step_once_in_order(tmp_path: Any) -> None:
