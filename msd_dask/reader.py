@@ -19,12 +19,16 @@ barrier, an evaluation) sends one call.  :meth:`DataService.state_dict` counts i
 
 A reader reads through a :class:`ServiceLink` (what it needs from its service;
 :class:`~msd_dask.service.link.PlannerLink` is the one :meth:`DataService.reader` hands it).
+
+The constructor's module (and :mod:`statistics`) is imported where a reader first uses
+it: a training process reading through a host agent imports this module with
+:mod:`msd_dask.service` but never calls a constructor (every module it imports costs
+each training process memory).
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import threading
 import time
 import weakref
@@ -37,7 +41,6 @@ from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
 from msd_dask.dask_internals import call_actor
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import POLL, DataConstructor, constructor_of
 
 __all__ = ["REPORT_IDLE", "Reader", "ServiceLink", "idle_time"]
 
@@ -103,6 +106,8 @@ def idle_time(gaps: Sequence[float]) -> float:
     is longer (a training loop pausing between its steps is not a stop)."""
     if len(gaps) < IDLE_GAPS:
         return REPORT_IDLE
+    import statistics
+
     return max(REPORT_IDLE, IDLE_FACTOR * statistics.median(list(gaps)[-IDLE_GAPS:]))
 
 
@@ -189,6 +194,8 @@ class Reader:
 
     def __init__(self, link: ServiceLink, rank: int, *, timeout: float,
                  also: Sequence[int] = ()):
+        from msd_dask.roles.constructor import constructor_of
+
         cfg = link.config
         for r in (rank, *also):
             if not 0 <= r < cfg.parallel.world_size:
@@ -278,6 +285,8 @@ class Reader:
         for :data:`REPORT_IDLE` seconds, and :meth:`DataService.close` before it
         disconnects.  Fire and forget: best effort, a lost constructor learns nothing.
         """
+        from msd_dask.roles.constructor import DataConstructor
+
         step = self.state_dict()["step"]
         if step is None:
             return None
@@ -307,6 +316,8 @@ class Reader:
         a call to a lost worker hangs, and is given up once the link finds the
         constructor re-created.
         """
+        from msd_dask.roles.constructor import POLL, DataConstructor
+
         waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
         deadline = time.monotonic() + self.timeout
         c = self._c
@@ -379,6 +390,8 @@ class Reader:
         """After the planner was re-created: tell its constructors which steps this rank
         has, so they do not hold those steps for it (best effort: its next request for
         a round says so too)."""
+        from msd_dask.roles.constructor import DataConstructor
+
         gen, constructors = self.link.handles
         if self._gen == gen:
             return

@@ -94,6 +94,48 @@ def test_a_training_process_loads_no_planner_or_storage_module() -> None:
         {"fsspec", "zstandard", "pyarrow", "PIL"} & mods)
 
 
+#: what the ``msd-dask agent`` process imports: the command line, the service's handle, the
+#: agent, and the roles whose actor handles its group readers unpickle
+AGENT_IMPORTS = ("import msd_dask.cli, msd_dask.service.agent, msd_dask.roles.planner, "
+                 "msd_dask.roles.constructor\nfrom msd_dask.service import DataService")
+
+
+def test_the_host_agent_imports_only_dask_and_the_standard_library_beyond_msd_dask() -> None:
+    """A host agent is python, the host's one Dask client and msd_dask's service side: no
+    package beyond what ``import distributed`` loads (its floor) but the standard library
+    (each agent's modules cost its host memory, docs/benchmarks.md, Memory)."""
+    floor = _imported_after("import distributed")
+    extra = _imported_after(AGENT_IMPORTS) - floor
+    assert not extra - set(sys.stdlib_module_names) - {"msd_dask"}, sorted(extra)
+    code = AGENT_IMPORTS + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    loaded = set(json.loads(res.stdout.strip().splitlines()[-1]))
+    heavy = {"msd_dask.core.plan", "msd_dask.core.stream", "msd_dask.core.mixing",
+             "msd_dask.core.balance", "msd_dask.core._kernels", "msd_dask.roles.loader",
+             "msd_dask.roles.supervisor", "msd_dask.formats", "msd_dask.sources.storage",
+             "msd_dask.sources.vision", "msd_dask.torch", "multiprocessing.shared_memory",
+             "multiprocessing.resource_tracker"}
+    assert not heavy & loaded, sorted(heavy & loaded)
+
+
+def test_a_training_process_reading_through_an_agent_imports_no_dask() -> None:
+    """A rank process behind a host agent (``MSD_DASK_AGENT``) imports msd_dask's service
+    and torch side, but neither Dask nor the roles: it talks to the agent over a Unix
+    socket, and what a direct reader needs is imported when a direct reader uses it."""
+    code = ("import msd_dask.torch\nfrom msd_dask.service import DataService\n"
+            "from msd_dask.service.agent import AgentHandle, read_block\n"
+            "import json, sys\nprint(json.dumps(sorted(sys.modules)))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    loaded = set(json.loads(res.stdout.strip().splitlines()[-1]))
+    tops = {m.split(".")[0] for m in loaded}
+    assert not {"distributed", "dask", "tornado", "pyarrow", "fsspec"} & tops, sorted(tops)
+    unused = {m for m in loaded if m.startswith("msd_dask.roles.")} | (
+        {"statistics", "multiprocessing.shared_memory"} & loaded)
+    assert not unused, sorted(unused)
+
+
 def test_the_config_names_every_balance_strategy() -> None:
     from msd_dask.core.balance import STRATEGIES
     from msd_dask.core.config import KNOWN_BALANCE
