@@ -27,10 +27,10 @@ and ``read_ahead_tokens`` (0: ``prefetch`` whole steps' tokens); ``nocap``:
 (``stats()``, × 2 bytes: uint16 for this vocabulary) are reported as a part of
 the workers' PSS.
 
-Every rank consumes ``--warm`` batches, then all processes hold still and
-their PSS (``psutil.Process.memory_full_info().pss``: private pages plus each
-shared page divided by the number of processes mapping it) is summed, three
-samples one second apart, mean taken.  A bare ``python -c "import torch"``
+Every rank consumes ``--warm`` batches, then all processes hold still (``--settle``,
+2 s) and their PSS (``psutil.Process.memory_full_info().pss``: private pages plus each
+shared page divided by the number of processes mapping it) is summed, ``--samples``
+(three) samples one second apart, mean taken.  A bare ``python -c "import torch"``
 process runs alongside in each phase; "reader adds" is a reader process's PSS
 minus the bare one's.  Reported:
 
@@ -53,8 +53,9 @@ connect to the service directly (each its own Dask client); ``N > 0`` splits the
 readers, each on its own socket in a temporary directory), and each reader gets
 ``MSD_DASK_AGENT`` of its host's agent (no Dask client in the training process).
 The agents are part of the service on each host: msd_dask's total counts their PSS
-(with their children, e.g. the shared-memory resource tracker; the shared-memory
-blocks they hold are mapped by them, so in it) plus ``R`` × what a reader adds.  The
+(with their children, the shell that removes an agent's shared-memory blocks if it
+is killed, shown apart; the shared-memory blocks they hold are mapped by them, so in
+it) plus ``R`` × what a reader adds.  The
 msd_dask side runs once per read-ahead value and agent count, all in one table.
 
 ``--cluster-env KEY=VALUE`` adds a variable to the environment of the dask
@@ -288,8 +289,8 @@ def run_baseline(a: argparse.Namespace, common: list[str], timeout: float) -> di
         for r in range(a.ranks):
             procs.start(f"rank{r}", ["--child", "hf", "--rank", str(r), *common])
         procs.wait_ready(list(procs.procs), timeout)
-        time.sleep(2.0)
-        m = sample({k: p.pid for k, p in procs.procs.items()})
+        time.sleep(a.settle)
+        m = sample({k: p.pid for k, p in procs.procs.items()}, a.samples)
     finally:
         procs.stop()
     bare = m.pop("bare")[0]
@@ -452,12 +453,12 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
                             env={AGENT_ENV: socket_of.get(r, "")})  # "": directly
             procs.wait_ready([k for k in procs.procs if k == "bare" or k.startswith("rank")],
                              timeout)
-            time.sleep(2.0)
+            time.sleep(a.settle)
             pids = {k: p.pid for k, p in procs.procs.items()}
             pids["scheduler"] = cluster[0].pid
             for i, w in enumerate(cluster[1:]):
                 pids[f"worker{i}"] = w.pid
-            m = sample(pids)
+            m = sample(pids, a.samples)
             blocks = _blocks_bytes(agent_pids)
             held = json.loads(procs.ask("serve", "stats"))
         finally:
@@ -476,8 +477,9 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
            "serve": m["serve"][0], "reader_adds": sum(x - bare for x in readers) / a.ranks,
            "token_buffers": _token_bytes(a.config) * held["tokens_buffered"],
            "loaders": held["loaders"], "hosts": agents,
-           # an agent with its children (the resource tracker of its shared memory)
+           # an agent with its children (the watcher of its shared-memory blocks)
            "agents": sum(sum(m[f"agent{i}"]) for i in range(agents)),
+           "agent_children": sum(m[f"agent{i}"][1] for i in range(agents)),
            "agent_blocks": blocks}
     out["total"] = (out["scheduler"] + out["workers"] + out["serve"] + out["agents"]
                     + a.ranks * out["reader_adds"])
@@ -542,12 +544,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", "-W", type=int, default=4, help="DataLoader workers per rank")
     p.add_argument("--sources", "-S", type=int, default=16, help="even: the demo's 2 sources × S/2")
     p.add_argument("--quick", action="store_true", help="(R, W, S) = (8, 2, 8)")
-    p.add_argument("--smoke", action="store_true", help="(R, W, S) = (2, 1, 2), 1 warm batch (CI)")
+    p.add_argument("--smoke", action="store_true",
+                   help="(R, W, S) = (2, 1, 2), 1 warm batch, 1 sample after 0.5 s (CI)")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--root", default="data/demo")
     p.add_argument("--seq-len", type=int, default=None, help="default: the config's")
     p.add_argument("--micro-batches", type=int, default=None, help="default: the config's")
     p.add_argument("--warm", type=int, default=3, help="batches each rank reads before measuring")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds every process holds still before the first PSS sample")
+    p.add_argument("--samples", type=int, default=3, help="PSS samples, one second apart")
     p.add_argument("--dask-workers", type=int, default=2)
     p.add_argument("--read-ahead", default="config,nocap",
                    help="msd_dask runs, one per comma-separated value: 'config' (the sources' "
@@ -581,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.ranks, a.workers, a.sources = 8, 2, 8
     if a.smoke:
-        a.ranks, a.workers, a.sources, a.warm = 2, 1, 2, 1
+        a.ranks, a.workers, a.sources, a.warm, a.settle, a.samples = 2, 1, 2, 1, 0.5, 1
     if a.sources < 2 or a.sources % 2:
         p.error("--sources must be even and at least 2")
     _cluster_env(a.cluster_env)
@@ -642,7 +648,9 @@ def main(argv: list[str] | None = None) -> int:
         *([("host agents (with their children)", [m["agents"] if m["hosts"] else None
                                                    for m in msds], "mib"),
            ("  of which shared-memory blocks", [m["agent_blocks"] if m["hosts"] else None
-                                                for m in msds], "mib")] if with_agents else []),
+                                                for m in msds], "mib"),
+           ("  of which their children", [m["agent_children"] if m["hosts"] else None
+                                          for m in msds], "mib")] if with_agents else []),
         ("what a reader adds to a training process", [m["reader_adds"] for m in msds], "mib"),
         (f"R x what a reader adds (R = {a.ranks})", [a.ranks * m["reader_adds"] for m in msds],
          "mib"),

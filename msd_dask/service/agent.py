@@ -308,11 +308,16 @@ def _watch_blocks() -> None:
 def _new_block(name: str, size: int) -> SharedBlock:
     """A new shared memory block ``name`` of ``size`` bytes, removed if this process is
     killed: a :class:`_FileBlock` watched by :func:`_watch_blocks` when the name is one of
-    this process's (``BLOCK_PREFIX<pid>-``) and blocks are files (Linux), else a
-    :class:`~multiprocessing.shared_memory.SharedMemory` (its resource tracker)."""
+    this process's (``BLOCK_PREFIX<pid>-``), blocks are files (Linux) and the watcher
+    runs, else a :class:`~multiprocessing.shared_memory.SharedMemory` (its resource
+    tracker)."""
     if name.startswith(f"{BLOCK_PREFIX}{os.getpid()}-") and os.path.isdir(SHM_DIR):
-        _watch_blocks()
-        return _FileBlock(name, size)
+        try:
+            _watch_blocks()
+        except OSError as e:  # no /bin/sh: Python's resource tracker instead
+            _log.debug("msd-dask agent: no watcher of its blocks (%s); SharedMemory instead", e)
+        else:
+            return _FileBlock(name, size)
     from multiprocessing.shared_memory import SharedMemory
 
     return SharedMemory(name=name, create=True, size=size)

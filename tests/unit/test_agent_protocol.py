@@ -267,20 +267,38 @@ def test_a_killed_agent_leaves_no_block_and_starts_no_resource_tracker() -> None
                       timeout=10), names
 
 
-def test_a_block_not_named_for_this_process_is_a_tracked_shared_memory() -> None:
-    """A name outside this process's ``BLOCK_PREFIX<pid>-`` (the shell removes only those)
-    gets a :class:`~multiprocessing.shared_memory.SharedMemory`, which its resource
-    tracker removes if the process is killed; it reads back the same."""
+def _tracked_round_trip(name: str) -> None:
+    """A batch written to block ``name`` is a tracked
+    :class:`~multiprocessing.shared_memory.SharedMemory` and reads back the same."""
     from multiprocessing.shared_memory import SharedMemory
 
     batch = WireBatch(to_wire(fake_payload(2, 0)))
-    shm, msg = write_block(batch, f"{BLOCK_PREFIX}x{os.getpid()}-rt")
+    shm, msg = write_block(batch, name)
     try:
         assert isinstance(shm, SharedMemory)
         assert_same(read_block(json.loads(json.dumps(msg)), 1), direct(batch, 1))
     finally:
         shm.close()
         shm.unlink()
+
+
+def test_a_block_not_named_for_this_process_is_a_tracked_shared_memory() -> None:
+    """A name outside this process's ``BLOCK_PREFIX<pid>-`` (the shell removes only those)
+    gets a SharedMemory, which its resource tracker removes if the process is killed."""
+    _tracked_round_trip(f"{BLOCK_PREFIX}x{os.getpid()}-rt")
+
+
+def test_without_a_watcher_a_block_is_a_tracked_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the watcher cannot start (no ``/bin/sh``), the agent's blocks are
+    SharedMemory, removed by Python's resource tracker if the agent is killed."""
+    import msd_dask.service.agent as agent_module
+
+    def no_shell(*args: Any, **kwargs: Any) -> int:
+        raise FileNotFoundError(2, "No such file or directory", "/bin/sh")
+
+    monkeypatch.setattr(agent_module, "_watcher", None)
+    monkeypatch.setattr(agent_module.os, "posix_spawn", no_shell)
+    _tracked_round_trip(f"{BLOCK_PREFIX}{os.getpid()}-noshell")
 
 
 def test_every_rank_gets_every_step_once_in_order(tmp_path: Any) -> None:
