@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sequential", action="store_true",
                    help="take the ranks' batches in turn from one thread (default: one thread per rank)")
     p.add_argument("--quick", action="store_true", help="30 steps")
-    p.add_argument("--smoke", action="store_true", help="3 steps, seq_len 1024 (CI)")
+    p.add_argument("--smoke", action="store_true",
+                   help="3 steps, seq_len 1024, dp 2 (CI)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -246,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     base = load_config(args.config).to_dict()
     steps = 3 if args.smoke else 30 if args.quick else args.steps
     if args.smoke:
+        # dp 2: the HF side's loaders each take ~5 s to shut down (datasets' sleep on its
+        # threads' shutdown, one loader after the other), and 2 ranks still read concurrently
         base["batch"]["seq_len"] = 1024
+        base["parallel"]["dp"] = 2
     kinds = ["bytes", "bpe"] if args.tokenizer == "both" else [args.tokenizer]
     results: dict[str, dict[str, Any]] = {}
     t_start = time.perf_counter()

@@ -1,6 +1,6 @@
 """scripts/bench_memory.py: ``--cluster-env`` reaches the dask scheduler and workers only
 (``tests/unit/test_bench_memory_args.py``: its parsing); ``--agents 0,1`` measures the
-readers directly and through a host agent in one run (``--smoke``, about 75 s)."""
+readers directly and through a host agent in one run (``--smoke``, about 50 s)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def test_smoke_measures_the_readers_directly_and_through_an_agent(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "direct" in proc.stdout and "1 agent x 2 ranks" in proc.stdout, proc.stdout
     assert "host agents (with their children)" in proc.stdout, proc.stdout
+    assert "read_ahead 8 (config)" in proc.stdout and "token buffers" in proc.stdout, proc.stdout
+    assert "ratio HF total / msd_dask total" in proc.stdout, proc.stdout
     direct, agent = json.loads(out_json.read_text())["msd"]
     assert (direct["hosts"], direct["agents"], direct["agent_blocks"]) == (0, 0, 0)
     assert agent["hosts"] == 1 and agent["agents"] > 0 and agent["reader_adds"] > 0

@@ -50,10 +50,13 @@ def test_scheduler_bytes_smoke():
 
 @needs_demo
 def test_memory_smoke():
+    """The ``nocap`` read-ahead (no token cap); test_bench_memory.py runs ``config``, directly and
+    through an agent, and checks its figures (the default ``--read-ahead config,nocap`` ran
+    ``config`` directly in both tests)."""
     _needs_datasets()
-    out = _run("bench_memory.py", "--smoke")
+    out = _run("bench_memory.py", "--smoke", "--read-ahead", "nocap")
     assert "ratio HF total / msd_dask total" in out and "msd_dask total" in out, out
-    assert "read_ahead 8 (config)" in out and "token buffers" in out, out
+    assert "8, no token cap" in out and "token buffers" in out, out
 
 
 @needs_demo
