@@ -1,5 +1,8 @@
 """Bad input under ``on_error: fail`` (a clear error naming source, file and row) and
-``on_error: skip`` (quarantined and counted; every other document still delivered once)."""
+``on_error: skip`` (quarantined and counted; every other document still delivered once).
+
+Every service of the module starts on one embedded cluster (the one ``DataService.start``
+makes for ``n_workers=1, threads_per_worker=2``) and is closed before the next starts."""
 
 from __future__ import annotations
 
@@ -54,9 +57,20 @@ def _cfg(root: str, fmt: str, on_error: str, pattern: str) -> dict:
                          "on_error": on_error, "shuffle_window": 1, "read_ahead": 2}]}
 
 
-def _fails(cfg: dict, *match: str) -> str:
+@pytest.fixture(scope="module")
+def address():
+    from msd_dask.service.handle import _embedded_cluster
+
+    cluster = _embedded_cluster(1, 2, None)
+    try:
+        yield cluster.scheduler_address
+    finally:
+        cluster.close()
+
+
+def _fails(address: str, cfg: dict, *match: str) -> str:
     """Read until the service reports the error; check it names ``match``."""
-    with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
+    with DataService.start(cfg, address) as svc:
         reader = svc.reader(0)
         with pytest.raises(ServiceError) as ei:
             for _ in range(200):
@@ -67,9 +81,9 @@ def _fails(cfg: dict, *match: str) -> str:
     return msg
 
 
-def _skips(cfg: dict, good: set[str], after_start=None) -> dict:
+def _skips(address: str, cfg: dict, good: set[str], after_start=None) -> dict:
     """Read one whole epoch; every good document exactly once, nothing else.  Returns stats."""
-    with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
+    with DataService.start(cfg, address) as svc:
         if after_start is not None:
             after_start()
         reader = svc.reader(0)
@@ -96,7 +110,7 @@ def _quarantined(stats: dict) -> set[str]:
             for entry in stats["quarantined"]}
 
 
-def test_corrupt_parquet(tmp_path):
+def test_corrupt_parquet(tmp_path, address):
     root = str(tmp_path / "pq")
     keys = _parquet(root)
     path = f"{root}/part-1.parquet"
@@ -104,34 +118,34 @@ def test_corrupt_parquet(tmp_path):
     with open(path, "r+b") as fh:  # corrupt row group 1 (rows 5-9); the footer stays readable
         fh.seek(off)
         fh.write(b"\xff" * 40)
-    _fails(_cfg(root, "parquet", "fail", "*.parquet"), "source 'bad'", "part-1.parquet",
+    _fails(address, _cfg(root, "parquet", "fail", "*.parquet"), "source 'bad'", "part-1.parquet",
            "cannot read parquet")
     good = keys - {f"part-1.parquet:{i}" for i in range(5, 10)}
-    stats = _skips(_cfg(root, "parquet", "skip", "*.parquet"), good)
+    stats = _skips(address, _cfg(root, "parquet", "skip", "*.parquet"), good)
     assert stats["quarantined_files"] >= 1 and stats["quarantined_docs"] == 0
     assert _quarantined(stats) == {"part-1.parquet"}
     # a file whose footer is garbage is refused at start, or left out under skip
     with open(f"{root}/part-1.parquet", "wb") as fh:
         fh.write(b"not parquet at all")
     with pytest.raises(DataError, match="source 'bad', file '.*part-1.parquet'"):
-        DataService.start(_cfg(root, "parquet", "fail", "*.parquet"), n_workers=1)
+        DataService.start(_cfg(root, "parquet", "fail", "*.parquet"), address)
     good = {k for k in keys if not k.startswith("part-1.")}
-    stats = _skips(_cfg(root, "parquet", "skip", "*.parquet"), good)
+    stats = _skips(address, _cfg(root, "parquet", "skip", "*.parquet"), good)
     assert stats["quarantined_files"] == 1  # left out at start: once
     assert _quarantined(stats) == {"part-1.parquet"}
 
 
-def test_truncated_jsonl_zst(tmp_path):
+def test_truncated_jsonl_zst(tmp_path, address):
     root = str(tmp_path / "js")
     keys = _jsonl(root)
     path = f"{root}/part-2.jsonl.zst"
     data = open(path, "rb").read()
     with open(path, "wb") as fh:
         fh.write(data[:len(data) * 2 // 3])
-    _fails(_cfg(root, "jsonl", "fail", "*.jsonl.zst"), "source 'bad'", "part-2.jsonl.zst",
+    _fails(address, _cfg(root, "jsonl", "fail", "*.jsonl.zst"), "source 'bad'", "part-2.jsonl.zst",
            "zstd")
     good = {k for k in keys if not k.startswith("part-2.")}
-    stats = _skips(_cfg(root, "jsonl", "skip", "*.jsonl.zst"), good)
+    stats = _skips(address, _cfg(root, "jsonl", "skip", "*.jsonl.zst"), good)
     assert stats["quarantined_files"] >= 1 and stats["quarantined_docs"] == 0
     assert _quarantined(stats) == {"part-2.jsonl.zst"}
 
@@ -146,7 +160,7 @@ def _last_in_epoch0(cfg: dict, root: str, suffix: str, files: int) -> str:
     return units[int(stream.unit_order(0)[-1])].path
 
 
-def test_missing_file_deleted_after_start(tmp_path):
+def test_missing_file_deleted_after_start(tmp_path, address):
     root = str(tmp_path / "js")
     files = 8
     keys = _jsonl(root, files=files, rows=20, suffix=".jsonl")
@@ -155,7 +169,7 @@ def test_missing_file_deleted_after_start(tmp_path):
     victim = _last_in_epoch0(cfg, root, ".jsonl", files)
     name = os.path.basename(victim)
     backup = open(victim, "rb").read()
-    with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
+    with DataService.start(cfg, address) as svc:
         os.remove(victim)
         reader = svc.reader(0)
         with pytest.raises(ServiceError, match=f"source 'bad', file '.*{name}'.*No such file"):
@@ -166,11 +180,11 @@ def test_missing_file_deleted_after_start(tmp_path):
     cfg = dict(cfg)
     cfg["sources"] = [dict(cfg["sources"][0], on_error="skip")]
     good = {k for k in keys if not k.startswith(name)}
-    stats = _skips(cfg, good, after_start=lambda: os.remove(victim))
+    stats = _skips(address, cfg, good, after_start=lambda: os.remove(victim))
     assert stats["quarantined_files"] >= 1 and _quarantined(stats) == {name}
 
 
-def test_row_without_text_field(tmp_path):
+def test_row_without_text_field(tmp_path, address):
     root = str(tmp_path / "js")
     keys = _jsonl(root, suffix=".jsonl")
     path = f"{root}/part-0.jsonl"
@@ -179,38 +193,38 @@ def test_row_without_text_field(tmp_path):
     lines[7] = json.dumps({"text": 42})
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
-    _fails(_cfg(root, "jsonl", "fail", "*.jsonl"), "source 'bad'", "part-0.jsonl", "row 3",
+    _fails(address, _cfg(root, "jsonl", "fail", "*.jsonl"), "source 'bad'", "part-0.jsonl", "row 3",
            "missing field 'text'")
     good = keys - {"part-0.jsonl:3", "part-0.jsonl:7"}
-    stats = _skips(_cfg(root, "jsonl", "skip", "*.jsonl"), good)
+    stats = _skips(address, _cfg(root, "jsonl", "skip", "*.jsonl"), good)
     assert stats["quarantined_docs"] >= 2 and stats["quarantined_files"] == 0
     assert _quarantined(stats) == {"part-0.jsonl:3", "part-0.jsonl:7"}
     assert any("part-0.jsonl:3" in k and "missing field" in k for k in stats["quarantined"])
     assert any("part-0.jsonl:7" in k and "not text" in k for k in stats["quarantined"])
 
 
-def test_invalid_utf8_in_binary_column(tmp_path):
+def test_invalid_utf8_in_binary_column(tmp_path, address):
     root = str(tmp_path / "pq")
     keys = _parquet(root, binary=True)
     texts = [t.encode() for t in _texts(2, 20)]
     texts[11] = b"bad \xff\xfe bytes"
     pq.write_table(pa.table({"text": pa.array(texts, pa.binary())}), f"{root}/part-2.parquet",
                    row_group_size=5)
-    _fails(_cfg(root, "parquet", "fail", "*.parquet"), "source 'bad'", "part-2.parquet",
+    _fails(address, _cfg(root, "parquet", "fail", "*.parquet"), "source 'bad'", "part-2.parquet",
            "row 11", "not valid UTF-8")
-    stats = _skips(_cfg(root, "parquet", "skip", "*.parquet"), keys - {"part-2.parquet:11"})
+    stats = _skips(address, _cfg(root, "parquet", "skip", "*.parquet"), keys - {"part-2.parquet:11"})
     assert stats["quarantined_docs"] >= 1 and _quarantined(stats) == {"part-2.parquet:11"}
 
 
-def test_empty_source_is_refused_at_start(tmp_path):
+def test_empty_source_is_refused_at_start(tmp_path, address):
     root = str(tmp_path / "empty")
     os.makedirs(root)
     with pytest.raises(ConfigError, match="sources\\[0\\].uri"):
-        DataService.start(_cfg(root, "parquet", "fail", "*.parquet"), n_workers=1)
+        DataService.start(_cfg(root, "parquet", "fail", "*.parquet"), address)
     cfg = _cfg(root, "parquet", "skip", "*.parquet")
     with open(f"{root}/a.parquet", "wb") as fh:
         fh.write(b"garbage")
     with pytest.raises(DataError, match="source 'bad': no readable units"):
-        DataService.start(cfg, n_workers=1)
+        DataService.start(cfg, address)
     with pytest.raises(ConfigError, match="sources\\[0\\].on_error"):
-        DataService.start(dict(cfg, sources=[dict(cfg["sources"][0], on_error="ignore")]))
+        DataService.start(dict(cfg, sources=[dict(cfg["sources"][0], on_error="ignore")]), address)
