@@ -271,9 +271,9 @@ class _FileBlock:
         os.unlink(self._path)
 
 
-#: ``(pid, fd)``: the process whose blocks the running watcher removes, and the end of
-#: the watcher's pipe that process holds (:func:`_watch_blocks`)
-_watcher: tuple[int, int] | None = None
+#: ``(pid, watcher, fd)``: the process whose blocks the watcher removes, the watcher's
+#: pid and the end of its pipe the process holds (:func:`_watch_blocks`)
+_watcher: tuple[int, int, int] | None = None
 _watcher_lock = threading.Lock()
 
 
@@ -281,20 +281,28 @@ def _watch_blocks() -> None:
     """Make sure a watcher removes this process's blocks (``SHM_DIR/BLOCK_PREFIX<pid>-*``)
     once the process is gone, however it ended.
 
-    The watcher, started once per process, is ``/bin/sh`` reading a pipe whose writing
-    end only this process holds: when the process ends (killed too), the read ends and
-    the shell removes whatever blocks are left.  Like Python's resource tracker, which
-    :class:`~multiprocessing.shared_memory.SharedMemory` starts for this, it ignores
-    SIGINT and SIGTERM (and SIGHUP), but it costs a shell, not a python process.
+    The watcher, started once per process (again if it died), is ``/bin/sh`` reading a
+    pipe whose writing end only this process holds: when the process ends (killed too),
+    the read ends and the shell removes whatever blocks are left.  Like Python's resource
+    tracker, which :class:`~multiprocessing.shared_memory.SharedMemory` starts for this,
+    it ignores SIGINT and SIGTERM (and SIGHUP), but it costs a shell, not a python process.
     """
     global _watcher
     with _watcher_lock:
         pid = os.getpid()
-        if _watcher is not None and _watcher[0] == pid:
-            return
+        if _watcher is not None:
+            owner, shell, fd = _watcher
+            if owner == pid:
+                try:
+                    if os.waitpid(shell, os.WNOHANG) == (0, 0):
+                        return  # still running
+                except ChildProcessError:  # reaped elsewhere: gone too
+                    pass
+            os.close(fd)  # a dead watcher's pipe, or a forked parent's (its watcher stays)
+            _watcher = None
         read_end, write_end = os.pipe()
         try:
-            os.posix_spawn("/bin/sh", ["sh", "-c", _WATCH, "msd-dask-agent-blocks", SHM_DIR,
+            shell = os.posix_spawn("/bin/sh", ["sh", "-c", _WATCH, "msd-dask-agent-blocks", SHM_DIR,
                                        f"{BLOCK_PREFIX}{pid}-"],
                            os.environ, file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0)])
         except BaseException:
@@ -302,7 +310,7 @@ def _watch_blocks() -> None:
             raise
         finally:
             os.close(read_end)
-        _watcher = (pid, write_end)
+        _watcher = (pid, shell, write_end)
 
 
 def _new_block(name: str, size: int) -> SharedBlock:

@@ -267,6 +267,33 @@ def test_a_killed_agent_leaves_no_block_and_starts_no_resource_tracker() -> None
                       timeout=10), names
 
 
+def _watcher_after_a_block(name: str) -> int:
+    """Write and free block ``name``; the pid of the watcher then running."""
+    import msd_dask.service.agent as agent_module
+
+    shm, _ = write_block(WireBatch(to_wire(fake_payload(1, 0))), name)
+    shm.close()
+    shm.unlink()
+    assert agent_module._watcher is not None
+    owner, shell, _fd = agent_module._watcher
+    assert owner == os.getpid() and os.waitpid(shell, os.WNOHANG) == (0, 0)
+    return shell
+
+
+def test_a_dead_watcher_is_started_again() -> None:
+    """The next block after the watcher died starts a new one (as SharedMemory restarts
+    a dead resource tracker)."""
+    first = _watcher_after_a_block(f"{BLOCK_PREFIX}{os.getpid()}-w0")
+    os.kill(first, signal.SIGKILL)
+
+    def zombie() -> bool:  # dead, not reaped: the agent reaps it
+        with open(f"/proc/{first}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+    assert wait_until(zombie, timeout=10)
+    assert _watcher_after_a_block(f"{BLOCK_PREFIX}{os.getpid()}-w1") != first
+
+
 def _tracked_round_trip(name: str) -> None:
     """A batch written to block ``name`` is a tracked
     :class:`~multiprocessing.shared_memory.SharedMemory` and reads back the same."""
