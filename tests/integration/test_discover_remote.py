@@ -119,18 +119,24 @@ def test_no_worker_is_a_clear_timeout(tmp_path):
 
 def test_a_listing_that_does_not_finish_is_a_clear_timeout(tmp_path):
     """The worker's only thread is busy: the listing waits the config's ``timeout``."""
-    from distributed import Client
+    from distributed import Client, Event
 
     write_corpus(str(tmp_path))
     with dask_cluster(str(tmp_path), n_workers=1, nthreads=1) as c, \
             Client(c["address"], timeout=30) as other:
         other.wait_for_workers(1, timeout=30)
-        busy = other.submit(time.sleep, 20, pure=False)
-        while not other.processing() or not any(other.processing().values()):
-            time.sleep(0.05)
-        cfg = config(str(tmp_path), name="slow-listing", timeout=2)
-        with pytest.raises(ServiceTimeoutError, match=r"listing the units of service "
-                           r"'slow-listing''s 2 source\(s\) \(code, prose\) on .* did not "
-                           r"finish within 2s"):
-            DataService.start(cfg, c["address"])
-        busy.cancel()
+        # busy until released (up to 60 s): a worker stopped while a task runs waits for it
+        release = Event("msd-test-slow-listing", client=other)
+        busy = other.submit(release.wait, 60, pure=False)
+        try:
+            while not other.processing() or not any(other.processing().values()):
+                time.sleep(0.05)
+            cfg = config(str(tmp_path), name="slow-listing", timeout=2)
+            with pytest.raises(ServiceTimeoutError, match=r"listing the units of service "
+                               r"'slow-listing''s 2 source\(s\) \(code, prose\) on .* did not "
+                               r"finish within 2s"):
+                DataService.start(cfg, c["address"])
+            assert not busy.done()  # the worker's thread was busy all along
+        finally:
+            release.set()
+        assert busy.result(timeout=30) is True
