@@ -574,6 +574,23 @@ def compile_kernels() -> None:
         for fn in _KERNELS:
             module[fn.__name__] = njit(cache=True)(fn)
         _compiled = True
+        _warm()
+
+
+def _warm() -> None:
+    """Call every kernel once on tiny inputs of the types the planner passes, so that numba
+    compiles them (or loads them from its cache) now, not in the middle of a step."""
+    i1, f1 = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64)
+    best_fit_rows(np.ones(1, dtype=np.int64), 1, 4)
+    greedy_fill(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
+                np.zeros((1, 1)), f1.copy(), np.full(1, 4, dtype=np.int64), i1.copy(), i1.copy(), True)
+    fill_rounds(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
+                np.zeros((1, 1)), f1.copy(), i1.copy(), i1.copy(), i1.copy())
+    mix_draw(f1.copy(), np.ones(1), np.ones(1, dtype=np.bool_), np.ones(1, dtype=np.int64), i1.copy(),
+             i1.copy(), np.ones(1, dtype=np.int64), np.full(1, 9, dtype=np.int64), 4, i1.copy(), 0,
+             i1.copy(), -1, 0, i1.copy(), 0, 0)
+    for a in (np.arange(4096, dtype=np.int64), np.arange(4096, dtype=np.float64)):
+        stable_argsort(a)
 
 
 def compile_for(items: int) -> None:
