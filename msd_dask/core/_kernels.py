@@ -572,7 +572,7 @@ def compile_kernels() -> None:
 
         module = globals()
         for fn in _KERNELS:
-            module[fn.__name__] = njit(cache=True)(fn)
+            module[fn.__name__] = njit(cache=True, nogil=True)(fn)
         _compiled = True
         _warm()
 
