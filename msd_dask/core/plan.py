@@ -26,7 +26,7 @@ from msd_dask.core.cost import CostModel
 from msd_dask.core.gcpause import gc_paused
 from msd_dask.core.mixing import Mixer
 from msd_dask.core.row_placement import place_step, spread_long
-from msd_dask.core.stream import MetaLookup, NeedMetadata, Piece, SourceStream, Window, new_piece
+from msd_dask.core.stream import MetaLookup, NeedMetadata, Piece, SourceStream, new_piece
 from msd_dask.core.units import Unit
 
 #: pieces made at a time from a piece table (see Planner._pieces)
@@ -283,7 +283,7 @@ class Planner:
         return out
 
     def _draw(self, lookup: MetaLookup, weights: dict[str, float], eligible: dict[str, float],
-              capacity: int, total: int, n_long: int, long_budget: int | None, hold: int,
+              capacity: int, first: np.ndarray, n_long: int, long_budget: int | None, hold: int,
               hold_limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Draw the step's new pieces, in the order the mixer picks them.
 
@@ -294,7 +294,9 @@ class Planner:
         and otherwise ends the draw.  A piece taken or held is consumed and
         charged to the mixer.
 
-        Returns the new pieces' and the newly held pieces' tables.
+        Returns the table of the step's pieces (``first``, the pieces placed before
+        anything new, then the new pieces; int32 where every value fits, else int64)
+        and that of the newly held pieces (int64).
         """
         names = self._names
         mixer = self.mixer
@@ -315,21 +317,23 @@ class Planner:
         base = np.zeros(S, dtype=np.int64)   # where each source's current window starts in lens
         end = np.full(S, -1, dtype=np.int64)  # pieces in the source's current window (-1: not looked at yet)
         slot = np.zeros(S, dtype=np.int64)
-        windows: list[Window] = []
+        # the tables of the windows looked at (not the windows: their lists of lengths go
+        # with the stream's next window), each dropped once its pieces are gathered
+        windows: list[np.ndarray | None] = []
         win_src: list[int] = []
         taken = np.zeros(0, dtype=np.int64)  # (window slot << 32) | offset of each piece, in order
         n_taken = 0
         held = np.zeros(0, dtype=np.int64)  # the keys of the pieces held, in order
         n_new_held = 0
-        room = capacity - total
+        room = capacity - int((first[:, 6] - first[:, 5]).sum())
         loading = -1
-        first = -1                 # the source of a piece placed here, for the mixer to charge
+        charge = -1                # the source of a piece placed here, for the mixer to charge
         try:
             while True:
                 src, room, taken, n_taken, held, n_new_held = mixer.draw(
-                    w, el, lens, base, offset, end, limit, room, taken, n_taken, slot, first, hold, held,
+                    w, el, lens, base, offset, end, limit, room, taken, n_taken, slot, charge, hold, held,
                     n_new_held, hold_limit - len(self._held) - n_new_held)
-                first = -1
+                charge = -1
                 if src < 0:
                     break
                 o = int(offset[src])
@@ -344,7 +348,7 @@ class Planner:
                     end[src] = len(win.table)
                     base[src] = n_lens - end[src]
                     slot[src] = len(windows) << 32
-                    windows.append(win)
+                    windows.append(win.table)
                     win_src.append(src)
                     continue
                 n = int(lens[base[src] + o])
@@ -356,12 +360,16 @@ class Planner:
                     n_long += 1
                     if long_budget is not None and n_long >= long_budget:
                         el &= ~is_long
-                first = src
+                charge = src
         finally:
             for j, (st, o) in enumerate(zip(streams, offset.tolist(), strict=True)):
                 if j != loading:
                     st.offset = o
-        return _gather(taken[:n_taken], windows, win_src), _gather(held[:n_new_held], windows, win_src)
+        new_held = _gather(held[:n_new_held], windows, win_src)
+        del held, lens
+        narrow = all(_fits_int32(t) for t in (first, *windows))
+        return (_gather(taken[:n_taken], windows, win_src, first, drop=True,
+                        dtype=np.int32 if narrow else np.int64), new_held)
 
     def _plan(self, lookup: MetaLookup) -> StepPlan:
         cfg = self.cfg
@@ -376,42 +384,58 @@ class Planner:
         # released outliers (a row each), then carried pieces: placed before anything new
         first = np.concatenate([self._release(group, HOLD_GROUPS * group), self._carry])
         n_first = len(first)
-        total = int((first[:, 6] - first[:, 5]).sum())
         lc = cfg.long_context
         long_budget = dp * lc.max_per_rank if lc.mode == "spread" and lc.max_per_rank else None
         long_src = np.array([n in self.long_sources for n in self._names], dtype=bool)
         n_long = int(long_src[first[:, 0]].sum())
         eligible = self._eligible(weights, capacity)
-        new, held = self._draw(lookup, weights, eligible, capacity, total, n_long, long_budget, hold,
-                               HOLD_GROUPS * group)
+        table, held = self._draw(lookup, weights, eligible, capacity, first, n_long, long_budget,
+                                 hold, HOLD_GROUPS * group)
+        del first  # copied into table
         if len(held):
             self._held = np.concatenate([self._held, held])
             self._held_step = np.concatenate([self._held_step,
                                               np.full(len(held), self.step, dtype=np.int64)])
-        table = np.concatenate([first, new])
-        del first, new, held  # copied into table: their memory goes back before the placement
-        lengths = table[:, 6] - table[:, 5]
+        del held
+        lengths = np.subtract(table[:, 6], table[:, 5], dtype=np.int64)
         costs = self.cost(lengths)
         rank, micro = place_step(lengths, costs, n_first, dp, mb, seq_len, cfg.balance)
         if long_budget is not None:
             spread_long(long_src[table[:, 0]], n_first, lengths, costs, rank, micro, dp, mb, seq_len,
                          lc.max_per_rank)
         placed = rank >= 0
-        self._carry = table[~placed]
-        # the rows, each in step order: the placed pieces sorted (stably) by row
+        self._carry = table[~placed].astype(np.int64, copy=False)
+        # (the step's arrays of a value per piece go as soon as they are used: at dp 16,384 and
+        # 128K a step holds millions of pieces, and the process's peak is their sum)
         idx = np.flatnonzero(placed)
-        row_of = rank[idx] * mb + micro[idx]
-        order = stable_argsort(row_of)
+        rank_cost = np.bincount(rank[idx], weights=costs[idx], minlength=dp)
+        bound = lower_bound(costs[idx], dp)
+        del costs
         src = table[idx, 0]
         for j in np.unique(src).tolist():
             mine = src == j
             name = self._names[j]
             self.tokens[name] += int(lengths[idx[mine]].sum())
             self.pieces_planned[name] += int(mine.sum())
-        rank_cost = np.bincount(rank[placed], weights=costs[placed], minlength=dp)
-        plan = StepPlan(self.step, table[idx[order]],
-                        np.bincount(row_of, minlength=dp * mb).reshape(dp, mb), tuple(self._names),
-                        [float(c) for c in rank_cost], lower_bound(costs[placed], dp), weights)
+        del src, lengths, placed
+        # the rows, each in step order: the placed pieces sorted (stably) by row
+        row_of = rank[idx] * mb + micro[idx]
+        del rank, micro
+        row_sizes = np.bincount(row_of, minlength=dp * mb).reshape(dp, mb)
+        perm = idx[stable_argsort(row_of)]
+        del idx, row_of
+        if table.dtype == np.int64:
+            _permute(table, perm)
+            m = len(perm)
+            del perm
+            try:  # the rows past the placed pieces go back (in place, where no view holds them)
+                table.resize((m, 8))
+            except ValueError:
+                table = table[:m]
+        else:
+            table = _permuted_int64(table, perm)
+        plan = StepPlan(self.step, table, row_sizes, tuple(self._names),
+                        [float(c) for c in rank_cost], bound, weights)
         self.step += 1
         return plan
 
@@ -499,18 +523,74 @@ def _appended(buf: np.ndarray, n: int, values: np.ndarray) -> tuple[np.ndarray, 
     return buf, m
 
 
-def _gather(keys: Sequence[int] | np.ndarray, windows: list[Window], sources: list[int]) -> np.ndarray:
-    """The piece table of ``(window slot << 32) | offset`` keys, in their order."""
-    out = np.empty((len(keys), 8), dtype=np.int64)
+def _gather(keys: Sequence[int] | np.ndarray, windows: list[np.ndarray | None], sources: list[int],
+            head: np.ndarray | None = None, drop: bool = False,
+            dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
+    """The piece table of ``(window slot << 32) | offset`` keys, in their order.
+
+    Parameters
+    ----------
+    keys : sequence of int
+    windows : list of ndarray or None
+        The tables of the windows (:attr:`~msd_dask.core.stream.Window.table`), by slot.
+    sources : list of int
+        The source index of each window.
+    head : ndarray, optional
+        A piece table put before the keys' pieces.
+    drop : bool
+        Set each window's entry to ``None`` once its pieces are copied, so that its
+        memory goes back while the table fills.
+    dtype : numpy integer type
+        Of the table: int32 only where every value of ``head`` and the windows fits.
+
+    Returns
+    -------
+    ndarray of ``dtype``, shape (len(head) + len(keys), 8)
+    """
+    h = 0 if head is None else len(head)
+    out = np.empty((h + len(keys), 8), dtype=dtype)
+    if h:
+        out[:h] = head
     if len(keys) == 0:
         return out
     k = np.asarray(keys, dtype=np.int64)
-    slot, offset = k >> 32, k & 0xFFFFFFFF
+    slot = k >> 32
     # the keys grouped by window (a pass over the keys per window would cost windows × keys)
     by_slot = stable_argsort(slot)
     bounds = np.searchsorted(slot[by_slot], np.arange(len(windows) + 1)).tolist()
-    for i, (win, src) in enumerate(zip(windows, sources, strict=True)):
+    del slot
+    for i, src in enumerate(sources):
         mine = by_slot[bounds[i]:bounds[i + 1]]
-        out[mine, 0] = src
-        out[mine, 1:] = win.table[offset[mine]]
+        win = windows[i]
+        if len(mine):
+            assert win is not None
+            out[h + mine, 0] = src
+            out[h + mine, 1:] = win[k[mine] & 0xFFFFFFFF]
+        if drop:
+            windows[i] = None
     return out
+
+
+def _fits_int32(table: np.ndarray | None) -> bool:
+    """Whether every value of ``table`` (None: no table) fits in int32."""
+    if table is None or table.size == 0:
+        return True
+    return bool(table.min() >= np.iinfo(np.int32).min and table.max() <= np.iinfo(np.int32).max)
+
+
+def _permuted_int64(table: np.ndarray, perm: np.ndarray) -> np.ndarray:
+    """``table[perm]`` as int64, made a column at a time (no int64 copy of all of ``table``)."""
+    out = np.empty((len(perm), table.shape[1]), dtype=np.int64)
+    for c in range(table.shape[1]):
+        out[:, c] = table[perm, c]
+    return out
+
+
+def _permute(table: np.ndarray, perm: np.ndarray) -> None:
+    """Put ``table[perm]`` in the first ``len(perm)`` rows of ``table``, in place.
+
+    Column by column: a column's worth of memory at a time, not a second table.
+    """
+    m = len(perm)
+    for c in range(table.shape[1]):
+        table[:m, c] = table[perm, c]

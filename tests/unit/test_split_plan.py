@@ -66,3 +66,23 @@ def test_kept_work_comes_back_the_same() -> None:
         again = unpack_work(packed)
         assert dict(again.items()) == dict(w.items())
         assert again.pieces.dtype == w.pieces.dtype and again.paths == w.paths
+
+
+def test_kept_work_holds_only_its_bytes() -> None:
+    """pack_work's bytes hold no more memory than their length: zstandard's own result keeps
+    its whole output buffer (the input's size), and the planner keeps ``prefetch`` steps."""
+    import tracemalloc
+
+    plan = StepPlan(0, np.zeros((20_000, 8), dtype=np.int64), np.full((4, 2), 2_500, dtype=np.int64),
+                    tuple(NAMES), [1.0] * 4, 1.0)
+    work = split_plan(plan, 1, OWNER, RELPATH, NAMES)[0]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        packed = pack_work(work)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(pickle.dumps(work, protocol=5)) > 100 * len(packed)
+    assert held < len(packed) + 4096
+    assert dict(unpack_work(packed).items()) == dict(work.items())
