@@ -144,11 +144,21 @@ def _empty(n: int, n_ranks: int, micro_batches: int) -> Assignment:
 def build_assignment(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.ndarray,
            n_ranks: int, micro_batches: int) -> Assignment:
     """An :class:`Assignment` whose row sums are recomputed from ``rank``/``micro``."""
-    a = _empty(len(lengths), n_ranks, micro_batches)
-    a.rank[:] = rank
-    a.micro[:] = micro
-    ok = a.rank >= 0
-    row = a.rank[ok] * micro_batches + a.micro[ok]
+    out_rank = np.full(len(lengths), -1, dtype=np.int64)
+    out_micro = out_rank.copy()
+    out_rank[:] = rank
+    out_micro[:] = micro
+    return _owning(out_rank, out_micro, lengths, costs, n_ranks, micro_batches)
+
+
+def _owning(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.ndarray,
+            n_ranks: int, micro_batches: int) -> Assignment:
+    """:func:`build_assignment` that keeps ``rank`` and ``micro`` (int64) as they are, no copies:
+    for arrays nothing else changes (a step's hold millions of pieces)."""
+    a = _empty(0, n_ranks, micro_batches)
+    a.rank, a.micro = rank, micro
+    ok = rank >= 0
+    row = rank[ok] * micro_batches + micro[ok]
     size = n_ranks * micro_batches
     a.micro_cost[:] = np.bincount(row, costs[ok], size).reshape(n_ranks, micro_batches)
     a.micro_used[:] = np.bincount(row, lengths[ok], size).astype(np.int64).reshape(
@@ -245,7 +255,8 @@ class _Greedy:
         self.rank_key[:] = total
 
     def result(self, lengths: np.ndarray, costs: np.ndarray) -> Assignment:
-        return build_assignment(self.rank, self.micro, lengths, costs, self.n_ranks, self.micro_batches)
+        """The assignment, which takes over this object's arrays (fill no more after it)."""
+        return _owning(self.rank, self.micro, lengths, costs, self.n_ranks, self.micro_batches)
 
 
 def _decreasing(keys: np.ndarray) -> np.ndarray:
@@ -347,10 +358,11 @@ class _State:
         self.row_free = self.seq_len - used
 
     def assignment(self) -> Assignment:
-        ok = self.row >= 0
         mb = self.micro_batches
-        return build_assignment(np.where(ok, self.row // mb, -1), np.where(ok, self.row % mb, -1),
-                      self.lengths, self.costs, self.n_ranks, mb)
+        rank = self.row // mb  # (-1, a piece left out, stays -1)
+        micro = self.row % mb
+        micro[rank < 0] = -1
+        return _owning(rank, micro, self.lengths, self.costs, self.n_ranks, mb)
 
 
 def _tables(group: np.ndarray, n_groups: int, lengths: np.ndarray, k: int) -> np.ndarray:
@@ -661,7 +673,10 @@ def balanced(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches
         spent += n
         a = start()
         ok = a.placed
-        bound = capacity_bound(lengths[ok], costs[ok], n_ranks, micro_batches, seq_len)
+        if ok.all():  # (no copies of a step's lengths and costs)
+            bound = capacity_bound(lengths, costs, n_ranks, micro_batches, seq_len)
+        else:
+            bound = capacity_bound(lengths[ok], costs[ok], n_ranks, micro_batches, seq_len)
         ratio = float(a.rank_cost.max()) / bound if bound > 0 else 1.0
         score = (ratio, int((~ok).sum()))
         if best is None or score < best:
@@ -670,6 +685,7 @@ def balanced(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches
             break
     assert chosen is not None
     st = _State(chosen, lengths, costs, seq_len)
+    del chosen, a, ok  # the exchanges work on st alone
     if n_ranks > 1:
         # the bound of the pieces the chosen start placed, as computed for it
         goal = chosen_bound * goal_ratio

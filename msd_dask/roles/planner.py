@@ -141,20 +141,30 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
         for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
             table[:, col] = src[order, plan_col]
     del order
-    s, e, u = (table[:, k].astype(np.int64) for k in (0, 2, 3))
+    # (the keys are made in place from the table's columns: each array of a value per piece
+    # is tens of MiB at dp 16,384 x 128K)
+    s, e, u = table[:, 0], table[:, 2], table[:, 3]
     n_units = int(u.max()) + 1 if total else 1
     # loader slots, one look-up per (source, epoch, unit)
-    key = (s * (int(e.max()) + 1 if total else 1) + e) * n_units + u
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    key = s.astype(np.int64)
+    key *= int(e.max()) + 1 if total else 1
+    key += e
+    key *= n_units
+    key += u
+    first, inverse = _first_and_inverse(key)
     slots = [owner[(names[a], b, c)] for a, b, c in table[first][:, [0, 2, 3]].tolist()]
-    table[:, 1] = np.asarray(slots, dtype=np.int64).reshape(-1)[inverse.reshape(-1)]
+    table[:, 1] = np.asarray(slots, dtype=np.int64).reshape(-1)[inverse]
+    del inverse
     # each constructor's paths: its (source, unit) pairs, numbered from 0 in its own list
-    key = (piece_con * len(names) + s) * n_units + u
-    del e
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    del key
+    key = piece_con * len(names)
+    key += s
+    key *= n_units
+    key += u
+    first, inverse = _first_and_inverse(key)
     path_bound = np.searchsorted(piece_con[first], np.arange(n + 1))
-    table[:, 8] = inverse.reshape(-1) - path_bound[piece_con]
+    inverse -= path_bound[piece_con]
+    table[:, 8] = inverse
+    del inverse, s, e, u
     paths = [relpath[names[a]][b] for a, b in table[first][:, [0, 3]].tolist()]
     if wide and table.min() >= 0 and table.max() < 2**31:
         table = table.astype(np.int32)
@@ -201,6 +211,34 @@ def unpack_work(packed: bytes) -> StepPieces:
 
     work: StepPieces = pickle.loads(zstandard.ZstdDecompressor().decompress(packed))
     return work
+
+
+def _first_and_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(key, return_index=True, return_inverse=True)[1:]``, made with fewer arrays
+    of ``len(key)`` alive at once; ``key`` (int64) is overwritten.
+
+    Returns
+    -------
+    first : ndarray of int
+        The index of each distinct key's first occurrence, in increasing key order.
+    inverse : ndarray of int64
+        The position of each key's value in that order.
+    """
+    n = len(key)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    perm = np.argsort(key, kind="stable")
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    np.take(key, perm, out=key)  # sorted, in place of the keys
+    np.not_equal(key[1:], key[:-1], out=new[1:])
+    first = perm[new]
+    np.cumsum(new, out=key)
+    key -= 1
+    del new
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[perm] = key
+    return first, inverse
 
 
 def _bounds(group: np.ndarray, n: int) -> list[int]:

@@ -86,3 +86,14 @@ def test_kept_work_holds_only_its_bytes() -> None:
     assert len(pickle.dumps(work, protocol=5)) > 100 * len(packed)
     assert held < len(packed) + 4096
     assert dict(unpack_work(packed).items()) == dict(work.items())
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 5_000])
+def test_first_and_inverse_is_uniques(n: int) -> None:
+    from msd_dask.roles.planner import _first_and_inverse
+
+    key = np.random.default_rng(n).integers(-3, 40, n).astype(np.int64)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    got_first, got_inverse = _first_and_inverse(key.copy())
+    assert np.array_equal(got_first, first)
+    assert np.array_equal(got_inverse, inverse.reshape(-1))
