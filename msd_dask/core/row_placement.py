@@ -47,9 +47,13 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     if n == 0 or n_rows <= 0:
         return row
     lengths = np.asarray(lengths, dtype=np.int64)
-    new = n_carried + stable_argsort(-lengths[n_carried:])
-    order = np.concatenate([np.arange(n_carried), new])
+    # (in place where it can be: a step at dp 16,384 x 128K holds millions of pieces)
+    order = np.empty(n, dtype=np.int64)
+    order[:n_carried] = np.arange(n_carried)
+    order[n_carried:] = stable_argsort(-lengths[n_carried:])
+    order[n_carried:] += n_carried
     row[order] = best_fit_rows(lengths[order], n_rows, seq_len)
+    del order
     # the shortest new pieces over (1 - KEPT_SLACK) of the step's tokens wait for the next
     # step (where they are placed first)
     over = int(lengths[row >= 0].sum()) - int((1 - KEPT_SLACK) * n_rows * seq_len)
@@ -96,9 +100,9 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         return rank, micro
     rows = kept_rows(lengths, n_carried, dp * mb, seq_len)
     idx = np.flatnonzero(rows >= 0)
-    rank = np.full(len(lengths), -1, dtype=np.int64)
-    micro = rank.copy()
     a = assign(lengths[idx], costs[idx], dp, mb, seq_len, strategy)
+    rank = np.full(len(lengths), -1, dtype=np.int64)  # (made after the strategy's peak)
+    micro = rank.copy()
     if (a.rank >= 0).all():
         rank[idx], micro[idx] = a.rank, a.micro
         return rank, micro
