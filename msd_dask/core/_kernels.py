@@ -288,10 +288,11 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
 
 
 def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
-                 row_key: np.ndarray, rank_key: np.ndarray, out_rank: np.ndarray,
+                 row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray, out_rank: np.ndarray,
                  out_micro: np.ndarray, left: np.ndarray) -> tuple[int, int]:
     """:meth:`msd_dask.core.balance._Greedy.fill_tail`'s rounds over the pieces ``order``
-    (lengths ``lens``, keys ``ks``, in that order), updating the state arrays in place.
+    (lengths ``lens``, keys ``ks``, in that order), updating the state arrays in place
+    (``max_free``: each rank's largest room).
 
     Each round, the ranks with a row with room for the round's first piece, by
     ``(key sum, rank)``, take the round's next pieces one each, each piece on its
@@ -302,9 +303,6 @@ def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.n
     """
     n_ranks, mb = free.shape
     n = len(order)
-    max_free = np.empty(n_ranks, dtype=np.int64)
-    for r in range(n_ranks):
-        max_free[r] = free[r].max()
     # the shortest piece from each position on: a rank without room for it is done
     shortest = lens.copy()
     for j in range(n - 2, -1, -1):
@@ -525,11 +523,12 @@ def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndar
 
 
 def fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
-                row_key: np.ndarray, rank_key: np.ndarray, out_rank: np.ndarray,
+                row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray, out_rank: np.ndarray,
                 out_micro: np.ndarray, left: np.ndarray) -> tuple[int, int]:
     """The greedy fill in rounds, in place: see :func:`_fill_rounds`."""
     _use_compiled(len(order))
-    pos, n_left = _fill_rounds(order, lens, ks, free, row_key, rank_key, out_rank, out_micro, left)
+    pos, n_left = _fill_rounds(order, lens, ks, free, row_key, rank_key, max_free, out_rank, out_micro,
+                               left)
     return int(pos), int(n_left)
 
 
@@ -585,7 +584,8 @@ def _warm() -> None:
     greedy_fill(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
                 np.zeros((1, 1)), f1.copy(), np.full(1, 4, dtype=np.int64), i1.copy(), i1.copy(), True)
     fill_rounds(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
-                np.zeros((1, 1)), f1.copy(), i1.copy(), i1.copy(), i1.copy())
+                np.zeros((1, 1)), f1.copy(), np.full(1, 4, dtype=np.int64), i1.copy(), i1.copy(),
+                i1.copy())
     mix_draw(f1.copy(), np.ones(1), np.ones(1, dtype=np.bool_), np.ones(1, dtype=np.int64), i1.copy(),
              i1.copy(), np.ones(1, dtype=np.int64), np.full(1, 9, dtype=np.int64), 4, i1.copy(), 0,
              i1.copy(), -1, 0, i1.copy(), 0, 0)

@@ -238,8 +238,8 @@ class _Greedy:
         left = np.empty(len(order), dtype=np.int64)
         pos, n_left = fill_rounds(order, np.ascontiguousarray(lengths[order], dtype=np.int64),
                                   np.ascontiguousarray(keys[order], dtype=np.float64), self.free,
-                                  self.row_key, self.rank_key, self.rank, self.micro, left)
-        self.max_free = self.free.max(axis=1)
+                                  self.row_key, self.rank_key, self.max_free, self.rank, self.micro,
+                                  left)
         rest = np.concatenate([left[:n_left], order[pos:]])
         if len(rest):
             self.fill(rest[_decreasing(keys[rest])], lengths, keys)

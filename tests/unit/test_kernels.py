@@ -149,6 +149,7 @@ def test_fill_tail_rounds_are_the_vectorised_rounds(seed: int) -> None:
             b.fill(rest[np.argsort(-ks[rest], kind="stable")], lens, ks)
         assert a.rank.tolist() == b.rank.tolist() and a.micro.tolist() == b.micro.tolist()
         assert a.row_key.tolist() == b.row_key.tolist() and a.rank_key.tolist() == b.rank_key.tolist()
+        assert a.max_free.tolist() == a.free.max(axis=1).tolist()
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 5000, 70000])
