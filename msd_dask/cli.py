@@ -334,7 +334,8 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _agent(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
-    from msd_dask.service.agent import AGENT_ENV, HostAgent, parse_ranks
+    from msd_dask.service.agent import HostAgent, parse_ranks
+    from msd_dask.service.agent_client import AGENT_ENV
 
     ranks = parse_ranks(args.ranks)
     svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)

@@ -181,6 +181,10 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
     ``num_workers > 0`` every loader worker would be a second reader of the
     same rank, so iterating in a loader worker raises ``RuntimeError``.
 
+    With ``MSD_DASK_AGENT`` set, the rank reads through the host's agent as
+    ``DataService.connect`` does (docs/deployment.md): the process then imports
+    neither Dask nor the service's handle.
+
     :meth:`state_dict` / :meth:`load_state_dict` carry the position of the
     last batch handed out (not of a batch only prefetched), so a restarted
     rank skips the steps it has already trained on.
@@ -209,10 +213,15 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
 
     def _connect(self) -> Any:
         if self._reader is None:
-            from msd_dask.service import DataService
+            from msd_dask.service.agent_client import connect_agent
 
-            self._service = DataService.connect(self.address, self.name,
-                                                timeout=self.connect_timeout)
+            # behind a host agent, without importing the service's handle (nor Dask)
+            self._service = connect_agent(self.name, timeout=self.connect_timeout)
+            if self._service is None:
+                from msd_dask.service import DataService
+
+                self._service = DataService.connect(self.address, self.name,
+                                                    timeout=self.connect_timeout, agent=False)
             self._reader = self._service.reader(self.rank, timeout=self.timeout)
             if self._pending_state is not None:
                 self._reader.load_state_dict(self._pending_state)

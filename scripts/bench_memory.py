@@ -378,7 +378,7 @@ def _blocks(pid: int) -> list[str]:
     """The shared memory blocks of the agent process ``pid`` (files under /dev/shm)."""
     import glob
 
-    from msd_dask.service.agent import BLOCK_PREFIX, SHM_DIR
+    from msd_dask.service.agent_client import BLOCK_PREFIX, SHM_DIR
 
     return glob.glob(os.path.join(SHM_DIR, f"{BLOCK_PREFIX}{pid}-*"))
 
@@ -430,7 +430,7 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
     read_ahead, read_ahead_tokens = variant
     from bench_scheduler_bytes import _stop
 
-    from msd_dask.service.agent import AGENT_ENV
+    from msd_dask.service.agent_client import AGENT_ENV
 
     with tempfile.TemporaryDirectory(prefix="bm-") as tmp:
         address, cluster = start_cluster(tmp, a.dask_workers, _cluster_env(a.cluster_env))

@@ -8,36 +8,14 @@ one :class:`~msd_dask.reader.Reader` whose ``also`` names the group's other rank
 so the group's constructor sends each batch once per host.
 
 The training processes of the host connect to the agent's Unix domain socket
-(:data:`AGENT_SOCKET`, or the path in the environment variable :data:`AGENT_ENV`)
-instead of to Dask: ``DataService.connect(address, name)`` returns an
-:class:`AgentHandle` when :data:`AGENT_ENV` is set, whose readers
-(:class:`AgentReader`) have the API of a :class:`~msd_dask.reader.Reader`.
-
-The protocol, one connection per rank reader, each message a 4-byte length and a
-JSON object:
-
-* rank → agent ``{"op": "hello", "rank", "service"}``; the agent answers
-  ``{"ok", "ranks", "timeout"}`` or ``{"error"}`` (a rank it does not serve, another
-  service).  Without ``rank``: a probe (:meth:`AgentHandle.connect`).
-* ``{"op": "next", "after", "timeout"}``: the first step after ``after`` the rank does
-  not have; the agent answers ``{"step", "block", "layout", "meta"}`` once it holds
-  one (``block``: the name of a POSIX shared memory block, on Linux the file
-  ``/dev/shm/<block>`` (:func:`write_block`), holding the numpy arrays of the step's
-  wire form (:func:`~msd_dask.core.packing.to_wire`) at the offsets of ``layout``,
-  ``meta`` its other fields) or ``{"error", "kind"}``
-  after ``timeout`` seconds or when its own reader failed.  The agent keeps the wire
-  form and never imports torch (about 100 MiB); each rank builds its
-  :class:`~msd_dask.batch.Batch` as a direct reader does.
-* ``{"op": "ack", "step"}``: the rank copied the step out; once every rank of the
-  group has a step, the agent unlinks its block.
-* ``{"op": "step_time", "step", "seconds"}``: forwarded to the planner
-  (:meth:`~msd_dask.reader.Reader.report_step_time`).
-* ``{"op": "bye"}``: the reader is closed.
+instead of to Dask, through :mod:`msd_dask.service.agent_client` (the protocol, the
+socket's path and a rank's :class:`~msd_dask.service.agent_client.AgentReader`).
 
 The agent reads a group at most ``prefetch`` steps ahead of the group's slowest
 rank.  It starts reading a group once each of its ranks asked for a first step,
 from the lowest step they all lack (a rank restarted from
-:meth:`AgentReader.load_state_dict` skips what it has; so does the group's reader).
+:meth:`~msd_dask.service.agent_client.AgentReader.load_state_dict` skips what it has;
+so does the group's reader).
 When it pauses, the group's reader reports the slowest rank's last step as the step
 it returned (:class:`AgentGroupReader`), not the last step the agent read; its claims
 still tell the constructor the steps before each claimed round were returned, so
@@ -53,49 +31,29 @@ import logging
 import mmap
 import os
 import socket
-import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from msd_dask.batch import Batch
 from msd_dask.core.config import Config
-from msd_dask.core.packing import from_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
+from msd_dask.service.agent_client import AGENT_SOCKET, BLOCK_PREFIX, HEADER, SHM_DIR, frame
 
 __all__ = [
-    "AGENT_ENV",
-    "AGENT_SOCKET",
     "AgentGroupReader",
-    "AgentHandle",
-    "AgentReader",
     "HostAgent",
     "WireBatch",
-    "agent_path",
     "local_groups",
     "parse_ranks",
 ]
 
 _log = logging.getLogger("msd_dask.agent")
 
-#: the environment variable naming the agent's socket: set, ``DataService.connect``
-#: reads through the agent (no Dask client in the training process)
-AGENT_ENV = "MSD_DASK_AGENT"
-#: the agent's socket by default, from the service's name
-AGENT_SOCKET = "/tmp/msd-dask-agent-{name}.sock"
-#: the prefix of the agent's shared memory blocks (``/dev/shm/`` on Linux), then its pid
-BLOCK_PREFIX = "msd-agent-"
-#: where POSIX shared memory blocks are files (Linux)
-SHM_DIR = "/dev/shm"
-#: seconds a rank waits for the agent's answer beyond its own ``timeout`` (the agent
-#: answers a wait that timed out itself, saying why)
-ANSWER_MARGIN = 10.0
 #: seconds after a group's first rank asked for a step before the agent starts reading
 #: the group without its ranks that did not ask yet, from the lowest step those that
 #: asked lack (normally every rank of a group asks at once, with the same state)
@@ -107,22 +65,6 @@ _ALIGN = 64
 _WATCH = 'trap "" INT TERM HUP; read -r _; rm -f -- "$1/$2"*'
 
 T = TypeVar("T")
-
-
-def agent_path(name: str, agent: str | bool | None = None) -> str | None:
-    """The agent socket a process of service ``name`` reads through; ``None``: read directly.
-
-    ``agent``: a socket path, ``True`` (:data:`AGENT_SOCKET` of ``name``), ``False``
-    (directly, whatever the environment says) or ``None`` (the path in
-    :data:`AGENT_ENV` if set and not empty, else directly).
-    """
-    if agent is False:
-        return None
-    if agent is True:
-        return AGENT_SOCKET.format(name=name)
-    if agent is None:
-        return os.environ.get(AGENT_ENV) or None
-    return str(agent)
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -154,44 +96,16 @@ def local_groups(cfg: Config, ranks: Sequence[int]) -> list[list[int]]:
 # ------------------------------------------------------------------ wire
 
 
-def _frame(msg: Mapping[str, Any]) -> bytes:
-    data = json.dumps(msg).encode()
-    return struct.pack("!I", len(data)) + data
-
-
-def _send(sock: socket.socket, msg: Mapping[str, Any]) -> None:
-    sock.sendall(_frame(msg))
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv(sock: socket.socket) -> dict[str, Any] | None:
-    """The next message, ``None`` if the other end closed the connection."""
-    head = _recv_exactly(sock, 4)
-    if head is None:
-        return None
-    data = _recv_exactly(sock, struct.unpack("!I", head)[0])
-    return None if data is None else dict(json.loads(data))
-
-
 async def _arecv(stream: asyncio.StreamReader) -> dict[str, Any] | None:
     try:
-        head = await stream.readexactly(4)
-        return dict(json.loads(await stream.readexactly(struct.unpack("!I", head)[0])))
+        head = await stream.readexactly(HEADER.size)
+        return dict(json.loads(await stream.readexactly(HEADER.unpack(head)[0])))
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
 
 
 async def _asend(writer: asyncio.StreamWriter, msg: Mapping[str, Any]) -> None:
-    writer.write(_frame(msg))
+    writer.write(frame(msg))
     await writer.drain()
 
 
@@ -366,40 +280,6 @@ def write_block(batch: WireBatch, name: str) -> tuple[SharedBlock, dict[str, Any
                  "meta": meta}
 
 
-@contextmanager
-def _mapped(name: str, owner: int) -> Iterator[Any]:
-    """The shared memory block ``name`` of the agent process ``owner``, mapped read-only.
-
-    On Linux the block is the file ``/dev/shm/<name>``, mapped directly: attaching a
-    :class:`SharedMemory` would register the block with this process's resource
-    tracker (one more process per rank, started on first use), which would unlink
-    it when this process exits, though the agent owns it.
-    """
-    path = os.path.join(SHM_DIR, name)
-    if os.path.isdir(SHM_DIR):
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            yield m
-        return
-    from multiprocessing import resource_tracker
-    from multiprocessing.shared_memory import SharedMemory
-
-    shm = SharedMemory(name=name)
-    try:
-        if os.getpid() != owner:  # the agent unlinks it, not this process's tracker
-            resource_tracker.unregister(f"/{shm.name}", "shared_memory")
-        yield shm.buf
-    finally:
-        shm.close()
-
-
-def read_block(msg: Mapping[str, Any], rank: int) -> Batch:
-    """The :class:`Batch` of global ``rank`` from a block message of :func:`write_block`
-    (the arrays are copied out; the block is left to the agent): the wire form rebuilt,
-    made a batch as a direct :class:`~msd_dask.reader.Reader` makes it."""
-    with _mapped(str(msg["block"]), int(msg["pid"])) as buf:
-        arrays = {key: np.ndarray(shape, np.dtype(dtype), buffer=buf, offset=offset).copy()
-                  for key, (offset, dtype, shape) in msg["layout"].items()}
-    return Batch.from_payload(from_wire({**msg["meta"], **arrays}), rank)
 
 
 # ------------------------------------------------------------ agent side
@@ -847,184 +727,3 @@ def _ranges(ranks: Sequence[int]) -> str:
         else:
             parts.append(str(r))
     return ",".join(parts)
-
-
-# ------------------------------------------------------------- rank side
-
-
-def _dial(path: str, timeout: float, what: str) -> socket.socket:
-    """A connection to the agent at ``path``, or a :class:`ServiceError` saying it is not there."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(path)
-    except OSError as e:
-        sock.close()
-        raise ServiceError(
-            f"{what}: no msd-dask agent answers at {path} ({type(e).__name__}: {e}); is "
-            f"`msd-dask agent` running on this host? ({AGENT_ENV} names its socket; unset it "
-            "to read without the agent)") from None
-    return sock
-
-
-def _hello(sock: socket.socket, path: str, msg: Mapping[str, Any], what: str) -> dict[str, Any]:
-    try:
-        _send(sock, msg)
-        answer = _recv(sock)
-    except TimeoutError:
-        raise ServiceTimeoutError(f"{what}: the agent at {path} did not answer within "
-                                  f"{sock.gettimeout():.0f}s") from None
-    if answer is None:
-        raise ServiceError(f"{what}: the agent at {path} closed the connection")
-    if "error" in answer:
-        raise ServiceError(f"{what}: {answer['error']}")
-    return answer
-
-
-class AgentReader:
-    """Iterator over one global rank's batches, read from the host's agent.
-
-    Made by :meth:`AgentHandle.reader`; the API of :class:`~msd_dask.reader.Reader`:
-    ``next()`` returns the rank's next :class:`~msd_dask.batch.Batch` (every step once,
-    in order), :meth:`state_dict` / :meth:`load_state_dict`, :meth:`report_step_time`
-    and :meth:`close`.  No Dask client: one Unix socket to the agent, the tensors
-    copied out of the agent's shared memory.
-    """
-
-    def __init__(self, path: str, name: str, rank: int, *, timeout: float):
-        self.path = path
-        self.name = name
-        self.rank = int(rank)
-        self.timeout = float(timeout)
-        self.step: int | None = None
-        #: the step of the last state loaded (:meth:`load_state_dict`)
-        self._loaded: int | None = None
-        self._sock: socket.socket | None = _dial(path, self.timeout, f"rank {self.rank}")
-        try:
-            _hello(self._sock, path, {"op": "hello", "rank": self.rank, "service": name},
-                   f"rank {self.rank}")
-        except BaseException:
-            self.close()
-            raise
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"rank", "step"}``: the last step returned, else of the state loaded, else ``None``."""
-        return {"rank": self.rank, "step": self._loaded if self.step is None else self.step}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
-        if state.get("rank", self.rank) != self.rank:
-            raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
-        self._loaded = self._loaded if state.get("step") is None else int(state["step"])
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        if self._sock is None:
-            raise ServiceError(f"rank {self.rank}: the reader is closed")
-        after = max(-1 if self.step is None else self.step,
-                    -1 if self._loaded is None else self._loaded)
-        waiting = f"step {after + 1}"
-        try:
-            _send(self._sock, {"op": "next", "after": after, "timeout": self.timeout})
-            self._sock.settimeout(self.timeout + ANSWER_MARGIN)
-            answer = _recv(self._sock)
-        except TimeoutError:
-            raise ServiceTimeoutError(
-                f"rank {self.rank} waited {self.timeout + ANSWER_MARGIN:.0f}s for {waiting} "
-                f"from the agent at {self.path} and got no answer; is `msd-dask agent` "
-                "running?") from None
-        except OSError as e:
-            raise ServiceError(f"rank {self.rank} lost the agent at {self.path} while asking "
-                               f"for {waiting} ({type(e).__name__}: {e}); did `msd-dask agent` "
-                               "exit?") from None
-        if answer is None:
-            raise ServiceError(f"rank {self.rank}: the agent at {self.path} closed the "
-                               f"connection while rank {self.rank} waited for {waiting}; did "
-                               "`msd-dask agent` exit?")
-        if "error" in answer:
-            err = ServiceTimeoutError if answer.get("kind") == "timeout" else ServiceError
-            raise err(f"service {self.name!r}: {answer['error']}")
-        batch = read_block(answer, self.rank)
-        _send(self._sock, {"op": "ack", "step": batch.step})
-        self.step = batch.step
-        return batch
-
-    def report_step_time(self, seconds: float, step: int | None = None) -> None:
-        """Report how long this rank computed on a step (default: the last one returned);
-        the agent forwards it to the planner.  Fire and forget."""
-        step = self.step if step is None else step
-        if step is None:
-            raise ValueError("report_step_time: no step was read yet")
-        if self._sock is not None:
-            try:
-                _send(self._sock, {"op": "step_time", "step": int(step), "seconds": float(seconds)})
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        """Close the connection to the agent (idempotent)."""
-        sock, self._sock = self._sock, None
-        if sock is None:
-            return
-        try:
-            _send(sock, {"op": "bye"})
-        except OSError:
-            pass
-        sock.close()
-
-    def __del__(self) -> None:
-        sock = getattr(self, "_sock", None)
-        if sock is not None:
-            sock.close()
-
-
-class AgentHandle:
-    """A training process's handle on a service read through the host's agent.
-
-    What ``DataService.connect`` returns when :data:`AGENT_ENV` is set (or with
-    ``agent=``): :meth:`reader` gives :class:`AgentReader`\\ s; the process holds no
-    Dask client.  Operations on the service (stats, weights, state) are the
-    service owner's or a directly connected process's.
-    """
-
-    def __init__(self, path: str, name: str, info: Mapping[str, Any]):
-        self.path = path
-        self.name = name
-        #: the global ranks the agent serves
-        self.ranks: list[int] = [int(r) for r in info["ranks"]]
-        #: the service's ``timeout``: a reader's default
-        self.timeout = float(info["timeout"])
-        self._readers: list[AgentReader] = []
-
-    @classmethod
-    def connect(cls, path: str, name: str, *, timeout: float = 30.0) -> AgentHandle:
-        """Ask the agent at ``path`` whether it serves service ``name`` (fails at once if no
-        agent answers there)."""
-        what = f"service {name!r}"
-        sock = _dial(path, timeout, what)
-        try:
-            info = _hello(sock, path, {"op": "hello", "service": name}, what)
-        finally:
-            sock.close()
-        return cls(path, name, info)
-
-    def reader(self, rank: int, *, timeout: float | None = None) -> AgentReader:
-        """An iterator over the batches of global ``rank`` (one of the agent's ranks)."""
-        reader = AgentReader(self.path, self.name, rank,
-                             timeout=self.timeout if timeout is None else timeout)
-        self._readers.append(reader)
-        return reader
-
-    def close(self) -> None:
-        """Close this handle's readers (the agent and the service keep running)."""
-        for reader in self._readers:
-            reader.close()
-        self._readers.clear()
-
-    def __enter__(self) -> AgentHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -27,7 +27,7 @@ from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import keys_on
 from msd_dask.errors import CLOSED_BY_OWNER, ServiceError, ServiceTimeoutError
 from msd_dask.reader import REPORT_IDLE, Reader
-from msd_dask.service.agent import AgentHandle, agent_path
+from msd_dask.service.agent_client import AgentHandle, connect_agent
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import (
     REGISTRY_PREFIX,
@@ -276,16 +276,16 @@ class DataService:
         agent : str or bool, optional
             Read through the host's ``msd-dask agent`` (docs/deployment.md): its socket
             path, ``True`` for the default path of ``name``
-            (:data:`~msd_dask.service.agent.AGENT_SOCKET`), ``False`` to connect directly
-            whatever the environment says.  Default: the agent whose socket the
+            (:data:`~msd_dask.service.agent_client.AGENT_SOCKET`), ``False`` to connect
+            directly whatever the environment says.  Default: the agent whose socket the
             environment variable ``MSD_DASK_AGENT`` names, if set; else directly.
 
         Returns
         -------
         DataService or AgentHandle
             Directly: a handle with its own Dask client.  Through an agent: an
-            :class:`~msd_dask.service.agent.AgentHandle` (no Dask client in this
-            process) whose :meth:`~msd_dask.service.agent.AgentHandle.reader` gives
+            :class:`~msd_dask.service.agent_client.AgentHandle` (no Dask client in this
+            process) whose :meth:`~msd_dask.service.agent_client.AgentHandle.reader` gives
             readers with the API of :class:`~msd_dask.reader.Reader`.
 
         Raises
@@ -294,9 +294,9 @@ class DataService:
             No service ``name`` within ``timeout``; through an agent, no agent answers
             at its socket, or it serves another service.
         """
-        path = agent_path(name, agent)
-        if path is not None:
-            return AgentHandle.connect(path, name, timeout=timeout)
+        handle = connect_agent(name, agent, timeout=timeout)
+        if handle is not None:
+            return handle
         from distributed import Client
 
         _check_tls(address, security)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from msd_dask.service import DataService
-from msd_dask.service.agent import AGENT_ENV, BLOCK_PREFIX, SHM_DIR
+from msd_dask.service.agent_client import AGENT_ENV, BLOCK_PREFIX, SHM_DIR
 
 from checks import check_content, check_exactly_once, read_steps, wait_until
 from cluster import dask_cluster
@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: ch
 RANK_PROC = """
 import pickle, sys
 from msd_dask import DataService
-from msd_dask.service.agent import AgentHandle
+from msd_dask.service.agent_client import AgentHandle
 from checks import record
 
 address, name, ranks, steps, out = sys.argv[1:6]

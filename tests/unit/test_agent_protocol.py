@@ -26,18 +26,20 @@ from msd_dask.core.packing import from_wire, to_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.service import DataService
 from msd_dask.service.agent import (
-    AGENT_ENV,
-    BLOCK_PREFIX,
     START_GRACE,
-    AgentHandle,
-    AgentReader,
     HostAgent,
     WireBatch,
-    agent_path,
     local_groups,
     parse_ranks,
-    read_block,
     write_block,
+)
+from msd_dask.service.agent_client import (
+    AGENT_ENV,
+    BLOCK_PREFIX,
+    AgentHandle,
+    AgentReader,
+    agent_path,
+    read_block,
 )
 
 from checks import wait_until
@@ -245,7 +247,8 @@ KILLED_WRITER = """
 import os, signal
 import numpy as np
 from multiprocessing import resource_tracker
-from msd_dask.service.agent import BLOCK_PREFIX, WireBatch, write_block
+from msd_dask.service.agent import WireBatch, write_block
+from msd_dask.service.agent_client import BLOCK_PREFIX
 
 blocks = [write_block(WireBatch({"step": s, "ids": np.arange(8)}), f"{BLOCK_PREFIX}{os.getpid()}-{s}")[0]
           for s in range(2)]
@@ -536,3 +539,43 @@ def test_the_torch_adapter_reads_through_the_agent(tmp_path: Any,
         for ds in sets:
             ds.close()
         assert wait_until(lambda: readers[0].step_times == [(0.5, 2)], 5)
+
+
+#: a rank process reading STEPS batches through the torch adapter behind the agent named
+#: by MSD_DASK_AGENT, then printing its steps and the modules it imported
+LEAN_RANK = """
+import json, sys
+from msd_dask.torch import MsdIterableDataset
+
+ds = MsdIterableDataset("tcp://nowhere:1", "agentunit", int(sys.argv[1]), steps=2)
+steps = [b["step"] for b in ds]
+ds.close()
+print(json.dumps({"steps": steps, "modules": sorted(sys.modules)}))
+"""
+
+#: the whole of msd_dask a rank behind an agent needs: its batch, the wire form and the
+#: agent's client (not the service's handle, the config, the direct reader, nor yaml)
+RANK_SIDE = {"msd_dask", "msd_dask.errors", "msd_dask.batch", "msd_dask.core",
+             "msd_dask.core.packing", "msd_dask.service", "msd_dask.service.agent_client",
+             "msd_dask.torch"}
+
+
+def test_a_rank_behind_the_agent_imports_only_the_agents_client(tmp_path: Any) -> None:
+    """Two rank processes read through the torch adapter behind an agent (each a rank of
+    one TP group): they get their steps, and import of msd_dask only
+    :data:`RANK_SIDE`, no Dask and no yaml (each rank's modules cost its host memory,
+    docs/benchmarks.md, Memory)."""
+    with running_agent(tmp_path, [0, 1]) as (agent, _readers):
+        env = {**os.environ, AGENT_ENV: agent.path}
+        procs = [subprocess.Popen([sys.executable, "-c", LEAN_RANK, str(r)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in (0, 1)]
+        outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["steps"] == [0, 1]
+        mods = set(got["modules"])
+        assert {m for m in mods if m.startswith("msd_dask")} == RANK_SIDE
+        assert not {"distributed", "dask", "tornado", "yaml", "pyarrow", "fsspec"} & {
+            m.split(".")[0] for m in mods}

@@ -124,7 +124,7 @@ def test_a_training_process_reading_through_an_agent_imports_no_dask() -> None:
     and torch side, but neither Dask nor the roles: it talks to the agent over a Unix
     socket, and what a direct reader needs is imported when a direct reader uses it."""
     code = ("import msd_dask.torch\nfrom msd_dask.service import DataService\n"
-            "from msd_dask.service.agent import AgentHandle, read_block\n"
+            "from msd_dask.service.agent_client import AgentHandle, read_block\n"
             "import json, sys\nprint(json.dumps(sorted(sys.modules)))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
