@@ -82,8 +82,10 @@ class SourceLoader:
     def __init__(self, source: dict[str, Any], units: list[tuple[str, int, int]],
                  tokenizer: dict[str, Any], index: int = 0, threads: int = 1):
         from msd_dask.core.units import Unit
+        from msd_dask.sources.heap import cap_arenas
         from msd_dask.sources.storage import open_source
 
+        cap_arenas()  # before this process's read threads allocate
         self.src = source_config(source)
         self.units = [Unit(*u) for u in units]
         self.index = index
