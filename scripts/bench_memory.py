@@ -13,9 +13,11 @@ Baseline (``scripts/baselines.py``): ``R`` rank processes, each with a
 workers tokenize and pack.
 
 msd_dask: a ``dask scheduler`` and ``--dask-workers`` ``dask worker``
-processes hosting the roles (``--no-nanny``, with the environment a nanny
-gives its worker: ``distributed.nanny.pre-spawn-environ``, i.e.
-``MALLOC_TRIM_THRESHOLD_``), the process that started the service (it holds
+processes hosting the roles, with the Dask settings docs/deployment.md gives for
+the service's workers (``msd_dask.service.EMBEDDED_DASK_CONFIG``, as the embedded
+cluster has them) and ``--no-nanny``, with the environment a nanny gives its
+worker (``distributed.nanny.pre-spawn-environ``: ``MALLOC_TRIM_THRESHOLD_`` and
+those settings' ``MALLOC_ARENA_MAX``), the process that started the service (it holds
 the service's client, like ``msd-dask serve``), and ``R`` training processes
 each reading its rank through ``msd_dask.torch.MsdIterableDataset``.  The
 msd_dask side runs once per ``--read-ahead`` value (default: the config's, then
@@ -341,8 +343,12 @@ def start_cluster(tmp: str, workers: int, env: dict[str, str]
     """
     from bench_scheduler_bytes import _start_cluster
 
+    from msd_dask.service import EMBEDDED_DASK_CONFIG
+
+    # a variable of --cluster-env wins over the same one of the settings' nanny environment
+    config = {k: v for k, v in EMBEDDED_DASK_CONFIG.items() if k.rsplit(".", 1)[-1] not in env}
     with _environ(env):
-        return _start_cluster(tmp, workers, count=False, nthreads=_DASK_THREADS)
+        return _start_cluster(tmp, workers, count=False, nthreads=_DASK_THREADS, config=config)
 
 
 def _agent_counts(text: str, ranks: int) -> list[int]:

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any
 
 # ---------------------------------------------------------------- scheduler side (preload)
@@ -87,19 +88,27 @@ def _diff(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a[k] for k in a}
 
 
-def _start_cluster(tmp: str, workers: int, count: bool = True,
-                   nthreads: int = 2) -> tuple[str, list[subprocess.Popen]]:
-    """A ``dask scheduler`` (counting its comm bytes if ``count``) and ``workers`` workers."""
+def _start_cluster(tmp: str, workers: int, count: bool = True, nthreads: int = 2,
+                   config: Mapping[str, Any] | None = None) -> tuple[str, list[subprocess.Popen]]:
+    """A ``dask scheduler`` (counting its comm bytes if ``count``) and ``workers`` workers.
+
+    ``config``: Dask settings (dotted keys, e.g. ``msd_dask.service.EMBEDDED_DASK_CONFIG``)
+    for both, as ``DASK_*`` variables; those of the nanny's ``pre-spawn-environ`` become
+    the workers' environment, as a nanny would give it.
+    """
     sched_file = os.path.join(tmp, "scheduler.json")
     log = open(os.path.join(tmp, "cluster.log"), "ab")
     import dask.config
     import distributed  # noqa: F401 - loads distributed's config defaults
 
+    nanny = "distributed.nanny.pre-spawn-environ"
     # the environment a nanny gives the worker it starts (`dask worker` without --no-nanny):
     # MALLOC_TRIM_THRESHOLD_ etc., so that glibc returns freed memory as it does in a deployment
-    spawn_env = {k: str(v) for k, v in
-                 (dask.config.get("distributed.nanny.pre-spawn-environ") or {}).items()}
-    env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False")
+    with dask.config.set(dict(config or {})):
+        spawn_env = {k: str(v) for k, v in (dask.config.get(nanny) or {}).items()}
+    dask_env = {"DASK_" + "__".join(p.upper().replace("-", "_") for p in k.split(".")): str(v)
+                for k, v in (config or {}).items() if not k.startswith(nanny)}
+    env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False", **dask_env)
     worker_env = dict(env, **spawn_env)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",

@@ -3,11 +3,12 @@
 Every loader reads on threads of its own, and glibc's ``malloc`` gives each new thread
 an arena of its own, up to eight per core: a worker hosting a dozen loaders keeps a
 dozen arenas, each holding the pages its thread freed (token buffers, Arrow's buffers,
-which msd_dask's parquet reader takes from the C heap, documents).  Capping the arenas
-at one per core the process may run on (at least two) lets the threads share them:
-at (16, 4, 16) in ``scripts/bench_memory.py`` the two workers hosting every role held
-about 25 MiB less (docs/benchmarks.md, Memory).  A deployment that set
-``MALLOC_ARENA_MAX`` keeps its own setting, and so does a C library other than glibc.
+which msd_dask's parquet reader takes from the C heap, documents).  The deployment
+sets ``MALLOC_ARENA_MAX=2`` where it starts the workers (docs/deployment.md, the C
+heap's arenas; the embedded cluster does), which also merges the arenas of Dask's own
+threads.  Where it did not, :func:`cap_arenas` caps the arenas a process creates from
+its first loader on at one per core it may run on (at least two), so the loaders'
+threads share them.  A C library other than glibc is left alone.
 """
 
 from __future__ import annotations

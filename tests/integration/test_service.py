@@ -34,27 +34,37 @@ def _dask_periodic(dask_worker=None, dask_scheduler=None):
     return {k: pc.callback_time for k, pc in s.periodic_callbacks.items()}
 
 
+def _heap_environ():
+    import os
+
+    return {k: os.environ.get(k) for k in ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_")}
+
+
 def test_embedded_cluster_runs_without_dasks_fast_periodic_work(corpus):
     """The embedded cluster's workers run no stack profiler and tick every 200 ms (Dask:
     every 10 and 20 ms), its memory checks every 500 ms (100 ms): an idle cluster's CPU
-    (docs/benchmarks.md, elastic loaders); this process's own config is left as it was."""
+    (docs/benchmarks.md, elastic loaders); their C heap has 2 arenas, beside Dask's own
+    settings of the heap (docs/deployment.md); this process's own config is left as it
+    was."""
     import dask
     import distributed  # noqa: F401 - its config defaults
 
     from msd_dask.service import EMBEDDED_DASK_CONFIG
 
     root, _ = corpus
-    before = {k: dask.config.get(k) for k in EMBEDDED_DASK_CONFIG}
+    before = {k: dask.config.get(k, None) for k in EMBEDDED_DASK_CONFIG}
     with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
         next(svc.reader(0))
         workers = svc.client.run(_dask_periodic)
         scheduler = svc.client.run_on_scheduler(_dask_periodic)
+        heaps = svc.client.run(_heap_environ)
+    assert list(heaps.values()) == [{"MALLOC_ARENA_MAX": "2", "MALLOC_TRIM_THRESHOLD_": "65536"}] * 2
     assert len(workers) == 2
     for pcs in workers.values():
         assert "profile" not in pcs and "profile-cycle" not in pcs, pcs
         assert pcs["tick"] == 200 and pcs["memory_monitor"] == 500, pcs
     assert scheduler["tick"] == 200, scheduler
-    assert {k: dask.config.get(k) for k in EMBEDDED_DASK_CONFIG} == before
+    assert {k: dask.config.get(k, None) for k in EMBEDDED_DASK_CONFIG} == before
 
 
 def test_same_seed_same_batches_whatever_the_workers(corpus):
