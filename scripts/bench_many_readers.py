@@ -75,10 +75,11 @@ SEQ_LEN = 256
 # ------------------------------------------------------------------ the host (a child process)
 def _dask_env() -> dict[str, str]:
     """``EMBEDDED_DASK_CONFIG`` as the environment variables Dask reads it from."""
+    from bench_scheduler_bytes import dask_environ
+
     from msd_dask.service.handle import EMBEDDED_DASK_CONFIG
 
-    return {"DASK_" + k.upper().replace(".", "__").replace("-", "_"): str(v)
-            for k, v in EMBEDDED_DASK_CONFIG.items()}
+    return dask_environ(EMBEDDED_DASK_CONFIG)[0]
 
 
 def _rank_loop(reader: Any, k_steps: int, t0: float, period: float,
@@ -491,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        address, cluster = start_cluster(tmp, a.dask_workers, _dask_env())
+        address, cluster = start_cluster(tmp, a.dask_workers, {})  # with EMBEDDED_DASK_CONFIG
         try:
             with Client(address, timeout=a.timeout) as c:
                 c.wait_for_workers(a.dask_workers, timeout=a.timeout)

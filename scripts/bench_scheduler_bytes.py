@@ -88,6 +88,30 @@ def _diff(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: b[k] - a[k] for k in a}
 
 
+#: the Dask setting a nanny takes its worker's environment from
+_NANNY_ENVIRON = "distributed.nanny.pre-spawn-environ"
+
+
+def dask_environ(config: Mapping[str, Any] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """Dask settings (dotted keys) as the environment of the processes they are for.
+
+    Returns
+    -------
+    (dict, dict)
+        The ``DASK_*`` variables Dask reads the settings from, and the environment a
+        nanny gives the worker it starts under them (``pre-spawn-environ``: Dask's
+        ``MALLOC_TRIM_THRESHOLD_`` and the settings' own entries).
+    """
+    import dask.config
+    import distributed  # noqa: F401 - loads distributed's config defaults
+
+    with dask.config.set(dict(config or {})):
+        spawn_env = {k: str(v) for k, v in (dask.config.get(_NANNY_ENVIRON) or {}).items()}
+    dask_env = {"DASK_" + "__".join(p.upper().replace("-", "_") for p in k.split(".")): str(v)
+                for k, v in (config or {}).items() if not k.startswith(_NANNY_ENVIRON)}
+    return dask_env, spawn_env
+
+
 def _start_cluster(tmp: str, workers: int, count: bool = True, nthreads: int = 2,
                    config: Mapping[str, Any] | None = None) -> tuple[str, list[subprocess.Popen]]:
     """A ``dask scheduler`` (counting its comm bytes if ``count``) and ``workers`` workers.
@@ -98,16 +122,10 @@ def _start_cluster(tmp: str, workers: int, count: bool = True, nthreads: int = 2
     """
     sched_file = os.path.join(tmp, "scheduler.json")
     log = open(os.path.join(tmp, "cluster.log"), "ab")
-    import dask.config
-    import distributed  # noqa: F401 - loads distributed's config defaults
-
-    nanny = "distributed.nanny.pre-spawn-environ"
-    # the environment a nanny gives the worker it starts (`dask worker` without --no-nanny):
-    # MALLOC_TRIM_THRESHOLD_ etc., so that glibc returns freed memory as it does in a deployment
-    with dask.config.set(dict(config or {})):
-        spawn_env = {k: str(v) for k, v in (dask.config.get(nanny) or {}).items()}
-    dask_env = {"DASK_" + "__".join(p.upper().replace("-", "_") for p in k.split(".")): str(v)
-                for k, v in (config or {}).items() if not k.startswith(nanny)}
+    # spawn_env: the environment a nanny gives the worker it starts (`dask worker` without
+    # --no-nanny): MALLOC_TRIM_THRESHOLD_ etc., so that glibc returns freed memory as it
+    # does in a deployment
+    dask_env, spawn_env = dask_environ(config)
     env = dict(os.environ, DASK_DISTRIBUTED__WORKER__DAEMON="False", **dask_env)
     worker_env = dict(env, **spawn_env)
     procs = [subprocess.Popen(
