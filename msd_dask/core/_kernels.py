@@ -331,7 +331,7 @@ def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.n
         if e < least:
             break
         k = min(e, n - pos)
-        by_key = _radix_argsort(_float_order(keys[:e]))  # stable: ties by rank
+        by_key = _radix_argsort(_float_order(keys[:e], False), np.arange(e))  # stable: ties by rank
         for i in range(k):
             r = ranks[by_key[i]]
             j = pos + i
@@ -424,21 +424,27 @@ _BELOW_SIGN = np.int64((1 << 63) - 1)
 _NAN = np.int64(0x7FF8000000000000)
 
 
-def _int_order(a: np.ndarray) -> np.ndarray:
-    """Keys whose unsigned order is ``a``'s order."""
+def _int_order(a: np.ndarray, negate: bool) -> np.ndarray:
+    """Keys whose unsigned order is ``a``'s order (with ``negate``, ``-a``'s)."""
     k = np.empty(len(a), dtype=np.int64)
     for i in range(len(a)):
-        k[i] = np.int64(a[i]) ^ _SIGN
+        x = np.int64(a[i])
+        if negate:
+            x = -x
+        k[i] = x ^ _SIGN
     return k
 
 
-def _float_order(a: np.ndarray) -> np.ndarray:
-    """Keys whose unsigned order is numpy's order of ``a`` (``-0.0`` equals ``0.0``, NaN last)."""
+def _float_order(a: np.ndarray, negate: bool) -> np.ndarray:
+    """Keys whose unsigned order is numpy's order of ``a`` (with ``negate``, of ``-a``;
+    ``-0.0`` equals ``0.0``, NaN last)."""
     bits = a.view(np.int64)
     k = np.empty(len(a), dtype=np.int64)
     for i in range(len(a)):
         x = a[i]
         b = bits[i]
+        if negate:
+            b ^= _SIGN  # the bits of -x
         if x == 0.0:
             b = 0
         elif x != x:
@@ -449,12 +455,12 @@ def _float_order(a: np.ndarray) -> np.ndarray:
     return k
 
 
-def _radix_argsort(k: np.ndarray) -> np.ndarray:
+def _radix_argsort(k: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """The stable argsort of unsigned 64-bit keys ``k`` (which it overwrites): LSD radix over
     the bits that vary, in one counting pass where they span at most 20 bits, else 16 bits a
-    pass."""
+    pass.  ``idx``: ``arange(len(k))`` in an integer type that holds it (int32 takes half the
+    memory of int64), which it reorders; the result is of its type."""
     n = len(k)
-    idx = np.arange(n)
     if n < 2:
         return idx
     same1 = k[0]
@@ -474,7 +480,7 @@ def _radix_argsort(k: np.ndarray) -> np.ndarray:
     width = high - low + 1 if high - low < 20 else 16
     keys = k  # (reordered in place: the callers' keys are temporaries)
     keys2 = np.empty(n if width <= high - low else 0, dtype=np.int64)  # only with passes to come
-    idx2 = np.empty(n, dtype=np.int64)
+    idx2 = np.empty_like(idx)
     count = np.empty((1 << width) + 1, dtype=np.int64)
     mask = (1 << width) - 1
     shift = low
@@ -498,14 +504,23 @@ def _radix_argsort(k: np.ndarray) -> np.ndarray:
     return idx
 
 
-def stable_argsort(a: np.ndarray) -> np.ndarray:
+def stable_argsort(a: np.ndarray, descending: bool = False) -> np.ndarray:
     """``np.argsort(a, kind="stable")`` of a 1-d int or float array, the same result in
-    linear time (a radix sort) for large arrays."""
+    linear time (a radix sort) for large arrays.
+
+    With ``descending``, ``np.argsort(-a, kind="stable")``, without an array ``-a``.
+    """
     a = np.ascontiguousarray(a)
     if len(a) < 4096 or not _use_compiled(len(a)):
-        return np.argsort(a, kind="stable")
-    keys = _float_order(a.astype(np.float64, copy=False)) if a.dtype.kind == "f" else _int_order(a)
-    return _radix_argsort(keys)
+        return np.argsort(-a if descending else a, kind="stable")
+    if a.dtype.kind == "f":
+        keys = _float_order(a.astype(np.float64, copy=False), descending)
+    else:
+        keys = _int_order(a, descending)
+    # (int32 positions while sorting: the planner sorts arrays of millions of pieces)
+    order = _radix_argsort(keys, np.arange(len(a), dtype=np.int32 if len(a) < 2**31 else np.int64))
+    del keys
+    return order.astype(np.int64, copy=False)
 
 
 def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:

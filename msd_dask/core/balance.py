@@ -108,7 +108,7 @@ def capacity_bound(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_b
     if n == 0:
         return 0.0
     best = lower_bound(costs, n_ranks)
-    order = stable_argsort(-costs)
+    order = stable_argsort(costs, descending=True)
     cs, ls = costs[order], lengths[order]
     del order  # (temporaries of n pieces go as soon as they are used: steps hold millions)
     pos = ls > 0
@@ -260,7 +260,7 @@ class _Greedy:
 
 
 def _decreasing(keys: np.ndarray) -> np.ndarray:
-    return stable_argsort(-keys)
+    return stable_argsort(keys, descending=True)
 
 
 def lpt(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
@@ -290,8 +290,16 @@ _TINY = 1e-4
 def _starts(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
             seq_len: int, rho: float) -> list[Callable[[], Assignment]]:
     """Greedy starting points of :func:`balanced`, in the order they are tried."""
-    excess = np.maximum(costs - rho * lengths, 0.0) + _COST_SHARE * costs
     mean = float(costs.sum()) / n_ranks
+
+    def excess_costs() -> np.ndarray:
+        # made by each start that uses them (an array of a value per piece, gone with it), in
+        # place: ``max(costs - rho * lengths, 0) + _COST_SHARE * costs``
+        out = np.multiply(rho, lengths, dtype=np.float64)
+        np.subtract(costs, out, out=out)
+        np.maximum(out, 0.0, out=out)
+        out += _COST_SHARE * costs
+        return out
 
     def fill(g: _Greedy, order: np.ndarray, keys: np.ndarray) -> None:
         tiny = keys[order] <= _TINY * float(keys.sum()) / n_ranks
@@ -303,11 +311,13 @@ def _starts(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches:
 
     def on_excess() -> Assignment:
         g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
+        excess = excess_costs()
         fill(g, _decreasing(excess), excess)
         return g.result(lengths, costs)
 
     def hybrid() -> Assignment:
         g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
+        excess = excess_costs()
         order = _decreasing(excess)
         big = excess[order] >= 0.002 * mean
         g.fill(order[big], lengths, excess)
@@ -346,7 +356,9 @@ class _State:
         self.n_ranks, self.micro_batches = a.micro_cost.shape
         self.seq_len = seq_len
         self.lengths, self.costs = lengths, costs
-        self.row = np.where(a.rank >= 0, a.rank * self.micro_batches + a.micro, -1)
+        self.row = a.rank * self.micro_batches  # (in place: an array of a value per piece)
+        self.row += a.micro
+        self.row[a.rank < 0] = -1
         self.row_cost = a.micro_cost.reshape(-1).copy()
         self.row_free = (seq_len - a.micro_used).reshape(-1).astype(np.int64)
 

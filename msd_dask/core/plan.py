@@ -50,10 +50,12 @@ class StepPlan:
     Attributes
     ----------
     step : int
-    table : ndarray of int64, shape (n, 8)
+    table : ndarray of int32 or int64, shape (n, 8)
         The step's pieces, row by row (DP rank, then micro-batch, each row in
         order): source index (in ``sources``), epoch, unit, row, chunk, start,
-        end, doc_len, as the fields of :class:`~msd_dask.core.stream.Piece`.
+        end, doc_len, as the fields of :class:`~msd_dask.core.stream.Piece`;
+        int32 where every value of the step's pieces fits (a step at dp 16,384
+        x 128K holds millions of pieces), else int64.
     row_sizes : ndarray of int64, shape (dp, micro_batches)
         Pieces in each row.
     sources : tuple of str
@@ -100,8 +102,8 @@ class StepPlan:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Tokens of each piece, in the order of :attr:`table`."""
-        return self.table[:, 6] - self.table[:, 5]
+        """Tokens of each piece (int64), in the order of :attr:`table`."""
+        return _lengths(self.table)
 
     def rank_lengths(self) -> list[np.ndarray]:
         """Each DP rank's piece lengths."""
@@ -170,7 +172,8 @@ class Planner:
         self.pieces_planned = {s.name: 0 for s in cfg.sources}
 
     # ------------------------------------------------------------ piece tables
-    # A step's pieces are rows of an int64 table: source index (in ``_names``), epoch,
+    # A step's pieces are rows of an integer table (int64 from :meth:`_table`; a step's
+    # own, and its carry, int32 where every value fits): source index (in ``_names``), epoch,
     # unit, row, chunk, start, end, doc_len; :class:`Piece` objects are made only for
     # what leaves the planner (a plan's rows, ``pending()``, ``state_dict()``).
     def _pieces(self, table: np.ndarray) -> list[Piece]:
@@ -397,25 +400,36 @@ class Planner:
             self._held_step = np.concatenate([self._held_step,
                                               np.full(len(held), self.step, dtype=np.int64)])
         del held
-        lengths = np.subtract(table[:, 6], table[:, 5], dtype=np.int64)
-        costs = self.cost(lengths)
-        rank, micro = place_step(lengths, costs, n_first, dp, mb, seq_len, cfg.balance)
-        if long_budget is not None:
+        # the pieces' lengths and costs are kept for spread_long; else place_step alone holds
+        # them (the placement is the step's peak), and the placed pieces' are made again after
+        if long_budget is None:  # (as temporaries, which place_step lets go)
+            rank, micro = place_step(_lengths(table), self.cost(_lengths(table)), n_first, dp, mb,
+                                     seq_len, cfg.balance)
+            costs = None
+        else:
+            lengths = _lengths(table)
+            costs = self.cost(lengths)
+            rank, micro = place_step(lengths, costs, n_first, dp, mb, seq_len, cfg.balance)
             spread_long(long_src[table[:, 0]], n_first, lengths, costs, rank, micro, dp, mb, seq_len,
-                         lc.max_per_rank)
+                        lc.max_per_rank)
+            del lengths
         placed = rank >= 0
-        self._carry = table[~placed].astype(np.int64, copy=False)
+        # (in the table's type: a step's carried pieces are many short ones)
+        self._carry = table[~placed]
         # (the step's arrays of a value per piece go as soon as they are used: at dp 16,384 and
         # 128K a step holds millions of pieces, and the process's peak is their sum)
         idx = np.flatnonzero(placed)
-        rank_cost = np.bincount(rank[idx], weights=costs[idx], minlength=dp)
-        bound = lower_bound(costs[idx], dp)
+        lengths = np.subtract(table[idx, 6], table[idx, 5], dtype=np.int64)  # the placed pieces'
+        placed_costs = self.cost(lengths) if costs is None else costs[idx]
         del costs
+        rank_cost = np.bincount(rank[idx], weights=placed_costs, minlength=dp)
+        bound = lower_bound(placed_costs, dp)
+        del placed_costs
         src = table[idx, 0]
         for j in np.unique(src).tolist():
             mine = src == j
             name = self._names[j]
-            self.tokens[name] += int(lengths[idx[mine]].sum())
+            self.tokens[name] += int(lengths[mine].sum())
             self.pieces_planned[name] += int(mine.sum())
         del src, lengths, placed
         # the rows, each in step order: the placed pieces sorted (stably) by row
@@ -424,16 +438,13 @@ class Planner:
         row_sizes = np.bincount(row_of, minlength=dp * mb).reshape(dp, mb)
         perm = idx[stable_argsort(row_of)]
         del idx, row_of
-        if table.dtype == np.int64:
-            _permute(table, perm)
-            m = len(perm)
-            del perm
-            try:  # the rows past the placed pieces go back (in place, where no view holds them)
-                table.resize((m, 8))
-            except ValueError:
-                table = table[:m]
-        else:
-            table = _permuted_int64(table, perm)
+        _permute(table, perm)
+        m = len(perm)
+        del perm
+        try:  # the rows past the placed pieces go back (in place, where no view holds them)
+            table.resize((m, 8))
+        except ValueError:
+            table = table[:m]
         plan = StepPlan(self.step, table, row_sizes, tuple(self._names),
                         [float(c) for c in rank_cost], bound, weights)
         self.step += 1
@@ -508,6 +519,11 @@ def _closest_group(lengths: np.ndarray, n: int, keep_first: bool) -> np.ndarray:
     return order[best:best + n]
 
 
+def _lengths(table: np.ndarray) -> np.ndarray:
+    """The tokens of each piece of a piece table, int64."""
+    return np.subtract(table[:, 6], table[:, 5], dtype=np.int64)
+
+
 def _no_pieces() -> np.ndarray:
     return np.zeros((0, 8), dtype=np.int64)
 
@@ -576,14 +592,6 @@ def _fits_int32(table: np.ndarray | None) -> bool:
     if table is None or table.size == 0:
         return True
     return bool(table.min() >= np.iinfo(np.int32).min and table.max() <= np.iinfo(np.int32).max)
-
-
-def _permuted_int64(table: np.ndarray, perm: np.ndarray) -> np.ndarray:
-    """``table[perm]`` as int64, made a column at a time (no int64 copy of all of ``table``)."""
-    out = np.empty((len(perm), table.shape[1]), dtype=np.int64)
-    for c in range(table.shape[1]):
-        out[:, c] = table[perm, c]
-    return out
 
 
 def _permute(table: np.ndarray, perm: np.ndarray) -> None:

@@ -50,7 +50,7 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     # (in place where it can be: a step at dp 16,384 x 128K holds millions of pieces)
     order = np.empty(n, dtype=np.int64)
     order[:n_carried] = np.arange(n_carried)
-    order[n_carried:] = stable_argsort(-lengths[n_carried:])
+    order[n_carried:] = stable_argsort(lengths[n_carried:], descending=True)
     order[n_carried:] += n_carried
     row[order] = best_fit_rows(lengths[order], n_rows, seq_len)
     del order
@@ -98,15 +98,21 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         rank, micro = a.rank.copy(), a.micro.copy()
         _place_carried(n_carried, lengths, rank, micro, seq_len)
         return rank, micro
+    n = len(lengths)
     rows = kept_rows(lengths, n_carried, dp * mb, seq_len)
-    idx = np.flatnonzero(rows >= 0)
-    a = assign(lengths[idx], costs[idx], dp, mb, seq_len, strategy)
-    rank = np.full(len(lengths), -1, dtype=np.int64)  # (made after the strategy's peak)
+    # (what lives through the strategy is as narrow as it can be: a step at dp 16,384 x 128K
+    # holds millions of pieces, and the planner's peak is the sum of their arrays)
+    idx = np.flatnonzero(rows >= 0).astype(np.int32 if n < 2**31 else np.int64)
+    rows = rows[idx].astype(np.int32 if dp * mb < 2**31 else np.int64)  # the kept pieces' rows
+    lengths_kept, costs_kept = lengths[idx], costs[idx]
+    del lengths, costs  # (the caller may pass them for this call alone)
+    a = assign(lengths_kept, costs_kept, dp, mb, seq_len, strategy)
+    rank = np.full(n, -1, dtype=np.int64)  # (made after the strategy's peak)
     micro = rank.copy()
     if (a.rank >= 0).all():
         rank[idx], micro[idx] = a.rank, a.micro
         return rank, micro
-    row_cost = np.bincount(rows[idx], weights=costs[idx], minlength=dp * mb)
+    row_cost = np.bincount(rows, weights=costs_kept, minlength=dp * mb)
     load = [(0.0, r) for r in range(dp)]
     slots = [0] * dp
     rank_of = np.empty(dp * mb, dtype=np.int64)
@@ -117,10 +123,10 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         slots[r] += 1
         if slots[r] < mb:
             heappush(load, (c + float(row_cost[row]), r))
-    rank[idx], micro[idx] = rank_of[rows[idx]], micro_of[rows[idx]]
+    rank[idx], micro[idx] = rank_of[rows], micro_of[rows]
     if strategy == "balanced":  # then the exchanges, which keep every piece placed
-        b = improve(build_assignment(rank[idx], micro[idx], lengths[idx], costs[idx], dp, mb),
-                    lengths[idx], costs[idx], seq_len)
+        b = improve(build_assignment(rank[idx], micro[idx], lengths_kept, costs_kept, dp, mb),
+                    lengths_kept, costs_kept, seq_len)
         rank[idx], micro[idx] = b.rank, b.micro
     return rank, micro
 
