@@ -75,6 +75,7 @@ import argparse
 import datetime
 import json
 import math
+import multiprocessing
 import os
 import socket
 import statistics
@@ -230,6 +231,10 @@ def _rank_main(rank: int, a: dict[str, Any], out_dir: str) -> None:
                    "params": sum(p.numel() for p in params)}, f)
     dist.barrier()
     dist.destroy_process_group()
+    # the loader's forked workers inherit the end of this process's sentinel that `train`
+    # waits on: left to notice this exit (up to 30 s in HF streaming), they would hold it
+    for child in multiprocessing.active_children():
+        child.kill()
     os._exit(0)  # loader workers and the service client need not be drained
 
 
