@@ -115,9 +115,10 @@ class Window:
     Attributes
     ----------
     epoch, window : int
-    table : ndarray of int64, shape (n, 7)
+    table : ndarray of int32 or int64, shape (n, 7)
         Per piece ``epoch, unit, row, chunk, start, end, doc_len`` (a
-        :class:`Piece` without its source).
+        :class:`Piece` without its source); int32 where every value fits, else
+        int64 (a planner holds the tables of every window a step draws from).
     lengths : list of int
         Per piece ``end - start``.
     """
@@ -247,7 +248,8 @@ class SourceStream:
         first = np.cumsum(k) - k
         chunk = np.arange(len(doc), dtype=np.int64) - first[doc]
         start = chunk * s
-        table = np.empty((len(doc), 7), dtype=np.int64)
+        narrow = max(e, len(self.units), int(dr.max(initial=0)), int(dn.max(initial=0))) < 2**31
+        table = np.empty((len(doc), 7), dtype=np.int32 if narrow else np.int64)
         table[:, 0] = e
         table[:, 1] = du[doc]
         table[:, 2] = dr[doc]

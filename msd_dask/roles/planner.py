@@ -126,7 +126,7 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     # and its sorted copy were most of the planner's peak memory
     con_of_dp = np.arange(dp, dtype=np.int64) % n
     row_con = np.repeat(con_of_dp, n_rows)
-    piece_con = np.repeat(row_con, row_len)
+    piece_con = np.repeat(row_con.astype(np.int32 if n < 2**31 else np.int64), row_len)
     order = np.argsort(piece_con, kind="stable")
     piece_con = piece_con[order]
     src = plan.table
@@ -156,7 +156,8 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     table[:, 1] = np.asarray(slots, dtype=np.int64).reshape(-1)[inverse]
     del inverse
     # each constructor's paths: its (source, unit) pairs, numbered from 0 in its own list
-    key = piece_con * len(names)
+    key = piece_con.astype(np.int64)
+    key *= len(names)
     key += s
     key *= n_units
     key += u
