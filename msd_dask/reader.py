@@ -29,6 +29,7 @@ each training process memory).
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 import weakref
@@ -329,10 +330,11 @@ class Reader:
             try:
                 if call is None:
                     poll = min(POLL, max(0.1, deadline - time.monotonic()))
-                    call = call_actor(constructor, DataConstructor.next_round, self.rank,
-                                      self._done(), self._view, report_after=self.report_after,
-                                      wait=poll, ranks=self.ranks)
-                answer = call.result(timeout=POLL + wait)
+                    call = call_actor(constructor, DataConstructor.next_round_packed,
+                                      self.rank, self._done(), self._view,
+                                      report_after=self.report_after, wait=poll,
+                                      ranks=self.ranks)
+                answer = pickle.loads(call.result(timeout=POLL + wait))
             except TimeoutError:
                 # a slow constructor only answers late; look less and less often, one
                 # look per process and interval (thousands of ranks may wait at once)

@@ -19,7 +19,8 @@ to ``--plot``), when each source's count last changed and how often it reversed.
 A third run, "no costly", has no costly source (``--mode io``: both sources behind
 `store_1x`; ``--mode cpu``: no preprocessing): what this machine delivers at this
 demand when no source is costly, and the service's own CPU per token then
-(``--no-reference`` skips it).  "CPU conv." is the cores every process of the run
+(``--no-reference`` skips it; ``--reference-only`` runs it alone, for comparing
+the service's own CPU between two versions).  "CPU conv." is the cores every process of the run
 (consumer, scheduler, workers) used after convergence.  ``--prefetch 0`` takes the
 batches in the consumer's thread, one rank after the other (the consumer of earlier
 versions of this benchmark).
@@ -40,6 +41,7 @@ measurements) and reports each ratio and their median.
     python scripts/bench_scaling.py --mode cpu --seconds 50
     python scripts/bench_scaling.py --mode cpu --seconds 50 --micro-batches 4 --step-seconds 0.16
     python scripts/bench_scaling.py --mode cpu --seconds 50 --repeat 3
+    python scripts/bench_scaling.py --mode cpu --seconds 25 --reference-only
 
 ``--micro-batches 4 --step-seconds 0.16``: the same demand in four times fewer,
 larger steps (4 rows of 4096 tokens per rank every 160 ms), where the service's
@@ -292,6 +294,31 @@ def cores_allow(cfg: dict[str, Any], cores: int, seconds: float = 8.0, one_core:
     return rates, one, 1.0 / (0.5 / rates["costly"] + 0.5 / rates["code"])
 
 
+def reference_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The config of the "no costly" run: ``--mode io``, both sources behind ``store_1x``;
+    ``--mode cpu``, no preprocessing."""
+    ref = make_config(args.data, "fixed", args.mode,
+                      PREP + "store_1x" if args.mode == "io" else None,
+                      read_ahead_tokens=args.read_ahead_tokens,
+                      micro_batches=args.micro_batches, prefetch=args.service_prefetch)
+    if args.mode == "cpu":
+        ref["sources"][1].pop("preprocess", None)
+    return ref
+
+
+def _reference_only(args: argparse.Namespace, seconds: float, demand: float) -> int:
+    """``--reference-only``: the "no costly" run alone, and the service's own CPU per token."""
+    r = run(reference_config(args), seconds, args.step_seconds, args.workers, args.prefetch)
+    print(f"no costly source ({args.mode} mode), {seconds:.0f}s, {args.workers} workers on "
+          f"{os.cpu_count() or 1} cores; demand {demand:,.0f} tokens/s")
+    print(f"delivered {r['tokens_per_s']:,.0f} tokens/s ({r['converged_tokens_per_s']:,.0f} "
+          f"after convergence), waited {r['wait']:.1%} ({r['converged_wait']:.1%})")
+    print(f"service's own CPU with no costly source: {r['converged_cpu_per_token'] * 1e6:.2f} "
+          f"us/token ({r['converged_cores']:.2f} cores at {r['converged_tokens_per_s']:,.0f} "
+          "tokens/s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,7 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reference", action="store_true",
                    help="skip the third run, with no costly source (io: both store_1x; cpu: "
                         "no preprocessing), which also measures the service's own CPU")
+    p.add_argument("--reference-only", action="store_true",
+                   help="only that third run: the service's own CPU per token (cpu mode), "
+                        "and what it delivers at this demand")
     args = p.parse_args(argv)
+    if args.reference_only and args.no_reference:
+        p.error("--reference-only and --no-reference exclude each other")
     for flag in ("micro_batches", "repeat", "service_prefetch"):
         if getattr(args, flag) < 1:  # before the corpus is written or anything measured
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
@@ -356,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     demand = RANKS * SEQ_LEN * mb / args.step_seconds
     ceiling = None
     allow: list[tuple[dict[str, float], float, float]] = []
+    if args.reference_only:
+        return _reference_only(args, seconds, demand)
     raw = make_config(args.data, "fixed", args.mode, args.costly, pool, args.read_ahead_tokens)
     cfgs = {policy: make_config(args.data, policy, args.mode, args.costly, pool,
                                 args.read_ahead_tokens, mb, args.service_prefetch)
@@ -386,13 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_reference:
         # what this machine delivers at this demand when no source is costly, and (cpu mode)
         # what the service itself costs in CPU per token then
-        ref = make_config(args.data, "fixed", args.mode,
-                          PREP + "store_1x" if args.mode == "io" else None,
-                          read_ahead_tokens=args.read_ahead_tokens, micro_batches=mb,
-                          prefetch=args.service_prefetch)
-        if args.mode == "cpu":
-            ref["sources"][1].pop("preprocess", None)
-        res["no costly"] = run(ref, seconds, args.step_seconds, args.workers, args.prefetch)
+        res["no costly"] = run(reference_config(args), seconds, args.step_seconds,
+                               args.workers, args.prefetch)
     if allow:
         rates, _, ceiling = max(allow, key=lambda a: a[2])
     print(f"mode {args.mode}: costly source '{costly}'"

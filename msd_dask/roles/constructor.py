@@ -24,6 +24,7 @@ waits for room, which is the service's backpressure.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from msd_dask.core.packing import pack_rows, split_pieces, to_wire
+from msd_dask.dask_internals import call_remote_actor
 from msd_dask.roles.direct import direct
 
 __all__ = ["POLL", "DataConstructor", "StepPieces", "StepWork", "constructor_of"]
@@ -222,8 +224,10 @@ class DataConstructor:
             await self._room.wait_for(
                 lambda: len(self._held_steps) + steps <= self.prefetch or self._closed)
 
-    async def submit(self, steps: list[StepWork], room: int = 0, force: bool = False) -> None:
-        """Accept a round: ``(step, work, info)`` of each step for this constructor's DP ranks.
+    async def submit(self, round_steps: list[StepWork] | bytes, room: int = 0,
+                     force: bool = False) -> None:
+        """Accept a round, ``round_steps``: ``(step, work, info)`` of each step for this
+        constructor's DP ranks.
 
         The round is fetched (one message per loader for all its steps), built
         and posted (one round per rank for all its steps) together.  Waits
@@ -231,8 +235,14 @@ class DataConstructor:
         for ``room`` more steps: the planner's next round, without another
         message.  ``force`` skips both waits: the planner re-sends recent
         steps to a re-created constructor.
+
+        A planner on another worker sends the round pickled (``bytes``): Dask
+        would serialise every array of every step on its own, with a header of its
+        own, at both ends.
         """
         assert self._room is not None and self._work is not None
+        steps: list[StepWork] = (pickle.loads(round_steps) if isinstance(round_steps, bytes)
+                                 else round_steps)
         if self._closed or not steps:
             return
         held = sum(1 for _step, work, _info in steps if work)
@@ -328,7 +338,10 @@ class DataConstructor:
     async def _fetch(self, source: str, slot: int, requests: np.ndarray) -> list[np.ndarray]:
         """Fetch from a loader slot; if its loader is lost or retired, retry on the actor
         the planner puts in that slot (:meth:`set_loaders`) until ``timeout``."""
+        from distributed.actor import Actor
+
         from msd_dask.errors import DataError
+        from msd_dask.roles.loader import SourceLoader
 
         deadline = time.monotonic() + self.timeout
         while True:
@@ -336,8 +349,13 @@ class DataConstructor:
 
             async def call(h: Any) -> Any:
                 # a lost actor's handle raises on access; a loader on this worker is
-                # called directly (msd_dask.roles.direct)
-                return await direct(h).fetch(requests)
+                # called directly (msd_dask.roles.direct), one on another worker sends
+                # its answer as one pickled bytes (SourceLoader.fetch_packed)
+                target = direct(h)
+                if not isinstance(target, Actor):
+                    return await target.fetch(requests)
+                return pickle.loads(await call_remote_actor(
+                    target, SourceLoader.fetch_packed, requests.tobytes()))
 
             task = asyncio.ensure_future(call(loader))
             # a call to a lost worker's actor can hang: give up on it as soon as the
@@ -453,6 +471,19 @@ class DataConstructor:
                 await asyncio.wait_for(posted.wait(), left)
             except TimeoutError:
                 pass
+
+    async def next_round_packed(self, rank: int, done: int = -1,
+                                view: tuple[int, int, int, int] = (0, 1, 0, 1),
+                                report_after: float | None = None, wait: float = POLL,
+                                ranks: list[int] | None = None) -> bytes:
+        """:meth:`next_round`'s answer pickled into one ``bytes``: what a reader asks for.
+
+        A Dask message measures the size of every object of an answer and serialises
+        each array on its own, with a header of its own; one ``bytes`` costs both ends
+        a fraction of that (the copy of the tensors into it is cheap).
+        """
+        answer = await self.next_round(rank, done, view, report_after, wait, ranks)
+        return pickle.dumps(answer, protocol=5)
 
     async def notify(self, message: str) -> None:
         """Tell every member rank ``message`` (an error) once it has its rounds posted here."""

@@ -34,6 +34,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import pickle
 import time
 import uuid
 from collections import Counter
@@ -42,7 +43,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
-from msd_dask.dask_internals import actor_address, release_actor, worker_actors
+from msd_dask.dask_internals import actor_address, call_remote_actor, release_actor, worker_actors
 from msd_dask.roles.constructor import DataConstructor, StepPieces, StepWork
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
@@ -176,10 +177,16 @@ class RoleSupervisor:
 
     async def _workers(self, placeable: bool = False) -> list[str]:
         """Workers the scheduler knows; ``placeable``: only running ones (not paused, closing
-        or being retired), where a new role can start."""
-        info = await self._client.scheduler.identity()
-        return sorted(w for w, d in info["workers"].items()
-                      if not placeable or d.get("status", "running") == "running")
+        or being retired), where a new role can start.
+
+        Asks for the workers' thread counts (``ncores``, ``ncores_running``), not the
+        scheduler's ``identity``: :meth:`heal` asks twice a second, and ``identity``
+        carries every worker's metrics, which the scheduler builds and this worker
+        reads each time.
+        """
+        scheduler = self._client.scheduler
+        threads = await (scheduler.ncores_running() if placeable else scheduler.ncores())
+        return sorted(threads)
 
     async def _place(self, n: int = 1) -> list[str]:
         """The workers for ``n`` new roles placed one after the other, each on the live
@@ -350,8 +357,17 @@ class RoleSupervisor:
         """Hand every constructor its share of a round of ``steps`` and return once each
         has room for ``room`` more (:meth:`DataConstructor.submit`); survives constructors
         lost meanwhile (one re-created got the recent steps already: not sent again)."""
-        await self._on_constructors(
-            lambda i, c: c.submit([(s, w[i], info) for s, w, info in steps], room), resend=False)
+        from distributed.actor import Actor
+
+        async def submit(i: int, constructor: Any) -> None:
+            work = [(s, w[i], info) for s, w, info in steps]
+            if isinstance(constructor, Actor):  # on another worker: pickled, see its submit
+                await call_remote_actor(constructor, DataConstructor.submit,
+                                        pickle.dumps(work, protocol=5), room)
+            else:
+                await constructor.submit(work, room)
+
+        await self._on_constructors(submit, resend=False)
 
     async def _on_constructors(self, call: Callable[[int, Any], Awaitable[Any]],
                                resend: bool) -> None:

@@ -57,6 +57,29 @@ def test_counts_below_one_are_refused_before_anything_runs(flag, capsys) -> None
     assert f"{flag} 0: must be at least 1" in capsys.readouterr().err
 
 
+def test_reference_only_and_no_reference_are_refused_together(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_scaling.main(["--mode", "cpu", "--reference-only", "--no-reference"])
+    assert exc.value.code == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+
+def test_the_reference_run_has_no_costly_preprocessing() -> None:
+    """``--reference-only`` runs the config of the full run's "no costly" one: cpu mode
+    drops the costly source's preprocessing, io mode puts both behind ``store_1x``."""
+    import argparse
+
+    def args(mode: str) -> argparse.Namespace:
+        return argparse.Namespace(data="d", mode=mode, read_ahead_tokens=0, micro_batches=2,
+                                  service_prefetch=8)
+
+    cpu, io = bench_scaling.reference_config(args("cpu")), bench_scaling.reference_config(args("io"))
+    assert all("preprocess" not in s for s in cpu["sources"])
+    assert [s["preprocess"] for s in io["sources"]] == [bench_scaling.PREP + "store_1x"] * 2
+    assert cpu["prefetch"] == 8 and cpu["batch"]["micro_batches"] == 2
+    assert cpu["scaling"]["policy"] == "fixed"
+
+
 def test_the_service_prefetch_is_the_configs() -> None:
     cfg = bench_scaling.make_config("data", "adaptive", "cpu", prefetch=8)
     assert cfg["prefetch"] == 8

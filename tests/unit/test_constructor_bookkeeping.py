@@ -161,3 +161,36 @@ def test_a_round_taken_for_several_ranks_of_a_group_is_sent_once_and_counts_for_
         con._task.cancel()
 
     asyncio.run(run())
+
+
+def test_a_round_sent_pickled_is_built_as_one_sent_as_it_is_and_answered_pickled() -> None:
+    """A planner on another worker sends a round pickled (``submit`` of ``bytes``) and a
+    reader asks ``next_round_packed``: the same batches as the round sent as objects and
+    asked for with ``next_round``."""
+    import pickle
+
+    async def answers(pickled: bool) -> list[Any]:
+        con = _bare({0: [0]}, timeout=60.0)
+        con.loaders = {"toy": {0: ToyLoader()}}
+        con._work = asyncio.Queue()
+        con._task = asyncio.create_task(con._builder())
+        work = [(step, step_pieces({0: [[("toy", 0, 0, 0, 10 * step, 0, 3, 0,
+                                           f"f:{10 * step}")]]}),
+                 {"rank_cost": [1.0]}) for step in range(2)]
+        await con.submit(pickle.dumps(work, protocol=5) if pickled else work)
+        if pickled:
+            got = [pickle.loads(await con.next_round_packed(0, -1)),
+                   pickle.loads(await con.next_round_packed(0, 1, wait=0.1))]
+        else:
+            got = [await con.next_round(0, -1), await con.next_round(0, 1, wait=0.1)]
+        await con.close()
+        con._task.cancel()
+        return got
+
+    plain, pickled = asyncio.run(answers(False)), asyncio.run(answers(True))
+    assert pickled[1] is None and plain[1] is None
+    assert pickled[0]["steps"] == plain[0]["steps"] == [0, 1]
+    for a, b in zip(pickled[0]["payloads"], plain[0]["payloads"], strict=True):
+        a, b = from_wire(a), from_wire(b)
+        assert a.keys() == b.keys()
+        np.testing.assert_equal(a, b)

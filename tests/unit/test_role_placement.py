@@ -112,9 +112,12 @@ class _Scheduler:
         self.workers = workers
         self.calls = 0
 
-    async def identity(self) -> dict[str, object]:
+    async def ncores(self) -> dict[str, int]:
         self.calls += 1
-        return {"workers": {w: {"status": "running"} for w in self.workers}}
+        return {w: 1 for w in self.workers}
+
+    async def ncores_running(self) -> dict[str, int]:
+        return await self.ncores()
 
 
 class _Client:
