@@ -77,6 +77,7 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -232,7 +233,9 @@ def _rank_main(rank: int, a: dict[str, Any], out_dir: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     # the loader's forked workers inherit the end of this process's sentinel that `train`
-    # waits on: left to notice this exit (up to 30 s in HF streaming), they would hold it
+    # waits on: left to notice this exit (up to 30 s in HF streaming), they would hold it;
+    # killed without the DataLoader's SIGCHLD handler, which would raise in this thread
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         child.kill()
     os._exit(0)  # loader workers and the service client need not be drained
