@@ -16,8 +16,16 @@ the innermost Dask/Python function.  ``--cheap`` replaces the costly
 source's preprocessing by none (both sources cheap): the service's own CPU cost
 per step at the same demand.
 
+``--calls`` counts, per process and step, the messages it serves (Dask RPCs by
+name, actor calls by role and method, e.g. ``constructor.next_round_packed``), the
+calls between roles on one worker (``direct DataConstructor.submit``: no message),
+and the CPU of its event loop per task (the coroutine each callback runs, e.g.
+``Server._handle_comm``: every message served; ``PeriodicCallback._run``: Dask's
+heartbeats and monitors), measured on the loop's thread.
+
     python scripts/profile_scaling.py --policy adaptive --seconds 40
     python scripts/profile_scaling.py --policy fixed --cheap --seconds 40
+    python scripts/profile_scaling.py --policy fixed --cheap --seconds 24 --calls
 """
 
 from __future__ import annotations
@@ -136,6 +144,103 @@ def _count_writes(dask_worker: Any = None) -> None:
     IOStream.write_to_fd = write_to_fd  # type: ignore[method-assign]
 
 
+_ROLES = ("planner", "constructor", "loader")
+
+
+def _role_of(key: Any) -> str:
+    """The role of an actor key ``msd-{service}-{role}-...`` (the key itself if none)."""
+    parts = str(key).split("-")
+    return next((r for r in _ROLES if r in parts), str(key))
+
+
+def _count_calls(server: Any, counts: collections.Counter[str]) -> None:
+    """Count what ``server`` (a worker or the scheduler) serves, into ``counts``:
+    ``"#call rpc {op}"``, ``"#call stream {op}"``, ``"#call rpc {role}.{method}"`` for an
+    actor call; ``"#call direct {Class}.{method}"`` for a call between roles on one worker;
+    and ``"#loop {task}"``, the CPU seconds of the event loop's callbacks per coroutine
+    (``#``: not a stack sample, see :func:`_top`)."""
+    import asyncio.events
+    import functools
+    import inspect
+
+    for kind, table in (("rpc", server.handlers), ("stream", server.stream_handlers)):
+        for op, handler in list(table.items()):
+            if getattr(handler, "_msd_counted", False):
+                continue
+
+            def counted(op: str = op, handler: Any = handler, kind: str = kind) -> Any:
+                if inspect.iscoroutinefunction(handler):
+                    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                        name = (f"{_role_of(kwargs.get('actor'))}.{kwargs.get('function')}"
+                                if op == "actor_execute" else op)
+                        counts[f"#call {kind} {name}"] += 1
+                        return await handler(*args, **kwargs)
+                else:
+                    def wrapper(*args: Any, **kwargs: Any) -> Any:
+                        counts[f"#call {kind} {op}"] += 1
+                        return handler(*args, **kwargs)
+                # Dask reads the handler's signature (whether it takes ``comm``)
+                out = functools.wraps(handler)(wrapper)
+                out._msd_counted = True  # type: ignore[attr-defined]
+                return out
+
+            table[op] = counted()
+    from msd_dask.roles import direct
+
+    if not getattr(direct._Local, "_msd_counted", False):
+        getattr_ = direct._Local.__getattr__
+
+        def local_getattr(self: Any, name: str) -> Any:
+            counts[f"#call direct {type(self._obj).__name__}.{name}"] += 1
+            return getattr_(self, name)
+
+        direct._Local.__getattr__ = local_getattr  # type: ignore[method-assign]
+        direct._Local._msd_counted = True  # type: ignore[attr-defined]
+    handle = asyncio.events.Handle
+    if getattr(handle._run, "_msd_counted", False):
+        return
+    run = handle._run
+    clock = time.thread_time
+
+    def timed(self: Any) -> None:
+        cb = self._callback  # None after the handle ran, if it was cancelled meanwhile
+        t0 = clock()
+        try:
+            run(self)
+        finally:
+            task = getattr(cb, "__self__", None)
+            coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+            what = (getattr(coro, "__qualname__", type(coro).__name__) if coro is not None
+                    else getattr(cb, "__qualname__", type(cb).__name__))
+            counts[f"#loop {what}"] += clock() - t0
+
+    timed._msd_counted = True  # type: ignore[attr-defined]
+    handle._run = timed  # type: ignore[method-assign]
+
+
+def _count_worker_calls(dask_worker: Any) -> None:
+    _count_calls(dask_worker, _samples(dask_worker))
+
+
+def _count_scheduler_calls(dask_scheduler: Any) -> None:
+    _count_calls(dask_scheduler, _SAMPLES)
+
+
+def _calls(before: dict[str, float], after: dict[str, float], steps: int) -> list[str]:
+    """Lines of :func:`_count_calls`' counts in the window, per step."""
+    d = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith(("#call ", "#loop "))}
+    steps = max(steps, 1)
+    out = [f"      {v / steps:6.3f}/step  {k[6:]}"
+           for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if k.startswith("#call ") and v]
+    loop = {k[6:]: v for k, v in d.items() if k.startswith("#loop ")}
+    if loop:
+        out.append(f"    event loop CPU per task: {sum(loop.values()) / steps * 1e3:.2f} ms/step")
+        out += [f"      {v / steps * 1e3:6.3f} ms/step  {k}"
+                for k, v in sorted(loop.items(), key=lambda kv: -kv[1])[:12]
+                if v / steps >= 2e-5]
+    return out
+
+
 def _worker_sample(dask_worker: Any) -> dict[str, Any]:
     return {"threads": _thread_times(), "loop": dict(_samples(dask_worker)),
             "roles": sorted(str(k)[4:].split("-", 1)[-1] for k in dask_worker.state.actors),
@@ -192,6 +297,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="the config's round_steps (0: its default, prefetch - 1)")
     p.add_argument("--nice", type=int, default=0,
                    help="variant: run the loaders' read threads at this nice value")
+    p.add_argument("--watch", type=float, default=0.05,
+                   help="seconds between two looks at what the planner is blocked on (0: "
+                        "none); each look is a message the planner's worker serves, about 1 ms "
+                        "of its CPU per step at the default")
+    p.add_argument("--calls", action="store_true",
+                   help="count the messages each process serves per step (by RPC, actor role "
+                        "and method), the calls between roles on one worker, and its event "
+                        "loop's CPU per task")
     args = p.parse_args(argv)
     import psutil
 
@@ -215,8 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         stop = threading.Event()
         planner = svc.planner
 
-        def watch() -> None:  # what the planning loop is blocked on, every 50 ms
-            while not stop.wait(0.05):
+        def watch() -> None:  # what the planning loop is blocked on, every --watch seconds
+            while args.watch > 0 and not stop.wait(args.watch):
                 try:
                     w = planner.stats().result()["waiting"]
                 except Exception as e:  # noqa: BLE001 - a missed sample
@@ -230,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         _start_sampler(thread="IO loop")
         client.run(_count_writes)
         _count_writes()
+        if args.calls:
+            client.run(_count_worker_calls)
+            client.run_on_scheduler(_count_scheduler_calls)
         readers = [Prefetcher(svc.reader(r), 2, name=f"rank-{r}") for r in range(bench.RANKS)]
         me = psutil.Process()
         t_start = time.perf_counter()
@@ -272,19 +388,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"constructors: {built} batches, fetch {fetch / max(built, 1) * 1e3:.1f} ms and pack "
           f"{build / max(built, 1) * 1e3:.1f} ms per batch (wall)")
     n = sum(waits.values()) or 1
-    print("planner blocked on (share of 50 ms samples): " + ", ".join(
+    print(f"planner blocked on (share of {args.watch * 1e3:.0f} ms samples): " + ", ".join(
         f"{k} {v / n:.0%}" for k, v in waits.most_common()))
     total = 0.0
     rows = []
     d = {k: end["main"].get(k, 0) - samples["main"].get(k, 0) for k in end["main"]}
     rows.append(("consumer+scheduler", end["main_cpu"] - samples["main_cpu"], d,
-                 _top(samples["loop"], end["loop"]), _writes(samples["loop"], end["loop"])))
+                 _top(samples["loop"], end["loop"]), _writes(samples["loop"], end["loop"]),
+                 _calls(samples["loop"], end["loop"], steps)))
     for w, e in end["workers"].items():
         s = samples["workers"][w]
         d = {k: e["threads"].get(k, 0) - s["threads"].get(k, 0) for k in e["threads"]}
         rows.append((w.rsplit(":", 1)[-1] + " " + ",".join(e["roles"]), e["cpu"] - s["cpu"],
-                     d, _top(s["loop"], e["loop"]), _writes(s["loop"], e["loop"])))
-    for name, cpu, threads, top, (writes, written) in rows:
+                     d, _top(s["loop"], e["loop"]), _writes(s["loop"], e["loop"]),
+                     _calls(s["loop"], e["loop"], steps)))
+    for name, cpu, threads, top, (writes, written), calls in rows:
         total += cpu
         print(f"\n{name}: {cpu / dt:.1%} of a core ({cpu / max(steps, 1) * 1e3:.2f} ms/step; "
               f"{writes / max(steps, 1):.1f} socket writes, {written / max(steps, 1):,.0f} bytes "
@@ -296,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
             print("    event loop, share of its stack samples:")
             for f, share in top:
                 print(f"      {share:6.1%}  {f}")
+        if calls:
+            print("    messages served and calls between roles on this worker:")
+            print("\n".join(calls))
     print(f"\nall processes: {total / dt:.2f} cores, {total / max(steps, 1) * 1e3:.2f} ms of CPU "
           f"per step; {total / dt / (os.cpu_count() or 1):.1%} of the machine")
     return 0

@@ -1,0 +1,32 @@
+"""``scripts/profile_scaling.py``: the pure helpers of its per-message and per-task figures."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts"))
+
+import profile_scaling  # noqa: E402
+
+
+def test_an_actor_key_names_its_role_whatever_the_service_name() -> None:
+    assert profile_scaling._role_of("msd-scaling-fixed-constructor-1-ab12cd34") == "constructor"
+    assert profile_scaling._role_of("msd-a-loader-code-0-ab12cd34") == "loader"
+    assert profile_scaling._role_of("msd-x-planner-0f0f0f0f") == "planner"
+    assert profile_scaling._role_of("other-key") == "other-key"
+
+
+def test_call_counts_are_per_step_and_apart_from_the_stack_samples() -> None:
+    before = {"#call rpc constructor.submit": 10, "#loop Server._handle_comm": 0.5,
+              "idle (waiting in select)": 100, "#writes": 3}
+    after = {"#call rpc constructor.submit": 30, "#call direct SourceLoader.fetch": 20,
+             "#loop Server._handle_comm": 0.7, "idle (waiting in select)": 300, "#writes": 9}
+    lines = profile_scaling._calls(before, after, steps=40)
+    assert lines[0].split() == ["0.500/step", "rpc", "constructor.submit"]
+    assert lines[1].split() == ["0.500/step", "direct", "SourceLoader.fetch"]
+    assert lines[2].strip() == "event loop CPU per task: 5.00 ms/step"
+    assert lines[3].split() == ["5.000", "ms/step", "Server._handle_comm"]
+    # the stack samples' shares leave the counts out
+    assert profile_scaling._top(before, after) == [("idle (waiting in select)", 1.0)]
