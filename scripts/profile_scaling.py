@@ -223,7 +223,14 @@ def _count_worker_calls(dask_worker: Any) -> None:
 
 
 def _count_scheduler_calls(dask_scheduler: Any) -> None:
-    _count_calls(dask_scheduler, _SAMPLES)
+    # kept on the scheduler: a function of ``__main__`` reaches it by value, with copies of
+    # its globals, even in this process
+    _count_calls(dask_scheduler, _samples(dask_scheduler))
+
+
+def _scheduler_counts(dask_scheduler: Any) -> dict[str, float]:
+    """What :func:`_count_scheduler_calls` counted so far (the consumer's process)."""
+    return dict(_samples(dask_scheduler))
 
 
 def _calls(before: dict[str, float], after: dict[str, float], steps: int) -> list[str]:
@@ -359,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                            "cons": _constructor_times(svc),
                            "loop": dict(_SAMPLES),
                            "workers": client.run(_worker_sample), "wall": time.time(),
+                           "sched": client.run_on_scheduler(_scheduler_counts) if args.calls
+                           else {},
                            "main_cpu": sum(me.cpu_times()[:2])}
                 steps = tokens = 0
                 waited = 0.0
@@ -370,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             tokens += sum(b.num_tokens for b in batches)
         end = {"t": time.perf_counter(), "main": _thread_times(), "loop": dict(_SAMPLES),
                "cons": _constructor_times(svc),
-               "workers": client.run(_worker_sample), "main_cpu": sum(me.cpu_times()[:2])}
+               "workers": client.run(_worker_sample), "main_cpu": sum(me.cpu_times()[:2]),
+               "sched": client.run_on_scheduler(_scheduler_counts) if args.calls else {}}
         stop.set()
         loaders = svc.stats()["planner"]["loaders"]
         decisions = client.run_on_scheduler(_decisions)
@@ -395,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     d = {k: end["main"].get(k, 0) - samples["main"].get(k, 0) for k in end["main"]}
     rows.append(("consumer+scheduler", end["main_cpu"] - samples["main_cpu"], d,
                  _top(samples["loop"], end["loop"]), _writes(samples["loop"], end["loop"]),
-                 _calls(samples["loop"], end["loop"], steps)))
+                 _calls(samples["sched"], end["sched"], steps)))
     for w, e in end["workers"].items():
         s = samples["workers"][w]
         d = {k: e["threads"].get(k, 0) - s["threads"].get(k, 0) for k in e["threads"]}
