@@ -30,3 +30,38 @@ def test_call_counts_are_per_step_and_apart_from_the_stack_samples() -> None:
     assert lines[3].split() == ["5.000", "ms/step", "Server._handle_comm"]
     # the stack samples' shares leave the counts out
     assert profile_scaling._top(before, after) == [("idle (waiting in select)", 1.0)]
+
+
+def test_the_schedulers_counts_are_kept_on_it_and_read_back(monkeypatch) -> None:
+    """The consumer's row read its counts from the module's globals, which the counting
+    function (reaching the in-process scheduler by value) never filled: they are kept on
+    the scheduler object and read back from it."""
+    import asyncio
+    import asyncio.events
+
+    from msd_dask.roles import direct
+
+    # _count_calls patches these process-wide: put them back after the test
+    monkeypatch.setattr(asyncio.events.Handle, "_run", asyncio.events.Handle._run)
+    monkeypatch.setattr(direct._Local, "__getattr__", direct._Local.__getattr__)
+    monkeypatch.setattr(direct._Local, "_msd_counted", False, raising=False)
+
+    class Server:
+        def __init__(self) -> None:
+            self.handlers = {"ncores": lambda comm=None: {"w": 1}}
+            self.stream_handlers = {"heartbeat-client": lambda comm=None: None}
+
+    server = Server()
+    profile_scaling._count_scheduler_calls(server)
+    server.handlers["ncores"]()
+    server.handlers["ncores"]()
+    server.stream_handlers["heartbeat-client"]()
+
+    async def tick() -> None:
+        await asyncio.sleep(0)
+
+    asyncio.run(tick())
+    counts = profile_scaling._scheduler_counts(server)
+    assert counts["#call rpc ncores"] == 2 and counts["#call stream heartbeat-client"] == 1
+    assert any(k.startswith("#loop ") for k in counts)
+    assert not any(k.startswith("#call") for k in profile_scaling._SAMPLES)
