@@ -273,14 +273,20 @@ def fmt_compose(r: ComposeRow) -> str:
 
 
 def rss_mib() -> tuple[float, float]:
-    """This process's resident memory now and at its peak, MiB (Linux ``/proc``)."""
+    """This process's resident memory now and at its peak, MiB (Linux ``/proc``).
+
+    The peak is ``VmHWM``, the high-water mark of this process's own memory.  Not
+    ``ru_maxrss``: Linux carries that over an ``exec``, so a child spawned by a large
+    parent would report the parent's size (its fork shared all of the parent's pages).
+    """
     import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, peak
-    except OSError:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+    except (OSError, KeyError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return peak, peak
 
 
