@@ -445,9 +445,10 @@ def main(argv: list[str] | None = None) -> int:
             "micro-batch the rank holding the longest piece is the bound.  Composition: every\n"
             "cell with 2 or 4 micro-batches is within 1.05 of the mean and 1% of the bound, rows\n"
             "≥ 96% full; without the delay 2 micro-batches gave 1.13–1.15 at 128K.  End to end:\n"
-            "far from the goals (100 ms at 4K, 1 s at 128K, 1 GiB): one process in Python plans\n"
-            "about 7 µs per piece at 4K (most in `balanced`'s greedy start) and 11 µs at 128K\n"
-            "(most in `kept_rows`' best fit).")
+            "the process stays under 1 GiB at 128K (int32 tables while planning), the times far\n"
+            "from their goals (100 ms at 4K, 1 s at 128K).  The per-piece loops are compiled\n"
+            "(numba, `core/_kernels.py`); most of the rest is numpy over millions of pieces\n"
+            "(tables gathered, copied, sorted).")
         write_section(args.write, intro + "\n\n" + "\n\n".join(blocks))
         print(f"wrote the '## Balance' section of {args.write}")
     return 0
