@@ -38,9 +38,14 @@ for t in threads:
 
 
 def _arenas(mode: str, **env: str) -> tuple[str, int]:
-    """What the probe printed, and its arenas while 6 threads held an allocation each."""
+    """What the probe printed, and its arenas while 6 threads held an allocation each.
+
+    The probe's environment has ``MALLOC_ARENA_MAX`` only from ``env``: a Dask nanny
+    started in this process (an embedded cluster of an earlier test) leaves its
+    ``pre-spawn-environ`` in this process's environment."""
+    base = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
     res = subprocess.run([sys.executable, "-c", ARENAS, mode], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, **env})
+                         timeout=60, env={**base, **env})
     assert res.returncode == 0, res.stderr
     return res.stdout.strip(), sum(line.startswith("Arena ") for line in res.stderr.splitlines())
 
