@@ -159,6 +159,12 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         listed = list(published) if published is not None else await self._client.list_datasets()
         names = [n for n in listed if str(n).startswith(_PREFIX)]
         self.polls += 1
+        # closed services first, before any registry is fetched: a fetch tells the
+        # scheduler every key this plugin's client holds, and a closed service's keys
+        # are gone (the scheduler warns "desires key ... but key is unknown")
+        live = {str(k)[len(_PREFIX):] for k in names}
+        for gone in self._known() - live:
+            self._forget(gone)
         for key in names:
             name = str(key)[len(_PREFIX):]
             registry = await self._registry(key)
@@ -190,13 +196,22 @@ class MsdSchedulerPlugin(SchedulerPlugin):
 
             self._wanted[name] = roles_wanted(snap["constructors"], snap["planner"]["loaders"],
                                               self._targets.get(name))
-        live = {str(k)[len(_PREFIX):] for k in names}
-        for gone in (set(self.services) | set(self._configs)) - live:
-            # a later service of the same name may have another config
-            for d in (self.services, self._configs, self._scalers, self._targets, self._wanted):
-                d.pop(gone, None)
-        for gone in set(self._registries) - live:
-            del self._registries[gone]
+
+    def _per_service(self) -> tuple[dict[str, Any], ...]:
+        """Every table this plugin keeps per service name."""
+        return (self.services, self.rates, self.imbalance, self.decisions, self._configs,
+                self._scalers, self._targets, self._wanted, self._registries)
+
+    def _known(self) -> set[str]:
+        """Names of the services this plugin holds anything for."""
+        return set().union(*self._per_service())
+
+    def _forget(self, name: str) -> None:
+        """Drop everything held for service ``name`` (closed): its registry (the handles
+        that keep its keys referenced), figures, history and policy state; a later service
+        of that name starts afresh (its own config, history from its step 0)."""
+        for table in self._per_service():
+            table.pop(name, None)
 
     async def _registry(self, key: Any) -> dict[str, Any]:
         """A service's published registry; fetched (≈21 KB) only when published anew.
@@ -210,6 +225,10 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         cached = self._registries.get(name)
         if cached is not None and entry is not None and cached[0] is entry:
             return cached[1]
+        # the stale registry's handles go before the fetch (see :meth:`poll`): the planner
+        # it names may be gone (re-created, or the service closed and started again)
+        del cached
+        self._registries.pop(name, None)
         registry = await self._client.get_dataset(key)
         self.registry_fetches += 1
         self._registries[name] = (entry, registry)

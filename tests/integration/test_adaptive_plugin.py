@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import dask
 import pytest
+from distributed import Client, LocalCluster
 from test_adaptive import serve_steps_until
 
 from msd_dask import DataService
@@ -24,6 +26,46 @@ def _plugin_state(dask_scheduler):
     return {"polls": p.polls, "fetches": p.registry_fetches, "services": sorted(p.services),
             "scalers": scalers,
             "decisions": {n: list(d) for n, d in p.decisions.items()}}
+
+
+_PER_SERVICE = ("services", "rates", "imbalance", "decisions", "_configs", "_scalers", "_targets",
+                "_wanted", "_registries")
+
+
+def _held_for(name, dask_scheduler):
+    """The plugin's per-service tables that still hold an entry for service ``name``."""
+    p = dask_scheduler.plugins["msd_dask"]
+    return sorted(t for t in _PER_SERVICE if name in getattr(p, t))
+
+
+def test_plugin_forgets_a_closed_service_and_never_desires_its_keys(corpus):
+    # the plugin kept a closed service's registry until the end of its next poll, and its
+    # history, rates and decisions for good; a registry fetched meanwhile (here: another
+    # service published anew, as a re-created planner does) tells the scheduler every key
+    # the plugin's client holds, so the scheduler warned "desires key 'msd-gone-planner-...'
+    # but key is unknown"
+    root, _ = corpus
+    gone = config(root, name="gone", scaling={"policy": "adaptive", "cooldown": 1.0})
+    with warnings.catch_warnings(record=True) as caught, \
+            LocalCluster(n_workers=1, threads_per_worker=2, dashboard_address=":0") as cl, \
+            Client(cl) as client:
+        warnings.simplefilter("always")
+        with DataService.start(config(root, name="stays"), cl.scheduler_address) as stays:
+            with DataService.start(gone, cl.scheduler_address) as svc:
+                readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
+                serve_steps_until(readers, [], lambda: {"services", "_scalers"} <= set(
+                    client.run_on_scheduler(_held_for, "gone")),
+                    "the plugin polled the service twice", timeout=60)
+            client.publish_dataset(stays.link.registry, name="msd-stays", override=True)
+            polls = client.run_on_scheduler(_plugin_state)["polls"]
+            deadline = time.monotonic() + 30
+            while client.run_on_scheduler(_plugin_state)["polls"] < polls + 3:
+                assert time.monotonic() < deadline, "three more polls within 30 s"
+                time.sleep(0.2)
+            held = client.run_on_scheduler(_held_for, "gone")
+            assert "stays" in client.run_on_scheduler(_plugin_state)["services"]
+    unknown = [str(w.message) for w in caught if "but key is unknown" in str(w.message)]
+    assert (held, unknown) == ([], []), (held, unknown)
 
 
 def serve_until_cpu_cap(svc, source: str, more: float, timeout: float
