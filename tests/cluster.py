@@ -103,8 +103,36 @@ def start_serve(cfg: dict, tmp: str, address: str, *extra: str) -> subprocess.Po
     proc = subprocess.Popen(
         [sys.executable, "-m", "msd_dask.cli", "serve", path, "--scheduler", address, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return _announced(proc, f"serving {cfg['name']!r}")
+
+
+def start_agent(address: str, name: str, sock: str, env: dict[str, str], ranks: str,
+                groups: str, prefetch: int | None = None) -> subprocess.Popen:
+    """``msd-dask agent`` of service ``name`` for ``ranks`` (``"A-B"``), returned once it
+    serves; ``groups``: the groups it must announce (``"0,1; 2,3"``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "msd_dask.cli", "agent", "--scheduler", address, "--name", name,
+         "--ranks", ranks, "--socket", sock,
+         *(["--prefetch", str(prefetch)] if prefetch is not None else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return _announced(proc, f"agent of {name!r} serves ranks {groups} on {sock}")
+
+
+def _announced(proc: subprocess.Popen, text: str) -> subprocess.Popen:
+    """``proc`` once its first line of output says ``text`` (killed if it says otherwise)."""
     line = proc.stdout.readline()
-    if f"serving {cfg['name']!r}" not in line:
+    if text not in line:
         proc.kill()
         raise AssertionError(line + proc.stdout.read())
     return proc
+
+
+def stop_proc(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """Stop ``proc`` with ``sig`` (killed if it has not exited 30 s later)."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from msd_dask.service import DataService
 from msd_dask.service.agent_client import AGENT_ENV, BLOCK_PREFIX, SHM_DIR
 
 from checks import check_content, check_exactly_once, read_steps, wait_until
-from cluster import dask_cluster
+from cluster import dask_cluster, start_agent, stop_proc
 from corpus import config, write_corpus
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: checks.py
@@ -78,29 +77,6 @@ def _blocks_of(pid: int) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
-def _start_agent(address: str, name: str, sock: str, env: dict[str, str]) -> subprocess.Popen:
-    """``msd-dask agent`` for ranks 0-3, returned once it serves."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "msd_dask.cli", "agent", "--scheduler", address, "--name", name,
-         "--ranks", "0-3", "--socket", sock, "--prefetch", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    line = proc.stdout.readline()
-    if f"agent of {name!r} serves ranks 0,1; 2,3 on {sock}" not in line:
-        proc.kill()
-        raise AssertionError(line + proc.stdout.read())
-    return proc
-
-
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
 def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
     root = str(tmp_path / "corpus")
     texts = write_corpus(root)
@@ -117,7 +93,7 @@ def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
         direct = DataService.start(dict(cfg, name="agentdirect"), cl["address"])
         try:
             assert _clients(svc, cl) == {_pid_bits(os.getpid())}  # the services' owner
-            agent = _start_agent(cl["address"], "agentit", sock, env)
+            agent = start_agent(cl["address"], "agentit", sock, env, "0-3", "0,1; 2,3", prefetch=1)
             with_agent = {_pid_bits(os.getpid()), _pid_bits(agent.pid)}
             assert _clients(svc, cl) == with_agent  # the host's one client
             outs = [str(tmp_path / f"r{i}.pkl") for i in range(2)]
@@ -146,7 +122,7 @@ def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
                 p.stdin.flush()
                 assert p.wait(60) == 0
             agent_pid = agent.pid
-            _stop(agent)
+            stop_proc(agent)
             assert agent.returncode == 0, agent.stdout.read()
             assert _blocks_of(agent_pid) == [] and not os.path.exists(sock)
         finally:
@@ -154,7 +130,7 @@ def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
                 if p.poll() is None:
                     p.kill()
             if agent is not None:
-                _stop(agent)
+                stop_proc(agent)
                 for name in _blocks_of(agent.pid):  # a failed run leaves nothing behind
                     os.unlink(os.path.join(SHM_DIR, name))
             direct.close()
