@@ -9,7 +9,8 @@ service to a re-created planner or constructor, and the constructor skips the
 steps the rank already has (:meth:`Reader.load_state_dict`).
 
 A reader that pauses tells its constructor the last step it returned: a claim
-tells it only that the rank returned every step before the round.  When a reader
+tells it only that the rank returned every step before the round (a host agent's
+reader, which claims ahead of its ranks, tells what they took instead).  When a reader
 has returned a step its constructor does not know of and is not asked for the
 next batch for :data:`REPORT_IDLE` seconds, one daemon thread per process sends
 that step (one fire-and-forget call,
@@ -303,6 +304,14 @@ class Reader:
         self._known = (key, int(step))
         return call
 
+    def _returned_through(self) -> int | None:
+        """What a claim tells the constructor this reader returned: ``None``, every step
+        before the round it claims (this reader claims a round once it returned the
+        steps it held).  A reader that claims ahead of what it returned says the step
+        (:class:`~msd_dask.service.agent.AgentGroupReader`); the constructor then
+        learns that it paused from its report only."""
+        return None
+
     def _batch(self, wire: dict[str, Any]) -> Batch:
         """What this reader hands out for one payload of its constructor (the wire form of
         :func:`msd_dask.core.packing.to_wire`): the rank's :class:`~msd_dask.batch.Batch`."""
@@ -324,16 +333,19 @@ class Reader:
         c = self._c
         constructor = self.link.constructors[c]
         call: Any = None
+        returned: int | None = None  # what the call in flight told the constructor
         wait = CLAIM_WAIT
         while True:
             max_age = 0.0
             try:
                 if call is None:
                     poll = min(POLL, max(0.1, deadline - time.monotonic()))
+                    returned = self._returned_through()
+                    told = {} if returned is None else {"returned": returned}
                     call = call_actor(constructor, DataConstructor.next_round_packed,
                                       self.rank, self._done(), self._view,
                                       report_after=self.report_after, wait=poll,
-                                      ranks=self.ranks)
+                                      ranks=self.ranks, **told)
                 answer = pickle.loads(call.result(timeout=POLL + wait))
             except TimeoutError:
                 # a slow constructor only answers late; look less and less often, one
@@ -354,8 +366,8 @@ class Reader:
                 if answer is not None:
                     if "error" in answer:
                         raise ServiceError(f"service {self.link.name!r}: {answer['error']}")
-                    steps = answer["steps"]
-                    self._known = (constructor.key, int(steps[0]) - 1)  # it knows the steps before
+                    if returned is None:  # it knows the steps before the round
+                        self._known = (constructor.key, int(answer["steps"][0]) - 1)
                     return [self._batch(p) for p in answer["payloads"]]
                 # nothing built for this rank within POLL: is the planner still there?
                 self._check_deadline(deadline, waiting_for)

@@ -50,6 +50,11 @@ def constructor_of(dp: int, n_constructors: int) -> int:
     return dp % n_constructors
 
 
+def _at_most(step: int, returned: int | None) -> int:
+    """``step``, or ``returned`` if a caller said so and it is lower."""
+    return step if returned is None else min(step, int(returned))
+
+
 #: A planned piece as a constructor builds it (:meth:`StepPieces.items`):
 #: (source, loader index, epoch, unit, row, start, end, chunk, key)
 WorkItem = tuple[str, int, int, int, int, int, int, int, str]
@@ -167,12 +172,13 @@ class DataConstructor:
         self.claimed: defaultdict[int, int] = defaultdict(int)
         self.last_claimed: dict[int, int] = {}
         #: rank -> last step it returned as far as this constructor knows: a reader
-        #: claims a round when it has returned every step before it, and reports the
-        #: last step it returned when it then pauses (:meth:`returned_through`)
+        #: claims a round when it has returned every step before it (a host agent's
+        #: reader, ahead of its ranks, says what they took), and reports the last step
+        #: it returned when it then pauses (:meth:`returned_through`)
         self.returned: dict[int, int] = {}
         #: rank -> what last raised ``returned``: ``"claim"`` (the steps before the
-        #: round), ``"pause"`` (its report after pausing: exact while it stays paused)
-        #: or ``"skip"``
+        #: round), ``"taken"`` (a claim's ``returned``: what an agent's ranks took),
+        #: ``"pause"`` (its report after pausing: exact while it stays paused) or ``"skip"``
         self.returned_by: dict[int, str] = {}
         #: rank -> seconds its reader waits, after its loop stops asking, before it reports
         self.report_after: dict[int, float] = {}
@@ -384,7 +390,8 @@ class DataConstructor:
     async def next_round(self, rank: int, done: int = -1,
                          view: tuple[int, int, int, int] = (0, 1, 0, 1),
                          report_after: float | None = None, wait: float = POLL,
-                         ranks: list[int] | None = None) -> dict[str, Any] | None:
+                         ranks: list[int] | None = None,
+                         returned: int | None = None) -> dict[str, Any] | None:
         """Global ``rank``'s next round: the batches of its steps after ``done``.
 
         Waits up to ``wait`` seconds for a round to be posted to the rank; ``None``
@@ -410,6 +417,13 @@ class DataConstructor:
         ``ranks``: more ranks of ``rank``'s DP group that take the round with it, sent
         once (a host agent reading for the tensor-parallel ranks of its host); they
         share its ``view`` and ``done``.
+
+        ``returned``: the last step every rank of the call returned (``-1``: none), when
+        that is not the step before the round: a host agent claims rounds ahead of its
+        ranks and sends the last step they all took
+        (:class:`~msd_dask.service.agent.AgentGroupReader`).  By default a claim tells
+        this actor the ranks returned every step before the round (a reader claims a
+        round once it returned the one before).
         """
         from msd_dask.core.mesh import view_for_rank
 
@@ -428,6 +442,7 @@ class DataConstructor:
             for r in group:
                 self.report_after[r] = float(report_after)
         posted = self._posted.setdefault(rank, asyncio.Event())
+        skip_by, claim_by = ("skip", "claim") if returned is None else ("taken", "taken")
         while True:
             rounds = self._rounds.get(rank)
             while rounds:
@@ -439,7 +454,7 @@ class DataConstructor:
                 if had:
                     for r in group:
                         self._drop_posted(r, had[-1])
-                        self._raise_returned(r, had[-1], "skip")
+                        self._raise_returned(r, _at_most(had[-1], returned), skip_by)
                 steps = [s for s in steps if s > done]
                 if not steps:
                     continue
@@ -448,9 +463,11 @@ class DataConstructor:
                 if missing:
                     raise KeyError(f"step(s) {missing} of rank {rank} are not held by "
                                    f"constructor {self.index} (already claimed)")
-                # the rank returned every step before this round (it asks when it has none left)
+                # the rank returned every step before this round (it asks when it has none
+                # left), unless the caller says it returned less (an agent reads ahead)
+                through = _at_most(steps[0] - 1, returned)
                 for r in group:
-                    self._raise_returned(r, steps[0] - 1, "claim")
+                    self._raise_returned(r, through, claim_by)
                 payloads = []
                 for s in steps:
                     batch = await self._hand_over((s, dp), group)
@@ -475,14 +492,15 @@ class DataConstructor:
     async def next_round_packed(self, rank: int, done: int = -1,
                                 view: tuple[int, int, int, int] = (0, 1, 0, 1),
                                 report_after: float | None = None, wait: float = POLL,
-                                ranks: list[int] | None = None) -> bytes:
+                                ranks: list[int] | None = None,
+                                returned: int | None = None) -> bytes:
         """:meth:`next_round`'s answer pickled into one ``bytes``: what a reader asks for.
 
         A Dask message measures the size of every object of an answer and serialises
         each array on its own, with a header of its own; one ``bytes`` costs both ends
         a fraction of that (the copy of the tensors into it is cheap).
         """
-        answer = await self.next_round(rank, done, view, report_after, wait, ranks)
+        answer = await self.next_round(rank, done, view, report_after, wait, ranks, returned)
         return pickle.dumps(answer, protocol=5)
 
     async def notify(self, message: str) -> None:
@@ -528,9 +546,12 @@ class DataConstructor:
     def _raise_returned(self, rank: int, step: int, by: str) -> None:
         """``rank`` returned every step up to ``step`` (learnt from a ``by``).  A report
         that arrives after a claim of the same step (sent before the reader resumed)
-        does not hide the claim."""
+        does not hide the claim; an agent's claim of the same step as a report (it
+        reads ahead while its ranks stay paused) does not hide the report, and a report
+        hides such a claim."""
         known = self.returned.get(rank, -1)
-        if step > known or (step == known and by != "pause"):
+        if step > known or step == known and (
+                by in ("claim", "skip") or by == "pause" and self.returned_by.get(rank) == "taken"):
             self.returned[rank] = step
             self.returned_by[rank] = by
 

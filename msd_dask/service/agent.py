@@ -16,11 +16,14 @@ rank.  It starts reading a group once each of its ranks asked for a first step,
 from the lowest step they all lack (a rank restarted from
 :meth:`~msd_dask.service.agent_client.AgentReader.load_state_dict` skips what it has;
 so does the group's reader).
-When it pauses, the group's reader reports the slowest rank's last step as the step
-it returned (:class:`AgentGroupReader`), not the last step the agent read; its claims
-still tell the constructor the steps before each claimed round were returned, so
-:meth:`DataService.consumed_step` may count up to ``prefetch - 1`` steps ahead of the
-slowest rank (``prefetch=1`` makes it exact).
+What the service learns the group returned is the slowest rank's last step, not the
+last step the agent read (:class:`AgentGroupReader`): each claim of a round carries it
+(the constructor takes it, not the steps before the round, for the group's ranks),
+and once the agent stops reading (its ranks stopped, and it read ``prefetch`` steps
+ahead) the group's reader reports it, as a direct reader reports a pause.  So
+:meth:`DataService.consumed_step`, and ``DataService.state_dict()`` without a step,
+taken while every rank is stopped after returning step ``k``, is step ``k``, whatever
+the ``prefetch``: the steps the agent read ahead are served again after a resume.
 """
 
 from __future__ import annotations
@@ -305,10 +308,11 @@ class GroupReader(Protocol):
 
 
 class AgentGroupReader(Reader):
-    """A :class:`~msd_dask.reader.Reader` of a group of ranks for :class:`HostAgent`: its
-    :meth:`state_dict` (what the reader reports returning when it pauses) is the last
-    step every rank of the group took from the agent (:meth:`mark_taken`), not the
-    last step the agent read ahead.  It hands out each step's wire form
+    """A :class:`~msd_dask.reader.Reader` of a group of ranks for :class:`HostAgent`: what
+    it tells the constructor it returned is the last step every rank of the group took
+    from the agent (:meth:`mark_taken`), not the last step the agent read ahead: its
+    claims say so (:meth:`_returned_through`), and so does its :meth:`state_dict` (what
+    it reports when it pauses).  It hands out each step's wire form
     (:class:`WireBatch`): the agent never builds tensors, and never imports torch."""
 
     #: the last step every rank of the group has (``None``: none yet)
@@ -332,6 +336,12 @@ class AgentGroupReader(Reader):
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the last step every rank of the group took."""
         return {"rank": self.rank, "step": self.taken}
+
+    def _returned_through(self) -> int:
+        """The last step every rank of the group took (``-1``: none), sent with each claim:
+        the agent claims rounds ahead of its ranks, so the step before a round is not
+        what they returned."""
+        return -1 if self.taken is None else self.taken
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The default checkpoint: ``svc.state_dict()`` with no step, taken while ranks read in other
 processes are stopped after returning step K - 1 in the middle of a round, is the state of
 step K - 1, and a service resumed from it continues with step K exactly as the
-uninterrupted run did.  A rank that cannot say what it returned makes the call refuse."""
+uninterrupted run did; so too when the ranks read through a host agent that reads
+ahead of them.  A rank that cannot say what it returned makes the call refuse."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import sys
 import pytest
 
 from msd_dask import DataService
+from msd_dask.service.agent_client import AGENT_ENV
 
 from checks import record
+from cluster import start_agent, stop_proc
 from corpus import config, write_corpus
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: reader_proc.py
@@ -27,8 +30,10 @@ class Rank:
     """A training process reading one rank (``reader_proc.py --driven``): it reads a step
     when told to and otherwise waits, as a loop stopped at a checkpoint does."""
 
-    def __init__(self, address: str, name: str, rank: int, out: str):
+    def __init__(self, address: str, name: str, rank: int, out: str, agent: str | None = None):
         env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if agent is not None:  # read through the host agent on socket ``agent``
+            env[AGENT_ENV] = agent
         self.out = out
         self.proc = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "reader_proc.py"), address, name, str(rank),
@@ -71,16 +76,25 @@ def _read_until_held(svc: DataService, ranks: list[Rank], first: int, at_least: 
     raise AssertionError("no step found where every rank holds a step it has not returned")
 
 
-def test_default_state_after_step_k_resumes_with_step_k_plus_1(tmp_path):
+@pytest.mark.parametrize("through_agent", [False, True], ids=["direct", "agent"])
+def test_default_state_after_step_k_resumes_with_step_k_plus_1(tmp_path, through_agent):
+    """``through_agent``: the ranks read through one ``msd-dask agent``, which claims rounds
+    up to ``prefetch`` steps ahead of them: the state is still the step they returned."""
     root = str(tmp_path / "corpus")
     write_corpus(root)
     # rounds of prefetch - 1 = 3 steps: a rank stopped mid-round holds claimed steps
     cfg = config(root, name="defckpt", prefetch=4)
     world = 2
+    agent = None
+    ranks: list[Rank] = []
     with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
         address = svc.client.scheduler.address
-        ranks = [Rank(address, "defckpt", r, str(tmp_path / f"r{r}.pkl")) for r in range(world)]
+        sock = str(tmp_path / "agent.sock") if through_agent else None
         try:
+            if sock is not None:  # one group per rank (dp=2), read ahead ``prefetch`` steps
+                agent = start_agent(address, "defckpt", sock, dict(os.environ), "0-1", "0; 1")
+            ranks = [Rank(address, "defckpt", r, str(tmp_path / f"r{r}.pkl"), sock)
+                     for r in range(world)]
             # the training loop finished step k = last on every rank, which still holds
             # step k + 1 (and maybe more) of its round
             last = _read_until_held(svc, ranks, 0, at_least=5)
@@ -106,6 +120,8 @@ def test_default_state_after_step_k_resumes_with_step_k_plus_1(tmp_path):
             for r in ranks:
                 if r.proc.poll() is None:
                     r.proc.kill()
+            if agent is not None:
+                stop_proc(agent)
     by_step = {(rec["step"], rec["rank"]): rec for rec in full}
     assert sorted(by_step) == [(s, r) for s in range(last + 1 + M) for r in range(world)]
     with DataService.start(cfg, resume=state, n_workers=1, threads_per_worker=2) as svc:

@@ -67,6 +67,20 @@ class ToyLoader:
                             for _ep, _u, r, s, e in requests])
 
 
+async def _serving(members: dict[int, list[int]], steps: int) -> DataConstructor:
+    """A constructor building from a :class:`ToyLoader`, with ``steps`` rounds of one step
+    submitted: row ``10 * step + dp`` of each DP rank (pieces of 4 tokens)."""
+    con = _bare(members, timeout=60.0)
+    con.loaders = {"toy": {0: ToyLoader()}}
+    con._work = asyncio.Queue()
+    con._task = asyncio.create_task(con._builder())
+    for step in range(steps):
+        await con.submit([(step, step_pieces({d: [[("toy", 0, 0, 0, 10 * step + d, 0, 3, 0,
+                                                    f"f:{10 * step + d}")]] for d in members}),
+                           {"rank_cost": [1.0] * len(members)})])
+    return con
+
+
 def test_next_round_skips_what_a_rank_has_and_mark_had_releases_only_its_group() -> None:
     """Two DP groups of two ranks, three rounds of one step: a rank's call finds its
     group's rounds, skips (releases) the steps it says it has, ``mark_had`` releases
@@ -74,19 +88,7 @@ def test_next_round_skips_what_a_rank_has_and_mark_had_releases_only_its_group()
     notice reaches a rank after its last round."""
 
     async def run() -> None:
-        members = {0: [0, 1], 1: [2, 3]}
-        con = _bare(members, timeout=60.0)
-        con.loaders = {"toy": {0: ToyLoader()}}
-        con._work = asyncio.Queue()
-        con._task = asyncio.create_task(con._builder())
-
-        def work(step: int) -> tuple:
-            return (step, step_pieces({d: [[("toy", 0, 0, 0, 10 * step + d, 0, 3, 0,
-                                                f"f:{10 * step + d}")]] for d in members}),
-                    {"rank_cost": [1.0, 1.0]})
-
-        for step in range(3):
-            await con.submit([work(step)])
+        con = await _serving({0: [0, 1], 1: [2, 3]}, 3)
         got = await con.next_round(2, -1)
         assert got["steps"] == [0]
         b = from_wire(got["payloads"][0])
@@ -135,15 +137,7 @@ def test_a_round_taken_for_several_ranks_of_a_group_is_sent_once_and_counts_for_
     rank not in the call still gets its own copy, and a rank of another group is refused."""
 
     async def run() -> None:
-        members = {0: [0, 1, 2], 1: [3]}
-        con = _bare(members, timeout=60.0)
-        con.loaders = {"toy": {0: ToyLoader()}}
-        con._work = asyncio.Queue()
-        con._task = asyncio.create_task(con._builder())
-        for step in range(2):
-            await con.submit([(step, step_pieces({d: [[("toy", 0, 0, 0, 10 * step + d, 0, 3, 0,
-                                                        f"f:{10 * step + d}")]] for d in members}),
-                               {"rank_cost": [1.0, 1.0]})])
+        con = await _serving({0: [0, 1, 2], 1: [3]}, 2)
         await _built(con, 2)
         got = await con.next_round(0, -1, ranks=[0, 1])
         assert got["steps"] == [0] and len(got["payloads"]) == 1
@@ -194,3 +188,34 @@ def test_a_round_sent_pickled_is_built_as_one_sent_as_it_is_and_answered_pickled
         a, b = from_wire(a), from_wire(b)
         assert a.keys() == b.keys()
         np.testing.assert_equal(a, b)
+
+
+def test_an_agents_claims_count_what_its_ranks_took_not_the_steps_before_the_round() -> None:
+    """A host agent claims rounds ahead of its ranks and says what they took
+    (``returned``): the constructor counts that, not the steps before the round, in
+    ``next_round`` and ``next_round_packed`` alike; a claim without it counts the steps
+    before the round (a direct reader)."""
+    import pickle
+
+    async def run() -> None:
+        con = await _serving({0: [0, 1], 1: [2]}, 4)
+        await _built(con, 4)
+        # the agent of ranks 0 and 1 reads steps 0-2 before its ranks took any
+        assert (await con.next_round(0, -1, ranks=[0, 1], returned=-1))["steps"] == [0]
+        got = pickle.loads(await con.next_round_packed(0, 0, ranks=[0, 1], returned=-1))
+        assert got["steps"] == [1]
+        assert (await con.next_round(0, 1, ranks=[0, 1], returned=-1))["steps"] == [2]
+        assert 0 not in con.returned and 1 not in con.returned
+        # its ranks took step 0, and it reads step 3
+        got = pickle.loads(await con.next_round_packed(0, 2, ranks=[0, 1], returned=0))
+        assert got["steps"] == [3]
+        assert {r: (con.returned[r], con.returned_by[r]) for r in (0, 1)} == {
+            0: (0, "taken"), 1: (0, "taken")}
+        # a direct reader's claims count the steps before each round
+        for step in range(3):
+            assert (await con.next_round(2, step - 1))["steps"] == [step]
+        assert (con.returned[2], con.returned_by[2]) == (1, "claim")
+        await con.close()
+        con._task.cancel()
+
+    asyncio.run(run())

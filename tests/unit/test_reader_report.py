@@ -87,6 +87,26 @@ def test_constructor_counts_claims_and_pauses() -> None:
     asyncio.run(run())
 
 
+def test_constructor_keeps_an_agents_pause_over_its_claims_ahead() -> None:
+    """A host agent claims ahead of its ranks, telling what they took (``"taken"``): a claim
+    of the step its ranks paused at, before or after its report, leaves the report (its
+    ranks did not move); a claim of a later step counts."""
+    con = DataConstructor("unit", 0, {0: [0, 1]}, 8, 0, prefetch=4)
+
+    async def run() -> None:
+        con._raise_returned(0, 3, "taken")  # the agent read ahead; its ranks took step 3
+        await con.returned_through(0, 3)  # they stopped there: its report
+        assert (con.returned[0], con.returned_by[0]) == (3, "pause")
+        con._raise_returned(0, 3, "taken")  # it reads on while they stay stopped
+        assert (con.returned[0], con.returned_by[0]) == (3, "pause")
+        con._raise_returned(0, 4, "taken")  # they resumed
+        assert (con.returned[0], con.returned_by[0]) == (4, "taken")
+        con._raise_returned(0, 2, "taken")  # a claim sent earlier, arriving late
+        assert con.returned[0] == 4
+
+    asyncio.run(run())
+
+
 def test_a_forked_child_starts_with_its_own_reporter() -> None:
     """A DataLoader worker forked while the parent's reporter watches a reader and holds
     its lock gets no reader of the parent's and a lock it can take."""
