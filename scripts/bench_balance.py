@@ -35,7 +35,9 @@ the steps (the outlier hold fills first), and a check that no piece came twice.
 into 256 constructors' work (:func:`msd_dask.roles.planner.split_plan`) and
 keeping it packed (:func:`~msd_dask.roles.planner.pack_work`, as the planner's
 actor keeps the last ``prefetch`` steps for re-created constructors; Dask
-pickles the work it sends in about the time of the split), and the process's
+pickles the work it sends in about the time of the split) with the planner's
+state after the step (a packed :class:`~msd_dask.core.plan.PlannerSnapshot`, as
+the actor keeps one per recent step for checkpoints), and the process's
 resident memory after the steps and at its peak.
 
 Columns of the placement tables, per configuration (means over the steps; the time is the median):
@@ -293,7 +295,7 @@ def rss_mib() -> tuple[float, float]:
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
     """The planner's work per step at ``dp`` ranks, end to end, and its memory while it keeps
     the work of the last ``prefetch`` steps for re-created constructors, as its actor does."""
-    from msd_dask.roles.planner import pack_work, split_plan
+    from msd_dask.roles.planner import pack_snapshot, pack_work, split_plan
 
     cfg = default_config(dp, 8, seq_len)
     pl = planner_for(cfg, 1 << 16)
@@ -306,6 +308,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
             return key[2] % 16
 
     kept: list[list[bytes]] = []
+    snapshots: list[bytes] = []  # the actor's: 2 x prefetch + 16 steps
     plan_s, split_s, pack_s, pieces = [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -314,19 +317,21 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
         work = split_plan(plan, min(constructors, dp), Owner(), relpath, names)
         t2 = time.perf_counter()
         kept.append([pack_work(w) for w in work])
+        snapshots.append(pack_snapshot(pl.snapshot()))
         t3 = time.perf_counter()
         plan_s.append(t1 - t0)
         split_s.append(t2 - t1)
         pack_s.append(t3 - t2)
         pieces.append(len(plan.table))
-        del kept[:-cfg.prefetch]
+        del kept[:-cfg.prefetch], snapshots[:-(2 * cfg.prefetch + 16)]
         del plan, work
     now, peak = rss_mib()
     return {"dp": dp, "seq_len": seq_len, "pieces": float(np.mean(pieces)),
             "plan": float(np.median(plan_s)), "split": float(np.median(split_s)),
             "pack": float(np.median(pack_s)),
             "total": float(np.median(np.add(np.add(plan_s, split_s), pack_s))),
-            "rss": now, "peak": peak, "kept": sum(len(b) for step in kept for b in step) / 2**20}
+            "rss": now, "peak": peak,
+            "kept": (sum(len(b) for step in kept for b in step) + sum(map(len, snapshots))) / 2**20}
 
 
 SCALE_HEADER = ("| dp × rows per rank | seq_len | pieces/step | plan ms | split ms | keep ms "
@@ -438,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             "**Composition**: the planner itself with the default config (outlier delay `auto`,\n"
             "two lognormal sources), so the step's pieces are its own choice.  **End to end**:\n"
             "the planner at dp = 16,384 × 8 rows: `plan_step`, `split_plan` into 256\n"
-            "constructors, and `pack_work` (what it keeps for re-created constructors), with the\n"
+            "constructors, and `pack_work` (what it keeps for re-created constructors) with the\n"
+            "planner's state after the step (packed, as the actor keeps it for checkpoints), with the\n"
             "process's RSS after the steps and at its peak (each context in a fresh process).\n\n"
             "**Reading it.** Placement: with 4 micro-batches `balanced` is within a fraction of a\n"
             "percent of the capacity bound where naive packing is up to 2.2× the mean; with one\n"

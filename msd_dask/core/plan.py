@@ -6,7 +6,8 @@ picks (token shares follow the weights in force), fills the step's
 ``dp × micro_batches × seq_len`` token capacity, and assigns pieces to DP
 ranks and micro-batches with the configured balance strategy.  Pieces that do
 not fit are carried, in order, to the front of the next step, so every piece
-is delivered exactly once.  Its whole state is a small JSON-able dict.
+is delivered exactly once.  Its whole state is a JSON-able dict (:meth:`Planner.state_dict`),
+or a :class:`PlannerSnapshot` taken without a pass over its pieces.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ HOLD_GROUPS = 4
 #: its shortest (or once they are held too long, or the hold is full)
 RELEASE_SPREAD = 1.25
 
-__all__ = ["Planner", "StepPlan", "NeedMetadata", "pieces_of"]
+__all__ = ["Planner", "PlannerSnapshot", "StepPlan", "NeedMetadata", "pieces_of"]
 
 
 @dataclass
@@ -135,6 +136,67 @@ def pieces_of(table: np.ndarray, sources: Sequence[str]) -> list[Piece]:
         cols = table[i:i + _SLICE].T.tolist()
         out.extend(map(new_piece, zip([sources[j] for j in cols[0]], *cols[1:], strict=True)))
     return out
+
+
+@dataclass(frozen=True)
+class PlannerSnapshot:
+    """The planner's whole state after a step, as :meth:`Planner.snapshot` takes it.
+
+    Taken without a pass over the pieces: ``carry``, ``held`` and ``held_step`` are
+    the planner's own tables, which it replaces each step and never writes to, so
+    a snapshot stays the state of its step (the rest is copied).  At dp 16,384 ×
+    128K a step carries and holds about 10⁶ pieces, and :meth:`to_state`, a list
+    per piece, takes seconds: the planner's actor keeps a snapshot of each recent
+    step (compressed) and makes the JSON form only when asked for it.
+
+    Attributes
+    ----------
+    step : int
+        The next step to plan.
+    sources : tuple of str
+        The sources in config order (column 0 of the tables indexes it).
+    streams, mixer : dict
+        Each stream's position and the mixer's credit.
+    carry, held : ndarray of int, shape (n, 8)
+        Piece tables: the pieces carried to the next step, the outliers held back.
+    held_step : ndarray of int64
+        The step each held outlier was drawn at.
+    overrides : tuple of (int, dict)
+        Live weight changes: (from_step, {source: weight}).
+    tokens, pieces : dict
+        Tokens and pieces planned so far, per source.
+    cost : (float, float)
+        The cost model's linear and quadratic coefficients.
+    """
+
+    step: int
+    sources: tuple[str, ...]
+    streams: dict[str, dict[str, int]]
+    mixer: dict[str, float]
+    carry: np.ndarray
+    held: np.ndarray
+    held_step: np.ndarray
+    overrides: tuple[tuple[int, dict[str, float]], ...]
+    tokens: dict[str, int]
+    pieces: dict[str, int]
+    cost: tuple[float, float]
+
+    def to_state(self) -> dict[str, Any]:
+        """The JSON-serialisable form (:meth:`Planner.state_dict`): the pieces as lists of
+        ``[source, epoch, unit, row, chunk, start, end, doc_len]``."""
+        names = self.sources
+        return {
+            "step": self.step,
+            "streams": {k: dict(s) for k, s in self.streams.items()},
+            "mixer": dict(self.mixer),
+            "carry": [[names[t[0]], *t[1:]] for t in self.carry.tolist()],
+            "held": [[[names[t[0]], *t[1:]], s]
+                     for t, s in zip(self.held.tolist(), self.held_step.tolist(), strict=True)],
+            "overrides": [[s, dict(w)] for s, w in self.overrides],
+            "tokens": dict(self.tokens),
+            "pieces": dict(self.pieces),
+            "cost": list(self.cost),
+        }
 
 
 class Planner:
@@ -467,38 +529,52 @@ class Planner:
         return self.streams[source].upcoming_units(n)
 
     # ------------------------------------------------------------------- state
+    def snapshot(self) -> PlannerSnapshot:
+        """The planner's whole state now, without a pass over its pieces (see
+        :class:`PlannerSnapshot`)."""
+        return PlannerSnapshot(
+            step=self.step, sources=tuple(self._names),
+            streams={k: s.state_dict() for k, s in self.streams.items()},
+            mixer=self.mixer.state_dict(), carry=self._carry, held=self._held,
+            held_step=self._held_step,
+            overrides=tuple((s, dict(w)) for s, w in self.overrides),
+            tokens=dict(self.tokens), pieces=dict(self.pieces_planned),
+            cost=(self.cost.linear, self.cost.quadratic))
+
+    def load_snapshot(self, snap: PlannerSnapshot) -> None:
+        """Take the state of ``snap`` (of a planner of the same config)."""
+        if snap.sources != tuple(self._names):
+            raise ValueError(f"planner snapshot of sources {list(snap.sources)}, not "
+                             f"{self._names}")
+        self.step = snap.step
+        for k, s in snap.streams.items():
+            self.streams[k].load_state_dict(s)
+        self.mixer.load_state_dict(snap.mixer)
+        self._carry, self._held, self._held_step = snap.carry, snap.held, snap.held_step
+        self.overrides = [(s, dict(w)) for s, w in snap.overrides]
+        self.tokens = dict(snap.tokens)
+        self.pieces_planned = dict(snap.pieces)
+        self.cost = CostModel(*snap.cost)
+
     def state_dict(self) -> dict[str, Any]:
-        """The planner's whole state, small and JSON-serialisable."""
-        names = self._names
-        return {
-            "step": self.step,
-            "streams": {k: s.state_dict() for k, s in self.streams.items()},
-            "mixer": self.mixer.state_dict(),
-            "carry": [[names[t[0]], *t[1:]] for t in self._carry.tolist()],
-            "held": [[[names[t[0]], *t[1:]], s]
-                     for t, s in zip(self._held.tolist(), self._held_step.tolist(), strict=True)],
-            "overrides": [[s, dict(w)] for s, w in self.overrides],
-            "tokens": dict(self.tokens),
-            "pieces": dict(self.pieces_planned),
-            "cost": [self.cost.linear, self.cost.quadratic],
-        }
+        """The planner's whole state, JSON-serialisable (:meth:`PlannerSnapshot.to_state`)."""
+        return self.snapshot().to_state()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a state of :meth:`state_dict` (of a planner of the same config)."""
         state = copy.deepcopy(dict(state))
-        self.step = int(state["step"])
-        for k, s in state["streams"].items():
-            self.streams[k].load_state_dict(s)
-        self.mixer.load_state_dict(state["mixer"])
-        self._carry = self._table(state["carry"])
         held = state.get("held", [])
-        self._held = self._table([t for t, _ in held])
-        self._held_step = np.array([int(s) for _, s in held], dtype=np.int64)
-        self.overrides = [(int(s), {k: float(v) for k, v in w.items()})
-                          for s, w in state["overrides"]]
-        self.tokens = {k: int(v) for k, v in state["tokens"].items()}
-        self.pieces_planned = {k: int(v) for k, v in state["pieces"].items()}
-        if "cost" in state:
-            self.cost = CostModel(float(state["cost"][0]), float(state["cost"][1]))
+        cost = state.get("cost", [self.cost.linear, self.cost.quadratic])
+        self.load_snapshot(PlannerSnapshot(
+            step=int(state["step"]), sources=tuple(self._names), streams=state["streams"],
+            mixer=state["mixer"], carry=self._table(state["carry"]),
+            held=self._table([t for t, _ in held]),
+            held_step=np.array([int(s) for _, s in held], dtype=np.int64),
+            overrides=tuple((int(s), {k: float(v) for k, v in w.items()})
+                            for s, w in state["overrides"]),
+            tokens={k: int(v) for k, v in state["tokens"].items()},
+            pieces={k: int(v) for k, v in state["pieces"].items()},
+            cost=(float(cost[0]), float(cost[1]))))
 
 
 def _closest_group(lengths: np.ndarray, n: int, keep_first: bool) -> np.ndarray:

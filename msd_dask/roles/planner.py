@@ -27,14 +27,15 @@ from msd_dask.roles.constructor import StepPieces, StepWork
 from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
-    from msd_dask.core.plan import StepPlan
+    from msd_dask.core.plan import PlannerSnapshot, StepPlan
 
 # The planner's own modules (plan, stream, the role supervisor and the loader module it
 # imports, storage: fsspec, zstandard) are imported where the actor runs, not here: a
 # training process unpickling this actor's handle imports this module, and every module
 # costs each of them memory (tests/unit/test_imports.py).
 
-__all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "planner_state"]
+__all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "pack_snapshot",
+           "planner_state"]
 
 _log = logging.getLogger("msd_dask.roles.planner")
 
@@ -196,22 +197,45 @@ def pack_work(work: StepPieces) -> bytes:
     buffer (the input's size and more) however little of it the compressed bytes use,
     and the planner keeps ``prefetch`` steps of these.
     """
-    import pickle
-
-    import zstandard
-
-    out = zstandard.ZstdCompressor(level=1).compress(pickle.dumps(work, protocol=5))
-    return bytes(memoryview(out))
+    return _packed(work)
 
 
 def unpack_work(packed: bytes) -> StepPieces:
     """The work :func:`pack_work` kept."""
+    work: StepPieces = _unpacked(packed)
+    return work
+
+
+def pack_snapshot(snap: PlannerSnapshot) -> bytes:
+    """The planner's state after a step, packed as its actor keeps one per recent step
+    (:meth:`PlannerActor.state_at`, :meth:`PlannerActor.checkpoint`): 2-7 MiB at dp
+    16,384 × 128K, where its JSON form holds a list per carried and held piece."""
+    return _packed(snap)
+
+
+def _packed(obj: Any) -> bytes:
+    """``obj`` pickled and compressed (zstd level 1), in bytes of their own size."""
     import pickle
 
     import zstandard
 
-    work: StepPieces = pickle.loads(zstandard.ZstdDecompressor().decompress(packed))
-    return work
+    out = zstandard.ZstdCompressor(level=1).compress(pickle.dumps(obj, protocol=5))
+    return bytes(memoryview(out))
+
+
+def _unpacked(packed: bytes) -> Any:
+    """What :func:`_packed` packed."""
+    import pickle
+
+    import zstandard
+
+    return pickle.loads(zstandard.ZstdDecompressor().decompress(packed))
+
+
+def _state_of(packed: bytes) -> dict[str, Any]:
+    """The JSON form of a packed :class:`~msd_dask.core.plan.PlannerSnapshot`."""
+    state: dict[str, Any] = _unpacked(packed).to_state()
+    return state
 
 
 def _first_and_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -258,8 +282,9 @@ class PlannerActor:
         ``{source: [(path, part, row_offset), ...]}``, sorted.
     roots : dict
         ``{source: root directory}``; document keys are file paths relative to it.
-    state : dict, optional
-        A :meth:`DataService.state_dict` (or a bare planner state) to resume from.
+    state : dict or bytes, optional
+        A :meth:`DataService.state_dict` (or a bare planner state) to resume from,
+        or the ``state`` of the :meth:`checkpoint` of the planner this one replaces.
     generation : int
         0, then one more each time the service re-creates a lost planner; its
         constructors put it in every answer to a reader.
@@ -299,7 +324,7 @@ class PlannerActor:
     """
 
     def __init__(self, config: dict[str, Any], units: dict[str, list[tuple[str, int, int]]],
-                 roots: dict[str, str], state: dict[str, Any] | None = None, *,
+                 roots: dict[str, str], state: dict[str, Any] | bytes | None = None, *,
                  members: list[dict[int, list[int]]] | None = None, pad_id: int = 257,
                  loader_threads: int = 1, source_payloads: dict[str, dict[str, Any]] | None = None,
                  tokenizer: dict[str, Any] | None = None, generation: int = 0,
@@ -317,16 +342,22 @@ class PlannerActor:
         files = {k: SourceFiles(None, roots[k], []) for k in units}
         self._relpath = {k: [files[k].relpath(u.path) for u in v] for k, v in self.units.items()}
         self.planner = Planner(self.cfg, self.units)
-        if state is not None:
+        if isinstance(state, bytes):  # the checkpoint of the planner this one replaces
+            self.planner.load_snapshot(_unpacked(state))
+        elif state is not None:
             self.planner.load_state_dict(
                 planner_state(self.cfg, state) if "format" in state else state)
         #: step the service started at (resumed services do not start at 0)
         self.first_step = self.planner.step
-        #: planner state after each recent step, for :meth:`state_at`; bounded because
-        #: planning runs at most ``prefetch + round_steps`` steps ahead of any reader
-        self._snapshots: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        #: planner state after each recent step (a PlannerSnapshot, packed), for
+        #: :meth:`state_at` and :meth:`checkpoint`; bounded because planning runs at most
+        #: ``prefetch + round_steps`` steps ahead of any reader
+        self._snapshots: OrderedDict[int, bytes] = OrderedDict()
         self._keep = 2 * self.cfg.prefetch + 16
-        self._snapshot(self.planner.step - 1)
+        #: the last snapshot's step (the next to plan), tokens and pieces, for :meth:`stats`
+        self._counts: tuple[int, dict[str, int], dict[str, int]] = (0, {}, {})
+        first = self.planner.snapshot()
+        self._snapshot(self.planner.step - 1, first, pack_snapshot(first))
         #: role placement and recovery (see :class:`~msd_dask.roles.supervisor.RoleSupervisor`)
         self.roles = RoleSupervisor(self, members or [dict(enumerate(self.cfg.parallel.dp_groups()))],
                                     pad_id, loader_threads, source_payloads or {}, tokenizer or {})
@@ -699,11 +730,11 @@ class PlannerActor:
         return await asyncio.shield(job)
 
     def _plan_next(self) -> tuple[StepPlan, set[tuple[str, int, int]], dict[str, Any],
-                                  list[np.ndarray] | None]:
+                                  list[np.ndarray] | None, tuple[PlannerSnapshot, bytes]]:
         """In the planning thread: plan the next step (:meth:`Planner.plan_step`, which may
         raise ``NeedMetadata``), and what the loop keeps of it that takes a pass over its
         pieces: the units it uses, its history record, each DP rank's piece lengths (for
-        the cost fitter)."""
+        the cost fitter), and the planner's state after it (snapshot, packed)."""
         t0 = time.monotonic()
         plan = self.planner.plan_step(self._lookup)
         self.plan_seconds = time.monotonic() - t0
@@ -717,7 +748,8 @@ class PlannerActor:
             "weights": plan.weights,
         }
         lengths = None if self.fitter is None else plan.rank_lengths()
-        return plan, used, record, lengths
+        snap = self.planner.snapshot()
+        return plan, used, record, lengths, (snap, pack_snapshot(snap))
 
     def _split(self, plan: StepPlan) -> list[StepPieces]:
         """In the planning thread: each constructor's work of ``plan``."""
@@ -747,12 +779,13 @@ class PlannerActor:
                 while len(plans) < k:
                     async with self._planning():
                         try:
-                            plan, used, record, lengths = await self._off_loop(self._plan_next)
+                            plan, used, record, lengths, after = await self._off_loop(
+                                self._plan_next)
                         except NeedMetadata as nm:
                             need = nm
                             break
                         plans.append(plan)
-                        self._snapshot(plan.step)
+                        self._snapshot(plan.step, *after)
                         for key in used:  # its units stay until the step is claimed
                             self._last_use[key] = plan.step
                         # kept before any reader can have the step: its step time may come
@@ -811,15 +844,19 @@ class PlannerActor:
         async with self._plan_lock:  # after the step being planned, which read the weights
             return self.planner.set_weights(weights, from_step)
 
-    def _snapshot(self, step: int) -> None:
-        self._snapshots[step] = self.planner.state_dict()
+    def _snapshot(self, step: int, snap: PlannerSnapshot, packed: bytes) -> None:
+        """Keep the state after ``step``: ``snap``, packed (:func:`pack_snapshot`)."""
+        self._snapshots[step] = packed
+        self._counts = (snap.step, snap.tokens, snap.pieces)
         while len(self._snapshots) > self._keep:
             self._snapshots.popitem(last=False)
 
     async def state(self) -> dict[str, Any]:
         """The planner's state after the last planned step."""
         async with self._plan_lock:
-            return self.planner.state_dict()
+            snap = self.planner.snapshot()
+        # (a list per carried and held piece: seconds at dp 16,384 x 128K, off the loop)
+        return await asyncio.to_thread(snap.to_state)
 
     async def start_step(self) -> int:
         """The first step this service plans (not 0 after a resume)."""
@@ -835,9 +872,12 @@ class PlannerActor:
         """
         step = int(step)
         async with self._plan_lock:  # a step being planned is answered once it is planned
-            return self._state_at(step)
+            packed = self._packed_at(step)
+        # (a list per carried and held piece: seconds at dp 16,384 x 128K, off the loop)
+        return make_state(self.cfg, step, await asyncio.to_thread(_state_of, packed))
 
-    def _state_at(self, step: int) -> dict[str, Any]:
+    def _packed_at(self, step: int) -> bytes:
+        """The kept snapshot of the state after ``step``, packed."""
         if step not in self._snapshots:
             held = list(self._snapshots)
             if step > held[-1]:
@@ -846,7 +886,7 @@ class PlannerActor:
             raise ValueError(f"state of step {step} is no longer held (the service keeps the "
                              f"last {self._keep} steps: {held[0]}..{held[-1]}); take state "
                              "closer to the readers' position")
-        return make_state(self.cfg, step, self._snapshots[step])
+        return self._snapshots[step]
 
     async def checkpoint(self) -> dict[str, Any]:
         """What the service's owner keeps to re-create this planner if it is lost.
@@ -854,10 +894,13 @@ class PlannerActor:
         Returns
         -------
         dict
-            ``state``: :meth:`state_at` the last step every rank has claimed
-            (each constructor asked, a few seconds at most; a constructor that
-            does not answer counts as ``prefetch`` steps behind the last submitted
-            step, which every rank has claimed); ``claimed``: ``{rank: last
+            ``state``: the planner's state after ``step``, the last step every
+            rank has claimed (each constructor asked, a few seconds at most; a
+            constructor that does not answer counts as ``prefetch`` steps behind
+            the last submitted step, which every rank has claimed), as packed
+            bytes that a re-created planner takes as its ``state`` (the JSON form
+            of :meth:`state_at` is a list per carried and held piece: tens of MB,
+            made in seconds, at dp 16,384 × 128K); ``claimed``: ``{rank: last
             claimed step}`` as far as the constructors answered;
             ``recovered``, ``events``: this planner's recovery counters;
             ``address``: its worker; ``keys``: the Dask keys of its roles.
@@ -878,7 +921,7 @@ class PlannerActor:
             # ranks may have read past what this planner planned (a re-created planner
             # re-plans from its saved state): the state after its last planned step then
             step = min(max(step, floor), next(reversed(self._snapshots)))
-            return {"state": self._state_at(step), "claimed": claimed,
+            return {"state": self._packed_at(step), "step": step, "claimed": claimed,
                     "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
                     "address": self.roles.own_address(), "keys": self.roles.keys()}
 
@@ -943,13 +986,13 @@ class PlannerActor:
         n = max(self.steps_planned, 1)
         # the state after the last planned step (the planner's own counters change while
         # the planning thread plans the next)
-        last = self._snapshots[next(reversed(self._snapshots))]
+        last_step, tokens, pieces = self._counts
         job = self._job
         return {
-            "steps_planned": last["step"],
-            "tokens_planned": dict(last["tokens"]),
-            "pieces_planned": dict(last["pieces"]),
-            "weights": self.planner.weights_at(last["step"]),
+            "steps_planned": last_step,
+            "tokens_planned": dict(tokens),
+            "pieces_planned": dict(pieces),
+            "weights": self.planner.weights_at(last_step),
             "planning": job is not None,
             "planning_for": time.monotonic() - self._job_started if job is not None else 0.0,
             "plan_seconds": self.plan_seconds,

@@ -62,7 +62,7 @@ def constructor_members(cfg: Config, n_constructors: int) -> list[dict[int, list
 
 def place_planner(client: Any, cfg: Config,
                   units: dict[str, list[tuple[str, int, int]]], roots: dict[str, str],
-                  resume: Mapping[str, Any] | None,
+                  resume: Mapping[str, Any] | bytes | None,
                   loader_threads: int, *,
                   constructors: int | None = None,
                   generation: int = 0, had: dict[int, int] | None = None,
@@ -94,7 +94,8 @@ def place_planner(client: Any, cfg: Config,
     key = (f"msd-{cfg.name}-planner" + (f"-g{generation}" if generation else "")
            + f"-{uuid.uuid4().hex[:8]}")
     planner = client.submit(
-        PlannerActor, cfg.to_dict(), units, roots, dict(resume) if resume else None,
+        PlannerActor, cfg.to_dict(), units, roots,
+        resume if isinstance(resume, bytes) else dict(resume) if resume else None,
         members=members, pad_id=make_tokenizer(cfg.tokenizer).pad_id,
         loader_threads=loader_threads,
         source_payloads={s.name: source_payload(cfg, s.name) for s in cfg.sources},

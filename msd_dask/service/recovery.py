@@ -112,12 +112,14 @@ class PlannerKeeper:
         with self._lock:
             # without a checkpoint (lost before the first one), from where this service
             # started: readers skip what they have, the plans are the same
-            ck = self.checkpoint or {"state": self.recipe.get("resume"), "claimed": {},
-                                     "recovered": {}, "events": []}
+            resume = self.recipe.get("resume")
+            ck = self.checkpoint or {"state": resume, "claimed": {}, "recovered": {},
+                                     "events": [],
+                                     "step": (resume or {}).get("step", "-1 (the start)")}
             t0 = time.monotonic()
             _log.warning("msd_dask %s: the planner on %s was lost; re-creating it from the "
                          "state after step %s", link.name, actor_address(link.planner),
-                         (ck["state"] or {}).get("step", "-1 (the start)"))
+                         ck["step"])
             closed, had = self._close_lost_roles(ck)
             old = link.registry
             registry = place_planner(

@@ -124,6 +124,37 @@ def test_resume_with_pieces_held(k: int) -> None:
     assert [plan_key(p) for p in run(second, 40)] == [plan_key(p) for p in uninterrupted[k:]]
 
 
+def test_a_snapshot_stays_the_state_of_its_step() -> None:
+    """The planner's actor keeps a snapshot per recent step, its piece tables by reference:
+    planning on must not change one, and a planner loading it (the re-created planner, from
+    the packed checkpoint) plans the uninterrupted run's steps."""
+    import pickle
+
+    cfg = outlier_cfg()
+    first = planner(cfg)
+    k = 0
+    while not (len(first.held) and len(first.carry)) and k < 200:
+        run(first, 1)
+        k += 1
+    assert first.held and first.carry, "a snapshot that holds and carries pieces"
+    uninterrupted = run(planner(cfg), k + 40)
+    snap = first.snapshot()
+    state = json.loads(json.dumps(first.state_dict()))
+    run(first, 5)  # the planner goes on; the snapshot is still the state after step k - 1
+    assert json.loads(json.dumps(snap.to_state())) == state
+    second = planner(cfg)
+    second.load_snapshot(pickle.loads(pickle.dumps(snap, protocol=5)))
+    assert json.loads(json.dumps(second.state_dict())) == state
+    assert [plan_key(p) for p in run(second, 40)] == [plan_key(p) for p in uninterrupted[k:]]
+
+
+def test_a_snapshot_of_other_sources_is_refused() -> None:
+    snap = planner(outlier_cfg()).snapshot()
+    other = planner(make_cfg({"code": 1.0}, "balanced"))
+    with pytest.raises(ValueError, match="snapshot of sources"):
+        other.load_snapshot(snap)
+
+
 def test_elastic_resume_same_pieces_per_step_with_delay() -> None:
     cfg = outlier_cfg()
     ref = run(planner(cfg), 60)
