@@ -160,6 +160,9 @@ class DataConstructor:
         #: dp -> steps of it in ``_unclaimed``, in the order they were built
         self._unclaimed_steps: defaultdict[int, dict[int, None]] = defaultdict(dict)
         self._held_steps: dict[int, int] = {}  # step -> DP batches of it not fully claimed
+        #: the last step :meth:`submit` accepted (-1: none): the planner sends steps in
+        #: order, once each, so a step not after it is a round delivered again
+        self._accepted = -1
         self._work: asyncio.Queue[list[StepWork]] | None = None
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
@@ -245,25 +248,38 @@ class DataConstructor:
         A planner on another worker sends the round pickled (``bytes``): Dask
         would serialise every array of every step on its own, with a header of its
         own, at both ends.
+
+        Steps accepted already are dropped: a call retried after its connection
+        failed (:func:`~msd_dask.dask_internals.call_remote_actor`, as Dask's own
+        actor calls do) may deliver a round twice, even while the first waits for room.
         """
         assert self._room is not None and self._work is not None
         steps: list[StepWork] = (pickle.loads(round_steps) if isinstance(round_steps, bytes)
                                  else round_steps)
         if self._closed or not steps:
             return
+        steps = self._unseen(steps)
         held = sum(1 for _step, work, _info in steps if work)
         async with self._room:
-            if not force:
+            if steps and not force:
                 await self._room.wait_for(
                     lambda: len(self._held_steps) + held <= self.prefetch or self._closed)
+            steps = self._unseen(steps)  # the same round, delivered again, went first
             if self._closed:
                 return
+            if steps:
+                self._accepted = steps[-1][0]
             for step, work, _info in steps:
                 if work:  # a constructor with no DP rank in a step holds nothing of it
                     self._held_steps[step] = len(work)
-        self._work.put_nowait(steps)
-        if room and not force:
+        if steps:
+            self._work.put_nowait(steps)
+        if room and not force:  # a round delivered again waits as the first did
             await self.wait_room(room)
+
+    def _unseen(self, steps: list[StepWork]) -> list[StepWork]:
+        """``steps`` after the last step accepted (:meth:`submit`)."""
+        return [st for st in steps if st[0] > self._accepted]
 
     async def _builder(self) -> None:
         assert self._work is not None

@@ -75,10 +75,16 @@ async def _serving(members: dict[int, list[int]], steps: int) -> DataConstructor
     con._work = asyncio.Queue()
     con._task = asyncio.create_task(con._builder())
     for step in range(steps):
-        await con.submit([(step, step_pieces({d: [[("toy", 0, 0, 0, 10 * step + d, 0, 3, 0,
-                                                    f"f:{10 * step + d}")]] for d in members}),
-                           {"rank_cost": [1.0] * len(members)})])
+        await con.submit(_toy_round(members, [step]))
     return con
+
+
+def _toy_round(members: dict[int, list[int]], steps: list[int]) -> list[Any]:
+    """A round of ``steps`` as the planner submits it: row ``10 * step + dp`` of each DP
+    rank (pieces of 4 tokens of a :class:`ToyLoader`)."""
+    return [(step, step_pieces({d: [[("toy", 0, 0, 0, 10 * step + d, 0, 3, 0,
+                                      f"f:{10 * step + d}")]] for d in members}),
+             {"rank_cost": [1.0] * len(members)}) for step in steps]
 
 
 def test_next_round_skips_what_a_rank_has_and_mark_had_releases_only_its_group() -> None:
@@ -215,6 +221,37 @@ def test_an_agents_claims_count_what_its_ranks_took_not_the_steps_before_the_rou
         for step in range(3):
             assert (await con.next_round(2, step - 1))["steps"] == [step]
         assert (con.returned[2], con.returned_by[2]) == (1, "claim")
+        await con.close()
+        con._task.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_round_delivered_twice_is_built_and_handed_out_once() -> None:
+    """A call retried after its connection failed may deliver a round twice (pickled, as a
+    planner on another worker sends it), after the first or while the first waits for
+    room: each step is built, posted and handed out once, and holds room once."""
+    import pickle
+
+    async def run() -> None:
+        members = {0: [0]}
+        con = await _serving(members, 0)
+        first = pickle.dumps(_toy_round(members, [0, 1, 2, 3]), protocol=5)
+        await asyncio.wait_for(con.submit(first), 5)
+        # the room of prefetch = 4 is full: dropped, not waiting for room
+        await asyncio.wait_for(con.submit(first), 5)
+        # the next round, twice, both waiting for room
+        second = pickle.dumps(_toy_round(members, [4, 5]), protocol=5)
+        waiting = [asyncio.ensure_future(con.submit(second)) for _ in range(2)]
+        await _built(con, 1)
+        assert (await con.next_round(0, -1))["steps"] == [0, 1, 2, 3]
+        await asyncio.wait_for(asyncio.gather(*waiting), 5)
+        await _built(con, 2)
+        assert (await con.next_round(0, 3))["steps"] == [4, 5]
+        assert await con.next_round(0, 5, wait=0.2) is None
+        stats = await con.stats()
+        assert (stats["rounds_built"], stats["batches_built"], stats["batches_sent"]) == (2, 6, 6)
+        assert stats["held_steps"] == 0 and not stats["unclaimed"]
         await con.close()
         con._task.cancel()
 
