@@ -162,8 +162,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         # closed services first, before any registry is fetched: a fetch tells the
         # scheduler every key this plugin's client holds, and a closed service's keys
         # are gone (the scheduler warns "desires key ... but key is unknown")
-        live = {str(k)[len(_PREFIX):] for k in names}
-        for gone in self._known() - live:
+        for gone in self._known() - _names(names):
             self._forget(gone)
         for key in names:
             name = str(key)[len(_PREFIX):]
@@ -180,7 +179,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                     collect(registry, since, sc.lookahead if sc.policy == "adaptive" else None),
                     10)
             except Exception:
-                self._registries.pop(name, None)  # a new planner, or a new service of that name
+                # the registry stays: a new planner, or a new service of that name, publishes
+                # a new entry (and a refetch of a service being closed would ask for keys
+                # its owner is about to forget)
                 raise
             prev = self.services.get(name)
             if prev is not None:
@@ -225,14 +226,37 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         cached = self._registries.get(name)
         if cached is not None and entry is not None and cached[0] is entry:
             return cached[1]
-        # the stale registry's handles go before the fetch (see :meth:`poll`): the planner
-        # it names may be gone (re-created, or the service closed and started again)
+        # stale registries' handles go before the fetch (see :meth:`poll`): this name's
+        # planner may be gone (re-created, or the service closed and started again), and
+        # so may any service closed since the poll began
         del cached
         self._registries.pop(name, None)
+        if published is not None:
+            for gone in set(self._registries) - _names(published):
+                del self._registries[gone]
+        await self._release_unknown()
         registry = await self._client.get_dataset(key)
         self.registry_fetches += 1
         self._registries[name] = (entry, registry)
         return registry
+
+    async def _release_unknown(self) -> None:
+        """Before a fetch: let go of the handles this client holds on keys the scheduler
+        has forgotten (a closed service's, a lost planner's).
+
+        A fetch tells the scheduler every key the client holds.  A call through an
+        actor handle leaves the handle in a reference cycle (Dask's call closure refers
+        to itself), so a closed service's planner handle, and its key, outlive the call
+        until the collector runs: run it now, then let the released keys go (their
+        release is a callback on this loop).  Only when such a key is held: a fetch
+        is rare (a service published anew), a collection is not free.
+        """
+        import gc
+
+        held = list(getattr(self._client, "refcount", ()))
+        if any(k not in self.scheduler.tasks for k in held):
+            gc.collect()
+            await asyncio.sleep(0)
 
     async def _scale(self, name: str, registry: dict[str, Any], snap: dict[str, Any],
                      prev: dict[str, Any]) -> None:
@@ -380,6 +404,11 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                          "scaling": list(self.decisions.get(name, []))[-20:],
                          "error": snap["planner"].get("error")}
         return {"services": out, "time": time.time()}
+
+
+def _names(published: Any) -> set[str]:
+    """The names of the services among published dataset names."""
+    return {str(k)[len(_PREFIX):] for k in published if str(k).startswith(_PREFIX)}
 
 
 def _running(ws: Any) -> bool:

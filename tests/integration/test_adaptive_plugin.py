@@ -39,11 +39,11 @@ def _held_for(name, dask_scheduler):
 
 
 def test_plugin_forgets_a_closed_service_and_never_desires_its_keys(corpus):
-    # the plugin kept a closed service's registry until the end of its next poll, and its
-    # history, rates and decisions for good; a registry fetched meanwhile (here: another
-    # service published anew, as a re-created planner does) tells the scheduler every key
-    # the plugin's client holds, so the scheduler warned "desires key 'msd-gone-planner-...'
-    # but key is unknown"
+    # the plugin kept a closed service's registry until the end of its next poll (and the
+    # handles of its calls to the planner until the collector ran), and its history, rates
+    # and decisions for good; a registry fetched meanwhile (here: another service published
+    # anew, as a re-created planner does) tells the scheduler every key the plugin's client
+    # holds, so the scheduler warned "desires key 'msd-gone-planner-...' but key is unknown"
     root, _ = corpus
     gone = config(root, name="gone", scaling={"policy": "adaptive", "cooldown": 1.0})
     with warnings.catch_warnings(record=True) as caught, \
