@@ -539,8 +539,7 @@ class PlannerActor:
         return m
 
     async def _assign_ahead(self) -> None:
-        keep: set[tuple[str, int, int]] = {(p.source, p.epoch, p.unit)
-                                           for p in self.planner.pending()}
+        keep = self.planner.pending_units()
         for s in self.cfg.sources:
             keys = self._upcoming(s.name, s.read_ahead)
             keep.update((s.name, e, u) for e, u in keys)

@@ -12,7 +12,7 @@ from test_plan import SEQ_LEN, WEIGHTS_3, expected_pieces, lookup, make_cfg, pla
 
 from msd_dask.core.balance import capacity_bound
 from msd_dask.core.config import Config, ConfigError, parse_config
-from msd_dask.core.plan import Planner, StepPlan
+from msd_dask.core.plan import Planner, StepPlan, units_of
 
 MIN = 3 * SEQ_LEN // 4   # every piece this long is an outlier; two never share a row
 ROWS = 4                 # make_cfg: dp 2 x 2 micro-batches
@@ -138,6 +138,7 @@ def test_a_snapshot_stays_the_state_of_its_step() -> None:
         k += 1
     assert first.held and first.carry, "a snapshot that holds and carries pieces"
     uninterrupted = run(planner(cfg), k + 40)
+    assert first.pending_units() == {(q.source, q.epoch, q.unit) for q in first.pending()}
     snap = first.snapshot()
     state = json.loads(json.dumps(first.state_dict()))
     run(first, 5)  # the planner goes on; the snapshot is still the state after step k - 1
@@ -146,6 +147,18 @@ def test_a_snapshot_stays_the_state_of_its_step() -> None:
     second.load_snapshot(pickle.loads(pickle.dumps(snap, protocol=5)))
     assert json.loads(json.dumps(second.state_dict())) == state
     assert [plan_key(p) for p in run(second, 40)] == [plan_key(p) for p in uninterrupted[k:]]
+
+
+def test_units_of_pending_and_planned_pieces(held_run: tuple[list[StepPlan], list[int], Planner]
+                                             ) -> None:
+    """The units the actor keeps (pending_units) and a step's units (StepPlan.units), made
+    from the tables by one key per piece, are those of the pieces themselves."""
+    plans, _, pl = held_run
+    assert pl.held
+    assert pl.pending_units() == {(q.source, q.epoch, q.unit) for q in pl.pending()}
+    for p in plans[::20]:
+        assert p.units() == {(q.source, q.epoch, q.unit) for q in p.pieces()}
+    assert units_of(np.zeros((0, 8), dtype=np.int64), ["a"]) == set()
 
 
 def test_a_snapshot_of_other_sources_is_refused() -> None:
