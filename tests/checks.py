@@ -150,7 +150,8 @@ def shares(tokens: dict[str, int]) -> dict[str, float]:
 
 def step_pieces(work: dict[int, list[list[tuple[Any, ...]]]]) -> Any:
     """A constructor's work of one step, ``{dp: [row: [WorkItem, ...]]}``, as the planner
-    sends it (:class:`~msd_dask.roles.constructor.StepPieces`; keys ``f"{path}:{row}"``)."""
+    sends it (:class:`~msd_dask.roles.constructor.StepPieces`; keys ``f"{path}:{row}"``);
+    DP rank ``d`` costs ``d + 1``."""
     from msd_dask.roles.constructor import StepPieces
 
     sources: list[str] = []
@@ -171,4 +172,5 @@ def step_pieces(work: dict[int, list[list[tuple[Any, ...]]]]) -> Any:
         rows=np.asarray([len(work[d]) for d in dps], dtype=np.int64),
         lengths=np.asarray([len(row) for d in dps for row in work[d]], dtype=np.int64),
         pieces=np.asarray(table, dtype=np.int64).reshape(-1, 9),
-        sources=tuple(sources), paths=tuple(paths))
+        sources=tuple(sources), paths=tuple(paths),
+        costs=np.asarray(dps, dtype=np.float64) + 1.0)

@@ -84,6 +84,10 @@ class StepPieces:
     paths : tuple of str
         Units' paths relative to their source; a piece's document key is
         ``f"{paths[path]}:{row}"``.
+    costs : (d,) float64
+        Each DP rank's cost under the planner's cost model, in the order of ``dps``
+        (a batch carries its rank's; the step's cost of every rank, sent to every
+        constructor, was 16,384 × 256 floats per step at dp 16,384).
     """
 
     dps: np.ndarray
@@ -92,6 +96,7 @@ class StepPieces:
     pieces: np.ndarray
     sources: tuple[str, ...]
     paths: tuple[str, ...]
+    costs: np.ndarray
 
     def __len__(self) -> int:
         """DP ranks (0: this constructor has nothing of the step)."""
@@ -108,8 +113,8 @@ class StepPieces:
                        for n in islice(lengths, n_rows)]
 
 
-#: One step of a round: (step, this constructor's work, {"rank_cost": [...]})
-StepWork = tuple[int, StepPieces, dict[str, Any]]
+#: One step of a round: (step, this constructor's work)
+StepWork = tuple[int, StepPieces]
 
 
 class DataConstructor:
@@ -235,7 +240,7 @@ class DataConstructor:
 
     async def submit(self, round_steps: list[StepWork] | bytes, room: int = 0,
                      force: bool = False) -> None:
-        """Accept a round, ``round_steps``: ``(step, work, info)`` of each step for this
+        """Accept a round, ``round_steps``: ``(step, work)`` of each step for this
         constructor's DP ranks.
 
         The round is fetched (one message per loader for all its steps), built
@@ -259,7 +264,7 @@ class DataConstructor:
         if self._closed or not steps:
             return
         steps = self._unseen(steps)
-        held = sum(1 for _step, work, _info in steps if work)
+        held = sum(1 for _step, work in steps if work)
         async with self._room:
             if steps and not force:
                 await self._room.wait_for(
@@ -269,7 +274,7 @@ class DataConstructor:
                 return
             if steps:
                 self._accepted = steps[-1][0]
-            for step, work, _info in steps:
+            for step, work in steps:
                 if work:  # a constructor with no DP rank in a step holds nothing of it
                     self._held_steps[step] = len(work)
         if steps:
@@ -298,8 +303,8 @@ class DataConstructor:
         # one fetch per loader for the whole round
         requests: dict[tuple[str, int], list[tuple[int, int, int, int, int]]] = defaultdict(list)
         where: dict[tuple[str, int], list[tuple[int, int, int, int]]] = defaultdict(list)
-        works = [dict(work.items()) for _step, work, _info in steps]
-        for (step, _work, _info), work in zip(steps, works, strict=True):
+        works = [dict(work.items()) for _step, work in steps]
+        for (step, _work), work in zip(steps, works, strict=True):
             for dp, rows in work.items():
                 for m, row in enumerate(rows):
                     for j, (src, li, epoch, unit, r, start, end, _chunk, _key) in enumerate(row):
@@ -320,7 +325,8 @@ class DataConstructor:
             for pos, arr in zip(where[k], arrays, strict=True):
                 tokens[pos] = arr
         posts: dict[int, list[int]] = defaultdict(list)  # rank -> steps
-        for (step, _work, info), work in zip(steps, works, strict=True):
+        for (step, pieces), work in zip(steps, works, strict=True):
+            cost_of = dict(zip(pieces.dps.tolist(), pieces.costs.tolist(), strict=True))
             for dp, rows in work.items():
                 packed_rows = []
                 docs = []
@@ -333,7 +339,7 @@ class DataConstructor:
                 packed = pack_rows(packed_rows, self.seq_len, self.pad_id)
                 self.tokens_built += sum(n for row in packed_rows for _, n in row)
                 packed.update(step=step, dp=dp, documents=docs, epochs=epochs,
-                              cost=float(info["rank_cost"][dp]))
+                              cost=cost_of[dp])
                 # ranks that already have this step (they read it from a replaced planner's
                 # constructors) are not sent it and not waited for
                 waiting = {r for r in self.members[dp] if step > self._had.get(r, -1)}

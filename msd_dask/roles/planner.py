@@ -172,6 +172,7 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
         table = table.astype(np.int32)
     dp_order = np.argsort(con_of_dp, kind="stable")
     dps, n_rows = dp_order.astype(np.int64), n_rows[dp_order]
+    costs = np.asarray(plan.rank_cost, dtype=np.float64)[dps]
     row_len = row_len[np.argsort(row_con, kind="stable")]
     dp_bound = _bounds(con_of_dp, n)
     row_bound = _bounds(row_con, n)
@@ -184,7 +185,8 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
                                   piece_bound[i], piece_bound[i + 1])
         out.append(StepPieces(dps=dps[d0:d1], rows=n_rows[d0:d1], lengths=row_len[r0:r1],
                               pieces=table[p0:p1], sources=sources,
-                              paths=tuple(paths[path_bound[i]:path_bound[i + 1]])))
+                              paths=tuple(paths[path_bound[i]:path_bound[i + 1]]),
+                              costs=costs[d0:d1]))
     return out
 
 
@@ -370,7 +372,7 @@ class PlannerActor:
         self._last_use: dict[tuple[str, int, int], int] = {}
         #: the steps not every rank may have claimed yet: each constructor's work
         #: (pack_work), for re-sending to a re-created constructor
-        self._recent: OrderedDict[int, tuple[list[bytes], dict[str, Any]]] = OrderedDict()
+        self._recent: OrderedDict[int, list[bytes]] = OrderedDict()
         self._last_submitted = self.planner.step - 1
         self._meta_wait = {s.name: 0.0 for s in self.cfg.sources}
         self._meta: dict[tuple[str, int, int], np.ndarray] = {}
@@ -477,11 +479,11 @@ class PlannerActor:
         return self._task is not None
 
     def unclaimed_steps(self, constructor: int) -> list[StepWork]:
-        """``(step, work of constructor i, info)`` of the recent steps not every rank may
+        """``(step, work of constructor i)`` of the recent steps not every rank may
         have claimed yet, in order (a re-created constructor gets them again)."""
         safe = self._claimed_by_all()
-        return [(step, unpack_work(work[constructor]), info)
-                for step, (work, info) in self._recent.items() if step > safe]
+        return [(step, unpack_work(work[constructor]))
+                for step, work in self._recent.items() if step > safe]
 
     async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
         """Give the live units of loader ``slots`` of ``source`` (a slot whose actor was
@@ -813,9 +815,8 @@ class PlannerActor:
             packed = await self._off_loop(lambda: [[pack_work(w) for w in work]
                                                    for work in works])
         for plan, work, kept in zip(plans, works, packed, strict=True):
-            info = {"rank_cost": plan.rank_cost}
-            self._recent[plan.step] = (kept, info)
-            steps.append((plan.step, work, info))
+            self._recent[plan.step] = kept
+            steps.append((plan.step, work))
         last = plans[-1].step
         span = f"{plans[0].step}" if len(plans) == 1 else f"{plans[0].step}-{last}"
         self.waiting = (f"constructors to make room for step {last + 1} (handing over step "

@@ -58,8 +58,8 @@ _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: One planned step as the planner hands it over: ``(step, [work of each constructor], info)``
-StepRound = tuple[int, list[StepPieces], dict[str, Any]]
+#: One planned step as the planner hands it over: ``(step, [work of each constructor])``
+StepRound = tuple[int, list[StepPieces]]
 
 
 class PlannerSide(Protocol):
@@ -360,7 +360,7 @@ class RoleSupervisor:
         from distributed.actor import Actor
 
         async def submit(i: int, constructor: Any) -> None:
-            work = [(s, w[i], info) for s, w, info in steps]
+            work = [(s, w[i]) for s, w in steps]
             if isinstance(constructor, Actor):  # on another worker: pickled, see its submit
                 await call_remote_actor(constructor, DataConstructor.submit,
                                         pickle.dumps(work, protocol=5), room)

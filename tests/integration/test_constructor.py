@@ -23,7 +23,7 @@ class ToyLoader:
 
 def _step(step: int, dp: int = 0, n: int = 4) -> tuple:
     row = [("toy", 0, 0, 0, step, 0, n, 0, f"f:{step}")]
-    return (step, step_pieces({dp: [row]} if dp is not None else {}), {"rank_cost": [1.0]})
+    return (step, step_pieces({dp: [row]} if dp is not None else {}))
 
 
 async def _constructor(c, prefetch: int = 2, timeout: float = 2.0):

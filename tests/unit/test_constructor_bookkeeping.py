@@ -83,8 +83,8 @@ def _toy_round(members: dict[int, list[int]], steps: list[int]) -> list[Any]:
     """A round of ``steps`` as the planner submits it: row ``10 * step + dp`` of each DP
     rank (pieces of 4 tokens of a :class:`ToyLoader`)."""
     return [(step, step_pieces({d: [[("toy", 0, 0, 0, 10 * step + d, 0, 3, 0,
-                                      f"f:{10 * step + d}")]] for d in members}),
-             {"rank_cost": [1.0] * len(members)}) for step in steps]
+                                      f"f:{10 * step + d}")]] for d in members}))
+            for step in steps]
 
 
 def test_next_round_skips_what_a_rank_has_and_mark_had_releases_only_its_group() -> None:
@@ -99,6 +99,7 @@ def test_next_round_skips_what_a_rank_has_and_mark_had_releases_only_its_group()
         assert got["steps"] == [0]
         b = from_wire(got["payloads"][0])
         assert (b["step"], b["dp"]) == (0, 1) and b["input_ids"][0, :3].tolist() == [1] * 3
+        assert b["cost"] == 2.0  # DP rank 1's own cost (step_pieces: d + 1)
         got = await con.next_round(3, 0)  # rank 3 had step 0: released, step 1 sent
         assert got["steps"] == [1] and from_wire(got["payloads"][0])["input_ids"][0, 0] == 11
         await _built(con, 3)  # step 2 too
@@ -175,8 +176,8 @@ def test_a_round_sent_pickled_is_built_as_one_sent_as_it_is_and_answered_pickled
         con._work = asyncio.Queue()
         con._task = asyncio.create_task(con._builder())
         work = [(step, step_pieces({0: [[("toy", 0, 0, 0, 10 * step, 0, 3, 0,
-                                           f"f:{10 * step}")]]}),
-                 {"rank_cost": [1.0]}) for step in range(2)]
+                                           f"f:{10 * step}")]]}))
+                for step in range(2)]
         await con.submit(pickle.dumps(work, protocol=5) if pickled else work)
         if pickled:
             got = [pickle.loads(await con.next_round_packed(0, -1)),

@@ -25,7 +25,7 @@ def _plan(dp: int, mb: int, seed: int, big: bool = False) -> StepPlan:
               for _ in range(int(rng.integers(0, 6)))]
              for _ in range(mb)]
             for _ in range(dp)]
-    return StepPlan.from_rows(0, rows, [1.0] * dp, 1.0, NAMES)
+    return StepPlan.from_rows(0, rows, [float(rng.random()) for _ in range(dp)], 1.0, NAMES)
 
 
 def _reference(plan: StepPlan, n: int) -> list[dict]:
@@ -55,6 +55,8 @@ def test_same_work_items_in_the_same_order(dp: int, mb: int, n: int, big: bool) 
             assert dict(again.items()) == w
             assert g.pieces.dtype == (np.int64 if big and len(g.pieces) else np.int32)
             assert len(g.paths) == len(set(g.paths))  # a unit's path once per constructor
+            # each constructor gets its own DP ranks' costs, not the step's every rank's
+            assert g.costs.tolist() == [plan.rank_cost[d] for d in g.dps.tolist()]
 
 
 def test_kept_work_comes_back_the_same() -> None:
