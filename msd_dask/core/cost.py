@@ -147,7 +147,12 @@ class CostFitter:
         seconds : float
             The rank's compute time for them.
         """
-        self._add(*_features(lengths_per_rank), float(seconds))
+        self.observe_sums(*_features(lengths_per_rank), seconds)
+
+    def observe_sums(self, sum_lengths: float, sum_squares: float, seconds: float) -> None:
+        """:meth:`observe` of a rank whose pieces' lengths ``L`` had ``ΣL = sum_lengths`` and
+        ``ΣL² = sum_squares`` (all the fit takes of them)."""
+        self._add(float(sum_lengths), float(sum_squares), float(seconds))
 
     def observe_step(self, lengths_per_rank: Sequence[np.ndarray | Sequence[np.ndarray]],
                      seconds: float | Sequence[float]) -> None:

@@ -106,10 +106,14 @@ class StepPlan:
         """Tokens of each piece (int64), in the order of :attr:`table`."""
         return _lengths(self.table)
 
-    def rank_lengths(self) -> list[np.ndarray]:
-        """Each DP rank's piece lengths."""
-        bounds = np.cumsum(self.row_sizes.sum(axis=1))[:-1]
-        return np.split(self.lengths, bounds)
+    def rank_features(self) -> np.ndarray:
+        """Each DP rank's ``(ΣL, ΣL²)`` over its pieces' lengths ``L``, shape (dp, 2): what
+        the cost fitter (:class:`~msd_dask.core.cost.CostFitter`) takes of a rank's step."""
+        dp = self.row_sizes.shape[0]
+        rank = np.repeat(np.arange(dp), self.row_sizes.sum(axis=1))
+        lengths = self.lengths.astype(np.float64)
+        return np.stack([np.bincount(rank, weights=lengths, minlength=dp),
+                         np.bincount(rank, weights=lengths * lengths, minlength=dp)], axis=1)
 
     def pieces(self) -> list[Piece]:
         return pieces_of(self.table, self.sources)

@@ -235,3 +235,25 @@ def test_fitter_state_round_trip() -> None:
     for f in (a, b):
         f.observe(rows, 0.5)
     assert b.model() == a.model() and b.count == a.count == 11
+
+
+def test_a_plans_rank_features_are_what_the_fitter_takes_of_its_pieces() -> None:
+    """The planner's actor keeps each rank's (ΣL, ΣL²) of a step, not its pieces' lengths:
+    fitting those sums is fitting the lengths."""
+    from msd_dask.core.plan import StepPlan
+    from msd_dask.core.stream import Piece
+
+    rng = np.random.default_rng(3)
+    rows = [[[Piece("web", 0, 0, int(rng.integers(100)), 0, 0, int(rng.integers(1, 500)), 500)
+              for _ in range(int(rng.integers(0, 5)))] for _ in range(3)] for _ in range(6)]
+    plan = StepPlan.from_rows(0, rows, [1.0] * 6, 1.0, ["web"])
+    feats = plan.rank_features()
+    assert feats.shape == (6, 2)
+    by_lengths, by_sums = CostFitter(CostModel(1.0, 1e-4)), CostFitter(CostModel(1.0, 1e-4))
+    for r, rank in enumerate(rows):
+        lengths = np.array([q.length for row in rank for q in row], dtype=np.float64)
+        assert feats[r].tolist() == [lengths.sum(), (lengths * lengths).sum()]
+        seconds = 1e-3 * lengths.sum() + 1e-6 * (lengths * lengths).sum() + 0.01
+        by_lengths.observe(lengths, seconds)
+        by_sums.observe_sums(*feats[r].tolist(), seconds)
+    assert by_sums.model() == by_lengths.model()
