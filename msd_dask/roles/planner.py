@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from msd_dask.core.config import parse_config
-from msd_dask.errors import ServiceError, ServiceTimeoutError
+from msd_dask.errors import DataError, ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, StepWork
 from msd_dask.roles.direct import direct
 
@@ -669,7 +669,9 @@ class PlannerActor:
                     if exc is None:
                         lengths = task.result()
                         break
-                    if not await self.roles.heal(wait=True):
+                    # bad input is no lost worker: reported at once, not after waiting
+                    # for the scheduler to notice one
+                    if isinstance(exc, DataError) or not await self.roles.heal(wait=True):
                         raise exc
                     continue
                 if task.cancelled() and self._meta_tasks.get(k) is task:

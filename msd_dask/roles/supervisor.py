@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
 from msd_dask.dask_internals import actor_address, call_remote_actor, release_actor, worker_actors
+from msd_dask.errors import DataError
 from msd_dask.roles.constructor import DataConstructor, StepPieces, StepWork
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
@@ -344,8 +345,9 @@ class RoleSupervisor:
             exc = task.exception()
             if exc is None:
                 return task.result()
-            if await self.heal(wait=True) and self.loader(source, slot) is not h:
-                continue
+            if (not isinstance(exc, DataError) and await self.heal(wait=True)
+                    and self.loader(source, slot) is not h):
+                continue  # (bad input is no lost worker: raised at once)
             raise exc
 
     async def wait_room(self, steps: int) -> None:

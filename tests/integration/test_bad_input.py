@@ -218,10 +218,6 @@ def test_row_without_text_field(tmp_path, address):
     assert any("part-0.jsonl:7" in k and "not text" in k for k in stats["quarantined"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the planner waits RoleSupervisor.heal(wait=True) (up to 10 s for the scheduler to notice "
-    "a lost worker) before it reports a loader's DataError: msd_dask/roles/planner.py, "
-    "_await_meta; drop this mark once a DataError is raised at once"))
 def test_a_failing_service_reports_its_error_promptly(tmp_path, address):
     # the error reached the reader about 10 s after its last batch: the planner first waited
     # for the scheduler to report a lost worker, which bad input never is
