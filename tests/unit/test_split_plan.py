@@ -99,3 +99,19 @@ def test_first_and_inverse_is_uniques(n: int) -> None:
     got_first, got_inverse = _first_and_inverse(key.copy())
     assert np.array_equal(got_first, first)
     assert np.array_equal(got_inverse, inverse.reshape(-1))
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000])
+def test_distinct_by_flags_and_by_sort_agree(n: int) -> None:
+    """split_plan numbers a step's units and a constructor's paths through a table of flags
+    where the keys' span is small, else by a sort: the same numbering either way."""
+    from msd_dask.roles.planner import _distinct
+
+    rng = np.random.default_rng(n)
+    keys = rng.integers(0, 5000, n).astype(np.int64)
+    by_flags = _distinct(keys.copy(), 5000)
+    by_sort = _distinct(keys.copy(), 2**40)  # a span too large for flags
+    want = np.unique(keys, return_inverse=True)
+    for one, position in (by_flags, by_sort):
+        assert position.tolist() == want[1].reshape(-1).tolist()
+        assert keys[one].tolist() == want[0].tolist()  # an occurrence of each, in order
