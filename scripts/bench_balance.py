@@ -31,7 +31,8 @@ fill (tokens over ``dp × micro_batches × seq_len``), after the first quarter o
 the steps (the outlier hold fills first), and a check that no piece came twice.
 
 *end to end at scale* (``--scale-dp``, default 16,384, 8 micro-batches, 4K and
-128K, each in a process of its own): per step, ``plan_step``, splitting the plan
+128K, each in a process of its own): per step, ``plan_step`` with what the
+planner's actor takes from each plan (its units and tokens per source), splitting the plan
 into 256 constructors' work (:func:`msd_dask.roles.planner.split_plan`) and
 keeping it packed (:func:`~msd_dask.roles.planner.pack_work`, as the planner's
 actor keeps the last ``prefetch`` steps for re-created constructors; Dask
@@ -313,6 +314,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = pl.plan_step(look)
+        plan.units(), plan.tokens_by_source()  # what the actor takes from each plan
         t1 = time.perf_counter()
         work = split_plan(plan, min(constructors, dp), Owner(), relpath, names)
         t2 = time.perf_counter()
