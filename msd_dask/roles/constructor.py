@@ -134,10 +134,14 @@ class DataConstructor:
     generation : int
         The planner generation this constructor belongs to (0, then one more each
         time the service re-creates a lost planner); it is in every answer to a reader.
+    replacing : bool
+        Made to replace a lost or moved constructor: it accepts the steps the planner
+        re-sends to it (``submit(..., force=True)``) before any other round.
     """
 
     def __init__(self, service: str, index: int, members: dict[int, list[int]], seq_len: int,
-                 pad_id: int, prefetch: int, timeout: float = 300.0, generation: int = 0):
+                 pad_id: int, prefetch: int, timeout: float = 300.0, generation: int = 0,
+                 replacing: bool = False):
         self.timeout = float(timeout)
         self.generation = int(generation)
         self.service = service
@@ -168,6 +172,9 @@ class DataConstructor:
         #: the last step :meth:`submit` accepted (-1: none): the planner sends steps in
         #: order, once each, so a step not after it is a round delivered again
         self._accepted = -1
+        #: whether rounds may be accepted: a constructor made to replace another waits for
+        #: the steps the planner re-sends to it first (:meth:`submit`)
+        self._resent = not replacing
         self._work: asyncio.Queue[list[StepWork]] | None = None
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
@@ -257,21 +264,28 @@ class DataConstructor:
         Steps accepted already are dropped: a call retried after its connection
         failed (:func:`~msd_dask.dask_internals.call_remote_actor`, as Dask's own
         actor calls do) may deliver a round twice, even while the first waits for room.
+        A constructor made to replace another (``replacing``) accepts the re-sent steps
+        (``force``) before any other round: the planner may send it its next round
+        while the re-send is on its way, and a later round first would have the
+        re-sent steps dropped.
         """
         assert self._room is not None and self._work is not None
         steps: list[StepWork] = (pickle.loads(round_steps) if isinstance(round_steps, bytes)
                                  else round_steps)
-        if self._closed or not steps:
+        if self._closed or not (steps or force):
             return
         steps = self._unseen(steps)
         held = sum(1 for _step, work in steps if work)
         async with self._room:
-            if steps and not force:
-                await self._room.wait_for(
-                    lambda: len(self._held_steps) + held <= self.prefetch or self._closed)
+            if not force:
+                await self._room.wait_for(lambda: self._closed or (self._resent and (
+                    not steps or len(self._held_steps) + held <= self.prefetch)))
             steps = self._unseen(steps)  # the same round, delivered again, went first
             if self._closed:
                 return
+            if force:
+                self._resent = True
+                self._room.notify_all()
             if steps:
                 self._accepted = steps[-1][0]
             for step, work in steps:

@@ -207,11 +207,11 @@ class RoleSupervisor:
 
         return str(get_worker().address)
 
-    def _submit_constructor(self, index: int, where: str) -> Any:
+    def _submit_constructor(self, index: int, where: str, replacing: bool = False) -> Any:
         return self._client.submit(
             DataConstructor, self.cfg.name, index, self.members[index], self.cfg.batch.seq_len,
             self.pad_id, self.cfg.prefetch, self.cfg.timeout, self.planner.generation,
-            actor=True, workers=[where],
+            replacing=replacing, actor=True, workers=[where],
             allow_other_workers=False, pure=False,
             key=f"msd-{self.cfg.name}-constructor-{index}-{uuid.uuid4().hex[:8]}")
 
@@ -256,9 +256,10 @@ class RoleSupervisor:
                     f.release()
 
     async def _new_constructor(self, index: int) -> tuple[Any, Any]:
+        """A constructor to replace constructor ``index`` (it takes the re-sent steps first)."""
         where = (await self._place())[0]
         return (await self._created([(f"constructor {index}", where,
-                                      self._submit_constructor(index, where))]))[0]
+                                      self._submit_constructor(index, where, replacing=True))]))[0]
 
     async def _new_loader(self, source: str, slot: int) -> tuple[Any, Any]:
         where = (await self._place())[0]
@@ -464,7 +465,8 @@ class RoleSupervisor:
         self.constructors[i] = handle
         old_f, self._cfuts[i] = self._cfuts[i], fut
         self.record_event("constructor", str(i), why, actor_address(old), actor_address(handle))
-        # steps that may not have been claimed by every rank yet go to the new one
+        # steps that may not have been claimed by every rank yet go to the new one (a round
+        # the planner sends it meanwhile waits for them: see DataConstructor.submit)
         await handle.submit(self.planner.unclaimed_steps(i), force=True)
         if why != "lost":
             await old.close()

@@ -257,3 +257,30 @@ def test_a_round_delivered_twice_is_built_and_handed_out_once() -> None:
         con._task.cancel()
 
     asyncio.run(run())
+
+
+def test_a_replacing_constructor_takes_the_re_sent_steps_before_a_later_round() -> None:
+    """The planner publishes a re-created constructor, then re-sends it the steps not every
+    rank claimed; its next round may arrive first.  That round waits: the re-sent steps are
+    accepted, built and handed out first, and none is dropped as delivered already."""
+
+    async def run() -> None:
+        members = {0: [0]}
+        con = DataConstructor("unit", 0, members, 8, 0, prefetch=4, timeout=60.0,
+                              replacing=True)
+        con._room = asyncio.Condition()
+        con.loaders = {"toy": {0: ToyLoader()}}
+        con._work = asyncio.Queue()
+        con._task = asyncio.create_task(con._builder())
+        later = asyncio.ensure_future(con.submit(_toy_round(members, [3, 4])))
+        await asyncio.sleep(0.2)
+        assert not later.done() and (await con.stats())["rounds_built"] == 0
+        await asyncio.wait_for(con.submit(_toy_round(members, [1, 2]), force=True), 5)
+        await asyncio.wait_for(later, 5)
+        await _built(con, 2)
+        assert (await con.next_round(0, 0))["steps"] == [1, 2]
+        assert (await con.next_round(0, 2))["steps"] == [3, 4]
+        await con.close()
+        con._task.cancel()
+
+    asyncio.run(run())
