@@ -163,7 +163,7 @@ def pieces_of(table: np.ndarray, sources: Sequence[str]) -> list[Piece]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlannerSnapshot:
     """The planner's whole state after a step, as :meth:`Planner.snapshot` takes it.
 
@@ -210,13 +210,23 @@ class PlannerSnapshot:
         """The JSON-serialisable form (:meth:`Planner.state_dict`): the pieces as lists of
         ``[source, epoch, unit, row, chunk, start, end, doc_len]``."""
         names = self.sources
+        n_carry, n_held = len(self.carry), len(self.held)
+        # in slices, with the collector paused: a ``tolist`` of 10^6 rows, or freeing a list
+        # of 10^6 lists, is one C call that holds the GIL for a second or so, and the
+        # collector's passes over the new lists find nothing; this runs in a thread beside
+        # the worker's event loop and the planning thread
+        with gc_paused():
+            carry = [[names[t[0]], *t[1:]] for i in range(0, n_carry, _SLICE)
+                     for t in self.carry[i:i + _SLICE].tolist()]
+            held = [[[names[t[0]], *t[1:]], s] for i in range(0, n_held, _SLICE)
+                    for t, s in zip(self.held[i:i + _SLICE].tolist(),
+                                    self.held_step[i:i + _SLICE].tolist(), strict=True)]
         return {
             "step": self.step,
             "streams": {k: dict(s) for k, s in self.streams.items()},
             "mixer": dict(self.mixer),
-            "carry": [[names[t[0]], *t[1:]] for t in self.carry.tolist()],
-            "held": [[[names[t[0]], *t[1:]], s]
-                     for t, s in zip(self.held.tolist(), self.held_step.tolist(), strict=True)],
+            "carry": carry,
+            "held": held,
             "overrides": [[s, dict(w)] for s, w in self.overrides],
             "tokens": dict(self.tokens),
             "pieces": dict(self.pieces),

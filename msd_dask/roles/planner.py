@@ -349,7 +349,7 @@ class PlannerActor:
       :meth:`checkpoint`, :meth:`snapshot`) takes ``_plan_lock`` too: it never sees
       a half-planned step;
     * :meth:`stats` answers at once: its step, tokens and pieces come from the
-      state after the last planned step (``_snapshots``, written by the loop), and
+      state after the last planned step (``_counts``, written by the loop), and
       ``planning`` says whether a step is being planned;
     * cancelled while the thread works (:meth:`stop`), the loop does not wait:
       the thread finishes its step, whose result is dropped, and ``_plan_lock`` is
