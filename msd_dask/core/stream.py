@@ -119,15 +119,12 @@ class Window:
         Per piece ``epoch, unit, row, chunk, start, end, doc_len`` (a
         :class:`Piece` without its source); int32 where every value fits, else
         int64 (a planner holds the tables of every window a step draws from).
-    lengths : list of int
-        Per piece ``end - start``.
     """
 
-    __slots__ = ("epoch", "window", "table", "lengths")
+    __slots__ = ("epoch", "window", "table")
 
     def __init__(self, epoch: int, window: int, table: np.ndarray):
         self.epoch, self.window, self.table = epoch, window, table
-        self.lengths: list[int] = (table[:, 5] - table[:, 4]).tolist()
 
 
 class SourceStream:
@@ -266,9 +263,9 @@ class SourceStream:
         empty = 0
         while True:
             win = self._window(lookup)
-            if self.offset < len(win.lengths):
+            if self.offset < len(win.table):
                 return win
-            if not win.lengths:
+            if not len(win.table):
                 empty += 1
                 if empty > self.n_windows:
                     raise DataError("the source has no documents in a whole epoch",
