@@ -41,8 +41,7 @@ from typing import Any, Protocol
 from msd_dask.batch import Batch
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
-from msd_dask.dask_internals import call_actor
-from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
+from msd_dask.errors import CLOSED_BY_OWNER, RESTART_HINT, ServiceError, ServiceTimeoutError
 
 __all__ = ["REPORT_IDLE", "Reader", "ServiceLink", "idle_time"]
 
@@ -73,12 +72,23 @@ class ServiceLink(Protocol):
     client: Any
     config: Config
     name: str
+    #: set once this process's handle closed, or a reader heard the owner closed the
+    #: service: then no reader sends anything (see :meth:`send`)
+    closed: bool
     #: the current planner generation, its planner and constructors (actor handles)
     generation: int
     planner: Any
     constructors: list[Any]
     #: (generation, constructors of that generation), replaced together
     handles: tuple[int, list[Any]]
+
+    def close(self, notice: str) -> None:
+        """Send nothing more (``notice``: why, what :meth:`send` raises then)."""
+
+    def send(self, handle: Any, method: Callable[..., Any], /, *args: Any,
+             **kwargs: Any) -> Any:
+        """Call ``method`` on the actor ``handle`` (a future), or raise
+        :class:`~msd_dask.errors.ServiceError` without sending once :meth:`close` was called."""
 
     def refresh(self, max_age: float = 0.0) -> None:
         """Fetch the current constructors; switch to a re-created planner if needed (not if
@@ -297,9 +307,10 @@ class Reader:
             key = constructor.key
             if self._known[0] == key and step <= self._known[1]:
                 return None
-            call = call_actor(constructor, DataConstructor.returned_through, self.rank,
-                              int(step), self.ranks)
-        except Exception:  # noqa: BLE001 - a lost constructor: the state then needs a step
+            call = self.link.send(constructor, DataConstructor.returned_through, self.rank,
+                                  int(step), self.ranks)
+        except Exception:  # noqa: BLE001 - a lost constructor (the state then needs a step),
+            # or a closed service: its roles may be released already
             return None
         self._known = (key, int(step))
         return call
@@ -342,11 +353,13 @@ class Reader:
                     poll = min(POLL, max(0.1, deadline - time.monotonic()))
                     returned = self._returned_through()
                     told = {} if returned is None else {"returned": returned}
-                    call = call_actor(constructor, DataConstructor.next_round_packed,
-                                      self.rank, self._done(), self._view,
-                                      report_after=self.report_after, wait=poll,
-                                      ranks=self.ranks, **told)
+                    call = self.link.send(constructor, DataConstructor.next_round_packed,
+                                          self.rank, self._done(), self._view,
+                                          report_after=self.report_after, wait=poll,
+                                          ranks=self.ranks, **told)
                 answer = pickle.loads(call.result(timeout=POLL + wait))
+            except ServiceError:  # closed: nothing was sent
+                raise
             except TimeoutError:
                 # a slow constructor only answers late; look less and less often, one
                 # look per process and interval (thousands of ranks may wait at once)
@@ -365,6 +378,8 @@ class Reader:
                 call = None
                 if answer is not None:
                     if "error" in answer:
+                        if answer["error"] == CLOSED_BY_OWNER:  # the process's other readers
+                            self.link.close(CLOSED_BY_OWNER)  # then call no released role
                         raise ServiceError(f"service {self.link.name!r}: {answer['error']}")
                     if returned is None:  # it knows the steps before the round
                         self._known = (constructor.key, int(answer["steps"][0]) - 1)
@@ -417,8 +432,8 @@ class Reader:
             return
         calls: list[Any] = []
         try:  # the one constructor of this rank's DP group
-            calls.extend(call_actor(constructors[self._c], DataConstructor.mark_had, r, done)
-                         for r in self.ranks)
+            calls.extend(self.link.send(constructors[self._c], DataConstructor.mark_had, r,
+                                        done) for r in self.ranks)
         except Exception:  # noqa: BLE001 - lost meanwhile: its successor learns from next_round
             pass
         for call in calls:
@@ -462,6 +477,8 @@ class Reader:
         step = self.step if step is None else step
         if step is None:
             raise ValueError("report_step_time: no step was read yet")
+        if self.link.closed:  # its planner may be released already
+            return
         try:
             self.link.planner.report_step_time(int(step), self.coords["dp"], float(seconds))
         except Exception:  # noqa: BLE001 - a lost planner: its successor fits from new reports

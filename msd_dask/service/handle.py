@@ -43,6 +43,9 @@ __all__ = ["DataService"]
 
 _log = logging.getLogger("msd_dask.service")
 
+#: what a reader of a handle closed by a process other than the owner raises
+HANDLE_CLOSED = "this process's handle on it was closed (DataService.close)"
+
 #: Dask settings of the embedded cluster (:meth:`DataService.start` without ``address``).
 #: Its workers run the service's actors only, and Dask's periodic callbacks (a stack
 #: sample of the task threads every 10 ms, an event-loop tick every 20 ms, a memory
@@ -528,12 +531,22 @@ class DataService:
 
     # ---------------------------------------------------------------- close
     def close(self) -> None:
-        """Stop the service (if this handle started it) and disconnect."""
+        """Stop the service (if this handle started it) and disconnect.
+
+        This process's readers send nothing from then on: the next batch they do not
+        hold raises :class:`ServiceError` (one waiting for a round hears the owner's
+        notice as the roles close).  The owner then closes the roles and lets Dask
+        release them; a call that reached one after that would fail on its worker,
+        which logs the failure as an error.
+        """
         if self._closed:
             return
         if not self.link.owner:  # the last steps this process's readers returned
             self._report_readers(5.0)
-        self._closed = self.link.closed = True
+        # before the roles are closed and released: this process's readers send nothing
+        # more (a call reaching a released actor fails, and its worker logs it)
+        self._closed = True
+        self.link.close(CLOSED_BY_OWNER if self.link.owner else HANDLE_CLOSED)
         if self.keeper is not None:
             self.keeper.stop(self.config.timeout)
         try:

@@ -11,6 +11,7 @@ current planner stops answering, and tells this process's readers when it did
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from msd_dask.core.config import Config
-from msd_dask.dask_internals import actor_address, has_client, scheduler_workers
+from msd_dask.dask_internals import actor_address, call_actor, has_client, scheduler_workers
 from msd_dask.errors import CLOSED_BY_OWNER, RESTART_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.service.placement import REGISTRY_PREFIX
 
@@ -47,8 +48,14 @@ class PlannerLink:
         self.config = cfg
         self.name = cfg.name
         self.owner = owner
-        #: set when the owner's handle closes (a closed owner re-creates nothing)
+        #: set when this process's handle closes (a closed owner re-creates nothing), or
+        #: once a reader hears that the owner closed the service (:meth:`close`): then no
+        #: reader of this process calls a role any more
         self.closed = False
+        #: why it closed: what a reader raises then (``None`` while open)
+        self.notice: str | None = None
+        #: held while a reader's call is sent (:meth:`send`) or the link closes
+        self._sending = threading.Lock()
         self.registry = registry
         #: the planner's generation: 0, then one more each time a lost one is re-created
         self.generation = int(registry.get("generation", 0))
@@ -69,6 +76,33 @@ class PlannerLink:
         self.handles: tuple[int, list[Any]] = (-1, [])
         self._listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._listeners_lock = threading.Lock()
+
+    def close(self, notice: str) -> None:
+        """Send no call to a role any more: this process's handle closed, or the owner
+        closed the service (``notice``: what a reader raises, after ``service 'name': ``).
+
+        The owner's close releases the roles' actors once it closed them: a call sent
+        after that reaches a worker that no longer holds its actor, and the worker logs
+        an error (``KeyError`` in ``actor_execute``) for a service that closed cleanly.
+        Once this returns, no :meth:`send` sends anything.
+        """
+        with self._sending:
+            if not self.closed:
+                self.closed, self.notice = True, notice
+
+    def check_open(self) -> None:
+        """Raise :class:`ServiceError` (the close's notice) if the link is closed."""
+        if self.closed:
+            raise ServiceError(f"service {self.name!r}: {self.notice or CLOSED_BY_OWNER}")
+
+    def send(self, handle: Any, method: Callable[..., Any], /, *args: Any,
+             **kwargs: Any) -> concurrent.futures.Future[Any]:
+        """:func:`~msd_dask.dask_internals.call_actor` of ``method`` on ``handle``, unless the
+        link is closed: then :class:`ServiceError` and nothing is sent (a reader's claim,
+        its report of the steps it returned)."""
+        with self._sending:  # not sent after close() returned: the roles may be released
+            self.check_open()
+            return call_actor(handle, method, *args, **kwargs)
 
     def refresh(self, max_age: float = 0.0) -> None:
         """Fetch the current constructor handles (they change when a role is re-created).
@@ -110,6 +144,7 @@ class PlannerLink:
     def _refresh(self) -> None:
         deadline = time.monotonic() + self.config.timeout
         while True:
+            self.check_open()  # a closed service's planner may be released already
             with self._swap:
                 planner, gen = self.planner, self.generation
             try:  # short waits: a call to a lost actor may hang instead of failing
@@ -128,7 +163,9 @@ class PlannerLink:
 
     def call(self, request: Callable[[Any], Any]) -> Any:
         """``request(planner)``'s result (an actor call); once more on its successor if
-        the planner was lost or did not answer within the config's ``timeout``."""
+        the planner was lost or did not answer within the config's ``timeout``.
+        :class:`ServiceError` if the link is closed (nothing sent)."""
+        self.check_open()
         try:
             return request(self.planner).result(timeout=self.config.timeout)
         except (KeyError, ValueError, ServiceError):
@@ -204,6 +241,7 @@ class PlannerLink:
         where = actor_address(self.planner) or "?"
         if lost and not self.owner_alive():
             if self._unpublished():
+                self.close(CLOSED_BY_OWNER)  # this process's other readers call no role
                 raise ServiceError(f"service {self.name!r}: {CLOSED_BY_OWNER}")
             raise ServiceError(
                 f"the planner of service {self.name!r} was lost with its worker {where}, and "

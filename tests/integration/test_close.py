@@ -67,3 +67,90 @@ def test_a_reader_of_a_closed_service_says_so(corpus):
                 next(reader)
         assert time.monotonic() - t0 < 30
         other.close()
+
+
+class _ErrorLog:
+    """A logging handler keeping the ERROR records of a Dask process (with their tracebacks)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        class Keep(logging.Handler):
+            def __init__(self) -> None:
+                super().__init__(logging.ERROR)
+                self.lines: list[str] = []
+
+            def emit(self, record: logging.LogRecord) -> None:
+                import traceback
+
+                exc = "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else ""
+                self.lines.append(f"{record.name}: {record.getMessage()}\n{exc}")
+
+        self.handler = Keep()
+        # Dask's own loggers do not propagate to the root logger
+        for name in ("", "distributed"):
+            logging.getLogger(name).addHandler(self.handler)
+
+
+def _watch_errors(dask_worker=None, dask_scheduler=None) -> None:
+    server = dask_worker if dask_worker is not None else dask_scheduler
+    server._msd_test_errors = _ErrorLog()
+
+
+def _errors_logged(dask_worker=None, dask_scheduler=None) -> list[str]:
+    server = dask_worker if dask_worker is not None else dask_scheduler
+    return list(server._msd_test_errors.handler.lines)
+
+
+def test_closing_while_readers_wait_logs_no_error_on_the_cluster(corpus):
+    """The owner closes the service while one of its readers waits in a claim and another
+    has just returned a step (its report not sent yet): the waiting reader hears the
+    notice at once, the other hears it without calling any role, and no worker (nor the
+    scheduler) logs a call that reached a role the closed service released."""
+    import threading
+
+    root, _ = corpus
+    with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address=":0") as cl, \
+            Client(cl) as client:
+        client.run(_watch_errors)
+        client.run_on_scheduler(_watch_errors)
+        svc = DataService.start(config(root, name="closewait", timeout=20), cl.scheduler_address)
+        waiting, paused = svc.reader(0), svc.reader(1)
+        read: list[int] = []
+        ended: list[tuple[float, BaseException]] = []
+
+        def read_on() -> None:  # rank 0 reads ahead until rank 1's steps fill prefetch
+            try:
+                while True:
+                    read.append(next(waiting).step)
+            except BaseException as e:  # noqa: BLE001 - what the test looks at
+                ended.append((time.monotonic(), e))
+
+        thread = threading.Thread(target=read_on, daemon=True)
+        thread.start()
+        for _ in range(3):
+            next(paused)
+        deadline = time.monotonic() + 30
+        while len(read) < 4:  # rank 0 is ahead of rank 1: it waits for room in a claim
+            assert time.monotonic() < deadline, f"rank 0 read only steps {read} in 30 s"
+            assert not ended, ended
+            time.sleep(0.02)
+        time.sleep(0.3)
+        closing = time.monotonic()
+        svc.close()
+        thread.join(10)
+        assert not thread.is_alive(), "the reader waiting in a claim still waits 10 s after close"
+        at, error = ended[0]
+        assert isinstance(error, ServiceError) and "closed by its owner" in str(error), error
+        assert at - closing < 5, f"the waiting reader heard of the close {at - closing:.1f}s later"
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError, match="closed by its owner"):
+            for _ in range(10):  # what it still holds, then the notice
+                next(paused)
+        assert time.monotonic() - t0 < 5
+        time.sleep(2.5)  # past the readers' report of their last steps (REPORT_IDLE)
+        logged = [line for lines in client.run(_errors_logged).values() for line in lines]
+        logged += client.run_on_scheduler(_errors_logged)
+        bad = [line for line in logged
+               if "KeyError" in line or "Exception while handling op" in line]
+        assert not bad, "the cluster logged after close:\n" + "\n".join(bad)
