@@ -296,7 +296,7 @@ def rss_mib() -> tuple[float, float]:
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
     """The planner's work per step at ``dp`` ranks, end to end, and its memory while it keeps
     the work of the last ``prefetch`` steps for re-created constructors, as its actor does."""
-    from msd_dask.roles.planner import pack_snapshot, pack_work, split_plan
+    from msd_dask.roles.planner import pack_snapshot, pack_works, split_plan
 
     cfg = default_config(dp, 8, seq_len)
     pl = planner_for(cfg, 1 << 16)
@@ -318,7 +318,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
         t1 = time.perf_counter()
         work = split_plan(plan, min(constructors, dp), Owner(), relpath, names)
         t2 = time.perf_counter()
-        kept.append([pack_work(w) for w in work])
+        kept.append(pack_works(work))
         snapshots.append(pack_snapshot(pl.snapshot()))
         t3 = time.perf_counter()
         plan_s.append(t1 - t0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 # costs each of them memory (tests/unit/test_imports.py).
 
 __all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "pack_snapshot",
-           "planner_state"]
+           "pack_works", "planner_state"]
 
 _log = logging.getLogger("msd_dask.roles.planner")
 
@@ -206,6 +207,25 @@ def pack_work(work: StepPieces) -> bytes:
     and the planner keeps ``prefetch`` steps of these.
     """
     return _packed(work)
+
+
+#: bytes of piece tables above which :func:`pack_works` packs on several threads
+PACK_IN_THREADS = 8 << 20
+
+_pack_pool: ThreadPoolExecutor | None = None
+
+
+def pack_works(works: Sequence[StepPieces]) -> list[bytes]:
+    """:func:`pack_work` of each constructor's work of a step; on up to 4 threads where the
+    step is large (zstd compresses without the GIL: 1.1-1.4 s -> 0.6-0.8 s a step at dp
+    16,384 × 128K on 2 cores)."""
+    global _pack_pool
+    if sum(w.pieces.nbytes for w in works) < PACK_IN_THREADS:
+        return [pack_work(w) for w in works]
+    if _pack_pool is None:
+        _pack_pool = ThreadPoolExecutor(min(4, os.cpu_count() or 1),
+                                        thread_name_prefix="msd-pack")
+    return list(_pack_pool.map(pack_work, works))
 
 
 def unpack_work(packed: bytes) -> StepPieces:
@@ -847,8 +867,7 @@ class PlannerActor:
         steps = []
         async with self._planning():  # hand_over may not move units meanwhile
             works = await self._off_loop(lambda: [self._split(plan) for plan in plans])
-            packed = await self._off_loop(lambda: [[pack_work(w) for w in work]
-                                                   for work in works])
+            packed = await self._off_loop(lambda: [pack_works(work) for work in works])
         for plan, work, kept in zip(plans, works, packed, strict=True):
             self._recent[plan.step] = kept
             steps.append((plan.step, work))
