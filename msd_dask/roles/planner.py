@@ -119,6 +119,8 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     the plan's piece table: a loader slot is looked up once per unit, a path once per
     unit and constructor.
     """
+    from msd_dask.core.plan import distinct, unit_keys
+
     dp, mb = plan.row_sizes.shape
     n_rows = np.full(dp, mb, dtype=np.int64)
     row_len = plan.row_sizes.reshape(-1).astype(np.int64)
@@ -148,13 +150,7 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     s, e, u = table[:, 0], table[:, 2], table[:, 3]
     n_units = int(u.max()) + 1 if total else 1
     # loader slots, one look-up per (source, epoch, unit)
-    n_epochs = int(e.max()) + 1 if total else 1
-    key = s.astype(np.int64)
-    key *= n_epochs
-    key += e
-    key *= n_units
-    key += u
-    first, inverse = _distinct(key, len(names) * n_epochs * n_units)
+    first, inverse = distinct(*unit_keys(s, e, u))
     slots = [owner[(names[a], b, c)] for a, b, c in table[first][:, [0, 2, 3]].tolist()]
     table[:, 1] = np.asarray(slots, dtype=np.int64).reshape(-1)[inverse]
     del inverse
@@ -163,13 +159,13 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     key = s.astype(np.int64)
     key *= n_units
     key += u
-    pair = _distinct(key, len(names) * n_units)[1]
+    pair = distinct(key, len(names) * n_units)[1]
     n_pairs = int(pair.max()) + 1 if total else 1
     key = piece_con.astype(np.int64)
     key *= n_pairs
     key += pair
     del pair
-    first, inverse = _distinct(key, n * n_pairs)
+    first, inverse = distinct(key, n * n_pairs)
     path_bound = np.searchsorted(piece_con[first], np.arange(n + 1))
     inverse -= path_bound[piece_con]
     table[:, 8] = inverse
@@ -264,59 +260,6 @@ def _state_of(packed: bytes) -> dict[str, Any]:
     """The JSON form of a packed :class:`~msd_dask.core.plan.PlannerSnapshot`."""
     state: dict[str, Any] = _unpacked(packed).to_state()
     return state
-
-
-def _distinct(key: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct values of ``key`` (int64, each in ``[0, span)``; overwritten), in
-    increasing order: the index of an occurrence of each, and the position of each key's
-    value in that order (int64).
-
-    Through a table of ``span`` flags where ``span`` is at most ``max(len(key), 2**22)``
-    (a step's units and a constructor's paths: linear, where the sort of
-    :func:`_first_and_inverse` took 0.7 s for each of the 3.4M keys of a step at dp 16,384
-    x 128K), else as that function does.
-    """
-    n = len(key)
-    if n == 0 or span > max(n, 1 << 22):
-        return _first_and_inverse(key)
-    present = np.zeros(span, dtype=bool)
-    present[key] = True
-    ids = np.cumsum(present, dtype=np.int64)
-    del present
-    ids -= 1
-    np.take(ids, key, out=key)  # each key's position, in place of the keys
-    one = np.empty(int(ids[-1]) + 1, dtype=np.int64)
-    del ids
-    one[key] = np.arange(n, dtype=np.int64)  # (any occurrence will do)
-    return one, key
-
-
-def _first_and_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(key, return_index=True, return_inverse=True)[1:]``, made with fewer arrays
-    of ``len(key)`` alive at once; ``key`` (int64) is overwritten.
-
-    Returns
-    -------
-    first : ndarray of int
-        The index of each distinct key's first occurrence, in increasing key order.
-    inverse : ndarray of int64
-        The position of each key's value in that order.
-    """
-    n = len(key)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    perm = np.argsort(key, kind="stable")
-    new = np.empty(n, dtype=bool)
-    new[0] = True
-    np.take(key, perm, out=key)  # sorted, in place of the keys
-    np.not_equal(key[1:], key[:-1], out=new[1:])
-    first = perm[new]
-    np.cumsum(new, out=key)
-    key -= 1
-    del new
-    inverse = np.empty(n, dtype=np.int64)
-    inverse[perm] = key
-    return first, inverse
 
 
 def _bounds(group: np.ndarray, n: int) -> list[int]:

@@ -92,7 +92,7 @@ def test_kept_work_holds_only_its_bytes() -> None:
 
 @pytest.mark.parametrize("n", [0, 1, 7, 5_000])
 def test_first_and_inverse_is_uniques(n: int) -> None:
-    from msd_dask.roles.planner import _first_and_inverse
+    from msd_dask.core.plan import _first_and_inverse
 
     key = np.random.default_rng(n).integers(-3, 40, n).astype(np.int64)
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
@@ -105,12 +105,12 @@ def test_first_and_inverse_is_uniques(n: int) -> None:
 def test_distinct_by_flags_and_by_sort_agree(n: int) -> None:
     """split_plan numbers a step's units and a constructor's paths through a table of flags
     where the keys' span is small, else by a sort: the same numbering either way."""
-    from msd_dask.roles.planner import _distinct
+    from msd_dask.core.plan import distinct
 
     rng = np.random.default_rng(n)
     keys = rng.integers(0, 5000, n).astype(np.int64)
-    by_flags = _distinct(keys.copy(), 5000)
-    by_sort = _distinct(keys.copy(), 2**40)  # a span too large for flags
+    by_flags = distinct(keys.copy(), 5000)
+    by_sort = distinct(keys.copy(), 2**40)  # a span too large for flags
     want = np.unique(keys, return_inverse=True)
     for one, position in (by_flags, by_sort):
         assert position.tolist() == want[1].reshape(-1).tolist()
