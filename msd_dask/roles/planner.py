@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from msd_dask.core.config import parse_config
-from msd_dask.errors import DataError, ServiceError, ServiceTimeoutError
+from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, StepWork
 from msd_dask.roles.direct import direct
 
@@ -665,9 +665,7 @@ class PlannerActor:
                     if exc is None:
                         lengths = task.result()
                         break
-                    # bad input is no lost worker: reported at once, not after waiting
-                    # for the scheduler to notice one
-                    if isinstance(exc, DataError) or not await self.roles.heal(wait=True):
+                    if not await self.roles.healed_after(exc):
                         raise exc
                     continue
                 if task.cancelled() and self._meta_tasks.get(k) is task:

@@ -346,9 +346,8 @@ class RoleSupervisor:
             exc = task.exception()
             if exc is None:
                 return task.result()
-            if (not isinstance(exc, DataError) and await self.heal(wait=True)
-                    and self.loader(source, slot) is not h):
-                continue  # (bad input is no lost worker: raised at once)
+            if await self.healed_after(exc) and self.loader(source, slot) is not h:
+                continue
             raise exc
 
     async def wait_room(self, steps: int) -> None:
@@ -420,6 +419,12 @@ class RoleSupervisor:
                 t.add_done_callback(_observe)
 
     # ------------------------------------------------------------- recovery
+    async def healed_after(self, exc: BaseException) -> bool:
+        """After a role's call failed with ``exc``: :meth:`heal` (waiting for the scheduler
+        to notice a lost worker), unless ``exc`` is bad input (:class:`DataError`), which no
+        lost worker raises: that is reported at once, not after the wait."""
+        return not isinstance(exc, DataError) and await self.heal(wait=True)
+
     async def heal(self, wait: bool = False) -> bool:
         """Re-create roles whose worker is gone; returns whether anything was re-created.
 
