@@ -388,7 +388,7 @@ class PlannerActor:
 
         self.fitter = (CostFitter(self.planner.cost, prior_weight=self.cfg.cost.prior_weight)
                        if self.cfg.cost.fit else None)
-        self._step_lengths: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._step_features: OrderedDict[int, np.ndarray] = OrderedDict()
         self._reported: set[tuple[int, int]] = set()
         self.imbalance_sum = 0.0
         self.lower_bound_ratio_sum = 0.0
@@ -744,9 +744,9 @@ class PlannerActor:
             "tokens": plan.tokens_by_source(),
             "weights": plan.weights,
         }
-        lengths = None if self.fitter is None else plan.rank_features()
+        features = None if self.fitter is None else plan.rank_features()
         snap = self.planner.snapshot()
-        return plan, used, record, lengths, (snap, pack_snapshot(snap))
+        return plan, used, record, features, (snap, pack_snapshot(snap))
 
     def _split(self, plan: StepPlan) -> list[StepPieces]:
         """In the planning thread: each constructor's work of ``plan``."""
@@ -776,7 +776,7 @@ class PlannerActor:
                 while len(plans) < k:
                     async with self._planning():
                         try:
-                            plan, used, record, lengths, after = await self._off_loop(
+                            plan, used, record, features, after = await self._off_loop(
                                 self._plan_next)
                         except NeedMetadata as nm:
                             need = nm
@@ -788,7 +788,7 @@ class PlannerActor:
                         # kept before any reader can have the step: its step time may come
                         # back while the planner still waits for room after the round
                         self._record(record)
-                        self._keep_lengths(plan.step, lengths)
+                        self._keep_features(plan.step, features)
                     if len(plans) < k:
                         await self._assign_ahead()  # the next step's units and read-ahead
                 if plans:
@@ -955,22 +955,22 @@ class PlannerActor:
     async def report_step_time(self, step: int, dp_rank: int, seconds: float) -> None:
         """A DP rank computed on ``step`` for ``seconds`` (the first report of a group counts)."""
         key = (int(step), int(dp_rank))
-        lengths = self._step_lengths.get(int(step))
-        if self.fitter is None or lengths is None or key in self._reported:
+        features = self._step_features.get(int(step))
+        if self.fitter is None or features is None or key in self._reported:
             return
         self._reported.add(key)
-        sum_lengths, sum_squares = lengths[int(dp_rank)].tolist()
+        sum_lengths, sum_squares = features[int(dp_rank)].tolist()
         self.fitter.observe_sums(sum_lengths, sum_squares, float(seconds))
 
-    def _keep_lengths(self, step: int, lengths: np.ndarray | None) -> None:
+    def _keep_features(self, step: int, features: np.ndarray | None) -> None:
         """Keep each DP rank's ``(ΣL, ΣL²)`` of ``step`` (for the cost fitter): 16 bytes
         per rank and step (the pieces' lengths were 3.4M per step at dp 16,384 x 128K,
         for ``4 × (2 × prefetch + 16)`` steps)."""
-        if lengths is None:
+        if features is None:
             return
-        self._step_lengths[step] = lengths
-        while len(self._step_lengths) > 4 * self._keep:
-            old, _ = self._step_lengths.popitem(last=False)
+        self._step_features[step] = features
+        while len(self._step_features) > 4 * self._keep:
+            old, _ = self._step_features.popitem(last=False)
             self._reported = {k for k in self._reported if k[0] > old}
 
     async def stats(self) -> dict[str, Any]:
