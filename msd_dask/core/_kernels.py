@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 __all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "fill_rounds",
-           "greedy_fill", "mix_draw", "stable_argsort"]
+           "greedy_fill", "mix_draw", "permute_rows", "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
@@ -417,6 +417,84 @@ def _mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, len
     return src, room, out, n_out, held, n_held
 
 
+# ----------------------------------------------------------------------------- permuting rows
+
+
+def _copy_row(dst: np.ndarray, x: int, src: np.ndarray, s: int) -> None:
+    """``dst[x] = src[s]`` (rows of 8 columns, the planner's tables, copied by an unrolled loop)."""
+    n_cols = dst.shape[1]
+    if n_cols == 8:
+        for c in range(8):
+            dst[x, c] = src[s, c]
+    else:
+        for c in range(n_cols):
+            dst[x, c] = src[s, c]
+
+
+def _permute_rows(table: np.ndarray, perm: np.ndarray) -> None:
+    """``table[:len(perm)] = table[perm]`` in place, a row at a time, with no second table.
+
+    Row ``x < len(perm)`` takes the row ``perm[x]``; the moves form paths and
+    cycles (``perm`` holds distinct rows).  A path starts at a row no one takes
+    from (its content may go) and ends at a source past ``len(perm)``: each row
+    takes its source's row, and that source is overwritten only after.  What is
+    left are pure cycles, each turned with one spare row.  Rows past
+    ``len(perm)`` are left as they are.
+
+    Paths touch distinct rows, so :data:`_LANES` of them advance side by side:
+    each step of a path waits for a read at a random place of ``perm`` and of
+    the table, and reads of different paths overlap in the memory system.
+    """
+    m = len(perm)
+    # 1: the row is some row's source; 2: the row has its new content
+    state = np.zeros(len(table), dtype=np.uint8)
+    for x in range(m):
+        state[perm[x]] = 1
+    at = np.empty(_LANES, dtype=np.int64)  # each lane's row (-1: idle)
+    head = 0
+    busy = _LANES
+    for lane in range(_LANES):
+        while head < m and state[head] != 0:
+            head += 1
+        at[lane] = head if head < m else -1
+        head += 1
+    while busy:
+        busy = 0
+        for lane in range(_LANES):
+            x = at[lane]
+            if x < 0:
+                continue
+            busy += 1
+            s = perm[x]  # x takes its source, whose row is free once copied
+            _copy_row(table, x, table, s)
+            state[x] = 2
+            if s < m:
+                at[lane] = s
+                continue
+            while head < m and state[head] != 0:  # the path ends: the lane takes the next
+                head += 1
+            at[lane] = head if head < m else -1
+            head += 1
+    spare = np.empty((1, table.shape[1]), dtype=table.dtype)
+    for head in range(m):
+        if state[head] == 2:
+            continue
+        _copy_row(spare, 0, table, head)
+        x = head
+        while True:  # around the cycle: the row that takes from head's row takes the spare
+            s = perm[x]
+            state[x] = 2
+            if s == head:
+                _copy_row(table, x, spare, 0)
+                break
+            _copy_row(table, x, table, s)
+            x = s
+
+
+#: paths :func:`_permute_rows` follows side by side
+_LANES = 16
+
+
 # ----------------------------------------------------------------------------- sorting
 
 _SIGN = np.int64(-(1 << 63))
@@ -523,6 +601,13 @@ def stable_argsort(a: np.ndarray, descending: bool = False) -> np.ndarray:
     return order.astype(np.int64, copy=False)
 
 
+def permute_rows(table: np.ndarray, perm: np.ndarray) -> None:
+    """Put ``table[perm]`` in the first ``len(perm)`` rows of the 2-d C-contiguous ``table``,
+    in place: see :func:`_permute_rows` (``perm``: distinct rows of ``table``)."""
+    _use_compiled(len(perm))
+    _permute_rows(table, perm)
+
+
 def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     """Each piece's row by best fit decreasing: see :func:`_best_fit_rows`."""
     _use_compiled(len(ls))
@@ -565,7 +650,8 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: compiled version (numba finds a kernel's callees there when it compiles it, and the
 #: functions above call the kernels by their names)
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _before, _sift_down, _push, _pop_top,
-            _greedy_fill, _fill_rounds, _appended, _mix_draw, _int_order, _float_order, _radix_argsort)
+            _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _int_order,
+            _float_order, _radix_argsort)
 _compiled = False
 _compiling = threading.Lock()
 
@@ -606,6 +692,8 @@ def _warm() -> None:
              i1.copy(), -1, 0, i1.copy(), 0, 0)
     for a in (np.arange(4096, dtype=np.int64), np.arange(4096, dtype=np.float64)):
         stable_argsort(a)
+    for dtype in (np.int32, np.int64):  # (the planner's tables, either width)
+        permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
 
 
 def compile_for(items: int) -> None:

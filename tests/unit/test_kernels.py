@@ -223,3 +223,46 @@ def test_python_and_compiled_kernels_plan_the_same() -> None:
     # left to itself: a step of 8 rows (tens of pieces) stays Python, one of 256 compiles
     assert _plan_digest("auto", 4, 2)[1:] == (False, False)
     assert _plan_digest("auto", 64, 4)[1:] == (True, True)
+
+
+def _partial_permutations(rng: np.random.Generator) -> list[tuple[int, np.ndarray]]:
+    """``(rows, perm)``: random ones (paths and cycles), the identity, pure cycles, paths only,
+    and the planner's kind (rows taken group by group from all over the table)."""
+    cases = [(0, np.arange(0)), (1, np.arange(1)), (5, np.arange(5)), (5, np.arange(3)),
+             (6, np.array([1, 2, 0, 4, 5, 3])), (6, np.array([5, 4, 3])), (4, np.array([3, 0, 1]))]
+    for _ in range(40):
+        n = int(rng.integers(1, 300))
+        m = int(rng.integers(0, n + 1))
+        cases.append((n, rng.permutation(n)[:m]))
+    n = 5000
+    idx = np.flatnonzero(rng.random(n) < 0.9)
+    row_of = rng.integers(0, 64, len(idx))
+    cases.append((n, idx[np.argsort(row_of, kind="stable")]))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_permute_rows_is_fancy_indexing_interpreted_and_compiled(
+        dtype: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    from msd_dask.core import _kernels
+
+    _kernels.compile_kernels()
+    rng = np.random.default_rng(7)
+    cases = [(table, perm) for n, perm in _partial_permutations(rng) for n_cols in (8, 3)
+             for table in [rng.integers(-(1 << 30), 1 << 30, (n, n_cols)).astype(dtype)]]
+
+    def results() -> list[np.ndarray]:
+        out = []
+        for table, perm in cases:
+            t = table.copy()
+            _kernels.permute_rows(t, perm.astype(np.int64))
+            out.append(t[:len(perm)])
+        return out
+
+    compiled = results()
+    # the same kernels as plain Python (callees included)
+    for name in ("_permute_rows", "_copy_row"):
+        monkeypatch.setattr(_kernels, name, getattr(_kernels, name).py_func)
+    interpreted = results()
+    for (table, perm), a, b in zip(cases, compiled, interpreted, strict=True):
+        assert np.array_equal(a, table[perm]) and np.array_equal(b, table[perm])
