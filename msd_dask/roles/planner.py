@@ -116,81 +116,108 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
 
     ``owner``: (source, epoch, unit) -> the loader slot that reads it; ``relpath``: each
     source's units' paths relative to the source; ``names``: the sources.  In numpy from
-    the plan's piece table: a loader slot is looked up once per unit, a path once per
-    unit and constructor.
+    the plan's piece table: a loader slot and a path are looked up once per unit of the
+    step, and the table is made once, in int32 where every value fits (each
+    constructor's arrays are slices, views, of it).
     """
-    from msd_dask.core.plan import distinct, unit_keys
+    from msd_dask.core.plan import distinct
 
-    dp, mb = plan.row_sizes.shape
-    n_rows = np.full(dp, mb, dtype=np.int64)
-    row_len = plan.row_sizes.reshape(-1).astype(np.int64)
-    # grouped by constructor, each in DP rank order: the pieces are put in that order
-    # first and the table is made once, in int32 where every value fits (each
-    # constructor's arrays are slices, views, of it); at dp 16,384 x 128K an int64 table
-    # and its sorted copy were most of the planner's peak memory
-    con_of_dp = np.arange(dp, dtype=np.int64) % n
-    row_con = np.repeat(con_of_dp, n_rows)
-    piece_con = np.repeat(row_con.astype(np.int32 if n < 2**31 else np.int64), row_len)
-    order = np.argsort(piece_con, kind="stable")
-    piece_con = piece_con[order]
     src = plan.table
     total = len(src)
+    dp, mb = plan.row_sizes.shape
+    # each constructor's DP ranks, in order, and where they start among its rows and pieces
+    con_of_dp = np.arange(dp, dtype=np.int64) % n
+    dps = np.argsort(con_of_dp, kind="stable").astype(np.int64)
+    dp_bound = _bounds(con_of_dp, n)
+    n_rows = np.full(dp, mb, dtype=np.int64)
+    row_len = np.take(plan.row_sizes, dps, axis=0).reshape(-1).astype(np.int64)
+    rank_len = plan.row_sizes.sum(axis=1, dtype=np.int64)
+    ends = np.zeros(dp + 1, dtype=np.int64)
+    np.cumsum(rank_len[dps], out=ends[1:])
+    piece_bound = ends[dp_bound].tolist()
+    # a DP rank's pieces follow each other in the plan's table: constructor by constructor
+    # they are its runs in the order of ``dps``, gathered by ``order`` (no sort)
+    starts = np.zeros(dp, dtype=np.int64)
+    np.cumsum(rank_len[:-1], out=starts[1:])
+    order = np.arange(total, dtype=np.int64)
+    order += np.repeat(starts[dps] - ends[:-1], rank_len[dps])
+    del starts, ends
     wide = total and (src.min() < 0 or src.max() >= 2**31 or len(names) >= 2**31)
-    table = np.zeros((total, 9), dtype=np.int64 if wide else np.int32)
-    if total:
-        # the plan's source indices follow its own source list; ours follow ``names``
-        index = np.array([list(names).index(n) for n in plan.sources], dtype=np.int64)
-        table[:, 0] = index[src[order, 0]]
-        # plan columns: source, epoch, unit, row, chunk, start, end, doc_len
+    table = np.empty((total, 9), dtype=np.int64 if wide else np.int32)
+    # the plan's source indices follow its own source list; ours follow ``names``
+    index = np.array([list(names).index(s) for s in plan.sources] if total else [],
+                     dtype=np.int64)
+    same = np.array_equal(index, np.arange(len(index)))
+    # the plan's columns, a slice of pieces at a time (gathered rows stay in cache), and a
+    # key per piece for its (source, epoch, unit)
+    epochs = int(src[:, 1].max()) + 1 if total else 1
+    span = int(src[:, 2].max()) + 1 if total else 1
+    keys = np.empty(total, dtype=np.int64)
+    for a in range(0, total, _SLICE):
+        b = min(a + _SLICE, total)
+        rows = src.take(order[a:b], axis=0)
+        part = table[a:b]
+        source = rows[:, 0] if same else index[rows[:, 0]]
+        part[:, 0] = source
         for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
-            table[:, col] = src[order, plan_col]
+            part[:, col] = rows[:, plan_col]
+        key = keys[a:b]
+        key[:] = source
+        key *= epochs
+        key += rows[:, 1]
+        key *= span
+        key += rows[:, 2]
     del order
-    # (the keys are made in place from the table's columns: each array of a value per piece
-    # is tens of MiB at dp 16,384 x 128K)
-    s, e, u = table[:, 0], table[:, 2], table[:, 3]
-    n_units = int(u.max()) + 1 if total else 1
-    # loader slots, one look-up per (source, epoch, unit)
-    first, inverse = distinct(*unit_keys(s, e, u))
-    slots = [owner[(names[a], b, c)] for a, b, c in table[first][:, [0, 2, 3]].tolist()]
-    table[:, 1] = np.asarray(slots, dtype=np.int64).reshape(-1)[inverse]
-    del inverse
-    # each constructor's paths: its (source, unit) pairs, numbered from 0 in its own list
-    # (in (source, unit) order: the pairs' ranks among the step's pairs, per constructor)
-    key = s.astype(np.int64)
-    key *= n_units
-    key += u
-    pair = distinct(key, len(names) * n_units)[1]
-    n_pairs = int(pair.max()) + 1 if total else 1
-    key = piece_con.astype(np.int64)
-    key *= n_pairs
-    key += pair
+    # each unit's loader slot and (source, unit) pair, once per unit: the step's pairs are
+    # numbered in (source, unit) order
+    first, unit_of = distinct(keys, len(names) * epochs * span)
+    del keys
+    units = table[first][:, [0, 2, 3]].astype(np.int64)
+    slot_of = np.asarray([owner[(names[a], b, c)] for a, b, c in units.tolist()],
+                         dtype=np.int64).reshape(-1)
+    pairs, pair_of = np.unique(units[:, 0] * span + units[:, 2], return_index=True,
+                               return_inverse=True)[1:]
+    pair_of = pair_of.reshape(-1)
+    paths_of = np.empty(len(pairs), dtype=object)
+    paths_of[:] = [relpath[names[a]][b] for a, b in units[pairs][:, [0, 2]].tolist()]
+    del units, first, pairs
+    for a in range(0, total, _SLICE):
+        b = min(a + _SLICE, total)
+        unit = unit_of[a:b]
+        table[a:b, 1] = slot_of[unit]
+        np.take(pair_of, unit, out=unit)  # each piece's pair, in place of its unit
+    pair = unit_of
+    del unit_of
+    # each constructor's paths: its pairs, numbered from 0 in (source, unit) order
+    seen = np.zeros(len(paths_of), dtype=bool)
+    number = np.zeros(len(paths_of), dtype=np.int64)
+    paths = []
+    for i in range(n):
+        p0, p1 = piece_bound[i], piece_bound[i + 1]
+        mine = pair[p0:p1]
+        seen[mine] = True
+        used = np.flatnonzero(seen)
+        seen[used] = False
+        number[used] = np.arange(len(used))
+        table[p0:p1, 8] = number[mine]
+        paths.append(tuple(paths_of[used].tolist()))
     del pair
-    first, inverse = distinct(key, n * n_pairs)
-    path_bound = np.searchsorted(piece_con[first], np.arange(n + 1))
-    inverse -= path_bound[piece_con]
-    table[:, 8] = inverse
-    del inverse, s, e, u
-    paths = [relpath[names[a]][b] for a, b in table[first][:, [0, 3]].tolist()]
     if wide and table.min() >= 0 and table.max() < 2**31:
         table = table.astype(np.int32)
-    dp_order = np.argsort(con_of_dp, kind="stable")
-    dps, n_rows = dp_order.astype(np.int64), n_rows[dp_order]
+    n_rows = n_rows[dps]
     costs = np.asarray(plan.rank_cost, dtype=np.float64)[dps]
-    row_len = row_len[np.argsort(row_con, kind="stable")]
-    dp_bound = _bounds(con_of_dp, n)
-    row_bound = _bounds(row_con, n)
-    piece_bound = _bounds(piece_con, n)
-    path_bound = path_bound.tolist()
     sources = tuple(names)
     out = []
     for i in range(n):
-        d0, d1, r0, r1, p0, p1 = (dp_bound[i], dp_bound[i + 1], row_bound[i], row_bound[i + 1],
-                                  piece_bound[i], piece_bound[i + 1])
-        out.append(StepPieces(dps=dps[d0:d1], rows=n_rows[d0:d1], lengths=row_len[r0:r1],
-                              pieces=table[p0:p1], sources=sources,
-                              paths=tuple(paths[path_bound[i]:path_bound[i + 1]]),
-                              costs=costs[d0:d1]))
+        d0, d1, p0, p1 = dp_bound[i], dp_bound[i + 1], piece_bound[i], piece_bound[i + 1]
+        out.append(StepPieces(dps=dps[d0:d1], rows=n_rows[d0:d1],
+                              lengths=row_len[d0 * mb:d1 * mb], pieces=table[p0:p1],
+                              sources=sources, paths=paths[i], costs=costs[d0:d1]))
     return out
+
+
+#: pieces :func:`split_plan` gathers at a time
+_SLICE = 1 << 15
 
 
 def pack_work(work: StepPieces) -> bytes:

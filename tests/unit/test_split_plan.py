@@ -126,3 +126,25 @@ def test_a_steps_work_packed_on_threads_or_not_is_the_same(threshold: int,
     monkeypatch.setattr(planner, "PACK_IN_THREADS", threshold)
     work = split_plan(_plan(16, 4, 7, big=True), 5, OWNER, RELPATH, NAMES)
     assert planner.pack_works(work) == [pack_work(w) for w in work]
+
+
+@pytest.mark.parametrize("piece_slice", [1, 7, 1 << 15])
+def test_the_same_work_whatever_the_slices_and_the_plans_source_order(
+        piece_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """split_plan gathers the table a slice of pieces at a time, and maps the plan's source
+    indices to ``names``: the same work items whatever the slice, whatever the plan's order
+    of its sources."""
+    from msd_dask.roles import planner
+
+    monkeypatch.setattr(planner, "_SLICE", piece_slice)
+    for seed in range(3):
+        plan = _plan(16, 3, seed)
+        table = plan.table.copy()
+        table[:, 0] = 1 - table[:, 0]
+        swapped = StepPlan(plan.step, table, plan.row_sizes, tuple(reversed(NAMES)),
+                           plan.rank_cost, plan.lower_bound)
+        want = _reference(plan, 5)
+        for p in (plan, swapped):
+            got = split_plan(p, 5, OWNER, RELPATH, NAMES)
+            assert [dict(g.items()) for g in got] == want
+            assert all(g.sources == tuple(NAMES) for g in got)
