@@ -582,15 +582,77 @@ def _radix_argsort(k: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return idx
 
 
-def stable_argsort(a: np.ndarray, descending: bool = False) -> np.ndarray:
+def _follows(a: np.ndarray, like: np.ndarray, low: int, span: int) -> bool:
+    """Whether ``a`` is a strictly increasing function of ``like`` (ints in ``[low, low +
+    span)``): equal ``like``, equal ``a``; larger ``like``, larger ``a`` (NaN: no)."""
+    first = np.empty(span, dtype=a.dtype)
+    seen = np.zeros(span, dtype=np.bool_)
+    for i in range(len(a)):
+        d = like[i] - low
+        x = a[i]
+        if not seen[d]:
+            seen[d] = True
+            first[d] = x
+        elif not first[d] == x:
+            return False
+    last = first[0]
+    on = False
+    for d in range(span):
+        if seen[d]:
+            if on and not last < first[d]:
+                return False
+            if first[d] != first[d]:
+                return False
+            last = first[d]
+            on = True
+    return True
+
+
+def _counting_argsort(a: np.ndarray, low: int, span: int, descending: bool) -> np.ndarray:
+    """The stable argsort of the ints ``a`` in ``[low, low + span)`` (of ``-a`` with
+    ``descending``), in one counting pass."""
+    n = len(a)
+    count = np.zeros(span + 1, dtype=np.int64)
+    top = low + span - 1
+    for i in range(n):
+        d = top - a[i] if descending else a[i] - low
+        count[d + 1] += 1
+    for d in range(span):
+        count[d + 1] += count[d]
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        d = top - a[i] if descending else a[i] - low
+        out[count[d]] = i
+        count[d] += 1
+    return out
+
+
+#: int keys spanning fewer values sort in one counting pass (:func:`_counting_argsort`)
+_COUNTING_SPAN = 1 << 20
+
+
+def stable_argsort(a: np.ndarray, descending: bool = False, like: np.ndarray | None = None) -> np.ndarray:
     """``np.argsort(a, kind="stable")`` of a 1-d int or float array, the same result in
     linear time (a radix sort) for large arrays.
 
     With ``descending``, ``np.argsort(-a, kind="stable")``, without an array ``-a``.
+    ``like``: ints of ``a``'s length (the pieces' lengths, for costs that grow with
+    them): where ``a`` is a strictly increasing function of them (one pass checks it),
+    ``a``'s order is theirs, sorted in one counting pass where they span fewer than
+    :data:`_COUNTING_SPAN` values.
     """
     a = np.ascontiguousarray(a)
     if len(a) < 4096 or not _use_compiled(len(a)):
         return np.argsort(-a if descending else a, kind="stable")
+    if like is not None and like.dtype.kind == "i":
+        like = np.ascontiguousarray(like)
+        low, span = int(like.min()), int(like.max()) - int(like.min()) + 1
+        if span <= _COUNTING_SPAN and _follows(a, like, low, span):
+            return _counting_argsort(like, low, span, descending)
+    if a.dtype.kind == "i":
+        low, span = int(a.min()), int(a.max()) - int(a.min()) + 1
+        if span <= _COUNTING_SPAN:
+            return _counting_argsort(a, low, span, descending)
     if a.dtype.kind == "f":
         keys = _float_order(a.astype(np.float64, copy=False), descending)
     else:
@@ -651,7 +713,7 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: functions above call the kernels by their names)
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _before, _sift_down, _push, _pop_top,
             _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _int_order,
-            _float_order, _radix_argsort)
+            _float_order, _radix_argsort, _follows, _counting_argsort)
 _compiled = False
 _compiling = threading.Lock()
 
@@ -692,6 +754,8 @@ def _warm() -> None:
              i1.copy(), -1, 0, i1.copy(), 0, 0)
     for a in (np.arange(4096, dtype=np.int64), np.arange(4096, dtype=np.float64)):
         stable_argsort(a)
+        stable_argsort(a, True, np.arange(4096, dtype=np.int64))
+        stable_argsort(a, True)
     for dtype in (np.int32, np.int64):  # (the planner's tables, either width)
         permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
 

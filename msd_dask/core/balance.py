@@ -108,7 +108,7 @@ def capacity_bound(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_b
     if n == 0:
         return 0.0
     best = lower_bound(costs, n_ranks)
-    order = stable_argsort(costs, descending=True)
+    order = stable_argsort(costs, descending=True, like=lengths)  # (costs grow with lengths)
     cs, ls = costs[order], lengths[order]
     del order  # (temporaries of n pieces go as soon as they are used: steps hold millions)
     pos = ls > 0
@@ -259,15 +259,17 @@ class _Greedy:
         return _owning(self.rank, self.micro, lengths, costs, self.n_ranks, self.micro_batches)
 
 
-def _decreasing(keys: np.ndarray) -> np.ndarray:
-    return stable_argsort(keys, descending=True)
+def _decreasing(keys: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
+    """The pieces by decreasing key (stable); ``lengths``: theirs, when keys likely grow with
+    them (costs and excess costs do: their order is found by the lengths' sort)."""
+    return stable_argsort(keys, descending=True, like=lengths)
 
 
 def lpt(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int,
         seq_len: int) -> Assignment:
     """Greedy longest-processing-time-first under the row capacity ``seq_len``."""
     g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
-    g.fill(_decreasing(costs), lengths, costs)
+    g.fill(_decreasing(costs, lengths), lengths, costs)
     return g.result(lengths, costs)
 
 
@@ -312,23 +314,23 @@ def _starts(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches:
     def on_excess() -> Assignment:
         g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
         excess = excess_costs()
-        fill(g, _decreasing(excess), excess)
+        fill(g, _decreasing(excess, lengths), excess)
         return g.result(lengths, costs)
 
     def hybrid() -> Assignment:
         g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
         excess = excess_costs()
-        order = _decreasing(excess)
+        order = _decreasing(excess, lengths)
         big = excess[order] >= 0.002 * mean
         g.fill(order[big], lengths, excess)
         g.shift_keys(rho)
         rest = order[~big]
-        fill(g, rest[_decreasing(costs[rest])], costs)
+        fill(g, rest[_decreasing(costs[rest], lengths[rest])], costs)
         return g.result(lengths, costs)
 
     def on_cost() -> Assignment:
         g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
-        fill(g, _decreasing(costs), costs)
+        fill(g, _decreasing(costs, lengths), costs)
         return g.result(lengths, costs)
 
     # excess costs assume rows end up full: on a step well short of full, costs first

@@ -58,11 +58,30 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     # step (where they are placed first)
     over = int(lengths[row >= 0].sum()) - int((1 - KEPT_SLACK) * n_rows * seq_len)
     if over > 0:
-        kept_new = n_carried + np.flatnonzero(row[n_carried:] >= 0)
-        by_len = kept_new[stable_argsort(lengths[kept_new])]
-        k = int(np.searchsorted(np.cumsum(lengths[by_len]), over, side="left")) + 1
-        row[by_len[:k]] = -1
+        _carry_shortest(row[n_carried:], lengths[n_carried:], over)
     return row
+
+
+def _carry_shortest(row: np.ndarray, lengths: np.ndarray, over: int) -> None:
+    """Carry (``row`` -1, in place) the fewest kept pieces, shortest first (the first on
+    ties), whose tokens reach ``over`` (all of them where they do not).
+
+    By a count of the kept pieces of each length, not a sort: the pieces shorter than
+    the length where the tokens reach ``over`` go, and of that length the first as many
+    as the rest needs.
+    """
+    kept = row >= 0
+    tokens = np.bincount(lengths[kept], minlength=1)
+    tokens *= np.arange(len(tokens))  # the kept pieces' tokens of each length
+    reach = np.cumsum(tokens)
+    if reach[-1] < over:
+        row[kept] = -1
+        return
+    cut = int(np.searchsorted(reach, over, side="left"))  # (> 0: over > 0)
+    need = -(-(over - int(reach[cut - 1])) // cut)  # pieces of length cut, in order
+    at_cut = np.flatnonzero(kept & (lengths == cut))[:need]
+    row[kept & (lengths < cut)] = -1
+    row[at_cut] = -1
 
 
 def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, mb: int,

@@ -166,6 +166,29 @@ def test_stable_argsort_is_numpys(n: int) -> None:
         assert stable_argsort(a).tolist() == np.argsort(a, kind="stable").tolist(), a.dtype
 
 
+
+@pytest.mark.parametrize("n", [7, 5000, 70000])
+def test_stable_argsort_like_lengths_is_numpys(n: int) -> None:
+    """With ``like``: keys that follow it (costs of lengths) and keys that do not (equal keys
+    of other lengths, keys that fall with it, a NaN, an order that holds but for one piece)."""
+    from msd_dask.core._kernels import compile_kernels, stable_argsort
+
+    compile_kernels()
+    rng = np.random.default_rng(n)
+    lengths = np.minimum(131072, rng.lognormal(7, 2, n).astype(np.int64))
+    costs = lengths + lengths.astype(np.float64) ** 2 / (12 * 4096)
+    clipped = np.minimum(costs, 900.0)                  # equal costs of other lengths
+    nan = costs.copy()
+    nan[n // 2] = np.nan
+    off = costs.copy()
+    off[n // 3] += 1e-9                                 # one piece unlike the others of its length
+    wide = lengths * (1 << 30)                          # lengths past a counting pass
+    for a in (costs, clipped, -costs, nan, off, lengths.astype(np.float64), wide.astype(np.float64)):
+        for like in (lengths, wide):
+            for descending in (False, True):
+                want = np.argsort(-a if descending else a, kind="stable")
+                assert stable_argsort(a, descending, like).tolist() == want.tolist()
+
 _PLAN_DIGEST = """
 import hashlib, json, sys
 import numpy as np
