@@ -10,6 +10,7 @@ import pytest
 
 from msd_dask.core.plan import StepPlan
 from msd_dask.core.stream import Piece
+from msd_dask.roles.constructor import StepPieces
 from msd_dask.roles.planner import pack_work, split_plan, unpack_work
 
 NAMES = ["web", "code"]
@@ -148,3 +149,56 @@ def test_the_same_work_whatever_the_slices_and_the_plans_source_order(
             got = split_plan(p, 5, OWNER, RELPATH, NAMES)
             assert [dict(g.items()) for g in got] == want
             assert all(g.sources == tuple(NAMES) for g in got)
+
+
+def _work(pieces: np.ndarray, paths: tuple[str, ...]) -> StepPieces:
+    return StepPieces(dps=np.array([3, 8], dtype=np.int64), rows=np.array([1, 1], dtype=np.int64),
+                      lengths=np.array([len(pieces) // 2, len(pieces) - len(pieces) // 2],
+                                       dtype=np.int64),
+                      pieces=pieces, sources=tuple(NAMES), paths=paths,
+                      costs=np.array([0.5, 1.5]))
+
+
+@pytest.mark.parametrize("case", ["narrow", "wide", "negative", "empty", "nul", "no paths"])
+def test_packed_work_unpacks_equal_and_pickles_the_same(case: str) -> None:
+    """pack_work narrows integer columns and joins the paths: what unpack_work gives back
+    equals the work, column dtypes and all, and pickles to the same bytes (what a
+    re-created constructor is sent is what the first one was)."""
+    rng = np.random.default_rng(1)
+    pieces = rng.integers(0, 70_000, (50, 9)).astype(np.int32)
+    pieces[:, 0] = rng.integers(0, 2, 50)
+    paths = tuple(f"dir/part-{i}.jsonl" for i in range(7))
+    if case == "wide":
+        pieces = pieces.astype(np.int64)
+        pieces[:, 3] += 2**40
+    elif case == "negative":
+        pieces = pieces.astype(np.int64)
+        pieces[5, 6] = -1
+    elif case == "empty":
+        pieces = pieces[:0]
+    elif case == "nul":
+        paths = ("a\0b", "c")
+    elif case == "no paths":
+        paths = ()
+    work = _work(pieces, paths)
+    again = unpack_work(pack_work(work))
+    for name in ("dps", "rows", "lengths", "pieces", "costs"):
+        want, got = getattr(work, name), getattr(again, name)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got, want) and got.flags.writeable and got.flags.c_contiguous
+    assert again.paths == work.paths and again.sources == work.sources
+    assert type(again.paths) is tuple and all(type(p) is str for p in again.paths)
+    assert pickle.dumps(again, protocol=5) == pickle.dumps(work, protocol=5)
+
+
+def test_packed_work_narrows_its_columns() -> None:
+    """Small values are kept narrow: the packed work is smaller than the pieces' bytes
+    compressed as they are, and less than a byte per value where every value fits in one."""
+    import zstandard
+
+    rng = np.random.default_rng(2)
+    pieces = rng.integers(0, 200, (5_000, 9)).astype(np.int32)
+    work = _work(pieces, ("a",))
+    packed = len(pack_work(work))
+    assert packed < len(zstandard.ZstdCompressor(level=1).compress(pieces))
+    assert packed < pieces.size + 1024
