@@ -52,8 +52,15 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     order[:n_carried] = np.arange(n_carried)
     order[n_carried:] = stable_argsort(lengths[n_carried:], descending=True)
     order[n_carried:] += n_carried
-    row[order] = best_fit_rows(lengths[order], n_rows, seq_len)
-    del order
+    # the lengths in that order: the carried pieces', then each length as often as it comes
+    # (no gather of millions of pieces)
+    count = np.bincount(lengths[n_carried:])
+    ls = np.empty(n, dtype=np.int64)
+    ls[:n_carried] = lengths[:n_carried]
+    ls[n_carried:] = np.repeat(np.arange(len(count) - 1, -1, -1), count[::-1])
+    del count
+    row[order] = best_fit_rows(ls, n_rows, seq_len)
+    del order, ls
     # the shortest new pieces over (1 - KEPT_SLACK) of the step's tokens wait for the next
     # step (where they are placed first)
     over = int(lengths[row >= 0].sum()) - int((1 - KEPT_SLACK) * n_rows * seq_len)
