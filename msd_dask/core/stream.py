@@ -109,6 +109,38 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in key]))
 
 
+def _chunked(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray, seq_len: int,
+             longest: int, dtype: type[np.integer[Any]]) -> np.ndarray:
+    """The piece table (:attr:`Window.table`) of documents in order: each in ``seq_len``
+    chunks, consecutively (``longest``: the longest document)."""
+    if longest <= seq_len:  # a piece per document: chunk 0, from token 0, the whole document
+        table = np.empty((len(length), 7), dtype=dtype)
+        table[:, 0] = epoch
+        table[:, 1] = unit
+        table[:, 2] = row
+        table[:, 3:5] = 0
+        table[:, 5] = length
+        table[:, 6] = length
+        return table
+    k = (length + (seq_len - 1)) // seq_len
+    first = np.cumsum(k)
+    first -= k
+    table = np.empty((int(first[-1] + k[-1]), 7), dtype=dtype)
+    chunk = np.arange(len(table), dtype=np.int64)
+    chunk -= np.repeat(first, k)
+    length = np.repeat(length, k)
+    table[:, 0] = epoch
+    table[:, 1] = np.repeat(unit, k)
+    table[:, 2] = np.repeat(row, k)
+    table[:, 3] = chunk
+    chunk *= seq_len  # (the chunks' starts)
+    table[:, 4] = chunk
+    chunk += seq_len
+    table[:, 5] = np.minimum(chunk, length, out=chunk)
+    table[:, 6] = length
+    return table
+
+
 class Window:
     """The pieces of one window of a source's stream, in stream order, as columns.
 
@@ -227,33 +259,23 @@ class SourceStream:
         if missing:
             raise NeedMetadata(self.name, missing)
         # the documents (unit, row, length), units in window order, rows in file order
-        doc_unit, doc_row, doc_len = [], [], []
-        for u in units:
-            n = np.asarray(lengths[u]).reshape(-1)
-            keep = np.flatnonzero(n > 0)
-            doc_unit.append(np.full(len(keep), u, dtype=np.int64))
-            doc_row.append(self.units[u].row_offset + keep)
-            doc_len.append(n[keep].astype(np.int64))
-        du, dr, dn = (np.concatenate(c).astype(np.int64, copy=False) if c else np.zeros(0, np.int64)
-                      for c in (doc_unit, doc_row, doc_len))
-        perm = _rng(self.seed, self._salt, e, w + 1).permutation(len(du))
-        du, dr, dn = du[perm], dr[perm], dn[perm]
-        # each document in seq_len chunks, consecutively
-        s = self.seq_len
-        k = (dn + (s - 1)) // s
-        doc = np.repeat(np.arange(len(dn)), k)
-        first = np.cumsum(k) - k
-        chunk = np.arange(len(doc), dtype=np.int64) - first[doc]
-        start = chunk * s
-        narrow = max(e, len(self.units), int(dr.max(initial=0)), int(dn.max(initial=0))) < 2**31
-        table = np.empty((len(doc), 7), dtype=np.int32 if narrow else np.int64)
-        table[:, 0] = e
-        table[:, 1] = du[doc]
-        table[:, 2] = dr[doc]
-        table[:, 3] = chunk
-        table[:, 4] = start
-        table[:, 5] = np.minimum(start + s, dn[doc])
-        table[:, 6] = dn[doc]
+        per_unit = [np.asarray(lengths[u]).reshape(-1) for u in units]
+        counts = [len(n) for n in per_unit]
+        given = np.concatenate(per_unit) if per_unit else np.zeros(0, np.int64)
+        du = np.repeat(np.asarray(units, dtype=np.int64), counts)
+        # (a row: its unit's row offset plus its place in the unit)
+        dr = np.repeat(np.asarray([self.units[u].row_offset for u in units], dtype=np.int64)
+                       - np.cumsum([0, *counts[:-1]], dtype=np.int64), counts)
+        dr += np.arange(len(given))
+        keep = given > 0
+        dn = given.astype(np.int64)
+        if not keep.all():
+            du, dr, dn = du[keep], dr[keep], dn[keep]
+        longest = int(dn.max(initial=0))
+        narrow = max(e, len(self.units), int(dr.max(initial=0)), longest) < 2**31
+        perm = _rng(self.seed, self._salt, e, w + 1).permutation(len(dn))
+        table = _chunked(e, du[perm], dr[perm], dn[perm], self.seq_len, longest,
+                         np.int32 if narrow else np.int64)
         self._window_cache = win = Window(e, w, table)
         return win
 

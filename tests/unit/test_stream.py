@@ -146,6 +146,30 @@ def test_rows_with_non_positive_length_are_skipped() -> None:
     assert delivered == set(expected_docs(lengths))
 
 
+@pytest.mark.parametrize("seq_len", [16, 59, 1000])  # chunked documents; every document whole
+def test_window_table_is_the_documents_in_shuffled_order_chunked(seq_len: int) -> None:
+    # the rule, document by document: a window's units in order, their rows in file order
+    # (non-positive lengths skipped), permuted by the window's generator, each in chunks
+    from msd_dask.core.stream import _rng
+
+    lengths = {u: ls.copy() for u, ls in LENGTHS.items()}
+    lengths[1][2] = 0
+    lengths[3][:] = -1  # a unit without documents
+    for window in (1, 3):
+        s = stream(window=window, seq_len=seq_len)
+        for epoch in range(2):
+            for w in range(s.n_windows):
+                s.epoch, s.window = epoch, w
+                docs = [(u, UNITS[u].row_offset + i, int(n)) for u in s.window_units(epoch, w)
+                        for i, n in enumerate(lengths[u]) if n > 0]
+                perm = _rng(s.seed, s._salt, epoch, w + 1).permutation(len(docs))
+                want = [(epoch, u, r, c, c * seq_len, min((c + 1) * seq_len, n), n)
+                        for u, r, n in (docs[i] for i in perm) for c in range(-(-n // seq_len))]
+                table = s._window(fake_lookup(lengths)).table
+                assert table.dtype == np.int32 and table.shape == (len(want), 7)
+                assert table.tolist() == [list(t) for t in want]
+
+
 def test_source_without_documents_is_a_data_error() -> None:
     s = stream()
     empty = {u: np.zeros(3, dtype=np.int64) for u in range(len(UNITS))}
