@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 __all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "fill_rounds",
-           "greedy_fill", "mix_draw", "permute_rows", "stable_argsort"]
+           "greedy_fill", "mix_draw", "permute_rows", "sorted_sums", "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
@@ -354,6 +354,39 @@ def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.n
     return pos, n_left
 
 
+# ----------------------------------------------------------------------------- capacity bound
+
+
+def _sorted_sums(costs: np.ndarray, lengths: np.ndarray, order: np.ndarray, rho: float, tol: float,
+                 ccum: np.ndarray, lcum: np.ndarray) -> bool:
+    """:func:`~msd_dask.core.balance.capacity_bound`'s pass over the pieces in ``order``:
+    ``ccum``, ``lcum`` get ``[0, cumsum(costs[order])]`` and the same of the lengths, and
+    it returns whether ``costs - rho * lengths`` in that order never rises by more than
+    ``tol`` from one piece to the next (the sums as numpy's, one after the other)."""
+    ok = True
+    prev = 0.0
+    c_sum = 0.0
+    l_sum = 0
+    ccum[0] = 0.0
+    lcum[0] = 0
+    for p in range(len(order)):
+        i = order[p]
+        c = costs[i]
+        n = lengths[i]
+        key = c - rho * n
+        if p == 0:
+            c_sum = c
+        else:
+            c_sum = c_sum + c
+            if not key - prev <= tol:
+                ok = False
+        prev = key
+        l_sum += n
+        ccum[p + 1] = c_sum
+        lcum[p + 1] = l_sum
+    return ok
+
+
 # ----------------------------------------------------------------------------- mixing
 
 
@@ -676,6 +709,17 @@ def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     return _best_fit_rows(ls, n_rows, seq_len)
 
 
+def sorted_sums(costs: np.ndarray, lengths: np.ndarray, order: np.ndarray, rho: float,
+                tol: float) -> tuple[bool, np.ndarray, np.ndarray]:
+    """``(keys never rise by more than tol, cumulative costs, cumulative lengths)`` of the
+    pieces in ``order``: see :func:`_sorted_sums`."""
+    ccum = np.empty(len(order) + 1, dtype=np.float64)
+    lcum = np.empty(len(order) + 1, dtype=np.int64)
+    _use_compiled(len(order))
+    ok = _sorted_sums(costs, lengths, order, rho, tol, ccum, lcum)
+    return bool(ok), ccum, lcum
+
+
 def greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
                 row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray,
                 out_rank: np.ndarray, out_micro: np.ndarray, fresh: bool) -> None:
@@ -713,7 +757,7 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: functions above call the kernels by their names)
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _before, _sift_down, _push, _pop_top,
             _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _int_order,
-            _float_order, _radix_argsort, _follows, _counting_argsort)
+            _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums)
 _compiled = False
 _compiling = threading.Lock()
 
@@ -756,6 +800,7 @@ def _warm() -> None:
         stable_argsort(a)
         stable_argsort(a, True, np.arange(4096, dtype=np.int64))
         stable_argsort(a, True)
+    sorted_sums(np.ones(2), np.ones(2, dtype=np.int64), np.arange(2), 1.0, 0.0)
     for dtype in (np.int32, np.int64):  # (the planner's tables, either width)
         permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
 

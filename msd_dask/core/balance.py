@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from msd_dask.core._kernels import fill_rounds, greedy_fill, stable_argsort
+from msd_dask.core._kernels import fill_rounds, greedy_fill, sorted_sums, stable_argsort
 
 __all__ = ["Assignment", "assign", "build_assignment", "STRATEGIES", "lower_bound", "capacity_bound",
            "sequential", "lpt", "balanced", "improve"]
@@ -100,7 +100,9 @@ def capacity_bound(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_b
     at least ``micro_batches·seq_len − free − (their tokens)`` more tokens
     (``free``: all rows' spare room), each costing at least the lowest cost per
     token of any piece.  Used to stop :func:`balanced` early where the pieces
-    allow nothing better, and reported by ``scripts/bench_balance.py``.
+    allow nothing better, and reported by ``scripts/bench_balance.py``.  The
+    sums over the sorted pieces are one compiled pass
+    (:func:`msd_dask.core._kernels.sorted_sums`), with no sorted copies.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     costs = np.asarray(costs, dtype=np.float64)
@@ -109,25 +111,21 @@ def capacity_bound(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_b
         return 0.0
     best = lower_bound(costs, n_ranks)
     order = stable_argsort(costs, descending=True, like=lengths)  # (costs grow with lengths)
-    cs, ls = costs[order], lengths[order]
-    del order  # (temporaries of n pieces go as soon as they are used: steps hold millions)
-    pos = ls > 0
-    rho = float((cs[pos] / ls[pos]).min()) if pos.any() else 0.0
-    del pos
-    free = n_ranks * micro_batches * seq_len - int(ls.sum())
+    rho = _min_cost_per_token(lengths, costs)
+    free = n_ranks * micro_batches * seq_len - int(lengths.sum())
     room = micro_batches * seq_len - free
-    keys = cs - rho * ls
-    # the t+1 cheapest of the top t·R+1 are the last t+1 when keys follow costs
-    monotone = bool(np.all(np.diff(keys) <= 1e-9 * max(1.0, float(keys[0]))))
-    del keys
+    # the t+1 cheapest of the top t·R+1 are the last t+1 when keys (costs - rho·lengths)
+    # follow costs
+    first = order[0]
+    tol = 1e-9 * max(1.0, float(costs[first] - rho * lengths[first]))
+    monotone, ccum, lcum = sorted_sums(costs, lengths, order, rho, tol)
+    del order  # (temporaries of n pieces go as soon as they are used: steps hold millions)
     t = np.arange((n - 1) // n_ranks + 1)
     hi = t * n_ranks + 1                      # prefix length
     lo = hi - (t + 1)
-    ccum = np.concatenate([[0.0], np.cumsum(cs)])
     csum = ccum[hi] - ccum[lo]
     best = max(best, float(csum.max()))
     if monotone and room > 0 and rho > 0:
-        lcum = np.concatenate([[0], np.cumsum(ls)])
         lsum = lcum[hi] - lcum[lo]
         best = max(best, float((csum + rho * np.maximum(0, room - lsum)).max()))
     return best

@@ -238,3 +238,51 @@ def test_bounds_are_bounds() -> None:
         a = balanced(lengths, costs, dp, mb, seq_len)
         if a.placed.all():
             assert a.rank_cost.max() >= best * (1 - 1e-12)
+
+
+def _capacity_bound_by_numpy(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, mb: int,
+                             seq_len: int) -> float:
+    """capacity_bound's rule in whole-array numpy: sorted copies, diff and cumsum."""
+    n = len(costs)
+    best = lower_bound(costs, n_ranks)
+    order = np.argsort(-costs, kind="stable")
+    cs, ls = costs[order], lengths[order]
+    pos = ls > 0
+    rho = float((cs[pos] / ls[pos]).min()) if pos.any() else 0.0
+    room = mb * seq_len - (n_ranks * mb * seq_len - int(ls.sum()))
+    keys = cs - rho * ls
+    monotone = bool(np.all(np.diff(keys) <= 1e-9 * max(1.0, float(keys[0]))))
+    t = np.arange((n - 1) // n_ranks + 1)
+    hi = t * n_ranks + 1
+    lo = hi - (t + 1)
+    ccum = np.concatenate([[0.0], np.cumsum(cs)])
+    csum = ccum[hi] - ccum[lo]
+    best = max(best, float(csum.max()))
+    if monotone and room > 0 and rho > 0:
+        lcum = np.concatenate([[0], np.cumsum(ls)])
+        best = max(best, float((csum + rho * np.maximum(0, room - (lcum[hi] - lcum[lo]))).max()))
+    return best
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_capacity_bound_is_the_numpy_rule(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same float, bit for bit, as Python and compiled: costs of lengths (monotone keys),
+    costs that are not, zero lengths, sizes on both sides of the kernels' threshold."""
+    from msd_dask.core import _kernels
+
+    if compiled:
+        _kernels.compile_kernels()
+    elif _kernels.compiled():
+        monkeypatch.setattr(_kernels, "_sorted_sums", _kernels._sorted_sums.py_func)
+    else:
+        monkeypatch.setattr(_kernels, "COMPILE_AT", 1 << 62)
+    rng = np.random.default_rng(11)
+    model = CostModel()
+    for n in (1, 3, 50, 700, 5000):
+        lengths = np.minimum(4096, rng.lognormal(5, 1.5, n).astype(np.int64))
+        lengths[rng.random(n) < 0.05] = 0
+        for costs in (model(lengths), rng.random(n) * 100, np.round(model(lengths) / 50)):
+            for dp, mb in ((4, 2), (64, 8)):
+                seq_len = max(4096, -(-int(lengths.sum()) // (dp * mb)))
+                assert capacity_bound(lengths, costs, dp, mb, seq_len) == \
+                    _capacity_bound_by_numpy(lengths, costs, dp, mb, seq_len)
