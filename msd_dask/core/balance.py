@@ -274,6 +274,21 @@ def lpt(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches: int
 # --------------------------------------------------------------------------- balanced
 
 
+def _first_at_most(keys: np.ndarray, order: np.ndarray, x: float) -> int:
+    """The first position of ``order``, the pieces by decreasing key, whose key is ``<= x``
+    (the tiny keys are the last ones): by bisection, with no array of the keys in that
+    order.  (A NaN key, last in ``order``, makes the keys' sum and so ``x`` NaN: no key
+    is ``<= x``.)"""
+    lo, hi = 0, len(order)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[order[mid]] <= x:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _min_cost_per_token(lengths: np.ndarray, costs: np.ndarray) -> float:
     pos = lengths > 0
     return float((costs[pos] / lengths[pos]).min()) if pos.any() else 0.0
@@ -302,12 +317,13 @@ def _starts(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, micro_batches:
         return out
 
     def fill(g: _Greedy, order: np.ndarray, keys: np.ndarray) -> None:
-        tiny = keys[order] <= _TINY * float(keys.sum()) / n_ranks
-        if tiny.sum() < 4 * n_ranks:
+        # (order: by decreasing key, so the tiny keys are its last ones)
+        k = _first_at_most(keys, order, _TINY * float(keys.sum()) / n_ranks)
+        if len(order) - k < 4 * n_ranks:
             g.fill(order, lengths, keys)
         else:
-            g.fill(order[~tiny], lengths, keys)
-            g.fill_tail(order[tiny], lengths, keys)
+            g.fill(order[:k], lengths, keys)
+            g.fill_tail(order[k:], lengths, keys)
 
     def on_excess() -> Assignment:
         g = _Greedy(len(lengths), n_ranks, micro_batches, seq_len)
