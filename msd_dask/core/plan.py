@@ -716,16 +716,20 @@ def _appended(buf: np.ndarray, n: int, values: np.ndarray) -> tuple[np.ndarray, 
     return buf, m
 
 
-def _gather(keys: Sequence[int] | np.ndarray, windows: list[np.ndarray | None], sources: list[int],
+def _gather(keys: np.ndarray, windows: list[np.ndarray | None], sources: list[int],
             head: np.ndarray | None = None, drop: bool = False,
             dtype: type[np.integer[Any]] = np.int64) -> np.ndarray:
     """The piece table of ``(window slot << 32) | offset`` keys, in their order.
 
     Parameters
     ----------
-    keys : sequence of int
+    keys : ndarray of int64
+        Each source's keys in increasing order (as a draw takes them: a source's
+        windows in slot order, each from its first piece on); the sources' keys may
+        interleave in any way.
     windows : list of ndarray or None
-        The tables of the windows (:attr:`~msd_dask.core.stream.Window.table`), by slot.
+        The tables of the windows (:attr:`~msd_dask.core.stream.Window.table`, C-ordered),
+        by slot.
     sources : list of int
         The source index of each window.
     head : ndarray, optional
@@ -741,24 +745,39 @@ def _gather(keys: Sequence[int] | np.ndarray, windows: list[np.ndarray | None], 
     ndarray of ``dtype``, shape (len(head) + len(keys), 8)
     """
     h = 0 if head is None else len(head)
-    out = np.empty((h + len(keys), 8), dtype=dtype)
+    n = len(keys)
+    out = np.empty((h + n, 8), dtype=dtype)
     if h:
         out[:h] = head
-    if len(keys) == 0:
-        return out
+    n_src = max(sources) + 1 if sources else 0
     k = np.asarray(keys, dtype=np.int64)
     slot = k >> 32
-    # the keys grouped by window (a pass over the keys per window would cost windows × keys)
-    by_slot = stable_argsort(slot)
-    bounds = np.searchsorted(slot[by_slot], np.arange(len(windows) + 1)).tolist()
+    # (the smallest signed type that holds them: numpy sorts 8- and 16-bit ints by radix)
+    src = np.asarray(sources, dtype=np.min_scalar_type(-n_src))[slot]
+    per_window = np.bincount(slot, minlength=len(windows)).tolist()
     del slot
-    for i, src in enumerate(sources):
-        mine = by_slot[bounds[i]:bounds[i + 1]]
-        win = windows[i]
-        if len(mine):
+    out[h:, 0] = src
+    # each row's fields after its source as one item (a copy each): numpy copies a row of
+    # a 2-d array to rows it selects field by field, several times slower
+    fields = out[:, 1:].view(np.dtype((np.void, 7 * out.itemsize)))[:, 0]
+    # each source's keys where they go in the table, in increasing order, so that a
+    # window's keys are a run of its source's (no sort of the keys by window)
+    if n_src <= 8:  # (a pass over the keys per source)
+        at = [np.flatnonzero(src == j) for j in range(n_src)]
+    else:
+        by_src = np.argsort(src, kind="stable")
+        at = np.split(by_src, np.cumsum(np.bincount(src, minlength=n_src))[:-1].tolist())
+    del src
+    done = [0] * n_src  # each source's keys copied so far
+    for i, j in enumerate(sources):
+        c, win = per_window[i], windows[i]
+        if c:
             assert win is not None
-            out[h + mine, 0] = src
-            out[h + mine, 1:] = win[k[mine] & 0xFFFFFFFF]
+            mine = at[j][done[j]:done[j] + c]
+            done[j] += c
+            rows = np.take(win, np.take(k, mine) & 0xFFFFFFFF, axis=0).astype(out.dtype, copy=False)
+            mine += h
+            fields[mine] = rows.view(fields.dtype)[:, 0]
         if drop:
             windows[i] = None
     return out

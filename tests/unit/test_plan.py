@@ -468,3 +468,36 @@ def test_rows_past_int32_plan_the_same_in_int64() -> None:
         assert np.array_equal(shifted, wide_plan.table)
         assert np.array_equal(narrow_plan.row_sizes, wide_plan.row_sizes)
         assert narrow_plan.rank_cost == wide_plan.rank_cost
+
+
+@pytest.mark.parametrize("n_sources", [2, 12])  # a pass per source; a sort by source
+def test_gather_copies_each_key_s_piece_in_order(n_sources: int) -> None:
+    from msd_dask.core.plan import _gather
+
+    rng = np.random.default_rng(n_sources)
+    windows: list[np.ndarray | None] = []
+    win_src: list[int] = []
+    queues: list[list[int]] = [[] for _ in range(n_sources)]  # each source's keys, in order
+    for slot in range(40):
+        j = int(rng.integers(n_sources))
+        win = rng.integers(0, 2**20, size=(int(rng.integers(0, 30)), 7))
+        windows.append(win.astype(np.int32 if slot % 3 else np.int64))
+        win_src.append(j)
+        offsets = np.flatnonzero(rng.random(len(win)) < 0.7)  # (some skipped: held or left)
+        queues[j].extend((slot << 32) | int(o) for o in offsets)
+    keys = []  # the sources' keys interleaved, each source's in order
+    while any(queues):
+        j = int(rng.choice([j for j in range(n_sources) if queues[j]]))
+        keys.append(queues[j].pop(0))
+    head = rng.integers(0, 100, size=(5, 8))
+    for dtype in (np.int32, np.int64):
+        for drop in (False, True):
+            tables = list(windows)
+            out = _gather(np.array(keys, dtype=np.int64), tables, win_src, head, drop, dtype)
+            assert out.dtype == dtype and np.array_equal(out[:5], head)
+            want = [[win_src[k >> 32], *windows[k >> 32][k & 0xFFFFFFFF].tolist()]  # type: ignore[index]
+                    for k in keys]
+            assert out[5:].tolist() == want
+            assert all(t is (None if drop else w) for t, w in zip(tables, windows, strict=True))
+    assert _gather(np.zeros(0, dtype=np.int64), list(windows), win_src).shape == (0, 8)
+
