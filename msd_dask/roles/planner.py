@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -25,7 +24,7 @@ import numpy as np
 
 from msd_dask.core.config import parse_config
 from msd_dask.errors import ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import StepPieces, StepWork
+from msd_dask.roles.constructor import StepPieces, StepWork, pack_work, unpack_work
 from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
@@ -221,100 +220,6 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
 _SLICE = 1 << 15
 
 
-def pack_work(work: StepPieces) -> bytes:
-    """One constructor's work of a step, packed as the planner keeps it for that constructor
-    if it is re-created: its arrays' bytes after the rest pickled, compressed together (zstd
-    level 1); an integer array in the narrowest unsigned integers that hold it, the piece
-    table column by column.
-
-    A column of a constructor's pieces holds values of one kind (a source, a row, a
-    length...), mostly small: narrowed, the arrays are about half their bytes, and zstd,
-    which takes most of the time of packing, has that much less to compress (and
-    compresses it a fifth smaller).  Neither the arrays nor the paths one by one go
-    through pickle, which costs tens of microseconds an array and as much as zstd for
-    thousands of paths (:func:`_joined`).  The result is bytes of their own size
-    (zstandard's output buffers are not kept), and :func:`unpack_work` gives back an
-    equal work, which pickles to the same bytes.
-    """
-    import pickle
-    from dataclasses import fields
-
-    rest, joined, arrays, body = {}, {}, [], []
-    for f in fields(work):
-        value = getattr(work, f.name)
-        if not isinstance(value, np.ndarray):
-            text = _joined(value)
-            if text is None:
-                rest[f.name] = value
-            else:
-                joined[f.name] = text
-            continue
-        # a 2-d array's columns (the piece table's), a 1-d array as one
-        parts = np.ascontiguousarray(value.T) if value.ndim == 2 else value.reshape(1, -1)
-        if value.size and value.dtype.kind in "iu":
-            kinds = [_narrowest(lo, hi, value.dtype)
-                     for lo, hi in zip(parts.min(axis=1).tolist(), parts.max(axis=1).tolist(),
-                                       strict=True)]
-        else:
-            kinds = [value.dtype] * len(parts)
-        arrays.append((f.name, value.dtype.str, value.shape, [k.str for k in kinds]))
-        body += [part.astype(kind, copy=False) for part, kind in zip(parts, kinds, strict=True)]
-    head = pickle.dumps((rest, joined, arrays), protocol=5)
-    z = _compressor().compressobj(size=_HEAD + len(head) + sum(b.nbytes for b in body))
-    out = [z.compress(len(head).to_bytes(_HEAD, "little")), z.compress(head)]
-    out += [z.compress(b) for b in body]
-    out.append(z.flush())
-    return b"".join(out)
-
-
-def unpack_work(packed: bytes) -> StepPieces:
-    """The work :func:`pack_work` kept (its arrays writable, each its own)."""
-    import pickle
-
-    import zstandard
-
-    raw = memoryview(zstandard.ZstdDecompressor().decompress(packed))
-    at = _HEAD + int.from_bytes(raw[:_HEAD], "little")
-    rest, joined, arrays = pickle.loads(raw[_HEAD:at])
-    rest.update((name, tuple(text.split("\0"))) for name, text in joined.items())
-    for name, dtype, shape, kinds in arrays:
-        value = np.empty(shape, dtype=dtype)
-        parts = value.T if value.ndim == 2 else value.reshape(1, -1)
-        for part, kind in zip(parts, kinds, strict=True):
-            part[:] = np.frombuffer(raw, dtype=kind, count=len(part), offset=at)
-            at += len(part) * np.dtype(kind).itemsize
-        rest[name] = value
-    return StepPieces(**rest)
-
-
-def _joined(value: Any) -> str | None:
-    """A tuple of str (a work's paths) as one str, joined by NUL, which no path holds (one
-    str pickles in a fraction of the time of thousands); None if ``value`` is not one."""
-    if type(value) is not tuple or not value:
-        return None
-    try:
-        joined = "\0".join(value)
-    except TypeError:  # not all str
-        return None
-    return joined if joined.count("\0") == len(value) - 1 else None
-
-
-#: bytes of the length of :func:`pack_work`'s pickled part, before it
-_HEAD = 8
-
-#: (largest value, dtype) of the unsigned integers a piece table's column is narrowed to
-_NARROW = tuple((int(np.iinfo(t).max), np.dtype(t)) for t in (np.uint8, np.uint16, np.uint32))
-
-
-def _narrowest(lo: int, hi: int, dtype: np.dtype) -> np.dtype:
-    """The narrowest unsigned integer dtype holding ``lo..hi``, or ``dtype`` if none does."""
-    if lo >= 0:
-        for top, kind in _NARROW:
-            if hi <= top:
-                return kind
-    return dtype
-
-
 #: bytes of piece tables above which :func:`pack_works` packs on several threads
 PACK_IN_THREADS = 8 << 20
 
@@ -340,25 +245,13 @@ def pack_snapshot(snap: PlannerSnapshot) -> bytes:
     return _packed(snap)
 
 
-_compressors = threading.local()
-
-
-def _compressor() -> Any:
-    """This thread's zstd compressor (level 1): a compressor's first frame sets up its
-    context, so each thread keeps one (they are not thread-safe)."""
-    import zstandard
-
-    z = getattr(_compressors, "z", None)
-    if z is None:
-        z = _compressors.z = zstandard.ZstdCompressor(level=1)
-    return z
-
-
 def _packed(obj: Any) -> bytes:
     """``obj`` pickled and compressed (zstd level 1), in bytes of their own size."""
     import pickle
 
-    out = _compressor().compress(pickle.dumps(obj, protocol=5))
+    import zstandard
+
+    out = zstandard.ZstdCompressor(level=1).compress(pickle.dumps(obj, protocol=5))
     return bytes(memoryview(out))
 
 
@@ -926,7 +819,7 @@ class PlannerActor:
             packed = await self._off_loop(lambda: [pack_works(work) for work in works])
         for plan, work, kept in zip(plans, works, packed, strict=True):
             self._recent[plan.step] = kept
-            steps.append((plan.step, work))
+            steps.append((plan.step, work, kept))
         last = plans[-1].step
         span = f"{plans[0].step}" if len(plans) == 1 else f"{plans[0].step}-{last}"
         self.waiting = (f"constructors to make room for step {last + 1} (handing over step "

@@ -59,8 +59,9 @@ _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: One planned step as the planner hands it over: ``(step, [work of each constructor])``
-StepRound = tuple[int, list[StepPieces]]
+#: One planned step as the planner hands it over: ``(step, [work of each constructor],
+#: [the same packed as the planner keeps it])`` (:func:`~msd_dask.roles.constructor.pack_work`)
+StepRound = tuple[int, list[StepPieces], list[bytes]]
 
 
 class PlannerSide(Protocol):
@@ -362,12 +363,11 @@ class RoleSupervisor:
         from distributed.actor import Actor
 
         async def submit(i: int, constructor: Any) -> None:
-            work = [(s, w[i]) for s, w in steps]
-            if isinstance(constructor, Actor):  # on another worker: pickled, see its submit
-                await call_remote_actor(constructor, DataConstructor.submit,
-                                        pickle.dumps(work, protocol=5), room)
+            if isinstance(constructor, Actor):  # on another worker: packed, see its submit
+                await call_remote_actor(constructor, DataConstructor.submit, pickle.dumps(
+                    [(s, packed[i]) for s, _, packed in steps], protocol=5), room)
             else:
-                await constructor.submit(work, room)
+                await constructor.submit([(s, w[i]) for s, w, _ in steps], room)
 
         await self._on_constructors(submit, resend=False)
 

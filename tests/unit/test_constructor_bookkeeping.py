@@ -87,6 +87,16 @@ def _toy_round(members: dict[int, list[int]], steps: list[int]) -> list[Any]:
             for step in steps]
 
 
+def _sent(round_steps: list[Any]) -> bytes:
+    """A round as a planner on another worker sends it: each step's work packed as the
+    planner keeps it (``pack_work``), pickled together."""
+    import pickle
+
+    from msd_dask.roles.planner import pack_work
+
+    return pickle.dumps([(step, pack_work(work)) for step, work in round_steps], protocol=5)
+
+
 def test_next_round_skips_what_a_rank_has_and_mark_had_releases_only_its_group() -> None:
     """Two DP groups of two ranks, three rounds of one step: a rank's call finds its
     group's rounds, skips (releases) the steps it says it has, ``mark_had`` releases
@@ -165,9 +175,9 @@ def test_a_round_taken_for_several_ranks_of_a_group_is_sent_once_and_counts_for_
 
 
 def test_a_round_sent_pickled_is_built_as_one_sent_as_it_is_and_answered_pickled() -> None:
-    """A planner on another worker sends a round pickled (``submit`` of ``bytes``) and a
-    reader asks ``next_round_packed``: the same batches as the round sent as objects and
-    asked for with ``next_round``."""
+    """A planner on another worker sends a round as ``bytes`` (:func:`_sent`) and a reader
+    asks ``next_round_packed``: the same batches as the round sent as objects and asked
+    for with ``next_round``."""
     import pickle
 
     async def answers(pickled: bool) -> list[Any]:
@@ -178,7 +188,7 @@ def test_a_round_sent_pickled_is_built_as_one_sent_as_it_is_and_answered_pickled
         work = [(step, step_pieces({0: [[("toy", 0, 0, 0, 10 * step, 0, 3, 0,
                                            f"f:{10 * step}")]]}))
                 for step in range(2)]
-        await con.submit(pickle.dumps(work, protocol=5) if pickled else work)
+        await con.submit(_sent(work) if pickled else work)
         if pickled:
             got = [pickle.loads(await con.next_round_packed(0, -1)),
                    pickle.loads(await con.next_round_packed(0, 1, wait=0.1))]
@@ -232,17 +242,15 @@ def test_a_round_delivered_twice_is_built_and_handed_out_once() -> None:
     """A call retried after its connection failed may deliver a round twice (pickled, as a
     planner on another worker sends it), after the first or while the first waits for
     room: each step is built, posted and handed out once, and holds room once."""
-    import pickle
-
     async def run() -> None:
         members = {0: [0]}
         con = await _serving(members, 0)
-        first = pickle.dumps(_toy_round(members, [0, 1, 2, 3]), protocol=5)
+        first = _sent(_toy_round(members, [0, 1, 2, 3]))
         await asyncio.wait_for(con.submit(first), 5)
         # the room of prefetch = 4 is full: dropped, not waiting for room
         await asyncio.wait_for(con.submit(first), 5)
         # the next round, twice, both waiting for room
-        second = pickle.dumps(_toy_round(members, [4, 5]), protocol=5)
+        second = _sent(_toy_round(members, [4, 5]))
         waiting = [asyncio.ensure_future(con.submit(second)) for _ in range(2)]
         await _built(con, 1)
         assert (await con.next_round(0, -1))["steps"] == [0, 1, 2, 3]
