@@ -65,6 +65,11 @@ class StepPlan:
         Cost of each DP rank under the cost model.
     lower_bound : float
         ``max(mean rank cost, largest piece cost)``.
+    weights : dict of str to float
+        The weights in force.
+    source_tokens : dict of str to int, optional
+        :meth:`tokens_by_source`, where the planner counted them already (else
+        counted when asked for).
     """
 
     step: int
@@ -74,6 +79,7 @@ class StepPlan:
     rank_cost: list[float]
     lower_bound: float
     weights: dict[str, float] = field(default_factory=dict)
+    source_tokens: dict[str, int] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_rows(cls, step: int, rows: Sequence[Sequence[Sequence[Piece]]], rank_cost: list[float],
@@ -112,7 +118,7 @@ class StepPlan:
         the cost fitter (:class:`~msd_dask.core.cost.CostFitter`) takes of a rank's step."""
         dp = self.row_sizes.shape[0]
         rank = np.repeat(np.arange(dp), self.row_sizes.sum(axis=1))
-        lengths = self.lengths.astype(np.float64)
+        lengths = np.subtract(self.table[:, 6], self.table[:, 5], dtype=np.float64)
         return np.stack([np.bincount(rank, weights=lengths, minlength=dp),
                          np.bincount(rank, weights=lengths * lengths, minlength=dp)], axis=1)
 
@@ -124,9 +130,21 @@ class StepPlan:
         return units_of(self.table, self.sources)
 
     def tokens_by_source(self) -> dict[str, int]:
-        sums = np.bincount(self.table[:, 0], weights=self.lengths, minlength=len(self.sources))
-        used = np.bincount(self.table[:, 0], minlength=len(self.sources)) > 0
-        return {n: int(sums[i]) for i, n in enumerate(self.sources) if used[i]}
+        """Tokens of each source with pieces in the step."""
+        if self.source_tokens is None:
+            pieces, tokens = _by_source(self.table[:, 0], self.lengths, len(self.sources))
+            self.source_tokens = {self.sources[j]: int(tokens[j])
+                                  for j in np.flatnonzero(pieces).tolist()}
+        return dict(self.source_tokens)
+
+
+def _by_source(source: np.ndarray, lengths: np.ndarray, n_sources: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pieces (int64) and tokens (float64, exact: a step's tokens are far fewer than
+    2**53) of each of ``n_sources`` sources, given each piece's source and length (int or
+    float)."""
+    source = source.astype(np.intp, copy=False)  # (one conversion for both counts)
+    return (np.bincount(source, minlength=n_sources),
+            np.bincount(source, weights=lengths, minlength=n_sources))
 
 
 def units_of(table: np.ndarray, sources: Sequence[str]) -> set[tuple[str, int, int]]:
@@ -577,30 +595,36 @@ class Planner:
                         lc.max_per_rank)
             del lengths
         placed = rank >= 0
-        # (in the table's type: a step's carried pieces are many short ones)
-        self._carry = table[~placed]
+        # (in the table's type: a step's carried pieces are many short ones; whole rows at a
+        # time, where ``table[~placed]`` copies them field by field)
+        self._carry = np.compress(~placed, table, axis=0)
         # (the step's arrays of a value per piece go as soon as they are used: at dp 16,384 and
         # 128K a step holds millions of pieces, and the process's peak is their sum)
-        idx = np.flatnonzero(placed)
-        lengths = np.subtract(table[idx, 6], table[idx, 5], dtype=np.int64)  # the placed pieces'
-        placed_costs = self.cost(lengths) if costs is None else costs[idx]
+        # the placed pieces' lengths, as the floats the costs and sums take (exact: below 2**53)
+        lengths = np.subtract(table[:, 6], table[:, 5], dtype=np.float64)[placed]
+        placed_costs = self.cost(lengths) if costs is None else costs[placed]
         del costs
-        rank_cost = np.bincount(rank[idx], weights=placed_costs, minlength=dp)
+        row_of = rank[placed]  # (their ranks, then their rows)
+        rank_cost = np.bincount(row_of, weights=placed_costs, minlength=dp)
         bound = lower_bound(placed_costs, dp)
         del placed_costs
-        src = table[idx, 0]
-        for j in np.unique(src).tolist():
-            mine = src == j
+        pieces, tokens = _by_source(table[:, 0][placed], lengths, len(self._names))
+        del lengths
+        used = np.flatnonzero(pieces).tolist()
+        step_tokens = {self._names[j]: int(tokens[j]) for j in used}
+        for j in used:
             name = self._names[j]
-            self.tokens[name] += int(lengths[mine].sum())
-            self.pieces_planned[name] += int(mine.sum())
-        del src, lengths, placed
+            self.tokens[name] += step_tokens[name]
+            self.pieces_planned[name] += int(pieces[j])
         # the rows, each in step order: the placed pieces sorted (stably) by row
-        row_of = rank[idx] * mb + micro[idx]
+        row_of *= mb
+        row_of += micro[placed]
         del rank, micro
         row_sizes = np.bincount(row_of, minlength=dp * mb).reshape(dp, mb)
-        perm = idx[stable_argsort(row_of)]
-        del idx, row_of
+        perm = np.flatnonzero(placed)
+        del placed
+        perm = perm[stable_argsort(row_of)]
+        del row_of
         _permute(table, perm)
         m = len(perm)
         del perm
@@ -609,7 +633,7 @@ class Planner:
         except ValueError:
             table = table[:m]
         plan = StepPlan(self.step, table, row_sizes, tuple(self._names),
-                        [float(c) for c in rank_cost], bound, weights)
+                        rank_cost.tolist(), bound, weights, step_tokens)
         self.step += 1
         return plan
 
@@ -685,7 +709,7 @@ def _closest_group(lengths: np.ndarray, n: int, keep_first: bool) -> np.ndarray:
     is the fewest times its shortest (ties: the shorter pieces); with
     ``keep_first``, among the windows that hold the first piece (the oldest).
     """
-    order = np.argsort(lengths, kind="stable")
+    order = stable_argsort(lengths)
     ls = lengths[order].astype(np.float64)
     lo, hi = 0, len(ls) - n
     if keep_first:
@@ -785,7 +809,7 @@ def _gather(keys: np.ndarray, windows: list[np.ndarray | None], sources: list[in
 
 def _fits_int32(table: np.ndarray | None) -> bool:
     """Whether every value of ``table`` (None: no table) fits in int32."""
-    if table is None or table.size == 0:
+    if table is None or table.size == 0 or np.can_cast(table.dtype, np.int32):
         return True
     return bool(table.min() >= np.iinfo(np.int32).min and table.max() <= np.iinfo(np.int32).max)
 

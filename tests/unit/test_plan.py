@@ -501,3 +501,12 @@ def test_gather_copies_each_key_s_piece_in_order(n_sources: int) -> None:
             assert all(t is (None if drop else w) for t, w in zip(tables, windows, strict=True))
     assert _gather(np.zeros(0, dtype=np.int64), list(windows), win_src).shape == (0, 8)
 
+
+def test_tokens_by_source_counted_by_the_planner_or_from_the_table(plans_3: list[StepPlan]) -> None:
+    for p in plans_3:
+        assert p.source_tokens is not None
+        again = StepPlan(p.step, p.table, p.row_sizes, p.sources, p.rank_cost, p.lower_bound)
+        assert again.tokens_by_source() == p.tokens_by_source() == again.source_tokens
+        assert p.tokens_by_source() == {
+            s: int(p.lengths[p.table[:, 0] == i].sum()) for i, s in enumerate(p.sources)
+            if (p.table[:, 0] == i).any()}
