@@ -311,6 +311,8 @@ def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.n
     n_live = n_ranks
     ranks = np.empty(n_ranks, dtype=np.int64)
     keys = np.empty(n_ranks, dtype=np.float64)
+    piece = np.empty(n_ranks, dtype=np.int64)  # each of the round's ranks' piece (-1: none)
+    failed = np.zeros(n_ranks, dtype=np.bool_)  # the round's pieces that found no row
     least = min(16, n_ranks)
     pos = 0
     n_left = 0
@@ -332,8 +334,17 @@ def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.n
             break
         k = min(e, n - pos)
         by_key = _radix_argsort(_float_order(keys[:e], False), np.arange(e))  # stable: ties by rank
+        # each rank takes one piece and decides alone where it goes: the ranks go in rank
+        # order (their rows side by side in memory), the pieces without a row in piece order
+        piece[:e] = -1
         for i in range(k):
-            r = ranks[by_key[i]]
+            piece[by_key[i]] = i
+        any_failed = False
+        for t in range(e):
+            i = piece[t]
+            if i < 0:
+                continue
+            r = ranks[t]
             j = pos + i
             length = lens[j]
             m = -1
@@ -341,8 +352,8 @@ def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.n
                 if free[r, q] >= length and (m < 0 or row_key[r, q] < row_key[r, m]):
                     m = q
             if m < 0:
-                left[n_left] = order[j]
-                n_left += 1
+                failed[i] = True
+                any_failed = True
                 continue
             free[r, m] -= length
             row_key[r, m] += ks[j]
@@ -350,6 +361,12 @@ def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.n
             max_free[r] = free[r].max()
             out_rank[order[j]] = r
             out_micro[order[j]] = m
+        if any_failed:
+            for i in range(k):
+                if failed[i]:
+                    failed[i] = False
+                    left[n_left] = order[pos + i]
+                    n_left += 1
         pos += k
     return pos, n_left
 
@@ -569,7 +586,8 @@ def _float_order(a: np.ndarray, negate: bool) -> np.ndarray:
 def _radix_argsort(k: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """The stable argsort of unsigned 64-bit keys ``k`` (which it overwrites): LSD radix over
     the bits that vary, in one counting pass where they span at most 20 bits, else 16 bits a
-    pass.  ``idx``: ``arange(len(k))`` in an integer type that holds it (int32 takes half the
+    pass (11 and 11 below 2^17 keys, such as a round's ranks in :func:`_fill_rounds`).
+    ``idx``: ``arange(len(k))`` in an integer type that holds it (int32 takes half the
     memory of int64), which it reorders; the result is of its type."""
     n = len(k)
     if n < 2:
@@ -588,7 +606,11 @@ def _radix_argsort(k: np.ndarray, idx: np.ndarray) -> np.ndarray:
     high = 63
     while (varies >> high) & 1 == 0:
         high -= 1
-    width = high - low + 1 if high - low < 20 else 16
+    bits = high - low + 1
+    if n >= 1 << 17:
+        width = bits if bits <= 20 else 16
+    else:  # (a pass clears and sums 2^width counts: small arrays take narrower digits)
+        width = bits if bits <= 11 else 11
     keys = k  # (reordered in place: the callers' keys are temporaries)
     keys2 = np.empty(n if width <= high - low else 0, dtype=np.int64)  # only with passes to come
     idx2 = np.empty_like(idx)
