@@ -159,7 +159,8 @@ def _work(pieces: np.ndarray, paths: tuple[str, ...]) -> StepPieces:
                       costs=np.array([0.5, 1.5]))
 
 
-@pytest.mark.parametrize("case", ["narrow", "wide", "negative", "empty", "nul", "no paths"])
+@pytest.mark.parametrize("case", ["narrow", "wide", "negative", "edges", "empty", "nul",
+                                  "no paths"])
 def test_packed_work_unpacks_equal_and_pickles_the_same(case: str) -> None:
     """pack_work narrows integer columns and joins the paths: what unpack_work gives back
     equals the work, column dtypes and all, and pickles to the same bytes (what a
@@ -174,6 +175,10 @@ def test_packed_work_unpacks_equal_and_pickles_the_same(case: str) -> None:
     elif case == "negative":
         pieces = pieces.astype(np.int64)
         pieces[5, 6] = -1
+    elif case == "edges":  # the largest value of each narrow dtype, and one more
+        pieces = pieces.astype(np.int64)
+        for j, top in enumerate((2**8 - 1, 2**16 - 1, 2**32 - 1)):
+            pieces[0, 2 * j + 1], pieces[0, 2 * j + 2] = top, top + 1
     elif case == "empty":
         pieces = pieces[:0]
     elif case == "nul":
