@@ -142,7 +142,9 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     order = np.arange(total, dtype=np.int64)
     order += np.repeat(starts[dps] - ends[:-1], rank_len[dps])
     del starts, ends
-    wide = total and (src.min() < 0 or src.max() >= 2**31 or len(names) >= 2**31)
+    # (an int32 table holds no value of 2**31 or more: one pass over it, not two)
+    wide = total and (src.min() < 0 or len(names) >= 2**31 or (
+        np.iinfo(src.dtype).max >= 2**31 and src.max() >= 2**31))
     table = np.empty((total, 9), dtype=np.int64 if wide else np.int32)
     # the plan's source indices follow its own source list; ours follow ``names``
     index = np.array([list(names).index(s) for s in plan.sources] if total else [],
