@@ -150,28 +150,47 @@ def _by_source(source: np.ndarray, lengths: np.ndarray, n_sources: int) -> tuple
 def units_of(table: np.ndarray, sources: Sequence[str]) -> set[tuple[str, int, int]]:
     """``(source, epoch, unit)`` of every unit the pieces of a piece table come from.
 
-    One int64 key per piece (:func:`unit_keys`), made distinct (:func:`distinct`):
+    One int64 key per piece (:func:`unit_keys`); the keys present are read from a table
+    of flags (or sorted, as :func:`distinct` would) and split into their columns again:
     ``np.unique(..., axis=0)`` over the three columns took seconds for the millions of
     pieces of a step at dp 16,384 × 128K.
     """
     if not len(table):
         return set()
-    one, _ = distinct(*unit_keys(table[:, 0], table[:, 1], table[:, 2]))
-    return {(sources[s], e, u) for s, e, u in table[one, :3].tolist()}
+    key, (n_sources, n_epochs, n_units) = _unit_keys(table[:, 0], table[:, 1], table[:, 2])
+    span = n_sources * n_epochs * n_units
+    if _flags_for(len(key), span):
+        found = np.flatnonzero(_flags(key, span))
+    else:
+        found = np.unique(key)
+    del key
+    unit = (found % n_units).tolist()
+    found //= n_units
+    epoch = (found % n_epochs).tolist()
+    found //= n_epochs
+    return {(sources[s], e, u) for s, e, u in zip(found.tolist(), epoch, unit, strict=True)}
 
 
 def unit_keys(source: np.ndarray, epoch: np.ndarray, unit: np.ndarray) -> tuple[np.ndarray, int]:
     """One int64 key per piece for its ``(source, epoch, unit)`` (non-negative columns of a
     piece table), in the order of the triples, and the keys' span (each key is below it)."""
+    key, (n_sources, n_epochs, n_units) = _unit_keys(source, epoch, unit)
+    return key, n_sources * n_epochs * n_units
+
+
+def _unit_keys(source: np.ndarray, epoch: np.ndarray,
+               unit: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """:func:`unit_keys`' keys, ``(source · n_epochs + epoch) · n_units + unit``, and
+    ``(n_sources, n_epochs, n_units)``, each one more than its column's largest value."""
     n_sources = int(source.max()) + 1 if len(source) else 1
     n_epochs = int(epoch.max()) + 1 if len(epoch) else 1
     n_units = int(unit.max()) + 1 if len(unit) else 1
-    key = source.astype(np.int64)
-    key *= n_epochs
-    key += epoch
-    key *= n_units
+    # (a pass or two per column: the columns of a step's table are millions of strided values)
+    key = np.multiply(source, n_epochs * n_units, dtype=np.int64)
+    if n_epochs > 1:  # (else every epoch is 0)
+        key += np.multiply(epoch, n_units, dtype=np.int64)
     key += unit
-    return key, n_sources * n_epochs * n_units
+    return key, (n_sources, n_epochs, n_units)
 
 
 def distinct(key: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
@@ -185,18 +204,28 @@ def distinct(key: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
     else by that sort.
     """
     n = len(key)
-    if n == 0 or span > max(n, 1 << 22):
+    if n == 0 or not _flags_for(n, span):
         return _first_and_inverse(key)
-    present = np.zeros(span, dtype=bool)
-    present[key] = True
-    ids = np.cumsum(present, dtype=np.int64)
-    del present
+    ids = np.cumsum(_flags(key, span), dtype=np.int64)
     ids -= 1
     np.take(ids, key, out=key)  # each key's position, in place of the keys
     one = np.empty(int(ids[-1]) + 1, dtype=np.int64)
     del ids
     one[key] = np.arange(n, dtype=np.int64)  # (any occurrence will do)
     return one, key
+
+
+def _flags_for(n: int, span: int) -> bool:
+    """Whether ``n`` keys in ``[0, span)`` are made distinct through a table of ``span`` flags
+    (linear), not a sort: where the table is no larger than the keys, or than 4 MiB."""
+    return span <= max(n, 1 << 22)
+
+
+def _flags(key: np.ndarray, span: int) -> np.ndarray:
+    """A flag for each value in ``[0, span)``: whether it is one of ``key``."""
+    present = np.zeros(span, dtype=bool)
+    present[key] = True
+    return present
 
 
 def _first_and_inverse(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

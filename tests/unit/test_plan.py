@@ -510,3 +510,24 @@ def test_tokens_by_source_counted_by_the_planner_or_from_the_table(plans_3: list
         assert p.tokens_by_source() == {
             s: int(p.lengths[p.table[:, 0] == i].sum()) for i, s in enumerate(p.sources)
             if (p.table[:, 0] == i).any()}
+
+
+@pytest.mark.parametrize("unit_span", [50, 2**40])  # a table of flags; a sort
+def test_units_of_every_source_epoch_and_unit_once(unit_span: int) -> None:
+    from msd_dask.core.plan import unit_keys, units_of
+
+    rng = np.random.default_rng(unit_span % 7)
+    table = rng.integers(0, 1000, size=(5000, 8))
+    table[:, 0] = rng.integers(0, 3, len(table))
+    table[:, 1] = rng.integers(0, 4, len(table))
+    table[:, 2] = rng.integers(0, 40, len(table)) * (unit_span // 50)
+    want = {("abc"[s], e, u) for s, e, u in table[:, :3].tolist()}
+    for t in (table, table.astype(np.int32) if unit_span < 2**31 else table):
+        assert units_of(t, "abc") == want
+        one_epoch = t.copy()
+        one_epoch[:, 1] = 0
+        assert units_of(one_epoch, "abc") == {(s, 0, u) for s, _, u in want}
+        key, span = unit_keys(t[:, 0], t[:, 1], t[:, 2])
+        assert key.dtype == np.int64 and int(key.max()) < span
+        assert key.tolist() == [(s * 4 + e) * (39 * (unit_span // 50) + 1) + u
+                                for s, e, u in t[:, :3].tolist()]
