@@ -120,7 +120,7 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     step, and the table is made once, in int32 where every value fits (each
     constructor's arrays are slices, views, of it).
     """
-    from msd_dask.core.plan import distinct
+    from msd_dask.core.plan import distinct, unit_keys
 
     src = plan.table
     total = len(src)
@@ -150,33 +150,21 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     index = np.array([list(names).index(s) for s in plan.sources] if total else [],
                      dtype=np.int64)
     same = np.array_equal(index, np.arange(len(index)))
-    # the plan's columns, a slice of pieces at a time (gathered rows stay in cache), and a
-    # key per piece for its (source, epoch, unit)
-    epochs = int(src[:, 1].max()) + 1 if total else 1
-    span = int(src[:, 2].max()) + 1 if total else 1
-    keys = np.empty(total, dtype=np.int64)
+    # the plan's columns, a slice of pieces at a time (gathered rows stay in cache)
     for a in range(0, total, _SLICE):
-        b = min(a + _SLICE, total)
-        rows = src.take(order[a:b], axis=0)
-        part = table[a:b]
-        source = rows[:, 0] if same else index[rows[:, 0]]
-        part[:, 0] = source
+        rows = src.take(order[a:a + _SLICE], axis=0)
+        part = table[a:a + _SLICE]
+        part[:, 0] = rows[:, 0] if same else index[rows[:, 0]]
         for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
             part[:, col] = rows[:, plan_col]
-        key = keys[a:b]
-        key[:] = source
-        key *= epochs
-        key += rows[:, 1]
-        key *= span
-        key += rows[:, 2]
     del order
     # each unit's loader slot and (source, unit) pair, once per unit: the step's pairs are
     # numbered in (source, unit) order
-    first, unit_of = distinct(keys, len(names) * epochs * span)
-    del keys
+    first, unit_of = distinct(*unit_keys(table[:, 0], table[:, 2], table[:, 3]))
     units = table[first][:, [0, 2, 3]].astype(np.int64)
     slot_of = np.asarray([owner[(names[a], b, c)] for a, b, c in units.tolist()],
                          dtype=np.int64).reshape(-1)
+    span = int(units[:, 2].max()) + 1 if total else 1
     pairs, pair_of = np.unique(units[:, 0] * span + units[:, 2], return_index=True,
                                return_inverse=True)[1:]
     pair_of = pair_of.reshape(-1)
@@ -184,9 +172,8 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     paths_of[:] = [relpath[names[a]][b] for a, b in units[pairs][:, [0, 2]].tolist()]
     del units, first, pairs
     for a in range(0, total, _SLICE):
-        b = min(a + _SLICE, total)
-        unit = unit_of[a:b]
-        table[a:b, 1] = slot_of[unit]
+        unit = unit_of[a:a + _SLICE]
+        table[a:a + _SLICE, 1] = slot_of[unit]
         np.take(pair_of, unit, out=unit)  # each piece's pair, in place of its unit
     pair = unit_of
     del unit_of
