@@ -221,6 +221,26 @@ def _pop_top(key: np.ndarray, rid: np.ndarray, size: int) -> int:
     return size
 
 
+def _replay(tk: np.ndarray, tr: np.ndarray, i: int) -> None:
+    """The winners (least ``(key, rank)``) on the path from leaf ``i`` of a tournament tree up
+    to its root, once the leaf changed."""
+    i >>= 1
+    while i >= 1:
+        a = 2 * i
+        b = a + 1
+        ka = tk[a]
+        kb = tk[b]
+        ra = tr[a]
+        rb = tr[b]
+        if ka < kb or (ka == kb and ra < rb):
+            tk[i] = ka
+            tr[i] = ra
+        else:
+            tk[i] = kb
+            tr[i] = rb
+        i >>= 1
+
+
 def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
                 row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray,
                 out_rank: np.ndarray, out_micro: np.ndarray, fresh: bool) -> None:
@@ -232,8 +252,15 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
     (the first on ties); a piece no rank has room for is left out.  On
     ``fresh`` (empty) ranks the first pieces, while their keys are > 0, go to
     ranks 0, 1, ... in turn.  Ranks without room for the current piece are
-    parked in a second heap by ``(-largest room, rank)`` and come back as soon
-    as a piece fits them.
+    parked in a heap by ``(-largest room, rank)`` and come back as soon as a
+    piece fits them.
+
+    The others are the leaves of a tournament tree (each node: the least
+    ``(key sum, rank)`` below it; a parked rank's leaf is ``(inf, past every
+    rank)``, key sums being finite): the rank that takes a piece is the root,
+    and its new sum is replayed up its path, a comparison a level with no
+    branch on where it goes, where a heap's sift-down compares two children a
+    level and guesses which way.
     """
     n_ranks, mb = free.shape
     n = len(idx)
@@ -248,11 +275,24 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
             out_rank[idx[start]] = r
             out_micro[idx[start]] = 0
             start += 1
-    hk = np.empty(n_ranks, dtype=np.float64)  # the ranks with room, by (key sum, rank)
-    hr = np.empty(n_ranks, dtype=np.int64)
-    h = 0
+    size = 1
+    while size < n_ranks:
+        size *= 2
+    # leaves size + r: the ranks with room, by (key sum, rank); the rest absent
+    tk = np.full(2 * size, np.inf, dtype=np.float64)
+    tr = np.arange(2 * size, dtype=np.int64) + 2 * size
     for r in range(n_ranks):
-        h = _push(hk, hr, h, rank_key[r], r)
+        tk[size + r] = rank_key[r]
+        tr[size + r] = r
+    for i in range(size - 1, 0, -1):
+        a = 2 * i
+        b = a + 1
+        if _before(tk[a], tr[a], tk[b], tr[b]):
+            tk[i] = tk[a]
+            tr[i] = tr[a]
+        else:
+            tk[i] = tk[b]
+            tr[i] = tr[b]
     pk = np.empty(n_ranks, dtype=np.float64)  # the parked ranks, by (-largest room, rank)
     pr = np.empty(n_ranks, dtype=np.int64)
     p = 0
@@ -261,16 +301,17 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
         while p and -pk[0] >= length:
             r = pr[0]
             p = _pop_top(pk, pr, p)
-            h = _push(hk, hr, h, rank_key[r], r)
-        r = -1
-        while h:
-            r = hr[0]
-            if max_free[r] >= length:
-                break
-            h = _pop_top(hk, hr, h)
+            tk[size + r] = rank_key[r]
+            tr[size + r] = r
+            _replay(tk, tr, size + r)
+        r = tr[1]
+        while r < n_ranks and max_free[r] < length:
             p = _push(pk, pr, p, -float(max_free[r]), r)
-            r = -1
-        if r < 0:
+            tk[size + r] = np.inf
+            tr[size + r] = 2 * size + r
+            _replay(tk, tr, size + r)
+            r = tr[1]
+        if r >= n_ranks:
             continue
         m = -1
         for q in range(mb):
@@ -281,8 +322,8 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
         row_key[r, m] += key
         max_free[r] = free[r].max()
         rank_key[r] += key
-        hk[0] = rank_key[r]
-        _sift_down(hk, hr, h, 0)
+        tk[size + r] = rank_key[r]
+        _replay(tk, tr, size + r)
         out_rank[idx[j]] = r
         out_micro[idx[j]] = m
 
@@ -778,6 +819,7 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: compiled version (numba finds a kernel's callees there when it compiles it, and the
 #: functions above call the kernels by their names)
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _before, _sift_down, _push, _pop_top,
+            _replay,
             _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _int_order,
             _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums)
 _compiled = False
