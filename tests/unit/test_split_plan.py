@@ -118,13 +118,10 @@ def test_distinct_by_flags_and_by_sort_agree(n: int) -> None:
         assert keys[one].tolist() == want[0].tolist()  # an occurrence of each, in order
 
 
-@pytest.mark.parametrize("threshold", [0, 1 << 40])
-def test_a_steps_work_packed_on_threads_or_not_is_the_same(threshold: int,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """pack_works packs a large step's work on several threads: the same bytes, in order."""
+def test_a_steps_work_packed_is_each_constructors_packed() -> None:
+    """pack_works packs each constructor's work of a step, in order."""
     from msd_dask.roles import planner
 
-    monkeypatch.setattr(planner, "PACK_IN_THREADS", threshold)
     work = split_plan(_plan(16, 4, 7, big=True), 5, OWNER, RELPATH, NAMES)
     assert planner.pack_works(work) == [pack_work(w) for w in work]
 
