@@ -232,12 +232,10 @@ def _replay(tk: np.ndarray, tr: np.ndarray, i: int) -> None:
         kb = tk[b]
         ra = tr[a]
         rb = tr[b]
-        if ka < kb or (ka == kb and ra < rb):
-            tk[i] = ka
-            tr[i] = ra
-        else:
-            tk[i] = kb
-            tr[i] = rb
+        # (bitwise, no branches: which child wins is a coin toss to the branch predictor)
+        first = (ka < kb) | ((ka == kb) & (ra < rb))
+        tk[i] = ka if first else kb
+        tr[i] = ra if first else rb
         i >>= 1
 
 
