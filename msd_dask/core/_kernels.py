@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 __all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "fill_rounds",
-           "greedy_fill", "mix_draw", "permute_rows", "sorted_sums", "stable_argsort"]
+           "greedy_fill", "mix_draw", "permute_rows", "row_sums", "sorted_sums", "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
@@ -413,6 +413,18 @@ def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.n
 # ----------------------------------------------------------------------------- capacity bound
 
 
+def _row_sums(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.ndarray,
+              cost: np.ndarray, used: np.ndarray) -> None:
+    """Add each placed piece's cost and length to its row of ``cost`` and ``used``
+    (``(ranks, micro_batches)``), piece after piece (the sums of ``np.bincount``)."""
+    for i in range(len(rank)):
+        r = rank[i]
+        if r >= 0:
+            m = micro[i]
+            cost[r, m] += costs[i]
+            used[r, m] += lengths[i]
+
+
 def _sorted_sums(costs: np.ndarray, lengths: np.ndarray, order: np.ndarray, rho: float, tol: float,
                  ccum: np.ndarray, lcum: np.ndarray) -> bool:
     """:func:`~msd_dask.core.balance.capacity_bound`'s pass over the pieces in ``order``:
@@ -770,6 +782,14 @@ def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     return _best_fit_rows(ls, n_rows, seq_len)
 
 
+def row_sums(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.ndarray,
+             cost: np.ndarray, used: np.ndarray) -> None:
+    """Each row's cost and tokens, added to ``cost`` and ``used`` in place: see
+    :func:`_row_sums`."""
+    _use_compiled(len(rank))
+    _row_sums(rank, micro, lengths, costs, cost, used)
+
+
 def sorted_sums(costs: np.ndarray, lengths: np.ndarray, order: np.ndarray, rho: float,
                 tol: float) -> tuple[bool, np.ndarray, np.ndarray]:
     """``(keys never rise by more than tol, cumulative costs, cumulative lengths)`` of the
@@ -819,7 +839,7 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _before, _sift_down, _push, _pop_top,
             _replay,
             _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _int_order,
-            _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums)
+            _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums, _row_sums)
 _compiled = False
 _compiling = threading.Lock()
 
@@ -863,6 +883,8 @@ def _warm() -> None:
         stable_argsort(a, True, np.arange(4096, dtype=np.int64))
         stable_argsort(a, True)
     sorted_sums(np.ones(2), np.ones(2, dtype=np.int64), np.arange(2), 1.0, 0.0)
+    row_sums(i1.copy(), i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.zeros((1, 1)),
+             np.zeros((1, 1), dtype=np.int64))
     for dtype in (np.int32, np.int64):  # (the planner's tables, either width)
         permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
 

@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from msd_dask.core._kernels import fill_rounds, greedy_fill, sorted_sums, stable_argsort
+from msd_dask.core._kernels import fill_rounds, greedy_fill, row_sums, sorted_sums, stable_argsort
 
 __all__ = ["Assignment", "assign", "build_assignment", "STRATEGIES", "lower_bound", "capacity_bound",
            "sequential", "lpt", "balanced", "improve"]
@@ -155,12 +155,7 @@ def _owning(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.
     for arrays nothing else changes (a step's hold millions of pieces)."""
     a = _empty(0, n_ranks, micro_batches)
     a.rank, a.micro = rank, micro
-    ok = rank >= 0
-    row = rank[ok] * micro_batches + micro[ok]
-    size = n_ranks * micro_batches
-    a.micro_cost[:] = np.bincount(row, costs[ok], size).reshape(n_ranks, micro_batches)
-    a.micro_used[:] = np.bincount(row, lengths[ok], size).astype(np.int64).reshape(
-        n_ranks, micro_batches)
+    row_sums(rank, micro, lengths, costs, a.micro_cost, a.micro_used)  # (one pass, no copies)
     return a
 
 

@@ -240,6 +240,19 @@ def test_bounds_are_bounds() -> None:
             assert a.rank_cost.max() >= best * (1 - 1e-12)
 
 
+def _kernels_as(compiled: bool, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the kernels compiled, or the kernel ``name`` as plain Python (compiled already in
+    this process: its Python function; else none compiles)."""
+    from msd_dask.core import _kernels
+
+    if compiled:
+        _kernels.compile_kernels()
+    elif _kernels.compiled():
+        monkeypatch.setattr(_kernels, name, getattr(_kernels, name).py_func)
+    else:
+        monkeypatch.setattr(_kernels, "COMPILE_AT", 1 << 62)
+
+
 def _capacity_bound_by_numpy(lengths: np.ndarray, costs: np.ndarray, n_ranks: int, mb: int,
                              seq_len: int) -> float:
     """capacity_bound's rule in whole-array numpy: sorted copies, diff and cumsum."""
@@ -268,14 +281,7 @@ def _capacity_bound_by_numpy(lengths: np.ndarray, costs: np.ndarray, n_ranks: in
 def test_capacity_bound_is_the_numpy_rule(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same float, bit for bit, as Python and compiled: costs of lengths (monotone keys),
     costs that are not, zero lengths, sizes on both sides of the kernels' threshold."""
-    from msd_dask.core import _kernels
-
-    if compiled:
-        _kernels.compile_kernels()
-    elif _kernels.compiled():
-        monkeypatch.setattr(_kernels, "_sorted_sums", _kernels._sorted_sums.py_func)
-    else:
-        monkeypatch.setattr(_kernels, "COMPILE_AT", 1 << 62)
+    _kernels_as(compiled, "_sorted_sums", monkeypatch)
     rng = np.random.default_rng(11)
     model = CostModel()
     for n in (1, 3, 50, 700, 5000):
@@ -286,3 +292,23 @@ def test_capacity_bound_is_the_numpy_rule(compiled: bool, monkeypatch: pytest.Mo
                 seq_len = max(4096, -(-int(lengths.sum()) // (dp * mb)))
                 assert capacity_bound(lengths, costs, dp, mb, seq_len) == \
                     _capacity_bound_by_numpy(lengths, costs, dp, mb, seq_len)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_row_sums_are_bincounts(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row's cost and tokens, bit for bit numpy's bincount of the placed pieces."""
+    from msd_dask.core import _kernels
+
+    _kernels_as(compiled, "_row_sums", monkeypatch)
+    rng = np.random.default_rng(5)
+    for n, ranks, mb in ((0, 3, 2), (50, 4, 1), (3000, 16, 8)):
+        rank = rng.integers(-1, ranks, n)
+        micro = np.where(rank >= 0, rng.integers(0, mb, n), -1)
+        lengths = rng.integers(0, 5000, n)
+        costs = lengths + rng.random(n) * lengths.astype(np.float64) ** 2 / 7
+        cost, used = np.zeros((ranks, mb)), np.zeros((ranks, mb), dtype=np.int64)
+        _kernels.row_sums(rank, micro, lengths, costs, cost, used)
+        ok = rank >= 0
+        row = rank[ok] * mb + micro[ok]
+        assert cost.tobytes() == np.bincount(row, costs[ok], ranks * mb).tobytes()
+        assert used.ravel().tolist() == np.bincount(row, lengths[ok], ranks * mb).astype(np.int64).tolist()
