@@ -34,9 +34,9 @@ the steps (the outlier hold fills first), and a check that no piece came twice.
 128K, each in a process of its own): per step, ``plan_step`` with what the
 planner's actor takes from each plan (its units and tokens per source), splitting the plan
 into 256 constructors' work (:func:`msd_dask.roles.planner.split_plan`) and
-keeping it packed (:func:`~msd_dask.roles.planner.pack_work`, as the planner's
-actor keeps the last ``prefetch`` steps for re-created constructors; Dask
-pickles the work it sends in about the time of the split) with the planner's
+packing it (:func:`~msd_dask.roles.constructor.pack_work`: the bytes the planner's
+actor sends to constructors on other workers and keeps, for the last ``prefetch``
+steps, for re-created constructors) with the planner's
 state after the step (a packed :class:`~msd_dask.core.plan.PlannerSnapshot`, as
 the actor keeps one per recent step for checkpoints), and the process's
 resident memory after the steps and at its peak.
@@ -446,9 +446,9 @@ def main(argv: list[str] | None = None) -> int:
             "two lognormal sources), so the step's pieces are its own choice.  **End to end**:\n"
             "the planner at dp = 16,384 × 8 rows: `plan_step` with what the actor takes from each plan\n"
             "(its units and tokens per source), `split_plan` into 256 constructors, and `pack_work`\n"
-            "(what it keeps for re-created constructors) with the planner's state after the step\n"
-            "(packed, as the actor keeps it for checkpoints), with the process's RSS after the steps\n"
-            "and at its peak (each context in a fresh process).\n\n"
+            "(what it sends to constructors and keeps for re-created ones) with the planner's state\n"
+            "after the step (packed, as the actor keeps it for checkpoints), with the process's RSS\n"
+            "after the steps and at its peak (each context in a fresh process).\n\n"
             "**Reading it.** Placement: with 4 micro-batches `balanced` is within a fraction of a\n"
             "percent of the capacity bound where naive packing is up to 2.2× the mean; with one\n"
             "micro-batch the rank holding the longest piece is the bound.  Composition: every\n"
