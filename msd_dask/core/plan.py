@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.core._kernels import compile_for, stable_argsort
+from msd_dask.core._kernels import compile_for, permute_rows, stable_argsort
 from msd_dask.core.balance import lower_bound
 from msd_dask.core.config import Config
 from msd_dask.core.cost import CostModel
@@ -654,7 +654,7 @@ class Planner:
         del placed
         perm = perm[stable_argsort(row_of)]
         del row_of
-        _permute(table, perm)
+        permute_rows(table, perm)  # (in place: no second table of the step's pieces)
         m = len(perm)
         del perm
         try:  # the rows past the placed pieces go back (in place, where no view holds them)
@@ -841,13 +841,3 @@ def _fits_int32(table: np.ndarray | None) -> bool:
     if table is None or table.size == 0 or np.can_cast(table.dtype, np.int32):
         return True
     return bool(table.min() >= np.iinfo(np.int32).min and table.max() <= np.iinfo(np.int32).max)
-
-
-def _permute(table: np.ndarray, perm: np.ndarray) -> None:
-    """Put ``table[perm]`` in the first ``len(perm)`` rows of ``table``, in place.
-
-    Column by column: a column's worth of memory at a time, not a second table.
-    """
-    m = len(perm)
-    for c in range(table.shape[1]):
-        table[:m, c] = table[perm, c]
