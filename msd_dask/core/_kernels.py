@@ -24,7 +24,8 @@ import threading
 import numpy as np
 
 __all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "fill_rounds",
-           "greedy_fill", "mix_draw", "permute_rows", "row_sums", "sorted_sums", "stable_argsort"]
+           "greedy_fill", "mix_draw", "permute_rows", "row_order", "row_sums", "sorted_sums",
+           "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
@@ -596,6 +597,34 @@ def _permute_rows(table: np.ndarray, perm: np.ndarray) -> None:
 _LANES = 16
 
 
+def _row_order(rank: np.ndarray, micro: np.ndarray, mb: int, sizes: np.ndarray) -> np.ndarray:
+    """The placed pieces (``rank >= 0``) row by row, each row's in piece order: the stable
+    argsort of their rows ``rank·mb + micro``, as indices of all the pieces.
+
+    A counting sort with the mask in it: one pass counts each row's pieces into ``sizes``
+    (``n_rows`` zeros, filled in place), one writes each placed piece at its row's next
+    place.
+    """
+    n_rows = len(sizes)
+    for i in range(len(rank)):
+        r = rank[i]
+        if r >= 0:
+            sizes[r * mb + micro[i]] += 1
+    at = np.empty(n_rows, dtype=np.int64)
+    m = 0
+    for row in range(n_rows):
+        at[row] = m
+        m += sizes[row]
+    perm = np.empty(m, dtype=np.int64)
+    for i in range(len(rank)):
+        r = rank[i]
+        if r >= 0:
+            row = r * mb + micro[i]
+            perm[at[row]] = i
+            at[row] += 1
+    return perm
+
+
 # ----------------------------------------------------------------------------- sorting
 
 _SIGN = np.int64(-(1 << 63))
@@ -776,6 +805,17 @@ def permute_rows(table: np.ndarray, perm: np.ndarray) -> None:
     _permute_rows(table, perm)
 
 
+def row_order(rank: np.ndarray, micro: np.ndarray, n_ranks: int,
+              mb: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(perm, row_sizes)``: the placed pieces (``rank >= 0``) sorted stably by their row
+    ``rank·mb + micro`` (indices of all the pieces), and each row's count of them
+    (``(n_ranks, mb)``); see :func:`_row_order`."""
+    sizes = np.zeros(n_ranks * mb, dtype=np.int64)
+    _use_compiled(len(rank))
+    perm = _row_order(rank, micro, mb, sizes)
+    return perm, sizes.reshape(n_ranks, mb)
+
+
 def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     """Each piece's row by best fit decreasing: see :func:`_best_fit_rows`."""
     _use_compiled(len(ls))
@@ -838,8 +878,8 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: functions above call the kernels by their names)
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _before, _sift_down, _push, _pop_top,
             _replay,
-            _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _int_order,
-            _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums, _row_sums)
+            _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _row_order,
+            _int_order, _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums, _row_sums)
 _compiled = False
 _compiling = threading.Lock()
 
@@ -887,6 +927,7 @@ def _warm() -> None:
              np.zeros((1, 1), dtype=np.int64))
     for dtype in (np.int32, np.int64):  # (the planner's tables, either width)
         permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
+    row_order(np.array([0, -1], dtype=np.int64), i1.copy(), 1, 1)
 
 
 def compile_for(items: int) -> None:

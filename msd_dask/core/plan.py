@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.core._kernels import compile_for, permute_rows, stable_argsort
+from msd_dask.core._kernels import compile_for, permute_rows, row_order, stable_argsort
 from msd_dask.core.balance import lower_bound
 from msd_dask.core.config import Config
 from msd_dask.core.cost import CostModel
@@ -633,8 +633,7 @@ class Planner:
         lengths = np.subtract(table[:, 6], table[:, 5], dtype=np.float64)[placed]
         placed_costs = self.cost(lengths) if costs is None else costs[placed]
         del costs
-        row_of = rank[placed]  # (their ranks, then their rows)
-        rank_cost = np.bincount(row_of, weights=placed_costs, minlength=dp)
+        rank_cost = np.bincount(rank[placed], weights=placed_costs, minlength=dp)
         bound = lower_bound(placed_costs, dp)
         del placed_costs
         pieces, tokens = _by_source(table[:, 0][placed], lengths, len(self._names))
@@ -645,15 +644,10 @@ class Planner:
             name = self._names[j]
             self.tokens[name] += step_tokens[name]
             self.pieces_planned[name] += int(pieces[j])
-        # the rows, each in step order: the placed pieces sorted (stably) by row
-        row_of *= mb
-        row_of += micro[placed]
-        del rank, micro
-        row_sizes = np.bincount(row_of, minlength=dp * mb).reshape(dp, mb)
-        perm = np.flatnonzero(placed)
         del placed
-        perm = perm[stable_argsort(row_of)]
-        del row_of
+        # the rows, each in step order: the placed pieces sorted (stably) by row
+        perm, row_sizes = row_order(rank, micro, dp, mb)
+        del rank, micro
         permute_rows(table, perm)  # (in place: no second table of the step's pieces)
         m = len(perm)
         del perm

@@ -289,3 +289,33 @@ def test_permute_rows_is_fancy_indexing_interpreted_and_compiled(
     interpreted = results()
     for (table, perm), a, b in zip(cases, compiled, interpreted, strict=True):
         assert np.array_equal(a, table[perm]) and np.array_equal(b, table[perm])
+
+
+def test_row_order_is_the_stable_sort_of_the_placed_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``row_order``: the placed pieces' stable argsort by row and the rows' counts, as numpy
+    finds them, interpreted and compiled (unplaced pieces, empty rows and ties)."""
+    from msd_dask.core import _kernels
+
+    _kernels.compile_kernels()
+    rng = np.random.default_rng(11)
+    cases = [(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 3, 2),
+             (np.full(4, -1, dtype=np.int64), np.full(4, -1, dtype=np.int64), 2, 2)]
+    for _ in range(30):
+        n, n_ranks, mb = int(rng.integers(1, 3000)), int(rng.integers(1, 40)), int(rng.integers(1, 9))
+        rank = rng.integers(-1, n_ranks, n)
+        micro = np.where(rank >= 0, rng.integers(0, mb, n), -1)
+        cases.append((rank, micro, n_ranks, mb))
+
+    def results() -> list[tuple[np.ndarray, np.ndarray]]:
+        return [_kernels.row_order(rank, micro, n_ranks, mb) for rank, micro, n_ranks, mb in cases]
+
+    compiled = results()
+    monkeypatch.setattr(_kernels, "_row_order", _kernels._row_order.py_func)
+    interpreted = results()
+    for (rank, micro, n_ranks, mb), a, b in zip(cases, compiled, interpreted, strict=True):
+        placed = np.flatnonzero(rank >= 0)
+        row = rank[placed] * mb + micro[placed]
+        want = placed[np.argsort(row, kind="stable")]
+        sizes = np.bincount(row, minlength=n_ranks * mb).reshape(n_ranks, mb)
+        for perm, got in (a, b):
+            assert np.array_equal(perm, want) and np.array_equal(got, sizes)
