@@ -29,7 +29,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -131,38 +131,37 @@ def pack_work(work: StepPieces) -> bytes:
     they compress at zstd's fast level -1 smaller than the arrays as they are at level 1,
     and in less time than at level 1.  Neither the arrays nor the paths one by one go
     through pickle, which costs tens of microseconds an array and as much as zstd for
-    thousands of paths (:func:`_joined`).  The result is bytes of their own size
+    thousands of paths (:func:`_joined`).  A work of a step at dp 16,384 is small (a
+    few hundred pieces at 4K), so what is done per array or column, not per value, counts:
+    a column's narrow dtype comes from one pass (its largest value as unsigned), and the
+    parts are joined and compressed in one call.  The result is bytes of their own size
     (zstandard's output buffers are not kept), and :func:`unpack_work` gives back an
     equal work, which pickles to the same bytes.
     """
-    rest, joined, arrays, body = {}, {}, [], []
-    for f in fields(work):
-        value = getattr(work, f.name)
+    rest, joined, arrays, body = {}, {}, [], [b"", b""]
+    for name, value in vars(work).items():  # the fields, in order
         if not isinstance(value, np.ndarray):
             text = _joined(value)
             if text is None:
-                rest[f.name] = value
+                rest[name] = value
             else:
-                joined[f.name] = text
+                joined[name] = text
             continue
         # a 2-d array's columns (the piece table's), a 1-d array as one
-        parts = np.ascontiguousarray(value.T) if value.ndim == 2 else value.reshape(1, -1)
+        parts = np.ascontiguousarray(value.T if value.ndim == 2 else value.reshape(1, -1))
         dtype = value.dtype.str
         if value.size and value.dtype.kind in "iu":
-            # the narrowest of _NARROW holding each part, or the array's own dtype
-            fits = np.searchsorted(_TOPS, parts.max(axis=1))
-            fits[parts.min(axis=1) < 0] = len(_NARROW)
-            kinds = [(*_NARROW, dtype)[k] for k in fits.tolist()]
+            # as unsigned, a negative value lies past the signed dtype's top
+            tops = parts.view(dtype.replace("i", "u")).max(axis=1).tolist()
+            past = np.iinfo(value.dtype).max
+            kinds = [_narrow(top, past, dtype) for top in tops]
         else:
             kinds = [dtype] * len(parts)
-        arrays.append((f.name, dtype, value.shape, kinds))
+        arrays.append((name, dtype, value.shape, kinds))
         body += [part.astype(kind, copy=False) for part, kind in zip(parts, kinds, strict=True)]
     head = pickle.dumps((rest, joined, arrays), protocol=5)
-    z = _compressor().compressobj(size=_HEAD + len(head) + sum(b.nbytes for b in body))
-    out = [z.compress(len(head).to_bytes(_HEAD, "little")), z.compress(head)]
-    out += [z.compress(b) for b in body]
-    out.append(z.flush())
-    return b"".join(out)
+    body[:2] = len(head).to_bytes(_HEAD, "little"), head
+    return bytes(memoryview(_compressor().compress(b"".join(body))))
 
 
 def unpack_work(packed: bytes) -> StepPieces:
@@ -201,7 +200,18 @@ _HEAD = 8
 #: the unsigned integers an integer array, or a piece table's column, is narrowed to (dtype
 #: strings), and the largest value each holds
 _NARROW = ("|u1", "<u2", "<u4")
-_TOPS = np.array([np.iinfo(np.dtype(k)).max for k in _NARROW], dtype=np.int64)
+_TOPS = [int(np.iinfo(np.dtype(k)).max) for k in _NARROW]
+
+
+def _narrow(top: int, past: int, dtype: str) -> str:
+    """The narrowest of :data:`_NARROW` holding a part whose largest value, read as
+    unsigned, is ``top``, or the part's own ``dtype``: a value past ``past`` (its dtype's
+    top) is a negative one."""
+    if top <= past:
+        for kind, most in zip(_NARROW, _TOPS, strict=True):
+            if top <= most:
+                return kind
+    return dtype
 
 
 _compressors = threading.local()
