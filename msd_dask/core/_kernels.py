@@ -24,8 +24,8 @@ import threading
 import numpy as np
 
 __all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "fill_rounds",
-           "greedy_fill", "mix_draw", "permute_rows", "row_order", "row_sums", "sorted_sums",
-           "stable_argsort"]
+           "greedy_fill", "in_piece_order", "mix_draw", "permute_rows", "row_order", "row_sums",
+           "sorted_sums", "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
@@ -174,6 +174,16 @@ def _best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
             m -= (t - 1) * q + last
         pos = end
     return out
+
+
+def _in_piece_order(vals: np.ndarray, lengths: np.ndarray, start: np.ndarray, out: np.ndarray) -> None:
+    """``out[i]``: the value in ``vals`` of piece ``i`` where ``vals`` lists the pieces grouped
+    by length, each group in piece order, group ``L`` from ``start[L]`` on (``start``
+    advances in place).  A counting sort's scatter read backwards: no order array."""
+    for i in range(len(lengths)):
+        at = lengths[i]
+        out[i] = vals[start[at]]
+        start[at] += 1
 
 
 # ----------------------------------------------------------------------------- greedy LPT
@@ -822,6 +832,14 @@ def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     return _best_fit_rows(ls, n_rows, seq_len)
 
 
+def in_piece_order(vals: np.ndarray, lengths: np.ndarray, start: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = vals[p(i)]``, ``p(i)`` piece ``i``'s place among the pieces grouped by length
+    (group ``L`` from ``start[L]`` on, each in piece order; ``start`` changes): see
+    :func:`_in_piece_order`."""
+    _use_compiled(len(lengths))
+    _in_piece_order(vals, lengths, start, out)
+
+
 def row_sums(rank: np.ndarray, micro: np.ndarray, lengths: np.ndarray, costs: np.ndarray,
              cost: np.ndarray, used: np.ndarray) -> None:
     """Each row's cost and tokens, added to ``cost`` and ``used`` in place: see
@@ -876,8 +894,8 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: every kernel: :func:`compile_kernels` replaces each in this module's globals by its
 #: compiled version (numba finds a kernel's callees there when it compiles it, and the
 #: functions above call the kernels by their names)
-_KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _before, _sift_down, _push, _pop_top,
-            _replay,
+_KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _in_piece_order, _before, _sift_down,
+            _push, _pop_top, _replay,
             _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _row_order,
             _int_order, _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums, _row_sums)
 _compiled = False
@@ -910,6 +928,7 @@ def _warm() -> None:
     compiles them (or loads them from its cache) now, not in the middle of a step."""
     i1, f1 = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64)
     best_fit_rows(np.ones(1, dtype=np.int64), 1, 4)
+    in_piece_order(i1.copy(), i1.copy(), i1.copy(), i1.copy())
     greedy_fill(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
                 np.zeros((1, 1)), f1.copy(), np.full(1, 4, dtype=np.int64), i1.copy(), i1.copy(), True)
     fill_rounds(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),

@@ -15,7 +15,7 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from msd_dask.core._kernels import best_fit_rows, stable_argsort
+from msd_dask.core._kernels import best_fit_rows, in_piece_order
 from msd_dask.core.balance import assign, build_assignment, improve
 
 __all__ = ["kept_rows", "place_step", "spread_long", "KEPT_SLACK"]
@@ -47,20 +47,21 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     if n == 0 or n_rows <= 0:
         return row
     lengths = np.asarray(lengths, dtype=np.int64)
-    # (in place where it can be: a step at dp 16,384 x 128K holds millions of pieces)
-    order = np.empty(n, dtype=np.int64)
-    order[:n_carried] = np.arange(n_carried)
-    order[n_carried:] = stable_argsort(lengths[n_carried:], descending=True)
-    order[n_carried:] += n_carried
-    # the lengths in that order: the carried pieces', then each length as often as it comes
-    # (no gather of millions of pieces)
+    # the lengths in best-fit order: the carried pieces', then each length as often as it
+    # comes, longest first (a counting sort: no gather or order array of millions of pieces)
     count = np.bincount(lengths[n_carried:])
     ls = np.empty(n, dtype=np.int64)
     ls[:n_carried] = lengths[:n_carried]
     ls[n_carried:] = np.repeat(np.arange(len(count) - 1, -1, -1), count[::-1])
-    del count
-    row[order] = best_fit_rows(ls, n_rows, seq_len)
-    del order, ls
+    fit = best_fit_rows(ls, n_rows, seq_len)
+    del ls
+    row[:n_carried] = fit[:n_carried]
+    # back in piece order: the new pieces of length L come after the longer ones
+    after = np.cumsum(count[::-1])[::-1]  # the new pieces of length L or more
+    start = after - count
+    del count, after
+    in_piece_order(fit[n_carried:], lengths[n_carried:], start, row[n_carried:])
+    del fit, start
     # the shortest new pieces over (1 - KEPT_SLACK) of the step's tokens wait for the next
     # step (where they are placed first)
     over = int(lengths[row >= 0].sum()) - int((1 - KEPT_SLACK) * n_rows * seq_len)

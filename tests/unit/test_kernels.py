@@ -319,3 +319,32 @@ def test_row_order_is_the_stable_sort_of_the_placed_rows(monkeypatch: pytest.Mon
         sizes = np.bincount(row, minlength=n_ranks * mb).reshape(n_ranks, mb)
         for perm, got in (a, b):
             assert np.array_equal(perm, want) and np.array_equal(got, sizes)
+
+
+def test_in_piece_order_reads_the_stable_descending_sort_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``in_piece_order`` undoes the stable sort by decreasing length (``vals[order] ->
+    vals``), interpreted and compiled, with many ties and lengths left out."""
+    from msd_dask.core import _kernels
+
+    _kernels.compile_kernels()
+    rng = np.random.default_rng(5)
+    cases = [np.zeros(0, dtype=np.int64), np.array([3, 3, 0, 7, 3], dtype=np.int64)]
+    cases += [rng.integers(0, int(rng.integers(1, 500)), int(rng.integers(1, 3000))) for _ in range(30)]
+
+    def results() -> list[np.ndarray]:
+        out = []
+        for lengths in cases:
+            order = np.argsort(-lengths, kind="stable")
+            vals = rng.integers(-5, 1 << 40, len(lengths))
+            count = np.bincount(lengths)
+            start = np.cumsum(count[::-1])[::-1] - count
+            got = np.full(len(lengths), -9, dtype=np.int64)
+            _kernels.in_piece_order(vals, lengths, start, got)
+            want = np.empty_like(vals)
+            want[order] = vals
+            out.append(np.array_equal(got, want))
+        return out
+
+    assert all(results())
+    monkeypatch.setattr(_kernels, "_in_piece_order", _kernels._in_piece_order.py_func)
+    assert all(results())
