@@ -135,34 +135,31 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     np.cumsum(rank_len[dps], out=ends[1:])
     piece_bound = ends[dp_bound].tolist()
     # a DP rank's pieces follow each other in the plan's table: constructor by constructor
-    # they are its runs in the order of ``dps``, gathered by ``order`` (no sort)
+    # they are its runs in the order of ``dps`` (no sort); gathered piece ``j`` of rank
+    # ``dps[k]`` is the plan's piece ``j + delta[k]``
     starts = np.zeros(dp, dtype=np.int64)
     np.cumsum(rank_len[:-1], out=starts[1:])
-    order = np.arange(total, dtype=np.int64)
-    order += np.repeat(starts[dps] - ends[:-1], rank_len[dps])
-    del starts, ends
-    # (an int32 table holds no value of 2**31 or more: one pass over it, not two)
-    wide = total and (src.min() < 0 or len(names) >= 2**31 or (
-        np.iinfo(src.dtype).max >= 2**31 and src.max() >= 2**31))
-    table = np.empty((total, 9), dtype=np.int64 if wide else np.int32)
+    delta = starts[dps] - ends[:-1]
+    del starts
     # the plan's source indices follow its own source list; ours follow ``names``
     index = np.array([list(names).index(s) for s in plan.sources] if total else [],
                      dtype=np.int64)
-    same = np.array_equal(index, np.arange(len(index)))
-    # the plan's columns, a slice of pieces at a time (gathered rows stay in cache)
-    for a in range(0, total, _SLICE):
-        rows = src.take(order[a:a + _SLICE], axis=0)
-        part = table[a:a + _SLICE]
-        part[:, 0] = rows[:, 0] if same else index[rows[:, 0]]
-        for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
-            part[:, col] = rows[:, plan_col]
-    del order
+    # an int32 plan table holds no value of 2**31 or more, and its gather finds whether it
+    # holds a negative one (no pass over the plan's table before)
+    wide = bool(total) and (len(names) >= 2**31 or (np.iinfo(src.dtype).max >= 2**31 and (
+        src.min() < 0 or src.max() >= 2**31)))
+    table = _gathered(src, ends, delta, index, wide)
+    if table is None:  # a negative value in an int32 plan table
+        wide = True
+        table = _gathered(src, ends, delta, index, wide)
+        assert table is not None  # (never None when wide)
+    del ends, delta
     # each unit's loader slot and (source, unit) pair, once per unit: the step's pairs are
     # numbered in (source, unit) order
     first, unit_of = distinct(*unit_keys(table[:, 0], table[:, 2], table[:, 3]))
     units = table[first][:, [0, 2, 3]].astype(np.int64)
     slot_of = np.asarray([owner[(names[a], b, c)] for a, b, c in units.tolist()],
-                         dtype=np.int64).reshape(-1)
+                         dtype=np.int64).reshape(-1).astype(table.dtype)
     span = int(units[:, 2].max()) + 1 if total else 1
     pairs, pair_of = np.unique(units[:, 0] * span + units[:, 2], return_index=True,
                                return_inverse=True)[1:]
@@ -178,7 +175,7 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
     del unit_of
     # each constructor's paths: its pairs, numbered from 0 in (source, unit) order
     seen = np.zeros(len(paths_of), dtype=bool)
-    number = np.zeros(len(paths_of), dtype=np.int64)
+    number = np.zeros(len(paths_of), dtype=table.dtype)
     paths = []
     for i in range(n):
         p0, p1 = piece_bound[i], piece_bound[i + 1]
@@ -206,6 +203,38 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
 
 #: pieces :func:`split_plan` gathers at a time
 _SLICE = 1 << 15
+
+
+def _gathered(src: np.ndarray, ends: np.ndarray, delta: np.ndarray, index: np.ndarray,
+              wide: bool) -> np.ndarray | None:
+    """:func:`split_plan`'s table of a plan's piece table ``src``, its columns gathered in the
+    constructors' order, :data:`_SLICE` pieces at a time (gathered rows stay in cache; each
+    slice's positions in ``src`` are made for it, not held for the whole step).
+
+    ``ends``: where each DP rank's pieces end in that order (after a 0); ``delta``: what
+    its pieces' positions in ``src`` add to their positions in that order; ``index``: the
+    index in the caller's sources of each of the plan's.  int64 if ``wide``, else int32;
+    None if not ``wide`` and ``src`` holds a negative value.
+    """
+    total = len(src)
+    table = np.empty((total, 9), dtype=np.int64 if wide else np.int32)
+    same = np.array_equal(index, np.arange(len(index)))
+    for a in range(0, total, _SLICE):
+        b = min(a + _SLICE, total)
+        # the DP ranks with pieces in [a, b), and how many each has there
+        k0 = int(np.searchsorted(ends, a, "right")) - 1
+        k1 = int(np.searchsorted(ends, b, "left"))
+        run = np.minimum(ends[k0 + 1:k1 + 1], b) - np.maximum(ends[k0:k1], a)
+        at = np.arange(a, b, dtype=np.int64)
+        at += np.repeat(delta[k0:k1], run)
+        rows = src.take(at, axis=0)
+        if not wide and rows.min() < 0:
+            return None
+        part = table[a:b]
+        part[:, 0] = rows[:, 0] if same else index[rows[:, 0]]
+        for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
+            part[:, col] = rows[:, plan_col]
+    return table
 
 
 def pack_works(works: Sequence[StepPieces]) -> list[bytes]:

@@ -148,6 +148,29 @@ def test_the_same_work_whatever_the_slices_and_the_plans_source_order(
             assert all(g.sources == tuple(NAMES) for g in got)
 
 
+@pytest.mark.parametrize("piece_slice", [1, 7, 1 << 15])
+def test_a_negative_value_in_a_plan_table_widens_the_work_as_before(
+        piece_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """split_plan finds a negative value of an int32 plan table as it gathers it, in any
+    slice (of an int64 one before): an int64 work where a piece holds one, an int32 work
+    where only a column the work does not take does."""
+    from msd_dask.roles import planner
+
+    monkeypatch.setattr(planner, "_SLICE", piece_slice)
+    for seed in range(3):
+        plan = _plan(16, 3, seed)
+        last = len(plan.table) - 1 - seed  # a piece in the last slices
+        for col, want in ((5, np.int64), (7, np.int32)):  # a piece's start; no work's column
+            for plan_dtype in (np.int32, np.int64):
+                table = plan.table.astype(plan_dtype)
+                table[last, col] = -3
+                p = StepPlan(plan.step, table, plan.row_sizes, plan.sources, plan.rank_cost,
+                             plan.lower_bound)
+                got = split_plan(p, 5, OWNER, RELPATH, NAMES)
+                assert [dict(g.items()) for g in got] == _reference(p, 5)
+                assert {g.pieces.dtype for g in got} == {np.dtype(want)}
+
+
 def _work(pieces: np.ndarray, paths: tuple[str, ...]) -> StepPieces:
     return StepPieces(dps=np.array([3, 8], dtype=np.int64), rows=np.array([1, 1], dtype=np.int64),
                       lengths=np.array([len(pieces) // 2, len(pieces) - len(pieces) // 2],
