@@ -24,9 +24,11 @@ waits for room, which is the service's backpressure.
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
 import threading
 import time
+from bisect import bisect_left
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -153,8 +155,8 @@ def pack_work(work: StepPieces) -> bytes:
         if value.size and value.dtype.kind in "iu":
             # as unsigned, a negative value lies past the signed dtype's top
             tops = parts.view(dtype.replace("i", "u")).max(axis=1).tolist()
-            past = np.iinfo(value.dtype).max
-            kinds = [_narrow(top, past, dtype) for top in tops]
+            past, choice = _past(value.dtype), (*_NARROW, dtype)
+            kinds = [choice[bisect_left(_TOPS, top)] if top <= past else dtype for top in tops]
         else:
             kinds = [dtype] * len(parts)
         arrays.append((name, dtype, value.shape, kinds))
@@ -198,20 +200,17 @@ def _joined(value: Any) -> str | None:
 _HEAD = 8
 
 #: the unsigned integers an integer array, or a piece table's column, is narrowed to (dtype
-#: strings), and the largest value each holds
+#: strings), and the largest value each holds (the narrowest holding a part's largest value
+#: is the first whose top is not below it)
 _NARROW = ("|u1", "<u2", "<u4")
 _TOPS = [int(np.iinfo(np.dtype(k)).max) for k in _NARROW]
 
 
-def _narrow(top: int, past: int, dtype: str) -> str:
-    """The narrowest of :data:`_NARROW` holding a part whose largest value, read as
-    unsigned, is ``top``, or the part's own ``dtype``: a value past ``past`` (its dtype's
-    top) is a negative one."""
-    if top <= past:
-        for kind, most in zip(_NARROW, _TOPS, strict=True):
-            if top <= most:
-                return kind
-    return dtype
+@functools.cache
+def _past(dtype: np.dtype[Any]) -> int:
+    """The largest value of integer ``dtype``: read as unsigned, a value of a part past it is
+    a negative one (a part with one keeps its dtype)."""
+    return int(np.iinfo(dtype).max)
 
 
 _compressors = threading.local()
