@@ -375,6 +375,9 @@ class Planner:
         self.overrides: list[tuple[int, dict[str, float]]] = []
         self.tokens = {s.name: 0 for s in cfg.sources}
         self.pieces_planned = {s.name: 0 for s in cfg.sources}
+        #: the last draw's pieces taken and lengths looked at: the sizes the next draw's
+        #: buffers start at (steps alike draw alike; growing them copies millions of keys)
+        self._draw_sizes = (0, 0)
 
     # ------------------------------------------------------------ piece tables
     # A step's pieces are rows of an integer table (int64 from :meth:`_table`; a step's
@@ -525,7 +528,8 @@ class Planner:
         limit = np.array([0 if long_budget is not None and lg else hold or capacity + 1
                           for lg in is_long.tolist()], dtype=np.int64)
         offset = np.array([st.offset for st in streams], dtype=np.int64)
-        lens = np.zeros(0, dtype=np.int64)   # the lengths of the windows looked at, one after another
+        sizes = self._draw_sizes
+        lens = np.empty(sizes[1], dtype=np.int64)   # the lengths of the windows looked at, in turn
         n_lens = 0
         base = np.zeros(S, dtype=np.int64)   # where each source's current window starts in lens
         end = np.full(S, -1, dtype=np.int64)  # pieces in the source's current window (-1: not looked at yet)
@@ -534,7 +538,7 @@ class Planner:
         # with the stream's next window), each dropped once its pieces are gathered
         windows: list[np.ndarray | None] = []
         win_src: list[int] = []
-        taken = np.zeros(0, dtype=np.int64)  # (window slot << 32) | offset of each piece, in order
+        taken = np.empty(sizes[0], dtype=np.int64)  # (window slot << 32) | offset of each piece, in order
         n_taken = 0
         held = np.zeros(0, dtype=np.int64)  # the keys of the pieces held, in order
         n_new_held = 0
@@ -578,6 +582,8 @@ class Planner:
             for j, (st, o) in enumerate(zip(streams, offset.tolist(), strict=True)):
                 if j != loading:
                     st.offset = o
+        # (a little over this draw's: a next draw that takes a few more does not copy them all)
+        self._draw_sizes = (n_taken + n_taken // 16, n_lens + n_lens // 16)
         new_held = _gather(held[:n_new_held], windows, win_src)
         del held, lens
         narrow = all(_fits_int32(t) for t in (first, *windows))
