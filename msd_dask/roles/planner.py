@@ -232,9 +232,24 @@ def _gathered(src: np.ndarray, ends: np.ndarray, delta: np.ndarray, index: np.nd
             return None
         part = table[a:b]
         part[:, 0] = rows[:, 0] if same else index[rows[:, 0]]
-        for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
-            part[:, col] = rows[:, plan_col]
+        if rows.dtype == part.dtype:
+            # the plan's columns 1-3 and 5-6, adjacent in the table too: a copy of each run
+            # (one strided copy a row, not one a value)
+            _run(part, 2, 3)[...] = _run(rows, 1, 3)
+            _run(part, 5, 2)[...] = _run(rows, 5, 2)
+            part[:, 7] = rows[:, 4]
+        else:
+            for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
+                part[:, col] = rows[:, plan_col]
     return table
+
+
+def _run(rows: np.ndarray, col: int, k: int) -> np.ndarray:
+    """Columns ``col`` to ``col + k - 1`` of C-contiguous 2-d ``rows``, as one opaque value
+    a row (a view)."""
+    size = rows.itemsize
+    return np.ndarray((len(rows),), dtype=f"V{k * size}", buffer=rows, offset=col * size,
+                      strides=(rows.strides[0],))
 
 
 def pack_works(works: Sequence[StepPieces]) -> list[bytes]:

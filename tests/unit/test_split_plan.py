@@ -131,7 +131,7 @@ def test_the_same_work_whatever_the_slices_and_the_plans_source_order(
         piece_slice: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """split_plan gathers the table a slice of pieces at a time, and maps the plan's source
     indices to ``names``: the same work items whatever the slice, whatever the plan's order
-    of its sources."""
+    of its sources or its table's dtype."""
     from msd_dask.roles import planner
 
     monkeypatch.setattr(planner, "_SLICE", piece_slice)
@@ -142,7 +142,10 @@ def test_the_same_work_whatever_the_slices_and_the_plans_source_order(
         swapped = StepPlan(plan.step, table, plan.row_sizes, tuple(reversed(NAMES)),
                            plan.rank_cost, plan.lower_bound)
         want = _reference(plan, 5)
-        for p in (plan, swapped):
+        # (int64 plan tables, as from_rows makes them, and int32 ones, as the planner does)
+        narrow = [StepPlan(p.step, p.table.astype(np.int32), p.row_sizes, p.sources,
+                           p.rank_cost, p.lower_bound) for p in (plan, swapped)]
+        for p in (plan, swapped, *narrow):
             got = split_plan(p, 5, OWNER, RELPATH, NAMES)
             assert [dict(g.items()) for g in got] == want
             assert all(g.sources == tuple(NAMES) for g in got)
