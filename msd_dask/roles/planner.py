@@ -912,8 +912,16 @@ class PlannerActor:
                              "closer to the readers' position")
         return self._snapshots[step]
 
-    async def checkpoint(self) -> dict[str, Any]:
+    async def checkpoint(self, have: int | None = None) -> dict[str, Any]:
         """What the service's owner keeps to re-create this planner if it is lost.
+
+        Parameters
+        ----------
+        have : int, optional
+            The ``step`` of the caller's last checkpoint of this planner: if the
+            checkpoint is still of that step, its ``state`` is not sent again (``None``;
+            the kept snapshot of a step never changes, and the owner polls every
+            second while a snapshot is megabytes at dp 16,384 × 128K).
 
         Returns
         -------
@@ -945,7 +953,8 @@ class PlannerActor:
             # ranks may have read past what this planner planned (a re-created planner
             # re-plans from its saved state): the state after its last planned step then
             step = min(max(step, floor), next(reversed(self._snapshots)))
-            return {"state": self._packed_at(step), "step": step, "claimed": claimed,
+            state = None if step == have else self._packed_at(step)
+            return {"state": state, "step": step, "claimed": claimed,
                     "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
                     "address": self.roles.own_address(), "keys": self.roles.keys()}
 

@@ -69,10 +69,22 @@ class PlannerKeeper:
             self._watcher.join(timeout)
 
     def keep_checkpoint(self) -> None:
-        """Keep the planner's last checkpoint, and hold the keys of the roles it names."""
+        """Keep the planner's last checkpoint, and hold the keys of the roles it names.
+
+        A checkpoint of the step already kept, from the same planner generation, comes
+        without its state (``have`` of
+        :meth:`msd_dask.roles.planner.PlannerActor.checkpoint`): the kept state
+        stays."""
         with self._lock:
-            self.checkpoint = dict(self.link.planner.checkpoint().result(timeout=10))
-            self.pin(self.checkpoint.get("keys", []))
+            generation = self.link.generation
+            last = self.checkpoint
+            have = last["step"] if last is not None and last.get("generation") == generation else None
+            ck = dict(self.link.planner.checkpoint(have=have).result(timeout=10))
+            if ck["state"] is None and last is not None:
+                ck["state"] = last["state"]
+            ck["generation"] = generation
+            self.checkpoint = ck
+            self.pin(ck.get("keys", []))
 
     def pin(self, keys: list[str]) -> None:
         """Hold the roles' keys from a published dataset.

@@ -195,3 +195,36 @@ def test_planner_lost_with_its_owner_is_reported(tmp_path):
         assert "planner of service 'orphan' was lost" in msg, msg
         assert "process that started the service is gone" in msg, msg
         assert "--resume" in msg and "state_dict" in msg, msg
+
+
+def test_an_unchanged_checkpoint_is_not_sent_again(tmp_path):
+    """The owner polls the planner's checkpoint every second; a checkpoint of the step the
+    owner already keeps comes without its state (megabytes at scale), and the owner keeps
+    the state it has: still the very bytes of that step's checkpoint."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="checkpoint-again", timeout=60)
+    with dask_cluster(str(tmp_path), n_workers=2) as cl:
+        with DataService.start(cfg, cl["address"]) as svc:
+            keeper = svc.keeper
+            assert keeper is not None
+            # no rank read yet: the checkpoint stays at the step before the first
+            ck = svc.planner.checkpoint().result(timeout=30)
+            assert isinstance(ck["state"], bytes) and ck["state"]
+            again = svc.planner.checkpoint(have=ck["step"]).result(timeout=30)
+            assert (again["step"], again["state"]) == (ck["step"], None)
+            other = svc.planner.checkpoint(have=ck["step"] - 1).result(timeout=30)
+            assert other["state"] == ck["state"]
+            keeper.keep_checkpoint()
+            keeper.keep_checkpoint()  # (the second one without the state)
+            assert keeper.checkpoint is not None
+            assert (keeper.checkpoint["step"], keeper.checkpoint["state"]) == (ck["step"], ck["state"])
+            # every rank reads: the checkpoint moves on, and the owner keeps the new state
+            readers = [svc.reader(r) for r in range(2)]
+            for _ in range(5):
+                for rd in readers:
+                    next(rd)
+            keeper.keep_checkpoint()
+            now = svc.planner.checkpoint().result(timeout=30)
+            assert now["step"] > ck["step"]
+            assert (keeper.checkpoint["step"], keeper.checkpoint["state"]) == (now["step"], now["state"])
