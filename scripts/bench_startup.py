@@ -57,11 +57,16 @@ class _StandInClient:
     and a ``submit`` that pickles the function's arguments (what Dask would send)."""
 
     def __init__(self, workers: int):
-        self._workers = {f"tcp://10.0.{i // 250}.{i % 250}:9000": {} for i in range(workers)}
+        self._workers = {f"tcp://10.0.{i // 250}.{i % 250}:9000": 1 for i in range(workers)}
         self.sent: bytes = b""
+        self.scheduler = self  # ``client.scheduler.ncores``: the scheduler's RPC
 
-    def scheduler_info(self) -> dict[str, Any]:
-        return {"workers": self._workers}
+    def ncores(self) -> dict[str, int]:
+        return self._workers
+
+    def sync(self, fn: Any, *args: Any, callback_timeout: float | None = None,
+             **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
 
     def submit(self, fn: Any, *args: Any, key: str, **kwargs: Any) -> _Future:
         for dask_kw in ("actor", "workers", "pure", "allow_other_workers"):

@@ -22,6 +22,16 @@ def _wait_for(path: str, proc: subprocess.Popen, what: str, timeout: float = 60)
         time.sleep(0.1)
 
 
+def workers_info(client) -> dict:
+    """The scheduler's workers now (address -> info), asked of the scheduler.
+
+    Not ``client.scheduler_info()["workers"]``: that returns the client's cached
+    identity, which the client's periodic call (totals only, ``"workers"`` empty)
+    can overwrite between the fetch and the return.
+    """
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def _wait_for_workers(address: str, n: int, workers: list[subprocess.Popen],
                       tls: dict[str, str] | None, timeout: float = 60) -> None:
     """Until ``n`` workers registered: a service started earlier would put every role on
@@ -33,7 +43,7 @@ def _wait_for_workers(address: str, n: int, workers: list[subprocess.Popen],
                     tls_client_key=tls["key"], require_encryption=True) if tls else None)
     with Client(address, security=sec, timeout=timeout) as c:
         deadline = time.monotonic() + timeout
-        while len(c.scheduler_info(n_workers=-1)["workers"]) < n:
+        while len(workers_info(c)) < n:
             dead = [w.returncode for w in workers if w.poll() is not None]
             if dead:
                 raise RuntimeError(f"a dask worker exited with {dead[0]} before {n} registered")

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from msd_dask.core.config import Config
+from msd_dask.dask_internals import scheduler_workers
 from msd_dask.errors import ServiceError
 
 __all__ = ["REGISTRY_PREFIX", "ROLES_PREFIX", "constructor_members", "forget_keys", "place_planner",
@@ -81,7 +82,10 @@ def place_planner(client: Any, cfg: Config,
     """
     from msd_dask.sources.tokenizer import make_tokenizer
 
-    workers = sorted(client.scheduler_info()["workers"])
+    # not client.scheduler_info(): the client's periodic identity call (totals only, no
+    # workers) can overwrite its answer before it returns, and a planner re-created
+    # after a loss would find "no worker"
+    workers = sorted(scheduler_workers(client, cfg.timeout))
     if not workers:
         raise ServiceError(f"no worker to place the planner of service {cfg.name!r} on")
     n_c = constructors or cfg.constructors or min(cfg.parallel.dp, len(workers))

@@ -17,6 +17,7 @@ from distributed.scheduler import Scheduler
 from msd_dask import DataService
 
 from checks import check_content, check_exactly_once, record
+from cluster import workers_info
 from corpus import config
 
 pytestmark = pytest.mark.slow
@@ -96,7 +97,7 @@ def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
             readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
 
             def workers() -> set[str]:
-                return set(client.scheduler_info(n_workers=-1)["workers"])
+                return set(workers_info(client))
 
             def serve_until(cond, what: str, timeout: float = 40.0) -> None:
                 def each() -> None:
@@ -126,7 +127,7 @@ def test_adapt_grows_for_the_roles_and_never_retires_a_role_holder(corpus):
             assert _holders(svc) == {w0}
             others = workers() - {w0}
             assert set(client.sync(client.scheduler.workers_to_close, n=3)) == others
-            names = {w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
+            names = {w["name"] for a, w in workers_info(client).items()
                      if a != w0}
             assert set(client.sync(client.scheduler.workers_to_close, target=0,
                                    attribute="name")) == names

@@ -10,7 +10,7 @@ import pytest
 from msd_dask import DataService
 
 from checks import check_content, check_exactly_once, read_steps
-from cluster import dask_cluster
+from cluster import dask_cluster, workers_info
 from corpus import config
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def test_retiring_a_worker_moves_its_roles(tmp_path, corpus):
 
             recs = read_steps(svc, 70, on_step=retire)
             deadline = time.monotonic() + 20
-            while victim in svc.client.scheduler_info()["workers"]:
+            while victim in workers_info(svc.client):
                 assert time.monotonic() < deadline, "the worker was not retired"
                 time.sleep(0.2)
             workers_now = {s["worker"] for v in svc.planner.loader_stats().result().values()
@@ -146,7 +146,7 @@ def test_new_roles_skip_a_paused_worker(corpus):
     cfg = config(root, name="paused")
     with DataService.start(cfg, n_workers=3, threads_per_worker=1) as svc:
         planner_at = svc.planner._address
-        spare = sorted(set(svc.client.scheduler_info()["workers"]) - {planner_at})
+        spare = sorted(set(workers_info(svc.client)) - {planner_at})
 
         def pause(dask_worker):
             dask_worker.memory_manager.memory_pause_fraction = False  # no auto-resume
@@ -157,7 +157,7 @@ def test_new_roles_skip_a_paused_worker(corpus):
 
         svc.client.run(pause, workers=spare)
         deadline = time.monotonic() + 10
-        while any(svc.client.scheduler_info()["workers"][w]["status"] != "paused" for w in spare):
+        while any(workers_info(svc.client)[w]["status"] != "paused" for w in spare):
             assert time.monotonic() < deadline, "the scheduler did not see the pause"
             time.sleep(0.1)
         assert svc.scale_loaders("code", 4) == 4

@@ -14,7 +14,7 @@ from distributed.security import Security
 from msd_dask import DataService
 
 from checks import check_content, read_steps
-from cluster import dask_cluster, start_serve
+from cluster import dask_cluster, start_serve, workers_info
 from corpus import config, write_corpus
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: reader_proc.py, checks.py
@@ -28,7 +28,7 @@ def test_service_over_tls(tmp_path):
     with DataService.start(config(root, name="tls"), n_workers=1, security=sec) as svc:
         address = svc.client.scheduler.address
         assert address.startswith("tls://")
-        workers = svc.client.scheduler_info()["workers"]
+        workers = workers_info(svc.client)
         assert workers and all(w.startswith("tls://") for w in workers)
         # a training process connects with its own credentials and reads over TLS
         with DataService.connect(address, "tls", security=sec) as other:

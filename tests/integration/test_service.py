@@ -67,6 +67,30 @@ def test_embedded_cluster_runs_without_dasks_fast_periodic_work(corpus):
     assert {k: dask.config.get(k, None) for k in EMBEDDED_DASK_CONFIG} == before
 
 
+def test_roles_are_placed_whatever_the_clients_cached_identity(corpus, monkeypatch):
+    """The planner is placed on the workers the scheduler has now, not on the client's
+    cached identity: the client's periodic identity call (totals only, no workers) can
+    overwrite ``Client.scheduler_info()``'s answer before it returns, and a service
+    (or a planner re-created after a loss) then found "no worker".  Here the cache
+    always holds what that call leaves."""
+    from distributed import Client
+    from distributed.client import SchedulerInfo
+
+    def totals_only(self, n_workers=-1, **kwargs):
+        return SchedulerInfo(self.sync(self.scheduler.identity, n_workers=0))
+
+    monkeypatch.setattr(Client, "scheduler_info", totals_only)
+    root, texts = corpus
+    with DataService.start(config(root, name="cached"), n_workers=2,
+                           threads_per_worker=1) as svc:
+        assert svc.client.scheduler_info()["workers"] == {}
+        recs = read_steps(svc, 6)
+        n_constructors = svc.link.registry["constructors"]
+    check_content(recs, texts, 512)
+    # one constructor per DP rank up to one per worker (dp 2): the placement saw both
+    assert n_constructors == 2
+
+
 def test_same_seed_same_batches_whatever_the_workers(corpus):
     root, texts = corpus
     runs = []
