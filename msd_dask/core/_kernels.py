@@ -20,6 +20,7 @@ install (or a change here) pays the compilation.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,34 @@ __all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "com
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
+
+
+# ----------------------------------------------------------------------------- scratch
+
+
+def _flags(n: int) -> Any:
+    """``n`` cleared flags, a kernel's scratch.  Interpreted, a Python list: numpy's scalar
+    reads and writes cost several times a list's, and at a step of a few dozen pieces
+    they are most of a kernel's time.  Compiled, :func:`_flags_array` takes its place."""
+    return [False] * n
+
+
+def _ints(n: int, value: int) -> Any:
+    """``n`` copies of ``value``, a kernel's scratch: a Python list interpreted (see
+    :func:`_flags`), :func:`_ints_array` compiled."""
+    return [value] * n
+
+
+def _flags_array(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=np.bool_)
+
+
+def _ints_array(n: int, value: int) -> np.ndarray:
+    return np.full(n, value, dtype=np.int64)
+
+
+#: what :func:`compile_kernels` compiles in place of each interpreted scratch maker
+_SCRATCH = {"_flags": _flags_array, "_ints": _ints_array}
 
 
 # ----------------------------------------------------------------------------- best fit decreasing
@@ -104,8 +133,9 @@ def _first_at_least(tree: np.ndarray, size: int, x: int) -> int:
 def _best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     """:func:`~msd_dask.core.row_placement.kept_rows`' best fit, in placement order.
 
-    ``ls``: the pieces' lengths in the order they are placed.  Returns each
-    piece's row (``-1``: fits in no row).  Each piece goes to the row with the
+    ``ls``: the pieces' lengths in the order they are placed (an array compiled, a
+    list interpreted: see :func:`_flags`).  Returns each piece's row (``-1``: fits
+    in no row), of the same kind.  Each piece goes to the row with the
     least room that fits it, the lowest such row on ties.  Runs of equal
     lengths go a row at a time: the tightest row that fits ``L`` stays the
     tightest while it takes ``L`` after ``L``, so it takes ``room // L`` of them
@@ -113,20 +143,22 @@ def _best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     top); the rooms some row has are flags in a segment tree.
     """
     n = len(ls)
-    out = np.full(n, -1, dtype=np.int64)
+    out = _ints(n, -1)
     if n == 0 or n_rows <= 0:
         return out
-    shortest = ls.min()
+    shortest = ls[0]
+    for x in ls:
+        shortest = min(shortest, x)
     size = 1
     while size < seq_len + 2:
         size *= 2
-    tree = np.zeros(2 * size, dtype=np.bool_)
-    head = np.full(seq_len + 1, -1, dtype=np.int64)
-    count = np.zeros(seq_len + 1, dtype=np.int64)
-    child = np.full(n_rows, -1, dtype=np.int64)
-    sib = np.full(n_rows, -1, dtype=np.int64)
-    stack = np.empty(n_rows, dtype=np.int64)
-    take = np.empty(n_rows, dtype=np.int64)
+    tree = _flags(2 * size)
+    head = _ints(seq_len + 1, -1)
+    count = _ints(seq_len + 1, 0)
+    child = _ints(n_rows, -1)
+    sib = _ints(n_rows, -1)
+    stack = _ints(n_rows, 0)
+    take = _ints(n_rows, 0)
     # every row at seq_len: a path 0 -> 1 -> 2 ... (each the only child of the one before)
     for r in range(n_rows - 1):
         child[r] = r + 1
@@ -818,9 +850,14 @@ def stable_argsort(a: np.ndarray, descending: bool = False, like: np.ndarray | N
 
 def permute_rows(table: np.ndarray, perm: np.ndarray) -> None:
     """Put ``table[perm]`` in the first ``len(perm)`` rows of the 2-d C-contiguous ``table``,
-    in place: see :func:`_permute_rows` (``perm``: distinct rows of ``table``)."""
-    _use_compiled(len(perm))
-    _permute_rows(table, perm)
+    in place: see :func:`_permute_rows` (``perm``: distinct rows of ``table``).
+    Interpreted, numpy's own gather, which that kernel is checked against: below
+    :data:`COMPILE_AT` rows its copy is small, and a Python loop a row at a time costs
+    several microseconds a row."""
+    if _use_compiled(len(perm)):
+        _permute_rows(table, perm)
+    else:
+        table[:len(perm)] = table[perm]
 
 
 def row_order(rank: np.ndarray, micro: np.ndarray, n_ranks: int,
@@ -836,8 +873,10 @@ def row_order(rank: np.ndarray, micro: np.ndarray, n_ranks: int,
 
 def best_fit_rows(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     """Each piece's row by best fit decreasing: see :func:`_best_fit_rows`."""
-    _use_compiled(len(ls))
-    return _best_fit_rows(ls, n_rows, seq_len)
+    if _use_compiled(len(ls)):
+        return _best_fit_rows(ls, n_rows, seq_len)
+    # interpreted, Python ints throughout: numpy's scalar arithmetic costs several times theirs
+    return np.array(_best_fit_rows(ls.tolist(), n_rows, seq_len), dtype=np.int64)
 
 
 def in_piece_order(vals: np.ndarray, lengths: np.ndarray, start: np.ndarray, out: np.ndarray) -> None:
@@ -927,6 +966,8 @@ def compile_kernels() -> None:
         module = globals()
         for fn in _KERNELS:
             module[fn.__name__] = njit(cache=True, nogil=True)(fn)
+        for name, make in _SCRATCH.items():
+            module[name] = njit(cache=True, nogil=True)(make)
         _compiled = True
         _warm()
 
