@@ -55,6 +55,7 @@ __all__ = [
     "SHM_DIR",
     "AgentHandle",
     "AgentReader",
+    "DIRECT_ONLY",
     "agent_path",
     "connect_agent",
     "frame",
@@ -310,13 +311,21 @@ class AgentReader:
             sock.close()
 
 
+#: what a :class:`~msd_dask.service.DataService` handle has and an :class:`AgentHandle`
+#: has not: operations on the service, for its owner or a process connected directly
+DIRECT_ONLY = frozenset({"client", "planner", "generation", "constructors", "refresh",
+                         "set_weights", "scale_loaders", "retire_workers", "stats", "state_dict",
+                         "consumed_step", "dashboard_link", "start"})
+
+
 class AgentHandle:
     """A training process's handle on a service read through the host's agent.
 
     What ``DataService.connect`` returns when :data:`AGENT_ENV` is set (or with
     ``agent=``): :meth:`reader` gives :class:`AgentReader`\\ s; the process holds no
     Dask client.  Operations on the service (stats, weights, state) are the
-    service owner's or a directly connected process's.
+    service owner's or a directly connected process's: asking this handle for one
+    (:data:`DIRECT_ONLY`) raises an ``AttributeError`` that says so.
     """
 
     def __init__(self, path: str, name: str, info: Mapping[str, Any]):
@@ -358,3 +367,13 @@ class AgentHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __getattr__(self, attr: str) -> Any:
+        # (called only for names the handle lacks)
+        if attr in DIRECT_ONLY:
+            raise AttributeError(
+                f"DataService.{attr} is not available through the host agent ({self.path}): "
+                f"this process reads service {self.name!r} with no Dask client. Call it in "
+                "the process that started the service, or in one connected directly: "
+                "DataService.connect(address, name, agent=False)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {attr!r}")

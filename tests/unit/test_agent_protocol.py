@@ -579,3 +579,27 @@ def test_a_rank_behind_the_agent_imports_only_the_agents_client(tmp_path: Any) -
         assert {m for m in mods if m.startswith("msd_dask")} == RANK_SIDE
         assert not {"distributed", "dask", "tornado", "yaml", "pyarrow", "fsspec"} & {
             m.split(".")[0] for m in mods}
+
+
+def test_service_operations_through_the_agent_say_where_to_call_them(tmp_path: Any) -> None:
+    """A rank behind the agent has no Dask client: ``stats()``, ``set_weights()`` etc. raise
+    one clear error naming the agent and what to do, not a bare ``AttributeError``."""
+    import inspect
+
+    from msd_dask.service.agent_client import DIRECT_ONLY, AgentHandle
+
+    # every operation of DataService that the agent's handle lacks is named
+    ops = {a for a, v in inspect.getmembers(DataService)
+           if not a.startswith("_") and (callable(v) or isinstance(v, property))}
+    assert ops - set(dir(AgentHandle)) <= DIRECT_ONLY
+    assert DIRECT_ONLY - {"client"} <= ops
+    with running_agent(tmp_path, [0, 1]) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        for op in ("stats", "set_weights", "state_dict", "client"):
+            with pytest.raises(AttributeError, match=rf"DataService\.{op} is not available "
+                               r"through the host agent .*agent=False"):
+                getattr(handle, op)
+        with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+            handle.nonsense  # noqa: B018 - the attribute access is what is tested
+        assert not hasattr(handle, "stats")
+        handle.close()
