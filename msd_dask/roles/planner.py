@@ -23,7 +23,7 @@ import numpy as np
 
 from msd_dask.core.config import parse_config
 from msd_dask.errors import ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import StepPieces, StepWork, pack_work, unpack_work
+from msd_dask.roles.constructor import StepPieces, pack_work
 from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
@@ -501,12 +501,11 @@ class PlannerActor:
         """Whether the planning loop runs."""
         return self._task is not None
 
-    def unclaimed_steps(self, constructor: int) -> list[StepWork]:
-        """``(step, work of constructor i)`` of the recent steps not every rank may
-        have claimed yet, in order (a re-created constructor gets them again)."""
+    def unclaimed_steps(self, constructor: int) -> list[tuple[int, bytes]]:
+        """``(step, constructor i's work packed as kept)`` of the recent steps not every
+        rank may have claimed yet, in order (a re-created constructor gets them again)."""
         safe = self._claimed_by_all()
-        return [(step, unpack_work(work[constructor]))
-                for step, work in self._recent.items() if step > safe]
+        return [(step, work[constructor]) for step, work in self._recent.items() if step > safe]
 
     async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
         """Give the live units of loader ``slots`` of ``source`` (a slot whose actor was

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
 from msd_dask.dask_internals import actor_address, call_remote_actor, release_actor, worker_actors
 from msd_dask.errors import DataError
-from msd_dask.roles.constructor import DataConstructor, StepPieces, StepWork
+from msd_dask.roles.constructor import DataConstructor, StepPieces, unpack_work
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
 
@@ -62,6 +62,27 @@ _T = TypeVar("_T")
 #: One planned step as the planner hands it over: ``(step, [work of each constructor],
 #: [the same packed as the planner keeps it])`` (:func:`~msd_dask.roles.constructor.pack_work`)
 StepRound = tuple[int, list[StepPieces], list[bytes]]
+
+
+async def _hand_round(constructor: Any, steps: list[tuple[int, StepPieces | None, bytes]],
+                      room: int, force: bool = False) -> None:
+    """The one way a round reaches a constructor (:meth:`DataConstructor.submit`).
+
+    ``steps``: ``(step, work, packed)``, the constructor's work of each step and the same
+    packed as the planner keeps it (``work`` ``None``: a re-send, from what the planner
+    kept).  A constructor on another worker gets the packed bytes, pickled together (see
+    its ``submit``); one on this worker (:func:`~msd_dask.roles.direct.direct`) the
+    objects, unpacked from the kept bytes where ``work`` is ``None``.
+    """
+    from distributed.actor import Actor
+
+    if isinstance(constructor, Actor):
+        await call_remote_actor(constructor, DataConstructor.submit, pickle.dumps(
+            [(s, packed) for s, _, packed in steps], protocol=5), room, force)
+    else:
+        await constructor.submit(
+            [(s, unpack_work(packed) if work is None else work) for s, work, packed in steps],
+            room, force)
 
 
 class PlannerSide(Protocol):
@@ -89,9 +110,10 @@ class PlannerSide(Protocol):
         """Whether the planning loop runs (scaling then waits for the next step)."""
         ...
 
-    def unclaimed_steps(self, constructor: int) -> list[StepWork]:
+    def unclaimed_steps(self, constructor: int) -> list[tuple[int, bytes]]:
         """The recent steps not every rank may have claimed yet, in order, with
-        constructor ``constructor``'s work of each: a re-created constructor gets
+        constructor ``constructor``'s work of each, packed as the planner keeps it
+        (:func:`~msd_dask.roles.constructor.pack_work`): a re-created constructor gets
         them again."""
         ...
 
@@ -360,14 +382,9 @@ class RoleSupervisor:
         """Hand every constructor its share of a round of ``steps`` and return once each
         has room for ``room`` more (:meth:`DataConstructor.submit`); survives constructors
         lost meanwhile (one re-created got the recent steps already: not sent again)."""
-        from distributed.actor import Actor
-
         async def submit(i: int, constructor: Any) -> None:
-            if isinstance(constructor, Actor):  # on another worker: packed, see its submit
-                await call_remote_actor(constructor, DataConstructor.submit, pickle.dumps(
-                    [(s, packed[i]) for s, _, packed in steps], protocol=5), room)
-            else:
-                await constructor.submit([(s, w[i]) for s, w, _ in steps], room)
+            await _hand_round(constructor, [(s, w[i], packed[i]) for s, w, packed in steps],
+                              room)
 
         await self._on_constructors(submit, resend=False)
 
@@ -472,7 +489,9 @@ class RoleSupervisor:
         self.record_event("constructor", str(i), why, actor_address(old), actor_address(handle))
         # steps that may not have been claimed by every rank yet go to the new one (a round
         # the planner sends it meanwhile waits for them: see DataConstructor.submit)
-        await handle.submit(self.planner.unclaimed_steps(i), force=True)
+        await _hand_round(direct(handle),
+                          [(s, None, packed) for s, packed in self.planner.unclaimed_steps(i)],
+                          0, force=True)
         if why != "lost":
             await old.close()
         _drop((old, old_f))
