@@ -10,8 +10,8 @@ import pytest
 
 from msd_dask.core.plan import StepPlan
 from msd_dask.core.stream import Piece
-from msd_dask.roles.constructor import StepPieces
-from msd_dask.roles.planner import pack_work, split_plan, unpack_work
+from msd_dask.roles.constructor import StepPieces, pack_work, unpack_work
+from msd_dask.roles.planner import split_plan
 
 NAMES = ["web", "code"]
 RELPATH = {s: [f"{s}/part-{u}.jsonl" for u in range(50)] for s in NAMES}
