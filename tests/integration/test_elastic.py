@@ -75,6 +75,43 @@ def test_retiring_a_worker_moves_its_roles(tmp_path, corpus):
     assert min(check_exactly_once(recs, texts, 512).values()) >= 1
 
 
+def test_a_constructor_moved_off_the_planners_worker_gets_the_unclaimed_steps(corpus):
+    """The constructor moves to a worker without the planner: the steps not every rank has
+    claimed reach it again as the planner keeps them (packed bytes, one message), and
+    every rank still reads every step once, with the source's content."""
+    from distributed import LocalCluster
+
+    root, texts = corpus
+    # one constructor and one loader per source: the constructor goes to the worker without
+    # the planner, a loader to each; a third worker, empty, then takes the moved roles
+    cfg = config(root, name="moved", constructors=1)
+    cfg["sources"][0]["loaders"] = 1
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=":0") as cluster:
+        with DataService.start(cfg, cluster.scheduler_address) as svc:
+            planner_at = svc.planner._address
+            svc.refresh()
+            (victim,) = {c._address for c in svc.constructors}
+            assert victim != planner_at
+            cluster.scale(3)
+            svc.client.wait_for_workers(3, timeout=60)
+            (fresh,) = set(workers_info(svc.client)) - {planner_at, victim}
+            moved: dict[str, int] = {}
+
+            def retire(step):
+                if step == 20:
+                    moved.update(svc.retire_workers([victim]))
+
+            recs = read_steps(svc, 60, on_step=retire)
+            svc.refresh()
+            now = {c._address for c in svc.constructors}
+            events = svc.stats()["planner"]["role_events"]
+    assert moved.get("constructors") == 1, moved
+    assert now == {fresh}, (now, fresh, planner_at, events)
+    check_content(recs, texts, 512)
+    assert min(check_exactly_once(recs, texts, 512).values()) >= 1
+
+
 def test_adaptive_plugin_scales_a_costly_source_before_its_weight_rises(corpus):
     root, texts = corpus
     cfg = config(root, name="adaptive", prefetch=4,
