@@ -31,6 +31,13 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
+def _reported(status: str) -> dict:
+    """Service ``dash``'s rank summary in the plugin's ``/msd/api/status`` answer."""
+    import json
+
+    return json.loads(status)["services"]["dash"]["rank_summary"]
+
+
 def test_status_page_and_metrics(tmp_path):
     browser = _chromium()
     root = str(tmp_path / "corpus")
@@ -46,6 +53,11 @@ def test_status_page_and_metrics(tmp_path):
             deadline = time.monotonic() + 30
             while '"dash"' not in _get(base + "/msd/api/status"):
                 assert time.monotonic() < deadline, "the plugin never reported the service"
+                time.sleep(0.5)
+            # the plugin's status is that of its last poll, which may predate the readers'
+            # 20 steps: wait for one after them (the page shows the same status)
+            while _reported(_get(base + "/msd/api/status"))["waiting"] != 0:
+                assert time.monotonic() < deadline, "the plugin never saw the ranks' steps"
                 time.sleep(0.5)
             metrics = _get(base + "/metrics")
             for src in ("code", "prose"):
