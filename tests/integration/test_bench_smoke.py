@@ -3,6 +3,10 @@
 They check that the scripts work, not the figures (those come from the
 ``--quick`` and full modes, see docs/benchmarks.md).  Skipped when the demo
 corpus or Hugging Face ``datasets`` is missing.
+
+The selected scripts start together, two at a time (:func:`smokes`): each spends much of
+its minute starting and stopping clusters, so two share this machine's two cores well
+and the module takes about half as long.  Each test then checks its own script's output.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -17,6 +23,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEMO = os.path.join(ROOT, "data", "demo")
 
 pytestmark = pytest.mark.slow
+
+#: each test's script and arguments (``{tmp}``: a directory of its own), the longest first
+SMOKES: dict[str, tuple[str, ...]] = {
+    "test_train_smoke": ("bench_train.py", "--smoke"),
+    "test_throughput_smoke": ("bench_throughput.py", "--smoke", "--tokenizer", "bpe"),
+    "test_scaling_smoke": ("bench_scaling.py", "--mode", "io", "--seconds", "8",
+                           "--no-reference", "--data", "{tmp}/scaling", "--plot",
+                           "{tmp}/scaling.png"),
+    "test_memory_smoke": ("bench_memory.py", "--smoke", "--read-ahead", "nocap"),
+    "test_scheduler_bytes_smoke": ("bench_scheduler_bytes.py", "--smoke"),
+    "test_reader_memory_smoke": ("bench_reader_memory.py", "--sources", "2"),
+    "test_balance_smoke": ("bench_balance.py", "--steps", "1", "--micro-batches", "4",
+                           "--scale-dp", "64", "--scale-steps", "2"),
+    "test_idle_clients_smoke": ("bench_idle_clients.py", "--smoke"),
+    "test_outliers_quick": ("bench_outliers.py", "--quick", "--min-lengths", "1025"),
+}
+#: what the tests need beyond the demo corpus (they skip without it; the script is not run)
+NEEDS: dict[str, tuple[str, ...]] = {
+    "test_train_smoke": ("datasets",),
+    "test_throughput_smoke": ("datasets", "tokenizers"),
+    "test_memory_smoke": ("datasets",),
+}
 
 
 def _run(script: str, *args: str, timeout: float = 240) -> str:
@@ -26,64 +54,86 @@ def _run(script: str, *args: str, timeout: float = 240) -> str:
     return proc.stdout
 
 
-@pytest.fixture(scope="module", autouse=True)
-def demo_corpus():
-    """The benchmarks read configs/demo.yaml, i.e. data/demo: write it if it is missing."""
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(scope="module")
+def smokes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[dict[str, tuple[Future[str], str]]]:
+    """The selected tests' scripts, started two at a time: test name -> (its stdout, as a
+    future; its directory, ``{tmp}``)."""
     if not (os.path.isdir(os.path.join(DEMO, "code")) and os.path.isdir(os.path.join(DEMO, "prose"))):
+        # the benchmarks read configs/demo.yaml, i.e. data/demo: write it if it is missing
         from msd_dask.examples.demo import write_demo_corpus
 
         write_demo_corpus(DEMO)
+    selected = {item.name for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    pool = ThreadPoolExecutor(2, thread_name_prefix="smoke")
+    futures: dict[str, tuple[Future[str], str]] = {}
+    for name, (script, *args) in SMOKES.items():
+        if name not in selected or not all(_importable(m) for m in NEEDS.get(name, ())):
+            continue
+        tmp = str(tmp_path_factory.mktemp(name))
+        futures[name] = (pool.submit(_run, script, *(a.replace("{tmp}", tmp) for a in args)),
+                         tmp)
+    yield futures
+    for f, _tmp in futures.values():
+        f.cancel()
+    pool.shutdown(wait=True)
 
 
-needs_demo = pytest.mark.usefixtures("demo_corpus")
+def _out(smokes: dict[str, tuple[Future[str], str]], name: str) -> str:
+    """``name``'s script output (each script has its own timeout; this wait allows for the
+    scripts ahead of it)."""
+    return smokes[name][0].result(timeout=len(smokes) * 240)
 
 
-def _needs_datasets() -> None:
-    pytest.importorskip("datasets", reason="the baseline needs Hugging Face `datasets`")
+def _needs(name: str) -> None:
+    """Skip ``name`` when what it needs is missing (its script was not started)."""
+    for module in NEEDS.get(name, ()):
+        pytest.importorskip(module, reason=f"the benchmark needs `{module}`")
 
 
-@needs_demo
-def test_scheduler_bytes_smoke():
-    out = _run("bench_scheduler_bytes.py", "--smoke")
+def test_scheduler_bytes_smoke(smokes):
+    out = _out(smokes, "test_scheduler_bytes_smoke")
     assert "ratio of scheduler bytes per batch, seq_len 1024 / 256" in out, out
 
 
-@needs_demo
-def test_memory_smoke():
+def test_memory_smoke(smokes):
     """The ``nocap`` read-ahead (no token cap); test_bench_memory.py runs ``config``, directly and
     through an agent, and checks its figures (the default ``--read-ahead config,nocap`` ran
     ``config`` directly in both tests)."""
-    _needs_datasets()
-    out = _run("bench_memory.py", "--smoke", "--read-ahead", "nocap")
+    _needs("test_memory_smoke")
+    out = _out(smokes, "test_memory_smoke")
     assert "ratio HF total / msd_dask total" in out and "msd_dask total" in out, out
     assert "8, no token cap" in out and "token buffers" in out, out
 
 
-@needs_demo
-def test_throughput_smoke():
-    _needs_datasets()
-    pytest.importorskip("tokenizers", reason="the BPE run needs Hugging Face `tokenizers`")
+def test_throughput_smoke(smokes):
     # one tokenizer (~30 s each, the HF loaders' start and shutdown): BPE, the path that
     # trains a tokenizer file; every other integration test reads with the bytes tokenizer
-    out = _run("bench_throughput.py", "--smoke", "--tokenizer", "bpe")
+    _needs("test_throughput_smoke")
+    out = _out(smokes, "test_throughput_smoke")
     assert "bpe: msd_dask / HF" in out, out
     for pipeline in ("single process (limit)", "HF streaming (per rank)", "msd_dask"):
         assert f"{'bpe':<10}{pipeline}" in out, out
     assert "sched B/batch" in out, out
 
 
-@needs_demo
-def test_train_smoke():
-    _needs_datasets()
-    out = _run("bench_train.py", "--smoke")
+def test_train_smoke(smokes):
+    _needs("test_train_smoke")
+    out = _out(smokes, "test_train_smoke")
     assert "ratio msd_dask / HF" in out, out
     assert "msd_dask" in out and "HF streaming (per rank)" in out, out
 
 
-@needs_demo
-def test_outliers_quick():
+def test_outliers_quick(smokes):
     """The sweep runs the planner itself; its columns hold no timing, so the gain is checked."""
-    out = _run("bench_outliers.py", "--quick", "--min-lengths", "1025")
+    out = _out(smokes, "test_outliers_quick")
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.startswith(("off ", "1025 "))}
     assert set(rows) == {"off", "1025"}, out
@@ -91,35 +141,31 @@ def test_outliers_quick():
     assert abs(float(rows["1025"][5]) - 0.6) < 0.01, out               # code's share
 
 
-def test_scaling_smoke(tmp_path):
+def test_scaling_smoke(smokes):
     """Both allocations of the elastic-loaders benchmark, a few seconds each, with the plot."""
-    png = tmp_path / "scaling.png"
-    out = _run("bench_scaling.py", "--mode", "io", "--seconds", "8", "--no-reference",
-               "--data", str(tmp_path / "scaling"), "--plot", str(png))
+    out = _out(smokes, "test_scaling_smoke")
     for allocation in ("fixed", "adaptive"):
         assert any(line.startswith(allocation) for line in out.splitlines()), out
-    assert "adaptive / fixed tokens/s" in out and png.stat().st_size > 0, out
+    png = os.path.join(smokes["test_scaling_smoke"][1], "scaling.png")
+    assert "adaptive / fixed tokens/s" in out and os.path.getsize(png) > 0, out
 
 
-@needs_demo
-def test_balance_smoke():
+def test_balance_smoke(smokes):
     """One step per configuration, both workloads, one micro-batch count."""
-    out = _run("bench_balance.py", "--steps", "1", "--micro-batches", "4", "--scale-dp", "64",
-               "--scale-steps", "2")
+    out = _out(smokes, "test_balance_smoke")
     assert "lognormal, 4 micro-batches per rank, 1 steps" in out, out
     assert "demo, 4 micro-batches per rank, 1 steps" in out, out
     assert "the default planner (composition)" in out and "| 1024 | 4 | 131072 |" in out, out
     assert "the planner end to end at dp = 64" in out and "| 64 × 8 | 131072 |" in out, out
 
 
-@needs_demo
-def test_reader_memory_smoke():
-    out = _run("bench_reader_memory.py", "--sources", "2")
+def test_reader_memory_smoke(smokes):
+    out = _out(smokes, "test_reader_memory_smoke")
     assert "DataService.connect" in out and "all of msd_dask" in out, out
 
 
-def test_idle_clients_smoke():
-    out = _run("bench_idle_clients.py", "--smoke", timeout=120)
+def test_idle_clients_smoke(smokes):
+    out = _out(smokes, "test_idle_clients_smoke")
     row = [line.split() for line in out.splitlines() if line.split()[:1] == ["8"]]
     assert len(row) == 1 and len(row[0]) == 7, out
     assert float(row[0][1]) > 0 and float(row[0][5]) == 5.0, out  # 8 clients beat every 5 s
