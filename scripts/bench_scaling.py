@@ -217,20 +217,38 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
             "loader_cpu_per_token": loader_cpu_per_token(half, loaders),
             # CPU of every process (consumer, scheduler, workers) after convergence
             "converged_cores": cpu / conv_time if conv_time else 0.0,
-            "converged_cpu_per_token": cpu / conv_tokens if conv_tokens else 0.0}
+            "converged_cpu_per_token": cpu / conv_tokens if conv_tokens else 0.0,
+            # of that CPU, the loaders' reading, preprocessing and tokenizing
+            "converged_read_cpu_per_token":
+                loader_cpu_seconds(half, loaders) / conv_tokens if conv_tokens else 0.0}
 
 
-def loader_cpu_per_token(before: dict[str, list[dict[str, Any]]],
-                         after: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
-    """Each source's CPU seconds per token read by its loaders between two
-    ``loader_stats()`` (slots are matched by number; a slot added between counts from 0)."""
+def _loader_window(before: dict[str, list[dict[str, Any]]],
+                   after: dict[str, list[dict[str, Any]]]) -> dict[str, tuple[float, int]]:
+    """Per source, the CPU seconds its loaders spent reading, preprocessing and tokenizing,
+    and the tokens they read, between two ``loader_stats()`` (slots are matched by number;
+    a slot added between counts from 0)."""
     out = {}
     for source, ls in after.items():
         old = {x["slot"]: x for x in before.get(source, [])}
         cpu = sum(x["cpu_seconds"] - old.get(x["slot"], {}).get("cpu_seconds", 0.0) for x in ls)
         tokens = sum(x["tokens_read"] - old.get(x["slot"], {}).get("tokens_read", 0) for x in ls)
-        out[source] = cpu / tokens if tokens > 0 else float("nan")
+        out[source] = (cpu, tokens)
     return out
+
+
+def loader_cpu_seconds(before: dict[str, list[dict[str, Any]]],
+                       after: dict[str, list[dict[str, Any]]]) -> float:
+    """Every source's loaders' CPU seconds between two ``loader_stats()``."""
+    return sum(cpu for cpu, _tokens in _loader_window(before, after).values())
+
+
+def loader_cpu_per_token(before: dict[str, list[dict[str, Any]]],
+                         after: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """Each source's CPU seconds per token read by its loaders between two
+    ``loader_stats()`` (nan where they read nothing)."""
+    return {source: cpu / tokens if tokens > 0 else float("nan")
+            for source, (cpu, tokens) in _loader_window(before, after).items()}
 
 
 def changes(timeline: list[tuple[float, dict[str, int]]], source: str
@@ -316,7 +334,17 @@ def _reference_only(args: argparse.Namespace, seconds: float, demand: float) -> 
     print(f"service's own CPU with no costly source: {r['converged_cpu_per_token'] * 1e6:.2f} "
           f"us/token ({r['converged_cores']:.2f} cores at {r['converged_tokens_per_s']:,.0f} "
           "tokens/s)")
+    print(_without_reading(r))
     return 0
+
+
+def _without_reading(r: dict[str, Any]) -> str:
+    """The line that splits a run's CPU per token: its loaders' reading (rows, preprocessing,
+    tokenizing) and everything else (planning, building, delivering, Dask itself)."""
+    own, read = r["converged_cpu_per_token"], r["converged_read_cpu_per_token"]
+    return (f"of which its loaders' reading and tokenizing {read * 1e6:.2f} us/token; "
+            f"everything else (planning, building, delivering, Dask) {(own - read) * 1e6:.2f} "
+            "us/token")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -472,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({res['no costly']['converged_cores']:.2f} cores at "
               f"{res['no costly']['converged_tokens_per_s']:,.0f} tokens/s); with it these "
               f"cores allow at most {bound:,.0f} tokens/s, {bound / ceiling:.1%} of {ceiling:,.0f}")
+        print(_without_reading(res["no costly"]))
     if ceiling is not None:
         # each adaptive run against the higher of the measurements right before and after it;
         # and against the cores' rate implied by its own loaders' CPU per token in the same

@@ -47,6 +47,8 @@ def test_loader_cpu_per_token_counts_the_window_between_two_polls() -> None:
     got = bench_scaling.loader_cpu_per_token(before, after)
     assert got["costly"] == pytest.approx(4.0 / 2000)
     assert got["code"] != got["code"]  # nan: nothing read in the window
+    # all sources together, what the reference run takes out of the service's own CPU
+    assert bench_scaling.loader_cpu_seconds(before, after) == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("flag", ["--repeat", "--service-prefetch"])
