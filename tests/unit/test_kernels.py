@@ -4,6 +4,10 @@ Python or compiled."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -191,6 +195,10 @@ def test_stable_argsort_like_lengths_is_numpys(n: int) -> None:
 
 _PLAN_DIGEST = """
 import hashlib, json, sys
+import os
+import subprocess
+import sys
+
 import numpy as np
 from msd_dask.core import _kernels
 from msd_dask.core.config import parse_config
@@ -348,3 +356,29 @@ def test_in_piece_order_reads_the_stable_descending_sort_back(monkeypatch: pytes
     assert all(results())
     monkeypatch.setattr(_kernels, "_in_piece_order", _kernels._in_piece_order.py_func)
     assert all(results())
+
+
+_LOAD_ONLY = """
+import sys
+from msd_dask.core import _kernels
+
+_kernels.compile_kernels()
+compiled = [getattr(_kernels, f.__name__) for f in _kernels._KERNELS]
+misses = {d.__name__: sum(d.stats.cache_misses.values()) for d in compiled}
+hits = sum(sum(d.stats.cache_hits.values()) for d in compiled)
+print(sum(misses.values()), hits, [n for n, m in misses.items() if m])
+"""
+
+
+@pytest.mark.slow
+def test_kernels_are_compiled_in_a_child_and_loaded_from_its_cache(tmp_path) -> None:
+    """With an empty cache, the process that asks for the kernels compiles none of them
+    itself (numba's compiler would keep about 200 MiB in it): a child compiles them into
+    the cache, and this process loads every one from there."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", _LOAD_ONLY], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    misses, hits, which = res.stdout.split(maxsplit=2)
+    assert (int(misses), which.strip()) == (0, "[]"), res.stdout
+    assert int(hits) > 0 and any(tmp_path.rglob("*.nbi")), res.stdout
