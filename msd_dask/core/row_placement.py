@@ -33,8 +33,8 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     decreasing length (stable); each goes to the row with the least room that
     still fits it (lowest row on ties), and a piece that fits in no row is
     carried.  Then the shortest kept new pieces beyond ``1 - KEPT_SLACK`` of
-    the step's tokens are carried too, so the balance strategy has room to
-    move pieces between ranks.  Only the number of rows matters, not how
+    the step's tokens are carried too (only pieces no longer than that excess),
+    so the balance strategy has room to move pieces between ranks.  Only the number of rows matters, not how
     they are split into ranks and micro-batches, so a step holds the same
     pieces after an elastic resume with another ``dp`` and the same
     ``dp × micro_batches``.
@@ -71,14 +71,19 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
 
 
 def _carry_shortest(row: np.ndarray, lengths: np.ndarray, over: int) -> None:
-    """Carry (``row`` -1, in place) the fewest kept pieces, shortest first (the first on
-    ties), whose tokens reach ``over`` (all of them where they do not).
+    """Carry (``row`` -1, in place) the fewest kept pieces of at most ``over`` tokens,
+    shortest first (the first on ties), whose tokens reach ``over`` (all of them where
+    they do not).
+
+    A longer piece stays: freeing a few tokens of slack by carrying a whole row's piece
+    would leave that row empty, step after step while a long document's full-row chunks
+    come (at dp 2 × 1 row of 4,096, one rank of every such step got nothing).
 
     By a count of the kept pieces of each length, not a sort: the pieces shorter than
     the length where the tokens reach ``over`` go, and of that length the first as many
     as the rest needs.
     """
-    kept = row >= 0
+    kept = (row >= 0) & (lengths <= over)
     tokens = np.bincount(lengths[kept], minlength=1)
     tokens *= np.arange(len(tokens))  # the kept pieces' tokens of each length
     reach = np.cumsum(tokens)

@@ -52,12 +52,33 @@ def test_a_bad_min_length_names_the_key() -> None:
 
 
 def test_kept_rows_leave_slack() -> None:
+    """Rows filled to the last token by short pieces: the shortest of them wait, no more
+    than the slack needs (the last one carried is shorter than the slack)."""
     rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 600, 5000)
+    lengths = np.concatenate([np.full(64, 1000), rng.integers(1, 30, 3000)])
     rows = kept_rows(lengths, 0, 64, 1024)
     kept = lengths[rows >= 0]
+    slack = 64 * 1024 - int((1 - KEPT_SLACK) * 64 * 1024)
+    assert (rows[:64] >= 0).all()
     assert kept.sum() <= (1 - KEPT_SLACK) * 64 * 1024
-    assert kept.sum() >= (1 - KEPT_SLACK) * 64 * 1024 - 600   # the shortest kept go, no more
+    assert kept.sum() >= (1 - KEPT_SLACK) * 64 * 1024 - slack
+
+
+def test_slack_never_carries_a_rows_piece() -> None:
+    """Two full-row pieces for two rows: both are placed, one per rank.  The slack (a few
+    tokens) used to carry one of them, so one rank got nothing, step after step while a
+    long document's chunks came (238 of 300 steps at dp 2 x 1 row on the demo corpus)."""
+    lengths = np.array([4096, 4096])
+    assert sorted(kept_rows(lengths, 0, 2, 4096).tolist()) == [0, 1]
+    # the carried one goes first, and the new one still fits
+    assert sorted(kept_rows(lengths, 1, 2, 4096).tolist()) == [0, 1]
+    costs = CostModel(1.0, 1 / (12 * 4096))(lengths)
+    rank, micro = place_step(lengths, costs, 0, 2, 1, 4096, "balanced")
+    assert sorted(rank.tolist()) == [0, 1] and micro.tolist() == [0, 0]
+    # pieces longer than the slack stay; shorter ones make it
+    lengths = np.array([4096, 4000, 90, 6])
+    rows = kept_rows(lengths, 0, 2, 4096)
+    assert (rows[:3] >= 0).all() and rows[3] == -1
 
 
 def test_improve_keeps_every_piece_and_lowers_the_max() -> None:
