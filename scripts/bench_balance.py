@@ -41,6 +41,13 @@ state after the step (a packed :class:`~msd_dask.core.plan.PlannerSnapshot`, as
 the actor keeps one per recent step for checkpoints), and the process's
 resident memory after the steps and at its peak.
 
+*the planning thread at a small step* (``--small-steps``, default 500; needs the demo
+corpus): the same work per step at ``bench_scaling.py``'s step (dp 2, one row of 4,096
+tokens, its two sources at equal weights with the demo corpus's code and prose lengths:
+a few dozen pieces), its CPU per step
+(``time.thread_time``) with the kernels interpreted, as the planner runs them below
+``COMPILE_AT`` pieces, and compiled, each in a process of its own.
+
 Columns of the placement tables, per configuration (means over the steps; the time is the median):
 naive imbalance (max over mean rank cost), msd_dask imbalance, msd_dask max
 over ``lower_bound`` (``max(mean rank, largest piece)``), msd_dask max over
@@ -61,6 +68,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -89,8 +97,9 @@ def lognormal_docs(seed: int, mu: float = 7.0, sigma: float = 2.0) -> Iterator[n
             np.int64)
 
 
-def demo_lengths(root: str) -> np.ndarray | None:
-    """Byte-tokenizer lengths (text bytes + end of document) of the demo corpus."""
+def demo_lengths_by_kind(root: str) -> dict[str, np.ndarray] | None:
+    """Byte-tokenizer lengths (text bytes + end of document) of the demo corpus's two kinds
+    of documents: ``code`` (its parquet shards) and ``prose`` (its JSONL shards)."""
     code = sorted(glob.glob(os.path.join(root, "code", "*.parquet")))
     prose = sorted(glob.glob(os.path.join(root, "prose", "*.jsonl.zst")))
     if not code and not prose:
@@ -98,10 +107,10 @@ def demo_lengths(root: str) -> np.ndarray | None:
     import pyarrow.parquet as pq
     import zstandard
 
-    out: list[int] = []
+    out: dict[str, list[int]] = {"code": [], "prose": []}
     for path in code:
         texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
-        out.extend(len(t.encode("utf-8")) + 1 for t in texts if t)
+        out["code"].extend(len(t.encode("utf-8")) + 1 for t in texts if t)
     for path in prose:
         with open(path, "rb") as f:
             raw = zstandard.ZstdDecompressor().stream_reader(f).read()
@@ -109,8 +118,14 @@ def demo_lengths(root: str) -> np.ndarray | None:
             if line.strip():
                 text = json.loads(line)["text"]
                 if text:
-                    out.append(len(text.encode("utf-8")) + 1)
-    return np.array(out, dtype=np.int64)
+                    out["prose"].append(len(text.encode("utf-8")) + 1)
+    return {k: np.array(v, dtype=np.int64) for k, v in out.items()}
+
+
+def demo_lengths(root: str) -> np.ndarray | None:
+    """Byte-tokenizer lengths (text bytes + end of document) of the demo corpus."""
+    kinds = demo_lengths_by_kind(root)
+    return None if kinds is None else np.concatenate([kinds["code"], kinds["prose"]])
 
 
 def corpus_docs(lengths: np.ndarray, seed: int) -> Iterator[np.ndarray]:
@@ -293,47 +308,117 @@ def rss_mib() -> tuple[float, float]:
         return peak, peak
 
 
+class Owner(dict):
+    """The loader slot of every unit, as the planner's actor keeps them: ``unit mod 16``."""
+
+    def __missing__(self, key: tuple[str, int, int]) -> int:
+        return key[2] % 16
+
+
+def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, list[str]],
+                  clock: Any = time.perf_counter) -> tuple[list[float], int, list[bytes], bytes]:
+    """One step of what the planner's actor does in its planning thread: ``plan_step`` with
+    what it takes from the plan (its units, tokens per source), the plan split into
+    ``constructors``' work, that work packed and the planner's state after the step packed.
+
+    Returns the seconds of the three parts by ``clock``, the step's pieces, the packed work
+    and the packed state."""
+    from msd_dask.roles.planner import pack_snapshot, pack_works, split_plan
+
+    names = [s.name for s in pl.cfg.sources]
+    t0 = clock()
+    plan = pl.plan_step(look)
+    plan.units(), plan.tokens_by_source()
+    t1 = clock()
+    work = split_plan(plan, constructors, Owner(), relpath, names)
+    t2 = clock()
+    kept = pack_works(work)
+    snapshot = pack_snapshot(pl.snapshot())
+    t3 = clock()
+    return [t1 - t0, t2 - t1, t3 - t2], len(plan.table), kept, snapshot
+
+
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
     """The planner's work per step at ``dp`` ranks, end to end, and its memory while it keeps
     the work of the last ``prefetch`` steps for re-created constructors, as its actor does."""
-    from msd_dask.roles.planner import pack_snapshot, pack_works, split_plan
-
     cfg = default_config(dp, 8, seq_len)
     pl = planner_for(cfg, 1 << 16)
     look = LognormalUnits(4096)
-    names = [s.name for s in cfg.sources]
-    relpath = {n: [f"u{i:06d}.parquet" for i in range(1 << 16)] for n in names}
-
-    class Owner(dict):  # every unit on loader slot (unit mod 16)
-        def __missing__(self, key: tuple[str, int, int]) -> int:
-            return key[2] % 16
-
+    relpath = {s.name: [f"u{i:06d}.parquet" for i in range(1 << 16)] for s in cfg.sources}
     kept: list[list[bytes]] = []
     snapshots: list[bytes] = []  # the actor's: 2 x prefetch + 16 steps
-    plan_s, split_s, pack_s, pieces = [], [], [], []
+    parts, pieces = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        plan = pl.plan_step(look)
-        plan.units(), plan.tokens_by_source()  # what the actor takes from each plan
-        t1 = time.perf_counter()
-        work = split_plan(plan, min(constructors, dp), Owner(), relpath, names)
-        t2 = time.perf_counter()
-        kept.append(pack_works(work))
-        snapshots.append(pack_snapshot(pl.snapshot()))
-        t3 = time.perf_counter()
-        plan_s.append(t1 - t0)
-        split_s.append(t2 - t1)
-        pack_s.append(t3 - t2)
-        pieces.append(len(plan.table))
+        seconds, n, work, snapshot = planning_step(pl, look, min(constructors, dp), relpath)
+        kept.append(work)
+        snapshots.append(snapshot)
+        parts.append(seconds)
+        pieces.append(n)
         del kept[:-cfg.prefetch], snapshots[:-(2 * cfg.prefetch + 16)]
-        del plan, work
+        del work
     now, peak = rss_mib()
+    plan_s, split_s, pack_s = np.array(parts).T
     return {"dp": dp, "seq_len": seq_len, "pieces": float(np.mean(pieces)),
             "plan": float(np.median(plan_s)), "split": float(np.median(split_s)),
             "pack": float(np.median(pack_s)),
-            "total": float(np.median(np.add(np.add(plan_s, split_s), pack_s))),
+            "total": float(np.median(plan_s + split_s + pack_s)),
             "rss": now, "peak": peak,
             "kept": (sum(len(b) for step in kept for b in step) + sum(map(len, snapshots))) / 2**20}
+
+
+class CorpusUnits:
+    """The planner's ``lookup``: each unit ``docs`` lengths drawn from its source's
+    ``lengths`` (a corpus's documents), seeded by source, epoch and unit."""
+
+    def __init__(self, lengths: dict[str, np.ndarray], docs: int = 512):
+        self.lengths, self.docs = lengths, docs
+
+    def __call__(self, source: str, epoch: int, unit: int) -> np.ndarray:
+        rng = np.random.default_rng([ord(source[0]), unit, epoch])
+        return rng.choice(self.lengths[source], self.docs)
+
+
+def small_config(root: str, steps: int, compiled: bool) -> dict[str, float]:
+    """The planning thread's CPU per step at ``bench_scaling.py``'s step: dp 2 × 1 row × 4K,
+    its two sources at equal weights, ``code`` with the demo corpus's code lengths and
+    ``costly`` with its prose lengths; the kernels interpreted (as below
+    :data:`~msd_dask.core._kernels.COMPILE_AT` pieces) or ``compiled``: the parts' means
+    over ``steps`` steps after a warm-up of 50, by ``time.thread_time``."""
+    from msd_dask.core import _kernels
+
+    kinds = demo_lengths_by_kind(root)
+    if kinds is None:
+        raise SystemExit(f"no demo corpus under {root}")
+    if compiled:
+        _kernels.compile_kernels()
+    cfg = parse_config({
+        "name": "bench-small", "seed": 0, "batch": {"seq_len": 4096, "micro_batches": 1},
+        "parallel": {"dp": 2},
+        "sources": [{"name": n, "uri": f"memory://{n}/*.parquet", "format": "parquet",
+                     "weight": 0.5} for n in ("code", "costly")]})
+    pl = planner_for(cfg, 1 << 10)
+    look = CorpusUnits({"code": kinds["code"], "costly": kinds["prose"]})
+    relpath = {s.name: [f"u{i:06d}.parquet" for i in range(1 << 10)] for s in cfg.sources}
+    parts, pieces = [], []
+    for i in range(50 + steps):
+        seconds, n, _work, _snapshot = planning_step(pl, look, 2, relpath, time.thread_time)
+        if i >= 50:
+            parts.append(seconds)
+            pieces.append(n)
+    a = np.array(parts)
+    return {"compiled": float(_kernels.compiled()), "pieces": float(np.mean(pieces)),
+            "plan": float(np.mean(a[:, 0])), "split": float(np.mean(a[:, 1])),
+            "pack": float(np.mean(a[:, 2])), "total": float(np.mean(a.sum(axis=1)))}
+
+
+SMALL_HEADER = ("| kernels | pieces/step | plan ms | split ms | pack ms | planning thread ms |\n"
+                "|---|---:|---:|---:|---:|---:|")
+
+
+def fmt_small(r: dict[str, float]) -> str:
+    return (f"| {'compiled' if r['compiled'] else 'interpreted'} | {r['pieces']:,.1f} "
+            f"| {r['plan'] * 1e3:.2f} | {r['split'] * 1e3:.2f} | {r['pack'] * 1e3:.2f} "
+            f"| {r['total'] * 1e3:.2f} |")
 
 
 SCALE_HEADER = ("| dp × rows per rank | seq_len | pieces/step | plan ms | split ms | keep ms "
@@ -374,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-dp", type=int, default=16384,
                    help="DP ranks of the end-to-end planner table (0: skip it; default 16384)")
     p.add_argument("--scale-steps", type=int, default=3, help="steps of the end-to-end table")
+    p.add_argument("--small-steps", type=int, default=500,
+                   help="steps of the small-step table (bench_scaling's step, the demo corpus; "
+                        "0: skip it)")
     args = p.parse_args(argv)
     steps = args.steps or (2 if args.quick else 8)
     cost = CostModel()
@@ -427,6 +515,23 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
             lines.append(line)
         blocks.append(f"**{title}**\n\n{SCALE_HEADER}\n" + "\n".join(lines))
+    if args.small_steps and demo is not None:
+        title = (f"the planning thread at a small step, dp 2 × 1 row × 4096, code and prose "
+                 f"at equal weights (bench_scaling's), the demo corpus's lengths "
+                 f"({args.small_steps} steps, CPU per step)")
+        print(f"\n{title}\n{SMALL_HEADER}", flush=True)
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # interpreted kernels need a fresh process
+        small = []
+        for compiled in (False, True):
+            with ctx.Pool(1) as pool:
+                small.append(pool.apply(small_config, (args.root, args.small_steps, compiled)))
+            print(fmt_small(small[-1]), flush=True)
+        ratio = small[0]["total"] / small[1]["total"]
+        print(f"interpreted / compiled: {ratio:.2f}")
+        blocks.append(f"**{title}**\n\n{SMALL_HEADER}\n" + "\n".join(map(fmt_small, small))
+                      + f"\n\ninterpreted / compiled: {ratio:.2f}")
     took = time.perf_counter() - started
     print(f"\ntook {took:.0f} s")
 

@@ -35,7 +35,7 @@ SMOKES: dict[str, tuple[str, ...]] = {
     "test_scheduler_bytes_smoke": ("bench_scheduler_bytes.py", "--smoke"),
     "test_reader_memory_smoke": ("bench_reader_memory.py", "--sources", "2"),
     "test_balance_smoke": ("bench_balance.py", "--steps", "1", "--micro-batches", "4",
-                           "--scale-dp", "64", "--scale-steps", "2"),
+                           "--scale-dp", "64", "--scale-steps", "2", "--small-steps", "20"),
     "test_idle_clients_smoke": ("bench_idle_clients.py", "--smoke"),
     "test_outliers_quick": ("bench_outliers.py", "--quick", "--min-lengths", "1025"),
 }
@@ -157,6 +157,8 @@ def test_balance_smoke(smokes):
     assert "demo, 4 micro-batches per rank, 1 steps" in out, out
     assert "the default planner (composition)" in out and "| 1024 | 4 | 131072 |" in out, out
     assert "the planner end to end at dp = 64" in out and "| 64 × 8 | 131072 |" in out, out
+    assert "the planning thread at a small step" in out and "| interpreted |" in out, out
+    assert "| compiled |" in out and "interpreted / compiled: " in out, out
 
 
 def test_reader_memory_smoke(smokes):
