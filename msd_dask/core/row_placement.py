@@ -34,10 +34,10 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     still fits it (lowest row on ties), and a piece that fits in no row is
     carried.  Then the shortest kept new pieces beyond ``1 - KEPT_SLACK`` of
     the step's tokens are carried too (only pieces no longer than that excess),
-    so the balance strategy has room to move pieces between ranks.  Only the number of rows matters, not how
-    they are split into ranks and micro-batches, so a step holds the same
-    pieces after an elastic resume with another ``dp`` and the same
-    ``dp × micro_batches``.
+    so the balance strategy has room to move pieces between ranks.  Only the
+    number of rows matters, not how they are split into ranks and
+    micro-batches, so a step holds the same pieces after an elastic resume
+    with another ``dp`` and the same ``dp × micro_batches``.
 
     The best fit is compiled (:func:`msd_dask.core._kernels.best_fit_rows`),
     which places runs of pieces of one length a row at a time.
