@@ -227,13 +227,16 @@ class LognormalUnits:
         return np.clip(np.ceil(rng.lognormal(7.0, 2.0, self.docs)), 1, self.cap).astype(np.int64)
 
 
-def default_config(dp: int, mb: int, seq_len: int, seed: int = 0) -> Config:
-    """The default config but for the mesh and the rows: two sources, 70/30."""
+def default_config(dp: int, mb: int, seq_len: int, seed: int = 0,
+                   weights: tuple[tuple[str, float], ...] = (("web", 0.7), ("books", 0.3))
+                   ) -> Config:
+    """The default config but for the mesh and the rows: two sources, 70/30 unless
+    ``weights`` (name, weight) says otherwise."""
     return parse_config({
         "name": "bench-balance", "seed": seed, "batch": {"seq_len": seq_len, "micro_batches": mb},
         "parallel": {"dp": dp},
         "sources": [{"name": n, "uri": f"memory://{n}/*.parquet", "format": "parquet", "weight": w}
-                    for n, w in (("web", 0.7), ("books", 0.3))]})
+                    for n, w in weights]})
 
 
 def planner_for(cfg: Config, n_units: int = 4096) -> Planner:
@@ -391,11 +394,7 @@ def small_config(root: str, steps: int, compiled: bool) -> dict[str, float]:
         raise SystemExit(f"no demo corpus under {root}")
     if compiled:
         _kernels.compile_kernels()
-    cfg = parse_config({
-        "name": "bench-small", "seed": 0, "batch": {"seq_len": 4096, "micro_batches": 1},
-        "parallel": {"dp": 2},
-        "sources": [{"name": n, "uri": f"memory://{n}/*.parquet", "format": "parquet",
-                     "weight": 0.5} for n in ("code", "costly")]})
+    cfg = default_config(2, 1, 4096, weights=(("code", 0.5), ("costly", 0.5)))
     pl = planner_for(cfg, 1 << 10)
     look = CorpusUnits({"code": kinds["code"], "costly": kinds["prose"]})
     relpath = {s.name: [f"u{i:06d}.parquet" for i in range(1 << 10)] for s in cfg.sources}

@@ -195,10 +195,6 @@ def test_stable_argsort_like_lengths_is_numpys(n: int) -> None:
 
 _PLAN_DIGEST = """
 import hashlib, json, sys
-import os
-import subprocess
-import sys
-
 import numpy as np
 from msd_dask.core import _kernels
 from msd_dask.core.config import parse_config
@@ -236,9 +232,6 @@ print(h.hexdigest(), "numba" in sys.modules, _kernels.compiled())
 
 
 def _plan_digest(mode: str, dp: int, mb: int) -> tuple[str, bool, bool]:
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-c", _PLAN_DIGEST, mode, str(dp), str(mb)], check=True,
                          capture_output=True, text=True, timeout=300).stdout.split()
     return out[0], out[1] == "True", out[2] == "True"
@@ -359,7 +352,6 @@ def test_in_piece_order_reads_the_stable_descending_sort_back(monkeypatch: pytes
 
 
 _LOAD_ONLY = """
-import sys
 from msd_dask.core import _kernels
 
 _kernels.compile_kernels()
