@@ -339,7 +339,8 @@ class Reader:
         """
         from msd_dask.roles.constructor import POLL, DataConstructor
 
-        waiting_for = "the first step" if self.step is None else f"step {self.step + 1}"
+        done = self._done()  # (a loaded state's step counts: the next step is after it)
+        waiting_for = "the first step" if done < 0 else f"step {done + 1}"
         deadline = time.monotonic() + self.timeout
         c = self._c
         constructor = self.link.constructors[c]

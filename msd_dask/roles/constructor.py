@@ -18,7 +18,10 @@ DP rank ``dp`` is built by constructor ``dp % n`` of ``n`` (:func:`constructor_o
 in every planner generation, so a reader knows which constructor to ask.
 
 At most ``prefetch`` steps are held unclaimed; :meth:`DataConstructor.submit`
-waits for room, which is the service's backpressure.
+waits for room, which is the service's backpressure.  The last round handed to a
+rank is also kept until the rank shows it has it (its next claim, report or
+``mark_had``): a claim that says it lacks that round (the answer was lost with its
+connection) is answered the same round again, so a rank still gets every step once.
 """
 
 from __future__ import annotations
@@ -184,6 +187,13 @@ def unpack_work(packed: bytes) -> StepPieces:
     return StepPieces(**rest)
 
 
+def _steps_named(steps: list[StepWork]) -> str:
+    """``"step 4"``, or ``"steps 4-6"`` for a round of several."""
+    if len(steps) == 1:
+        return f"step {steps[0][0]}"
+    return f"steps {steps[0][0]}-{steps[-1][0]}"
+
+
 def _joined(value: Any) -> str | None:
     """A tuple of str (a work's paths) as one str, joined by NUL, which no path holds (one
     str pickles in a fraction of the time of thousands); None if ``value`` is not one."""
@@ -292,6 +302,12 @@ class DataConstructor:
         self._closed = False
         #: rank -> last step it already has (from a planner this one's replaced)
         self._had: dict[int, int] = {}
+        #: calling rank -> the steps and batches of the last round handed to it, until it
+        #: shows it has them (its next claim, report or ``mark_had``): a claim that says
+        #: less (the answer was lost on its way) is answered the same round again
+        self._last_round: dict[int, tuple[list[int], list[dict[str, Any]]]] = {}
+        #: rounds sent again to a rank whose answer was lost
+        self.rounds_resent = 0
         self._fetching: str | None = None
         self.published: defaultdict[int, int] = defaultdict(int)
         self.claimed: defaultdict[int, int] = defaultdict(int)
@@ -421,8 +437,9 @@ class DataConstructor:
             try:
                 await self._build(steps)
             except Exception as e:  # noqa: BLE001 - told to every reader (next_round)
-                first = steps[0][0]
-                self._error = f"constructor {self.index} failed to build step {first}: {e!r}"
+                # (a round is fetched and built together: the error names all of its steps)
+                self._error = (f"constructor {self.index} failed to build {_steps_named(steps)}: "
+                               f"{e!r}")
                 self._wake_all()
                 return
 
@@ -439,8 +456,8 @@ class DataConstructor:
                         requests[(src, li)].append((epoch, unit, r, start, end))
                         where[(src, li)].append((step, dp, m, j))
         keys = list(requests)
-        span = f"{steps[0][0]}" if len(steps) == 1 else f"{steps[0][0]}-{steps[-1][0]}"
-        self._fetching = f"step {span} from loaders " + ", ".join(f"{s}#{li}" for s, li in keys)
+        self._fetching = f"{_steps_named(steps)} from loaders " + ", ".join(
+            f"{s}#{li}" for s, li in keys)
         # each request list as one int64 array: Dask serializes a list of tuples element
         # by element, an array as one buffer
         results = await asyncio.gather(
@@ -549,7 +566,10 @@ class DataConstructor:
         before a restart, or from a replaced constructor) are released without
         being sent; a round with no step left is passed over.  Once every round
         posted to the rank was asked for, a failed planner or constructor, or a
-        service closed by its owner, answers ``{"error": message, "g"}``.
+        service closed by its owner, answers ``{"error": message, "g"}``.  A claim
+        whose ``done`` is before the end of the last round handed to ``rank`` and not
+        before its start (that answer never reached the reader) gets the round's
+        steps after ``done`` again.
 
         Returns
         -------
@@ -591,6 +611,13 @@ class DataConstructor:
         if report_after is not None:
             for r in group:
                 self.report_after[r] = float(report_after)
+        again = self._lost_round(rank, done)
+        if again is not None:
+            steps, batches = again
+            self._check_open()
+            self.rounds_resent += 1
+            return {"steps": steps, "g": self.generation,
+                    "payloads": [to_wire(view_for_rank(b, *view)) for b in batches]}
         posted = self._posted.setdefault(rank, asyncio.Event())
         skip_by, claim_by = ("skip", "claim") if returned is None else ("taken", "taken")
         while True:
@@ -618,10 +645,12 @@ class DataConstructor:
                 through = _at_most(steps[0] - 1, returned)
                 for r in group:
                     self._raise_returned(r, through, claim_by)
-                payloads = []
+                payloads, batches = [], []
                 for s in steps:
                     batch = await self._hand_over((s, dp), group)
+                    batches.append(batch)
                     payloads.append(to_wire(view_for_rank(batch, *view)))
+                self._last_round[rank] = (steps, batches)
                 self.batches_sent += len(payloads)
                 for r in others:
                     self._drop_posted(r, steps[-1])
@@ -652,6 +681,31 @@ class DataConstructor:
         """
         answer = await self.next_round(rank, done, view, report_after, wait, ranks, returned)
         return pickle.dumps(answer, protocol=5)
+
+    def _lost_round(self, rank: int, done: int) -> tuple[list[int], list[dict[str, Any]]] | None:
+        """The steps after ``done`` of the last round handed to ``rank``, and their batches,
+        where its claim says it has every step before that round and not all of the round:
+        the answer never reached it (its connection failed after this actor answered), so
+        its reader asks again.  ``None`` otherwise; once ``rank`` has the whole round, the
+        round is forgotten."""
+        last = self._last_round.get(rank)
+        if last is None:
+            return None
+        steps, batches = last
+        if done >= steps[-1]:
+            del self._last_round[rank]
+            return None
+        if done < steps[0] - 1:  # a reader that starts over (e.g. restarted): not a retry
+            return None
+        return ([s for s in steps if s > done],
+                [b for s, b in zip(steps, batches, strict=True) if s > done])
+
+    def _forget_rounds_through(self, rank: int, step: int) -> None:
+        """``rank`` has every step up to ``step``: its last round, if that is all of it, is
+        not sent again."""
+        last = self._last_round.get(rank)
+        if last is not None and step >= last[0][-1]:
+            del self._last_round[rank]
 
     async def notify(self, message: str) -> None:
         """Tell every member rank ``message`` (an error) once it has its rounds posted here."""
@@ -692,6 +746,7 @@ class DataConstructor:
         for r in group:
             if r in self._dp_by_rank:
                 self._raise_returned(r, int(step), "pause")
+                self._forget_rounds_through(r, int(step))
 
     def _raise_returned(self, rank: int, step: int, by: str) -> None:
         """``rank`` returned every step up to ``step`` (learnt from a ``by``).  A report
@@ -720,6 +775,7 @@ class DataConstructor:
             return
         self._had[rank] = max(self._had.get(rank, -1), step)
         self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), step)
+        self._forget_rounds_through(rank, step)
         # only the batches of the rank's DP group wait for it (the groups are disjoint)
         for key, waiting in [((s, dp), self._unclaimed[(s, dp)])
                              for s in self._unclaimed_steps.get(dp, ())]:
@@ -782,6 +838,7 @@ class DataConstructor:
             "rounds_built": self.rounds_built,
             "rounds_posted": self.rounds_posted,
             "batches_sent": self.batches_sent,
+            "rounds_resent": self.rounds_resent,
             "tokens_built": self.tokens_built,
             "fetch_seconds": self.fetch_seconds,
             "build_seconds": self.build_seconds,
@@ -809,6 +866,7 @@ class DataConstructor:
             self._task.cancel()
         self.loaders = {}
         self._ready.clear()
+        self._last_round.clear()
         self._unclaimed.clear()
         self._unclaimed_steps.clear()
         self._wake_all()

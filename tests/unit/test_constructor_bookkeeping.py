@@ -292,3 +292,34 @@ def test_a_replacing_constructor_takes_the_re_sent_steps_before_a_later_round() 
         con._task.cancel()
 
     asyncio.run(run())
+
+
+def test_a_round_that_cannot_be_built_is_named_whole() -> None:
+    """A round of steps 1 and 2 whose step 2 holds a corrupt document: the round is
+    fetched and built together, so the error names both steps, with the loader's message
+    naming the document (it used to name step 1 alone, whose documents were fine)."""
+    from msd_dask.errors import DataError
+
+    class CorruptStep2(ToyLoader):
+        async def fetch(self, requests: np.ndarray) -> Any:
+            for _ep, _u, r, _s, _e in requests.tolist():
+                if r // 10 == 2:
+                    raise DataError(f"corrupt document at row {r}")
+            return await super().fetch(requests)
+
+    async def run() -> None:
+        members = {0: [0, 1]}
+        con = _bare(members, timeout=5.0)
+        con.loaders = {"toy": {0: CorruptStep2()}}
+        con._work = asyncio.Queue()
+        con._task = asyncio.create_task(con._builder())
+        await con.submit(_toy_round(members, [0]))
+        await con.submit(_toy_round(members, [1, 2]))
+        await asyncio.wait_for(con._task, 5)
+        error = (await con.stats())["error"]
+        assert error == ("constructor 0 failed to build steps 1-2: "
+                         "DataError('corrupt document at row 20')")
+        assert (await con.next_round(0, -1))["steps"] == [0]  # the step built before
+        assert (await con.next_round(0, 0)) == {"error": error, "g": 0}
+
+    asyncio.run(run())

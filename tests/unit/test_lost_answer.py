@@ -1,0 +1,146 @@
+"""A claim's answer lost on its way (the connection to the constructor failed after the
+constructor handed the round over): the reader asks again and gets the same round, so the
+rank still reads every step once.  It used to get the round after: the lost round's steps
+never reached the rank, and nothing said so."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from test_constructor_bookkeeping import _serving
+
+from msd_dask.core.config import parse_config
+from msd_dask.core.packing import from_wire
+from msd_dask.errors import ServiceTimeoutError
+from msd_dask.reader import Reader
+from msd_dask.roles.constructor import DataConstructor
+
+MEMBERS = {0: [0, 1], 1: [2, 3]}
+
+
+async def _closed(con: DataConstructor) -> None:
+    """Close ``con`` and let its builder task end."""
+    task = con._task
+    await con.close()
+    if task is not None:
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_claim_that_lacks_the_last_round_gets_it_again() -> None:
+    """Rank 0 is handed step 0, then claims again still saying it has nothing: it gets
+    step 0 again, with the same content; once it says it has step 0, step 1; its group's
+    other rank is not affected."""
+
+    async def run() -> None:
+        con = await _serving(MEMBERS, 3)
+        first = await con.next_round(0, -1)
+        again = await con.next_round(0, -1)
+        assert first["steps"] == again["steps"] == [0]
+        a, b = from_wire(first["payloads"][0]), from_wire(again["payloads"][0])
+        assert (a["input_ids"] == b["input_ids"]).all() and a["input_ids"][0, 0] == 0
+        assert (await con.stats())["rounds_resent"] == 1
+        assert (await con.next_round(0, 0))["steps"] == [1]
+        assert (await con.next_round(1, -1))["steps"] == [0]  # rank 1's own claim
+        # a report that rank 0 has step 1 forgets its round: a claim saying less is no retry
+        await con.returned_through(0, 1)
+        assert con._last_round.get(0) is None
+        await _closed(con)
+
+    asyncio.run(run())
+
+
+class _Handle:
+    def __init__(self, obj: Any, key: str):
+        self.obj, self.key = obj, key
+
+
+class _Link:
+    """What a reader needs of its service's link, over one constructor on an event loop of
+    its own thread; the second claim's answer is lost after the constructor answered."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, con: DataConstructor):
+        self.loop = loop
+        self.name = "lost"
+        self.closed = False
+        self.generation = 0
+        self.config = parse_config({"name": "lost", "batch": {"seq_len": 8}, "parallel": {
+            "dp": 2, "tp": 2}, "sources": [{"name": "toy", "uri": "mem://toy/*.parquet",
+                                             "format": "parquet"}]})
+        self.planner = _Handle(None, "planner")
+        self.constructors = [_Handle(con, "con-0")]
+        self.handles = (0, self.constructors)
+        self.claims = 0
+
+    def on_new_generation(self, listener: Any) -> None:
+        pass
+
+    def send(self, handle: _Handle, method: Any, *args: Any, **kwargs: Any) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(method(handle.obj, *args, **kwargs), self.loop)
+        if method is DataConstructor.next_round_packed:
+            self.claims += 1
+            if self.claims == 2:
+                fut.result(10)  # the constructor answered (and handed the round over) ...
+                lost: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                lost.set_exception(ConnectionResetError("the answer was lost on its way"))
+                return lost  # ... and the answer never arrived
+        return fut
+
+    def refresh(self, max_age: float = 0.0) -> None:
+        pass
+
+    def announce_generation(self) -> None:
+        pass
+
+    def planner_lost(self, *, confirm: bool = False) -> bool:
+        return False
+
+
+@contextmanager
+def _serving_on_a_loop() -> Iterator[_Link]:
+    """A constructor serving 3 rounds of one step (:func:`_serving`) on an event loop of
+    its own thread, behind a :class:`_Link`; closed after the block."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        con = asyncio.run_coroutine_threadsafe(_serving(MEMBERS, 3), loop).result(30)
+        yield _Link(loop, con)
+        asyncio.run_coroutine_threadsafe(_closed(con), loop).result(10)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
+def test_a_reader_whose_answer_was_lost_reads_every_step_once() -> None:
+    with _serving_on_a_loop() as link:
+        reader = Reader(link, 0, timeout=20.0)  # type: ignore[arg-type]
+        batches = [next(reader) for _ in range(3)]
+        assert [b.step for b in batches] == [0, 1, 2]
+        # each step's row of DP rank 0 (the toy constructor's row 10 * step)
+        assert [int(b.input_ids[0, 0]) for b in batches] == [0, 10, 20]
+        con = link.constructors[0].obj
+        stats = asyncio.run_coroutine_threadsafe(con.stats(), link.loop).result(10)
+        assert stats["rounds_resent"] == 1 and link.claims == 4
+
+
+def test_a_timed_out_reader_names_the_step_after_its_loaded_state() -> None:
+    """A reader that loaded a state (resumed after step 41) and finds nothing names step 42
+    in its timeout, as does one that read steps 0-2 and then loaded step 9 (step 10); it
+    used to say "the first step" and "step 3"."""
+    with _serving_on_a_loop() as link:
+        link.claims = 2  # (no answer lost here)
+        resumed = Reader(link, 0, timeout=0.5)  # type: ignore[arg-type]
+        resumed.load_state_dict({"rank": 0, "step": 41})
+        with pytest.raises(ServiceTimeoutError, match="rank 0 waited 0s for step 42 "):
+            next(resumed)
+        reader = Reader(link, 2, timeout=0.5)  # type: ignore[arg-type]
+        assert [next(reader).step for _ in range(3)] == [0, 1, 2]
+        reader.load_state_dict({"rank": 2, "step": 9})
+        with pytest.raises(ServiceTimeoutError, match="rank 2 waited 0s for step 10 "):
+            next(reader)
