@@ -29,6 +29,7 @@ the ``prefetch``: the steps the agent read ahead are served again after a resume
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import mmap
@@ -378,6 +379,12 @@ class _Group:
     reading: bool = False
     #: the group reader's failure (``(message, kind)``), told to every rank that asks
     error: tuple[str, str] | None = None
+    #: the group reader's timeouts so far, and the last one's message: told to the ranks
+    #: waiting when it came, as a direct reader's; the agent then reads on
+    timeouts: int = 0
+    timeout_error: str = ""
+    #: requests for a step its ranks made so far (after a timeout the reader waits for one)
+    requests: int = 0
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def slowest(self) -> int:
@@ -404,12 +411,15 @@ def _in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
             fut.set_exception(value)
 
     def run() -> None:
+        value: Any
         try:
-            value = fn(*args)
+            ok, value = True, fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            loop.call_soon_threadsafe(settle, False, e)
-        else:
-            loop.call_soon_threadsafe(settle, True, value)
+            ok, value = False, e
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the agent stopped and its loop closed: no one awaits it
+            pass
 
     threading.Thread(target=run, name="msd-agent-call", daemon=True).start()
     return fut
@@ -454,6 +464,10 @@ class HostAgent:
         self._server: asyncio.AbstractServer | None = None
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: :meth:`stop` was called (before :meth:`serve` began, too: a signal right after
+        #: ``msd-dask agent`` installed its handlers); with the lock, it is never lost
+        self._stop_requested = False
+        self._stop_lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         #: set once the socket accepts connections (:meth:`run` in another thread)
         self.ready = threading.Event()
@@ -475,14 +489,17 @@ class HostAgent:
     # ------------------------------------------------------------ serving
     async def serve(self) -> None:
         """Serve until :meth:`stop`; then free every block and remove the socket."""
-        self._loop = asyncio.get_running_loop()
-        self._stopped = asyncio.Event()
+        stopped = asyncio.Event()
+        with self._stop_lock:
+            self._loop, self._stopped = asyncio.get_running_loop(), stopped
+            if self._stop_requested:
+                stopped.set()
         self._remove_stale_socket()
         self._server = await asyncio.start_unix_server(self._connection, path=self.path)
         os.chmod(self.path, 0o600)  # the host's ranks run as the agent's user
         self.ready.set()
         try:
-            await self._stopped.wait()
+            await stopped.wait()
         finally:
             self._server.close()
             for g in self.groups:  # the ranks waiting hear that the agent closes
@@ -503,8 +520,11 @@ class HostAgent:
         asyncio.run(self.serve())
 
     def stop(self) -> None:
-        """Stop serving (from any thread; the ranks waiting are told the agent closes)."""
-        loop, stopped = self._loop, self._stopped
+        """Stop serving (from any thread; the ranks waiting are told the agent closes).
+        Called before :meth:`serve` began, serve returns as soon as it has begun."""
+        with self._stop_lock:
+            self._stop_requested = True
+            loop, stopped = self._loop, self._stopped
         if loop is None or stopped is None:
             return
         try:
@@ -610,10 +630,13 @@ class HostAgent:
             self._free(g)
             if g.asked >= set(g.ranks):
                 self._start(g)
+            g.requests += 1
             g.changed.notify_all()
+            seen = g.timeouts
 
             def ready() -> bool:
                 return (g.first_after(rank) is not None or g.error is not None
+                        or g.timeouts > seen
                         or self._stopped is not None and self._stopped.is_set())
 
             try:
@@ -625,6 +648,8 @@ class HostAgent:
                 return block.message
             if g.error is not None:
                 return {"error": g.error[0], "kind": g.error[1]}
+            if g.timeouts > seen:
+                return {"error": g.timeout_error, "kind": "timeout"}
             return {"error": f"the agent at {self.path} is closing", "kind": "closed"}
 
     def _why_waiting(self, g: _Group, rank: int, timeout: float) -> str:
@@ -698,7 +723,21 @@ class HostAgent:
                         or self._stopped is not None and self._stopped.is_set())
                 if self._stopped.is_set():
                     return
-                batch = await _in_thread(next, reader)
+                try:
+                    batch = await _in_thread(next, reader)
+                except (ServiceTimeoutError, TimeoutError) as e:
+                    # the service was slow: the ranks waiting now are told, as a direct
+                    # reader's caller would be, and the group reader (its state intact)
+                    # reads on at the next request of a rank, as a direct reader would
+                    _log.warning("msd-dask agent: reading ranks %s timed out: %s", g.ranks, e)
+                    async with g.changed:
+                        g.timeouts += 1
+                        g.timeout_error = (f"the agent at {self.path} could not read ranks "
+                                           f"{g.ranks}: {type(e).__name__}: {e}")
+                        g.changed.notify_all()
+                        await g.changed.wait_for(functools.partial(
+                            self._asked_since, g, g.requests))
+                    continue
                 block = None
                 if batch.step > g.slowest():  # some rank lacks it: into shared memory
                     self._blocks += 1
@@ -720,6 +759,11 @@ class HostAgent:
                 g.error = (f"the agent at {self.path} could not read ranks {g.ranks}: "
                            f"{type(e).__name__}: {e}", kind)
                 g.changed.notify_all()
+
+    def _asked_since(self, g: _Group, requests: int) -> bool:
+        """Whether a rank of ``g`` asked for a step after its ``requests``-th request, or
+        the agent stops."""
+        return g.requests > requests or self._stopped is not None and self._stopped.is_set()
 
     def _free_all(self) -> None:
         for g in self.groups:

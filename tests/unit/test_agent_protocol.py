@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,8 +102,10 @@ class FakeGroupReader:
     ``fail_at`` if given."""
 
     def __init__(self, group: int, ranks: list[int], fail_at: int | None = None,
-                 delay: float = 0.0):
+                 delay: float = 0.0, fail_once_at: int | None = None):
         self.group, self.ranks, self.fail_at, self.delay = group, ranks, fail_at, delay
+        self.fail_once_at = fail_once_at
+        self.timeouts = 0
         self.next_step = 0
         self.reads = 0
         self.loaded: list[Mapping[str, Any]] = []
@@ -113,6 +116,9 @@ class FakeGroupReader:
         if self.delay:
             time.sleep(self.delay)
         if self.fail_at is not None and self.next_step >= self.fail_at:
+            raise ServiceTimeoutError(f"rank {self.ranks[0]} waited 5s for step {self.next_step}")
+        if self.fail_once_at == self.next_step and not self.timeouts:
+            self.timeouts += 1
             raise ServiceTimeoutError(f"rank {self.ranks[0]} waited 5s for step {self.next_step}")
         self.reads += 1
         self.next_step += 1
@@ -465,6 +471,47 @@ def test_a_failed_group_reader_is_told_to_its_ranks(tmp_path: Any) -> None:
         with pytest.raises(ServiceTimeoutError, match=r"could not read ranks \[0, 1\].*waited 5s"):
             next(r0)
         handle.close()
+
+
+def test_a_group_readers_timeout_is_told_once_and_the_agent_reads_on(tmp_path: Any) -> None:
+    """The service is slow once (the group's reader times out at step 2): the ranks waiting
+    get the timeout, as a direct reader's would, and their next requests get steps 2, 3, 4
+    (a timeout used to end the group's reading for good: every later request failed).
+    Each read takes 0.3 s, so the ranks wait for step 2 when its read times out."""
+    with running_agent(tmp_path, [0, 1], fail_once_at=2, delay=0.3) as (_agent, readers):
+        handle = AgentHandle.connect(_agent.path, "agentunit")
+        r0, r1 = handle.reader(0, timeout=10), handle.reader(1, timeout=10)
+        got: dict[int, list[Any]] = {0: [], 1: []}
+
+        def read(rank: int, reader: Any) -> None:
+            for _ in range(6):
+                try:
+                    got[rank].append(next(reader).step)
+                except ServiceTimeoutError as e:
+                    got[rank].append(str(e))
+
+        threads = [threading.Thread(target=read, args=(r, rd)) for r, rd in ((0, r0), (1, r1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for rank in (0, 1):
+            assert got[rank][:2] == [0, 1] and got[rank][3:] == [2, 3, 4], got
+            assert re.search(r"could not read ranks \[0, 1\].*waited 5s for step 2", got[rank][2])
+        assert readers[0].timeouts == 1 and readers[0].reads <= 5 + _agent.prefetch
+        handle.close()
+
+
+def test_a_stop_before_the_agent_serves_is_not_lost(tmp_path: Any) -> None:
+    """``stop()`` before ``run()`` began serving (a signal right after ``msd-dask agent``
+    installed its handlers): the agent stops as soon as it serves (it used to serve on)."""
+    agent = HostAgent("agentunit", _config(), [0, 1], lambda f, o: FakeGroupReader(0, [f, *o]),
+                      str(tmp_path / "agent.sock"))
+    agent.stop()
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and not os.path.exists(agent.path)
 
 
 def test_a_closing_agent_is_told_to_waiting_ranks(tmp_path: Any) -> None:
