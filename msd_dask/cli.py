@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -71,6 +72,30 @@ stops the agent: it frees its shared memory and removes its socket.
 """
 
 
+def _at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= lo``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {value}")
+        return value
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds ``> 0``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msd-dask",
@@ -83,8 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("config", help="service config (YAML)")
     r.add_argument("--scheduler", metavar="ADDR",
                    help="address of a running Dask scheduler (default: an embedded LocalCluster)")
-    r.add_argument("--steps", type=int, default=50, help="steps to consume (default: 50)")
-    r.add_argument("--workers", type=int, default=2,
+    r.add_argument("--steps", type=_at_least(1), default=50, help="steps to consume (default: 50)")
+    r.add_argument("--workers", type=_at_least(1), default=2,
                    help="workers of the embedded cluster (default: 2)")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     _tls_options(r)
@@ -109,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("name", help="service name")
     w.add_argument("weights", nargs="+", metavar="SOURCE=WEIGHT")
     w.add_argument("--scheduler", metavar="ADDR", required=True)
-    w.add_argument("--from-step", type=int, default=None,
+    w.add_argument("--from-step", type=_at_least(0), default=None,
                    help="first step of the new mix (default: the first unplanned step)")
     _tls_options(w)
 
@@ -128,10 +153,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="the global ranks of this host: A-B (both included), A,B,C or a mix")
     a.add_argument("--socket", metavar="PATH",
                    help="the Unix socket to serve on (default: /tmp/msd-dask-agent-NAME.sock)")
-    a.add_argument("--prefetch", type=int, default=None, metavar="N",
+    a.add_argument("--prefetch", type=_at_least(1), default=None, metavar="N",
                    help="steps read ahead of a group's slowest rank (default: the "
                    "service's prefetch)")
-    a.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+    a.add_argument("--timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="seconds the agent waits for a step of the service (default: the "
                    "service's timeout)")
     _tls_options(a)
@@ -150,7 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return int(_COMMANDS[args.command](args) or 0)
-    except (ValueError, ServiceError, TimeoutError) as e:  # ConfigError, DataError too
+    # (ConfigError and DataError are ValueErrors; a missing file or an unreachable
+    # scheduler, OSErrors)
+    except (ValueError, ServiceError, OSError) as e:
         print(f"msd-dask {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

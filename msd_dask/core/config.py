@@ -687,16 +687,33 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
         return cfg
     if isinstance(cfg, str | os.PathLike):
         text = str(cfg)
-        if isinstance(cfg, os.PathLike) or "\n" not in text and os.path.exists(text):
+        from_file = isinstance(cfg, os.PathLike) or "\n" not in text and os.path.exists(text)
+        if from_file:
             with open(cfg, encoding="utf-8") as f:
                 text = f.read()
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:
             raise ConfigError("<root>", f"not valid YAML: {e}") from e
+        if not from_file and "\n" not in text and not isinstance(data, dict):
+            # one line that is no file and no mapping: a path with a typo, most likely
+            raise ConfigError("<root>", f"no config file {text!r} (a config is the path of a "
+                              "YAML file, or YAML text)")
     else:
         data = cfg
     return _parse(data)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, which also reads ``2e-5`` as a float: PyYAML follows YAML 1.1,
+    where a float needs a dot (``2.0e-5``), and would hand ``cost.quadratic: 2e-5`` over as
+    a string."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 
 
 def _parse(d: Any) -> Config:
@@ -768,8 +785,9 @@ def _parse(d: Any) -> Config:
             raise ConfigError("tokenizer.image_token_id", f"is required by the image+text "
                               f"source sources[{i}] (the id of an image patch)")
     seed = d.get("seed", Config.seed)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ConfigError("seed", f"must be an integer >= 0, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        # (the streams are seeded with 32 bits of it: a larger seed would repeat a smaller one's)
+        raise ConfigError("seed", f"must be an integer in [0, 2**32), got {seed!r}")
     balance = d.get("balance", Config.balance)
     if balance not in KNOWN_BALANCE:
         raise ConfigError("balance",
@@ -827,6 +845,13 @@ def _parse(d: Any) -> Config:
     if scaling.max_loaders < scaling.min_loaders:
         raise ConfigError("scaling.max_loaders", f"must be >= scaling.min_loaders "
                           f"({scaling.min_loaders}), got {scaling.max_loaders}")
+    for i, src in enumerate(sources):  # a source's own bounds, or scaling's where it has none
+        lo = src.min_loaders or scaling.min_loaders
+        hi = src.max_loaders or scaling.max_loaders
+        if hi < lo:
+            k = "max_loaders" if src.max_loaders else "min_loaders"
+            raise ConfigError(f"sources[{i}].{k}", f"the source's bounds are min {lo}, max {hi} "
+                              f"(0 takes scaling's): max must be >= min")
     prefetch = _int(d, "prefetch", "", Config.prefetch)
     round_steps = _int(d, "round_steps", "", Config.round_steps, lo=0)
     if round_steps > prefetch:

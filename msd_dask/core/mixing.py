@@ -54,7 +54,9 @@ class Mixer:
              hold_room: int = 0) -> tuple[int, int, np.ndarray, int, np.ndarray, int]:
         """Draw pieces while the chosen source's next piece is an ordinary one.
 
-        Sources are indices into :attr:`sources`; every argument but ``room``,
+        ``weights`` sum to 1 (the credits balance only then; :meth:`choose` and
+        :meth:`take` scale any weights to that, the planner passes its weights in force,
+        which do).  Sources are indices into :attr:`sources`; every argument but ``room``,
         ``n_out``, ``first`` and the hold's is an array with an entry per
         source, but ``lengths`` (the pieces' lengths of all sources: source
         ``src``'s ``o``-th piece is ``lengths[base[src] + o]``) and ``out``.
@@ -115,7 +117,11 @@ class Mixer:
                   first=self.sources.index(source))
 
     def _weights(self, weights: Mapping[str, float]) -> np.ndarray:
-        return np.array([weights.get(s, 0.0) for s in self.sources], dtype=np.float64)
+        """``weights`` in source order, scaled to sum to 1 (weights need not sum to 1; the
+        credits balance only for weights that do)."""
+        w = np.array([weights.get(s, 0.0) for s in self.sources], dtype=np.float64)
+        total = float(w.sum())
+        return w / total if total > 0 else w
 
     def state_dict(self) -> dict[str, float]:
         return self.credit

@@ -401,3 +401,43 @@ def test_errors_pickle_whole():
     d = DataError("bad row", source="code", path="a.parquet", row=3)
     d2 = pickle.loads(pickle.dumps(d))
     assert (d2.source, d2.path, d2.row, str(d2)) == ("code", "a.parquet", 3, str(d))
+
+
+# ------------------------------------------------------- found by a review of the parser
+
+
+def test_yaml_exponent_floats_are_numbers(data_dir: Path) -> None:
+    """``quadratic: 2e-5`` is a number (PyYAML's YAML 1.1 made it the string '2e-5', and the
+    key was refused as 'must be a finite number, got '2e-5'')."""
+    text = yaml.safe_dump(base(data_dir)) + "cost: {linear: 1, quadratic: 2e-5}\n"
+    assert "quadratic: 2e-5" in text
+    cfg = load_config(text)
+    assert cfg.cost.quadratic == 2e-5 and cfg.cost.linear == 1.0
+    refused(yaml.safe_dump(base(data_dir)) + "prefetch: 1e1\n", "prefetch")  # an int key
+
+
+def test_a_mistyped_config_path_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"no config file 'configs/tyop\.yaml'"):
+        load_config("configs/tyop.yaml")
+
+
+def test_a_source_max_loaders_below_its_min_is_refused(data_dir: Path) -> None:
+    """The rule ``min <= max`` holds per source, with scaling's bound where the source has
+    none (the policy used to raise the max to the min silently)."""
+    d = base(data_dir)
+    d["sources"][0].update(min_loaders=5, max_loaders=2)
+    refused(d, "sources[0].max_loaders")
+    d = base(data_dir)
+    d["sources"][1]["min_loaders"] = 9  # above scaling.max_loaders (8)
+    refused(d, "sources[1].min_loaders")
+    d["scaling"] = {"max_loaders": 9}
+    assert load_config(d).sources[1].min_loaders == 9
+
+
+def test_a_seed_of_32_bits_or_more_is_refused(data_dir: Path) -> None:
+    """The streams are seeded with 32 bits: seeds 0 and 2**32 gave the same batches."""
+    d = base(data_dir)
+    d["seed"] = 2**32
+    assert "[0, 2**32)" in str(refused(d, "seed"))
+    d["seed"] = 2**32 - 1
+    assert load_config(d).seed == 2**32 - 1

@@ -54,6 +54,17 @@ def test_long_run_token_shares(ws: list[float]) -> None:
     assert max(abs(c) for c in m.credit.values()) <= len(src) * MAX_LEN
 
 
+@pytest.mark.parametrize("ws", [[3.0, 1.0], [0.7, 0.4], [0.2, 0.1, 0.0]])
+def test_weights_that_do_not_sum_to_one_give_their_shares(ws: list[float]) -> None:
+    """``choose``/``take`` scale weights to sum to 1: 3 : 1 used to give shares 1.0 / 0.0
+    and 0.7 : 0.4 gave 0.65 / 0.35 (a source earned ``w·n`` while paying ``n``)."""
+    src = names(len(ws))
+    w = dict(zip(src, ws, strict=True))
+    got = shares(run(Mixer(src), w, 8000, np.random.default_rng(1)))
+    for s, ws_s in w.items():
+        assert abs(got[s] - ws_s / sum(ws)) <= 0.001, (s, got[s])
+
+
 def test_equal_weights_and_lengths_alternate() -> None:
     m = Mixer(["a", "b"])
     w = {"a": 0.5, "b": 0.5}

@@ -1,0 +1,43 @@
+"""``msd-dask``'s arguments and errors, in this process (no cluster): a bad argument or a
+missing file is one line naming it, not a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from msd_dask.cli import main
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "c.yaml", "--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+    (["run", "c.yaml", "--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
+    (["run", "c.yaml", "--steps", "ten"], "argument --steps: must be an integer, got 'ten'"),
+    (["agent", "--scheduler", "tcp://198.18.0.1:8786", "--name", "x", "--ranks", "0-7",
+      "--timeout", "0"], "argument --timeout: must be a number of seconds > 0, got 0"),
+])
+def test_a_bad_argument_is_refused_by_name(argv: list[str], says: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``run --steps 0`` used to divide by zero after starting a cluster, ``--workers 0``
+    to wait for ever."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_missing_resume_file_is_one_error(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The state file is read before any connection (the address is never reached)."""
+    missing = tmp_path / "state.json"
+    code = main(["serve", "c.yaml", "--scheduler", "tcp://198.18.0.1:8786",
+                 "--resume", str(missing)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("msd-dask serve: error: ") and str(missing) in err
+    assert "Traceback" not in err
+
+
+def test_a_mistyped_config_path_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "configs/tyop.yaml"]) == 2
+    assert "no config file 'configs/tyop.yaml'" in capsys.readouterr().err
