@@ -193,6 +193,8 @@ def _parse(line: bytes, fields: Sequence[str], path: str, row: int) -> dict[str,
     except json.JSONDecodeError as exc:
         raise DataError(f"invalid JSON: {exc.msg} at column {exc.colno}",
                         path=path, row=row) from None
+    except RecursionError:
+        raise DataError("invalid JSON: nested too deep to parse", path=path, row=row) from None
     if not isinstance(obj, dict):
         raise DataError(f"expected a JSON object, got {type(obj).__name__}",
                         path=path, row=row)

@@ -42,6 +42,19 @@ def _data_error(path: str, exc: BaseException) -> DataError:
     return DataError(f"cannot read parquet: {reason}", path=path)
 
 
+def _values(column: Any) -> list[Any]:
+    """A column's values as Python objects.  Arrow does not check UTF-8 when it reads a
+    ``string`` column, so one invalid value would fail the whole row group: such a
+    column comes back as ``bytes``, which the reader decodes (and reports) row by row."""
+    import pyarrow as pa
+
+    try:
+        return list(column.to_pylist())
+    except UnicodeDecodeError:
+        raw = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
+        return list(column.cast(raw).to_pylist())
+
+
 class ParquetFormat:
     """Parquet files, split into row groups.
 
@@ -138,7 +151,7 @@ class ParquetFormat:
                                     f"{pf.metadata.num_row_groups})", path=path)
                 num_rows = pf.metadata.row_group(unit.part).num_rows
                 table = pf.read_row_group(unit.part, columns=columns)
-                values = {c: table.column(c).to_pylist() for c in columns}
+                values = {c: _values(table.column(c)) for c in columns}
             except DataError:
                 raise
             except (pa.ArrowException, OSError) as exc:

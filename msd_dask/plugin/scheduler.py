@@ -100,6 +100,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self.interval = interval
         self.services: dict[str, dict[str, Any]] = {}
         self.rates: dict[str, dict[str, float]] = {}
+        #: service name -> its last poll's failure (``repr``), while it fails
+        self.poll_errors: dict[str, str] = {}
         self.imbalance: dict[str, deque[tuple[int, float]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._client: Any = None
@@ -166,42 +168,57 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             self._forget(gone)
         for key in names:
             name = str(key)[len(_PREFIX):]
-            registry = await self._registry(key)
-            if name not in self._configs:
-                from msd_dask.core.config import parse_config
-
-                self._configs[name] = parse_config(registry["config"])
-            hist = self.imbalance.setdefault(name, deque(maxlen=300))
-            since = hist[-1][0] + 1 if hist else 0
-            sc = self._configs[name].scaling
             try:
-                snap = await asyncio.wait_for(
-                    collect(registry, since, sc.lookahead if sc.policy == "adaptive" else None),
-                    10)
-            except Exception:
-                # the registry stays: a new planner, or a new service of that name, publishes
-                # a new entry (and a refetch of a service being closed would ask for keys
-                # its owner is about to forget)
+                await self._poll_service(key)
+            except asyncio.CancelledError:
                 raise
-            prev = self.services.get(name)
-            if prev is not None:
-                dt = snap["time"] - prev["time"]
-                self.rates[name] = {
-                    s: (v["tokens_read"] - prev["sources"].get(s, {}).get("tokens_read", 0)) / dt
-                    for s, v in snap["sources"].items()} if dt > 0 else {}
-            self.services[name] = snap
-            hist.extend((h["step"], h["imbalance"]) for h in snap.pop("history"))
-            if prev is not None and snap["time"] > prev["time"]:
-                await self._scale(name, registry, snap, prev)
-            from msd_dask.plugin.adaptive import roles_wanted
+            except Exception as e:  # noqa: BLE001 - one service's failure stops no other
+                # (its registry stays: a new planner, or a new service of that name,
+                # publishes a new entry, and a refetch of a service being closed would ask
+                # for keys its owner is about to forget); logged when the failure changes
+                if self.poll_errors.get(name) != repr(e):
+                    logger.warning("msd_dask plugin: service %r did not answer its poll: %r",
+                                   name, e)
+                self.poll_errors[name] = repr(e)
+            else:
+                self.poll_errors.pop(name, None)
 
-            self._wanted[name] = roles_wanted(snap["constructors"], snap["planner"]["loaders"],
-                                              self._targets.get(name))
+    async def _poll_service(self, key: Any) -> None:
+        """Refresh the figures of the service published under ``key``."""
+        name = str(key)[len(_PREFIX):]
+        registry = await self._registry(key)
+        if name not in self._configs:
+            from msd_dask.core.config import parse_config
+
+            self._configs[name] = parse_config(registry["config"])
+        hist = self.imbalance.setdefault(name, deque(maxlen=300))
+        since = hist[-1][0] + 1 if hist else 0
+        sc = self._configs[name].scaling
+        snap = await asyncio.wait_for(
+            collect(registry, since, sc.lookahead if sc.policy == "adaptive" else None), 10)
+        prev = self.services.get(name)
+        if prev is not None:
+            dt = snap["time"] - prev["time"]
+            rates = {}
+            for src, v in snap["sources"].items() if dt > 0 else ():
+                read = v["tokens_read"] - prev["sources"].get(src, {}).get("tokens_read", 0)
+                # (fewer: a loader retired or re-created since took its count with it; the
+                # last rate stands for this poll)
+                rates[src] = read / dt if read >= 0 else self.rates.get(name, {}).get(src, 0.0)
+            self.rates[name] = rates
+        self.services[name] = snap
+        hist.extend((h["step"], h["imbalance"]) for h in snap.pop("history"))
+        if prev is not None and snap["time"] > prev["time"]:
+            await self._scale(name, registry, snap, prev)
+        from msd_dask.plugin.adaptive import roles_wanted
+
+        self._wanted[name] = roles_wanted(snap["constructors"], snap["planner"]["loaders"],
+                                          self._targets.get(name))
 
     def _per_service(self) -> tuple[dict[str, Any], ...]:
         """Every table this plugin keeps per service name."""
         return (self.services, self.rates, self.imbalance, self.decisions, self._configs,
-                self._scalers, self._targets, self._wanted, self._registries)
+                self._scalers, self._targets, self._wanted, self._registries, self.poll_errors)
 
     def _known(self) -> set[str]:
         """Names of the services this plugin holds anything for."""

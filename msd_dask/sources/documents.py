@@ -480,7 +480,13 @@ def _tokenize(src: SourceConfig, rec: dict[str, Any],
             raise DataError(f"preprocess {src.preprocess!r} returned "
                             f"{type(text).__name__}, not str or None",
                             source=src.name, path=path, row=row)
-    return tokenizer.encode(text)
+    try:
+        return tokenizer.encode(text)
+    except (UnicodeError, TypeError, ValueError) as e:
+        # e.g. a lone surrogate ("\ud800" is valid JSON, not UTF-8): the byte tokenizer
+        # raises UnicodeEncodeError, a Hugging Face one TypeError
+        raise DataError(f"field '{src.text_field}' could not be tokenized: "
+                        f"{type(e).__name__}: {e}", source=src.name, path=path, row=row) from e
 
 
 def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, tokenizer: Any,

@@ -129,7 +129,8 @@ class HFTokenizer:
     def decode(self, ids: np.ndarray | list[int]) -> str:
         """Text of ``ids``; end-of-document and padding ids are dropped."""
         arr = np.asarray(ids)
-        arr = arr[(arr != self.eod_id) & (arr != self.pad_id) & (arr != (self.image_id or -1))]
+        image = -1 if self.image_id is None else self.image_id  # (an image id may be 0)
+        arr = arr[(arr != self.eod_id) & (arr != self.pad_id) & (arr != image)]
         return str(self._tok.decode([int(i) for i in arr], skip_special_tokens=False))
 
 

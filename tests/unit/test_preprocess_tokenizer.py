@@ -88,6 +88,16 @@ def test_hf_tokenizer_special_ids_and_round_trip(corpus, bpe, tmp_path):
         HFTokenizer(str(tmp_path / "bare.json"))
 
 
+def test_hf_decode_drops_an_image_token_of_id_0(bpe):
+    """``image_token_id: 0`` is a valid id; ``decode`` kept it (``0 or -1`` is -1).  (Id 0
+    is the fixture's end-of-document token: the test moves that to id 1.)"""
+    for image in (0, 5):
+        tok = HFTokenizer(bpe, eod_id=1, pad_id=1, image_token_id=image)
+        assert image not in (tok.eod_id, tok.pad_id)
+        ids = np.concatenate([np.full(4, image, dtype=np.int32), tok.encode("hello")])
+        assert tok.decode(ids) == "hello"
+
+
 # --------------------------------------------------------------- preprocess
 
 

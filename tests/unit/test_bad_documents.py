@@ -1,0 +1,69 @@
+"""Documents that broke a unit's read with an error naming nothing (found by a review, each
+by running it): each is now one DataError naming the source, file and row, and with
+``on_error: skip`` only that document is quarantined."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from msd_dask import DataError, load_config
+from msd_dask.sources.documents import read_unit
+from msd_dask.sources.tokenizer import ByteTokenizer
+
+from corpus import source_units
+
+#: a valid JSON string whose text holds a lone surrogate (not encodable as UTF-8)
+SURROGATE = b'{"text": "bad \\ud800 doc"}'
+#: valid JSON nested deeper than Python's parser recurses
+DEEP = b'{"text": "x", "a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+def _read(tmp_path: Path, name: str, fmt: str, on_error: str) -> tuple[list, list]:
+    cfg = load_config({"name": "bad", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": str(tmp_path / name), "format": fmt, "on_error": on_error}]})
+    src = cfg.sources[0]
+    fs, units = source_units(src)
+    quarantine: list[DataError] = []
+    docs = read_unit(src, fs, units[0], ByteTokenizer(), quarantine)
+    return docs, quarantine
+
+
+@pytest.mark.parametrize("line, reason", [
+    (SURROGATE, "field 'text' could not be tokenized: UnicodeEncodeError"),
+    (DEEP, "invalid JSON: nested too deep to parse"),
+])
+def test_a_bad_json_document_names_its_row(tmp_path: Path, line: bytes, reason: str) -> None:
+    (tmp_path / "x.jsonl").write_bytes(b'{"text": "fine 0"}\n' + line + b'\n{"text": "fine 2"}\n')
+    with pytest.raises(DataError, match=rf"source 's', file '.*x\.jsonl', row 1: {reason}"):
+        _read(tmp_path, "x.jsonl", "jsonl", "fail")
+    docs, quarantine = _read(tmp_path, "x.jsonl", "jsonl", "skip")
+    assert [len(d) for d in docs] == [7, 0, 7]  # ("fine 0" and its end-of-document token)
+    assert len(quarantine) == 1 and quarantine[0].row == 1 and reason in str(quarantine[0])
+
+
+def test_a_parquet_value_that_is_not_utf8_names_its_row(tmp_path: Path) -> None:
+    """Arrow does not check UTF-8 when it reads a string column: one bad value used to fail
+    the row group with a bare UnicodeDecodeError, even with ``on_error: skip``."""
+    good = pa.array(["fine 0", "fine 1", "fine 2"], type=pa.string())
+    raw = pa.array([b"fine 0", b"bad \xff", b"fine 2"], type=pa.binary())
+    bad = pa.StringArray.from_buffers(3, raw.buffers()[1], raw.buffers()[2])  # unchecked
+    assert good.type == bad.type
+    pq.write_table(pa.table({"text": bad}), tmp_path / "x.parquet")
+    with pytest.raises(DataError, match=r"file '.*x\.parquet', row 1: field 'text' is not "
+                       r"valid UTF-8"):
+        _read(tmp_path, "x.parquet", "parquet", "fail")
+    docs, quarantine = _read(tmp_path, "x.parquet", "parquet", "skip")
+    assert [len(d) for d in docs] == [7, 0, 7]
+    assert [q.row for q in quarantine] == [1]
+
+
+def test_good_documents_read_as_before(tmp_path: Path) -> None:
+    (tmp_path / "x.jsonl").write_text("\n".join(json.dumps({"text": t})
+                                                for t in ("a", "bc", "déf")) + "\n")
+    docs, quarantine = _read(tmp_path, "x.jsonl", "jsonl", "fail")
+    assert [ByteTokenizer().decode(d) for d in docs] == ["a", "bc", "déf"] and not quarantine
