@@ -285,6 +285,14 @@ def _unpacked(packed: bytes) -> Any:
     return pickle.loads(zstandard.ZstdDecompressor().decompress(packed))
 
 
+def _with_overrides(packed: bytes, overrides: tuple[tuple[int, dict[str, float]], ...]) -> bytes:
+    """A packed :class:`~msd_dask.core.plan.PlannerSnapshot` with ``overrides`` (the live
+    weight changes) in place of its own."""
+    import dataclasses
+
+    return pack_snapshot(dataclasses.replace(_unpacked(packed), overrides=overrides))
+
+
 def _state_of(packed: bytes) -> dict[str, Any]:
     """The JSON form of a packed :class:`~msd_dask.core.plan.PlannerSnapshot`."""
     state: dict[str, Any] = _unpacked(packed).to_state()
@@ -379,6 +387,8 @@ class PlannerActor:
         #: ``prefetch + round_steps`` steps ahead of any reader
         self._snapshots: OrderedDict[int, bytes] = OrderedDict()
         self._keep = 2 * self.cfg.prefetch + 16
+        #: live weight changes made so far (each re-packs the kept states: see set_weights)
+        self.weights_version = 0
         #: the last snapshot's step (the next to plan), tokens and pieces, for :meth:`stats`
         self._counts: tuple[int, dict[str, int], dict[str, int]] = (0, {}, {})
         first = self.planner.snapshot()
@@ -863,9 +873,21 @@ class PlannerActor:
 
     # ---------------------------------------------------------------- queries
     async def set_weights(self, weights: dict[str, float], from_step: int | None = None) -> int:
-        """Change the mix from ``from_step`` (default: the first unplanned step)."""
+        """Change the mix from ``from_step`` (default: the first unplanned step).
+
+        The kept states of the steps planned already take the change too (it starts after
+        all of them): a service resumed from one (:meth:`state_at`), or a planner
+        re-created from one (:meth:`checkpoint`), makes the change at the same step."""
         async with self._plan_lock:  # after the step being planned, which read the weights
-            return self.planner.set_weights(weights, from_step)
+            start = self.planner.set_weights(weights, from_step)
+            overrides = tuple((st, dict(w)) for st, w in self.planner.overrides)
+            kept = list(self._snapshots.items())
+            # (off the loop: a kept state is megabytes at dp 16,384 x 128K)
+            repacked = await asyncio.to_thread(
+                lambda: [(k, _with_overrides(packed, overrides)) for k, packed in kept])
+            self._snapshots.update(repacked)
+            self.weights_version += 1
+            return start
 
     def _snapshot(self, step: int, snap: PlannerSnapshot, packed: bytes) -> None:
         """Keep the state after ``step``: ``snap``, packed (:func:`pack_snapshot`)."""
@@ -911,15 +933,17 @@ class PlannerActor:
                              "closer to the readers' position")
         return self._snapshots[step]
 
-    async def checkpoint(self, have: int | None = None) -> dict[str, Any]:
+    async def checkpoint(self, have: int | None = None,
+                         have_version: int | None = None) -> dict[str, Any]:
         """What the service's owner keeps to re-create this planner if it is lost.
 
         Parameters
         ----------
-        have : int, optional
-            The ``step`` of the caller's last checkpoint of this planner: if the
-            checkpoint is still of that step, its ``state`` is not sent again (``None``;
-            the kept snapshot of a step never changes, and the owner polls every
+        have, have_version : int, optional
+            The ``step`` and ``version`` of the caller's last checkpoint of this
+            planner: if the checkpoint is still of that step and version, its ``state``
+            is not sent again (``None``; the kept snapshot of a step changes only with
+            a live weight change, which raises the version, and the owner polls every
             second while a snapshot is megabytes at dp 16,384 × 128K).
 
         Returns
@@ -934,7 +958,8 @@ class PlannerActor:
             made in seconds, at dp 16,384 × 128K); ``claimed``: ``{rank: last
             claimed step}`` as far as the constructors answered;
             ``recovered``, ``events``: this planner's recovery counters;
-            ``address``: its worker; ``keys``: the Dask keys of its roles.
+            ``address``: its worker; ``keys``: the Dask keys of its roles;
+            ``version``: the live weight changes made so far.
         """
         claimed: dict[int, int] = {}
         complete = True
@@ -952,8 +977,10 @@ class PlannerActor:
             # ranks may have read past what this planner planned (a re-created planner
             # re-plans from its saved state): the state after its last planned step then
             step = min(max(step, floor), next(reversed(self._snapshots)))
-            state = None if step == have else self._packed_at(step)
-            return {"state": state, "step": step, "claimed": claimed,
+            same = step == have and self.weights_version == have_version
+            state = None if same else self._packed_at(step)
+            return {"state": state, "step": step, "version": self.weights_version,
+                    "claimed": claimed,
                     "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
                     "address": self.roles.own_address(), "keys": self.roles.keys()}
 

@@ -71,15 +71,18 @@ class PlannerKeeper:
     def keep_checkpoint(self) -> None:
         """Keep the planner's last checkpoint, and hold the keys of the roles it names.
 
-        A checkpoint of the step already kept, from the same planner generation, comes
-        without its state (``have`` of
+        A checkpoint of the step and weights version already kept, from the same planner
+        generation, comes without its state (``have`` of
         :meth:`msd_dask.roles.planner.PlannerActor.checkpoint`): the kept state
         stays."""
         with self._lock:
             generation = self.link.generation
             last = self.checkpoint
-            have = last["step"] if last is not None and last.get("generation") == generation else None
-            ck = dict(self.link.planner.checkpoint(have=have).result(timeout=10))
+            have = version = None
+            if last is not None and last.get("generation") == generation:
+                have, version = last["step"], last.get("version")
+            ck = dict(self.link.planner.checkpoint(have=have, have_version=version)
+                      .result(timeout=10))
             if ck["state"] is None and last is not None:
                 ck["state"] = last["state"]
             ck["generation"] = generation

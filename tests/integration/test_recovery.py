@@ -211,9 +211,11 @@ def test_an_unchanged_checkpoint_is_not_sent_again(tmp_path):
             # no rank read yet: the checkpoint stays at the step before the first
             ck = svc.planner.checkpoint().result(timeout=30)
             assert isinstance(ck["state"], bytes) and ck["state"]
-            again = svc.planner.checkpoint(have=ck["step"]).result(timeout=30)
+            again = svc.planner.checkpoint(have=ck["step"],
+                                           have_version=ck["version"]).result(timeout=30)
             assert (again["step"], again["state"]) == (ck["step"], None)
-            other = svc.planner.checkpoint(have=ck["step"] - 1).result(timeout=30)
+            other = svc.planner.checkpoint(have=ck["step"] - 1,
+                                           have_version=ck["version"]).result(timeout=30)
             assert other["state"] == ck["state"]
             keeper.keep_checkpoint()
             keeper.keep_checkpoint()  # (the second one without the state)
@@ -228,3 +230,9 @@ def test_an_unchanged_checkpoint_is_not_sent_again(tmp_path):
             now = svc.planner.checkpoint().result(timeout=30)
             assert now["step"] > ck["step"]
             assert (keeper.checkpoint["step"], keeper.checkpoint["state"]) == (now["step"], now["state"])
+            # a live weight change re-packs the kept states: the owner takes the new one
+            svc.set_weights({"code": 0.1, "prose": 0.9})
+            keeper.keep_checkpoint()
+            assert keeper.checkpoint["version"] == now["version"] + 1
+            if keeper.checkpoint["step"] == now["step"]:
+                assert keeper.checkpoint["state"] != now["state"]
