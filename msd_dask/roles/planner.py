@@ -45,6 +45,10 @@ _T = TypeVar("_T")
 STATE_FORMAT = "msd_dask.state/1"
 
 
+#: seconds :meth:`PlannerActor.state_at` waits for a step of the next round to be planned
+STATE_WAIT = 30.0
+
+
 def make_state(cfg: Any, step: int, planner: dict[str, Any]) -> dict[str, Any]:
     """The service state after ``step``: a versioned, JSON-able wrapper of a planner state."""
     return {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
@@ -910,12 +914,21 @@ class PlannerActor:
     async def state_at(self, step: int) -> dict[str, Any]:
         """The service state after ``step`` (see :func:`make_state`).
 
+        A step of the next round not planned yet is waited for (up to
+        :data:`STATE_WAIT` seconds, or the config's ``timeout`` if shorter).
+
         Raises
         ------
         ValueError
             If ``step`` was not planned yet, or is older than the snapshots held.
         """
         step = int(step)
+        # a step the next round plans (a re-created planner re-plans the few steps after
+        # its checkpoint: a rank may be at one of them) is answered once it is planned
+        deadline = time.monotonic() + min(self.cfg.timeout, STATE_WAIT)
+        while (step >= self.planner.step and step < self.planner.step + self.cfg.steps_per_round
+               and self.error is None and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
         async with self._plan_lock:  # a step being planned is answered once it is planned
             packed = self._packed_at(step)
         # (a list per carried and held piece: seconds at dp 16,384 x 128K, off the loop)
@@ -950,9 +963,10 @@ class PlannerActor:
         -------
         dict
             ``state``: the planner's state after ``step``, the last step every
-            rank has claimed (each constructor asked, a few seconds at most; a
-            constructor that does not answer counts as ``prefetch`` steps behind
-            the last submitted step, which every rank has claimed), as packed
+            rank has returned as far as its constructor knows (each constructor
+            asked, a few seconds at most; a constructor that does not answer counts
+            as a round before the ``prefetch`` steps behind the last submitted step,
+            which every rank has claimed), as packed
             bytes that a re-created planner takes as its ``state`` (the JSON form
             of :meth:`state_at` is a list per carried and held piece: tens of MB,
             made in seconds, at dp 16,384 × 128K); ``claimed``: ``{rank: last
@@ -962,6 +976,7 @@ class PlannerActor:
             ``version``: the live weight changes made so far.
         """
         claimed: dict[int, int] = {}
+        returned: dict[int, int] = {}
         complete = True
         for c in list(self.constructors):
             try:
@@ -970,10 +985,16 @@ class PlannerActor:
                 complete = False
                 continue
             claimed.update({int(r): int(s) for r, s in st["last_claimed"].items()})
+            returned.update({int(r): int(s) for r, s in st["returned"].items()})
         async with self._plan_lock:  # not while a step is planned (or a round split)
-            floor = max(self.first_step - 1, self._claimed_by_all())
+            # the state after the last step every rank *returned*, not claimed: a planner
+            # re-created from it still holds the state of every step a rank may be at
+            # (DataService.state_dict() asks for it), and re-plans the few steps after,
+            # which readers that have them already skip
+            floor = max(self.first_step - 1,
+                        self._claimed_by_all() - self.cfg.steps_per_round)
             world = range(self.cfg.parallel.world_size)
-            step = min(claimed.get(r, self.first_step - 1) for r in world) if complete else floor
+            step = min(returned.get(r, self.first_step - 1) for r in world) if complete else floor
             # ranks may have read past what this planner planned (a re-created planner
             # re-plans from its saved state): the state after its last planned step then
             step = min(max(step, floor), next(reversed(self._snapshots)))

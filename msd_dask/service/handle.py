@@ -516,10 +516,10 @@ class DataService:
             hi[r] = lo[r] if trust_pauses and by.get(r) == "pause" else claimed.get(r, first - 1)
             hi[r] = max(hi[r], lo[r])
             idle.setdefault(r, REPORT_IDLE)
-        for reader in list(self._readers):
+        for reader in list(self._readers):  # this process's readers know exactly
             done = reader.state_dict()["step"]
             if done is not None:
-                lo[reader.rank] = hi[reader.rank] = max(lo[reader.rank], int(done))
+                lo[reader.rank] = hi[reader.rank] = int(done)
         return lo, hi, idle
 
     @property

@@ -236,3 +236,37 @@ def test_an_unchanged_checkpoint_is_not_sent_again(tmp_path):
             assert keeper.checkpoint["version"] == now["version"] + 1
             if keeper.checkpoint["step"] == now["step"]:
                 assert keeper.checkpoint["state"] != now["state"]
+
+
+def test_after_a_recovered_planner_the_default_state_is_the_step_returned(tmp_path):
+    """Readers returned step 3 of the round 3..5 they claimed, then the planner's worker is
+    killed: the re-created planner starts after the last step every rank *returned* (it
+    started after the last step claimed, 5), so ``consumed_step()`` and the default
+    ``state_dict()`` say 3, the state of step 3 is still held, and the readers go on at 4
+    (a review found: they said 5, and resuming from that skipped steps 4 and 5)."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="recovered-default", timeout=60)
+    with dask_cluster(str(tmp_path), n_workers=3) as cl:
+        with Client(cl["address"], timeout=60) as c:
+            c.wait_for_workers(3, timeout=60)
+        with DataService.start(cfg, cl["address"]) as svc:
+            readers = [svc.reader(r) for r in range(2)]
+            for step in range(4):
+                for rd in readers:
+                    assert next(rd).step == step
+            assert svc.consumed_step() == 3
+            time.sleep(1.5)  # the owner keeps a checkpoint every second
+            pid = svc.client.run(os.getpid)[svc.planner._address]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while svc.generation == 0:
+                assert time.monotonic() < deadline, "the planner was not re-created"
+                time.sleep(0.5)
+            assert svc.planner.start_step().result(timeout=30) <= 4
+            assert svc.consumed_step() == 3
+            assert svc.state_dict()["step"] == 3
+            assert svc.state_dict(3)["step"] == 3
+            for step in range(4, 8):
+                for rd in readers:
+                    assert next(rd).step == step
