@@ -105,6 +105,9 @@ class SourceLoader:
         self._data: dict[tuple[int, int], _UnitData] = {}
         self._ready: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._todo: asyncio.Queue[tuple[int, int]] | None = None
+        #: keys being read now: a key queued twice (released, then assigned again before
+        #: its read) is read once
+        self._reading: set[tuple[int, int]] = set()
         self._task: asyncio.Task[None] | None = None
         self.docs_read = 0
         self.tokens_read = 0
@@ -141,13 +144,21 @@ class SourceLoader:
         while True:
             key = await self._todo.get()
             fut = self._ready.get(key)
-            if fut is None or fut.done():
+            if fut is None or fut.done() or key in self._reading:
                 continue
             await slots.acquire()
-            task = asyncio.create_task(self._read(key, fut))
-            task.add_done_callback(lambda _t: slots.release())
+            self._reading.add(key)
+            task = asyncio.create_task(self._read(key))
 
-    async def _read(self, key: tuple[int, int], fut: asyncio.Future[Any]) -> None:
+            def done(_t: asyncio.Task[None], key: tuple[int, int] = key) -> None:
+                self._reading.discard(key)
+                slots.release()
+
+            task.add_done_callback(done)
+
+    async def _read(self, key: tuple[int, int]) -> None:
+        """Read unit ``key`` and settle its future: the one assigned when the read ends (a
+        unit released while it was read and assigned again takes this read)."""
         loop = asyncio.get_running_loop()
         quarantine: list[DataError] = []
         busy: list[float] = []
@@ -157,7 +168,8 @@ class SourceLoader:
                 self._pool, read_unit, self.src, self._files.fs,
                 self.units[key[1]], self.tokenizer, quarantine, self._docs, busy, cpu)
         except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
-            if not fut.done():
+            fut = self._ready.get(key)
+            if fut is not None and not fut.done():
                 fut.set_exception(e)
             return
         # counted together, so a poll sees a unit's busy and CPU seconds at once
@@ -169,7 +181,8 @@ class SourceLoader:
         self.units_read += 1
         self.docs_read += len(docs)
         self.tokens_read += int(data.lengths.sum())
-        if self._ready.get(key) is not fut:  # released while it was being read
+        fut = self._ready.get(key)
+        if fut is None:  # released while it was being read
             return
         self._data[key] = data
         if not fut.done():

@@ -542,7 +542,7 @@ class PlannerActor:
         the backlog); a unit that moves is released by its old slot."""
         resolve = self.roles.resolve
         async with self._plan_lock:  # not while the planning thread reads the owners
-            pending = [k for k in self._owner if k[0] == source and k not in self._meta]
+            pending = [k for k in self._owner if k[0] == source and not self._lengths_reported(k)]
             act = self.roles.active[source]
             moves: dict[int, list[tuple[str, int, int]]] = {}
             for i, k in enumerate(pending):
@@ -655,14 +655,19 @@ class PlannerActor:
             if k not in self._meta and k not in self._meta_tasks:
                 self._request_meta(k)
 
+    def _lengths_reported(self, k: tuple[str, int, int]) -> bool:
+        """Whether unit ``k``'s loader reported its lengths: it read the unit (a unit moved
+        to another loader now would be read again)."""
+        if k in self._meta:
+            return True
+        task = self._meta_tasks.get(k)
+        return task is not None and task.done() and not task.cancelled()
+
     def _outstanding(self, source: str) -> dict[int, int]:
         """Units each loader slot of ``source`` was given and has not reported yet."""
         out: dict[int, int] = {}
         for k, li in self._owner.items():
-            if k[0] != source or k in self._meta:
-                continue
-            task = self._meta_tasks.get(k)
-            if task is None or not task.done():
+            if k[0] == source and not self._lengths_reported(k):
                 out[li] = out.get(li, 0) + 1
         return out
 

@@ -91,3 +91,36 @@ def test_close_ends_a_wait_for_a_unit_and_drops_what_it_holds(corpus) -> None:
     assert still_reading
     assert isinstance(err, asyncio.CancelledError), repr(err)
     assert held == 0
+
+
+def test_a_unit_released_and_assigned_again_is_read_once(corpus, monkeypatch) -> None:
+    """A unit released before its read and assigned again (``spread_units`` moving it back)
+    sits in the loader's queue twice: it is read once, and its counters count it once (a
+    review found it read twice, the tokens read that the adaptive policy uses doubled)."""
+    import msd_dask.roles.loader as loader_module
+
+    root, _ = corpus
+    source, units = _loader_inputs(config(root), 0)
+    reads: list[int] = []
+    read_unit = loader_module.read_unit
+
+    def counted(src, fs, unit, *args, **kwargs):  # type: ignore[no-untyped-def]
+        reads.append(unit.row_offset)
+        return read_unit(src, fs, unit, *args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "read_unit", counted)
+
+    async def run() -> None:
+        loader = SourceLoader(source, units, {"kind": "bytes"}, threads=1)
+        try:
+            await loader.assign([(0, 0), (0, 1), (0, 2)])
+            await loader.release([(0, 2)])
+            await loader.assign([(0, 2)])
+            lengths = await loader.metadata(0, 2)
+            await asyncio.sleep(0.3)  # (a second read would have started by now)
+            assert len(reads) == 3 and sorted(reads) == sorted(u[2] for u in units[:3])
+            assert loader.units_read == 3 and len(lengths) > 0
+        finally:
+            await loader.close()
+
+    asyncio.run(run())

@@ -128,3 +128,51 @@ def test_adaptive_policy_reads_the_whole_next_window_ahead(corpus) -> None:
         checked += len(nxt) == st.window_size
         planner.plan_step(lambda source, e, u: lengths[(source, u)])
     assert checked > 10
+
+
+def test_spreading_units_moves_only_the_units_not_read_yet(corpus) -> None:
+    """A loader slot added to ``code``: ``spread_units`` moves units its first slot has not
+    read yet, not those whose lengths it reported already (the planner had not needed
+    them yet); a review found them moved too, released and read again."""
+    import asyncio
+
+    import numpy as np
+
+    from msd_dask.roles.planner import PlannerActor
+
+    root, _ = corpus
+    c = load_config(config(root))
+    units, roots = discover_units(c)
+    log: list[tuple[str, int, list]] = []
+
+    class Slot:
+        def __init__(self, slot: int):
+            self.slot = slot
+
+        async def assign(self, keys: list) -> None:
+            log.append(("assign", self.slot, keys))
+
+        async def release(self, keys: list) -> None:
+            log.append(("release", self.slot, keys))
+
+        async def metadata(self, epoch: int, unit: int) -> np.ndarray:
+            return np.array([5, 6])
+
+    async def run() -> None:
+        co = PlannerActor(c.to_dict(), units, roots)
+        slots = {0: Slot(0), 1: Slot(1)}
+        co.roles.loader = lambda source, slot: slots[slot]  # type: ignore[method-assign]
+        co.roles.resolve = lambda source, slot: slot  # type: ignore[method-assign]
+        co.roles.active = {"code": [0, 1], "prose": [0]}
+        loop = asyncio.get_running_loop()
+        for u in range(6):  # units 0-3 read and reported by slot 0, units 4 and 5 not yet
+            k = ("code", 0, u)
+            co._owner[k] = 0
+            co._meta_tasks[k] = fut = loop.create_future()
+            if u < 4:
+                fut.set_result(np.array([5, 6]))
+        assert co._outstanding("code") == {0: 2}
+        await co.spread_units("code")
+        assert log == [("assign", 1, [(0, 5)]), ("release", 0, [(0, 5)])]
+
+    asyncio.run(run())
