@@ -307,6 +307,18 @@ class DataService:
 
         _check_tls(address, security)
         client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
+        try:
+            registry = cls._published_registry(client, address, name, timeout)
+            return cls(client, parse_config(registry["config"]), registry)
+        except BaseException:  # (a planner lost with its owner, say): no client left open
+            client.close()
+            raise
+
+    @staticmethod
+    def _published_registry(client: Any, address: str, name: str,
+                            timeout: float) -> dict[str, Any]:
+        """The registry service ``name`` published, once it is (``ServiceError`` after
+        ``timeout`` seconds)."""
         key = REGISTRY_PREFIX + name
         published = published_event(client, name)
         deadline = time.monotonic() + timeout
@@ -316,7 +328,6 @@ class DataService:
             if left <= 0:
                 running = [d[len(REGISTRY_PREFIX):] for d in client.list_datasets()
                            if str(d).startswith(REGISTRY_PREFIX)]
-                client.close()
                 raise ServiceError(f"no service named {name!r} on {address} after "
                                    f"{timeout:.0f}s (running: {running or 'none'})")
             # one call the scheduler answers when the service is published (or at the
@@ -326,8 +337,7 @@ class DataService:
                 if was_set:
                     time.sleep(min(1.0, left))
                 was_set = True
-        cfg = parse_config(registry["config"])
-        return cls(client, cfg, registry)
+        return dict(registry)
 
     # --------------------------------------------------------------- readers
     def reader(self, rank: int, *, timeout: float | None = None) -> Reader:

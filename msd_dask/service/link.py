@@ -163,15 +163,25 @@ class PlannerLink:
 
     def call(self, request: Callable[[Any], Any]) -> Any:
         """``request(planner)``'s result (an actor call); once more on its successor if
-        the planner was lost or did not answer within the config's ``timeout``.
-        :class:`ServiceError` if the link is closed (nothing sent)."""
+        the planner was lost (not to the same planner: a request such as ``set_weights``
+        must not run twice).  :class:`ServiceError` if the link is closed (nothing sent);
+        :class:`ServiceTimeoutError` if the planner, still the service's, did not answer
+        within the config's ``timeout``."""
         self.check_open()
+        generation = self.generation
         try:
             return request(self.planner).result(timeout=self.config.timeout)
         except (KeyError, ValueError, ServiceError):
             raise
-        except Exception:  # noqa: BLE001 - lost or not answering: find the current one
+        except Exception as e:  # noqa: BLE001 - lost or not answering: find the current one
             self.refresh()
+            if self.generation == generation:  # the same planner: it answers, but not this
+                if isinstance(e, TimeoutError):
+                    raise ServiceTimeoutError(
+                        f"service {self.name!r}: the planner did not answer within "
+                        f"{self.config.timeout:.0f}s (it answers other calls: a role it "
+                        "waited on may be stuck on a busy or unreachable worker)") from e
+                raise
             return request(self.planner).result(timeout=self.config.timeout)
 
     def planner_lost(self, *, confirm: bool = False) -> bool:

@@ -178,3 +178,37 @@ def test_connect_by_name_and_errors(corpus):
         with pytest.raises(ServiceTimeoutError, match="rank 0 waited 2s for"):
             for _ in range(10):
                 next(r0)
+
+
+def test_a_failed_connect_leaves_no_client_open():
+    """A service whose planner is lost with its owner: each ``connect`` raises, and closes
+    the Dask client it opened (a review found one more client left open per attempt)."""
+    import gc
+
+    from distributed import Client, LocalCluster
+
+    from msd_dask.core.config import parse_config
+    from msd_dask.service.placement import REGISTRY_PREFIX, published_event
+
+    def lost() -> None:
+        raise RuntimeError("the planner's worker was lost")
+
+    def open_clients() -> int:
+        gc.collect()
+        return sum(isinstance(o, Client) and o.status == "running" for o in gc.get_objects())
+
+    cfg = parse_config(config("/nonexistent", name="lost-owner", timeout=5))
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster, Client(cluster) as owner:
+        planner = owner.submit(lost, pure=False)
+        with pytest.raises(RuntimeError):
+            planner.result()
+        owner.publish_dataset({"config": cfg.to_dict(), "planner": planner, "constructors": 1,
+                               "generation": 0, "owner": "a client that is gone"},
+                              name=REGISTRY_PREFIX + "lost-owner")
+        published_event(owner, "lost-owner").set()
+        before = open_clients()
+        for _ in range(3):
+            with pytest.raises(ServiceError):
+                DataService.connect(cluster.scheduler_address, "lost-owner", timeout=5)
+        assert open_clients() == before

@@ -104,3 +104,36 @@ def test_a_failed_look_is_not_repeated_by_every_waiting_reader() -> None:
         t.join(30)
     assert len(errors) == 8 and planner.calls == 1
     assert time.monotonic() - t0 < 2.0   # one failing look, not eight in a row
+
+
+class _Slow(_Planner):
+    """Answers ``handles`` at once; its ``set_weights`` never answers (counted)."""
+
+    def __init__(self) -> None:
+        super().__init__(delay=0.0)
+        self.sets = 0
+
+    def set_weights(self, weights: dict[str, float]) -> Any:
+        with self.lock:
+            self.sets += 1
+
+        class _Never:
+            def result(self, timeout: float | None = None) -> Any:
+                time.sleep(min(timeout or 0.0, 0.2))
+                raise TimeoutError(f"timed out after {timeout} s.")
+
+        return _Never()
+
+
+def test_a_call_the_same_planner_does_not_answer_is_sent_once() -> None:
+    """The planner answers other calls but not this one: the request is not sent again
+    (``set_weights`` must not run twice) and the error names the service (a review found
+    it sent twice, then a bare ``TimeoutError('timed out after 5 s.')``)."""
+    import pytest
+
+    planner = _Slow()
+    link = _link(planner)
+    with pytest.raises(ServiceTimeoutError, match="service 'link': the planner did not answer "
+                       "within 300s"):
+        link.call(lambda p: p.set_weights({"a": 1.0}))
+    assert planner.sets == 1 and link.generation == 0
