@@ -804,6 +804,7 @@ class PlannerActor:
         from msd_dask.core.stream import NeedMetadata
 
         k = self.cfg.steps_per_round
+        handing: list[StepPlan] = []  # the round being handed over (for an error's message)
         try:
             async with self._plan_lock:  # a step of a cancelled loop still planning ends first
                 pass
@@ -839,14 +840,19 @@ class PlannerActor:
                     if len(plans) < k:
                         await self._assign_ahead()  # the next step's units and read-ahead
                 if plans:
+                    handing = plans
                     await self._submit(plans, k)
+                    handing = []
                 if need is not None:
                     await self._await_meta(need.source, need.units)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to every reader
             _log.exception("msd_dask %s: planner failed", self.cfg.name)
-            self.error = f"planner failed at step {self.planner.step}: {e}"
+            # (planning the next step, or handing over a round planned already)
+            at = (f"step {self.planner.step}" if not handing else
+                  f"handing over steps {handing[0].step}-{handing[-1].step}")
+            self.error = f"planner failed at {at}: {e}"
             await self.roles.notify(self.error)
 
     async def _submit(self, plans: list[StepPlan], room: int) -> None:

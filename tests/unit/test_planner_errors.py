@@ -1,0 +1,80 @@
+"""What the planner's readers are told when its loop fails: the round being handed over,
+not the next step, which was never planned (found by a review, by running it)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from msd_dask import load_config
+from msd_dask.roles.planner import PlannerActor
+from msd_dask.sources.discover import discover_units
+from msd_dask.sources.documents import read_unit
+from msd_dask.sources.storage import open_source
+from msd_dask.sources.tokenizer import ByteTokenizer
+
+from corpus import config
+
+
+def test_a_round_that_cannot_be_handed_over_is_named(corpus: Any, monkeypatch: Any) -> None:
+    import msd_dask.roles.planner as planner_module
+
+    root, _ = corpus
+    cfg = load_config(config(root))
+    units, roots = discover_units(cfg)
+    told: list[str] = []
+
+    class Roles:  # the roles of a service whose constructors refuse every round
+        active = {s.name: [0] for s in cfg.sources}
+        constructors = [object()]
+        loader_threads = 1
+
+        def loader(self, source: str, slot: int) -> Any:
+            class Loader:
+                async def metadata(self, epoch: int, unit: int) -> np.ndarray:
+                    return np.array([1])
+
+            return Loader()
+
+        async def assign_units(self, *args: Any) -> None:
+            pass
+
+        async def release_units(self, *args: Any) -> None:
+            pass
+
+        async def wait_room(self, k: int) -> None:
+            pass
+
+        async def heal(self, wait: bool = False) -> bool:
+            return False
+
+        async def apply_scaling(self) -> None:
+            pass
+
+        def next_slot(self, source: str, owner: Any = None) -> int:
+            return 0
+
+        async def submit(self, steps: list[Any], room: int) -> None:
+            raise RuntimeError(f"constructor 0 refused steps {[s for s, *_ in steps]}")
+
+        async def notify(self, message: str) -> None:
+            told.append(message)
+
+    async def run() -> None:
+        actor = PlannerActor(cfg.to_dict(), units, roots)
+        for s in cfg.sources:  # every unit's lengths known: the loop plans without loaders
+            fs = open_source(s.uri, s.storage_options).fs
+            for i, u in enumerate(actor.units[s.name]):
+                lengths = np.array([len(d) for d in read_unit(s, fs, u, ByteTokenizer())])
+                for epoch in range(3):
+                    actor._meta[(s.name, epoch, i)] = lengths
+        actor.roles = Roles()  # type: ignore[assignment]
+        monkeypatch.setattr(actor, "_split", lambda plan: [None])
+        monkeypatch.setattr(planner_module, "pack_works", lambda works: [b""])
+        await actor._loop()
+
+    asyncio.run(run())
+    assert told == ["planner failed at handing over steps 0-2: "
+                    "constructor 0 refused steps [0, 1, 2]"]
