@@ -191,8 +191,10 @@ def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
     return client_id in dask_scheduler.clients
 
 
-def scheduler_workers(client: Any, timeout: float) -> set[str]:
-    """The addresses of the workers the scheduler knows now (raises if it does not answer).
+def scheduler_workers(client: Any, timeout: float, *, running: bool = False) -> set[str]:
+    """The addresses of the workers the scheduler knows now (raises if it does not answer);
+    ``running``: only those that run tasks (not paused, e.g. over their memory limit, nor
+    being retired: a role placed on one would not start).
 
     Relies on ``Client.sync`` and the scheduler RPC ``client.scheduler.ncores``:
     ``Client.scheduler_info()`` may answer from the client's cached copy and
@@ -201,7 +203,8 @@ def scheduler_workers(client: Any, timeout: float) -> set[str]:
     ``identity``, which carries every worker's metrics: the scheduler builds them
     and this process reads them at every look.
     """
-    threads = client.sync(client.scheduler.ncores, callback_timeout=timeout)
+    rpc = client.scheduler.ncores_running if running else client.scheduler.ncores
+    threads = client.sync(rpc, callback_timeout=timeout)
     return set(threads)
 
 

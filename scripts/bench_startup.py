@@ -59,9 +59,12 @@ class _StandInClient:
     def __init__(self, workers: int):
         self._workers = {f"tcp://10.0.{i // 250}.{i % 250}:9000": 1 for i in range(workers)}
         self.sent: bytes = b""
-        self.scheduler = self  # ``client.scheduler.ncores``: the scheduler's RPC
+        self.scheduler = self  # ``client.scheduler.ncores(_running)``: the scheduler's RPCs
 
     def ncores(self) -> dict[str, int]:
+        return self._workers
+
+    def ncores_running(self) -> dict[str, int]:
         return self._workers
 
     def sync(self, fn: Any, *args: Any, callback_timeout: float | None = None,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal, overload
 
 from msd_dask.core.config import Config, parse_config
@@ -75,6 +76,19 @@ def _install_plugin(client: Any) -> None:
             client.register_plugin(MsdSchedulerPlugin())
     except Exception as e:  # noqa: BLE001 - the service runs without its dashboard page
         _log.warning("msd_dask: could not install the scheduler plugin: %r", e)
+
+
+@contextmanager
+def _planner_within(name: str, what: str, timeout: float) -> Iterator[None]:
+    """Turn a wait on service ``name``'s new planner that ran out into a
+    :class:`ServiceTimeoutError` saying what it waited for."""
+    try:
+        yield
+    except TimeoutError as e:
+        raise ServiceTimeoutError(
+            f"the planner of service {name!r} did not {what} within {timeout:.0f}s (its "
+            "worker may be paused, e.g. over its memory limit, or overloaded: see the "
+            "worker's log)") from e
 
 
 def _check_tls(address: str | None, security: Any) -> None:
@@ -239,17 +253,28 @@ class DataService:
         registry = place_planner(client, cfg, units, roots, resume, loader_threads)
         registry["quarantined"] = quarantined
         registry["owner"] = client.id
-        registry["planner"].result().setup().result()
+        with _planner_within(cfg.name, "set up", timeout):
+            registry["planner"].result(timeout=timeout).setup().result(timeout=timeout)
         client.publish_dataset(registry, name=key)
-        published_event(client, cfg.name).set()
-        svc = cls(client, cfg, registry, owner=True, cluster=cluster)
-        svc.keeper = PlannerKeeper(
-            svc.link, {"units": units, "roots": roots, "loader_threads": loader_threads,
-                       "resume": dict(resume) if resume else None},
-            interval=svc.watch_interval)
-        _install_plugin(client)
-        svc.planner.start().result()
-        svc.keeper.start()
+        svc = None
+        try:  # from here, a failure (or Ctrl-C) leaves nothing published or running
+            published_event(client, cfg.name).set()
+            svc = cls(client, cfg, registry, owner=True, cluster=cluster)
+            svc.keeper = PlannerKeeper(
+                svc.link, {"units": units, "roots": roots, "loader_threads": loader_threads,
+                           "resume": dict(resume) if resume else None},
+                interval=svc.watch_interval)
+            _install_plugin(client)
+            with _planner_within(cfg.name, "start planning", timeout):
+                svc.planner.start().result(timeout=timeout)
+            svc.keeper.start()
+        except BaseException:
+            if svc is not None:
+                svc.close()  # (the roles closed, the service unpublished)
+            else:
+                published_event(client, cfg.name).clear()
+                client.unpublish_dataset(key)
+            raise
         return svc
 
     @overload

@@ -85,9 +85,10 @@ def place_planner(client: Any, cfg: Config,
     # not client.scheduler_info(): the client's periodic identity call (totals only, no
     # workers) can overwrite its answer before it returns, and a planner re-created
     # after a loss would find "no worker"
-    workers = sorted(scheduler_workers(client, cfg.timeout))
+    workers = sorted(scheduler_workers(client, cfg.timeout, running=True))
     if not workers:
-        raise ServiceError(f"no worker to place the planner of service {cfg.name!r} on")
+        raise ServiceError(f"no running worker to place the planner of service {cfg.name!r} "
+                           "on (every worker is paused or being retired)")
     n_c = constructors or cfg.constructors or min(cfg.parallel.dp, len(workers))
     members = constructor_members(cfg, n_c)
     from msd_dask.roles.planner import PlannerActor  # the starting process only (see planner.py)

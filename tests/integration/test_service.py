@@ -195,7 +195,7 @@ def test_a_failed_connect_leaves_no_client_open():
 
     def open_clients() -> int:
         gc.collect()
-        return sum(isinstance(o, Client) and o.status == "running" for o in gc.get_objects())
+        return sum(type(o) is Client and o.status == "running" for o in gc.get_objects())
 
     cfg = parse_config(config("/nonexistent", name="lost-owner", timeout=5))
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
@@ -212,3 +212,37 @@ def test_a_failed_connect_leaves_no_client_open():
             with pytest.raises(ServiceError):
                 DataService.connect(cluster.scheduler_address, "lost-owner", timeout=5)
         assert open_clients() == before
+
+
+def test_start_places_the_planner_on_a_running_worker_and_cleans_up_a_failed_start(
+        corpus, monkeypatch):
+    """The first worker is paused (over its memory limit, say): the planner goes to the
+    other (it went to the first, sorted by address, and start() waited for ever).  A start
+    that fails after publishing the service leaves nothing published: the same name starts
+    again (a review found both by running them)."""
+    from distributed import Client, LocalCluster
+    from distributed.core import Status
+
+    from msd_dask.service import handle as handle_module
+
+    def pause(dask_worker) -> None:  # type: ignore[no-untyped-def]
+        dask_worker.status = Status.paused
+
+    root, _ = corpus
+    cfg = config(root, name="paused-first", timeout=20)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, memory_limit=0,
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        first, second = sorted(c.scheduler_info()["workers"])
+        c.run(pause, workers=[first])
+
+        def refuse(self) -> None:  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt  # Ctrl-C after the service was published
+
+        with monkeypatch.context() as m:
+            m.setattr(handle_module.PlannerKeeper, "start", refuse)
+            with pytest.raises(KeyboardInterrupt):
+                DataService.start(cfg, cluster.scheduler_address)
+        assert not [d for d in c.list_datasets() if str(d).startswith("msd-")]
+        with DataService.start(cfg, cluster.scheduler_address) as svc:
+            assert svc.planner._address == second
+            assert next(svc.reader(0)).step == 0
