@@ -47,6 +47,8 @@ class PlannerKeeper:
         self.checkpoint: dict[str, Any] | None = None
         #: the roles' keys held from the dataset ``msd_roles/<name>`` (None: none yet)
         self.pinned: list[str] | None = None
+        #: the highest planner generation this keeper published
+        self._published = int(link.generation)
         #: held while a checkpoint is kept or the planner re-created
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -140,7 +142,9 @@ class PlannerKeeper:
             registry = place_planner(
                 link.client, link.config, self.recipe["units"], self.recipe["roots"],
                 ck["state"], self.recipe["loader_threads"], constructors=old.get("constructors"),
-                generation=link.generation + 1, had=had,
+                # (above any generation published: an attempt that failed after publishing
+                # took its number, and processes that adopted it switch only to a higher one)
+                generation=max(link.generation, self._published) + 1, had=had,
                 lost={"from": actor_address(link.planner), "recovered": ck["recovered"],
                       "events": ck["events"]})
             registry["quarantined"] = old.get("quarantined", {})
@@ -184,6 +188,16 @@ class PlannerKeeper:
             raise
         client.publish_dataset(registry, name=REGISTRY_PREFIX + self.link.name, override=True,
                                callback_timeout=cfg.timeout)
-        handles = planner.handles(False).result(timeout=cfg.timeout)
-        self.link.adopt(registry, planner, handles["constructors"])
-        planner.start().result(timeout=cfg.timeout)
+        self._published = max(self._published, int(registry["generation"]))
+        try:
+            handles = planner.handles(False).result(timeout=cfg.timeout)
+            self.link.adopt(registry, planner, handles["constructors"])
+            planner.start().result(timeout=cfg.timeout)
+        except BaseException:  # this attempt's planner goes; the next publishes a higher one
+            try:
+                planner.close_roles().result(timeout=30)
+            except Exception:  # noqa: BLE001 - best effort: its worker may be the trouble
+                pass
+            finally:
+                registry["planner"].release()
+            raise

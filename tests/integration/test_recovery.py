@@ -270,3 +270,42 @@ def test_after_a_recovered_planner_the_default_state_is_the_step_returned(tmp_pa
             for step in range(4, 8):
                 for rd in readers:
                     assert next(rd).step == step
+
+
+def test_a_re_creation_that_fails_after_publishing_is_retried_with_a_new_generation(
+        tmp_path, monkeypatch):
+    """The owner's first attempt to re-create the lost planner fails after publishing it
+    (its ``handles`` did not answer), while another process adopted that planner: the
+    retry publishes a higher generation, which that process then adopts, and both read on
+    (a review found the retry reused the generation number: the other process never
+    switched and its reader timed out on a closed constructor)."""
+    from msd_dask.service.link import PlannerLink
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="generation-retry", timeout=20)
+    with dask_cluster(str(tmp_path), n_workers=3) as cl:
+        with Client(cl["address"], timeout=60) as c:
+            c.wait_for_workers(3, timeout=60)
+        with DataService.start(cfg, cl["address"]) as svc, \
+                DataService.connect(cl["address"], cfg["name"], agent=False) as other:
+            adopt, attempts = PlannerLink.adopt, []
+
+            def flaky(self, registry, planner, constructors):  # type: ignore[no-untyped-def]
+                attempts.append(registry["generation"])
+                if len(attempts) == 1:
+                    assert other.link.adopt_published()  # another process took it
+                    raise TimeoutError("the new planner's handles() did not answer")
+                return adopt(self, registry, planner, constructors)
+
+            monkeypatch.setattr(PlannerLink, "adopt", flaky)
+            os.kill(svc.client.run(os.getpid)[svc.planner._address], signal.SIGKILL)
+            deadline = time.monotonic() + 90
+            while svc.generation == 0:
+                assert time.monotonic() < deadline, attempts
+                time.sleep(0.5)
+            assert attempts == [1, 2] and svc.generation == 2
+            assert other.link.generation == 1 and other.link.adopt_published()
+            assert other.link.generation == 2
+            assert next(other.reader(1, timeout=30)).step == 0
+            assert next(svc.reader(0, timeout=30)).step == 0
