@@ -238,18 +238,25 @@ def test_an_unchanged_checkpoint_is_not_sent_again(tmp_path):
                 assert keeper.checkpoint["state"] != now["state"]
 
 
+@contextmanager
+def _three_workers(tmp_path, name, timeout):
+    """A cluster of three ``dask worker`` processes, all joined, and a config ``name`` over
+    the test corpus."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    with dask_cluster(str(tmp_path), n_workers=3) as cl:
+        with Client(cl["address"], timeout=60) as c:
+            c.wait_for_workers(3, timeout=60)
+        yield cl, config(root, name=name, timeout=timeout)
+
+
 def test_after_a_recovered_planner_the_default_state_is_the_step_returned(tmp_path):
     """Readers returned step 3 of the round 3..5 they claimed, then the planner's worker is
     killed: the re-created planner starts after the last step every rank *returned* (it
     started after the last step claimed, 5), so ``consumed_step()`` and the default
     ``state_dict()`` say 3, the state of step 3 is still held, and the readers go on at 4
     (a review found: they said 5, and resuming from that skipped steps 4 and 5)."""
-    root = str(tmp_path / "corpus")
-    write_corpus(root)
-    cfg = config(root, name="recovered-default", timeout=60)
-    with dask_cluster(str(tmp_path), n_workers=3) as cl:
-        with Client(cl["address"], timeout=60) as c:
-            c.wait_for_workers(3, timeout=60)
+    with _three_workers(tmp_path, "recovered-default", 60) as (cl, cfg):
         with DataService.start(cfg, cl["address"]) as svc:
             readers = [svc.reader(r) for r in range(2)]
             for step in range(4):
@@ -281,12 +288,7 @@ def test_a_re_creation_that_fails_after_publishing_is_retried_with_a_new_generat
     switched and its reader timed out on a closed constructor)."""
     from msd_dask.service.link import PlannerLink
 
-    root = str(tmp_path / "corpus")
-    write_corpus(root)
-    cfg = config(root, name="generation-retry", timeout=20)
-    with dask_cluster(str(tmp_path), n_workers=3) as cl:
-        with Client(cl["address"], timeout=60) as c:
-            c.wait_for_workers(3, timeout=60)
+    with _three_workers(tmp_path, "generation-retry", 20) as (cl, cfg):
         with DataService.start(cfg, cl["address"]) as svc, \
                 DataService.connect(cl["address"], cfg["name"], agent=False) as other:
             adopt, attempts = PlannerLink.adopt, []
