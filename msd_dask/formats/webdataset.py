@@ -112,25 +112,28 @@ class WebDatasetFormat:
                 row = -1
                 key: str | None = None
                 sample: dict[str, bytes] = {}
+                twice: str | None = None  # the sample's extension that came twice, if any
                 members = _members(tar, f, path)
                 for name, data in members:
                     k, ext = split_key(name)
                     if k != key:
                         if key is not None:
                             row += 1
-                            yield row, self._select(sample, fields, path, row, errors)
-                        key, sample = k, {}
-                    if ext in sample:
-                        raise DataError(f"sample {k!r} has two '.{ext}' members", path=path)
+                            yield row, self._select(sample, fields, path, row, errors, twice)
+                        key, sample, twice = k, {}, None
+                    if ext in sample:  # (a bad sample: the others of the shard still count)
+                        twice = twice or f"sample {k!r} has two '.{ext}' members"
                     sample[ext] = data
                 if key is not None:
                     row += 1
-                    yield row, self._select(sample, fields, path, row, errors)
+                    yield row, self._select(sample, fields, path, row, errors, twice)
 
     @staticmethod
     def _select(sample: dict[str, bytes], fields: Sequence[str], path: str, row: int,
-                errors: str) -> Any:
+                errors: str, twice: str | None = None) -> Any:
         try:
+            if twice is not None:
+                raise DataError(twice, path=path, row=row)
             rec = _record(sample, path, row)
             try:
                 return {name: rec[name] for name in fields}

@@ -529,3 +529,25 @@ def test_parquet_reads_allocate_from_the_c_heap_unless_the_deployment_chose(
     out = subprocess.run([sys.executable, "-c", _POOL_RUN.format(path=str(tmp_path / "p.parquet"))],
                          check=True, capture_output=True, text=True, env={**base, **env})
     assert out.stdout.strip() == backend
+
+
+def test_webdataset_a_member_twice_is_one_bad_sample(tmp_path: Any) -> None:
+    """A sample with two ``.txt`` members (``0001.TXT`` and ``0001.txt`` count as one
+    extension) is one bad row; the shard's other samples still read (a review found the
+    whole shard dropped, the error naming no row, even with ``errors="yield"``)."""
+    path = str(tmp_path / "dup.tar")
+    with tarfile.open(path, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, text in (("a/0.txt", "zero"), ("a/1.TXT", "one"), ("a/1.txt", "uno"),
+                           ("a/2.txt", "two")):
+            info = tarfile.TarInfo(name)
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text.encode()))
+    wds = get_format("webdataset")
+    rows = list(wds.read(LOCAL, Unit(path), ["text"], errors="yield"))
+    assert [r for r, _ in rows] == [0, 1, 2]
+    assert rows[0][1] == {"text": "zero"} and rows[2][1] == {"text": "two"}
+    bad = rows[1][1]
+    assert isinstance(bad, DataError) and bad.row == 1
+    assert "sample 'a/1' has two '.txt' members" in str(bad)
+    with pytest.raises(DataError, match=r"row 1: sample 'a/1' has two '\.txt' members"):
+        list(wds.read(LOCAL, Unit(path), ["text"]))
