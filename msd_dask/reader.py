@@ -249,10 +249,12 @@ class Reader:
         link.on_new_generation(self._tell_new_generation)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"rank", "step"}``: the last step this reader returned (``None``: none yet)."""
-        step = self.step if self.step is not None else (
-            self._skip_through if self._skip_through >= 0 else None)
-        return {"rank": self.rank, "step": step}
+        """``{"rank", "step"}``: the later of the last step this reader returned and of a
+        state it loaded (``None``: neither)."""
+        # (a state loaded after reading counts: the next step served is after it)
+        step = self.step if self.step is not None else -1
+        step = max(step, self._skip_through)
+        return {"rank": self.rank, "step": step if step >= 0 else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -88,58 +89,69 @@ class Prefetcher(Generic[T]):
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.depth = int(depth)
-        self._source = source
-        self._slots = threading.Semaphore(self.depth)
-        self._items: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        self._stop = threading.Event()
+        self._run = _Run(source, depth)
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._taken = 0          # items taken from the source
         self._returned = 0       # items returned by get()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # (the thread holds the run, not this object: a prefetcher dropped without close()
+        # stops its thread, which then lets go of the source, e.g. a reader and its socket)
+        self._thread = threading.Thread(target=self._run.loop, name=name, daemon=True)
         self._thread.start()
+        weakref.finalize(self, self._run.stop.set)
 
     @property
     def ahead(self) -> int:
         """Items taken from the source (or being taken) and not yet returned by :meth:`get`."""
-        with self._lock:
-            return self._taken - self._returned
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self._slots.acquire(timeout=0.1):
-                continue
-            if self._stop.is_set():
-                return
-            with self._lock:
-                self._taken += 1
-            try:
-                item = next(self._source)
-            except BaseException as e:  # noqa: BLE001 - handed to the consumer by get()
-                self._items.put((False, e))
-                return
-            self._items.put((True, item))
+        with self._run.lock:
+            return self._run.taken - self._returned
 
     def get(self, timeout: float | None = None) -> T:
         """The next item (waits for it; ``timeout`` in seconds raises ``TimeoutError``)."""
         if self._error is not None:
             raise self._error
         try:
-            ok, item = self._items.get(timeout=timeout)
+            ok, item = self._run.items.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"no item within {timeout}s") from None
         if not ok:
             self._error = item
             raise item
-        with self._lock:
+        with self._run.lock:
             self._returned += 1
-        self._slots.release()
+        self._run.slots.release()
         return item
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking items (an item being taken is finished first, up to ``timeout``)."""
-        self._stop.set()
+        self._run.stop.set()
         self._thread.join(timeout)
+
+
+class _Run:
+    """What a :class:`Prefetcher`'s thread works with: the source, the queue of items (or
+    the source's error, after which the thread ends), and how far it is ahead."""
+
+    def __init__(self, source: Iterator[Any], depth: int):
+        self.source = source
+        self.slots = threading.Semaphore(depth)
+        self.items: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.taken = 0  # items taken from the source
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            if not self.slots.acquire(timeout=0.1):
+                continue
+            if self.stop.is_set():
+                return
+            with self.lock:
+                self.taken += 1
+            try:
+                item = next(self.source)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer by get()
+                self.items.put((False, e))
+                return
+            self.items.put((True, item))
 
 
 class MsdIterableDataset(torch.utils.data.IterableDataset):
@@ -240,7 +252,18 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
                                           name=f"msd-prefetch-{self.name}-rank{self.rank}")
         n = 0
         while self.steps is None or n < self.steps:
-            batch = self._prefetcher.get() if self._prefetcher is not None else next(reader)
+            if self._prefetcher is None:
+                batch = next(reader)
+            else:
+                try:
+                    batch = self._prefetcher.get()
+                except BaseException:
+                    # its thread ended on the reader's error (a timeout, say), every batch
+                    # it took handed out before: the next iter() reads on with a new one,
+                    # as a loop reading the reader directly would
+                    self._prefetcher.close()
+                    self._prefetcher = None
+                    raise
             self.last_step = batch.step
             yield batch_to_dict(batch)
             n += 1
@@ -303,6 +326,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
 
         Batches prefetched and not handed out are lost to this rank.
         """
+        state = self.state_dict()  # (kept: a later iter() goes on after it)
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
@@ -310,10 +334,13 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             self._service.close()
         self._service = None
         self._reader = None
+        self._pending_state = state if state.get("step") is not None else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_service"] = None
         state["_reader"] = None
         state["_prefetcher"] = None
+        position = self.state_dict()  # (a copy goes on after the last step handed out)
+        state["_pending_state"] = position if position.get("step") is not None else None
         return state

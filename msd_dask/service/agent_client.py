@@ -239,8 +239,10 @@ class AgentReader:
             raise
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"rank", "step"}``: the last step returned, else of the state loaded, else ``None``."""
-        return {"rank": self.rank, "step": self._loaded if self.step is None else self.step}
+        """``{"rank", "step"}``: the later of the last step returned and of the state loaded,
+        ``None`` if neither."""
+        steps = [s for s in (self.step, self._loaded) if s is not None]
+        return {"rank": self.rank, "step": max(steps) if steps else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""

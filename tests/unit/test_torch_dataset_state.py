@@ -1,0 +1,144 @@
+"""MsdIterableDataset over a stand-in service (no Dask; the stand-in is patched in where
+the dataset connects): its state survives close() and pickling, one timeout does not end
+prefetching for good, a dataset dropped without close() lets go of its reader and thread,
+and a reader that loaded a state after reading reports that state (found by a review, each
+by running it)."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import threading
+import time
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+from msd_dask.batch import Batch
+from msd_dask.errors import ServiceTimeoutError
+from msd_dask.torch import MsdIterableDataset
+
+
+def _batch(step: int) -> Batch:
+    z = torch.zeros(1, 4, dtype=torch.long)
+    return Batch(step=step, rank=0, input_ids=z, labels=z, position_ids=z,
+                 cu_seqlens=[torch.tensor([0, 4], dtype=torch.int32)], documents=[[]],
+                 cost=0.0, epochs=[[]])
+
+
+class _Service:
+    """Serves steps after what a reader has (or loaded), once each; may time out once at
+    ``fail_once_at``."""
+
+    def __init__(self, fail_once_at: int | None = None):
+        self.served = -1
+        self.fail_once_at = fail_once_at
+        self.readers: list[Any] = []
+
+    def reader(self, rank: int, timeout: float | None = None) -> Any:
+        service = self
+
+        class _Reader:
+            def __init__(self) -> None:
+                self.step: int | None = None
+                self.skip = -1
+
+            def state_dict(self) -> dict[str, Any]:
+                step = max(-1 if self.step is None else self.step, self.skip)
+                return {"rank": rank, "step": step if step >= 0 else None}
+
+            def load_state_dict(self, state: dict[str, Any]) -> None:
+                if state.get("step") is not None:
+                    self.skip = int(state["step"])
+
+            def __iter__(self) -> Any:
+                return self
+
+            def __next__(self) -> Batch:
+                step = max(service.served, self.skip) + 1
+                if step == service.fail_once_at:
+                    service.fail_once_at = None
+                    raise ServiceTimeoutError(f"rank {rank} waited 1s for step {step}")
+                service.served = self.step = step
+                return _batch(step)
+
+            def report_step_time(self, *args: Any, **kwargs: Any) -> None:
+                pass
+
+        reader = _Reader()
+        self.readers.append(weakref.ref(reader))
+        return reader
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture()
+def service(monkeypatch: pytest.MonkeyPatch) -> _Service:
+    import msd_dask.service.agent_client as agent_client
+
+    svc = _Service()
+    monkeypatch.setattr(agent_client, "connect_agent", lambda name, agent=None, timeout=30.0: svc)
+    return svc
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_the_position_survives_close_and_pickling(service: _Service, prefetch: int) -> None:
+    """``state_dict()`` after ``close()`` (or of a pickled copy) said step None: a checkpoint
+    taken then resumed from the start.  A later ``iter()`` goes on after the position."""
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=prefetch)
+    it = iter(ds)
+    assert [next(it)["step"] for _ in range(3)] == [0, 1, 2]
+    ds.close()
+    assert ds.state_dict() == {"rank": 0, "step": 2}
+    assert pickle.loads(pickle.dumps(ds)).state_dict() == {"rank": 0, "step": 2}
+    service.served = -1  # (what a new service resumed from that state would serve after it)
+    assert next(iter(ds))["step"] == 3
+    ds.close()
+
+
+def test_one_timeout_does_not_end_prefetching(service: _Service) -> None:
+    """The reader times out once at step 2: the loop sees the timeout once and reads on
+    with the next ``iter()`` (prefetching used to raise it on every later call)."""
+    service.fail_once_at = 2
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=2)
+    steps: list[int] = []
+    timeouts = 0
+    while len(steps) < 5:
+        try:
+            for b in ds:
+                steps.append(b["step"])
+                if len(steps) == 5:
+                    break
+        except ServiceTimeoutError:
+            timeouts += 1
+    assert steps == [0, 1, 2, 3, 4] and timeouts == 1
+    ds.close()
+
+
+def test_a_dataset_dropped_without_close_lets_go_of_its_reader(service: _Service) -> None:
+    for _ in range(3):  # e.g. a dataset per evaluation, never closed
+        ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=2)
+        next(iter(ds))
+        del ds
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        gc.collect()
+        threads = [t for t in threading.enumerate() if t.name.startswith("msd-prefetch-demo")]
+        if not threads and all(r() is None for r in service.readers):
+            break
+        time.sleep(0.1)
+    assert not threads and all(r() is None for r in service.readers)
+
+
+def test_a_reader_that_loads_a_state_after_reading_reports_it() -> None:
+    """A reader that read steps 0-3 and then loaded the state of step 10 said step 3 until
+    its next batch: a checkpoint then would resume at 4, not 11."""
+    from msd_dask.reader import Reader
+
+    reader = Reader.__new__(Reader)  # (its state alone: no service behind it)
+    reader.rank, reader.step, reader._skip_through = 0, 3, -1
+    reader.load_state_dict({"rank": 0, "step": 10})
+    assert reader.state_dict() == {"rank": 0, "step": 10}
