@@ -225,6 +225,8 @@ class CostFitter:
         d0 = u_dir / norm
         a0, b0 = p.coefficients(d0, 0.0, np.zeros(2))
         u0 = d0 * max(0.0, b0 / a0) if a0 > 0 else np.zeros(2)
+        if not u0.any():  # (every time measured 0 s: no scale to rescale the prior to)
+            return self.prior
         if self.count < self.min_observations or p.y_rms <= 0:
             return p.theta(u0)
         lam = self.prior_weight

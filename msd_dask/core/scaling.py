@@ -366,7 +366,7 @@ class Scaler:
             limit = self.limit(source)
             if floor is not None:
                 want = max(want, int(min(floor[0], p.bounds(source)[1], limit)))
-            if load.loaders > limit:
+            if load.loaders > max(limit, p.bounds(source)[0]):
                 if now - last >= p.scaling.cooldown:  # loaders that add nothing: remove them at once
                     out[source] = max(int(limit), p.bounds(source)[0])
                     self._changed[source] = now
@@ -383,8 +383,9 @@ class Scaler:
                     out[source] = want
                     self._changed[source] = now
                     if now - self._down_at.get(source, -math.inf) < p.scaling.scale_down_after \
-                            and _bottleneck(load, p):
-                        # the last scale-down starved the planner: hold this count
+                            and _bottleneck(load, p) and demand(load) > 0:
+                        # the last scale-down starved the planner: hold this count (while
+                        # demand stays; none measured, no floor: it could never lapse)
                         self.floors[source] = (want, demand(load))
             elif want < load.loaders:
                 since = self._low_since.setdefault(source, now)

@@ -257,3 +257,14 @@ def test_a_plans_rank_features_are_what_the_fitter_takes_of_its_pieces() -> None
         by_lengths.observe(lengths, seconds)
         by_sums.observe_sums(*feats[r].tolist(), seconds)
     assert by_sums.model() == by_lengths.model()
+
+
+def test_steps_measured_at_zero_seconds_keep_the_prior() -> None:
+    """Every step time reported as 0 s: the fitter keeps its prior (it returned
+    ``CostModel(0, 0)``: every piece free, balancing and the outlier delay off)."""
+    fitter = CostFitter()
+    for n in (3, 20):
+        for _ in range(n):
+            fitter.observe(np.array([100, 200]), 0.0)
+        model = fitter.model()
+        assert (model.linear, model.quadratic) == (fitter.prior.linear, fitter.prior.quadratic)

@@ -327,3 +327,31 @@ def test_pick_loader_gives_units_to_the_loader_with_the_fewest_outstanding():
     assert out == {0: 3, 1: 3, 2: 2}, given
     with pytest.raises(ValueError, match="no loader slot"):
         pick_loader([], {}, 0)
+
+
+def test_a_floor_is_not_held_when_no_demand_was_measured() -> None:
+    """A stall (nothing delivered, the loaders not measured, the planner starved) right after
+    a scale-down: the reactive rule scales up, but with no demand measured it records no
+    floor, which could never lapse (a review found the source held at 3 loaders for good
+    while 1 sufficed)."""
+    scaler = Scaler(ScalingPolicy(ScalingConfig(min_loaders=1, max_loaders=8, cooldown=5.0,
+                                                scale_down_after=30.0)))
+    loaders = 3
+    for t in range(200):
+        stall = 36 <= t < 40
+        load = SourceLoad(loaders=loaders, weight_ahead=0.1, consumption=0.0 if stall else 1000.0,
+                          seconds_per_token=0.0 if stall else 0.001, threads=1,
+                          starved=1.0 if stall else 0.0)
+        loaders = scaler.decide(float(t), {"a": load}).get("a", loaders)
+    assert loaders == 1 and not scaler.floors
+
+
+def test_a_cpu_cap_below_min_loaders_changes_nothing_at_min_loaders() -> None:
+    """One core's worth of a CPU-bound source, ``min_loaders: 2``, 2 loaders: ``decide``
+    returns nothing (it returned ``{'a': 2}``, a 'change' to the same count, every
+    cooldown)."""
+    scaler = Scaler(ScalingPolicy(ScalingConfig(min_loaders=2, max_loaders=8, cooldown=5.0)))
+    load = SourceLoad(loaders=2, weight_ahead=1.0, consumption=20_000.0, seconds_per_token=0.002,
+                      threads=1, starved=0.5, cpu_per_token=0.00095, cpu_fraction=0.95, cores=1.0)
+    decisions = [scaler.decide(float(t), {"a": load}) for t in range(30)]
+    assert scaler.cpu_caps["a"] < 2 and not any(decisions)
