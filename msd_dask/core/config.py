@@ -730,6 +730,11 @@ def _parse(d: Any) -> Config:
     _check_keys(b, "batch", _names(BatchConfig), {"seq_len"})
     batch = BatchConfig(seq_len=_int(b, "seq_len", "batch"),
                         micro_batches=_int(b, "micro_batches", "batch", BatchConfig.micro_batches))
+    if parallel.cp > 1 and batch.seq_len % (2 * parallel.cp):
+        # (each context-parallel rank takes two chunks of every row, see core/mesh.py)
+        raise ConfigError("batch.seq_len", f"must be divisible by 2 x parallel.cp = "
+                          f"{2 * parallel.cp} (each context-parallel rank takes two of that "
+                          f"many chunks of every row), got {batch.seq_len}")
     tokenizer = _tokenizer(d.get("tokenizer", {}))
     cost = d.get("cost", {})
     _check_keys(cost, "cost", _names(CostConfig))

@@ -441,3 +441,14 @@ def test_a_seed_of_32_bits_or_more_is_refused(data_dir: Path) -> None:
     assert "[0, 2**32)" in str(refused(d, "seed"))
     d["seed"] = 2**32 - 1
     assert load_config(d).seed == 2**32 - 1
+
+
+def test_a_seq_len_context_parallel_ranks_cannot_split_is_refused(data_dir: Path) -> None:
+    """cp = 3 splits each row into 6 chunks: seq_len 128 is refused when the config is
+    read (it failed only when a rank of the group first asked for its batch)."""
+    d = base(data_dir)
+    d["parallel"] = {"dp": 2, "cp": 3}
+    err = refused(d, "batch.seq_len")
+    assert "2 x parallel.cp = 6" in str(err) and "got 128" in str(err)
+    d["batch"]["seq_len"] = 132
+    assert load_config(d).parallel.cp == 3
