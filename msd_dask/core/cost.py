@@ -113,6 +113,8 @@ class CostFitter:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
         if min_observations < 1 or prior_weight < 0:
             raise ValueError("min_observations must be >= 1 and prior_weight >= 0")
+        if window < 1:  # (``del steps[:-0]`` would keep every step, not none)
+            raise ValueError(f"window must be >= 1, got {window}")
         self.prior = prior if prior is not None else CostModel()
         self.min_observations = int(min_observations)
         self.prior_weight = float(prior_weight)

@@ -268,3 +268,10 @@ def test_steps_measured_at_zero_seconds_keep_the_prior() -> None:
             fitter.observe(np.array([100, 200]), 0.0)
         model = fitter.model()
         assert (model.linear, model.quadratic) == (fitter.prior.linear, fitter.prior.quadratic)
+
+
+def test_a_window_of_no_steps_is_refused() -> None:
+    """``window=0`` kept every step (``del steps[:-0]`` deletes nothing)."""
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        CostFitter(window=0)
+    assert CostFitter(window=1).window == 1
