@@ -180,20 +180,13 @@ class PlannerKeeper:
         planner = registry["planner"].result(timeout=cfg.timeout)
         try:
             planner.setup().result(timeout=cfg.timeout)
-        except BaseException:
-            try:
-                planner.close_roles().result(timeout=30)
-            finally:
-                registry["planner"].release()
-            raise
-        client.publish_dataset(registry, name=REGISTRY_PREFIX + self.link.name, override=True,
-                               callback_timeout=cfg.timeout)
-        self._published = max(self._published, int(registry["generation"]))
-        try:
+            client.publish_dataset(registry, name=REGISTRY_PREFIX + self.link.name,
+                                   override=True, callback_timeout=cfg.timeout)
+            self._published = max(self._published, int(registry["generation"]))
             handles = planner.handles(False).result(timeout=cfg.timeout)
             self.link.adopt(registry, planner, handles["constructors"])
             planner.start().result(timeout=cfg.timeout)
-        except BaseException:  # this attempt's planner goes; the next publishes a higher one
+        except BaseException:  # this attempt's planner goes; a retry publishes a higher one
             try:
                 planner.close_roles().result(timeout=30)
             except Exception:  # noqa: BLE001 - best effort: its worker may be the trouble
