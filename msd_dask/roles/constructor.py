@@ -688,13 +688,11 @@ class DataConstructor:
         the answer never reached it (its connection failed after this actor answered), so
         its reader asks again.  ``None`` otherwise; once ``rank`` has the whole round, the
         round is forgotten."""
+        self._forget_rounds_through(rank, done)
         last = self._last_round.get(rank)
         if last is None:
             return None
         steps, batches = last
-        if done >= steps[-1]:
-            del self._last_round[rank]
-            return None
         if done < steps[0] - 1:  # a reader that starts over (e.g. restarted): not a retry
             return None
         return ([s for s in steps if s > done],
