@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from msd_dask.core.flops import transformer_coefficients
+from msd_dask.core.mesh import cp_divides
 from msd_dask.errors import ConfigError
 
 __all__ = [
@@ -730,8 +731,7 @@ def _parse(d: Any) -> Config:
     _check_keys(b, "batch", _names(BatchConfig), {"seq_len"})
     batch = BatchConfig(seq_len=_int(b, "seq_len", "batch"),
                         micro_batches=_int(b, "micro_batches", "batch", BatchConfig.micro_batches))
-    if parallel.cp > 1 and batch.seq_len % (2 * parallel.cp):
-        # (each context-parallel rank takes two chunks of every row, see core/mesh.py)
+    if not cp_divides(batch.seq_len, parallel.cp):
         raise ConfigError("batch.seq_len", f"must be divisible by 2 x parallel.cp = "
                           f"{2 * parallel.cp} (each context-parallel rank takes two of that "
                           f"many chunks of every row), got {batch.seq_len}")

@@ -21,16 +21,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["cp_indices", "view_for_rank"]
+__all__ = ["cp_divides", "cp_indices", "view_for_rank"]
 
 _TOKENS = ("input_ids", "labels", "position_ids")
+
+
+def cp_divides(seq_len: int, cp_size: int) -> bool:
+    """Whether ``cp_size`` context-parallel ranks can split rows of ``seq_len`` tokens:
+    each takes two of ``2 · cp_size`` equal chunks (:func:`cp_indices`)."""
+    return cp_size == 1 or seq_len % (2 * cp_size) == 0
 
 
 def cp_indices(seq_len: int, cp_rank: int, cp_size: int) -> np.ndarray:
     """Row positions held by context-parallel rank ``cp_rank`` of ``cp_size``."""
     if cp_size == 1:
         return np.arange(seq_len)
-    if seq_len % (2 * cp_size):
+    if not cp_divides(seq_len, cp_size):
         raise ValueError(f"seq_len {seq_len} is not divisible by 2·cp = {2 * cp_size}")
     c = seq_len // (2 * cp_size)
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
