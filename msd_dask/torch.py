@@ -257,7 +257,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             else:
                 try:
                     batch = self._prefetcher.get()
-                except BaseException:
+                except Exception:
                     # its thread ended on the reader's error (a timeout, say), every batch
                     # it took handed out before: the next iter() reads on with a new one,
                     # as a loop reading the reader directly would
@@ -326,7 +326,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
 
         Batches prefetched and not handed out are lost to this rank.
         """
-        state = self.state_dict()  # (kept: a later iter() goes on after it)
+        position = self._position()  # (kept: a later iter() goes on after it)
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
@@ -334,13 +334,18 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             self._service.close()
         self._service = None
         self._reader = None
-        self._pending_state = state if state.get("step") is not None else None
+        self._pending_state = position
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_service"] = None
         state["_reader"] = None
         state["_prefetcher"] = None
-        position = self.state_dict()  # (a copy goes on after the last step handed out)
-        state["_pending_state"] = position if position.get("step") is not None else None
+        state["_pending_state"] = self._position()  # (a copy goes on after it)
         return state
+
+    def _position(self) -> dict[str, Any] | None:
+        """The state a reader connected later loads: :meth:`state_dict`, if any step was
+        handed out or loaded."""
+        state = self.state_dict()
+        return state if state.get("step") is not None else None
