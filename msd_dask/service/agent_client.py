@@ -230,13 +230,28 @@ class AgentReader:
         self.step: int | None = None
         #: the step of the last state loaded (:meth:`load_state_dict`)
         self._loaded: int | None = None
-        self._sock: socket.socket | None = _dial(path, self.timeout, f"rank {self.rank}")
+        self._closed = False
+        #: the connection to the agent; ``None`` after a request it may still answer
+        #: (:meth:`__next__` timed out or lost it): the next request dials again
+        self._sock: socket.socket | None = None
+        self._sock = self._connect()
+
+    def _connect(self) -> socket.socket:
+        sock = _dial(self.path, self.timeout, f"rank {self.rank}")
         try:
-            _hello(self._sock, path, {"op": "hello", "rank": self.rank, "service": name},
+            _hello(sock, self.path, {"op": "hello", "rank": self.rank, "service": self.name},
                    f"rank {self.rank}")
         except BaseException:
-            self.close()
+            sock.close()
             raise
+        return sock
+
+    def _drop(self) -> None:
+        """Close a connection whose last request the agent may still answer: that answer,
+        read by a later request, would be taken for the later one's (a step twice)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the later of the last step returned and of the state loaded,
@@ -254,25 +269,31 @@ class AgentReader:
         return self
 
     def __next__(self) -> Batch:
-        if self._sock is None:
+        if self._closed:
             raise ServiceError(f"rank {self.rank}: the reader is closed")
+        if self._sock is None:
+            self._sock = self._connect()
+        sock = self._sock
         after = max(-1 if self.step is None else self.step,
                     -1 if self._loaded is None else self._loaded)
         waiting = f"step {after + 1}"
         try:
-            send(self._sock, {"op": "next", "after": after, "timeout": self.timeout})
-            self._sock.settimeout(self.timeout + ANSWER_MARGIN)
-            answer = recv(self._sock)
+            send(sock, {"op": "next", "after": after, "timeout": self.timeout})
+            sock.settimeout(self.timeout + ANSWER_MARGIN)
+            answer = recv(sock)
         except TimeoutError:
+            self._drop()
             raise ServiceTimeoutError(
                 f"rank {self.rank} waited {self.timeout + ANSWER_MARGIN:.0f}s for {waiting} "
                 f"from the agent at {self.path} and got no answer; is `msd-dask agent` "
                 "running?") from None
         except OSError as e:
+            self._drop()
             raise ServiceError(f"rank {self.rank} lost the agent at {self.path} while asking "
                                f"for {waiting} ({type(e).__name__}: {e}); did `msd-dask agent` "
                                "exit?") from None
         if answer is None:
+            self._drop()
             raise ServiceError(f"rank {self.rank}: the agent at {self.path} closed the "
                                f"connection while rank {self.rank} waited for {waiting}; did "
                                "`msd-dask agent` exit?")
@@ -280,7 +301,10 @@ class AgentReader:
             err = ServiceTimeoutError if answer.get("kind") == "timeout" else ServiceError
             raise err(f"service {self.name!r}: {answer['error']}")
         batch = read_block(answer, self.rank)
-        send(self._sock, {"op": "ack", "step": batch.step})
+        try:
+            send(sock, {"op": "ack", "step": batch.step})
+        except OSError:
+            self._drop()  # the agent learns the step from the next request's ``after``
         self.step = batch.step
         return batch
 
@@ -298,6 +322,7 @@ class AgentReader:
 
     def close(self) -> None:
         """Close the connection to the agent (idempotent)."""
+        self._closed = True
         sock, self._sock = self._sock, None
         if sock is None:
             return

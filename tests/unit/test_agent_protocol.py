@@ -650,3 +650,23 @@ def test_service_operations_through_the_agent_say_where_to_call_them(tmp_path: A
             handle.nonsense  # noqa: B018 - the attribute access is what is tested
         assert not hasattr(handle, "stats")
         handle.close()
+
+
+def test_an_answer_after_the_rank_gave_up_is_not_taken_for_the_next_request(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that stopped waiting (its agent answered late: a stalled event loop, say)
+    and asks again gets every step once: the late answer to the request it gave up on
+    is not read as the answer to the next one."""
+    from msd_dask.service import agent_client
+
+    # the rank gives up 0.7 s before the agent's own timeout: its answer comes late
+    monkeypatch.setattr(agent_client, "ANSWER_MARGIN", -0.7)
+    with running_agent(tmp_path, [0], delay=0.5) as (agent, _readers):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        reader = handle.reader(0, timeout=1.0)
+        with pytest.raises(ServiceTimeoutError, match="step 0"):
+            next(reader)  # gave up after 0.3 s; the agent answers step 0 at 0.5 s
+        time.sleep(2.0)  # the agent holds steps 0-2 now: the next requests are answered at once
+        steps = [next(reader).step for _ in range(3)]
+        handle.close()
+    assert steps == [0, 1, 2]
