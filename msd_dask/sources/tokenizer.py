@@ -72,7 +72,9 @@ class HFTokenizer:
     :data:`EOD_TOKENS` the vocabulary has; the padding id is ``pad_id`` when
     given, else the first of :data:`PAD_TOKENS`, else the tokenizer's own
     padding id, else the end-of-document id.  ``encode`` adds no special
-    tokens of the tokenizer's post-processor (BOS etc.), only the EOD id.
+    tokens of the tokenizer's post-processor (BOS etc.), only the EOD id, and
+    encodes a special token's text found in a document as text (its ordinary
+    pieces).  ``vocab_size`` is the largest id plus one.
 
     Parameters
     ----------
@@ -93,8 +95,13 @@ class HFTokenizer:
 
         with fsspec.open(path, "r", encoding="utf-8", **dict(storage_options or {})) as f:
             self._tok = _HF.from_str(f.read())
+        # a special token's text inside a document ("<|endoftext|>" in a page about GPT-2)
+        # is text: its pieces, not the special id (a false end of document, dropped on decode)
+        self._tok.encode_special_tokens = True
         self.path = path
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        # ids: the largest plus one (the vocabulary may have holes), so the loaders' token
+        # width (uint16 below 65,536) holds every id
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.eod_id = self._pick(eod_id, EOD_TOKENS, "eod_id")
         pad = self._pick(pad_id, PAD_TOKENS, None)
         if pad < 0 and self._tok.padding is not None:

@@ -98,6 +98,39 @@ def test_hf_decode_drops_an_image_token_of_id_0(bpe):
         assert tok.decode(ids) == "hello"
 
 
+def test_hf_special_token_text_in_a_document_is_text(bpe):
+    """A document that mentions ``<|endoftext|>`` or ``<pad>`` (a page about GPT-2) gets no
+    end-of-document or padding id inside it, and decodes to its own text."""
+    tok = HFTokenizer(bpe)
+    doc = "GPT-2 separates documents with <|endoftext|> and pads with <pad> tokens."
+    ids = tok.encode(doc)
+    inner = ids[:-1]
+    assert not (inner == tok.eod_id).any() and not (inner == tok.pad_id).any()
+    assert ids[-1] == tok.eod_id
+    assert tok.decode(ids) == doc
+
+
+def test_hf_vocab_size_covers_the_largest_id(tmp_path):
+    """``vocab_size`` is the largest id + 1 where the ids have holes: the loaders' uint16
+    width is taken only when every id fits it (an id of 70,000 was wrapped to 4,464)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "<pad>": 1, "[UNK]": 2, "hello": 3, "world": 70000}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.save(str(tmp_path / "holes.json"))
+    tok = HFTokenizer(str(tmp_path / "holes.json"), image_token_id=70000)
+    assert tok.vocab_size == 70001 and tok.image_id == 70000
+    (tmp_path / "d.jsonl").write_text('{"text": "hello world"}\n')
+    cfg = load_config({"name": "holes", "parallel": {"dp": 1}, "batch": {"seq_len": 16},
+                       "tokenizer": {"kind": "hf", "path": str(tmp_path / "holes.json")},
+                       "sources": [{"name": "s", "uri": str(tmp_path / "d.jsonl"),
+                                    "format": "jsonl"}]})
+    fs, units = source_units(cfg.sources[0])
+    docs = read_unit(cfg.sources[0], fs, units[0], tok)
+    assert docs[0].tolist() == [3, 70000, 0]
+
+
 # --------------------------------------------------------------- preprocess
 
 
