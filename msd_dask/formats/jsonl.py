@@ -5,6 +5,7 @@ A file is one unit; it is decompressed and parsed as a stream, one line at a tim
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import json
@@ -169,6 +170,8 @@ class JsonlFormat:
                 if not line:
                     break
                 row += 1
+                if row == 0 and line.startswith(codecs.BOM_UTF8):
+                    line = line[len(codecs.BOM_UTF8):]  # a byte-order mark may start the file
                 if not line.strip():
                     continue
                 try:
@@ -183,8 +186,7 @@ class JsonlFormat:
 
 def _parse(line: bytes, fields: Sequence[str], path: str, row: int) -> dict[str, Any]:
     try:
-        # A byte-order mark may only start the file.
-        text = line.decode("utf-8-sig" if row == 0 else "utf-8")
+        text = line.decode("utf-8")  # (a byte-order mark starting the file is gone)
     except UnicodeDecodeError as exc:
         raise DataError(f"invalid UTF-8: {exc.reason} at byte {exc.start}",
                         path=path, row=row) from None
@@ -195,6 +197,8 @@ def _parse(line: bytes, fields: Sequence[str], path: str, row: int) -> dict[str,
                         path=path, row=row) from None
     except RecursionError:
         raise DataError("invalid JSON: nested too deep to parse", path=path, row=row) from None
+    except ValueError as exc:  # an integer of more digits than int() converts, say
+        raise DataError(f"invalid JSON: {exc}", path=path, row=row) from None
     if not isinstance(obj, dict):
         raise DataError(f"expected a JSON object, got {type(obj).__name__}",
                         path=path, row=row)

@@ -50,7 +50,7 @@ def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
     if "json" in fields:
         try:
             obj = json.loads(fields["json"].decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8, JSON, an int too long
             raise DataError(f"invalid .json member: {exc}", path=path, row=row) from None
         if not isinstance(obj, dict):
             raise DataError(f".json member is a {type(obj).__name__}, not an object",

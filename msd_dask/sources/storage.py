@@ -41,7 +41,7 @@ class SourceFiles:
 def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> SourceFiles:
     """Expand ``uri`` (an fsspec URL, optionally a glob) into a :class:`SourceFiles`."""
     fs, path = url_to_fs(uri, **dict(storage_options or {}))
-    if any(c in path for c in _GLOB_CHARS):
+    if any(c in path for c in _GLOB_CHARS) and not fs.isfile(path):  # (a file named "a[0].jsonl")
         first = min(path.find(c) for c in _GLOB_CHARS if c in path)
         root = path[:first].rsplit("/", 1)[0] if "/" in path[:first] else ""
         paths = sorted(p for p in fs.glob(path) if not fs.isdir(p))

@@ -438,6 +438,9 @@ def test_jsonl_blank_lines_are_skipped_but_counted(tmp_path: Any) -> None:
     (b'"text"', "expected a JSON object, got str"),
     (b'{"title": "a"}', "missing field 'text'"),
     (b'{"text": "\xff\xfe"}', "invalid UTF-8"),
+    # json.loads raises a bare ValueError past int()'s 4,300 digits: it escaped as one
+    pytest.param(b'{"text": "a", "n": ' + b"1" * 5000 + b"}", "invalid JSON: Exceeds the limit",
+                 id="int-too-long"),
 ])
 def test_jsonl_bad_line_names_file_and_row(tmp_path: Any, line: bytes, reason: str) -> None:
     path = _jsonl_file(tmp_path, b'{"text": "ok"}\n\n' + line + b'\n{"text": "after"}\n')
@@ -458,6 +461,18 @@ def test_jsonl_rows_before_a_bad_line_are_yielded(tmp_path: Any) -> None:
 def test_jsonl_byte_order_mark_at_start_is_accepted(tmp_path: Any) -> None:
     path = _jsonl_file(tmp_path, b'\xef\xbb\xbf{"text": "a"}\n{"text": "b"}\n')
     assert _rows(path) == [(0, {"text": "a"}), (1, {"text": "b"})]
+
+
+@pytest.mark.parametrize("content, rows", [
+    (b'\xef\xbb\xbf\n{"text": "a"}\n', [(1, {"text": "a"})]),
+    (b"\xef\xbb\xbf", []),
+    (b"\xef\xbb\xbf\r\n", []),
+])
+def test_jsonl_byte_order_mark_then_a_blank_line_is_skipped(
+        tmp_path: Any, content: bytes, rows: list[Any]) -> None:
+    """A byte-order mark, then a blank line (or nothing): the blank line is skipped (it
+    was row 0's invalid JSON)."""
+    assert _rows(_jsonl_file(tmp_path, content)) == rows
 
 
 def test_jsonl_zst_with_several_frames(tmp_path: Any) -> None:
@@ -551,3 +566,29 @@ def test_webdataset_a_member_twice_is_one_bad_sample(tmp_path: Any) -> None:
     assert "sample 'a/1' has two '.txt' members" in str(bad)
     with pytest.raises(DataError, match=r"row 1: sample 'a/1' has two '\.txt' members"):
         list(wds.read(LOCAL, Unit(path), ["text"]))
+
+
+def test_webdataset_json_member_with_a_too_long_integer_is_one_bad_sample(tmp_path: Any) -> None:
+    """A ``.json`` member json.loads refuses with a bare ValueError (an integer past
+    int()'s digit limit) is one bad row, not the shard's failure."""
+    path = str(tmp_path / "bigint.tar")
+    with tarfile.open(path, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in (("s/0.txt", b"zero"), ("s/1.txt", b"one"),
+                           ("s/1.json", b'{"n": ' + b"9" * 5000 + b"}"), ("s/2.txt", b"two")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    rows = list(get_format("webdataset").read(LOCAL, Unit(path), ["text"], errors="yield"))
+    assert [r for r, _ in rows] == [0, 1, 2]
+    assert rows[0][1] == {"text": "zero"} and rows[2][1] == {"text": "two"}
+    bad = rows[1][1]
+    assert isinstance(bad, DataError) and bad.row == 1 and "invalid .json member" in str(bad)
+
+
+def test_open_source_a_file_whose_name_has_glob_characters(tmp_path: Any) -> None:
+    """A uri naming an existing file with ``[`` in its name is that file, not a glob of a
+    character class that matches nothing."""
+    path = tmp_path / "part[0].jsonl"
+    path.write_bytes(b'{"text": "a"}\n')
+    assert open_source(str(path)).paths == [str(path)]
+    assert open_source(str(tmp_path / "part*.jsonl")).paths == [str(path)]
