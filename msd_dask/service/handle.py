@@ -38,7 +38,7 @@ from msd_dask.service.placement import (
     published_event,
 )
 from msd_dask.service.recovery import PlannerKeeper
-from msd_dask.sources.discover import discover_remote
+from msd_dask.sources.discover import anchored_config, discover_remote
 
 __all__ = ["DataService"]
 
@@ -213,7 +213,8 @@ class DataService:
 
         from msd_dask.roles.planner import planner_state
 
-        cfg = parse_config(cfg)  # a worker checks and lists the files
+        # a worker checks and lists the files, in its own working directory
+        cfg = anchored_config(parse_config(cfg))
         if resume is not None:
             planner_state(cfg, dict(resume))  # refuse a mismatched state before starting
         timeout = cfg.timeout if timeout is None else timeout

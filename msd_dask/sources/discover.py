@@ -7,6 +7,7 @@ worker check the sources and list their units (:func:`discover_units`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -18,7 +19,7 @@ from msd_dask.dask_internals import task_worker
 from msd_dask.errors import ConfigError, DataError, ServiceTimeoutError
 from msd_dask.sources.check import load_config
 
-__all__ = ["anchored", "discover_on_worker", "discover_remote", "discover_units"]
+__all__ = ["anchored", "anchored_config", "discover_on_worker", "discover_remote", "discover_units"]
 
 #: the service's logger: these messages are about starting a service
 _log = logging.getLogger("msd_dask.service")
@@ -92,6 +93,16 @@ def anchored(uri: str) -> str:
     return os.path.abspath(os.path.expanduser(uri))
 
 
+def anchored_config(cfg: Config) -> Config:
+    """``cfg`` with its local relative paths (the sources' ``uri``, the tokenizer's
+    ``path``) made absolute by :func:`anchored`: the workers that list, read and
+    tokenize may run in another directory than the process given the config."""
+    tok = cfg.tokenizer
+    return dataclasses.replace(
+        cfg, sources=tuple(dataclasses.replace(s, uri=anchored(s.uri)) for s in cfg.sources),
+        tokenizer=tok if tok.path is None else dataclasses.replace(tok, path=anchored(tok.path)))
+
+
 def discover_on_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     """Check and list the sources of ``cfg`` (a :meth:`Config.to_dict`) on a Dask worker.
 
@@ -134,9 +145,7 @@ def discover_remote(client: Any, cfg: Config, timeout: float
     ServiceTimeoutError
         The listing did not finish within ``timeout``.
     """
-    d = cfg.to_dict()
-    d["sources"] = [dict(s, uri=anchored(str(s["uri"]))) for s in d["sources"]]
-    fut = client.submit(discover_on_worker, d, pure=False)
+    fut = client.submit(discover_on_worker, anchored_config(cfg).to_dict(), pure=False)
     try:
         got = fut.result(timeout=timeout)
     except TimeoutError:

@@ -24,7 +24,7 @@ from msd_dask.errors import DataError, ServiceTimeoutError
 from msd_dask.sources.discover import discover_units
 
 from cluster import dask_cluster
-from corpus import config, write_corpus
+from corpus import config, train_bpe, write_corpus
 
 #: the libraries of the file formats and storage (distributed imports zstandard itself)
 _FORMAT_LIBS = {"pyarrow", "fsspec", "s3fs"}
@@ -84,6 +84,24 @@ def test_the_starter_lists_no_file_itself(cluster, tmp_path):
     assert not {m.split(".")[0] for m in loaded} & _FORMAT_LIBS, sorted(
         {m.split(".")[0] for m in loaded} & _FORMAT_LIBS)
     assert not loaded & _FORMAT_MODULES, sorted(loaded & _FORMAT_MODULES)
+
+
+def test_a_relative_tokenizer_path_is_resolved_where_the_user_gave_it(cluster, tmp_path):
+    """``tokenizer.path`` relative to the starter's directory: the workers, in another
+    directory, load the same file (it failed there: 'cannot load tokenizer')."""
+    root = str(tmp_path)
+    write_corpus(root)
+    texts = ["hello world, some text to train on. " * 20, "def f(x): return x\n" * 20]
+    train_bpe(texts, os.path.join(root, "tok.json"))
+    cfg = config(root, name="relative-tokenizer")
+    cfg["sources"] = [dict(s, uri=os.path.relpath(s["uri"], root)) for s in cfg["sources"]]
+    cfg["tokenizer"] = {"kind": "hf", "path": "tok.json"}
+    assert os.path.realpath(os.getcwd()) != os.path.realpath(root)  # the workers' directory
+
+    got = _start_elsewhere(cluster["address"], cfg, cwd=root)
+
+    assert "error" not in got, got.get("error")
+    assert set(got["units"]) == {s["name"] for s in cfg["sources"]}
 
 
 def test_a_corrupt_footer_is_the_same_data_error(cluster, tmp_path):
