@@ -114,6 +114,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self._targets: dict[str, dict[str, int]] = {}
         #: roles each service wants (last poll), for ``adaptive_target``
         self._wanted: dict[str, int] = {}
+        #: per service: the snapshot its adaptive policy was last evaluated from (the next
+        #: evaluation comes ``scaling.interval`` seconds after it, over the time between)
+        self._scaled_from: dict[str, dict[str, Any]] = {}
         #: what puts back each scheduler entry point :meth:`_hook` wrapped
         self._unhooks: list[Callable[[], None]] = []
         #: name -> (the scheduler's entry of the published dataset, registry): a registry
@@ -134,6 +137,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self._task = asyncio.create_task(self._run())
 
     async def close(self) -> None:
+        _unregister_collector(self)
         self._unhook()
         if self._task is not None:
             self._task.cancel()
@@ -144,7 +148,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         from distributed import Client
 
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.period())
             try:
                 if self._client is None:
                     self._client = await Client(self.scheduler.address, asynchronous=True,
@@ -154,6 +158,12 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                 raise
             except Exception as e:  # noqa: BLE001 - a poll must never take the scheduler down
                 logger.debug("msd_dask plugin poll failed: %r", e)
+
+    def period(self) -> float:
+        """Seconds between polls: :attr:`interval`, or less where an adaptive service's
+        ``scaling.interval`` (seconds between evaluations of its policy) is shorter."""
+        return min([self.interval, *(c.scaling.interval for c in self._configs.values()
+                                     if c.scaling.policy == "adaptive")])
 
     async def poll(self) -> None:
         """Refresh the figures of every published service."""
@@ -208,8 +218,12 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             self.rates[name] = rates
         self.services[name] = snap
         hist.extend((h["step"], h["imbalance"]) for h in snap.pop("history"))
-        if prev is not None and snap["time"] > prev["time"]:
-            await self._scale(name, registry, snap, prev)
+        base = self._scaled_from.setdefault(name, snap)
+        # (within half a poll: polls one interval apart evaluate at every poll)
+        if snap["time"] > base["time"] and \
+                snap["time"] - base["time"] >= sc.interval - self.period() / 2:
+            self._scaled_from[name] = snap
+            await self._scale(name, registry, snap, base)
         from msd_dask.plugin.adaptive import roles_wanted
 
         self._wanted[name] = roles_wanted(snap["constructors"], snap["planner"]["loaders"],
@@ -218,7 +232,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
     def _per_service(self) -> tuple[dict[str, Any], ...]:
         """Every table this plugin keeps per service name."""
         return (self.services, self.rates, self.imbalance, self.decisions, self._configs,
-                self._scalers, self._targets, self._wanted, self._registries, self.poll_errors)
+                self._scalers, self._targets, self._wanted, self._registries, self.poll_errors,
+                self._scaled_from)
 
     def _known(self) -> set[str]:
         """Names of the services this plugin holds anything for."""
@@ -246,6 +261,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         # stale registries' handles go before the fetch (see :meth:`poll`): this name's
         # planner may be gone (re-created, or the service closed and started again), and
         # so may any service closed since the poll began
+        owner = None if cached is None else cached[1].get("owner")
         del cached
         self._registries.pop(name, None)
         if published is not None:
@@ -254,6 +270,11 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         await self._release_unknown()
         registry = await self._client.get_dataset(key)
         self.registry_fetches += 1
+        if owner is not None and registry.get("owner") != owner:
+            # another service of this name (closed and started again between two polls):
+            # nothing of the old one's (config, history, policy) stands for it; a planner
+            # re-created by the same owner keeps them
+            self._forget(name)
         self._registries[name] = (entry, registry)
         return registry
 
@@ -461,24 +482,35 @@ def _page() -> str:
     return files("msd_dask.plugin").joinpath("static/status.html").read_text(encoding="utf-8")
 
 
-_COLLECTOR_PLUGIN: list[MsdSchedulerPlugin] = []
+#: the plugins started in this process and not closed (one per scheduler: a process with
+#: several schedulers, embedded clusters say, shares prometheus_client's one registry)
+_LIVE_PLUGINS: list[MsdSchedulerPlugin] = []
+_COLLECTOR: list[Any] = []
+
+
+def _unregister_collector(plugin: MsdSchedulerPlugin) -> None:
+    """A closed plugin's services leave ``/metrics``."""
+    if plugin in _LIVE_PLUGINS:
+        _LIVE_PLUGINS.remove(plugin)
 
 
 def _register_collector(plugin: MsdSchedulerPlugin) -> None:
-    """Expose ``msd_*`` metrics through prometheus_client's default registry."""
+    """Expose ``msd_*`` metrics through prometheus_client's default registry: the services
+    of every live plugin of this process (the registry is the process's)."""
     try:
         from prometheus_client.core import REGISTRY, GaugeMetricFamily
     except ImportError:  # pragma: no cover - prometheus_client is optional
         return
-    if _COLLECTOR_PLUGIN:
-        _COLLECTOR_PLUGIN[0] = plugin
+    if plugin not in _LIVE_PLUGINS:
+        _LIVE_PLUGINS.append(plugin)
+    if _COLLECTOR:
         return
-    _COLLECTOR_PLUGIN.append(plugin)
 
     class _Collector:
         def collect(self) -> Any:
-            p = _COLLECTOR_PLUGIN[0]
-            st = p.status()["services"]
+            st: dict[str, Any] = {}
+            for p in list(_LIVE_PLUGINS):
+                st.update(p.status()["services"])
             per_source = {
                 "weight": "Configured token share of the source (normalised)",
                 "share": "Delivered (planned) token share of the source",
@@ -523,7 +555,8 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
                 imb.add_metric([svc], float(d["mean_imbalance"]))
             yield from (n, q, lag, slow, steps, imb)
 
-    REGISTRY.register(_Collector())
+    _COLLECTOR.append(_Collector())
+    REGISTRY.register(_COLLECTOR[0])
 
 
 def dask_setup(scheduler: Any) -> None:

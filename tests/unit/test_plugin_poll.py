@@ -104,3 +104,116 @@ def test_a_retired_loader_does_not_make_the_rate_negative() -> None:
 
     first, second, third, fourth = asyncio.run(polls())
     assert first == 0.0 and second > 0 and third == second and 0 < fourth < second
+
+
+class _Steps(_Planner):
+    """A planner whose snapshots report the imbalance of steps ``since``..``since + 4``."""
+
+    async def snapshot(self, since: int, lookahead: int | None) -> dict[str, Any]:
+        snap = await super().snapshot(since, lookahead)
+        snap["history"] = [{"step": s, "imbalance": 1.0} for s in range(since, since + 5)]
+        return snap
+
+
+def test_a_service_started_again_under_its_name_between_polls_starts_afresh() -> None:
+    """A service closed and started again under the same name between two polls (a
+    restart takes 0.1-0.2 s, the polls are 1 s apart): the plugin held on to the old one's
+    config (its policy, its sources) and went on with its imbalance history; a planner
+    re-created by the same owner keeps them."""
+    plugin = _plugin({"svc": _Steps()})
+    published = plugin.scheduler.extensions["publish"].datasets  # type: ignore[attr-defined]
+    registry = {"config": config("/nonexistent", name="svc"), "planner": _Handle(_Steps()),
+                "owner": "client-1"}
+
+    async def get_dataset(key: str) -> dict[str, Any]:
+        return registry
+
+    plugin._client.get_dataset = get_dataset  # type: ignore[attr-defined]
+
+    async def poll_published_anew(new: dict[str, Any]) -> None:
+        nonlocal registry
+        registry = new
+        published["msd-svc"] = object()
+        await plugin.poll()
+
+    async def run() -> tuple[list[int], Any, list[int], Any]:
+        for _ in range(3):
+            await plugin.poll()
+        # the same owner re-created the planner: history and config stay
+        await poll_published_anew(dict(registry, planner=_Handle(_Steps())))
+        kept = [s for s, _ in plugin.imbalance["svc"]]
+        kept_cfg = plugin._configs["svc"]
+        cfg = config("/nonexistent", name="svc", scaling={"policy": "adaptive"})
+        await poll_published_anew({"config": cfg, "planner": _Handle(_Steps()), "owner": "client-2"})
+        return kept, kept_cfg, [s for s, _ in plugin.imbalance["svc"]], plugin._configs["svc"]
+
+    kept, kept_cfg, steps, cfg = asyncio.run(run())
+    assert kept == list(range(20)) and kept_cfg.scaling.policy == "fixed"
+    assert steps == list(range(5)) and cfg.scaling.policy == "adaptive"
+
+
+@pytest.mark.parametrize("interval, evaluations", [(1.0, 9), (3.0, 3), (0.2, 9)])
+def test_the_adaptive_policy_is_evaluated_every_scaling_interval(
+        monkeypatch: pytest.MonkeyPatch, interval: float, evaluations: int) -> None:
+    """``scaling.interval`` is the seconds between evaluations of the policy (it was
+    documented and validated, and every poll evaluated it); the plugin polls more often
+    where it is shorter than a second.  Ten polls one (fake) second apart."""
+    import msd_dask.plugin.scheduler as module
+
+    clock = [1000.0]
+    monkeypatch.setattr(module, "time", SimpleNamespace(time=lambda: clock[0],
+                                                        monotonic=lambda: clock[0]))
+    plugin = _plugin({"svc": _Planner()})
+    cfg = config("/nonexistent", name="svc", scaling={"policy": "adaptive", "interval": interval})
+
+    async def get_dataset(key: str) -> dict[str, Any]:
+        return {"config": cfg, "planner": _Handle(_Planner())}
+
+    plugin._client.get_dataset = get_dataset  # type: ignore[attr-defined]
+    spans: list[float] = []
+
+    async def scale(name: str, registry: Any, snap: dict[str, Any], prev: dict[str, Any]) -> None:
+        spans.append(snap["time"] - prev["time"])
+
+    monkeypatch.setattr(plugin, "_scale", scale)
+
+    async def polls() -> None:
+        for _ in range(10):
+            await plugin.poll()
+            clock[0] += 1.0
+
+    asyncio.run(polls())
+    assert len(spans) == evaluations
+    assert spans == [max(1.0, interval)] * evaluations  # each over the time since the last
+    assert plugin.period() == min(1.0, interval)
+
+
+def test_metrics_show_every_live_plugin_and_none_closed() -> None:
+    """Two plugins in one process (two embedded clusters): ``/metrics`` (prometheus_client's
+    one registry) showed only the last one started, and still showed it once closed."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    from msd_dask.plugin import scheduler as module
+
+    first, second = _plugin({"alpha": _Planner()}), _plugin({"beta": _Planner()})
+
+    def services() -> set[str]:
+        text = generate_latest(REGISTRY).decode()
+        return {svc for svc in ("alpha", "beta")
+                if f'msd_steps_planned{{service="{svc}"}}' in text}
+
+    async def run() -> list[set[str]]:
+        await first.poll()
+        await second.poll()
+        module._register_collector(first)
+        module._register_collector(second)
+        seen = [services()]
+        second._client = None  # (a fake: nothing to close)
+        await second.close()
+        seen.append(services())
+        first._client = None
+        await first.close()
+        seen.append(services())
+        return seen
+
+    assert asyncio.run(run()) == [{"alpha", "beta"}, {"alpha"}, set()]
