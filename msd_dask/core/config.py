@@ -660,8 +660,12 @@ def _validate_weights(sources: tuple[SourceConfig, ...]) -> None:
         steps.update(s.weight.breakpoints())
         steps.update(b - 1 for b in s.weight.breakpoints() if b >= 1)
     for st in sorted(steps) + [max(steps) + 1]:
-        if sum(s.weight.at(int(st)) for s in sources) <= 0:
+        total = sum(s.weight.at(int(st)) for s in sources)
+        if total <= 0:
             raise ConfigError("sources", f"source weights sum to 0 at step {int(st)}")
+        if not math.isfinite(total):
+            raise ConfigError("sources", f"source weights sum to {total} at step {int(st)}: "
+                              "too large (only their ratios matter: scale them down)")
 
 
 def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Config:

@@ -13,6 +13,7 @@ or a :class:`PlannerSnapshot` taken without a pass over its pieces.
 from __future__ import annotations
 
 import copy
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -421,6 +422,11 @@ class Planner:
 
         Returns the step the change takes effect at.
         """
+        if from_step is not None and (isinstance(from_step, bool)
+                                      or not isinstance(from_step, numbers.Integral)):
+            raise ValueError(f"set_weights: from_step must be a step (an integer), got {from_step!r}")
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"set_weights: weights must map source names to numbers, got {weights!r}")
         start = self.step if from_step is None else max(int(from_step), self.step)
         # the config's order, not a set's: the mixer sums the weights in this order, and a
         # set's order depends on the process's hash seed (the same seed and the same
@@ -429,9 +435,17 @@ class Planner:
         unknown = set(weights) - set(names)
         if unknown:
             raise ValueError(f"set_weights: unknown source(s) {sorted(unknown)}")
-        w = {n: float(weights.get(n, 0.0)) for n in names}
-        if any(not np.isfinite(v) or v < 0 for v in w.values()) or sum(w.values()) <= 0:
-            raise ValueError(f"set_weights: weights must be >= 0 and sum to > 0, got {dict(weights)}")
+        w: dict[str, float] = {}
+        for n in names:
+            v = weights.get(n, 0.0)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v) or v < 0:
+                raise ValueError(f"set_weights: the weight of source {n!r} must be a finite "
+                                 f"number >= 0, got {v!r}")
+            w[n] = float(v)
+        total = sum(w.values())
+        if not 0 < total < np.inf:
+            raise ValueError(f"set_weights: the weights must sum to more than 0 and less than "
+                             f"infinity (only their ratios matter), got {dict(weights)}")
         self.overrides.append((start, w))
         return start
 

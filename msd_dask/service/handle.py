@@ -17,6 +17,7 @@ successor (docs/resume.md).
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 import weakref
 from collections.abc import Iterator, Mapping
@@ -384,6 +385,9 @@ class DataService:
         Applied before the next step is planned.  Which loader reads a unit never
         changes the documents of a step: the stream does not depend on it.
         """
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise ValueError(f"scale_loaders({source!r}, n): n must be a number of loaders "
+                             f"(an integer), got {n!r}")
         return int(self.link.call(lambda p: p.scale(source, int(n))))
 
     def retire_workers(self, workers: list[str], *, close: bool = True) -> dict[str, int]:

@@ -17,12 +17,16 @@ import time
 from typing import Any
 
 from msd_dask.dask_internals import actor_address
+from msd_dask.errors import ServiceTimeoutError
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
 
 __all__ = ["PlannerKeeper"]
 
 _log = logging.getLogger("msd_dask.service")
+
+#: seconds the owner waits for the planner's checkpoint
+CHECKPOINT_WAIT = 10.0
 
 
 class PlannerKeeper:
@@ -83,8 +87,14 @@ class PlannerKeeper:
             have = version = None
             if last is not None and last.get("generation") == generation:
                 have, version = last["step"], last.get("version")
-            ck = dict(self.link.planner.checkpoint(have=have, have_version=version)
-                      .result(timeout=10))
+            try:
+                ck = dict(self.link.planner.checkpoint(have=have, have_version=version)
+                          .result(timeout=CHECKPOINT_WAIT))
+            except TimeoutError:
+                raise ServiceTimeoutError(
+                    f"service {self.link.name!r}: the planner did not send its checkpoint "
+                    f"within {CHECKPOINT_WAIT:.0f}s (it answers between steps: a step that "
+                    "takes longer to plan delays it)") from None
             if ck["state"] is None and last is not None:
                 ck["state"] = last["state"]
             ck["generation"] = generation

@@ -33,6 +33,10 @@ def test_adding_and_removing_loaders_keeps_every_step(corpus):
         if step == 50:
             assert svc.scale_loaders("code", 1) == 1
             assert svc.scale_loaders("prose", 1) == 1
+            # not a count: refused, naming it (2.7 was taken as 2, True as 1)
+            for bad in (2.7, True, float("nan"), "2"):
+                with pytest.raises(ValueError, match=r"n must be a number of loaders"):
+                    svc.scale_loaders("code", bad)
 
     with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
         scaled = read_steps(svc, 80, on_step=change)

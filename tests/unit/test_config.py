@@ -144,6 +144,15 @@ def test_weights_sum_to_zero(data_dir: Path) -> None:
     refused(d, "sources")
 
 
+def test_weights_whose_sum_overflows(data_dir: Path) -> None:
+    """Each weight finite, their sum infinite: every share would be 0/0."""
+    d = base(data_dir)
+    for s in d["sources"]:
+        s["weight"] = 1e308
+    err = refused(d, "sources")
+    assert "too large" in str(err)
+
+
 def test_weights_sum_to_zero_later_in_a_schedule(data_dir: Path) -> None:
     d = base(data_dir)
     d["sources"][0]["weight"] = [{"until": 50, "weight": 1.0}, {"weight": 0.0}]

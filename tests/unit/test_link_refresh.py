@@ -137,3 +137,29 @@ def test_a_call_the_same_planner_does_not_answer_is_sent_once() -> None:
                        "within 300s"):
         link.call(lambda p: p.set_weights({"a": 1.0}))
     assert planner.sets == 1 and link.generation == 0
+
+
+class _SlowCheckpoint:
+    """A planner whose checkpoint does not come within the owner's wait."""
+
+    def checkpoint(self, **_kw: Any) -> Any:
+        class _Late:
+            def result(self, timeout: float | None = None) -> Any:
+                raise TimeoutError(f"timed out after {timeout} s.")
+        return _Late()
+
+
+def test_a_checkpoint_that_does_not_come_is_a_timeout_naming_it() -> None:
+    """``retire_workers`` keeps the planner's checkpoint after moving the roles; a planner
+    slow to send it gave a bare ``TimeoutError('timed out after 10 s.')`` (review)."""
+    import types
+
+    import pytest
+
+    from msd_dask.service.recovery import PlannerKeeper
+
+    link = types.SimpleNamespace(name="rct", generation=0, planner=_SlowCheckpoint())
+    keeper = PlannerKeeper(link, {})  # type: ignore[arg-type]
+    with pytest.raises(ServiceTimeoutError,
+                       match=r"service 'rct': the planner did not send its checkpoint within 10s"):
+        keeper.keep_checkpoint()

@@ -374,7 +374,21 @@ def test_set_weights_refusals() -> None:
         pl.set_weights({"web": -1.0, "code": 2.0})
     with pytest.raises(ValueError):
         pl.set_weights({"web": float("nan"), "code": 1.0})
+    # each refused with a ValueError naming what is wrong (a review found these accepted,
+    # or refused by a bare TypeError naming nothing): the sum overflowing to infinity made
+    # every weight 0/0 and every later batch padding
+    for weights, match in [({"web": 1e308, "code": 1e308}, "less than infinity"),
+                           ({"web": "abc", "code": 1.0}, "weight of source 'web'"),
+                           ({"web": None, "code": 1.0}, "weight of source 'web'"),
+                           ({"web": True, "code": 1.0}, "weight of source 'web'"),
+                           (None, "must map source names")]:
+        with pytest.raises(ValueError, match=match):
+            pl.set_weights(weights)  # type: ignore[arg-type]
+    for step in ("x", 2.5, True):
+        with pytest.raises(ValueError, match="from_step must be a step"):
+            pl.set_weights({"web": 1.0}, from_step=step)  # type: ignore[arg-type]
     assert pl.overrides == []
+    assert pl.set_weights({"web": np.float32(1.0), "code": 3}, from_step=np.int64(2)) == 2
 
 
 def test_kept_rows_best_fit_decreasing_carried_first() -> None:
