@@ -331,6 +331,12 @@ class LongContextConfig:
     mode: str = "spread"
     max_per_rank: int = 0
 
+    def places_long_pieces(self) -> bool:
+        """Whether the layout decides where long pieces go (``grouped``, or ``spread``
+        with ``max_per_rank``): then no piece is held as an outlier, since held pieces
+        are released a row each at the front of a step, wherever the layout wants them."""
+        return self.mode == "grouped" or self.max_per_rank > 0
+
 
 @dataclass(frozen=True)
 class OutlierConfig:
@@ -811,13 +817,13 @@ def _parse(d: Any) -> Config:
                                                        LongContextConfig.max_per_rank, lo=0))
     oc = d.get("outliers", {})
     _check_keys(oc, "outliers", _names(OutlierConfig))
-    grouped = mode == "grouped" and any(s.context == "long" for s in sources)
+    no_hold = long_context.places_long_pieces() and any(s.context == "long" for s in sources)
     ml = oc.get("min_length", OutlierConfig.min_length)
     if isinstance(ml, str):
         if ml != "auto":
             raise ConfigError("outliers.min_length", f"must be 'auto', a number of tokens or a "
                               f"fraction of batch.seq_len, got {ml!r}")
-        if grouped:  # the default: off where held pieces would land on the other kind of step
+        if no_hold:  # the default: off where held pieces would land against the layout
             ml = 0
     elif isinstance(ml, float):
         if ml != 0 and not 0 < ml < 1:
@@ -828,9 +834,10 @@ def _parse(d: Any) -> Config:
     outliers = OutlierConfig(min_length=ml,
                              group=_int(oc, "group", "outliers", OutlierConfig.group, lo=0),
                              max_wait=_int(oc, "max_wait", "outliers", OutlierConfig.max_wait))
-    if outliers.min_length and outliers.min_length != "auto" and grouped:
+    if outliers.min_length and outliers.min_length != "auto" and no_hold:
         raise ConfigError("outliers.min_length", "cannot be combined with long_context.mode "
-                          "'grouped' (held pieces would land on the other kind of step)")
+                          "'grouped' or long_context.max_per_rank (held pieces are released a "
+                          "row each at the front of a step, wherever the layout wants them)")
     if not isinstance(outliers.min_length, str) and outliers.min_length > batch.seq_len:
         raise ConfigError("outliers.min_length", f"must be <= batch.seq_len ({batch.seq_len}), "
                           f"got {outliers.min_length} (a fraction such as 0.5 follows seq_len)")

@@ -485,12 +485,15 @@ class Planner:
         return units_of(self._carry, self._names) | units_of(self._held, self._names)
 
     def _release(self, group: int, hold_limit: int) -> np.ndarray:
-        """Held outliers that join this step: ``group`` of them, or those held too long.
+        """Held outliers that join this step: ``group`` of them, and every one held
+        ``max_wait`` steps.
 
         The group is the run of ``group`` held pieces closest in length
         (:func:`_closest_group`); it is released once its longest is at most
         :data:`RELEASE_SPREAD` times its shortest, or once the hold is half full, and
         must include the oldest piece once that has waited ``max_wait // 2`` steps.
+        Pieces that have waited ``max_wait`` steps go with it (all of them where fewer
+        than ``group`` are held).
         """
         m = len(self._held)
         waited = self.step - int(self._held_step[0]) if m else 0
@@ -506,7 +509,8 @@ class Planner:
         spread = float(lengths[pick].max()) / max(float(lengths[pick].min()), 1.0)
         if spread > RELEASE_SPREAD and m < hold_limit // 2 and waited < max_wait // 2:
             return _no_pieces()
-        take = np.zeros(m, dtype=bool)
+        # with the group, every piece that has waited max_wait steps (the oldest is in it)
+        take = self.step - self._held_step >= max_wait
         take[pick] = True
         out = self._held[take]
         self._held, self._held_step = self._held[~take], self._held_step[~take]
@@ -611,8 +615,8 @@ class Planner:
         compile_for(dp * mb)  # a step has a piece per row at least (the draw's loop is a kernel)
         weights = self.weights_at(self.step)
         hold = cfg.outliers.threshold(seq_len, self.cost.linear, self.cost.quadratic)
-        if cfg.long_context.mode == "grouped" and self.long_sources:
-            hold = 0  # held pieces would land on the other kind of step (as parse_config says)
+        if cfg.long_context.places_long_pieces() and self.long_sources:
+            hold = 0  # held pieces would land against the layout (as parse_config says)
         group = cfg.outliers.group or dp * mb
         # released outliers (a row each), then carried pieces: placed before anything new
         first = np.concatenate([self._release(group, HOLD_GROUPS * group), self._carry])

@@ -111,6 +111,47 @@ def test_no_piece_is_held_longer_than_max_wait() -> None:
     assert held_ever <= delivered | still
 
 
+@pytest.mark.parametrize("group, max_wait", [(1, 1), (0, 1), (0, 2), (2, 3)])
+def test_no_piece_is_held_longer_than_max_wait_when_groups_fill(group: int, max_wait: int) -> None:
+    """Where ``group`` or more pieces are held, one group goes per step: the others (drawn
+    with it, or passed over for closer lengths) waited 4-8 steps at ``max_wait`` 1-3 (review).
+    Once the oldest has waited ``max_wait`` steps, every held piece goes."""
+    pl = planner(make_cfg(WEIGHTS_3, "lpt", cost=COST,
+                          outliers={"min_length": SEQ_LEN // 3, "group": group,
+                                    "max_wait": max_wait}))
+    held_ever: set[tuple] = set()
+    delivered: list[tuple] = []
+    for _ in range(120):
+        plan = pl.plan_step(lookup)
+        delivered.extend(q.to_tuple() for q in plan.pieces())
+        assert all(pl.step - s <= max_wait for _, s in pl.held), [(q, s) for q, s in pl.held]
+        held_ever.update(q.to_tuple() for q, _ in pl.held)
+    assert len(held_ever) > 20
+    assert len(delivered) == len(set(delivered))
+    assert held_ever <= set(delivered) | {q.to_tuple() for q in pl.pending()}
+
+
+def test_spread_with_max_per_rank_holds_no_piece() -> None:
+    """``long_context: {mode: spread, max_per_rank: k}``: released outliers came a row each
+    at the front of a step, before the long budget, so a rank got ``micro_batches`` long
+    pieces (98 of 100 rank-steps over the limit, review).  Such a layout holds nothing, as
+    ``grouped`` does: ``auto`` is off, a number is refused."""
+    d = make_cfg(WEIGHTS_3, "balanced", cost=COST).to_dict()
+    d["sources"][0]["context"] = "long"
+    d["long_context"] = {"mode": "spread", "max_per_rank": 1}
+    cfg = parse_config(d)
+    assert cfg.outliers.min_length == 0
+    pl = planner(cfg)
+    long_source = d["sources"][0]["name"]
+    for plan in run(pl, 100):
+        for rank in plan.rows:
+            assert sum(q.source == long_source for row in rank for q in row) <= 1
+        assert not pl.held
+    d["outliers"] = {"min_length": MIN}
+    with pytest.raises(ConfigError, match=r"outliers\.min_length.*max_per_rank"):
+        parse_config(d)
+
+
 @pytest.mark.parametrize("k", [0, 3, 37])
 def test_resume_with_pieces_held(k: int) -> None:
     cfg = outlier_cfg()
