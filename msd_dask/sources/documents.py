@@ -143,7 +143,10 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
         try:
             return _read_rows(src, fs, unit, tokenizer, [], None, pool, timing, cpu)
         except (DataError, OSError) as e:
-            raise with_source(e, src.name, unit.path) from e
+            err = with_source(e, src.name, unit.path)
+            if err is e:  # (already named: 'raise e from e' would make e its own cause, a
+                raise     # cycle Dask's pickling of the error recursed on without end)
+            raise err from e
     out: list[np.ndarray | ImageDoc] = []
     bad: list[DataError] = []
     try:

@@ -67,3 +67,20 @@ def test_good_documents_read_as_before(tmp_path: Path) -> None:
                                                 for t in ("a", "bc", "déf")) + "\n")
     docs, quarantine = _read(tmp_path, "x.jsonl", "jsonl", "fail")
     assert [ByteTokenizer().decode(d) for d in docs] == ["a", "bc", "déf"] and not quarantine
+
+
+@pytest.mark.parametrize("line", [b'{"text": 5}', SURROGATE])
+def test_a_document_error_pickles_as_dask_sends_it(tmp_path: Path, line: bytes) -> None:
+    """An error the row's processing already names was re-raised as its own cause
+    (``raise e from e``): Dask's pickling of it (tblib follows ``__cause__``) recursed
+    without end, so from a loader on another worker than the planner the error never
+    arrived and the readers waited out the config's ``timeout`` instead (review)."""
+    from distributed.protocol import pickle as dask_pickle
+
+    (tmp_path / "x.jsonl").write_bytes(b'{"text": "fine 0"}\n' + line + b"\n")
+    with pytest.raises(DataError) as info:
+        _read(tmp_path, "x.jsonl", "jsonl", "fail")
+    err = info.value
+    assert err.__cause__ is not err
+    again = dask_pickle.loads(dask_pickle.dumps(err))
+    assert (type(again), str(again), again.source, again.row) == (DataError, str(err), "s", 1)
