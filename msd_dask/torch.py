@@ -49,7 +49,9 @@ def batch_to_dict(batch: Batch) -> dict[str, Any]:
         ``input_ids``, ``labels``, ``position_ids`` (``torch.long``,
         ``[micro_batches, seq_len]``), ``cu_seqlens`` (list of int32 tensors, one
         per micro-batch), ``documents``, ``epochs``, ``step``, ``rank``, ``cost``
-        and ``num_tokens`` (tokens that are not padding).
+        and ``num_tokens`` (tokens that are not padding); ``cp_index`` (context
+        parallelism), ``pixel_values`` and ``image_spans`` (image+text sources):
+        ``None`` where the batch has none (see :class:`~msd_dask.Batch`).
     """
     return {
         "input_ids": batch.input_ids,
@@ -62,6 +64,9 @@ def batch_to_dict(batch: Batch) -> dict[str, Any]:
         "rank": batch.rank,
         "cost": batch.cost,
         "num_tokens": batch.num_tokens,
+        "cp_index": batch.cp_index,
+        "pixel_values": batch.pixel_values,
+        "image_spans": batch.image_spans,
     }
 
 

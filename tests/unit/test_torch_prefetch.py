@@ -56,3 +56,24 @@ def test_prefetcher_hands_on_the_sources_error_after_its_items():
     pf.close()
     with pytest.raises(ValueError, match="depth"):
         Prefetcher(Counting(), 0)
+
+
+def test_batch_to_dict_keeps_images_and_cp_index() -> None:
+    """The torch adapter's dict had only the text fields: an image+text job never saw its
+    images through ``MsdIterableDataset`` (review), nor a context-parallel rank its
+    ``cp_index``."""
+    import numpy as np
+    from test_agent_protocol import fake_payload
+
+    from msd_dask.batch import Batch
+    from msd_dask.torch import batch_to_dict
+
+    batch = Batch.from_payload(fake_payload(3, 0, images=True), 0)
+    d = batch_to_dict(batch)
+    assert d["pixel_values"] is batch.pixel_values and d["pixel_values"] is not None
+    assert d["image_spans"] == [[(0, 3), None], [None]]
+    assert d["cp_index"] is None  # (no context parallelism in this batch)
+    cp = dict(fake_payload(3, 0), cp_index=np.tile(np.arange(8), (2, 1)))
+    assert batch_to_dict(Batch.from_payload(cp, 0))["cp_index"] is not None
+    assert {f for f, v in batch_to_dict(Batch.from_payload(fake_payload(3, 0), 0)).items()
+            if v is None} == {"cp_index", "pixel_values", "image_spans"}
