@@ -246,6 +246,7 @@ class Reader:
         #: :data:`IDLE_FACTOR`); the reader's claims tell its constructor
         self.report_after = REPORT_IDLE
         self._gaps: deque[float] = deque(maxlen=IDLE_GAPS)
+        self._closed = False
         link.on_new_generation(self._tell_new_generation)
 
     def state_dict(self) -> dict[str, Any]:
@@ -275,6 +276,8 @@ class Reader:
             return done
 
     def __next__(self) -> Batch:
+        if self._closed:
+            raise ServiceError(f"rank {self.rank}: the reader is closed")
         while self._held and self._held[0].step <= self._skip_through:
             self._held.popleft()  # a state loaded after this round was claimed
         if not self._held:
@@ -289,6 +292,18 @@ class Reader:
         if not self.report_pending:  # once per pause, not per step
             _REPORTER.pending(self)
         return batch
+
+    def close(self) -> None:
+        """Stop reading: tell this rank's constructor the last step returned (what
+        :meth:`DataService.state_dict` counts), drop the steps held and not returned;
+        :meth:`__next__` then refuses.  Idempotent; the service keeps running.  (The
+        same as :meth:`AgentReader.close <msd_dask.service.agent_client.AgentReader.close>`:
+        a training script runs unchanged with and without the host agent.)"""
+        if self._closed:
+            return
+        self._closed = True
+        self.report_returned()
+        self._held.clear()
 
     def report_returned(self) -> Any:
         """Tell this rank's constructor the last step this reader returned, if it does not

@@ -157,6 +157,13 @@ def test_consumed_step_counts_only_returned_steps(corpus):
         assert svc.state_dict()["step"] == step
         # a reader of the asking process counts the last step it returned
         assert other.consumed_step() == step and other.state_dict()["step"] == step
+        # close(), as an agent's reader has it (a script runs the same with and without)
+        for reader in readers:
+            reader.close()
+            reader.close()
+        with pytest.raises(ServiceError, match="rank 0: the reader is closed"):
+            next(readers[0])
+        assert svc.consumed_step() == step
 
 
 def test_connect_by_name_and_errors(corpus):
