@@ -29,7 +29,7 @@ EPILOG = """examples:
   msd-dask agent --scheduler tcp://head:8786 --name demo --ranks 0-7
                                               on each training host: one Dask client for
                                               its ranks (export MSD_DASK_AGENT=<socket>)
-  msd-dask serve configs/demo.yaml --scheduler tls://head:8786 \
+  msd-dask serve configs/demo.yaml --scheduler tls://head:8786 \\
       --tls-ca-file ca.pem --tls-cert client.pem --tls-key client.key
                                               the same on a TLS-secured cluster
 
@@ -273,7 +273,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"\nsummary of service {s['service']!r}: {s['steps']} steps x {s['ranks']} ranks "
           f"in {s['seconds']:.1f}s (start-up {s['startup_seconds']:.1f}s)")
     print(f"  throughput : {s['tokens_per_second']:,.0f} tokens/s "
-          f"({s['tokens']:,} non-padding tokens per DP group)")
+          f"({s['tokens']:,} non-padding tokens over all DP groups)")
     print("  token mix  : source        delivered   weight")
     for name, m in s["mix"].items():
         print(f"               {name:<13} {m['delivered']:9.3f} {m['weight']:8.3f}")

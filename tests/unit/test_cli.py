@@ -41,3 +41,13 @@ def test_a_missing_resume_file_is_one_error(tmp_path: Path,
 def test_a_mistyped_config_path_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "configs/tyop.yaml"]) == 2
     assert "no config file 'configs/tyop.yaml'" in capsys.readouterr().err
+
+
+def test_help_keeps_the_tls_example_on_two_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    """A single backslash at the end of a line of the help's example joined it with the
+    next (a review found the command run together)."""
+    from msd_dask.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--scheduler tls://head:8786 \\\n      --tls-ca-file ca.pem" in capsys.readouterr().out
