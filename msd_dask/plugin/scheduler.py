@@ -440,7 +440,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                          "mean_imbalance": snap["planner"]["mean_imbalance"],
                          "imbalance": list(self.imbalance.get(name, [])),
                          "scaling": list(self.decisions.get(name, []))[-20:],
-                         "error": snap["planner"].get("error")}
+                         "error": snap["planner"].get("error"),
+                         # the last polls failed: these figures are the last answered one's
+                         "poll_error": self.poll_errors.get(name)}
         return {"services": out, "time": time.time()}
 
 

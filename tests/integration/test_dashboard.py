@@ -86,6 +86,23 @@ def test_status_page_and_metrics(tmp_path):
             assert shot.exists() and shot.stat().st_size > 1000
             if os.environ.get("MSD_SAVE_SCREENSHOT"):
                 shutil.copy(shot, os.environ["MSD_SAVE_SCREENSHOT"])
+            # error texts are shown as text, not markup (they went into innerHTML as is), and a
+            # service whose polls fail says its figures are the last answered poll's
+            def errors_with_markup(dask_scheduler):  # (nested: pickled by value)
+                plugin = dask_scheduler.plugins["msd_dask"]
+                plugin._task.cancel()  # no poll replaces what follows
+                plugin.services["dash"]["planner"]["error"] = "DataError('<i>row 3</i> & more')"
+                plugin.poll_errors["dash"] = "OSError('<b>lost</b>')"
+
+            svc.client.run_on_scheduler(errors_with_markup)
+            dom = subprocess.run(
+                [browser, "--headless", "--no-sandbox", "--disable-gpu",
+                 "--virtual-time-budget=5000", "--dump-dom", base + "/msd/status"],
+                capture_output=True, text=True, timeout=120).stdout
+            assert "DataError('&lt;i&gt;row 3&lt;/i&gt; &amp; more')" in dom, dom[:4000]
+            assert "<i>row 3</i>" not in dom and "<b>lost</b>" not in dom
+            assert "did not answer its last polls (OSError('&lt;b&gt;lost&lt;/b&gt;'))" in dom
+
 
 
 def _count_planner_calls(dask_worker):
