@@ -399,6 +399,7 @@ class DataService:
         """
         import gc
 
+        workers = self._worker_addresses(workers)
         moved = dict(self.link.call(lambda p: p.evacuate(list(workers))))
         self.refresh()  # drop this client's handles of the moved roles ...
         if self.keeper is not None:
@@ -416,6 +417,22 @@ class DataService:
         if close:
             self.client.retire_workers(list(workers), close_workers=True)
         return moved
+
+    def _worker_addresses(self, workers: list[str]) -> list[str]:
+        """The addresses of ``workers`` (addresses or Dask worker names); a
+        :class:`ValueError` naming those the cluster does not have (nothing moves then:
+        an address mistyped, or ``localhost`` for ``127.0.0.1``, moved no role and retired
+        nothing, silently)."""
+        if isinstance(workers, str):
+            raise ValueError(f"retire_workers: workers must be a list of addresses, got {workers!r}")
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        by_name = {str(w.get("name")): a for a, w in info.items()}
+        addresses = [w if w in info else by_name.get(str(w)) for w in workers]
+        unknown = [w for w, a in zip(workers, addresses, strict=True) if a is None]
+        if unknown:
+            raise ValueError(f"retire_workers: {unknown} is not a worker of the cluster "
+                             f"(its workers: {sorted(info)})")
+        return [a for a in addresses if a is not None]
 
     def stats(self) -> dict[str, Any]:
         """Counters per source, per rank and for the planner.

@@ -63,6 +63,9 @@ def test_retiring_a_worker_moves_its_roles(tmp_path, corpus):
             moved = {}
 
             def retire(step):
+                if step == 10:  # no such worker: refused, naming it (it moved nothing, silently)
+                    with pytest.raises(ValueError, match=r"\['tcp://127.0.0.1:1'\] is not a worker"):
+                        svc.retire_workers(["tcp://127.0.0.1:1"])
                 if step == 20:
                     moved.update(svc.retire_workers([victim]))
 
