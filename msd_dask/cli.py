@@ -135,7 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("weights", nargs="+", metavar="SOURCE=WEIGHT")
     w.add_argument("--scheduler", metavar="ADDR", required=True)
     w.add_argument("--from-step", type=_at_least(0), default=None,
-                   help="first step of the new mix (default: the first unplanned step)")
+                   help="first step of the new mix (default: the first unplanned step; a step "
+                        "already planned takes the first unplanned one: the command prints the "
+                        "step the change takes effect at)")
     _tls_options(w)
 
     a = sub.add_parser(
