@@ -196,6 +196,53 @@ _REPORTER = _Reporter()
 os.register_at_fork(after_in_child=_REPORTER.reset)
 
 
+class _Progress:
+    """What a :class:`Reader` returned and what its constructor knows of it, kept apart
+    from the reader: a reader dropped without :meth:`~Reader.close` still reports its
+    last step (:func:`_report_dropped`)."""
+
+    __slots__ = ("step", "skip_through", "known")
+
+    def __init__(self) -> None:
+        #: the last step returned (``None``: none)
+        self.step: int | None = None
+        #: the step of the state loaded (``-1``: none)
+        self.skip_through = -1
+        #: (key of the constructor actor, last step returned that it knows of): a
+        #: re-created constructor knows nothing yet
+        self.known: tuple[Any, int] = (None, -1)
+
+
+def _report(link: ServiceLink, c: int, rank: int, ranks: list[int], step: int | None,
+            progress: _Progress) -> Any:
+    """Tell constructor ``c`` of ``link`` that ``ranks`` returned ``step``, unless it knows;
+    the call's future, or ``None`` if nothing was sent (see :meth:`Reader.report_returned`)."""
+    from msd_dask.roles.constructor import DataConstructor
+
+    if step is None:
+        return None
+    try:
+        constructor = link.constructors[c]
+        key = constructor.key
+        if progress.known[0] == key and step <= progress.known[1]:
+            return None
+        call = link.send(constructor, DataConstructor.returned_through, rank, int(step), ranks)
+    except Exception:  # noqa: BLE001 - a lost constructor (the state then needs a step),
+        # or a closed service: its roles may be released already
+        return None
+    progress.known = (key, int(step))
+    return call
+
+
+def _report_dropped(link: ServiceLink, c: int, rank: int, ranks: list[int],
+                    progress: _Progress) -> None:
+    """A reader was dropped (garbage-collected) without :meth:`Reader.close`, e.g. after a
+    ``for batch in svc.reader(rank)`` loop that ended with ``break``: report its last step,
+    as close() would (:meth:`DataService.state_dict` counts it)."""
+    step = max(-1 if progress.step is None else progress.step, progress.skip_through)
+    _report(link, c, rank, ranks, step if step >= 0 else None, progress)
+
+
 class Reader:
     """Iterator over one global rank's batches (see :meth:`DataService.reader`).
 
@@ -226,18 +273,14 @@ class Reader:
         self.ranks = [rank, *(r for r in also if r != rank)]
         self.coords = coords
         self.timeout = timeout
-        self.step: int | None = None
+        self._progress = _Progress()
         self._view = (self.coords["cp"], cfg.parallel.cp, self.coords["pp"], cfg.parallel.pp)
-        self._skip_through = -1
         #: the planner generation whose constructors know what this reader has
         self._gen = link.handles[0]
         #: batches of the last round claimed and not returned yet (in step order)
         self._held: deque[Batch] = deque()
         #: the constructor this rank's steps come from
         self._c = constructor_of(self.coords["dp"], len(link.constructors))
-        #: (key of the constructor actor, last step returned that it knows of): a
-        #: re-created constructor knows nothing yet
-        self._known: tuple[Any, int] = (None, -1)
         #: when the last batch was returned (monotonic); whether the process's reporter
         #: watches this reader (see :class:`_Reporter`)
         self.returned_at = 0.0
@@ -248,6 +291,38 @@ class Reader:
         self._gaps: deque[float] = deque(maxlen=IDLE_GAPS)
         self._closed = False
         link.on_new_generation(self._tell_new_generation)
+        if self.REPORT_WHEN_DROPPED:
+            # (at garbage collection only: at interpreter exit the client may be gone)
+            weakref.finalize(self, _report_dropped, link, self._c, rank, self.ranks,
+                             self._progress).atexit = False
+
+    #: whether a reader dropped without :meth:`close` reports the last step it returned
+    REPORT_WHEN_DROPPED = True
+
+    @property
+    def step(self) -> int | None:
+        """The last step this reader returned (``None``: none)."""
+        return self._progress.step
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        self._progress.step = value
+
+    @property
+    def _skip_through(self) -> int:
+        return self._progress.skip_through
+
+    @_skip_through.setter
+    def _skip_through(self, value: int) -> None:
+        self._progress.skip_through = value
+
+    @property
+    def _known(self) -> tuple[Any, int]:
+        return self._progress.known
+
+    @_known.setter
+    def _known(self, value: tuple[Any, int]) -> None:
+        self._progress.known = value
 
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the later of the last step this reader returned and of a
@@ -275,13 +350,20 @@ class Reader:
         except IndexError:
             return done
 
-    def __next__(self) -> Batch:
+    def _raise_if_closed(self) -> None:
         if self._closed:
+            self._held.clear()
             raise ServiceError(f"rank {self.rank}: the reader is closed")
+
+    def __next__(self) -> Batch:
+        self._raise_if_closed()
         while self._held and self._held[0].step <= self._skip_through:
             self._held.popleft()  # a state loaded after this round was claimed
         if not self._held:
             self._held.extend(self._next_round())
+            # closed while this thread waited: the round is not this reader's to return
+            # (its constructor keeps it for the rank's next reader: it was never returned)
+            self._raise_if_closed()
         batch = self._held.popleft()
         self.step = batch.step
         now = time.monotonic()
@@ -314,23 +396,8 @@ class Reader:
         for :data:`REPORT_IDLE` seconds, and :meth:`DataService.close` before it
         disconnects.  Fire and forget: best effort, a lost constructor learns nothing.
         """
-        from msd_dask.roles.constructor import DataConstructor
-
-        step = self.state_dict()["step"]
-        if step is None:
-            return None
-        try:
-            constructor = self.link.constructors[self._c]
-            key = constructor.key
-            if self._known[0] == key and step <= self._known[1]:
-                return None
-            call = self.link.send(constructor, DataConstructor.returned_through, self.rank,
-                                  int(step), self.ranks)
-        except Exception:  # noqa: BLE001 - a lost constructor (the state then needs a step),
-            # or a closed service: its roles may be released already
-            return None
-        self._known = (key, int(step))
-        return call
+        return _report(self.link, self._c, self.rank, self.ranks, self.state_dict()["step"],
+                       self._progress)
 
     def _returned_through(self) -> int | None:
         """What a claim tells the constructor this reader returned: ``None``, every step
@@ -366,6 +433,7 @@ class Reader:
         wait = CLAIM_WAIT
         while True:
             max_age = 0.0
+            self._raise_if_closed()  # (by another thread while this one waited)
             try:
                 if call is None:
                     poll = min(POLL, max(0.1, deadline - time.monotonic()))

@@ -306,6 +306,9 @@ class DataConstructor:
         #: shows it has them (its next claim, report or ``mark_had``): a claim that says
         #: less (the answer was lost on its way) is answered the same round again
         self._last_round: dict[int, tuple[list[int], list[dict[str, Any]]]] = {}
+        #: per rank: its claims so far; a claim still waiting when a newer one of the rank
+        #: came takes no round (its reader gave up on it: its answer would go nowhere)
+        self._claims: dict[int, int] = {}
         #: rounds sent again to a rank whose answer was lost
         self.rounds_resent = 0
         self._fetching: str | None = None
@@ -611,16 +614,24 @@ class DataConstructor:
         if report_after is not None:
             for r in group:
                 self.report_after[r] = float(report_after)
-        again = self._lost_round(rank, done)
-        if again is not None:
-            steps, batches = again
-            self._check_open()
-            self.rounds_resent += 1
-            return {"steps": steps, "g": self.generation,
-                    "payloads": [to_wire(view_for_rank(b, *view)) for b in batches]}
+        claim = self._claims[rank] = self._claims.get(rank, 0) + 1
         posted = self._posted.setdefault(rank, asyncio.Event())
         skip_by, claim_by = ("skip", "claim") if returned is None else ("taken", "taken")
         while True:
+            if self._claims[rank] != claim:
+                # the rank claimed again (its connection failed while this call waited,
+                # and Dask does not cancel a handler whose comm closed): the newer claim
+                # takes the round
+                return None
+            # (each time: a claim of this rank that took a round while this one waited may
+            # have answered nobody)
+            again = self._lost_round(rank, done)
+            if again is not None:
+                steps, batches = again
+                self._check_open()
+                self.rounds_resent += 1
+                return {"steps": steps, "g": self.generation,
+                        "payloads": [to_wire(view_for_rank(b, *view)) for b in batches]}
             rounds = self._rounds.get(rank)
             while rounds:
                 steps = rounds.popleft()

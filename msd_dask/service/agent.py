@@ -318,6 +318,8 @@ class AgentGroupReader(Reader):
 
     #: the last step every rank of the group has (``None``: none yet)
     taken: int | None = None
+    #: (what it returned is what its ranks took: the agent reports that itself)
+    REPORT_WHEN_DROPPED = False
 
     def _batch(self, wire: dict[str, Any]) -> WireBatch:  # type: ignore[override]
         """The payload as it came, its wire form (Reader's own code reads only the

@@ -81,6 +81,10 @@ class _Link:
         pass
 
     def send(self, handle: _Handle, method: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.closed:  # (as a closed service's link: its loop is gone)
+            from msd_dask.errors import ServiceError
+
+            raise ServiceError("closed")
         fut = asyncio.run_coroutine_threadsafe(method(handle.obj, *args, **kwargs), self.loop)
         if method is DataConstructor.next_round_packed:
             self.claims += 1
@@ -110,7 +114,9 @@ def _serving_on_a_loop() -> Iterator[_Link]:
     thread.start()
     try:
         con = asyncio.run_coroutine_threadsafe(_serving(MEMBERS, 3), loop).result(30)
-        yield _Link(loop, con)
+        link = _Link(loop, con)
+        yield link
+        link.closed = True
         asyncio.run_coroutine_threadsafe(_closed(con), loop).result(10)
     finally:
         loop.call_soon_threadsafe(loop.stop)
@@ -144,3 +150,92 @@ def test_a_timed_out_reader_names_the_step_after_its_loaded_state() -> None:
         reader.load_state_dict({"rank": 2, "step": 9})
         with pytest.raises(ServiceTimeoutError, match="rank 2 waited 0s for step 10 "):
             next(reader)
+
+
+def test_a_claim_left_waiting_by_its_reader_takes_no_round() -> None:
+    """The reader's claim waits on the constructor, its connection fails, the reader claims
+    again: the first call still runs on the constructor (Dask does not cancel a handler
+    whose comm closed).  It used to take the next round posted, its answer going nowhere,
+    and the retry got the round after (the rank never read step 0, and nothing said so)."""
+    from test_constructor_bookkeeping import _serving, _toy_round
+
+    async def run() -> tuple[Any, Any, Any]:
+        con = await _serving(MEMBERS, 0)
+        orphan = asyncio.create_task(con.next_round(0, -1, wait=10.0))
+        await asyncio.sleep(0.05)
+        retry = asyncio.create_task(con.next_round(0, -1, wait=10.0))
+        await asyncio.sleep(0.05)
+        for step in range(2):
+            await con.submit(_toy_round(MEMBERS, [step]))
+        got = await asyncio.gather(orphan, retry)
+        after = await con.next_round(0, 0)
+        await _closed(con)
+        return got[0], got[1], after
+
+    orphan, retry, after = asyncio.run(run())
+    assert orphan is None
+    assert retry["steps"] == [0] and after["steps"] == [1]
+
+
+def test_close_ends_a_next_waiting_in_another_thread() -> None:
+    """A reader closed while another thread's ``next()`` waits for a round: that ``next()``
+    raises that the reader is closed once its claim comes back (it ran out the reader's
+    whole timeout, or returned a batch after ``close()``), and the round posted meanwhile
+    goes to the rank's next reader."""
+    import time
+
+    from test_constructor_bookkeeping import _toy_round
+
+    from msd_dask.errors import ServiceError
+
+    with _serving_on_a_loop() as link:
+        link.claims = 2  # (no answer lost here)
+        con = link.constructors[0].obj
+        for step in range(3):  # rank 0 takes steps 0-2; nothing more is posted yet
+            asyncio.run_coroutine_threadsafe(con.next_round(0, step - 1), link.loop).result(10)
+        reader = Reader(link, 0, timeout=60.0)  # type: ignore[arg-type]
+        reader.load_state_dict({"rank": 0, "step": 2})
+        outcome: list[Any] = []
+
+        def wait() -> None:
+            try:
+                outcome.append(next(reader))
+            except ServiceError as e:
+                outcome.append(e)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        reader.close()
+        asyncio.run_coroutine_threadsafe(con.submit(_toy_round(MEMBERS, [3])),
+                                         link.loop).result(10)
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert isinstance(outcome[0], ServiceError) and "the reader is closed" in str(outcome[0])
+        assert time.monotonic() - t0 < 10
+        again = Reader(link, 0, timeout=10.0)  # type: ignore[arg-type]
+        again.load_state_dict({"rank": 0, "step": 2})
+        assert next(again).step == 3
+        again.close()
+
+
+def test_a_reader_dropped_without_close_reports_its_last_step() -> None:
+    """``for batch in svc.reader(rank): ... break``: the reader is garbage-collected right
+    after the loop.  Nothing reported its last step, so ``DataService.state_dict()`` could
+    not tell it was returned and refused, though every rank had returned it (review)."""
+    import gc
+    import time
+
+    with _serving_on_a_loop() as link:
+        link.claims = 2  # (no answer lost here)
+        con = link.constructors[0].obj
+        for batch in Reader(link, 0, timeout=10.0):  # type: ignore[arg-type]
+            if batch.step == 1:
+                break
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while con.returned.get(0, -1) < 1:  # (the report is fire and forget)
+            assert time.monotonic() < deadline, f"rank 0 reported {con.returned.get(0)}"
+            time.sleep(0.05)
+        assert con.returned[0] == 1 and con.returned_by[0] == "pause"

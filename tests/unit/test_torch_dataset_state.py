@@ -136,9 +136,10 @@ def test_a_dataset_dropped_without_close_lets_go_of_its_reader(service: _Service
 def test_a_reader_that_loads_a_state_after_reading_reports_it() -> None:
     """A reader that read steps 0-3 and then loaded the state of step 10 said step 3 until
     its next batch: a checkpoint then would resume at 4, not 11."""
-    from msd_dask.reader import Reader
+    from msd_dask.reader import Reader, _Progress
 
     reader = Reader.__new__(Reader)  # (its state alone: no service behind it)
+    reader._progress = _Progress()
     reader.rank, reader.step, reader._skip_through = 0, 3, -1
     reader.load_state_dict({"rank": 0, "step": 10})
     assert reader.state_dict() == {"rank": 0, "step": 10}
