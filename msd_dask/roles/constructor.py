@@ -295,6 +295,9 @@ class DataConstructor:
         #: whether rounds may be accepted: a constructor made to replace another waits for
         #: the steps the planner re-sends to it first (:meth:`submit`)
         self._resent = not replacing
+        #: made to replace a lost or moved constructor: it knows nothing of what its ranks
+        #: returned before, until they claim or report (see ``stats()``)
+        self.replacing = bool(replacing)
         self._work: asyncio.Queue[list[StepWork]] | None = None
         self._room: asyncio.Condition | None = None
         self._task: asyncio.Task[None] | None = None
@@ -854,6 +857,7 @@ class DataConstructor:
             "error": self._error,
             "closed": self._closed,
             "generation": self.generation,
+            "replacing": self.replacing,
             "fetching": self._fetching,
             # held steps and the ranks that have not claimed them yet
             "unclaimed": {f"{st}/{dp}": sorted(rs) for (st, dp), rs in self._unclaimed.items()},

@@ -532,10 +532,10 @@ class RoleSupervisor:
         if source not in self._slots:
             raise KeyError(f"no source {source!r}")
         lo, hi = self.bounds(source)
-        self._targets[source] = max(lo, min(hi, n))
-        if not self.planner.is_planning():  # not planning: apply now
+        target = self._targets[source] = max(lo, min(hi, n))
+        if not self.planner.is_planning():  # not planning: apply now (which clears it)
             await self.apply_scaling()
-        return self._targets[source]
+        return target
 
     async def apply_scaling(self) -> None:
         """Add or retire loader slots to reach the counts :meth:`scale` asked for."""

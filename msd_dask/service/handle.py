@@ -115,6 +115,11 @@ def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any) ->
                             **({"protocol": "tls://"} if security is not None else {}))
 
 
+#: the upper bound of what a rank returned that no constructor knows (see
+#: :meth:`DataService.consumed_step`)
+_UNKNOWN = 2**62
+
+
 class DataService:
     """A handle on a running msd_dask service.
 
@@ -519,6 +524,7 @@ class DataService:
             :meth:`state_dict`, the last step the training loop finished.
         """
         t0 = time.monotonic()
+        self.refresh()  # (a constructor re-created since: ask the new one, not the lost one)
         first = int(self.link.call(lambda p: p.start_step()))
         lo, hi, idle = self._returned_bounds(first, trust_pauses=False)
         if min(lo.values()) == min(hi.values()):
@@ -537,6 +543,14 @@ class DataService:
             time.sleep(0.25)
         open_ranks = sorted(r for r in lo if lo[r] < hi[r] and lo[r] < high)
         shown = ", ".join(map(str, open_ranks[:8])) + (" ..." if len(open_ranks) > 8 else "")
+        lost = sorted(r for r in open_ranks if hi[r] >= _UNKNOWN)
+        if lost:
+            shown = ", ".join(map(str, lost[:8])) + (" ..." if len(lost) > 8 else "")
+            raise ValueError(
+                f"service {self.name!r}: rank(s) {shown} are served by a constructor re-created "
+                "after a loss, which has heard nothing from them since (paused readers in "
+                "other processes do not report again): pass state_dict(step=N) with N the "
+                "last step the training loop finished")
         raise ValueError(
             f"service {self.name!r}: the last step every rank returned is between {low} and "
             f"{high}: rank(s) {shown} hold claimed steps they did not report returning within "
@@ -554,8 +568,12 @@ class DataService:
         by: dict[int, str] = {}
         claimed: dict[int, int] = {}
         idle: dict[int, float] = {}
+        unknown: set[int] = set()
         for i, c in enumerate(self.constructors):
             st = self._constructor_stats(i, c)
+            if st.get("replacing"):  # knows its ranks only once they claim or report
+                unknown |= {int(r) for r in st["queue_depth"]} - {
+                    int(r) for r in (*st["returned"], *st["last_claimed"])}
             for r, s in st["returned"].items():
                 if int(s) >= returned.get(int(r), first - 1):
                     returned[int(r)] = int(s)
@@ -571,7 +589,7 @@ class DataService:
             # round yet (the claim is counted before its batches arrive)
             lo[r] = returned.get(r, first - 1)
             hi[r] = lo[r] if trust_pauses and by.get(r) == "pause" else claimed.get(r, first - 1)
-            hi[r] = max(hi[r], lo[r])
+            hi[r] = _UNKNOWN if r in unknown else max(hi[r], lo[r])
             idle.setdefault(r, REPORT_IDLE)
         for reader in list(self._readers):  # this process's readers know exactly
             done = reader.state_dict()["step"]

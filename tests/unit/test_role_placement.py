@@ -154,6 +154,9 @@ class _Planner:
             {"name": "b", "uri": "memory://b", "format": "jsonl", "loaders": 1}]})
         self.units = {"a": [], "b": []}
 
+    def is_planning(self) -> bool:
+        return False  # (set up, not started: scaling applies at once)
+
 
 def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
                 n_constructors: int, loaders: int):  # type: ignore[no-untyped-def]
@@ -200,3 +203,18 @@ def test_a_role_that_fails_is_named_and_the_others_closed(monkeypatch: pytest.Mo
     assert "msd_dask p: creating loader a#1 on tcp://h:2" in info.value.__notes__
     assert sup.constructors == [] and all(f.released for f in client.submitted)
     assert len(client.handles) == 5 and all(h.closed for h in client.handles)
+
+
+def test_scale_while_not_planning_returns_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between a re-created planner's setup() and start() (or after stop()) scaling applies
+    at once, which clears the target; scale() then read it back: KeyError (review)."""
+    import asyncio
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    sup = _supervisor(monkeypatch, _Client(workers), workers[0], 2, 3)
+
+    async def run() -> int:
+        await sup.setup()
+        return await sup.scale("a", 3)
+
+    assert asyncio.run(run()) == 3

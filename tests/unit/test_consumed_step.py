@@ -1,0 +1,77 @@
+"""``DataService.consumed_step()`` over what the constructors know, without a cluster: a
+constructor re-created after a loss knows nothing of what its ranks returned before, and
+readers paused in other processes do not report again.  It answered one before the
+first step (a state that would serve every step again); it now refuses, naming the
+ranks (found by review, reproduced by killing a constructor's worker)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pytest
+
+from msd_dask.core.config import parse_config
+from msd_dask.service.handle import DataService
+
+
+class _Done:
+    def __init__(self, value: Any):
+        self.value = value
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
+class _Constructor:
+    def __init__(self, ranks: list[int], returned: dict[int, int], replacing: bool):
+        self.ranks, self.returned, self.replacing = ranks, returned, replacing
+
+    def stats(self) -> _Done:
+        return _Done({"queue_depth": dict.fromkeys(self.ranks, 0),
+                      "returned": dict(self.returned), "returned_by": dict.fromkeys(self.returned, "pause"),
+                      "last_claimed": dict(self.returned), "report_after": {},
+                      "replacing": self.replacing})
+
+
+class _Planner:
+    def start_step(self) -> int:
+        return 0
+
+
+class _Link:
+    def __init__(self, constructors: list[_Constructor]):
+        self.constructors = constructors
+        self.refreshed = 0
+
+    def refresh(self) -> None:
+        self.refreshed += 1
+
+    def call(self, fn: Any) -> Any:
+        return fn(_Planner())
+
+
+def _service(constructors: list[_Constructor]) -> DataService:
+    svc = DataService.__new__(DataService)
+    svc.config = parse_config({"name": "cs", "parallel": {"dp": 2}, "batch": {"seq_len": 8},
+                               "sources": [{"name": "a", "uri": "memory://a", "format": "jsonl"}]})
+    svc.name = "cs"
+    svc.link = _Link(constructors)  # type: ignore[assignment]
+    svc._readers = weakref.WeakSet()
+    svc.report_margin = 0.2
+    return svc
+
+
+def test_every_rank_reported_step_3() -> None:
+    svc = _service([_Constructor([0], {0: 3}, False), _Constructor([1], {1: 3}, False)])
+    assert svc.consumed_step() == 3
+    assert svc.link.refreshed == 1  # (a constructor re-created since is asked, not the lost one)
+
+
+def test_a_re_created_constructor_that_heard_nothing_is_refused_by_name() -> None:
+    svc = _service([_Constructor([0], {0: 3}, False), _Constructor([1], {}, True)])
+    with pytest.raises(ValueError, match=r"rank\(s\) 1 are served by a constructor re-created"):
+        svc.consumed_step()
+    # once its rank claims or reports, it knows
+    svc.link.constructors[1].returned = {1: 3}
+    assert svc.consumed_step() == 3
