@@ -29,11 +29,14 @@ the ``prefetch``: the steps the agent read ahead are served again after a resume
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
+import itertools
 import json
 import logging
 import mmap
 import os
+import secrets
 import socket
 import threading
 import time
@@ -52,7 +55,9 @@ __all__ = [
     "AgentGroupReader",
     "HostAgent",
     "WireBatch",
+    "block_prefix",
     "local_groups",
+    "new_block_name",
     "parse_ranks",
 ]
 
@@ -172,7 +177,17 @@ class _FileBlock:
         self._path = os.path.join(SHM_DIR, name)
         fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            try:
+                # the pages taken now: a sparse file (ftruncate) on a full tmpfs killed the
+                # process with SIGBUS at the first write through the mapping
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise OSError(errno.ENOSPC, f"no room in {SHM_DIR} for a block of {size:,} "
+                              f"bytes ({name}): make it larger (docker run --shm-size, a "
+                              "Kubernetes emptyDir of medium Memory) or lower the agent's "
+                              "--prefetch") from None
             self._mmap = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(self._path)
@@ -195,8 +210,31 @@ _watcher: tuple[int, int, int] | None = None
 _watcher_lock = threading.Lock()
 
 
+#: ``(pid, prefix)``: this process's block prefix (:func:`block_prefix`)
+_prefix: tuple[int, str] | None = None
+#: numbers of this process's blocks, whatever agent writes them
+_block_numbers = itertools.count()
+
+
+def block_prefix() -> str:
+    """The names of this process's blocks begin with ``BLOCK_PREFIX<pid>-<token>-``:
+    the token, drawn once per process (and after a fork), tells apart processes with the
+    same pid that share ``SHM_DIR`` (containers of one host with its ``/dev/shm``)."""
+    global _prefix
+    pid = os.getpid()
+    if _prefix is None or _prefix[0] != pid:
+        _prefix = (pid, f"{BLOCK_PREFIX}{pid}-{secrets.token_hex(4)}-")
+    return _prefix[1]
+
+
+def new_block_name() -> str:
+    """A name for a new block of this process: :func:`block_prefix` and a number no agent
+    of the process used (two agents in one process used the same numbers)."""
+    return f"{block_prefix()}{next(_block_numbers)}"
+
+
 def _watch_blocks() -> None:
-    """Make sure a watcher removes this process's blocks (``SHM_DIR/BLOCK_PREFIX<pid>-*``)
+    """Make sure a watcher removes this process's blocks (``SHM_DIR/<block_prefix()>*``)
     once the process is gone, however it ended.
 
     The watcher, started once per process (again if it died), is ``/bin/sh`` reading a
@@ -221,7 +259,7 @@ def _watch_blocks() -> None:
         read_end, write_end = os.pipe()
         try:
             shell = os.posix_spawn("/bin/sh", ["sh", "-c", _WATCH, "msd-dask-agent-blocks", SHM_DIR,
-                                       f"{BLOCK_PREFIX}{pid}-"],
+                                       block_prefix()],
                            os.environ, file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0)])
         except BaseException:
             os.close(write_end)
@@ -234,10 +272,10 @@ def _watch_blocks() -> None:
 def _new_block(name: str, size: int) -> SharedBlock:
     """A new shared memory block ``name`` of ``size`` bytes, removed if this process is
     killed: a :class:`_FileBlock` watched by :func:`_watch_blocks` when the name is one of
-    this process's (``BLOCK_PREFIX<pid>-``), blocks are files (Linux) and the watcher
+    this process's (:func:`block_prefix`), blocks are files (Linux) and the watcher
     runs, else a :class:`~multiprocessing.shared_memory.SharedMemory` (its resource
     tracker)."""
-    if name.startswith(f"{BLOCK_PREFIX}{os.getpid()}-") and os.path.isdir(SHM_DIR):
+    if name.startswith(block_prefix()) and os.path.isdir(SHM_DIR):
         try:
             _watch_blocks()
         except OSError as e:  # no /bin/sh: Python's resource tracker instead
@@ -743,7 +781,7 @@ class HostAgent:
                 block = None
                 if batch.step > g.slowest():  # some rank lacks it: into shared memory
                     self._blocks += 1
-                    name = f"{BLOCK_PREFIX}{os.getpid()}-{self._blocks}"
+                    name = new_block_name()
                     shm, msg = await _in_thread(write_block, batch, name)
                     block = _Block(batch.step, shm, msg)
                 async with g.changed:

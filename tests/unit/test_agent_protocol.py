@@ -31,6 +31,7 @@ from msd_dask.service.agent import (
     HostAgent,
     WireBatch,
     local_groups,
+    new_block_name,
     parse_ranks,
     write_block,
 )
@@ -146,9 +147,11 @@ def _blocks_left() -> list[str]:
 
 @contextmanager
 def running_agent(tmp_path: Any, ranks: list[int], *, prefetch: int = 3,
-                  cfg: Config | None = None, **fake: Any) -> Iterator[tuple[HostAgent, dict]]:
+                  cfg: Config | None = None, check_blocks: bool = True,
+                  **fake: Any) -> Iterator[tuple[HostAgent, dict]]:
     """A :class:`HostAgent` serving ``ranks`` in a thread; yields it and its fake readers
-    (by the group's first rank).  Checks on exit that it freed every block."""
+    (by the group's first rank).  Checks on exit that no block of this process is left
+    (``check_blocks``: not while another agent of the process runs)."""
     cfg = cfg or _config()
     readers: dict[int, FakeGroupReader] = {}
 
@@ -168,7 +171,7 @@ def running_agent(tmp_path: Any, ranks: list[int], *, prefetch: int = 3,
         thread.join(10)
         assert not thread.is_alive()
         assert not os.path.exists(agent.path)
-        assert _blocks_left() == []
+        assert not check_blocks or _blocks_left() == []
 
 
 def _read(handle: AgentHandle, rank: int, steps: int, out: dict[int, list[Batch]],
@@ -214,7 +217,7 @@ def test_agent_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def _round_trip(batch: WireBatch, rank: int) -> Batch:
     """``batch`` written to a shared block and read back as ``rank``'s (the block unlinked;
     the message through JSON, as it goes over the socket)."""
-    shm, msg = write_block(batch, f"{BLOCK_PREFIX}{os.getpid()}-rt")
+    shm, msg = write_block(batch, new_block_name())
     try:
         return read_block(json.loads(json.dumps(msg)), rank)
     finally:
@@ -254,9 +257,9 @@ import os, signal
 import numpy as np
 from multiprocessing import resource_tracker
 from msd_dask.service.agent import WireBatch, write_block
-from msd_dask.service.agent_client import BLOCK_PREFIX
+from msd_dask.service.agent import new_block_name
 
-blocks = [write_block(WireBatch({"step": s, "ids": np.arange(8)}), f"{BLOCK_PREFIX}{os.getpid()}-{s}")[0]
+blocks = [write_block(WireBatch({"step": s, "ids": np.arange(8)}), new_block_name())[0]
           for s in range(2)]
 print(" ".join(b.name for b in blocks), resource_tracker._resource_tracker._pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -292,7 +295,7 @@ def _watcher_after_a_block(name: str) -> int:
 def test_a_dead_watcher_is_started_again() -> None:
     """The next block after the watcher died starts a new one (as SharedMemory restarts
     a dead resource tracker)."""
-    first = _watcher_after_a_block(f"{BLOCK_PREFIX}{os.getpid()}-w0")
+    first = _watcher_after_a_block(new_block_name())
     os.kill(first, signal.SIGKILL)
 
     def zombie() -> bool:  # dead, not reaped: the agent reaps it
@@ -300,7 +303,7 @@ def test_a_dead_watcher_is_started_again() -> None:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
     assert wait_until(zombie, timeout=10)
-    assert _watcher_after_a_block(f"{BLOCK_PREFIX}{os.getpid()}-w1") != first
+    assert _watcher_after_a_block(new_block_name()) != first
 
 
 def _tracked_round_trip(name: str) -> None:
@@ -334,7 +337,7 @@ def test_without_a_watcher_a_block_is_a_tracked_shared_memory(monkeypatch: pytes
 
     monkeypatch.setattr(agent_module, "_watcher", None)
     monkeypatch.setattr(agent_module.os, "posix_spawn", no_shell)
-    _tracked_round_trip(f"{BLOCK_PREFIX}{os.getpid()}-noshell")
+    _tracked_round_trip(new_block_name())
 
 
 def test_every_rank_gets_every_step_once_in_order(tmp_path: Any) -> None:
@@ -670,3 +673,45 @@ def test_an_answer_after_the_rank_gave_up_is_not_taken_for_the_next_request(
         steps = [next(reader).step for _ in range(3)]
         handle.close()
     assert steps == [0, 1, 2]
+
+
+def test_two_agents_in_one_process_name_their_blocks_apart(tmp_path: Any) -> None:
+    """Two agents of one process (or of two processes with the same pid sharing
+    ``/dev/shm``: containers of one host) numbered their blocks alike from 0: the second's
+    first block failed with FileExistsError and its group with it."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with running_agent(tmp_path / "a", [0]) as (first, _), \
+            running_agent(tmp_path / "b", [0], check_blocks=False) as (second, _):
+        for agent in (first, second):
+            handle = AgentHandle.connect(agent.path, "agentunit")
+            reader = handle.reader(0)
+            assert [next(reader).step for _ in range(3)] == [0, 1, 2]
+            handle.close()
+
+
+def test_a_full_shm_is_an_error_naming_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block that does not fit in what is left of ``/dev/shm`` (64 MiB in a default
+    Docker container): the agent was killed by SIGBUS at its first write through the
+    mapping, saying nothing; it is an OSError naming the directory and what to do."""
+    import subprocess
+
+    from msd_dask.service import agent as agent_module
+
+    small = tmp_path / "shm"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    try:
+        monkeypatch.setattr(agent_module, "SHM_DIR", str(small))
+        batch = WireBatch({"step": 0, "ids": np.zeros(1 << 20, dtype=np.int32)})  # 4 MiB
+        with pytest.raises(OSError, match=rf"no room in {small} for a block of 4,194,304 bytes"):
+            write_block(batch, new_block_name())
+        assert os.listdir(small) == []
+        shm, _ = write_block(WireBatch({"step": 1, "ids": np.zeros(1024, dtype=np.int32)}),
+                             new_block_name())  # what fits still does
+        shm.close()
+        shm.unlink()
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
