@@ -381,8 +381,17 @@ class DataService:
 
     # ------------------------------------------------------------ operations
     def set_weights(self, weights: Mapping[str, float], from_step: int | None = None) -> int:
-        """Change the mix; returns the first step planned with the new weights."""
-        return int(self.link.call(lambda p: p.set_weights(dict(weights), from_step)))
+        """Change the mix; returns the first step planned with the new weights.
+
+        In the process that started the service, the planner's checkpoint the owner keeps
+        (what a re-created planner starts from) has the change once this returns; a change
+        made elsewhere reaches it within the owner's next check (a second)."""
+        start = int(self.link.call(
+            lambda p: p.set_weights(weights if not isinstance(weights, Mapping) else dict(weights),
+                                    from_step)))
+        if self.keeper is not None:  # (a planner lost right after would drop the change)
+            self.keeper.keep_checkpoint()
+        return start
 
     def scale_loaders(self, source: str, n: int) -> int:
         """Serve ``source`` with ``n`` loaders (within its bounds); returns the count.

@@ -75,3 +75,27 @@ def test_a_re_created_constructor_that_heard_nothing_is_refused_by_name() -> Non
     # once its rank claims or reports, it knows
     svc.link.constructors[1].returned = {1: 3}
     assert svc.consumed_step() == 3
+
+
+def test_the_owners_set_weights_returns_once_its_kept_checkpoint_has_the_change() -> None:
+    """The owner's keeper fetched the planner's checkpoint once a second: a planner lost
+    within that second of a set_weights was re-created from a checkpoint without the change,
+    and the new mix never came (review, by killing the planner's worker)."""
+    events: list[str] = []
+
+    class _WeightsPlanner(_Planner):
+        def set_weights(self, weights: Any, from_step: Any) -> int:
+            events.append("set_weights")
+            return 13
+
+    class _Keeper:
+        def keep_checkpoint(self) -> None:
+            events.append("keep_checkpoint")
+
+    svc = _service([])
+    svc.link.call = lambda fn: fn(_WeightsPlanner())  # type: ignore[method-assign]
+    svc.keeper = _Keeper()  # type: ignore[assignment]
+    assert svc.set_weights({"a": 1.0}) == 13
+    assert events == ["set_weights", "keep_checkpoint"]
+    svc.keeper = None  # a process connected to the service: nothing to keep
+    assert svc.set_weights({"a": 1.0}) == 13 and events[-1] == "set_weights"
