@@ -467,8 +467,18 @@ class Reader:
                         if answer["error"] == CLOSED_BY_OWNER:  # the process's other readers
                             self.link.close(CLOSED_BY_OWNER)  # then call no released role
                         raise ServiceError(f"service {self.link.name!r}: {answer['error']}")
+                    first_step = int(answer["steps"][0])
+                    if done >= 0 and first_step > done + 1:
+                        # a rank restarted from a state older than what the service handed
+                        # it: those steps are gone from the service (it serves each once)
+                        raise ServiceError(
+                            f"rank {self.rank} asked service {self.link.name!r} for step "
+                            f"{done + 1}, but the service had handed this rank the steps up to "
+                            f"{first_step - 1} already and serves each step once: resume the "
+                            "whole job from DataService.state_dict(step) (docs/resume.md), or "
+                            f"load the state of step {first_step - 1} or later on this rank")
                     if returned is None:  # it knows the steps before the round
-                        self._known = (constructor.key, int(answer["steps"][0]) - 1)
+                        self._known = (constructor.key, first_step - 1)
                     return [self._batch(p) for p in answer["payloads"]]
                 # nothing built for this rank within POLL: is the planner still there?
                 self._check_deadline(deadline, waiting_for)

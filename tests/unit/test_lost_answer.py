@@ -239,3 +239,26 @@ def test_a_reader_dropped_without_close_reports_its_last_step() -> None:
             assert time.monotonic() < deadline, f"rank 0 reported {con.returned.get(0)}"
             time.sleep(0.05)
         assert con.returned[0] == 1 and con.returned_by[0] == "pause"
+
+
+def test_a_rank_restarted_from_an_older_state_is_told_its_steps_are_gone() -> None:
+    """A rank handed steps 0-2 restarts from the state of step 0 against the running
+    service: steps 1-2 are not served again (each step is served once).  It got step 3
+    next, silently; it is told (review)."""
+    from test_constructor_bookkeeping import _toy_round
+
+    from msd_dask.errors import ServiceError
+
+    with _serving_on_a_loop() as link:
+        link.claims = 2  # (no answer lost here)
+        con = link.constructors[0].obj
+        first = Reader(link, 0, timeout=10.0)  # type: ignore[arg-type]
+        assert [next(first).step for _ in range(3)] == [0, 1, 2]
+        asyncio.run_coroutine_threadsafe(con.submit(_toy_round(MEMBERS, [3])),
+                                         link.loop).result(10)
+        again = Reader(link, 0, timeout=10.0)  # type: ignore[arg-type]
+        again.load_state_dict({"rank": 0, "step": 0})
+        with pytest.raises(ServiceError, match=r"asked service 'lost' for step 1, but the "
+                                               r"service had handed this rank the steps up to 2"):
+            next(again)
+        first.close()
