@@ -502,6 +502,8 @@ class HostAgent:
         self._open_reader = open_reader
         self._blocks = 0
         self._server: asyncio.AbstractServer | None = None
+        #: the inode of the socket file this agent bound (it removes only that one)
+        self._socket_inode = -1
         self._stopped: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         #: :meth:`stop` was called (before :meth:`serve` began, too: a signal right after
@@ -534,9 +536,8 @@ class HostAgent:
             self._loop, self._stopped = asyncio.get_running_loop(), stopped
             if self._stop_requested:
                 stopped.set()
-        self._remove_stale_socket()
-        self._server = await asyncio.start_unix_server(self._connection, path=self.path)
-        os.chmod(self.path, 0o600)  # the host's ranks run as the agent's user
+        listening = self._bind()
+        self._server = await asyncio.start_unix_server(self._connection, sock=listening)
         self.ready.set()
         try:
             await stopped.wait()
@@ -550,8 +551,9 @@ class HostAgent:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._free_all()
-            try:
-                os.unlink(self.path)
+            try:  # (only the socket this agent bound: not one bound there since)
+                if os.stat(self.path).st_ino == self._socket_inode:
+                    os.unlink(self.path)
             except FileNotFoundError:
                 pass
 
@@ -584,6 +586,38 @@ class HostAgent:
                     call.result(timeout=max(0.1, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - a lost constructor learns nothing
                 pass
+
+    def _bind(self) -> socket.socket:
+        """The agent's listening socket at :attr:`path`, bound and listening.
+
+        Bound here, not by asyncio's ``start_unix_server(path=...)``, which removes any
+        file at the path first: two agents started at once on one path both served, the
+        socket file the second's, the first's unreachable (and its exit removed the
+        second's file).  A path in use is an agent's that answers (refused), or a stale
+        one (removed, then bound again: another agent binding in between wins).
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                sock.bind(self.path)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                self._remove_stale_socket()
+                try:
+                    sock.bind(self.path)
+                except OSError as again:
+                    if again.errno != errno.EADDRINUSE:
+                        raise
+                    raise ServiceError(f"an agent already serves on {self.path}; stop it or "
+                                       "pass another --socket") from None
+            sock.listen(100)  # (a probe of another agent starting now finds it answers)
+            os.chmod(self.path, 0o600)  # the host's ranks run as the agent's user
+            self._socket_inode = os.stat(self.path).st_ino
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def _remove_stale_socket(self) -> None:
         """Remove a socket left by an agent that is gone; refuse one that answers."""

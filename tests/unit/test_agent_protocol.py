@@ -570,6 +570,44 @@ def test_a_stale_socket_is_replaced(tmp_path: Any) -> None:
                       agent.path).run()
 
 
+def _start_two_at_once(path: str) -> None:
+    """Two agents on ``path``, started at one moment: one serves, the other is refused;
+    stopping the one that serves removes the socket."""
+    agents = [HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]), path)
+              for _ in range(2)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def go(agent: HostAgent) -> None:
+        barrier.wait()
+        try:
+            agent.run()
+        except ServiceError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(a,), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: sum(a.ready.is_set() for a in agents) + len(errors) == 2, 10), \
+        "both agents started or were refused within 10 s"
+    serving = [a for a in agents if a.ready.is_set()]
+    assert len(serving) == 1 and len(errors) == 1, (len(serving), errors)
+    assert "already serves" in str(errors[0])
+    assert AgentHandle.connect(path, "agentunit").ranks == [0]
+    serving[0].stop()
+    for t in threads:
+        t.join(10)
+    assert not os.path.exists(path)
+
+
+def test_two_agents_started_at_once_on_one_socket_one_serves(tmp_path: Any) -> None:
+    """Two agents started at the same moment on one path: both passed the check for a
+    live socket, then asyncio removed the file and bound its own, so both served, the
+    first unreachable (8 of 30 starts, review), and its exit removed the live one's file."""
+    for _ in range(10):
+        _start_two_at_once(str(tmp_path / "race.sock"))
+
+
 def test_the_torch_adapter_reads_through_the_agent(tmp_path: Any,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from msd_dask.torch import MsdIterableDataset
