@@ -159,8 +159,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="steps read ahead of a group's slowest rank (default: the "
                    "service's prefetch)")
     a.add_argument("--timeout", type=_positive_seconds, default=None, metavar="SECONDS",
-                   help="seconds the agent waits for a step of the service (default: the "
-                   "service's timeout)")
+                   help="seconds the agent waits for a step of the service, and its ranks' default "
+                   "wait (default: the service's timeout)")
     _tls_options(a)
 
     st = sub.add_parser("stats", help="print the counters of a running service as JSON")

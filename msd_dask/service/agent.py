@@ -485,14 +485,20 @@ class HostAgent:
     prefetch : int, optional
         Steps the agent reads ahead of a group's slowest rank (default: the
         config's ``prefetch``).
+    timeout : float, optional
+        What the agent tells its ranks to wait for a step by default (default: the
+        config's ``timeout``); :meth:`for_service` gives it its group readers' wait.
     """
 
     def __init__(self, name: str, config: Config, ranks: Sequence[int],
                  open_reader: Callable[[int, list[int]], GroupReader], path: str, *,
-                 prefetch: int | None = None):
+                 prefetch: int | None = None, timeout: float | None = None):
         self.name = name
         self.config = config
         self.path = path
+        #: seconds the agent waits for a step (default: the service's ``timeout``), and its
+        #: ranks' default wait: a rank that gave up sooner would fail while the agent waits
+        self.timeout = config.timeout if timeout is None else float(timeout)
         self.prefetch = int(config.prefetch if prefetch is None else prefetch)
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
@@ -526,7 +532,8 @@ class HostAgent:
             return AgentGroupReader(service.link, first, timeout=wait, also=others)
 
         return cls(service.name, cfg, ranks, open_reader,
-                   path or AGENT_SOCKET.format(name=service.name), prefetch=prefetch)
+                   path or AGENT_SOCKET.format(name=service.name), prefetch=prefetch,
+                   timeout=wait)
 
     # ------------------------------------------------------------ serving
     async def serve(self) -> None:
@@ -656,7 +663,7 @@ class HostAgent:
         if hello is None or hello.get("op") != "hello":
             return
         info = {"ok": True, "service": self.name, "ranks": self.ranks,
-                "timeout": self.config.timeout}
+                "timeout": self.timeout}
         if hello.get("service") not in (None, self.name):
             await _asend(writer, {"error": f"the agent at {self.path} serves service "
                                   f"{self.name!r}, not {hello['service']!r}"})

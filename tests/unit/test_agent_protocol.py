@@ -753,3 +753,24 @@ def test_a_full_shm_is_an_error_naming_it(tmp_path: Any, monkeypatch: pytest.Mon
         shm.unlink()
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_the_agents_timeout_is_its_ranks_default(tmp_path: Any) -> None:
+    """``msd-dask agent --timeout 600`` against a service of ``timeout: 300``: the ranks were
+    told 300 s, so a rank gave up ("the agent is waiting for step N") while its agent still
+    waited for the step (review)."""
+    agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
+                      str(tmp_path / "t.sock"), timeout=600.0)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    assert agent.ready.wait(10)
+    try:
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        assert handle.timeout == 600.0 and handle.reader(0).timeout == 600.0
+        handle.close()
+    finally:
+        agent.stop()
+        thread.join(10)
+    default = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
+                        str(tmp_path / "d.sock"))
+    assert default.timeout == _config().timeout
