@@ -455,7 +455,11 @@ class RoleSupervisor:
         async with self._lock:
             deadline = now + (10.0 if wait else 0.0)
             while True:
-                alive = set(await self._workers()) - self._evacuating
+                workers = set(await self._workers())
+                # a retired worker gone from the cluster is no longer excluded: its address
+                # may join again (a worker kept after retire_workers(close=False) stays out)
+                self._evacuating &= workers
+                alive = workers - self._evacuating
                 lost_l = [(s, slot) for s, slots in self._slots.items()
                           for slot, (h, _) in slots.items() if actor_address(h) not in alive]
                 lost_c = [i for i, c in enumerate(self.constructors)

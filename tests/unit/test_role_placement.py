@@ -218,3 +218,27 @@ def test_scale_while_not_planning_returns_the_count(monkeypatch: pytest.MonkeyPa
         return await sup.scale("a", 3)
 
     assert asyncio.run(run()) == 3
+
+
+def test_an_evacuated_address_that_left_and_joined_again_takes_roles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Roles moved off a worker (``retire_workers``) kept its address out of placement for
+    good: a worker that joined again at that address never got a role (review).  Once the
+    address left the cluster, heal forgets it."""
+    import asyncio
+
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 1)
+
+    async def run() -> tuple[list[str], list[str]]:
+        sup._evacuating.add("tcp://h:3")  # (before setup: no role goes there)
+        await sup.setup()
+        kept_out = await sup._place(3)
+        client.scheduler.workers = workers[:2]  # it left ...
+        await sup.heal()
+        client.scheduler.workers = workers  # ... and joined again
+        return kept_out, await sup._place(3)
+
+    kept_out, after = asyncio.run(run())
+    assert "tcp://h:3" not in kept_out and "tcp://h:3" in after
