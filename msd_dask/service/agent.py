@@ -655,6 +655,14 @@ class HostAgent:
             await self._talk(stream, writer)
         except (ConnectionError, asyncio.CancelledError):
             pass
+        except (ValueError, KeyError, TypeError) as e:  # not the protocol: say so, hang up
+            _log.warning("msd-dask agent: a malformed message on %s: %r", self.path, e)
+            try:
+                await _asend(writer, {"error": f"the agent at {self.path} got a malformed "
+                                      f"message ({type(e).__name__}: {e}); is the rank's "
+                                      "msd_dask the agent's version?", "kind": "error"})
+            except ConnectionError:
+                pass
         finally:
             writer.close()
 

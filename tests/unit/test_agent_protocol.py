@@ -41,7 +41,9 @@ from msd_dask.service.agent_client import (
     AgentHandle,
     AgentReader,
     agent_path,
+    frame,
     read_block,
+    recv,
 )
 
 from checks import wait_until
@@ -774,3 +776,29 @@ def test_the_agents_timeout_is_its_ranks_default(tmp_path: Any) -> None:
     default = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
                         str(tmp_path / "d.sock"))
     assert default.timeout == _config().timeout
+
+
+@pytest.mark.parametrize("bad", [b"not json", json.dumps({"op": "next"}).encode()])
+def test_a_malformed_message_is_answered_and_the_agent_serves_on(tmp_path: Any,
+                                                                 bad: bytes) -> None:
+    """A message that is not the protocol (bad JSON, a request without ``after``) ended in
+    an unhandled exception of the connection's task, a traceback in the log (review): the
+    rank is told, the connection closed, and the agent serves the others."""
+    import socket
+    import struct
+
+    with running_agent(tmp_path, [0, 1]) as (agent, _):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(agent.path)
+        sock.sendall(frame({"op": "hello", "rank": 0, "service": "agentunit"}))
+        assert "ok" in recv(sock)
+        sock.sendall(struct.pack("!I", len(bad)) + bad)
+        answer = recv(sock)
+        assert answer is not None and "malformed message" in answer["error"]
+        assert recv(sock) is None  # hung up
+        sock.close()
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        reader = handle.reader(1)
+        assert next(reader).step == 0
+        handle.close()
