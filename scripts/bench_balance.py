@@ -64,6 +64,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -535,8 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntook {took:.0f} s")
 
     if args.write:
-        cmd = "python scripts/bench_balance.py" + (" --quick" if args.quick else "") + (
-            f" --steps {args.steps}" if args.steps else "")
+        # (the command as run, but for where it wrote)
+        given = list(sys.argv[1:] if argv is None else argv)
+        if "--write" in given:
+            at = given.index("--write")
+            del given[at:at + 2]
+        given = [g for g in given if not g.startswith("--write=")]
+        cmd = shlex.join(["python", "scripts/bench_balance.py", *given])
         intro = (
             f"Command: `{cmd}` ({took:.0f} s on the shared 2-core development machine, so\n"
             "the times are noisy).  **Placement**: steps filled in stream order (as the planner\n"
@@ -547,12 +553,15 @@ def main(argv: list[str] | None = None) -> int:
             "(what the pieces allow, `docs/balance.md`).  `lognormal`: documents of\n"
             "`lognormal(7, 2)` tokens capped at 131,072; `demo`: the demo corpus, byte-tokenized.\n"
             "**Composition**: the planner itself with the default config (outlier delay `auto`,\n"
-            "two lognormal sources), so the step's pieces are its own choice.  **End to end**:\n"
-            "the planner at dp = 16,384 × 8 rows: `plan_step` with what the actor takes from each plan\n"
-            "(its units and tokens per source), `split_plan` into 256 constructors, and `pack_work`\n"
-            "(what it sends to constructors and keeps for re-created ones) with the planner's state\n"
-            "after the step (packed, as the actor keeps it for checkpoints), with the process's RSS\n"
-            "after the steps and at its peak (each context in a fresh process).\n\n"
+            "two lognormal sources), so the step's pieces are its own choice."
+            + ("  **End to end**:\n"
+               f"the planner at dp = {args.scale_dp:,} × 8 rows: `plan_step` with what the actor "
+               "takes from each plan\n"
+               "(its units and tokens per source), `split_plan` into 256 constructors, and `pack_work`\n"
+               "(what it sends to constructors and keeps for re-created ones) with the planner's state\n"
+               "after the step (packed, as the actor keeps it for checkpoints), with the process's RSS\n"
+               "after the steps and at its peak (each context in a fresh process)." if args.scale_dp
+               else "") + "\n\n"
             "**Reading it.** Placement: with 4 micro-batches `balanced` is within a fraction of a\n"
             "percent of the capacity bound where naive packing is up to 2.2× the mean; with one\n"
             "micro-batch the rank holding the longest piece is the bound.  Composition: every\n"

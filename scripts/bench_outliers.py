@@ -46,7 +46,7 @@ from msd_dask.sources.tokenizer import make_tokenizer  # noqa: E402
 
 
 def make_cfg(path: str, dp: int, mb: int, seq_len: int, ratio: float,
-             min_length: int) -> Config:
+             min_length: int | float | str) -> Config:
     d = load_config(path).to_dict()
     d.update(name="bench-outliers", parallel={"dp": dp},
              batch={"seq_len": seq_len, "micro_batches": mb},
@@ -102,6 +102,16 @@ def run(cfg: Config, units: dict[str, list[Unit]], lengths: Lengths, steps: int
             "shares": {k: v / total for k, v in pl.tokens.items()}, "ms": 1000 * secs / steps}
 
 
+def _min_length(text: str) -> int | float | str:
+    """One value of ``--min-lengths`` as the config takes ``outliers.min_length``: ``auto``,
+    a number of tokens, or a fraction of ``seq_len`` such as ``0.5``."""
+    text = text.strip()
+    if text == "auto":
+        return text
+    value = float(text)
+    return int(value) if value.is_integer() and value >= 1 else value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.steps = 100
     s = a.seq_len
-    mins = ([int(x) for x in a.min_lengths.split(",")] if a.min_lengths
+    mins = ([_min_length(x) for x in a.min_lengths.split(",")] if a.min_lengths
             else [3 * s // 8, s // 2 + 1, 3 * s // 4, 7 * s // 8, s])
     cfg0 = make_cfg(a.config, a.dp, a.micro_batches, s, a.ratio, 0)
     raw, _ = discover_units(cfg0)
@@ -135,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     for m in [0, *mins]:
         r = run(make_cfg(a.config, a.dp, a.micro_batches, s, a.ratio, m), units, lengths, a.steps)
-        label = "off" if m == 0 else str(m)
+        label = "off" if m == 0 else str(m)  # (as given: auto, tokens or a fraction)
         print(f"{label:<22}{r['imbalance']:>10.4f}{r['bound']:>8.4f}{r['wait']:>7.1%}"
               f"{r['fill']:>7.1%}" + "".join(f"{r['shares'][n]:>9.3f}" for n in weights)
               + f"{r['ms']:>9.2f}")

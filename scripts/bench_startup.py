@@ -13,8 +13,8 @@ map ranks
 place (service)
     :func:`msd_dask.service.placement.place_planner` against a stand-in client
     that has ``--workers`` workers and pickles what ``submit`` would send to the
-    planner's worker, then pickling the registry the service publishes (with the
-    members again).  Nothing is sent anywhere.
+    planner's worker, then pickling the registry the service publishes (the
+    constructor count, not the members).  Nothing is sent anywhere.
 planner setup
     on the planner's side: unpickling those arguments, ``PlannerActor(...)``
     (parses the config, builds its planner and role supervisor) and, for every

@@ -95,7 +95,7 @@ def _where(frame: Any) -> str:
     f = frame
     while f is not None:
         fn = f.f_code.co_filename
-        if "msd_dask" in fn and outer_msd is None:
+        if "msd_dask" in fn:  # (the last one met, walking outwards: the outermost)
             outer_msd = f"{os.path.basename(fn)}:{f.f_code.co_name}"
         f = f.f_back
     if inner.f_code.co_name in ("select", "poll", "_poll") and "selectors" in \

@@ -67,6 +67,7 @@ constructor for each round directly, since 276d230).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -498,8 +499,8 @@ class ControlPlaneCosts:
     queue_op: float = 0.3e-3
     # a training process's client; bench_many_readers.py: 4-9 ms per host (client + 8 readers)
     connect: float = 9e-3
-    # bench_balance.py, the planner end to end at dp 16,384 × 4 micro-batches × 4K: 548 ms
-    plan_rank_step: float = 0.548 / 16384
+    # bench_balance.py, the planner end to end at dp 16,384 × 8 rows per rank × 4K: 261 ms
+    plan_rank_step: float = 0.261 / 16384
     # bench_many_readers.py, every role of the workers net of their idle load, 1,024 ranks
     constructor_rank_step: float = 1.5e-3
     # bench_idle_clients.py: 0.137 ms/s per client with 128 clients (a 20 s interval),
@@ -531,8 +532,10 @@ class ControlPlaneRow:
 
     @property
     def busiest(self) -> float:
-        """The largest busy fraction among the roles (> 1: the step cannot be held)."""
-        return max(self.scheduler, self.planner, self.constructor)
+        """The largest busy fraction among the roles (> 1: the step cannot be held), the
+        scheduler's measured figure included where there is one."""
+        measured = [] if math.isnan(self.scheduler_measured) else [self.scheduler_measured]
+        return max(self.scheduler, self.planner, self.constructor, *measured)
 
 
 def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, round_steps: int = 3,

@@ -65,3 +65,15 @@ def test_the_schedulers_counts_are_kept_on_it_and_read_back(monkeypatch) -> None
     assert counts["#call rpc ncores"] == 2 and counts["#call stream heartbeat-client"] == 1
     assert any(k.startswith("#loop ") for k in counts)
     assert not any(k.startswith("#call") for k in profile_scaling._SAMPLES)
+
+
+def test_an_event_loop_sample_names_the_outermost_msd_dask_function() -> None:
+    """The docs and --help say the sample names the outermost msd_dask function on the
+    stack; it named the innermost (review)."""
+    inner: dict = {}
+    exec(compile("import sys\ndef helper():\n    return sys._getframe()\n",
+                 "/x/msd_dask/core/plan.py", "exec"), inner)
+    outer: dict = {"helper": inner["helper"]}
+    exec(compile("def plan_loop():\n    return helper()\n", "/x/msd_dask/roles/planner.py",
+                 "exec"), outer)
+    assert profile_scaling._where(outer["plan_loop"]()) == "msd_dask planner.py:plan_loop"

@@ -73,3 +73,14 @@ def test_the_clients_idle_load_is_bounded_by_dasks_heartbeat_rule():
 def test_cli_ranks_per_client(capsys):
     assert sim.main(["--control-plane", "--cp-ranks", "64", "--cp-ranks-per-client", "8"]) == 0
     assert "one client per 8 rank(s)" in capsys.readouterr().out
+
+
+def test_busiest_counts_the_measured_scheduler_where_there_is_one():
+    """At 4,096 ranks the queue design's per-message scheduler is 0.87 of a step and its
+    measured CPU 1.08: busiest said 0.87, "can be held" (review)."""
+    row = sim.ControlPlaneRow("queue", 4096, 512, scheduler=0.87, scheduler_measured=1.08,
+                              planner=0.01, constructor=0.19, connect_s=37.0)
+    assert row.busiest == 1.08
+    none = sim.ControlPlaneRow("direct", 4096, 512, scheduler=0.05, scheduler_measured=math.nan,
+                               planner=0.01, constructor=0.20, connect_s=37.0)
+    assert none.busiest == 0.20

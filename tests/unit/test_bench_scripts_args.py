@@ -1,0 +1,33 @@
+"""Options of the benchmark scripts that a review found broken: bench_outliers'
+``--min-lengths`` took only integers (``0.5`` and ``auto`` are config values), and
+bench_balance's ``--write`` recorded a command other than the one run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import bench_balance  # noqa: E402
+import bench_outliers  # noqa: E402
+
+
+def test_min_lengths_are_the_configs_values() -> None:
+    assert [bench_outliers._min_length(x) for x in "auto,0.5,1500, 0.375".split(",")] == \
+        ["auto", 0.5, 1500, 0.375]
+
+
+def test_write_records_the_command_run(tmp_path: Any) -> None:
+    out = tmp_path / "bench.md"
+    out.write_text("# Benchmarks\n")
+    args = ["--quick", "--micro-batches", "1", "--no-compose", "--scale-dp", "0",
+            "--small-steps", "0", "--root", str(tmp_path / "none")]
+    assert bench_balance.main([args[0], "--write", str(out), *args[1:]]) == 0
+    text = out.read_text()
+    assert ("Command: `python scripts/bench_balance.py --quick --micro-batches 1 --no-compose "
+            f"--scale-dp 0 --small-steps 0 --root {tmp_path / 'none'}`") in text
+    assert "**End to end**" not in text  # (no such table was made)
