@@ -59,7 +59,9 @@ class Batch:
         For every micro-batch, aligned with ``documents`` (the cu_seqlens
         segments): ``(first patch in pixel_values, patches)`` of a segment with an
         image, whose image tokens are the segment's first ``patches`` tokens, or
-        ``None`` for a text segment.  ``None`` with ``pixel_values``.
+        ``None`` for a text segment.  ``None`` when the batch holds no image; kept
+        on every pipeline stage (where the image tokens are), though only the first
+        has ``pixel_values``.
     """
 
     step: int

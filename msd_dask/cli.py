@@ -233,11 +233,14 @@ def _run(args: argparse.Namespace) -> int:
         tokens = 0
         by_source: dict[str, int] = defaultdict(int)
         imbalance = []
+        served: list[int] = []
         t0 = time.perf_counter()
         for _ in tqdm(range(args.steps), desc=f"{cfg.name}: steps", unit="step"):
             costs = []
             for r, reader in enumerate(readers):
                 b = next(reader)
+                if r == 0:
+                    served.append(b.step)
                 if r in counting:  # tp = cp = pp = 0: the first stage, with cu_seqlens
                     assert b.cu_seqlens is not None
                     costs.append(b.cost)
@@ -249,7 +252,10 @@ def _run(args: argparse.Namespace) -> int:
             mean = sum(costs) / len(costs)
             imbalance.append(max(costs) / mean if mean else 1.0)
         elapsed = time.perf_counter() - t0
-        weights = svc.stats()["planner"]["weights"]
+        # the target of the steps served: their weights' mean (a schedule moves them; the
+        # planner's current weights are those of its last planned step, steps ahead)
+        at = [cfg.weights_at(k) for k in served]
+        weights = {s.name: sum(w[s.name] for w in at) / max(len(at), 1) for s in cfg.sources}
         summary = {
             "service": cfg.name,
             "steps": args.steps,

@@ -139,6 +139,29 @@ def worker_actors(worker: Any) -> dict[Any, Any]:
     return dict(worker.state.actors)
 
 
+def bind_actor(handle: Any, client: Any) -> Any:
+    """``handle`` (an actor handle made in a client's process) bound to ``client``; returns it.
+
+    Relies on ``distributed.Actor._client`` and ``_future``: a handle unpickled outside a
+    worker binds itself to the process's *current* client (``get_client()``: the last one
+    made), whose loop and connections its calls then use, and through a future of which it
+    holds its key.  A process with two service handles (two ranks' datasets in one
+    process) had handles of one bound to the other's client, so closing one broke the
+    other's calls ("Event loop is closed").  Handles on a worker (roles calling roles) are
+    left as Dask binds them.
+    """
+    if getattr(handle, "_worker", None) is not None or getattr(handle, "_client", None) is client:
+        return handle
+    from distributed import Future
+
+    old = handle.__dict__.get("_future")
+    handle._client = client
+    handle._future = Future(handle.key, client)
+    if old is not None:
+        old.release()  # (the other client's reference, taken when it was unpickled)
+    return handle
+
+
 def release_actor(handle: Any) -> None:
     """Release the future an actor handle holds on its actor's key, if it holds one.
 

@@ -35,7 +35,8 @@ _WS = re.compile(r"\s+")
 
 
 def drop_short(text: str, record: dict[str, Any]) -> str | None:
-    """Drop documents with fewer than :data:`MIN_CHARS` non-blank characters."""
+    """Drop documents with fewer than :data:`MIN_CHARS` characters once stripped (blanks
+    inside count)."""
     return text if len(text.strip()) >= MIN_CHARS else None
 
 

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 from msd_dask.core.config import Config
-from msd_dask.dask_internals import actor_address, call_actor, has_client, scheduler_workers
+from msd_dask.dask_internals import (
+    actor_address,
+    bind_actor,
+    call_actor,
+    has_client,
+    scheduler_workers,
+)
 from msd_dask.errors import CLOSED_BY_OWNER, RESTART_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.service.placement import REGISTRY_PREFIX
 
@@ -68,7 +74,7 @@ class PlannerLink:
         self._failed: tuple[float, Exception | None] = (0.0, None)
         self.planner: Any = None
         try:
-            self.planner = registry["planner"].result(timeout=cfg.timeout)
+            self.planner = bind_actor(registry["planner"].result(timeout=cfg.timeout), client)
         except Exception:  # noqa: BLE001 - a lost planner: refresh finds its successor
             pass
         self.constructors: list[Any] = []
@@ -157,7 +163,8 @@ class PlannerLink:
                 continue
             with self._swap:
                 if gen == self.generation:
-                    self.constructors = list(handles["constructors"])
+                    self.constructors = [bind_actor(h, self.client)
+                                         for h in handles["constructors"]]
                     self.handles = (gen, self.constructors)
                     return
 
@@ -224,7 +231,7 @@ class PlannerLink:
                                           callback_timeout=5)
             if reg is None or int(reg.get("generation", 0)) <= self.generation:
                 return False
-            planner = reg["planner"].result(timeout=5)
+            planner = bind_actor(reg["planner"].result(timeout=5), self.client)
         except Exception:  # noqa: BLE001 - not there yet, or unreachable: try again later
             return False
         with self._swap:
@@ -240,8 +247,9 @@ class PlannerLink:
         """Switch to the planner the owner re-created (``registry``'s generation)."""
         gen = int(registry["generation"])
         with self._swap:
-            self.registry, self.planner, self.generation = registry, planner, gen
-            self.constructors = list(constructors)
+            self.registry, self.generation = registry, gen
+            self.planner = bind_actor(planner, self.client)
+            self.constructors = [bind_actor(h, self.client) for h in constructors]
             self.handles = (gen, self.constructors)
 
     def raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None

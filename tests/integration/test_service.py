@@ -253,3 +253,46 @@ def test_start_places_the_planner_on_a_running_worker_and_cleans_up_a_failed_sta
         with DataService.start(cfg, cluster.scheduler_address) as svc:
             assert svc.planner._address == second
             assert next(svc.reader(0)).step == 0
+
+
+def test_two_handles_in_one_process_are_independent(corpus):
+    """Two ranks' handles in one process (two datasets, two clients): the actor handles one
+    fetched were bound to the other's client (the process's last one), so closing one made
+    the other's reads fail after the whole timeout, naming a lost constructor (review)."""
+    root, _ = corpus
+    with DataService.start(config(root, name="twohandles", timeout=30), n_workers=1,
+                           threads_per_worker=2) as svc:
+        address = svc.client.scheduler.address
+        a = DataService.connect(address, "twohandles")
+        b = DataService.connect(address, "twohandles")
+        a.refresh()  # (as a reader does, looking for re-created constructors)
+        assert all(c._client is a.client for c in a.constructors)
+        assert a.planner._client is a.client
+        b.close()
+        reader = a.reader(0)
+        assert [next(reader).step for _ in range(3)] == [0, 1, 2]
+        a.close()
+
+
+def test_run_summary_compares_the_mix_with_the_weights_of_the_steps_served(corpus, tmp_path,
+                                                                             capsys):
+    """``msd-dask run``'s summary printed the planner's current weights, those of its last
+    planned step (steps ahead): with a schedule that changes just after the steps served
+    it compared the mix with the wrong target (review: 0.892 delivered against 0.5)."""
+    import json
+
+    import yaml
+
+    from msd_dask.cli import main
+
+    root, _ = corpus
+    cfg = config(root, name="runmix")
+    cfg["sources"][0]["weight"] = [{"until": 10, "weight": 0.9}, {"weight": 0.1}]
+    cfg["sources"][1]["weight"] = 0.1
+    path = tmp_path / "runmix.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", str(path), "--steps", "10", "--workers", "1", "--json"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["mix"]["code"]["weight"] == pytest.approx(0.9)
+    assert summary["mix"]["prose"]["weight"] == pytest.approx(0.1)
