@@ -40,7 +40,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -558,11 +559,12 @@ class HostAgent:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._free_all()
-            try:  # (only the socket this agent bound: not one bound there since)
-                if os.stat(self.path).st_ino == self._socket_inode:
-                    os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            with self._path_lock():  # (only the socket this agent bound, not one bound since)
+                try:
+                    if os.stat(self.path).st_ino == self._socket_inode:
+                        os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
 
     def run(self) -> None:
         """:meth:`serve` in a new event loop (returns once stopped)."""
@@ -601,8 +603,26 @@ class HostAgent:
         file at the path first: two agents started at once on one path both served, the
         socket file the second's, the first's unreachable (and its exit removed the
         second's file).  A path in use is an agent's that answers (refused), or a stale
-        one (removed, then bound again: another agent binding in between wins).
+        one (removed, then bound again).  Agents starting on one path do this one at a
+        time, under a lock on ``<path>.lock`` (left in place: removing it would let two
+        agents lock two files).
         """
+        with self._path_lock():
+            return self._bind_locked()
+
+    @contextmanager
+    def _path_lock(self) -> Iterator[None]:
+        """Held while an agent binds :attr:`path` or removes it."""
+        import fcntl
+
+        lock = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(lock)  # (releases the lock)
+
+    def _bind_locked(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             try:
@@ -611,14 +631,8 @@ class HostAgent:
                 if e.errno != errno.EADDRINUSE:
                     raise
                 self._remove_stale_socket()
-                try:
-                    sock.bind(self.path)
-                except OSError as again:
-                    if again.errno != errno.EADDRINUSE:
-                        raise
-                    raise ServiceError(f"an agent already serves on {self.path}; stop it or "
-                                       "pass another --socket") from None
-            sock.listen(100)  # (a probe of another agent starting now finds it answers)
+                sock.bind(self.path)
+            sock.listen(100)
             os.chmod(self.path, 0o600)  # the host's ranks run as the agent's user
             self._socket_inode = os.stat(self.path).st_ino
         except BaseException:

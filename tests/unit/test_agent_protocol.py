@@ -802,3 +802,19 @@ def test_a_malformed_message_is_answered_and_the_agent_serves_on(tmp_path: Any,
         reader = handle.reader(1)
         assert next(reader).step == 0
         handle.close()
+
+
+def test_a_rank_restarted_from_an_older_state_behind_the_agent_is_told(tmp_path: Any) -> None:
+    """Behind the agent, a rank handed steps 0-3 that restarts from the state of step 1 got
+    step 4 next, silently (review; a direct reader says so): it is told, as a direct one."""
+    with running_agent(tmp_path, [0]) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        first = handle.reader(0)
+        assert [next(first).step for _ in range(4)] == [0, 1, 2, 3]
+        first.close()
+        again = handle.reader(0)
+        again.load_state_dict({"rank": 0, "step": 1})
+        with pytest.raises(ServiceError, match=r"asked the agent at .* for step 2, but this "
+                                               r"rank was handed the steps up to 3 already"):
+            next(again)
+        handle.close()
