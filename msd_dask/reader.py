@@ -212,6 +212,11 @@ class _Progress:
         #: re-created constructor knows nothing yet
         self.known: tuple[Any, int] = (None, -1)
 
+    def last(self) -> int:
+        """The later of the last step returned and of the state loaded (``-1``: neither):
+        a state loaded after reading counts, the next step served is after it."""
+        return self.skip_through if self.step is None else max(self.step, self.skip_through)
+
 
 def _report(link: ServiceLink, c: int, rank: int, ranks: list[int], step: int | None,
             progress: _Progress) -> Any:
@@ -239,8 +244,8 @@ def _report_dropped(link: ServiceLink, c: int, rank: int, ranks: list[int],
     """A reader was dropped (garbage-collected) without :meth:`Reader.close`, e.g. after a
     ``for batch in svc.reader(rank)`` loop that ended with ``break``: report its last step,
     as close() would (:meth:`DataService.state_dict` counts it)."""
-    step = max(-1 if progress.step is None else progress.step, progress.skip_through)
-    _report(link, c, rank, ranks, step if step >= 0 else None, progress)
+    last = progress.last()
+    _report(link, c, rank, ranks, last if last >= 0 else None, progress)
 
 
 class Reader:
@@ -327,10 +332,8 @@ class Reader:
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the later of the last step this reader returned and of a
         state it loaded (``None``: neither)."""
-        # (a state loaded after reading counts: the next step served is after it)
-        step = self.step if self.step is not None else -1
-        step = max(step, self._skip_through)
-        return {"rank": self.rank, "step": step if step >= 0 else None}
+        last = self._progress.last()
+        return {"rank": self.rank, "step": last if last >= 0 else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
@@ -344,7 +347,7 @@ class Reader:
 
     def _done(self) -> int:
         """The last step this reader has (returned, skipped or claimed and held); -1 if none."""
-        done = self._skip_through if self.step is None else max(self.step, self._skip_through)
+        done = self._progress.last()
         try:  # another reader's thread may ask (announce_generation) while this one pops
             return max(done, self._held[-1].step)
         except IndexError:

@@ -507,7 +507,6 @@ class HostAgent:
         self.ranks = [r for g in self.groups for r in g.ranks]
         self._group_of = {r: g for g in self.groups for r in g.ranks}
         self._open_reader = open_reader
-        self._blocks = 0
         self._server: asyncio.AbstractServer | None = None
         #: the inode of the socket file this agent bound (it removes only that one)
         self._socket_inode = -1
@@ -843,9 +842,7 @@ class HostAgent:
                     continue
                 block = None
                 if batch.step > g.slowest():  # some rank lacks it: into shared memory
-                    self._blocks += 1
-                    name = new_block_name()
-                    shm, msg = await _in_thread(write_block, batch, name)
+                    shm, msg = await _in_thread(write_block, batch, new_block_name())
                     block = _Block(batch.step, shm, msg)
                 async with g.changed:
                     g.last_read = batch.step

@@ -120,6 +120,11 @@ def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any) ->
 _UNKNOWN = 2**62
 
 
+def _first_ranks(ranks: list[int], n: int = 8) -> str:
+    """``ranks`` for a message: the first ``n``, then `` ...`` if there are more."""
+    return ", ".join(map(str, ranks[:n])) + (" ..." if len(ranks) > n else "")
+
+
 class DataService:
     """A handle on a running msd_dask service.
 
@@ -551,10 +556,9 @@ class DataService:
                 break
             time.sleep(0.25)
         open_ranks = sorted(r for r in lo if lo[r] < hi[r] and lo[r] < high)
-        shown = ", ".join(map(str, open_ranks[:8])) + (" ..." if len(open_ranks) > 8 else "")
-        lost = sorted(r for r in open_ranks if hi[r] >= _UNKNOWN)
+        lost = [r for r in open_ranks if hi[r] >= _UNKNOWN]
+        shown = _first_ranks(lost or open_ranks)
         if lost:
-            shown = ", ".join(map(str, lost[:8])) + (" ..." if len(lost) > 8 else "")
             raise ValueError(
                 f"service {self.name!r}: rank(s) {shown} are served by a constructor re-created "
                 "after a loss, which has heard nothing from them since (paused readers in "

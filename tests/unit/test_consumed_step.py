@@ -10,17 +10,10 @@ import weakref
 from typing import Any
 
 import pytest
+from test_link_refresh import _Done
 
 from msd_dask.core.config import parse_config
 from msd_dask.service.handle import DataService
-
-
-class _Done:
-    def __init__(self, value: Any):
-        self.value = value
-
-    def result(self, timeout: float | None = None) -> Any:
-        return self.value
 
 
 class _Constructor:
