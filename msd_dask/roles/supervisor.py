@@ -31,6 +31,7 @@ moves the slot's units itself (:meth:`PlannerSide.hand_over`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
 from msd_dask.dask_internals import actor_address, call_remote_actor, release_actor, worker_actors
-from msd_dask.errors import DataError
+from msd_dask.errors import DataError, ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import DataConstructor, StepPieces, unpack_work
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
     from msd_dask.core.config import Config
     from msd_dask.core.units import Unit
 
-__all__ = ["PlannerSide", "RoleSupervisor", "close_service_roles", "pick_workers"]
+__all__ = ["CREATE_CHECK", "PlannerSide", "RoleSupervisor", "WorkerLeft", "close_service_roles",
+           "pick_workers"]
 
 _log = logging.getLogger(__name__)
 
@@ -126,6 +128,28 @@ class PlannerSide(Protocol):
         """Re-split the units of ``source`` assigned but not read yet over its active
         slots (after slots were added, so they help at once)."""
         ...
+
+
+def _listed(items: list[str], most: int = 4) -> str:
+    """``items`` joined for a message: the first ``most``, then how many more."""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
+#: seconds between two looks at the scheduler's workers while roles are being created
+CREATE_CHECK = 1.0
+
+
+class WorkerLeft(ServiceError):
+    """The worker a role was placed on left the cluster before the role started there."""
+
+    def __init__(self, service: str, role: str, worker: str):
+        self.service, self.role, self.worker = service, role, worker
+        super().__init__(f"msd_dask {service}: worker {worker} left the cluster before "
+                         f"{role} started there")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.service, self.role, self.worker))
 
 
 class RoleSupervisor:
@@ -253,11 +277,37 @@ class RoleSupervisor:
         once every one is created: waits for them all, then fetches the handles in one
         gather.  If a role failed, the first in order raises its error, with a note naming
         the role and its worker; the roles created with it are closed and released.
+
+        A role is bound to its worker: if that worker leaves the cluster first, Dask would
+        hold the role for it for ever.  Every :data:`CREATE_CHECK` seconds the wait looks
+        at the scheduler's workers, and raises :class:`WorkerLeft` (naming the first such
+        role) once one is gone; after the config's ``timeout`` a
+        :class:`~msd_dask.errors.ServiceTimeoutError` names the roles still waited for.
+        Either way the roles of the call are closed and released.
         """
         futs = [f for _, _, f in submitted]
         # waits until each is done, without a round trip (a failure is raised below)
-        await asyncio.gather(*(f.exception(asynchronous=True) for f in futs),
-                             return_exceptions=True)
+        waiting = asyncio.ensure_future(asyncio.gather(
+            *(f.exception(asynchronous=True) for f in futs), return_exceptions=True))
+        deadline = time.monotonic() + self.cfg.timeout
+        try:
+            while not (await asyncio.wait({waiting}, timeout=CREATE_CHECK))[0]:
+                workers = set(await self._workers())
+                pending = [(n, w) for n, w, f in submitted if f.status == "pending"]
+                gone = [(n, w) for n, w in pending if w not in workers]
+                late = time.monotonic() >= deadline
+                if gone or late:
+                    await self._abandon(submitted)
+                    if gone:
+                        raise WorkerLeft(self.cfg.name, *gone[0])
+                    raise ServiceTimeoutError(
+                        f"msd_dask {self.cfg.name}: waited {self.cfg.timeout:g}s (the config's "
+                        f"timeout) for {_listed([f'{n} on {w}' for n, w in pending])} to be "
+                        "created; the workers are alive but did not start them "
+                        "(paused for memory, or busy)")
+        finally:
+            waiting.cancel()
+            waiting.add_done_callback(_observe)
         made = [f for f in futs if f.status == "finished"]
         handles = await self._client.gather(made, asynchronous=True) if made else []
         if len(made) == len(futs):
@@ -278,16 +328,38 @@ class RoleSupervisor:
                 if f.status != "finished":
                     f.release()
 
+    async def _abandon(self, submitted: list[tuple[str, str, Any]]) -> None:
+        """Close and release the roles of ``submitted``, created or not."""
+        futs = [f for _, _, f in submitted]
+        made = [f for f in futs if f.status == "finished"]
+        handles = []
+        if made:
+            with contextlib.suppress(Exception):
+                handles = await asyncio.wait_for(
+                    self._client.gather(made, asynchronous=True), 5)
+        await asyncio.gather(*(asyncio.wait_for(h.close(), 5) for h in handles),
+                             return_exceptions=True)
+        for f in futs:
+            f.release()
+
+    async def _placed(self, name: str, submit: Callable[[str], Any]) -> tuple[Any, Any]:
+        """One role (a replacement or an added loader), placed on the live worker with the
+        fewest roles, and placed again if that worker leaves before the role starts."""
+        while True:
+            where = (await self._place())[0]
+            try:
+                return (await self._created([(name, where, submit(where))]))[0]
+            except WorkerLeft as e:
+                _log.warning("%s; placing it again", e)
+
     async def _new_constructor(self, index: int) -> tuple[Any, Any]:
         """A constructor to replace constructor ``index`` (it takes the re-sent steps first)."""
-        where = (await self._place())[0]
-        return (await self._created([(f"constructor {index}", where,
-                                      self._submit_constructor(index, where, replacing=True))]))[0]
+        return await self._placed(f"constructor {index}", partial(
+            self._submit_constructor, index, replacing=True))
 
     async def _new_loader(self, source: str, slot: int) -> tuple[Any, Any]:
-        where = (await self._place())[0]
-        fut = self._submit_loader(source, slot, where, self._loader_units(source))
-        return (await self._created([(f"loader {source}#{slot}", where, fut)]))[0]
+        return await self._placed(f"loader {source}#{slot}", partial(
+            self._submit_loader, source, slot, units=self._loader_units(source)))
 
     async def _add_slot(self, source: str) -> int:
         slot = next(self._seq[source])

@@ -5,6 +5,7 @@ the workers) picks exactly what placing the roles one at a time picked (the old
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import Counter
 
@@ -88,12 +89,15 @@ class _Handle:
 
 
 class _Future:
-    def __init__(self, key: str, where: str, error: BaseException | None):
+    def __init__(self, key: str, where: str, error: BaseException | None, hang: bool = False):
         self.key, self.where, self.error = key, where, error
-        self.status = "error" if error else "finished"
+        # hang: a role on a worker that left, or that never starts it (Dask keeps it pending)
+        self.status = "pending" if hang else "error" if error else "finished"
         self.released = False
 
     async def exception(self, asynchronous: bool = False) -> BaseException | None:
+        if self.status == "pending":
+            await asyncio.Event().wait()
         return self.error
 
     def __await__(self):  # type: ignore[no-untyped-def]
@@ -108,30 +112,39 @@ class _Future:
 
 
 class _Scheduler:
-    def __init__(self, workers: list[str]):
+    def __init__(self, workers: list[str], leaving: str | None = None):
         self.workers = workers
         self.calls = 0
+        self.leaving = leaving
 
     async def ncores(self) -> dict[str, int]:
         self.calls += 1
         return {w: 1 for w in self.workers}
 
     async def ncores_running(self) -> dict[str, int]:
+        if self.leaving is not None and self.leaving not in self.workers:
+            self.workers = sorted([*self.workers, self.leaving])  # it joins
+            ncores = await self.ncores()
+            self.workers.remove(self.leaving)  # and leaves before its roles start
+            self.leaving = None
+            return ncores
         return await self.ncores()
 
 
 class _Client:
-    def __init__(self, workers: list[str], fail: str | None = None):
-        self.scheduler = _Scheduler(workers)
+    def __init__(self, workers: list[str], fail: str | None = None, leaving: str | None = None,
+                 stuck: str | None = None):
+        self.scheduler = _Scheduler(workers, leaving)
         self.submitted: list[_Future] = []
         self.fail = fail
         self.gathers = 0
         self.handles: list[_Handle] = []
+        self.stuck = {w for w in (leaving, stuck) if w}  # roles there never start
 
     def submit(self, cls: type, *args: object, workers: list[str], key: str,
                **kw: object) -> _Future:
         err = ValueError("bad role") if self.fail and key.startswith(self.fail) else None
-        fut = _Future(key, workers[0], err)
+        fut = _Future(key, workers[0], err, hang=workers[0] in self.stuck)
         self.submitted.append(fut)
         return fut
 
@@ -146,10 +159,10 @@ class _Planner:
     generation = 0
     had: dict[int, int] = {}
 
-    def __init__(self, loaders: int):
+    def __init__(self, loaders: int, timeout: float = 300.0):
         from msd_dask.core.config import parse_config
 
-        self.cfg = parse_config({"name": "p", "batch": {"seq_len": 8}, "sources": [
+        self.cfg = parse_config({"name": "p", "batch": {"seq_len": 8}, "timeout": timeout, "sources": [
             {"name": "a", "uri": "memory://a", "format": "jsonl", "loaders": loaders},
             {"name": "b", "uri": "memory://b", "format": "jsonl", "loaders": 1}]})
         self.units = {"a": [], "b": []}
@@ -159,9 +172,11 @@ class _Planner:
 
 
 def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
-                n_constructors: int, loaders: int):  # type: ignore[no-untyped-def]
+                n_constructors: int, loaders: int,
+                timeout: float = 300.0):  # type: ignore[no-untyped-def]
     import distributed
 
+    from msd_dask.roles import supervisor
     from msd_dask.roles.supervisor import RoleSupervisor
 
     class _Worker:
@@ -169,8 +184,9 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
 
     monkeypatch.setattr(distributed, "get_client", lambda: client)
     monkeypatch.setattr(distributed, "get_worker", lambda: _Worker())
+    monkeypatch.setattr(supervisor, "CREATE_CHECK", 0.01)
     members = [{i: [i]} for i in range(n_constructors)]
-    return RoleSupervisor(_Planner(loaders), members, 0, 1, {"a": {}, "b": {}}, {})
+    return RoleSupervisor(_Planner(loaders, timeout), members, 0, 1, {"a": {}, "b": {}}, {})
 
 
 def test_setup_asks_for_the_workers_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,3 +258,54 @@ def test_an_evacuated_address_that_left_and_joined_again_takes_roles(
 
     kept_out, after = asyncio.run(run())
     assert "tcp://h:3" not in kept_out and "tcp://h:3" in after
+
+
+def test_a_worker_that_leaves_during_setup_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A role bound to a worker that left before it started: Dask holds it for that worker
+    for ever, and setup waited with it, silently (review).  Setup now fails naming the
+    role and the worker, and releases every role of the call."""
+    from msd_dask.roles.supervisor import WorkerLeft
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers, leaving="tcp://h:0")
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 1)
+    with pytest.raises(WorkerLeft, match=r"worker tcp://h:0 left the cluster before "
+                                         r"constructor 0 started there"):
+        asyncio.run(asyncio.wait_for(sup.setup(), 10))
+    assert sup.constructors == [] and all(f.released for f in client.submitted)
+    assert client.handles and all(h.closed for h in client.handles)
+
+
+def test_a_replacement_whose_worker_leaves_is_placed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lost loader re-created on a worker that leaves before it starts is placed again on
+    a live worker, instead of holding the supervisor's lock (and so recovery) for ever."""
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 2)
+
+    async def run() -> object:
+        await sup.setup()
+        client.scheduler.leaving = "tcp://h:0"  # joins, with no role: the first pick
+        client.stuck.add("tcp://h:0")
+        return await asyncio.wait_for(sup._new_loader("a", 0), 10)
+
+    handle, _ = asyncio.run(run())  # type: ignore[misc]
+    first, again = client.submitted[-2:]
+    assert first.where == "tcp://h:0" and first.released
+    assert again.where in workers and handle._address == again.where
+
+
+def test_a_role_never_started_times_out_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live worker that never starts a role (paused for memory): the wait ends after the
+    config's timeout with an error naming the role and the worker."""
+    from msd_dask.errors import ServiceTimeoutError
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers, stuck="tcp://h:2")
+    sup = _supervisor(monkeypatch, client, workers[0], 1, 1, timeout=0.2)
+    expected = (r"waited 0.2s \(the config's timeout\) for constructor 0 on tcp://h:2, "
+                r"loader b#0 on tcp://h:2 to be created; the workers are alive")
+    with pytest.raises(ServiceTimeoutError, match=expected):
+        asyncio.run(asyncio.wait_for(sup.setup(), 10))
+    assert all(f.released for f in client.submitted)
