@@ -1,16 +1,19 @@
-"""JSON-lines reader: plain, gzip (``.gz``) or zstandard (``.zst``, ``.zstd``) files.
+"""JSON-lines reader: plain, gzip (``.gz``), zstandard (``.zst``, ``.zstd``), bzip2 (``.bz2``)
+or xz (``.xz``) files.
 
 A file is one unit; it is decompressed and parsed as a stream, one line at a time.
 """
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import gzip
 import io
 import json
+import lzma
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import IO, Any, Protocol
 
@@ -37,13 +40,18 @@ def compression_of(path: str) -> str | None:
     Returns
     -------
     str or None
-        ``"gzip"`` for ``.gz``, ``"zstd"`` for ``.zst``/``.zstd``, ``None`` otherwise.
+        ``"gzip"`` for ``.gz``, ``"zstd"`` for ``.zst``/``.zstd``, ``"bzip2"`` for
+        ``.bz2``, ``"xz"`` for ``.xz``, ``None`` otherwise.
     """
     lower = path.lower()
     if lower.endswith(".gz"):
         return "gzip"
     if lower.endswith((".zst", ".zstd")):
         return "zstd"
+    if lower.endswith(".bz2"):
+        return "bzip2"
+    if lower.endswith(".xz"):
+        return "xz"
     return None
 
 
@@ -55,23 +63,40 @@ def _open_lines(stack: ExitStack, raw: IO[bytes], compression: str | None) -> _L
     """A binary stream of the decompressed content of ``raw``, read line by line."""
     if compression == "gzip":
         return stack.enter_context(gzip.GzipFile(fileobj=raw, mode="rb"))
-    if compression == "zstd":
+    if compression is not None:
         # BufferedReader gives readline() over the reader's readinto().
-        return stack.enter_context(io.BufferedReader(_ZstdFrames(raw), _BUFFER_SIZE))
+        return stack.enter_context(io.BufferedReader(_Streams(raw, compression), _BUFFER_SIZE))
     # Not fsspec's own readline(): it reads a whole block (5 MiB on s3) per line.
     return stack.enter_context(io.BufferedReader(raw, _BUFFER_SIZE))  # type: ignore[type-var]
 
 
-class _ZstdFrames(io.RawIOBase):
-    """Decompressed content of a stream of zstd frames; a truncated last frame is an error.
+class _Corrupt(Exception):
+    """A compressed stream that does not decompress: bad data, or cut off."""
+
+
+#: a new decompressor (``decompress``, ``eof``, ``unused_data``) for each compression that
+#: :class:`_Streams` reads
+_DECOMPRESSORS: dict[str, Callable[[], Any]] = {
+    "zstd": lambda: zstandard.ZstdDecompressor().decompressobj(),
+    "bzip2": bz2.BZ2Decompressor,
+    "xz": lzma.LZMADecompressor,
+}
+
+
+class _Streams(io.RawIOBase):
+    """Decompressed content of a file of compressed streams one after the other (zstd
+    frames, bzip2 or xz streams, as parallel compressors write them); a truncated last
+    stream is an error.
 
     (zstandard's ``stream_reader`` ends silently at a truncated frame, which would
-    drop the rest of a cut-off file without a word.)
+    drop the rest of a cut-off file without a word; ``bz2.BZ2File`` reports bad data
+    as a bare ``OSError``, which reads like a failed read of the storage.)  Only the
+    decompressors' errors become :class:`_Corrupt`; the storage's own errors pass.
     """
 
-    def __init__(self, raw: IO[bytes]):
+    def __init__(self, raw: IO[bytes], compression: str):
         self._raw = raw
-        self._dctx = zstandard.ZstdDecompressor()
+        self._new = _DECOMPRESSORS[compression]
         self._obj: Any = None
         self._out = b""
         self._pos = 0
@@ -84,7 +109,7 @@ class _ZstdFrames(io.RawIOBase):
             chunk = self._raw.read(_BUFFER_SIZE)
             if not chunk:
                 if self._obj is not None and not self._obj.eof:
-                    raise zstandard.ZstdError("truncated stream: the last frame is incomplete")
+                    raise _Corrupt("truncated stream: the last frame is incomplete")
                 return 0
             self._out, self._pos = self._feed(chunk), 0
         n = min(len(b), len(self._out) - self._pos)
@@ -96,8 +121,11 @@ class _ZstdFrames(io.RawIOBase):
         out = []
         while data:
             if self._obj is None or self._obj.eof:
-                self._obj = self._dctx.decompressobj()
-            out.append(self._obj.decompress(data))
+                self._obj = self._new()
+            try:
+                out.append(self._obj.decompress(data))
+            except (OSError, EOFError, lzma.LZMAError, zstandard.ZstdError) as e:
+                raise _Corrupt(str(e)) from e
             data = self._obj.unused_data if self._obj.eof else b""
         return b"".join(out)
 
@@ -165,7 +193,7 @@ class JsonlFormat:
             while True:
                 try:
                     line = lines.readline()
-                except (zstandard.ZstdError, gzip.BadGzipFile, zlib.error, EOFError) as exc:
+                except (_Corrupt, gzip.BadGzipFile, zlib.error, EOFError) as exc:
                     raise DataError(f"corrupt {compression} stream: {exc}", path=path) from exc
                 if not line:
                     break

@@ -7,9 +7,11 @@ filesystem and on fsspec's in-memory one.
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
 import json
+import lzma
 import tarfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -82,6 +84,20 @@ def write_jsonl_zst(fs: fsspec.AbstractFileSystem, stem: str,
     return path
 
 
+def write_jsonl_bz2(fs: fsspec.AbstractFileSystem, stem: str,
+                    records: list[dict[str, Any]]) -> str:
+    path = stem + ".jsonl.bz2"
+    fs.pipe_file(path, bz2.compress(_jsonl_bytes(records)))
+    return path
+
+
+def write_jsonl_xz(fs: fsspec.AbstractFileSystem, stem: str,
+                   records: list[dict[str, Any]]) -> str:
+    path = stem + ".jsonl.xz"
+    fs.pipe_file(path, lzma.compress(_jsonl_bytes(records)))
+    return path
+
+
 def write_webdataset(fs: fsspec.AbstractFileSystem, stem: str,
                      records: list[dict[str, Any]]) -> str:
     """A tar shard: ``<i>.txt`` holds the text, ``<i>.json`` the other fields."""
@@ -101,7 +117,8 @@ def write_webdataset(fs: fsspec.AbstractFileSystem, stem: str,
 WRITERS: dict[str, dict[str, Writer]] = {
     "parquet": {"parquet": write_parquet},
     "webdataset": {"webdataset": write_webdataset},
-    "jsonl": {"jsonl": write_jsonl, "jsonl.gz": write_jsonl_gz, "jsonl.zst": write_jsonl_zst},
+    "jsonl": {"jsonl": write_jsonl, "jsonl.gz": write_jsonl_gz, "jsonl.zst": write_jsonl_zst,
+              "jsonl.bz2": write_jsonl_bz2, "jsonl.xz": write_jsonl_xz},
 }
 
 CASES = [pytest.param((name, variant), id=variant)
@@ -416,6 +433,7 @@ def _rows(path: str, fields: Sequence[str] = ("text",)) -> list[tuple[int, dict[
 @pytest.mark.parametrize("name, expected", [
     ("a.jsonl", None), ("a.json", None), ("a.jsonl.gz", "gzip"), ("A.JSONL.GZ", "gzip"),
     ("a.jsonl.zst", "zstd"), ("a.jsonl.zstd", "zstd"), ("dir.zst/a.jsonl", None),
+    ("a.jsonl.bz2", "bzip2"), ("a.JSONL.XZ", "xz"), ("dir.xz/a.jsonl", None),
 ])
 def test_jsonl_compression_from_suffix(name: str, expected: str | None) -> None:
     assert compression_of(name) == expected
@@ -490,11 +508,70 @@ def test_jsonl_zst_streamed_from_writer_and_zstd_suffix(tmp_path: Any) -> None:
     assert [rec["text"] for _, rec in _rows(path)] == TEXTS
 
 
+@pytest.mark.parametrize("name, compress", [
+    ("multi.jsonl.bz2", bz2.compress), ("multi.jsonl.xz", lzma.compress),
+])
+def test_jsonl_several_streams_in_one_file(tmp_path: Any, name: str,
+                                           compress: Callable[[bytes], bytes]) -> None:
+    """Streams one after the other (as pbzip2 and parallel xz write): all are read."""
+    content = b"".join(compress(_jsonl_bytes(RECORDS[i:i + 3])) for i in range(0, 10, 3))
+    assert [rec["text"] for _, rec in _rows(_jsonl_file(tmp_path, content, name))] == TEXTS
+
+
+class _FailingRead(io.RawIOBase):
+    """A file whose storage fails after its first bytes (a dropped connection)."""
+
+    def __init__(self, data: bytes):
+        self.data, self.sent = data, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.sent:
+            raise OSError("connection reset by peer")
+        self.sent = True
+        n = min(len(b), 64)
+        b[:n] = self.data[:n]
+        return n
+
+
+class _FailingFs:
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def open(self, path: str, mode: str = "rb") -> _FailingRead:
+        return _FailingRead(self.data)
+
+
+@pytest.mark.parametrize("name, compress", [
+    ("a.jsonl.bz2", bz2.compress), ("a.jsonl.xz", lzma.compress),
+    ("a.jsonl.zst", zstandard.ZstdCompressor().compress), ("a.jsonl", lambda b: b),
+])
+def test_jsonl_storage_error_is_not_called_corrupt(name: str,
+                                                   compress: Callable[[bytes], bytes]) -> None:
+    """A read that fails in the storage stays an OSError (retried or reported as I/O),
+    never a DataError: on_error: skip would quarantine a good file for it.
+    (bz2.BZ2File reports bad data as a bare OSError too: the decompressor's errors alone
+    become DataError.)"""
+    data = compress(_jsonl_bytes(RECORDS))
+    with pytest.raises(OSError, match="connection reset") as info:
+        list(JSONL.read(_FailingFs(data), Unit(name), ["text"]))  # type: ignore[arg-type]
+    assert not isinstance(info.value, DataError)
+
+
 @pytest.mark.parametrize("name, content", [
     ("bad.jsonl.gz", b"\x1f\x8b\x08\x00garbage-after-gzip-magic" * 4),
     ("plain.jsonl.gz", b'{"text": "not compressed"}\n'),
     ("bad.jsonl.zst", b"\x28\xb5\x2f\xfd" + b"\xff" * 64),
     ("plain.jsonl.zst", b'{"text": "not compressed"}\n'),
+    ("bad.jsonl.bz2", b"BZh9" + b"\xff" * 64),
+    ("plain.jsonl.bz2", b'{"text": "not compressed"}\n'),
+    ("bad.jsonl.xz", b"\xfd7zXZ\x00" + b"\xff" * 64),
+    ("plain.jsonl.xz", b'{"text": "not compressed"}\n'),
+    ("cut.jsonl.bz2", bz2.compress(_jsonl_bytes(RECORDS))[:-10]),
+    ("cut.jsonl.xz", lzma.compress(_jsonl_bytes(RECORDS))[:-10]),
+    ("cut.jsonl.zst", zstandard.ZstdCompressor().compress(_jsonl_bytes(RECORDS))[:-4]),
 ])
 def test_jsonl_corrupt_stream_names_file(tmp_path: Any, name: str, content: bytes) -> None:
     path = _jsonl_file(tmp_path, content, name)
@@ -513,6 +590,8 @@ def test_jsonl_truncated_gzip_is_data_error(tmp_path: Any) -> None:
 @pytest.mark.parametrize("name, content", [
     ("empty.jsonl", b""), ("blank.jsonl", b"\n \n"), ("empty.jsonl.gz", gzip.compress(b"")),
     ("empty.jsonl.zst", zstandard.ZstdCompressor().compress(b"")), ("zero.jsonl.zst", b""),
+    ("empty.jsonl.bz2", bz2.compress(b"")), ("zero.jsonl.bz2", b""),
+    ("empty.jsonl.xz", lzma.compress(b"")), ("zero.jsonl.xz", b""),
 ])
 def test_jsonl_empty_files_have_no_rows(tmp_path: Any, name: str, content: bytes) -> None:
     assert _rows(_jsonl_file(tmp_path, content, name)) == []
