@@ -624,15 +624,11 @@ def _preprocess(d: Mapping[str, Any], key: str) -> str | None:
     spec = d.get("preprocess")
     if spec is None:
         return None
-    k = f"{key}.preprocess"
     if not isinstance(spec, str) or not _IMPORT_PATH.match(spec):
-        raise ConfigError(k, f"must be an import path 'package.module:function', got {spec!r}")
-    try:
-        fn = resolve_import_path(spec)
-    except Exception as e:  # noqa: BLE001 - any import failure is a config error
-        raise ConfigError(k, f"cannot import {spec!r}: {type(e).__name__}: {e}") from e
-    if not callable(fn):
-        raise ConfigError(k, f"{spec!r} is a {type(fn).__name__}, not a function")
+        raise ConfigError(f"{key}.preprocess",
+                          f"must be an import path 'package.module:function', got {spec!r}")
+    # (imported by load_config and on the workers, never here: a reader's or the scheduler
+    # plugin's process parses the config without the user's module)
     return spec
 
 
@@ -718,7 +714,32 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
 class _YamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader, which also reads ``2e-5`` as a float: PyYAML follows YAML 1.1,
     where a float needs a dot (``2.0e-5``), and would hand ``cost.quadratic: 2e-5`` over as
-    a string."""
+    a string; and which refuses a key given twice in one mapping, where PyYAML keeps the
+    last value (a second ``sources:`` block would drop the first without a word)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_repeated_keys(node, "")
+        return super().construct_document(node)
+
+
+def _refuse_repeated_keys(node: yaml.Node, path: str) -> None:
+    """Raise :class:`ConfigError` naming the first key given twice in a mapping of ``node``
+    (``path``: its key path, as the config's errors name keys)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            at = f"{path}.{name}" if path else str(name)
+            if name is not None and name != "<<":
+                if name in seen:
+                    raise ConfigError(at, f"given twice (lines {seen[name] + 1} and "
+                                          f"{key.start_mark.line + 1}): its second value would "
+                                          "replace the first")
+                seen[name] = key.start_mark.line
+            _refuse_repeated_keys(value, at)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_repeated_keys(item, f"{path}[{i}]")
 
 
 _YamlLoader.add_implicit_resolver(

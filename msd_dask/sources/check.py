@@ -14,7 +14,7 @@ from typing import Any
 from msd_dask.core.config import Config, parse_config
 from msd_dask.errors import ConfigError
 
-__all__ = ["check_storage", "load_config"]
+__all__ = ["check_preprocessors", "check_storage", "load_config"]
 
 
 def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
@@ -36,9 +36,35 @@ def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
         Naming the offending key and the reason.
     """
     parsed = parse_config(cfg)
-    if check_files and not isinstance(cfg, Config):
-        check_storage(parsed)
+    if not isinstance(cfg, Config):
+        check_preprocessors(parsed)
+        if check_files:
+            check_storage(parsed)
     return parsed
+
+
+def check_preprocessors(cfg: Config) -> None:
+    """Raise :class:`ConfigError` naming ``sources[i].preprocess`` where a source's
+    preprocessor does not import here or is not a function.
+
+    :func:`~msd_dask.core.config.parse_config` checks only the import path's form: the
+    processes that read a service's published config (readers, host agents, the
+    scheduler plugin) need not have the user's module; the loaders' workers do, and
+    :meth:`~msd_dask.DataService.start` checks it on one of them (it lists the units
+    there with :func:`load_config`).
+    """
+    from msd_dask.sources.documents import preprocessor
+
+    for i, src in enumerate(cfg.sources):
+        if src.preprocess is None:
+            continue
+        try:
+            preprocessor(src.preprocess)
+        except TypeError as e:
+            raise ConfigError(f"sources[{i}].preprocess", str(e)) from None
+        except Exception as e:  # noqa: BLE001 - any import failure is a config error
+            raise ConfigError(f"sources[{i}].preprocess", f"cannot import {src.preprocess!r}: "
+                              f"{type(e).__name__}: {e}") from e
 
 
 def check_storage(cfg: Config) -> None:
@@ -53,6 +79,8 @@ def check_storage(cfg: Config) -> None:
     if cfg.tokenizer.kind != "bytes":
         try:
             make_tokenizer(cfg.tokenizer)
+        except ConfigError:  # an id that names its own key
+            raise
         except Exception as e:  # noqa: BLE001 - report any load failure against the key
             raise ConfigError("tokenizer.path", f"cannot load tokenizer {cfg.tokenizer.path!r}: {e}") from e
     for i, src in enumerate(cfg.sources):

@@ -46,7 +46,7 @@ def preprocessor(spec: str) -> Callable[[str, dict[str, Any]], str | None]:
     """The function ``sources[].preprocess`` names (``module:function``), imported once."""
     fn = resolve_import_path(spec)
     if not callable(fn):
-        raise TypeError(f"preprocess {spec!r} is a {type(fn).__name__}, not a function")
+        raise TypeError(f"{spec!r} is a {type(fn).__name__}, not a function")
     return fn
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from msd_dask.core.config import TokenizerConfig
+from msd_dask.errors import ConfigError
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer", "EOD", "PAD",
            "EOD_TOKENS", "PAD_TOKENS", "IMG"]
@@ -102,27 +103,29 @@ class HFTokenizer:
         # ids: the largest plus one (the vocabulary may have holes), so the loaders' token
         # width (uint16 below 65,536) holds every id
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        self.eod_id = self._pick(eod_id, EOD_TOKENS, "eod_id")
-        pad = self._pick(pad_id, PAD_TOKENS, None)
+        self.eod_id = self._pick(eod_id, EOD_TOKENS, "eod_id", required=True)
+        pad = self._pick(pad_id, PAD_TOKENS, "pad_id", required=False)
         if pad < 0 and self._tok.padding is not None:
             pad = int(self._tok.padding["pad_id"])
         self.pad_id = self.eod_id if pad < 0 else pad
         self.image_id = None if image_token_id is None else \
-            self._pick(image_token_id, (), "image_token_id")
+            self._pick(image_token_id, (), "image_token_id", required=True)
 
-    def _pick(self, given: int | None, names: tuple[str, ...], key: str | None) -> int:
+    def _pick(self, given: int | None, names: tuple[str, ...], key: str, required: bool) -> int:
+        """The id of ``tokenizer.<key>``: ``given``, else the first of ``names`` the
+        vocabulary has, else -1 (a :class:`ConfigError` naming the key where ``required``)."""
         if given is not None:
             if not 0 <= given < self.vocab_size:
-                raise ValueError(f"{key or 'id'} {given} is outside the vocabulary "
-                                 f"[0, {self.vocab_size}) of {self.path}")
+                raise ConfigError(f"tokenizer.{key}", f"id {given} is outside the vocabulary "
+                                  f"[0, {self.vocab_size}) of {self.path}")
             return int(given)
         for name in names:
             i = self._tok.token_to_id(name)
             if i is not None:
                 return int(i)
-        if key is not None:
-            raise ValueError(f"{self.path} has none of the special tokens {list(names)}; "
-                             f"set tokenizer.{key}")
+        if required:
+            raise ConfigError(f"tokenizer.{key}", f"{self.path} has none of the special tokens "
+                              f"{list(names)}; set tokenizer.{key}")
         return -1
 
     def encode(self, text: str) -> np.ndarray:

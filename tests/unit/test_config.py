@@ -461,3 +461,29 @@ def test_a_seq_len_context_parallel_ranks_cannot_split_is_refused(data_dir: Path
     assert "2 x parallel.cp = 6" in str(err) and "got 128" in str(err)
     d["batch"]["seq_len"] = 132
     assert load_config(d).parallel.cp == 3
+
+
+@pytest.mark.parametrize("extra, key", [
+    ("seed: 7\n", "seed"),  # the dump has a seed already
+    ("sources:\n  - {name: extra, uri: x, format: jsonl}\n", "sources"),
+])
+def test_a_key_given_twice_is_refused(data_dir: Path, extra: str, key: str) -> None:
+    """PyYAML keeps a repeated key's last value: a second ``sources:`` block dropped the
+    first list without a word (review).  It is refused, naming the key and both lines."""
+    d = base(data_dir)
+    d["seed"] = 3
+    text = yaml.safe_dump(d, sort_keys=False)
+    first = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith(key + ":"))
+    with pytest.raises(ConfigError, match=rf"given twice \(lines {first} and "
+                                          rf"{len(text.splitlines()) + 1}\)") as info:
+        load_config(text + extra)
+    assert info.value.key == key
+
+
+def test_a_key_given_twice_inside_a_source_names_its_path(data_dir: Path) -> None:
+    text = yaml.safe_dump(base(data_dir), sort_keys=False, default_flow_style=False)
+    text = text.replace("  weight:", "  weight: 0.0\n  weight:", 2)
+    assert text.count("weight:") >= 3
+    with pytest.raises(ConfigError, match="given twice") as info:
+        load_config(text)
+    assert info.value.key == "sources[0].weight"

@@ -41,6 +41,26 @@ def test_preprocess_config_validation(corpus):
     assert load_config(cfg.to_dict()) == cfg
 
 
+def test_a_published_config_parses_without_the_preprocessors_module(corpus):
+    """A reader's ``DataService.connect``, a host agent and the scheduler plugin parse the
+    published config (``parse_config``): they imported the user's preprocess module and
+    failed where only the workers have it (review).  The parse checks the import path's
+    form; ``load_config`` imports, and so does the unit listing on a worker at start."""
+    from msd_dask.core.config import parse_config
+    from msd_dask.sources.discover import discover_on_worker
+
+    root, _ = corpus
+    d = _src_cfg(root, preprocess="only_on_the_workers:clean")
+    assert parse_config(d).sources[1].preprocess == "only_on_the_workers:clean"
+    with pytest.raises(ConfigError, match=r"sources\[1\]\.preprocess.*cannot import.*"
+                                          "ModuleNotFound") as info:
+        load_config(d)
+    assert info.value.key == "sources[1].preprocess"
+    with pytest.raises(ConfigError) as info:  # DataService.start, on a worker without it
+        discover_on_worker(parse_config(d).to_dict())
+    assert info.value.key == "sources[1].preprocess"
+
+
 def test_tokenizer_config_validation(corpus, bpe):
     root, _ = corpus
     with pytest.raises(ConfigError, match=r"tokenizer\.path.*is required|tokenizer\.path.*non-empty"):
@@ -51,8 +71,13 @@ def test_tokenizer_config_validation(corpus, bpe):
         load_config(config(root, tokenizer={"kind": "bytes", "eod_id": 3}))
     with pytest.raises(ConfigError, match=r"tokenizer\.pad_id.*integer"):
         load_config(config(root, tokenizer={"kind": "hf", "path": bpe, "pad_id": "x"}))
-    with pytest.raises(ConfigError, match=r"tokenizer\.path.*outside the vocabulary"):
-        load_config(config(root, tokenizer={"kind": "hf", "path": bpe, "eod_id": 10**6}))
+    # an id outside the vocabulary names its own key (it was reported against tokenizer.path,
+    # and pad_id as "id": review)
+    for key in ("eod_id", "pad_id", "image_token_id"):
+        with pytest.raises(ConfigError, match=rf"'tokenizer\.{key}': id 1000000 is outside "
+                                              "the vocabulary") as info:
+            load_config(config(root, tokenizer={"kind": "hf", "path": bpe, key: 10**6}))
+        assert info.value.key == f"tokenizer.{key}"
     cfg = load_config(config(root, tokenizer={"kind": "hf", "path": bpe}))
     assert cfg.tokenizer == TokenizerConfig(kind="hf", path=bpe)
     assert load_config(cfg.to_dict()) == cfg
