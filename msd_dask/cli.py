@@ -296,7 +296,10 @@ def _serve(args: argparse.Namespace) -> int:
     resume = None
     if args.resume:
         with open(args.resume, encoding="utf-8") as f:
-            resume = json.load(f)
+            try:
+                resume = json.load(f)
+            except ValueError as e:  # (JSONDecodeError, or bytes that are not UTF-8)
+                raise ValueError(f"--resume {args.resume}: not a JSON state_dict: {e}") from None
     svc = DataService.start(args.config, args.scheduler, resume=resume,
                             security=_security(args))
     stop = {"now": False}

@@ -857,8 +857,9 @@ def _parse(d: Any) -> Config:
                              max_wait=_int(oc, "max_wait", "outliers", OutlierConfig.max_wait))
     if outliers.min_length and outliers.min_length != "auto" and no_hold:
         raise ConfigError("outliers.min_length", "cannot be combined with long_context.mode "
-                          "'grouped' or long_context.max_per_rank (held pieces are released a "
-                          "row each at the front of a step, wherever the layout wants them)")
+                          "'grouped' or long_context.max_per_rank while a source has context: "
+                          "long (held pieces are released a row each at the front of a step, "
+                          "wherever the layout wants them)")
     if not isinstance(outliers.min_length, str) and outliers.min_length > batch.seq_len:
         raise ConfigError("outliers.min_length", f"must be <= batch.seq_len ({batch.seq_len}), "
                           f"got {outliers.min_length} (a fraction such as 0.5 follows seq_len)")

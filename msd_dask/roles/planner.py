@@ -98,6 +98,10 @@ def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     if state["format"] != STATE_FORMAT:
         raise ServiceError(f"resume: state format {state['format']!r} is not supported "
                            f"(this version reads {STATE_FORMAT!r})")
+    missing = sorted({"seed", "seq_len", "sources"} - state.keys())
+    if missing or not isinstance(state["planner"], dict):
+        lacks = f"lacks {missing}" if missing else "has no 'planner' mapping"
+        raise ServiceError(f"resume: the state {lacks}: not a whole DataService.state_dict()")
     if int(state["seed"]) != cfg.seed:
         raise ServiceError(f"resume: the state was taken with seed {state['seed']} (service "
                            f"{state.get('name')!r}) but the config has seed {cfg.seed}; the "

@@ -227,7 +227,8 @@ class DataService:
         # a worker checks and lists the files, in its own working directory
         cfg = anchored_config(parse_config(cfg))
         if resume is not None:
-            planner_state(cfg, dict(resume))  # refuse a mismatched state before starting
+            # refuse a mismatched state before starting (a list, say: not a state at all)
+            planner_state(cfg, dict(resume) if isinstance(resume, Mapping) else resume)
         timeout = cfg.timeout if timeout is None else timeout
         cluster = None
         if address is None:

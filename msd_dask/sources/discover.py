@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -81,16 +82,31 @@ def discover_units(cfg: Config, threads: int = 8,
     return units, roots
 
 
+#: a local file URL's protocol: fsspec reads ``file://a``, ``file:a`` and ``local://a`` as
+#: the relative path ``a``
+_LOCAL_URL = re.compile(r"^(file|local):(?://)?")
+
+
 def anchored(uri: str) -> str:
     """A local relative ``uri`` made absolute against this process's working directory.
 
     fsspec resolves a relative local path against the current directory of the process
     that lists it; the units are listed on a worker, whose directory may differ, so the
-    path is fixed where the user gave it.  URLs (``proto://``, ``a::b``) are unchanged.
+    path is fixed where the user gave it: a plain path, a local file URL (``file://a``,
+    ``file:a``, ``local://a``), or either as the last target of a chained URL
+    (``simplecache::a``).  Remote URLs (``s3://...``) are unchanged.
     """
-    if "://" in uri or "::" in uri or os.path.isabs(uri):
+    head, sep, last = uri.rpartition("::")
+    local = _LOCAL_URL.match(last)
+    if local is not None:
+        proto, path = local.group(1) + "://", last[local.end():]
+    elif "://" in last:
         return uri
-    return os.path.abspath(os.path.expanduser(uri))
+    else:
+        proto, path = "", last
+    if os.path.isabs(path):
+        return uri
+    return head + sep + proto + os.path.abspath(os.path.expanduser(path))
 
 
 def anchored_config(cfg: Config) -> Config:

@@ -3,6 +3,7 @@ missing file is one line naming it, not a traceback."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,38 @@ def test_a_missing_resume_file_is_one_error(tmp_path: Path,
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("msd-dask serve: error: ") and str(missing) in err
     assert "Traceback" not in err
+
+
+_FORMAT = "msd_dask.state/1"  # (STATE_FORMAT: a test of the format's change fails below)
+
+
+@pytest.mark.parametrize("content, says", [
+    (json.dumps({"format": _FORMAT})[:-1] + ', "planner": ', "not a JSON state_dict: Expecting value"),
+    (json.dumps([["format", _FORMAT]]), "not a DataService.state_dict()"),
+    (json.dumps({"format": _FORMAT, "planner": {}, "seq_len": 8, "sources": ["a"]}),
+     "the state lacks ['seed']"),
+    (json.dumps({"format": _FORMAT, "planner": [], "seed": 0, "seq_len": 8, "sources": ["a"]}),
+     "the state has no 'planner' mapping"),
+])
+def test_a_bad_resume_file_is_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        content: str, says: str) -> None:
+    """A state file that is not JSON gave a message without the file; a list or a state
+    without 'seed' a traceback (review).  Each is one line, before any connection."""
+    from msd_dask.roles.planner import STATE_FORMAT
+
+    assert STATE_FORMAT == _FORMAT
+    config = tmp_path / "c.yaml"
+    config.write_text("name: a\nbatch: {seq_len: 8}\nsources:\n"
+                      "  - {name: a, uri: 'memory://a/*.jsonl', format: jsonl}\n")
+    state = tmp_path / "state.json"
+    state.write_text(content)
+    code = main(["serve", str(config), "--scheduler", "tcp://198.18.0.1:8786",
+                 "--resume", str(state)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("msd-dask serve: error: ") and says in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    if "JSON" in says:
+        assert str(state) in err
 
 
 def test_a_mistyped_config_path_is_named(capsys: pytest.CaptureFixture[str]) -> None:
