@@ -73,7 +73,7 @@ def check_storage(cfg: Config) -> None:
     Each source's ``uri`` must match at least one file (``sources[i].uri``), and a
     ``kind: hf`` tokenizer must load (``tokenizer.path``).
     """
-    from msd_dask.sources.storage import list_files
+    from msd_dask.sources.storage import IGNORED_PREFIXES, list_files
     from msd_dask.sources.tokenizer import make_tokenizer
 
     if cfg.tokenizer.kind != "bytes":
@@ -90,4 +90,5 @@ def check_storage(cfg: Config) -> None:
         except Exception as e:  # noqa: BLE001 - report any storage error against the key
             raise ConfigError(key, f"cannot list {src.uri!r}: {e}") from e
         if not files:
-            raise ConfigError(key, f"glob {src.uri!r} matches no file")
+            raise ConfigError(key, f"glob {src.uri!r} matches no file (names starting with "
+                                   f"{' or '.join(map(repr, IGNORED_PREFIXES))} are left out)")

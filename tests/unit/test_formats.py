@@ -671,3 +671,59 @@ def test_open_source_a_file_whose_name_has_glob_characters(tmp_path: Any) -> Non
     path.write_bytes(b'{"text": "a"}\n')
     assert open_source(str(path)).paths == [str(path)]
     assert open_source(str(tmp_path / "part*.jsonl")).paths == [str(path)]
+
+
+def _spark_folder(root: Any) -> None:
+    """A folder as Spark writes it: data, its markers, checksums and a leftover attempt."""
+    files = ["part-00000.jsonl", "part-00001.jsonl", "_SUCCESS", "_committed_123",
+             ".part-00000.jsonl.crc", "_temporary/0/part-00009.jsonl", ".hidden/part-7.jsonl",
+             "sub/part-00002.jsonl", "sub/_SUCCESS"]
+    for name in files:
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"" if "SUCCESS" in name else b'{"text": "x"}\n')
+
+
+@pytest.mark.parametrize("pattern", ["{root}", "{root}/", "{root}/**", "{root}/*", "{root}/*/*"])
+def test_markers_and_hidden_files_are_not_data(tmp_path: Any, pattern: str) -> None:
+    """A folder or glob over Spark output listed _SUCCESS (empty: 'no readable units' or a
+    parse error), .crc checksums and _temporary/ leftovers as data (review).  Names
+    starting with '.' or '_' are left out where a folder or glob is expanded, as pyarrow's
+    datasets do."""
+    _spark_folder(tmp_path / "out")
+    source = open_source(pattern.format(root=(tmp_path / "out").as_posix()))
+    names = [source.relpath(p) for p in source.paths]
+    expected = {"{root}": ["part-00000.jsonl", "part-00001.jsonl", "sub/part-00002.jsonl"],
+                "{root}/*": ["part-00000.jsonl", "part-00001.jsonl"],
+                "{root}/*/*": ["sub/part-00002.jsonl"]}
+    assert names == expected.get(pattern, expected["{root}"])
+
+
+def test_a_marker_named_alone_is_read(tmp_path: Any) -> None:
+    _spark_folder(tmp_path / "out")
+    path = (tmp_path / "out" / "_temporary" / "0" / "part-00009.jsonl").as_posix()
+    assert open_source(path).paths == [path]
+
+
+def test_braces_in_a_glob_are_alternatives(tmp_path: Any) -> None:
+    """fsspec's glob has no braces: 'data/{code,math}/*.jsonl' matched no file."""
+    for d in ("code", "math", "prose", "math2"):
+        (tmp_path / d).mkdir()
+        for i in range(2):
+            (tmp_path / d / f"p{i}.jsonl").write_bytes(b'{"text": "x"}\n')
+    root = tmp_path.as_posix()
+    source = open_source(f"{root}/{{code,math{{,2}}}}/p{{1,0}}.jsonl")
+    assert source.root == root
+    assert [source.relpath(p) for p in source.paths] == [
+        f"{d}/p{i}.jsonl" for d in ("code", "math", "math2") for i in (0, 1)]
+
+
+@pytest.mark.parametrize("pattern, expanded", [
+    ("a{b,c{d,e}}f", ["abf", "acdf", "acef"]), ("{a,b}{1,2}", ["a1", "a2", "b1", "b2"]),
+    ("a{,b}", ["a", "ab"]), ("{x}", ["{x}"]), ("a{b", ["a{b"]), ("a}b", ["a}b"]),
+    ("s3://b/{x,y}/*.parquet", ["s3://b/x/*.parquet", "s3://b/y/*.parquet"]),
+])
+def test_expand_braces(pattern: str, expanded: list[str]) -> None:
+    from msd_dask.sources.storage import expand_braces
+
+    assert expand_braces(pattern) == expanded
