@@ -291,6 +291,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from msd_dask.errors import ServiceTimeoutError
     from msd_dask.service import DataService
 
     resume = None
@@ -305,8 +306,8 @@ def _serve(args: argparse.Namespace) -> int:
     stop = {"now": False}
 
     def _stop(signum: int, _frame: object) -> None:
-        if stop["now"] and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for a clean close
+        if stop["now"]:  # a second Ctrl-C or SIGTERM: stop waiting for a clean close
+            raise KeyboardInterrupt
         stop["now"] = True
 
     # Ctrl-C too: a KeyboardInterrupt raised inside a call to the cluster could leave
@@ -327,8 +328,13 @@ def _serve(args: argparse.Namespace) -> int:
                         # constructor, and one on a worker cut off but not yet dropped by the
                         # scheduler hangs or raises until its role is re-created elsewhere
                         err = svc.link.call(lambda p: p.stats())["error"]
-                    except OSError:  # distributed's CommClosedError is one
-                        gone = True
+                    except ServiceTimeoutError as e:
+                        # the planner did not answer, or was lost and not re-created yet (no
+                        # worker to put it on): this process re-creates it once it can
+                        print(f"msd-dask serve: warning: {e}", file=sys.stderr, flush=True)
+                        continue
+                    except OSError:  # distributed's CommClosedError is one: whose comm?
+                        gone = not _scheduler_answers(svc.client)
                 if gone:
                     # Dask's client logs its reconnect attempts as errors: say it once, plainly
                     logging.disable(logging.CRITICAL)
@@ -339,6 +345,18 @@ def _serve(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _scheduler_answers(client: Any) -> bool:
+    """Whether ``client``'s scheduler answers within 10 s (a failed call to a role says
+    nothing about the scheduler)."""
+    from msd_dask.dask_internals import scheduler_workers
+
+    try:
+        scheduler_workers(client, 10)
+    except Exception:  # noqa: BLE001 - unreachable, closed, or not answering
+        return False
+    return True
 
 
 def _set_weights(args: argparse.Namespace) -> int:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["actor_address", "call_actor", "call_remote_actor", "has_client", "keys_on",
-           "local_actor", "published_datasets", "release_actor", "scheduler_workers",
-           "task_worker", "worker_actors", "wrap_scheduler_call"]
+__all__ = ["CREATE_CHECK", "actor_address", "bound_actor", "call_actor", "call_remote_actor",
+           "has_client", "keys_on", "local_actor", "published_datasets", "release_actor",
+           "scheduler_workers", "task_worker", "worker_actors", "wrap_scheduler_call"]
 
 #: what msgpack carries as it is (tuples arrive as tuples, lists too: Dask reads
 #: msgpack arrays as tuples)
@@ -212,6 +213,42 @@ def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
     that started the service (the only one that can re-create a lost planner) is.
     """
     return client_id in dask_scheduler.clients
+
+
+#: seconds between two looks at the scheduler's workers while an actor bound to one of them
+#: (``allow_other_workers=False``) is created: Dask holds it for that worker for ever if
+#: the worker leaves first, so a wait for it asks whether the worker is still there
+CREATE_CHECK = 1.0
+
+
+def bound_actor(client: Any, future: Any, worker: str, service: str, role: str,
+                timeout: float) -> Any:
+    """The actor handle of ``future`` (``role`` of ``service``, placed on ``worker`` only).
+
+    Relies on a task restricted to a worker that left staying ``"pending"`` (Dask
+    keeps it for that worker; checked on a real cluster), and on
+    :func:`scheduler_workers`.
+
+    Raises
+    ------
+    WorkerLeft
+        ``worker`` left the cluster before the actor started there (looked at every
+        :data:`CREATE_CHECK` seconds).
+    TimeoutError
+        It did not start within ``timeout`` seconds.
+    """
+    from msd_dask.errors import WorkerLeft
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return future.result(timeout=max(0.01, min(CREATE_CHECK, left)))
+        except TimeoutError:
+            if left <= CREATE_CHECK:
+                raise
+        if future.status == "pending" and worker not in scheduler_workers(client, CREATE_CHECK * 5):
+            raise WorkerLeft(service, role, worker)
 
 
 def scheduler_workers(client: Any, timeout: float, *, running: bool = False) -> set[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ConfigError", "DataError", "ServiceTimeoutError", "ServiceError"]
+__all__ = ["ConfigError", "DataError", "ServiceError", "ServiceTimeoutError", "WorkerLeft"]
 
 
 class ConfigError(ValueError):
@@ -72,6 +72,19 @@ class ServiceTimeoutError(TimeoutError):
 
 class ServiceError(RuntimeError):
     """The data service is not in a state to answer (closed, not found, failed)."""
+
+
+class WorkerLeft(ServiceError):
+    """The worker a role (or the planner) was placed on left the cluster before it started
+    there (Dask would hold it for that worker for ever)."""
+
+    def __init__(self, service: str, role: str, worker: str):
+        self.service, self.role, self.worker = service, role, worker
+        super().__init__(f"msd_dask {service}: worker {worker} left the cluster before "
+                         f"{role} started there")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.service, self.role, self.worker))
 
 
 #: what to do about a planner that cannot be re-created

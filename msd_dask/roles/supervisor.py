@@ -43,9 +43,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from msd_dask import dask_internals
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
 from msd_dask.dask_internals import actor_address, call_remote_actor, release_actor, worker_actors
-from msd_dask.errors import DataError, ServiceError, ServiceTimeoutError
+from msd_dask.errors import DataError, ServiceTimeoutError, WorkerLeft
 from msd_dask.roles.constructor import DataConstructor, StepPieces, unpack_work
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
@@ -54,8 +55,7 @@ if TYPE_CHECKING:
     from msd_dask.core.config import Config
     from msd_dask.core.units import Unit
 
-__all__ = ["CREATE_CHECK", "PlannerSide", "RoleSupervisor", "WorkerLeft", "close_service_roles",
-           "pick_workers"]
+__all__ = ["PlannerSide", "RoleSupervisor", "close_service_roles", "pick_workers"]
 
 _log = logging.getLogger(__name__)
 
@@ -134,22 +134,6 @@ def _listed(items: list[str], most: int = 4) -> str:
     """``items`` joined for a message: the first ``most``, then how many more."""
     more = f" and {len(items) - most} more" if len(items) > most else ""
     return ", ".join(items[:most]) + more
-
-
-#: seconds between two looks at the scheduler's workers while roles are being created
-CREATE_CHECK = 1.0
-
-
-class WorkerLeft(ServiceError):
-    """The worker a role was placed on left the cluster before the role started there."""
-
-    def __init__(self, service: str, role: str, worker: str):
-        self.service, self.role, self.worker = service, role, worker
-        super().__init__(f"msd_dask {service}: worker {worker} left the cluster before "
-                         f"{role} started there")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.service, self.role, self.worker))
 
 
 class RoleSupervisor:
@@ -279,7 +263,8 @@ class RoleSupervisor:
         the role and its worker; the roles created with it are closed and released.
 
         A role is bound to its worker: if that worker leaves the cluster first, Dask would
-        hold the role for it for ever.  Every :data:`CREATE_CHECK` seconds the wait looks
+        hold the role for it for ever.  Every
+        :data:`~msd_dask.dask_internals.CREATE_CHECK` seconds the wait looks
         at the scheduler's workers, and raises :class:`WorkerLeft` (naming the first such
         role) once one is gone; after the config's ``timeout`` a
         :class:`~msd_dask.errors.ServiceTimeoutError` names the roles still waited for.
@@ -291,7 +276,7 @@ class RoleSupervisor:
             *(f.exception(asynchronous=True) for f in futs), return_exceptions=True))
         deadline = time.monotonic() + self.cfg.timeout
         try:
-            while not (await asyncio.wait({waiting}, timeout=CREATE_CHECK))[0]:
+            while not (await asyncio.wait({waiting}, timeout=dask_internals.CREATE_CHECK))[0]:
                 workers = set(await self._workers())
                 pending = [(n, w) for n, w, f in submitted if f.status == "pending"]
                 gone = [(n, w) for n, w in pending if w not in workers]

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import logging
 import numbers
+import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, overload
 
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
-from msd_dask.dask_internals import keys_on
-from msd_dask.errors import CLOSED_BY_OWNER, ServiceError, ServiceTimeoutError
+from msd_dask.dask_internals import bound_actor, keys_on
+from msd_dask.errors import CLOSED_BY_OWNER, ServiceError, ServiceTimeoutError, WorkerLeft
 from msd_dask.reader import REPORT_IDLE, Reader
 from msd_dask.service.agent_client import AgentHandle, connect_agent
 from msd_dask.service.link import PlannerLink
@@ -77,6 +78,20 @@ def _install_plugin(client: Any) -> None:
             client.register_plugin(MsdSchedulerPlugin())
     except Exception as e:  # noqa: BLE001 - the service runs without its dashboard page
         _log.warning("msd_dask: could not install the scheduler plugin: %r", e)
+
+
+#: seconds :meth:`DataService.close` waits for the scheduler to unpublish the service
+CLOSE_WAIT = 10.0
+
+
+def _catching(fn: Callable[[], None], failed: list[BaseException]) -> Callable[[], None]:
+    """``fn``, which appends what it raised to ``failed`` instead of raising (in a thread)."""
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the thread's waiter
+            failed.append(e)
+    return run
 
 
 @contextmanager
@@ -263,11 +278,20 @@ class DataService:
                 f"service {cfg.name!r} lists its sources' units and places its roles on "
                 f"workers; start some (dask worker {address})") from None
         units, roots, quarantined = discover_remote(client, cfg, cfg.timeout)
-        registry = place_planner(client, cfg, units, roots, resume, loader_threads)
+        while True:
+            registry = place_planner(client, cfg, units, roots, resume, loader_threads)
+            try:
+                with _planner_within(cfg.name, "start", timeout):
+                    planner = bound_actor(client, registry["planner"], registry["planner_worker"],
+                                          cfg.name, "the planner", timeout)
+                break
+            except WorkerLeft as e:  # placed again, on a worker still there
+                registry["planner"].release()
+                _log.warning("%s; placing it again", e)
         registry["quarantined"] = quarantined
         registry["owner"] = client.id
         with _planner_within(cfg.name, "set up", timeout):
-            registry["planner"].result(timeout=timeout).setup().result(timeout=timeout)
+            planner.setup().result(timeout=timeout)
         client.publish_dataset(registry, name=key)
         svc = None
         try:  # from here, a failure (or Ctrl-C) leaves nothing published or running
@@ -669,11 +693,26 @@ class DataService:
             self.planner.close_roles(CLOSED_BY_OWNER).result(timeout=30)
         except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
             pass
-        published_event(self.client, self.name).clear()
-        self.client.unpublish_dataset(REGISTRY_PREFIX + self.name)
-        if pinned is not None:
-            self.client.unpublish_dataset(ROLES_PREFIX + self.name)
-        forget_keys(self.client, self.name, keys)
+
+
+        def on_scheduler() -> None:
+            published_event(self.client, self.name).clear()
+            self.client.unpublish_dataset(REGISTRY_PREFIX + self.name)
+            if pinned is not None:
+                self.client.unpublish_dataset(ROLES_PREFIX + self.name)
+            forget_keys(self.client, self.name, keys)
+
+        # a scheduler that does not answer (frozen, its event loop blocked) keeps its TCP
+        # connection, so these calls would wait for ever: in a thread, waited for a while
+        failed: list[BaseException] = []
+        done = threading.Thread(target=_catching(on_scheduler, failed), daemon=True,
+                                name=f"msd-dask close {self.name}")
+        done.start()
+        done.join(CLOSE_WAIT)
+        if done.is_alive() or failed:
+            why = f"did not answer within {CLOSE_WAIT:g}s" if not failed else f"failed: {failed[0]!r}"
+            _log.warning("msd_dask %s: the scheduler %s while the service closed: its name may "
+                         "stay published until the scheduler restarts", self.name, why)
 
     def __enter__(self) -> DataService:
         return self

@@ -107,7 +107,7 @@ def place_planner(client: Any, cfg: Config,
         tokenizer=dataclasses.asdict(cfg.tokenizer), generation=generation, had=had,
         lost=lost, actor=True, workers=[workers[0]], pure=False, key=key)
     return {"config": cfg.to_dict(), "planner": planner, "constructors": n_c,
-            "generation": generation}
+            "generation": generation, "planner_worker": workers[0]}
 
 
 def forget_keys(client: Any, name: str, keys: list[Any]) -> None:

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from msd_dask.dask_internals import actor_address
+from msd_dask.dask_internals import actor_address, bound_actor
 from msd_dask.errors import ServiceTimeoutError
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
@@ -187,7 +187,12 @@ class PlannerKeeper:
     def _start_generation(self, registry: dict[str, Any]) -> None:
         """Set up the new planner of ``registry``, publish it and switch the link to it."""
         client, cfg = self.link.client, self.link.config
-        planner = registry["planner"].result(timeout=cfg.timeout)
+        try:  # (a worker that left first fails this attempt at once: the next places again)
+            planner = bound_actor(client, registry["planner"], registry["planner_worker"],
+                                  cfg.name, "the re-created planner", cfg.timeout)
+        except BaseException:
+            registry["planner"].release()
+            raise
         try:
             planner.setup().result(timeout=cfg.timeout)
             client.publish_dataset(registry, name=REGISTRY_PREFIX + self.link.name,

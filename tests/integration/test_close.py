@@ -154,3 +154,32 @@ def test_closing_while_readers_wait_logs_no_error_on_the_cluster(corpus):
         bad = [line for line in logged
                if "KeyError" in line or "Exception while handling op" in line]
         assert not bad, "the cluster logged after close:\n" + "\n".join(bad)
+
+
+def test_close_does_not_wait_for_ever_on_a_frozen_scheduler(corpus, tmp_path, caplog):
+    """A scheduler that stops answering keeps its TCP connections, and ``close()`` (so
+    ``msd-dask serve`` on SIGTERM) waited for ever to unpublish the service (review).  The
+    scheduler's part is now waited for ``CLOSE_WAIT`` seconds, and the failure logged."""
+    import os
+    import signal
+    import threading
+
+    from msd_dask.service.handle import CLOSE_WAIT
+
+    from cluster import dask_cluster
+
+    root, _ = corpus
+    with dask_cluster(str(tmp_path), n_workers=1, nthreads=2) as cl:
+        svc = DataService.start(config(root, name="frozen"), cl["address"])
+        next(svc.reader(0))
+        os.kill(cl["scheduler"].pid, signal.SIGSTOP)
+        try:
+            closing = threading.Thread(target=svc.close, daemon=True)
+            t0 = time.monotonic()
+            closing.start()
+            closing.join(CLOSE_WAIT + 80)
+            took = time.monotonic() - t0
+            assert not closing.is_alive(), f"close() still waiting after {took:.0f}s"
+        finally:
+            os.kill(cl["scheduler"].pid, signal.SIGCONT)
+    assert "the scheduler did not answer within" in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,3 +85,67 @@ def test_help_keeps_the_tls_example_on_two_lines(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "--scheduler tls://head:8786 \\\n      --tls-ca-file ca.pem" in capsys.readouterr().out
+
+
+class _ServeLink:
+    """What ``serve`` asks each second: the planner times out once, then a call fails on a
+    closed comm while the scheduler still answers, then it answers (and serve is stopped)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def call(self, request: Any) -> dict[str, Any]:
+        import os
+        import signal
+
+        from msd_dask.errors import ServiceTimeoutError
+
+        self.calls += 1
+        if self.calls == 1:
+            raise ServiceTimeoutError("service 's': the planner did not answer within 8s")
+        if self.calls == 2:
+            raise OSError("comm closed")  # (distributed's CommClosedError is an OSError)
+        os.kill(os.getpid(), signal.SIGTERM)  # the operator stops it
+        return {"error": None}
+
+
+class _ServeHandle:
+    name = "s"
+
+    def __init__(self) -> None:
+        self.link = _ServeLink()
+        self.client = type("Client", (), {"status": "running"})()
+        self.closed = False
+
+    def __enter__(self) -> _ServeHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closed = True
+
+
+def test_serve_keeps_serving_while_the_planner_does_not_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A planner that did not answer (ServiceTimeoutError is an OSError) made serve say it
+    lost the scheduler and close the whole service, though the scheduler was fine and this
+    process re-creates a lost planner (review).  It now warns and goes on; a failed call
+    ends serve only if the scheduler does not answer either."""
+    import signal
+
+    from msd_dask import cli
+    from msd_dask.service import DataService
+
+    handle = _ServeHandle()
+    monkeypatch.setattr(DataService, "start", lambda *a, **k: handle)
+    monkeypatch.setattr(cli, "_scheduler_answers", lambda client: True)
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        code = main(["serve", str(tmp_path / "c.yaml"), "--scheduler", "tcp://198.18.0.1:8786"])
+    finally:
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])
+    err = capsys.readouterr().err
+    assert code == 0 and handle.link.calls == 3 and handle.closed, err
+    assert "msd-dask serve: warning: service 's': the planner did not answer" in err
+    assert "lost the scheduler" not in err

@@ -176,7 +176,7 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
                 timeout: float = 300.0):  # type: ignore[no-untyped-def]
     import distributed
 
-    from msd_dask.roles import supervisor
+    from msd_dask import dask_internals
     from msd_dask.roles.supervisor import RoleSupervisor
 
     class _Worker:
@@ -184,7 +184,7 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
 
     monkeypatch.setattr(distributed, "get_client", lambda: client)
     monkeypatch.setattr(distributed, "get_worker", lambda: _Worker())
-    monkeypatch.setattr(supervisor, "CREATE_CHECK", 0.01)
+    monkeypatch.setattr(dask_internals, "CREATE_CHECK", 0.01)
     members = [{i: [i]} for i in range(n_constructors)]
     return RoleSupervisor(_Planner(loaders, timeout), members, 0, 1, {"a": {}, "b": {}}, {})
 
@@ -264,7 +264,7 @@ def test_a_worker_that_leaves_during_setup_is_named(monkeypatch: pytest.MonkeyPa
     """A role bound to a worker that left before it started: Dask holds it for that worker
     for ever, and setup waited with it, silently (review).  Setup now fails naming the
     role and the worker, and releases every role of the call."""
-    from msd_dask.roles.supervisor import WorkerLeft
+    from msd_dask.errors import WorkerLeft
 
     workers = ["tcp://h:1", "tcp://h:2"]
     client = _Client(workers, leaving="tcp://h:0")
