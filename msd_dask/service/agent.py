@@ -489,12 +489,18 @@ class HostAgent:
     timeout : float, optional
         What the agent tells its ranks to wait for a step by default (default: the
         config's ``timeout``); :meth:`for_service` gives it its group readers' wait.
+    state : callable, optional
+        ``state(step)``: the service's :meth:`~msd_dask.service.handle.DataService.state_dict`,
+        which the agent answers a rank's :meth:`AgentHandle.state_dict
+        <msd_dask.service.agent_client.AgentHandle.state_dict>` with (run in a thread).
     """
 
     def __init__(self, name: str, config: Config, ranks: Sequence[int],
                  open_reader: Callable[[int, list[int]], GroupReader], path: str, *,
-                 prefetch: int | None = None, timeout: float | None = None):
+                 prefetch: int | None = None, timeout: float | None = None,
+                 state: Callable[[int | None], dict[str, Any]] | None = None):
         self.name = name
+        self._state = state
         self.config = config
         self.path = path
         #: seconds the agent waits for a step (default: the service's ``timeout``), and its
@@ -533,7 +539,7 @@ class HostAgent:
 
         return cls(service.name, cfg, ranks, open_reader,
                    path or AGENT_SOCKET.format(name=service.name), prefetch=prefetch,
-                   timeout=wait)
+                   timeout=wait, state=service.state_dict)
 
     # ------------------------------------------------------------ serving
     async def serve(self) -> None:
@@ -689,6 +695,9 @@ class HostAgent:
             await _asend(writer, {"error": f"the agent at {self.path} serves service "
                                   f"{self.name!r}, not {hello['service']!r}"})
             return
+        if "state_dict" in hello:  # a rank's AgentHandle.state_dict(step)
+            await _asend(writer, await self._state_dict(hello["state_dict"]))
+            return
         if "rank" not in hello:  # a probe
             await _asend(writer, info)
             return
@@ -712,6 +721,23 @@ class HostAgent:
                                        int(msg["step"])))
             elif op == "bye":
                 return
+
+    async def _state_dict(self, step: int | None) -> dict[str, Any]:
+        """The answer to a rank asking for the service's ``state_dict(step)``: ``{"state"}``,
+        or ``{"error", "kind"}`` with the refusal's text and kind (``value``: a step the
+        service cannot describe, ``timeout``, or ``service``)."""
+        if self._state is None:
+            return {"error": f"the agent at {self.path} has no service handle to take the "
+                    "state from", "kind": "service"}
+        try:
+            state = await asyncio.to_thread(self._state, None if step is None else int(step))
+        except ValueError as e:
+            return {"error": str(e), "kind": "value"}
+        except TimeoutError as e:
+            return {"error": str(e), "kind": "timeout"}
+        except Exception as e:  # noqa: BLE001 - told to the rank that asked
+            return {"error": f"{type(e).__name__}: {e}", "kind": "service"}
+        return {"state": state}
 
     async def _next(self, g: _Group, rank: int, after: int, timeout: float) -> dict[str, Any]:
         """The message of ``rank``'s first step after ``after`` it lacks, once read, or an

@@ -198,7 +198,8 @@ def _dial(path: str, timeout: float, what: str) -> socket.socket:
     return sock
 
 
-def _hello(sock: socket.socket, path: str, msg: Mapping[str, Any], what: str) -> dict[str, Any]:
+def _ask(sock: socket.socket, path: str, msg: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """The agent's answer to ``msg`` (an error it answers is in it)."""
     try:
         send(sock, msg)
         answer = recv(sock)
@@ -207,6 +208,11 @@ def _hello(sock: socket.socket, path: str, msg: Mapping[str, Any], what: str) ->
                                   f"{sock.gettimeout():.0f}s") from None
     if answer is None:
         raise ServiceError(f"{what}: the agent at {path} closed the connection")
+    return answer
+
+
+def _hello(sock: socket.socket, path: str, msg: Mapping[str, Any], what: str) -> dict[str, Any]:
+    answer = _ask(sock, path, msg, what)
     if "error" in answer:
         raise ServiceError(f"{what}: {answer['error']}")
     return answer
@@ -349,7 +355,7 @@ class AgentReader:
 #: what a :class:`~msd_dask.service.DataService` handle has and an :class:`AgentHandle`
 #: has not: operations on the service, for its owner or a process connected directly
 DIRECT_ONLY = frozenset({"client", "planner", "generation", "constructors", "refresh",
-                         "set_weights", "scale_loaders", "retire_workers", "stats", "state_dict",
+                         "set_weights", "scale_loaders", "retire_workers", "stats",
                          "consumed_step", "dashboard_link", "start"})
 
 
@@ -358,9 +364,11 @@ class AgentHandle:
 
     What ``DataService.connect`` returns when :data:`AGENT_ENV` is set (or with
     ``agent=``): :meth:`reader` gives :class:`AgentReader`\\ s; the process holds no
-    Dask client.  Operations on the service (stats, weights, state) are the
-    service owner's or a directly connected process's: asking this handle for one
-    (:data:`DIRECT_ONLY`) raises an ``AttributeError`` that says so.
+    Dask client.  :meth:`state_dict` is the agent's answer (the data-plane state a
+    checkpoint saves from rank 0).  The other operations on the service (stats,
+    weights, scaling) are the service owner's or a directly connected process's:
+    asking this handle for one (:data:`DIRECT_ONLY`) raises an ``AttributeError`` that
+    says so.
     """
 
     def __init__(self, path: str, name: str, info: Mapping[str, Any]):
@@ -390,6 +398,24 @@ class AgentHandle:
                              timeout=self.timeout if timeout is None else timeout)
         self._readers.append(reader)
         return reader
+
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """:meth:`DataService.state_dict <msd_dask.service.handle.DataService.state_dict>`,
+        taken by the agent (its Dask client): the same state, the same refusals
+        (``ValueError`` for a step the service cannot describe)."""
+        what = f"the state of service {self.name!r}"
+        # (the agent asks the planner: up to the service's timeout, and a little more)
+        sock = _dial(self.path, self.timeout + 30, what)
+        try:
+            answer = _ask(sock, self.path, {"op": "hello", "service": self.name,
+                                            "state_dict": step}, what)
+        finally:
+            sock.close()
+        if "error" in answer:
+            error = {"value": ValueError, "timeout": ServiceTimeoutError}.get(
+                answer.get("kind", ""), ServiceError)
+            raise error(f"{what}, asked of the agent at {self.path}: {answer['error']}")
+        return dict(answer["state"])
 
     def close(self) -> None:
         """Close this handle's readers (the agent and the service keep running)."""

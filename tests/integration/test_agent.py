@@ -40,8 +40,9 @@ with DataService.connect(address, name, timeout=60) as svc:
     readers = [svc.reader(int(r)) for r in ranks.split(",")]
     recs = [record(next(rd)) for _ in range(int(steps)) for rd in readers]
     states = [rd.state_dict() for rd in readers]
+    data_state = svc.state_dict(int(steps) - 1)  # what rank 0 saves (docs/resume.md)
     with open(out, "wb") as f:
-        pickle.dump({"records": recs, "states": states}, f)
+        pickle.dump({"records": recs, "states": states, "data_state": data_state}, f)
     print("read", flush=True)
     sys.stdin.readline()
 """
@@ -115,6 +116,7 @@ def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
             assert wait_until(lambda: _sent(svc) == 2 * (steps + 1), 30), _sent(svc)
             time.sleep(1.0)
             assert _sent(svc) == 2 * (steps + 1)
+            owners_state = svc.state_dict(steps - 1)
             want = read_steps(direct, steps)  # 4 direct readers, one per rank
             assert _sent(direct) == 4 * steps
             for p in ranks:
@@ -141,6 +143,7 @@ def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
             got = pickle.load(f)
         recs.extend(got["records"])
         assert [s["step"] for s in got["states"]] == [steps - 1] * 2
+        assert got["data_state"] == owners_state  # through the agent, the same state
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for r in recs:
         by_rank.setdefault(r["rank"], []).append(r)

@@ -150,7 +150,7 @@ def _blocks_left() -> list[str]:
 @contextmanager
 def running_agent(tmp_path: Any, ranks: list[int], *, prefetch: int = 3,
                   cfg: Config | None = None, check_blocks: bool = True,
-                  **fake: Any) -> Iterator[tuple[HostAgent, dict]]:
+                  state: Any = None, **fake: Any) -> Iterator[tuple[HostAgent, dict]]:
     """A :class:`HostAgent` serving ``ranks`` in a thread; yields it and its fake readers
     (by the group's first rank).  Checks on exit that no block of this process is left
     (``check_blocks``: not while another agent of the process runs)."""
@@ -162,7 +162,7 @@ def running_agent(tmp_path: Any, ranks: list[int], *, prefetch: int = 3,
         return readers[first]
 
     agent = HostAgent("agentunit", cfg, ranks, open_reader, str(tmp_path / "agent.sock"),
-                      prefetch=prefetch)
+                      prefetch=prefetch, state=state)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
     assert agent.ready.wait(10)
@@ -685,7 +685,7 @@ def test_service_operations_through_the_agent_say_where_to_call_them(tmp_path: A
     assert DIRECT_ONLY - {"client"} <= ops
     with running_agent(tmp_path, [0, 1]) as (agent, _):
         handle = AgentHandle.connect(agent.path, "agentunit")
-        for op in ("stats", "set_weights", "state_dict", "client"):
+        for op in ("stats", "set_weights", "consumed_step", "client"):
             with pytest.raises(AttributeError, match=rf"DataService\.{op} is not available "
                                r"through the host agent .*agent=False"):
                 getattr(handle, op)
@@ -818,3 +818,38 @@ def test_a_rank_restarted_from_an_older_state_behind_the_agent_is_told(tmp_path:
                                                r"rank was handed the steps up to 3 already"):
             next(again)
         handle.close()
+
+
+def test_a_rank_takes_the_services_state_through_the_agent(tmp_path: Any) -> None:
+    """docs/resume.md's recipe (rank 0 saves ``svc.state_dict(step)``) raised behind the
+    agent, the deployment docs/deployment.md recommends (review).  The agent answers it
+    with its own handle's ``state_dict``, refusals of the same kind."""
+    from msd_dask.errors import ServiceError, ServiceTimeoutError
+
+    asked: list[int | None] = []
+
+    def state(step: int | None) -> dict[str, Any]:
+        asked.append(step)
+        if step == 99:
+            raise ValueError("step 99 is not planned yet")
+        if step == 7:
+            raise ServiceTimeoutError("the planner did not answer within 8s")
+        if step == 8:
+            raise ServiceError("no constructor knows rank 3")
+        return {"format": "x", "step": 4 if step is None else step}
+
+    with running_agent(tmp_path, [0, 1], state=state) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        assert handle.state_dict(3) == {"format": "x", "step": 3}
+        assert handle.state_dict() == {"format": "x", "step": 4}
+        for step, error, says in ((99, ValueError, "step 99 is not planned yet"),
+                                  (7, ServiceTimeoutError, "did not answer within 8s"),
+                                  (8, ServiceError, "no constructor knows rank 3")):
+            with pytest.raises(error, match=rf"the state of service 'agentunit', asked of the "
+                                            rf"agent at .*: .*{says}"):
+                handle.state_dict(step)
+        assert asked == [3, None, 99, 7, 8]
+        handle.close()
+    with running_agent(tmp_path, [0, 1]) as (agent, _):  # an agent with no service handle
+        with pytest.raises(ServiceError, match="has no service handle"):
+            AgentHandle.connect(agent.path, "agentunit").state_dict(3)
