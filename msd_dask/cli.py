@@ -96,6 +96,22 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _source_weight(text: str) -> tuple[str, float]:
+    """An argparse type: ``SOURCE=WEIGHT``, a finite weight ``>= 0``."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected SOURCE=WEIGHT, got {text!r}")
+    try:
+        weight = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the weight of {name!r} is not a number: "
+                                         f"{value!r}") from None
+    if not math.isfinite(weight) or weight < 0:
+        raise argparse.ArgumentTypeError(f"the weight of {name!r} must be a finite number "
+                                         f">= 0, got {value}")
+    return name, weight
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msd-dask",
@@ -132,8 +148,11 @@ def _parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("set-weights", help="change the mix of a running service")
     w.add_argument("name", help="service name")
-    w.add_argument("weights", nargs="+", metavar="SOURCE=WEIGHT")
-    w.add_argument("--scheduler", metavar="ADDR", required=True)
+    w.add_argument("weights", nargs="+", metavar="SOURCE=WEIGHT", type=_source_weight,
+                   help="a source's new weight, e.g. code=0.7 prose=0.3 (only the ratios "
+                   "matter; a source not named gets 0)")
+    w.add_argument("--scheduler", metavar="ADDR", required=True,
+                   help="address of the Dask scheduler")
     w.add_argument("--from-step", type=_at_least(0), default=None,
                    help="first step of the new mix (default: the first unplanned step; a step "
                         "already planned takes the first unplanned one: the command prints the "
@@ -165,7 +184,8 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", help="print the counters of a running service as JSON")
     st.add_argument("name", help="service name")
-    st.add_argument("--scheduler", metavar="ADDR", required=True)
+    st.add_argument("--scheduler", metavar="ADDR", required=True,
+                    help="address of the Dask scheduler")
     _tls_options(st)
     return p
 
@@ -362,16 +382,7 @@ def _scheduler_answers(client: Any) -> bool:
 def _set_weights(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
-    weights = {}
-    for item in args.weights:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"msd-dask set-weights: expected SOURCE=WEIGHT, got {item!r}")
-        try:
-            weights[name] = float(value)
-        except ValueError:
-            raise SystemExit(f"msd-dask set-weights: weight of {name!r} is not a number: "
-                             f"{value!r}") from None
+    weights = dict(args.weights)
     svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
     with svc:
         step = svc.set_weights(weights, args.from_step)

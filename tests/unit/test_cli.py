@@ -18,6 +18,13 @@ from msd_dask.cli import main
     (["run", "c.yaml", "--steps", "ten"], "argument --steps: must be an integer, got 'ten'"),
     (["agent", "--scheduler", "tcp://198.18.0.1:8786", "--name", "x", "--ranks", "0-7",
       "--timeout", "0"], "argument --timeout: must be a number of seconds > 0, got 0"),
+    # (these exited 1 with another format: review)
+    (["set-weights", "s", "code", "--scheduler", "tcp://198.18.0.1:8786"],
+     "argument SOURCE=WEIGHT: expected SOURCE=WEIGHT, got 'code'"),
+    (["set-weights", "s", "code=x", "--scheduler", "tcp://198.18.0.1:8786"],
+     "argument SOURCE=WEIGHT: the weight of 'code' is not a number: 'x'"),
+    (["set-weights", "s", "code=-1", "--scheduler", "tcp://198.18.0.1:8786"],
+     "argument SOURCE=WEIGHT: the weight of 'code' must be a finite number >= 0, got -1"),
 ])
 def test_a_bad_argument_is_refused_by_name(argv: list[str], says: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,3 +156,17 @@ def test_serve_keeps_serving_while_the_planner_does_not_answer(
     assert code == 0 and handle.link.calls == 3 and handle.closed, err
     assert "msd-dask serve: warning: service 's': the planner did not answer" in err
     assert "lost the scheduler" not in err
+
+
+@pytest.mark.parametrize("command", ["validate", "demo-corpus", "run", "serve", "set-weights",
+                                     "agent", "stats"])
+def test_every_argument_has_help(command: str) -> None:
+    """``set-weights``' SOURCE=WEIGHT and --scheduler, and ``stats --scheduler`` had no help
+    text (review)."""
+    from msd_dask.cli import _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command")
+    parser = sub.choices[command]  # type: ignore[index]
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help, f"msd-dask {command} {action.option_strings or action.dest}"
