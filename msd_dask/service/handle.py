@@ -119,12 +119,18 @@ def _check_tls(address: str | None, security: Any) -> None:
                            "--tls-cert, --tls-key) or set distributed.comm.tls.* in Dask's config")
 
 
-def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any) -> Any:
-    """A ``LocalCluster`` for :meth:`DataService.start` without an address."""
+def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any,
+                      cfg: Config) -> Any:
+    """A ``LocalCluster`` for :meth:`DataService.start` without an address; its workers
+    are not daemonic where a source preprocesses in a pool of processes (a daemonic
+    process cannot start any: ``msd-dask run`` of such a config failed)."""
     import dask
     from distributed import LocalCluster
 
-    with dask.config.set(EMBEDDED_DASK_CONFIG):  # the workers start inside
+    settings = dict(EMBEDDED_DASK_CONFIG)
+    if any(s.pool.kind == "process" for s in cfg.sources):
+        settings["distributed.worker.daemon"] = False
+    with dask.config.set(settings):  # the workers start inside
         return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
                             processes=True, dashboard_address=":0", security=security,
                             **({"protocol": "tls://"} if security is not None else {}))
@@ -247,7 +253,7 @@ class DataService:
         timeout = cfg.timeout if timeout is None else timeout
         cluster = None
         if address is None:
-            cluster = _embedded_cluster(n_workers, threads_per_worker, security)
+            cluster = _embedded_cluster(n_workers, threads_per_worker, security, cfg)
             address = cluster.scheduler_address
         _check_tls(address, security)
         client = Client(address, direct_to_workers=True, timeout=timeout, security=security)

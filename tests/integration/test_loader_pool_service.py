@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import dask
 import numpy as np
 
 from msd_dask import DataService
@@ -31,8 +30,9 @@ def test_service_delivers_the_same_batches_with_a_process_pool(corpus: Any) -> N
     cfg = config(root)
     cfg["sources"][1]["pool"] = {"kind": "process", "size": 2}
     cfg["sources"][0]["pool"] = {"kind": "thread", "size": 3}
-    with dask.config.set({"distributed.worker.daemon": False}):
-        pooled, stats = _serve(cfg, steps)
+    # (no distributed.worker.daemon setting: the embedded cluster's workers are not daemonic
+    # where a source has a process pool; msd-dask run of such a config failed: review)
+    pooled, stats = _serve(cfg, steps)
     assert [r["documents"] for r in pooled] == [r["documents"] for r in base]
     for a, b in zip(pooled, base, strict=True):
         np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
