@@ -44,6 +44,8 @@ __all__ = ["MsdSchedulerPlugin", "dask_setup"]
 
 logger = logging.getLogger(__name__)
 _PREFIX = "msd-"
+#: seconds a poll waits for a service's planner to apply its adaptive policy's decisions
+SCALE_WAIT = 30.0
 
 
 async def collect(registry: dict[str, Any], since: int = 0,
@@ -223,7 +225,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         if snap["time"] > base["time"] and \
                 snap["time"] - base["time"] >= sc.interval - self.period() / 2:
             self._scaled_from[name] = snap
-            await self._scale(name, registry, snap, base)
+            # (bounded: one service's planner that stops answering must not stall the
+            # polls, the dashboard and the metrics of every service)
+            await asyncio.wait_for(self._scale(name, registry, snap, base), SCALE_WAIT)
         from msd_dask.plugin.adaptive import roles_wanted
 
         self._wanted[name] = roles_wanted(snap["constructors"], snap["planner"]["loaders"],

@@ -579,7 +579,9 @@ class RoleSupervisor:
         view = self.view()
 
         async def push(c: Any) -> None:
-            await c.set_loaders(view)  # a lost constructor raises; heal re-creates it
+            # a lost constructor raises, heal re-creates it; one on a frozen worker is not
+            # waited for under the lock for ever (heal re-creates it once Dask drops the worker)
+            await asyncio.wait_for(c.set_loaders(view), self.cfg.timeout)
 
         await asyncio.gather(*(push(c) for c in self.constructors), return_exceptions=True)
 
@@ -628,8 +630,8 @@ class RoleSupervisor:
                           actor_address(self.loader(source, heir)))
         await self._push_loaders()
         try:
-            await h.close()
-        except Exception:  # noqa: BLE001 - its worker may be gone already
+            await asyncio.wait_for(h.close(), 30)
+        except Exception:  # noqa: BLE001 - its worker may be gone already, or frozen
             pass
         _drop((h, f))
 

@@ -217,3 +217,38 @@ def test_metrics_show_every_live_plugin_and_none_closed() -> None:
         return seen
 
     assert asyncio.run(run()) == [{"alpha", "beta"}, {"alpha"}, set()]
+
+
+def test_a_planner_that_does_not_apply_its_scaling_stalls_no_other_service(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Applying an adaptive service's decision waited on its planner without a timeout,
+    inside the one poll loop of every service (review): a planner that stopped answering
+    there stalled every service's figures.  The wait is bounded (``SCALE_WAIT``) and counted
+    as that service's poll error; the next service is polled."""
+    import msd_dask.plugin.scheduler as module
+
+    monkeypatch.setattr(module, "SCALE_WAIT", 0.2)
+    plugin = _plugin({"a": _Planner(), "b": _Planner()})
+    cfg = config("/nonexistent", name="a", scaling={"policy": "adaptive", "interval": 0.2})
+
+    async def get_dataset(key: str) -> dict[str, Any]:
+        if key == "msd-a":
+            return {"config": cfg, "planner": _Handle(_Planner())}
+        return {"config": config("/nonexistent", name="b"), "planner": _Handle(_Planner())}
+
+    plugin._client.get_dataset = get_dataset  # type: ignore[attr-defined]
+
+    async def scale(name: str, registry: Any, snap: dict[str, Any], prev: dict[str, Any]) -> None:
+        if name == "a":
+            await asyncio.Event().wait()  # a planner that never answers scale()
+
+    monkeypatch.setattr(plugin, "_scale", scale)
+
+    async def polls() -> None:
+        for _ in range(3):
+            await asyncio.wait_for(plugin.poll(), 5)
+            await asyncio.sleep(0.25)
+
+    asyncio.run(polls())
+    assert "TimeoutError" in plugin.poll_errors["a"]
+    assert "b" in plugin.services and "b" not in plugin.poll_errors

@@ -84,8 +84,16 @@ class _Handle:
     async def setup(self, view: object, had: object) -> None:
         self.set_up = True
 
+    async def set_loaders(self, view: object) -> None:
+        if self.key.startswith(_FROZEN):
+            await asyncio.Event().wait()  # its worker froze: no answer, no closed comm
+
     async def close(self) -> None:
         self.closed = True
+
+
+#: the key prefix of a role whose worker froze (see _Handle.set_loaders)
+_FROZEN = "msd-p-constructor-1-"
 
 
 class _Future:
@@ -169,6 +177,12 @@ class _Planner:
 
     def is_planning(self) -> bool:
         return False  # (set up, not started: scaling applies at once)
+
+    async def spread_units(self, source: str) -> None:
+        pass
+
+    def next_step(self) -> int:
+        return 0
 
 
 def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
@@ -309,3 +323,22 @@ def test_a_role_never_started_times_out_naming_it(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ServiceTimeoutError, match=expected):
         asyncio.run(asyncio.wait_for(sup.setup(), 10))
     assert all(f.released for f in client.submitted)
+
+
+def test_a_frozen_constructor_holds_the_supervisors_lock_for_a_timeout_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Telling the constructors of a new loader waited on each without a timeout, under the
+    lock heal() takes too (review): one constructor on a frozen worker (it answers nothing,
+    its comm stays open) stopped scaling and recovery for good.  Each is waited for the
+    config's timeout; the others learn of the loader, and the lock is free again."""
+    workers = ["tcp://h:1", "tcp://h:2"]
+    sup = _supervisor(monkeypatch, _Client(workers), workers[0], 2, 1, timeout=0.3)
+
+    async def run() -> int:
+        await sup.setup()
+        assert any(c.key.startswith(_FROZEN) for c in sup.constructors)
+        n = await asyncio.wait_for(sup.scale("a", 2), 10)
+        await asyncio.wait_for(sup.heal(), 10)  # the lock is free
+        return n
+
+    assert asyncio.run(run()) == 2 and len(sup.active["a"]) == 2
