@@ -696,8 +696,12 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
         text = str(cfg)
         from_file = isinstance(cfg, os.PathLike) or "\n" not in text and os.path.exists(text)
         if from_file:
-            with open(cfg, encoding="utf-8") as f:
-                text = f.read()
+            try:
+                with open(cfg, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:  # a Path that is missing, a folder, unreadable
+                raise ConfigError("<root>", f"cannot read config file {text!r}: "
+                                  f"{e.strerror or e}") from None
         try:
             data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:

@@ -77,6 +77,10 @@ _WATCH = 'trap "" INT TERM HUP; read -r _; rm -f -- "$1/$2"*'
 T = TypeVar("T")
 
 
+#: the most ranks one host agent serves (a typo such as 0-1000000000 is refused at once)
+MAX_HOST_RANKS = 65536
+
+
 def parse_ranks(text: str) -> list[int]:
     """Ranks from ``"A-B"`` (both included), ``"A,B,C"`` or a mix (``"0-3,8"``), ascending."""
     out: set[int] = set()
@@ -89,6 +93,9 @@ def parse_ranks(text: str) -> list[int]:
             raise ValueError(f"ranks {text!r}: expected A-B or A,B,C with integers") from None
         if a < 0 or b < a:
             raise ValueError(f"ranks {text!r}: {part!r} is not a range A-B with 0 <= A <= B")
+        if b - a >= MAX_HOST_RANKS:  # (checked before a list of them is built)
+            raise ValueError(f"ranks {text!r}: {part!r} holds {b - a + 1:,} ranks; one host "
+                             f"serves at most {MAX_HOST_RANKS:,}")
         out.update(range(a, b + 1))
     return sorted(out)
 

@@ -198,6 +198,10 @@ def test_parse_ranks_and_groups() -> None:
     for bad in ("3-1", "a-b", "-1"):
         with pytest.raises(ValueError, match="ranks"):
             parse_ranks(bad)
+    # a typo's billion ranks are refused before a list of them is built (review)
+    with pytest.raises(ValueError, match="'0-1000000000' holds 1,000,000,001 ranks; one host "
+                                         "serves at most 65,536"):
+        parse_ranks("0-1000000000")
     assert local_groups(_config(), [0, 1, 2, 3]) == [[0, 1], [2, 3]]
     assert local_groups(_config(dp=2, tp=2, pp=2), [4, 5, 6, 7]) == [[4, 5], [6, 7]]
     with pytest.raises(ValueError, match="outside"):

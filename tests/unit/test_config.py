@@ -425,9 +425,13 @@ def test_yaml_exponent_floats_are_numbers(data_dir: Path) -> None:
     refused(yaml.safe_dump(base(data_dir)) + "prefetch: 1e1\n", "prefetch")  # an int key
 
 
-def test_a_mistyped_config_path_is_named() -> None:
+def test_a_mistyped_config_path_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"no config file 'configs/tyop\.yaml'"):
         load_config("configs/tyop.yaml")
+    # a Path raised FileNotFoundError, a folder IsADirectoryError (review)
+    for path, why in ((Path("configs/tyop.yaml"), "No such file"), (tmp_path, "Is a directory")):
+        with pytest.raises(ConfigError, match=rf"cannot read config file '{path}': {why}"):
+            load_config(path)
 
 
 def test_a_source_max_loaders_below_its_min_is_refused(data_dir: Path) -> None:
