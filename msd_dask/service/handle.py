@@ -120,7 +120,7 @@ def _check_tls(address: str | None, security: Any) -> None:
 
 
 def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any,
-                      cfg: Config) -> Any:
+                      cfg: Config | None = None) -> Any:
     """A ``LocalCluster`` for :meth:`DataService.start` without an address; its workers
     are not daemonic where a source preprocesses in a pool of processes (a daemonic
     process cannot start any: ``msd-dask run`` of such a config failed)."""
@@ -128,7 +128,7 @@ def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any,
     from distributed import LocalCluster
 
     settings = dict(EMBEDDED_DASK_CONFIG)
-    if any(s.pool.kind == "process" for s in cfg.sources):
+    if cfg is not None and any(s.pool.kind == "process" for s in cfg.sources):
         settings["distributed.worker.daemon"] = False
     with dask.config.set(settings):  # the workers start inside
         return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
