@@ -247,7 +247,13 @@ def bound_actor(client: Any, future: Any, worker: str, service: str, role: str,
         except TimeoutError:
             if left <= CREATE_CHECK:
                 raise
-        if future.status == "pending" and worker not in scheduler_workers(client, CREATE_CHECK * 5):
+        if future.status != "pending":
+            continue
+        try:
+            there = worker in scheduler_workers(client, CREATE_CHECK * 5)
+        except Exception:  # noqa: BLE001 - the scheduler did not answer this look: wait on
+            there = True
+        if not there:
             raise WorkerLeft(service, role, worker)
 
 

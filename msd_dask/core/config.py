@@ -722,13 +722,18 @@ class _YamlLoader(yaml.SafeLoader):
     last value (a second ``sources:`` block would drop the first without a word)."""
 
     def construct_document(self, node: yaml.Node) -> Any:
-        _refuse_repeated_keys(node, "")
+        _refuse_repeated_keys(node, "", set())
         return super().construct_document(node)
 
 
-def _refuse_repeated_keys(node: yaml.Node, path: str) -> None:
+def _refuse_repeated_keys(node: yaml.Node, path: str, walked: set[int]) -> None:
     """Raise :class:`ConfigError` naming the first key given twice in a mapping of ``node``
-    (``path``: its key path, as the config's errors name keys)."""
+    (``path``: its key path, as the config's errors name keys).  ``walked``: the nodes
+    looked at already (an alias is the node it names: each is looked at once, and an
+    alias inside its own anchor ends)."""
+    if id(node) in walked:
+        return
+    walked.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, int] = {}
         for key, value in node.value:
@@ -740,10 +745,10 @@ def _refuse_repeated_keys(node: yaml.Node, path: str) -> None:
                                           f"{key.start_mark.line + 1}): its second value would "
                                           "replace the first")
                 seen[name] = key.start_mark.line
-            _refuse_repeated_keys(value, at)
+            _refuse_repeated_keys(value, at, walked)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _refuse_repeated_keys(item, f"{path}[{i}]")
+            _refuse_repeated_keys(item, f"{path}[{i}]", walked)
 
 
 _YamlLoader.add_implicit_resolver(

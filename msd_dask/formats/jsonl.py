@@ -83,21 +83,35 @@ _DECOMPRESSORS: dict[str, Callable[[], Any]] = {
 }
 
 
+#: the compressed bytes a zstd decompressor is given at first: it has no limit on what one
+#: call returns, so each call is given a slice of the input sized by the ratio seen so far,
+#: for about :data:`_BUFFER_SIZE` bytes out (between these bounds)
+_ZSTD_SLICE = (256, _BUFFER_SIZE)
+
+
 class _Streams(io.RawIOBase):
     """Decompressed content of a file of compressed streams one after the other (zstd
-    frames, bzip2 or xz streams, as parallel compressors write them); a truncated last
-    stream is an error.
+    frames, bzip2 or xz streams, as parallel compressors write them; xz's NUL padding
+    between and after streams is skipped); a truncated last stream is an error.
 
     (zstandard's ``stream_reader`` ends silently at a truncated frame, which would
     drop the rest of a cut-off file without a word; ``bz2.BZ2File`` reports bad data
     as a bare ``OSError``, which reads like a failed read of the storage.)  Only the
     decompressors' errors become :class:`_Corrupt`; the storage's own errors pass.
+    Memory stays bounded whatever the compression ratio: bzip2 and xz return at most
+    :data:`_BUFFER_SIZE` bytes a call, zstd is given slices of the input sized for about
+    as much (:data:`_ZSTD_SLICE`).
     """
 
     def __init__(self, raw: IO[bytes], compression: str):
         self._raw = raw
         self._new = _DECOMPRESSORS[compression]
+        #: its decompressors take ``max_length`` (and keep the input they did not use)
+        self._limited = compression != "zstd"
+        self._padded = compression == "xz"
         self._obj: Any = None
+        self._slice = _ZSTD_SLICE[0]
+        self._in = b""  # compressed bytes no decompressor was given yet
         self._out = b""
         self._pos = 0
 
@@ -106,28 +120,49 @@ class _Streams(io.RawIOBase):
 
     def readinto(self, b: Any) -> int:
         while self._pos >= len(self._out):
-            chunk = self._raw.read(_BUFFER_SIZE)
-            if not chunk:
-                if self._obj is not None and not self._obj.eof:
-                    raise _Corrupt("truncated stream: the last frame is incomplete")
+            out = self._next_output()
+            if out is None:
                 return 0
-            self._out, self._pos = self._feed(chunk), 0
+            self._out, self._pos = out, 0
         n = min(len(b), len(self._out) - self._pos)
         b[:n] = self._out[self._pos:self._pos + n]
         self._pos += n
         return n
 
-    def _feed(self, data: bytes) -> bytes:
-        out = []
-        while data:
-            if self._obj is None or self._obj.eof:
-                self._obj = self._new()
+    def _next_output(self) -> bytes | None:
+        """The next piece of the decompressed content, ``None`` at its end."""
+        while True:
+            obj = self._obj
+            if obj is not None and not obj.eof and self._limited and not obj.needs_input:
+                data = b""  # it holds input it has not decompressed yet
+            else:
+                if not self._in:
+                    self._in = self._raw.read(_BUFFER_SIZE)
+                    if not self._in:
+                        if obj is not None and not obj.eof:
+                            raise _Corrupt("truncated stream: the last frame is incomplete")
+                        return None
+                if obj is None or obj.eof:
+                    if obj is not None and self._padded:
+                        self._in = self._in.lstrip(b"\0")
+                        if not self._in:
+                            continue
+                    self._obj = obj = self._new()
+                cut = len(self._in) if self._limited else self._slice
+                data, self._in = self._in[:cut], self._in[cut:]
             try:
-                out.append(self._obj.decompress(data))
+                out = obj.decompress(data, _BUFFER_SIZE) if self._limited else obj.decompress(data)
             except (OSError, EOFError, lzma.LZMAError, zstandard.ZstdError) as e:
                 raise _Corrupt(str(e)) from e
-            data = self._obj.unused_data if self._obj.eof else b""
-        return b"".join(out)
+            if not self._limited:  # the next slice: about _BUFFER_SIZE out
+                lo, hi = _ZSTD_SLICE
+                # (nothing out: a block is not complete yet, give it more)
+                want = len(data) * _BUFFER_SIZE // len(out) if out else 2 * self._slice
+                self._slice = max(lo, min(hi, want))
+            if obj.eof:
+                self._in = obj.unused_data + self._in
+            if out:
+                return bytes(out)
 
 
 class JsonlFormat:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -10,7 +10,7 @@ from fsspec.core import url_to_fs
 
 __all__ = ["IGNORED_PREFIXES", "SourceFiles", "expand_braces", "list_files", "open_source"]
 
-_GLOB_CHARS = "*?[{"
+_GLOB_CHARS = "*?["
 
 #: files (or folders) whose names start with these are not a source's data where a folder or
 #: a glob is expanded: Spark's and Hadoop's markers (``_SUCCESS``, ``_committed_*``,
@@ -52,8 +52,12 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
     alone is always read.
     """
     fs, path = url_to_fs(uri, **dict(storage_options or {}))
-    if any(c in path for c in _GLOB_CHARS) and not fs.isfile(path):  # (a file named "a[0].jsonl")
-        first = min(path.find(c) for c in _GLOB_CHARS if c in path)
+    starts = [path.find(c) for c in _GLOB_CHARS if c in path]
+    alternatives = _first_alternatives(path)
+    if alternatives is not None:
+        starts.append(alternatives[0])
+    if starts and not fs.isfile(path):  # (a file named "a[0].jsonl")
+        first = min(starts)
         root = path[:first].rsplit("/", 1)[0] if "/" in path[:first] else ""
         found = {p for pattern in expand_braces(path) for p in fs.glob(pattern)}
         paths = sorted(p for p in found if not _ignored(p, root) and not fs.isdir(p))
@@ -75,29 +79,68 @@ def _ignored(path: str, root: str) -> bool:
 def expand_braces(pattern: str) -> list[str]:
     """The patterns ``pattern``'s braces stand for, in order: ``a{b,c{d,e}}`` is ``ab``,
     ``acd``, ``ace`` (as a shell expands them; fsspec's glob has no braces).  A brace
-    without a comma or its closing brace is kept as it is."""
-    depth, start = 0, -1
-    for i, c in enumerate(pattern):
+    without a comma at its level (``run{1}``), without its closing brace, or inside a
+    character class (``[{,}]``) is kept as it is."""
+    found = _first_alternatives(pattern)
+    if found is None:
+        return [pattern]
+    start, end, options = found
+    tails = expand_braces(pattern[end + 1:])
+    return [pattern[:start] + o + t for option in options for o in expand_braces(option)
+            for t in tails]
+
+
+def _first_alternatives(pattern: str) -> tuple[int, int, list[str]] | None:
+    """``(start, end, options)`` of the first brace group of ``pattern`` with a comma at
+    its level (``pattern[start] == "{"``, ``pattern[end] == "}"``), outside character
+    classes; ``None`` if there is none."""
+    for i, c in _outside_classes(pattern, 0):
+        if c == "{":  # (one without alternatives is a character: look on inside it)
+            end, options = _brace_group(pattern, i)
+            if end > 0 and len(options) > 1:
+                return i, end, options
+    return None
+
+
+def _brace_group(pattern: str, start: int) -> tuple[int, list[str]]:
+    """The closing brace of the group opened at ``start`` and the group's parts between
+    its commas at its level; ``(-1, [])`` if it is not closed."""
+    depth, cut = 0, start + 1
+    options: list[str] = []
+    for j, c in _outside_classes(pattern, start + 1):
         if c == "{":
-            if depth == 0:
-                start = i
             depth += 1
-        elif c == "}" and depth:
-            depth -= 1
+        elif c == "}":
             if depth == 0:
-                options, level, cut = [], 0, start + 1
-                for j in range(start + 1, i):
-                    level += {"{": 1, "}": -1}.get(pattern[j], 0)
-                    if pattern[j] == "," and level == 0:
-                        options.append(pattern[cut:j])
-                        cut = j + 1
-                if not options:  # "{x}": no alternatives, a literal brace
-                    return [pattern[:i + 1] + rest for rest in expand_braces(pattern[i + 1:])]
-                options.append(pattern[cut:i])
-                head, tails = pattern[:start], expand_braces(pattern[i + 1:])
-                return [head + o + t for option in options for o in expand_braces(option)
-                        for t in tails]
-    return [pattern]
+                return j, [*options, pattern[cut:j]]
+            depth -= 1
+        elif c == "," and depth == 0:
+            options.append(pattern[cut:j])
+            cut = j + 1
+    return -1, []
+
+
+def _outside_classes(pattern: str, start: int) -> Iterator[tuple[int, str]]:
+    """``(index, character)`` of ``pattern`` from ``start`` on, character classes
+    (``[...]``) passed over."""
+    i = start
+    while i < len(pattern):
+        if pattern[i] == "[" and (end := _class_end(pattern, i)) > 0:
+            i = end + 1
+            continue
+        yield i, pattern[i]
+        i += 1
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The ``]`` closing the character class opened at ``start`` (a ``]`` first in it, after
+    an optional ``!`` or ``^``, is a member), or -1."""
+    k = start + 1
+    if k < len(pattern) and pattern[k] in "!^":
+        k += 1
+    if k < len(pattern) and pattern[k] == "]":
+        k += 1
+    return pattern.find("]", k)
 
 
 def list_files(uri: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:

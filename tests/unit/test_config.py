@@ -491,3 +491,12 @@ def test_a_key_given_twice_inside_a_source_names_its_path(data_dir: Path) -> Non
     with pytest.raises(ConfigError, match="given twice") as info:
         load_config(text)
     assert info.value.key == "sources[0].weight"
+
+
+def test_a_recursive_alias_is_a_config_error(data_dir: Path) -> None:
+    """The repeated-key check followed an alias inside its own anchor without end
+    (RecursionError: review); the config's own check names the key."""
+    text = yaml.safe_dump(base(data_dir)) + "cost: &c {model: *c}\n"
+    with pytest.raises(ConfigError) as info:
+        load_config(text)
+    assert info.value.key.startswith("cost.model")

@@ -722,8 +722,62 @@ def test_braces_in_a_glob_are_alternatives(tmp_path: Any) -> None:
     ("a{b,c{d,e}}f", ["abf", "acdf", "acef"]), ("{a,b}{1,2}", ["a1", "a2", "b1", "b2"]),
     ("a{,b}", ["a", "ab"]), ("{x}", ["{x}"]), ("a{b", ["a{b"]), ("a}b", ["a}b"]),
     ("s3://b/{x,y}/*.parquet", ["s3://b/x/*.parquet", "s3://b/y/*.parquet"]),
+    # a brace without alternatives, or inside a character class, is a character (review)
+    ("run{1}/*.jsonl", ["run{1}/*.jsonl"]), ("cls/[{,}].jsonl", ["cls/[{,}].jsonl"]),
+    ("{a{b,c}}", ["{ab}", "{ac}"]), ("{[,],y}", ["[,]", "y"]), ("[]{,]x", ["[]{,]x"]),
 ])
 def test_expand_braces(pattern: str, expanded: list[str]) -> None:
     from msd_dask.sources.storage import expand_braces
 
     assert expand_braces(pattern) == expanded
+
+
+def test_jsonl_xz_stream_padding_is_skipped(tmp_path: Any) -> None:
+    """xz allows NUL padding between and after streams (its spec, 2.2): it was read as a
+    corrupt stream (review)."""
+    one = lzma.compress(_jsonl_bytes(RECORDS[:3]))
+    two = lzma.compress(_jsonl_bytes(RECORDS[3:]))
+    path = _jsonl_file(tmp_path, one + b"\0" * 4 + two + b"\0" * 8, "padded.jsonl.xz")
+    assert [rec["text"] for _, rec in _rows(path)] == TEXTS
+
+
+@pytest.mark.parametrize("name, compress", [
+    ("big.jsonl.bz2", lambda b: bz2.compress(b, 1)), ("big.jsonl.xz", lambda b: lzma.compress(
+        b, preset=0)), ("big.jsonl.zst", zstandard.ZstdCompressor(level=1).compress),
+])
+def test_jsonl_memory_stays_bounded_whatever_the_ratio(tmp_path: Any, name: str,
+                                                       compress: Callable[[bytes], bytes]) -> None:
+    """A file that compresses ~1,000x (16 MiB of repeated lines): a 1 MiB read of it was
+    decompressed whole at once, so memory grew with the ratio (review: 224 MiB for a 17 KB
+    .xz).  Reading it row by row holds a bounded amount."""
+    import tracemalloc
+
+    line = json.dumps({"text": "the same line " * 60}).encode() + b"\n"
+    content = line * ((16 << 20) // len(line))
+    path = _jsonl_file(tmp_path, compress(content), name)
+    del content
+    tracemalloc.start()
+    try:
+        rows = sum(1 for _ in JSONL.read(LOCAL, Unit(path), ["text"]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rows == (16 << 20) // len(line)
+    assert peak < 12 << 20, f"peak {peak / 2**20:.0f} MiB"
+
+
+def test_a_brace_that_is_a_character_lists_as_before(tmp_path: Any) -> None:
+    """A folder named run{1} listed nothing once braces counted as a glob, run{1}/*.jsonl
+    keyed its files under 'run{1}/', and [{,}] lost its class (review)."""
+    run = tmp_path / "run{1}"
+    run.mkdir()
+    (run / "a.jsonl").write_bytes(b'{"text": "x"}\n')
+    (tmp_path / "cls").mkdir()
+    for name in ("{.jsonl", "}.jsonl", ",.jsonl"):
+        (tmp_path / "cls" / name).write_bytes(b'{"text": "x"}\n')
+    folder = open_source(run.as_posix())
+    assert [folder.relpath(p) for p in folder.paths] == ["a.jsonl"]
+    glob = open_source(f"{run.as_posix()}/*.jsonl")
+    assert glob.root == run.as_posix() and [glob.relpath(p) for p in glob.paths] == ["a.jsonl"]
+    cls = open_source(f"{tmp_path.as_posix()}/cls/[{{}}].jsonl")
+    assert [cls.relpath(p) for p in cls.paths] == ["{.jsonl", "}.jsonl"]
