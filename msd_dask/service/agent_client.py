@@ -404,8 +404,9 @@ class AgentHandle:
         taken by the agent (its Dask client): the same state, the same refusals
         (``ValueError`` for a step the service cannot describe)."""
         what = f"the state of service {self.name!r}"
-        # (the agent asks the planner: up to the service's timeout, and a little more)
-        sock = _dial(self.path, self.timeout + 30, what)
+        # (the agent asks the constructors what the ranks returned, then the planner: each
+        # within the service's timeout)
+        sock = _dial(self.path, 3 * self.timeout + 30, what)
         try:
             answer = _ask(sock, self.path, {"op": "hello", "service": self.name,
                                             "state_dict": step}, what)
