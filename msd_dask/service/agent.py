@@ -703,7 +703,10 @@ class HostAgent:
                                   f"{self.name!r}, not {hello['service']!r}"})
             return
         if "state_dict" in hello:  # a rank's AgentHandle.state_dict(step)
-            await _asend(writer, await self._state_dict(hello["state_dict"]))
+            answer = await self._state_dict(hello["state_dict"])
+            # (megabytes of JSON at dp 16,384: encoded off the loop that serves the ranks)
+            writer.write(await asyncio.to_thread(frame, answer))
+            await writer.drain()
             return
         if "rank" not in hello:  # a probe
             await _asend(writer, info)
