@@ -604,7 +604,12 @@ class RoleSupervisor:
         """Add or retire loader slots to reach the counts :meth:`scale` asked for."""
         async with self._lock:
             changed = False
-            for source, n in list(self._targets.items()):
+            while self._targets:
+                # taken out before it is applied: a scale() of the source while this one
+                # is applied (an operator and the adaptive policy, say) puts its own back,
+                # and it is applied next, not dropped
+                source = next(iter(self._targets))
+                n = self._targets.pop(source)
                 act = self.active[source]
                 grew = len(act) < n
                 while len(act) < n:
@@ -618,7 +623,6 @@ class RoleSupervisor:
                     slot = act.pop()
                     await self._retire_slot(source, slot, act[0])
                     changed = True
-                del self._targets[source]
             if changed:
                 await self._push_loaders()
 
