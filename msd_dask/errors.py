@@ -7,9 +7,11 @@ ran out) without importing this module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ConfigError", "DataError", "ServiceError", "ServiceTimeoutError", "WorkerLeft"]
+__all__ = ["ConfigError", "DataError", "ServiceError", "ServiceTimeoutError", "WorkerLeft",
+           "first_of"]
 
 
 class ConfigError(ValueError):
@@ -85,6 +87,12 @@ class WorkerLeft(ServiceError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.service, self.role, self.worker))
+
+
+def first_of(items: Sequence[object], most: int) -> str:
+    """``items`` for a message: the first ``most``, then how many more."""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return ", ".join(map(str, items[:most])) + more
 
 
 #: what to do about a planner that cannot be re-created

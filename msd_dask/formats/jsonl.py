@@ -162,7 +162,7 @@ class _Streams(io.RawIOBase):
             if obj.eof:
                 self._in = obj.unused_data + self._in
             if out:
-                return bytes(out)
+                return out
 
 
 class JsonlFormat:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from msd_dask import dask_internals
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
 from msd_dask.dask_internals import actor_address, call_remote_actor, release_actor, worker_actors
-from msd_dask.errors import DataError, ServiceTimeoutError, WorkerLeft
+from msd_dask.errors import DataError, ServiceTimeoutError, WorkerLeft, first_of
 from msd_dask.roles.constructor import DataConstructor, StepPieces, unpack_work
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
@@ -128,12 +128,6 @@ class PlannerSide(Protocol):
         """Re-split the units of ``source`` assigned but not read yet over its active
         slots (after slots were added, so they help at once)."""
         ...
-
-
-def _listed(items: list[str], most: int = 4) -> str:
-    """``items`` joined for a message: the first ``most``, then how many more."""
-    more = f" and {len(items) - most} more" if len(items) > most else ""
-    return ", ".join(items[:most]) + more
 
 
 class RoleSupervisor:
@@ -287,7 +281,7 @@ class RoleSupervisor:
                         raise WorkerLeft(self.cfg.name, *gone[0])
                     raise ServiceTimeoutError(
                         f"msd_dask {self.cfg.name}: waited {self.cfg.timeout:g}s (the config's "
-                        f"timeout) for {_listed([f'{n} on {w}' for n, w in pending])} to be "
+                        f"timeout) for {first_of([f'{n} on {w}' for n, w in pending], 4)} to be "
                         "created; the workers are alive but did not start them "
                         "(paused for memory, or busy)")
         finally:
@@ -297,10 +291,7 @@ class RoleSupervisor:
         handles = await self._client.gather(made, asynchronous=True) if made else []
         if len(made) == len(futs):
             return list(zip(handles, futs, strict=True))
-        await asyncio.gather(*(asyncio.wait_for(h.close(), 5) for h in handles),
-                             return_exceptions=True)
-        if handles:
-            _drop(*zip(handles, made, strict=True))
+        await _close_made(made, handles)
         name, where, fut = next(r for r in submitted if r[2].status != "finished")
         try:
             await fut
@@ -322,9 +313,8 @@ class RoleSupervisor:
             with contextlib.suppress(Exception):
                 handles = await asyncio.wait_for(
                     self._client.gather(made, asynchronous=True), 5)
-        await asyncio.gather(*(asyncio.wait_for(h.close(), 5) for h in handles),
-                             return_exceptions=True)
-        for f in futs:
+        await _close_made(made, handles)
+        for f in futs:  # (those not created; a second release does nothing)
             f.release()
 
     async def _placed(self, name: str, submit: Callable[[str], Any]) -> tuple[Any, Any]:
@@ -736,6 +726,15 @@ def _observe(task: asyncio.Future[Any]) -> None:
     """Retrieve a finished task's exception (it was given up on; nothing else will)."""
     if not task.cancelled():
         task.exception()
+
+
+async def _close_made(made: list[Any], handles: list[Any]) -> None:
+    """Close the roles created of a call that failed (``made``: their futures, ``handles``
+    their handles, if fetched) and let Dask forget them (:func:`_drop`)."""
+    await asyncio.gather(*(asyncio.wait_for(h.close(), 5) for h in handles),
+                         return_exceptions=True)
+    if handles:
+        _drop(*zip(handles, made, strict=True))
 
 
 def _drop(*roles: tuple[Any, Any]) -> None:

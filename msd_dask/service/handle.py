@@ -28,7 +28,13 @@ from typing import Any, Literal, overload
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import bound_actor, keys_on
-from msd_dask.errors import CLOSED_BY_OWNER, ServiceError, ServiceTimeoutError, WorkerLeft
+from msd_dask.errors import (
+    CLOSED_BY_OWNER,
+    ServiceError,
+    ServiceTimeoutError,
+    WorkerLeft,
+    first_of,
+)
 from msd_dask.reader import REPORT_IDLE, Reader
 from msd_dask.service.agent_client import AgentHandle, connect_agent
 from msd_dask.service.link import PlannerLink
@@ -139,11 +145,6 @@ def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any,
 #: the upper bound of what a rank returned that no constructor knows (see
 #: :meth:`DataService.consumed_step`)
 _UNKNOWN = 2**62
-
-
-def _first_ranks(ranks: list[int], n: int = 8) -> str:
-    """``ranks`` for a message: the first ``n``, then `` ...`` if there are more."""
-    return ", ".join(map(str, ranks[:n])) + (" ..." if len(ranks) > n else "")
 
 
 class DataService:
@@ -588,7 +589,7 @@ class DataService:
             time.sleep(0.25)
         open_ranks = sorted(r for r in lo if lo[r] < hi[r] and lo[r] < high)
         lost = [r for r in open_ranks if hi[r] >= _UNKNOWN]
-        shown = _first_ranks(lost or open_ranks)
+        shown = first_of(lost or open_ranks, 8)
         if lost:
             raise ValueError(
                 f"service {self.name!r}: rank(s) {shown} are served by a constructor re-created "
@@ -699,7 +700,6 @@ class DataService:
             self.planner.close_roles(CLOSED_BY_OWNER).result(timeout=30)
         except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
             pass
-
 
         def on_scheduler() -> None:
             published_event(self.client, self.name).clear()
