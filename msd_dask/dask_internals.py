@@ -220,6 +220,11 @@ def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
 #: the worker leaves first, so a wait for it asks whether the worker is still there
 CREATE_CHECK = 1.0
 
+#: seconds a role's ``stats()`` is waited for before it counts as not answering: a call
+#: to an actor whose worker was lost waits to connect for Dask's connect timeout (tens of
+#: seconds), and a monitor polling the service must not stall while the role is re-created
+STATS_WAIT = 3.0
+
 
 def bound_actor(client: Any, future: Any, worker: str, service: str, role: str,
                 timeout: float) -> Any:

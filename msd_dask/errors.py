@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["ConfigError", "DataError", "ServiceError", "ServiceTimeoutError", "WorkerLeft",
-           "first_of"]
+           "first_of", "unanswered"]
 
 
 class ConfigError(ValueError):
@@ -101,3 +101,11 @@ CLOSED_BY_OWNER = "closed by its owner"
 RESTART_HINT = ("restart the service from the last DataService.state_dict() (msd-dask serve "
                  "CONFIG --resume STATE_JSON, or DataService.start(cfg, resume=state)); ranks "
                  "reload their Reader.state_dict() so no step is read twice")
+
+
+def unanswered(e: BaseException, wait: float) -> str:
+    """Why a role's ``stats()`` has no answer, for the ``error`` of what stands for it:
+    ``e`` is what the wait of ``wait`` seconds for it raised."""
+    why = (f"did not answer within {wait:.0f}s" if isinstance(e, TimeoutError)
+           else f"did not answer ({type(e).__name__}: {e})")
+    return f"{why}; its worker may be lost, and the planner re-creates a lost role"

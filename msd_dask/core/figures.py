@@ -41,6 +41,9 @@ def source_figures(planner: Mapping[str, Any], loader_stats: Mapping[str, Sequen
         cpu_seconds = sum(x.get("cpu_seconds", 0.0) for x in ls)
         out[name] = {
             "loaders": len(ls),
+            # loaders that did not answer (a lost worker's, until the planner re-creates
+            # them): their figures are their last answer's
+            "loaders_unanswered": sum(1 for x in ls if x.get("error")),
             "docs_read": sum(x["docs_read"] for x in ls),
             "tokens_read": tokens_read,
             "tokens_buffered": sum(x["tokens_buffered"] for x in ls),

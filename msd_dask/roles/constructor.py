@@ -45,11 +45,18 @@ from msd_dask.dask_internals import call_remote_actor
 from msd_dask.roles.direct import direct
 
 __all__ = ["POLL", "DataConstructor", "StepPieces", "StepWork", "constructor_of", "pack_work",
-           "unpack_work"]
+           "unanswered_stats", "unpack_work"]
 
 #: seconds :meth:`DataConstructor.next_round` waits for a round before it answers
 #: ``None`` (the reader then looks after a lost planner and asks again)
 POLL = 5.0
+
+
+def unanswered_stats(index: int, error: str) -> dict[str, Any]:
+    """What stands for :meth:`DataConstructor.stats` of constructor ``index`` that did not
+    answer (its worker was lost and the planner re-creates it): ``error`` says why, and it
+    has no ranks' figures."""
+    return {"index": index, "queue_depth": {}, "last_claimed": {}, "error": error}
 
 
 def constructor_of(dp: int, n_constructors: int) -> int:

@@ -37,7 +37,7 @@ from msd_dask.sources.tokenizer import make_tokenizer
 # unpickles a loader's actor handle, and every module costs each training process memory
 # (tests/unit/test_imports.py)
 
-__all__ = ["SourceLoader"]
+__all__ = ["SourceLoader", "unanswered_stats"]
 
 
 _KEEP_KEYS = 100  # quarantined keys kept for stats() (all are logged)
@@ -58,6 +58,19 @@ class _UnitData:
     def __init__(self, docs: list[np.ndarray | ImageDoc]):
         self.docs: list[np.ndarray | ImageDoc | None] = list(docs)
         self.lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+
+
+def unanswered_stats(source: str, index: int, last: dict[str, Any] | None,
+                     error: str) -> dict[str, Any]:
+    """What stands for :meth:`SourceLoader.stats` of a loader that did not answer (its
+    worker was lost and the planner re-creates it): its ``last`` answer (zero counters
+    without one), with ``error`` saying why."""
+    zero: dict[str, Any] = {
+        "threads": 1, "read_threads": 1, "pool": "thread", "docs_read": 0, "tokens_read": 0,
+        "units_read": 0, "units_buffered": 0, "tokens_buffered": 0, "read_seconds": 0.0,
+        "cpu_seconds": 0.0, "cpu_wait_seconds": 0.0, "tokens_fetched": 0,
+        "quarantined_docs": 0, "quarantined_files": 0, "quarantined": []}
+    return {**(last or zero), "source": source, "index": index, "error": error}
 
 
 class SourceLoader:

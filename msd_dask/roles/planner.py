@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from msd_dask.core.config import parse_config
+from msd_dask.dask_internals import STATS_WAIT
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, pack_work
 from msd_dask.roles.direct import direct
@@ -995,7 +996,7 @@ class PlannerActor:
         complete = True
         for c in list(self.constructors):
             try:
-                st = await asyncio.wait_for(direct(c).stats(), 3)
+                st = await asyncio.wait_for(direct(c).stats(), STATS_WAIT)
             except Exception:  # noqa: BLE001 - lost meanwhile: heal re-creates it
                 complete = False
                 continue
@@ -1031,11 +1032,11 @@ class PlannerActor:
             :meth:`history_since` ``since``; ``weights_ahead``: :meth:`weights_ahead`
             over ``lookahead`` steps (``None`` without ``lookahead``).
         """
-        cons = await asyncio.gather(*(direct(c).stats() for c in list(self.constructors)))
+        cons = await self.roles.constructor_stats()
         loaders = await self.loader_stats()
         async with self._plan_lock:  # the planner's figures after a whole step
             return {"planner": await self.stats(), "loaders": loaders,
-                    "constructors": list(cons), "history": await self.history_since(since),
+                    "constructors": cons, "history": await self.history_since(since),
                     "weights_ahead": None if lookahead is None else
                     await self.weights_ahead(int(lookahead))}
 

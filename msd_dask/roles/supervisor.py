@@ -45,8 +45,16 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from msd_dask import dask_internals
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
-from msd_dask.dask_internals import actor_address, call_remote_actor, release_actor, worker_actors
-from msd_dask.errors import DataError, ServiceTimeoutError, WorkerLeft, first_of
+from msd_dask.dask_internals import (
+    STATS_WAIT,
+    actor_address,
+    call_remote_actor,
+    release_actor,
+    worker_actors,
+)
+from msd_dask.errors import DataError, ServiceTimeoutError, WorkerLeft, first_of, unanswered
+from msd_dask.roles import constructor as constructor_role
+from msd_dask.roles import loader as loader_role
 from msd_dask.roles.constructor import DataConstructor, StepPieces, unpack_work
 from msd_dask.roles.direct import direct
 from msd_dask.roles.loader import SourceLoader
@@ -147,6 +155,8 @@ class RoleSupervisor:
         self._cfuts: list[Any] = []
         #: source -> slot -> (actor handle, future keeping it alive)
         self._slots: dict[str, dict[int, tuple[Any, Any]]] = {}
+        #: each loader's last stats() answer, by actor key (see loader_stats)
+        self._last_stats: dict[str, dict[str, Any]] = {}
         #: source -> retired slot -> slot that took its units over
         self._alias: dict[str, dict[int, int]] = {}
         #: source -> slots that take new units, in round-robin order
@@ -378,11 +388,48 @@ class RoleSupervisor:
         return pick_loader(self.active[source], outstanding, next(self._rr[source]))
 
     async def loader_stats(self) -> dict[str, list[dict[str, Any]]]:
-        out: dict[str, list[dict[str, Any]]] = {}
-        for source, slots in self._slots.items():
-            out[source] = [dict(await direct(h).stats(), slot=slot, worker=actor_address(h))
-                           for slot, (h, _) in sorted(slots.items())]
+        """Every loader's ``stats()`` by source, with its ``slot`` and ``worker``.
+
+        A loader that does not answer within :data:`STATS_WAIT` seconds (its worker was
+        lost, and heal re-creates it) is given by its last answer, with ``error`` saying
+        why (:func:`~msd_dask.roles.loader.unanswered_stats`): a monitor polling the
+        service does not fail while it recovers.
+        """
+
+        async def one(source: str, slot: int, h: Any) -> dict[str, Any]:
+            key = str(h.key)
+            try:
+                st = dict(await asyncio.wait_for(direct(h).stats(), STATS_WAIT))
+            except Exception as e:  # noqa: BLE001 - lost meanwhile: heal re-creates it
+                st = loader_role.unanswered_stats(source, slot, self._last_stats.get(key),
+                                                  unanswered(e, STATS_WAIT))
+            else:
+                self._last_stats[key] = st
+            return dict(st, slot=slot, worker=actor_address(h))
+
+        pairs = [(source, slot, h) for source, slots in self._slots.items()
+                 for slot, (h, _) in sorted(slots.items())]
+        got = await asyncio.gather(*(one(*p) for p in pairs))
+        keys = {str(h.key) for _, _, h in pairs}
+        for key in [k for k in self._last_stats if k not in keys]:
+            del self._last_stats[key]  # of loaders replaced or retired
+        out: dict[str, list[dict[str, Any]]] = {source: [] for source in self._slots}
+        for (source, _, _), st in zip(pairs, got, strict=True):
+            out[source].append(st)
         return out
+
+    async def constructor_stats(self) -> list[dict[str, Any]]:
+        """Every constructor's ``stats()``, asked at once; one that does not answer within
+        :data:`~msd_dask.dask_internals.STATS_WAIT` seconds (its worker was lost, and
+        heal re-creates it) is given by :func:`~msd_dask.roles.constructor.unanswered_stats`."""
+
+        async def one(i: int, c: Any) -> dict[str, Any]:
+            try:
+                return dict(await asyncio.wait_for(direct(c).stats(), STATS_WAIT))
+            except Exception as e:  # noqa: BLE001 - lost meanwhile: heal re-creates it
+                return constructor_role.unanswered_stats(i, unanswered(e, STATS_WAIT))
+
+        return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(self.constructors))))
 
     # -------------------------------------------------------------- calls
     async def assign_units(self, source: str, slot: int, keys: list[tuple[int, int]]) -> None:

@@ -27,13 +27,14 @@ from typing import Any, Literal, overload
 
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
-from msd_dask.dask_internals import bound_actor, keys_on
+from msd_dask.dask_internals import STATS_WAIT, bound_actor, keys_on
 from msd_dask.errors import (
     CLOSED_BY_OWNER,
     ServiceError,
     ServiceTimeoutError,
     WorkerLeft,
     first_of,
+    unanswered,
 )
 from msd_dask.reader import REPORT_IDLE, Reader
 from msd_dask.service.agent_client import AgentHandle, connect_agent
@@ -493,12 +494,16 @@ class DataService:
         dict
             ``sources``: documents and tokens read, tokens planned, loaders, share
             of planned tokens against the weight; ``ranks``: queue depth and last
-            claimed step; ``planner``: steps, imbalance, errors.
+            claimed step; ``planner``: steps, imbalance, errors; ``constructors``:
+            each constructor's counters.  While the planner re-creates a role lost with
+            its worker, the call still answers: a loader's figures are its last
+            answer's (``loaders_unanswered`` of its source counts them), a constructor
+            has ``error`` set and its ranks are missing from ``ranks``.
         """
         planner = self.link.call(lambda p: p.stats())
         loader_stats = self.link.call(lambda p: p.loader_stats())
         self.refresh()
-        cons = [self._constructor_stats(i, c) for i, c in enumerate(self.constructors)]
+        cons = self._constructor_figures()
         sources = source_figures(planner, loader_stats, self.link.registry.get("quarantined", {}))
         ranks = rank_figures(cons)
         return {"sources": sources, "ranks": ranks, "planner": planner,
@@ -534,13 +539,35 @@ class DataService:
         at = int(step)
         return dict(self.link.call(lambda p: p.state_at(at)))
 
+    def _constructor_figures(self) -> list[dict[str, Any]]:
+        """Every constructor's ``stats()``, asked at once, for :meth:`stats`.  One that does not answer within
+        :data:`~msd_dask.dask_internals.STATS_WAIT` seconds, or whose worker was lost (the
+        planner re-creates it), has ``error`` set and no ranks' figures."""
+        from msd_dask.roles.constructor import unanswered_stats  # (not behind an agent)
+
+        calls = [c.stats() for c in self.constructors]
+        deadline = time.monotonic() + STATS_WAIT
+        out = []
+        for i, call in enumerate(calls):
+            try:
+                out.append(dict(call.result(timeout=max(0.0, deadline - time.monotonic()))))
+            except Exception as e:  # noqa: BLE001 - its worker was lost: not the caller's failure
+                out.append(unanswered_stats(i, unanswered(e, STATS_WAIT)))
+        return out
+
     def _constructor_stats(self, i: int, c: Any) -> dict[str, Any]:
+        """Constructor ``i``'s ``stats()``, where the answer matters (the default
+        checkpoint): its failure raises, naming the constructor."""
         try:
             return dict(c.stats().result(timeout=self.config.timeout))
         except TimeoutError:
             raise ServiceTimeoutError(f"constructor {i} of service {self.name!r} did not answer "
                                       f"within {self.config.timeout:.0f}s (its worker may be "
                                       "lost; the planner re-creates it)") from None
+        except Exception as e:  # noqa: BLE001 - its worker was lost meanwhile
+            raise ServiceError(f"constructor {i} of service {self.name!r} did not answer "
+                               f"({type(e).__name__}: {e}): its worker may be lost; ask again "
+                               "once the planner re-created it") from e
 
     #: seconds :meth:`consumed_step` gives the reports of paused readers beyond the
     #: idle time their readers announced (the reporter's wake-up, the call to the

@@ -170,6 +170,47 @@ def test_kill_worker_holding_the_planner_and_a_constructor(tmp_path):
     _run_with_kill(tmp_path, "planner", n_workers=2)
 
 
+def test_stats_answer_while_the_roles_of_a_lost_worker_are_re_created(tmp_path):
+    """``svc.stats()`` polled right after the worker of a constructor and loaders is killed
+    never raises: until their successors answer, a lost loader counts by its last answer
+    (``loaders_unanswered``) and a lost constructor has ``error`` set."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="stats-kill", timeout=90)
+    cfg["sources"][1]["loaders"] = 2
+    with dask_cluster(str(tmp_path), n_workers=3) as cl:
+        with Client(cl["address"], timeout=60) as c:
+            c.wait_for_workers(3, timeout=60)
+        with DataService.start(cfg, cl["address"]) as svc:
+            roles = _roles(svc)
+            victims = sorted(w for w, r in roles.items()
+                             if "constructor" in r and "loader" in r and "planner" not in r)
+            assert victims, roles
+            readers = [svc.reader(r) for r in range(2)]
+            for step in range(3):
+                assert [next(rd).step for rd in readers] == [step, step]
+            before = svc.stats()["sources"]
+            os.kill(svc.client.run(os.getpid)[victims[0]], signal.SIGKILL)
+            seen: list[tuple[int, bool]] = []
+            deadline = time.monotonic() + 60
+            while True:
+                st = svc.stats()  # raised "Worker holding Actor was lost" for ~1 s
+                unanswered = sum(s["loaders_unanswered"] for s in st["sources"].values())
+                seen.append((unanswered, any(c.get("error") for c in st["constructors"])))
+                for name, src in st["sources"].items():  # no counter goes back
+                    assert src["tokens_read"] >= before[name]["tokens_read"], (name, src)
+                recovered = st["planner"]["recovered"]
+                if (recovered.get("loader") and recovered.get("constructor")
+                        and seen[-1] == (0, False)):
+                    break
+                assert time.monotonic() < deadline, (recovered, seen[-5:])
+                time.sleep(0.05)
+            assert victims[0] not in _roles(svc)
+            assert len(st["ranks"]) == 2, st["ranks"]
+            for step in range(3, 6):  # and the ranks read on
+                assert [next(rd).step for rd in readers] == [step, step]
+
+
 def test_planner_lost_with_its_owner_is_reported(tmp_path):
     """The serving process and the planner's worker both killed: nothing can re-create the
     planner, and a reader says so at once instead of waiting out its timeout."""

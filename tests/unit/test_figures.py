@@ -30,12 +30,31 @@ def test_sums_over_a_sources_loaders_and_shares_of_planned_tokens() -> None:
     assert a["threads"] == 2 and a["tokens_fetched"] == 100
 
 
+def test_a_loader_that_did_not_answer_counts_by_its_last_answer() -> None:
+    from msd_dask.roles.loader import unanswered_stats
+
+    planner = {"tokens_planned": {"a": 300}, "weights": {"a": 1.0}}
+    last = loader(tokens_read=250)
+    lost = unanswered_stats("a", 1, last, "did not answer")
+    never = unanswered_stats("a", 2, None, "did not answer")  # lost before its first answer
+    got = source_figures(planner, {"a": [loader(), lost, never]})["a"]
+    assert got["loaders"] == 3 and got["loaders_unanswered"] == 2
+    assert got["tokens_read"] == 350 and got["tokens_buffered"] == 20  # no counter goes back
+    assert lost["error"] == "did not answer" and lost["index"] == 1
+    assert source_figures(planner, {"a": [loader()]})["a"]["loaders_unanswered"] == 0
+
+
 def test_ranks_from_every_constructor() -> None:
     cons = [{"queue_depth": {"0": 2, "2": 1}, "last_claimed": {"0": 7}},
             {"queue_depth": {1: 0}, "last_claimed": {1: 9}}]
     assert rank_figures(cons) == {0: {"queue_depth": 2, "last_claimed": 7},
                                   2: {"queue_depth": 1, "last_claimed": None},
                                   1: {"queue_depth": 0, "last_claimed": 9}}
+    # a constructor that did not answer has no ranks' figures
+    from msd_dask.roles.constructor import unanswered_stats
+
+    assert rank_figures([cons[0], unanswered_stats(1, "did not answer")]) == {
+        0: {"queue_depth": 2, "last_claimed": 7}, 2: {"queue_depth": 1, "last_claimed": None}}
 
 
 def test_rank_summary_small() -> None:
