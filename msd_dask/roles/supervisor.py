@@ -547,27 +547,33 @@ class RoleSupervisor:
             return False
         self._last_check = now
         async with self._lock:
-            deadline = now + (10.0 if wait else 0.0)
-            while True:
-                workers = set(await self._workers())
-                # a retired worker gone from the cluster is no longer excluded: its address
-                # may join again (a worker kept after retire_workers(close=False) stays out)
-                self._evacuating &= workers
-                alive = workers - self._evacuating
-                lost_l = [(s, slot) for s, slots in self._slots.items()
-                          for slot, (h, _) in slots.items() if actor_address(h) not in alive]
-                lost_c = [i for i, c in enumerate(self.constructors)
-                          if actor_address(c) not in alive]
-                if lost_l or lost_c or time.monotonic() >= deadline:
-                    break
-                await asyncio.sleep(0.25)
-            for source, slot in lost_l:
-                await self._replace_loader(source, slot, "lost")
-            for i in lost_c:  # re-created constructors get the current loaders in setup
-                await self._replace_constructor(i, "lost")
-            if lost_l:
-                await self._push_loaders()
-            return bool(lost_l or lost_c)
+            return await self._heal(wait)
+
+    async def _heal(self, wait: bool, gone_only: bool = False) -> bool:
+        """:meth:`heal`'s work, under the lock.  ``gone_only``: only the roles of workers
+        that left the cluster, not those of workers being evacuated (:meth:`evacuate`
+        moves them itself, closing the old ones)."""
+        deadline = time.monotonic() + (10.0 if wait else 0.0)
+        while True:
+            workers = set(await self._workers())
+            # a retired worker gone from the cluster is no longer excluded: its address
+            # may join again (a worker kept after retire_workers(close=False) stays out)
+            self._evacuating &= workers
+            alive = workers if gone_only else workers - self._evacuating
+            lost_l = [(s, slot) for s, slots in self._slots.items()
+                      for slot, (h, _) in slots.items() if actor_address(h) not in alive]
+            lost_c = [i for i, c in enumerate(self.constructors)
+                      if actor_address(c) not in alive]
+            if lost_l or lost_c or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.25)
+        for source, slot in lost_l:
+            await self._replace_loader(source, slot, "lost")
+        for i in lost_c:  # re-created constructors get the current loaders in setup
+            await self._replace_constructor(i, "lost")
+        if lost_l:
+            await self._push_loaders()
+        return bool(lost_l or lost_c)
 
     async def _replace_loader(self, source: str, slot: int, why: str) -> None:
         old_h, old_f = self._slots[source][slot]
@@ -681,20 +687,32 @@ class RoleSupervisor:
         if self.own_address() in workers:
             raise ValueError(f"the planner itself runs on {self.own_address()}; it cannot "
                              "move (restart the service from a state_dict instead)")
-        moved = Counter[str]()
         async with self._lock:
             self._evacuating.update(workers)
-            for source, slots in self._slots.items():
-                for slot, (h, _) in list(slots.items()):
-                    if actor_address(h) in workers:
-                        await self._replace_loader(source, slot, "moved")
-                        moved["loaders"] += 1
-            await self._push_loaders()
-            for i, c in enumerate(list(self.constructors)):
-                if actor_address(c) in workers:
-                    await self._replace_constructor(i, "moved")
-                    moved["constructors"] += 1
-        return dict(moved)
+            moved = Counter[str](
+                loaders=sum(actor_address(h) in workers for h, _ in self._all_loaders()),
+                constructors=sum(actor_address(c) in workers for c in self.constructors))
+            while True:
+                try:
+                    await self._move_off(workers)
+                    break
+                except Exception:
+                    # another worker was lost meanwhile (the one a moved role was just
+                    # placed on, say): re-create its roles, then move the others on
+                    if not await self._heal(wait=True, gone_only=True):
+                        raise
+        return {k: n for k, n in moved.items() if n}
+
+    async def _move_off(self, workers: list[str]) -> None:
+        """Re-create the loaders and constructors on ``workers`` elsewhere (under the lock)."""
+        for source, slots in self._slots.items():
+            for slot, (h, _) in list(slots.items()):
+                if actor_address(h) in workers:
+                    await self._replace_loader(source, slot, "moved")
+        await self._push_loaders()
+        for i, c in enumerate(list(self.constructors)):
+            if actor_address(c) in workers:
+                await self._replace_constructor(i, "moved")
 
     async def notify(self, message: str) -> None:
         """Have every constructor tell its ranks ``message`` (an error), once they have

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import types
 from collections import Counter
 
 import pytest
@@ -87,6 +88,9 @@ class _Handle:
     async def set_loaders(self, view: object) -> None:
         if self.key.startswith(_FROZEN):
             await asyncio.Event().wait()  # its worker froze: no answer, no closed comm
+
+    async def submit(self, steps: object, room: int, force: bool = False) -> None:
+        pass
 
     async def close(self) -> None:
         self.closed = True
@@ -187,6 +191,9 @@ class _Planner:
     async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
         pass
 
+    def unclaimed_steps(self, constructor: int) -> list[tuple[int, bytes]]:
+        return []  # (nothing planned yet)
+
 
 def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
                 n_constructors: int, loaders: int,
@@ -198,6 +205,7 @@ def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
 
     class _Worker:
         address = own
+        state = types.SimpleNamespace(actors={})  # no actor of the stand-in client is local
 
     monkeypatch.setattr(distributed, "get_client", lambda: client)
     monkeypatch.setattr(distributed, "get_worker", lambda: _Worker())
@@ -363,3 +371,47 @@ def test_a_scale_asked_while_another_is_applied_is_not_dropped(
         return [await up, down, len(sup.active["a"])]
 
     assert asyncio.run(asyncio.wait_for(run(), 10)) == [4, 1, 1]
+
+
+def test_a_worker_lost_while_roles_are_moved_off_another_is_healed_and_the_move_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """retire_workers while another worker dies: the worker a moved loader was just placed
+    on died before the loader got its units, and evacuate() raised "Unable to contact
+    Actor's worker" with the retiring worker's constructor not moved (found by a chaos
+    run).  The lost worker's roles are re-created, and the move goes on."""
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
+    client = _Client(workers)
+    # (constructor 1 of the stand-in client answers no set_loaders: the timeout ends those)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 2, timeout=0.3)
+    heirs: list[str] = []
+
+    async def hand_over(source: str, slots: list[int], heir: int) -> None:
+        heirs.append(sup.loader(source, heir)._address)
+        if len(heirs) == 1:  # the moved loader's new worker dies before it gets its units
+            client.scheduler.workers.remove(heirs[0])
+            raise OSError("Unable to contact Actor's worker")
+
+    sup.planner.hand_over = hand_over  # type: ignore[method-assign]
+
+    async def run() -> tuple[str, dict[str, int], dict[str, int]]:
+        await sup.setup()
+        roles = Counter(c._address for c in sup.constructors) + Counter(
+            h._address for h, _ in sup._all_loaders())
+        retire = next(w for w in workers[1:]
+                      if w in {c._address for c in sup.constructors}
+                      and w in {h._address for h, _ in sup._all_loaders()})
+        moved = await asyncio.wait_for(sup.evacuate([retire]), 30)
+        return retire, moved, dict(roles)
+
+    retire, moved, before = asyncio.run(run())
+    dead = heirs[0]
+    assert moved == {"loaders": 1, "constructors": 1}, (moved, before)
+    now = [c._address for c in sup.constructors] + [h._address for h, _ in sup._all_loaders()]
+    assert retire not in now and dead not in now, (retire, dead, now)
+    assert len(now) == sum(before.values())
+    whys = [(e["role"], e["why"], e["from"]) for e in sup.events]
+    assert ("loader", "moved", retire) in whys and ("loader", "lost", dead) in whys, whys
+    assert ("constructor", "moved", retire) in whys, whys
+    # the constructor moved off the retiring worker was closed there (a lost one is not)
+    assert all(h.closed for h in client.handles if h._address == retire
+               and h.key.startswith("msd-p-constructor-"))
