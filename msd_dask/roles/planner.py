@@ -335,8 +335,9 @@ class PlannerActor:
         replaces (the constructors do not send them those).
     lost : dict, optional
         For a re-created planner: ``{"from": worker address of the lost one,
-        "recovered": {...}, "events": [...]}`` (the lost planner's recovery
-        counters, continued here).
+        "recovered": {...}, "events": [...], "loaders": {source: n}}`` (the lost
+        planner's recovery counters, continued here, and its loaders per source,
+        which this one starts with).
 
     Notes
     -----
@@ -408,6 +409,7 @@ class PlannerActor:
         if lost:
             self.roles.recovered.update(lost.get("recovered", {}))
             self.roles.events.extend(lost.get("events", []))
+            self.roles.loaders_at_setup.update(lost.get("loaders") or {})
         #: (source, epoch, unit) -> loader slot that reads it
         self._owner: dict[tuple[str, int, int], int] = {}
         #: (source, epoch, unit) -> last step whose plan used it
@@ -986,7 +988,8 @@ class PlannerActor:
             bytes that a re-created planner takes as its ``state`` (the JSON form
             of :meth:`state_at` is a list per carried and held piece: tens of MB,
             made in seconds, at dp 16,384 × 128K); ``claimed``: ``{rank: last
-            claimed step}`` as far as the constructors answered;
+            claimed step}`` as far as the constructors answered; ``loaders``:
+            loaders per source (:meth:`RoleSupervisor.loader_counts`);
             ``recovered``, ``events``: this planner's recovery counters;
             ``address``: its worker; ``keys``: the Dask keys of its roles;
             ``version``: the live weight changes made so far.
@@ -1017,7 +1020,7 @@ class PlannerActor:
             same = step == have and self.weights_version == have_version
             state = None if same else self._packed_at(step)
             return {"state": state, "step": step, "version": self.weights_version,
-                    "claimed": claimed,
+                    "claimed": claimed, "loaders": self.roles.loader_counts(),
                     "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
                     "address": self.roles.own_address(), "keys": self.roles.keys()}
 

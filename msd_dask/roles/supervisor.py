@@ -164,6 +164,10 @@ class RoleSupervisor:
         self._rr: dict[str, itertools.count[int]] = {}
         self._seq: dict[str, itertools.count[int]] = {}
         self._targets: dict[str, int] = {}
+        #: loaders per source :meth:`setup` creates where not the config's count: a
+        #: re-created planner's are the lost one's (:meth:`loader_counts`), so what
+        #: ``scale_loaders`` or the adaptive policy chose outlives the planner
+        self.loaders_at_setup: dict[str, int] = {}
         self._evacuating: set[str] = set()
         self._client: Any = None
         self._lock = asyncio.Lock()
@@ -193,7 +197,10 @@ class RoleSupervisor:
             self._rr[s.name] = itertools.count()
             self._seq[s.name] = itertools.count()
             units = self._loader_units(s.name)
-            for _ in range(s.loaders):
+            lo, hi = self.bounds(s.name)
+            n = s.loaders if s.name not in self.loaders_at_setup else max(
+                lo, min(hi, int(self.loaders_at_setup[s.name])))
+            for _ in range(n):
                 slot = next(self._seq[s.name])
                 loader_slots.append((s.name, slot))
                 roles.append((f"loader {s.name}#{slot}",
@@ -629,6 +636,11 @@ class RoleSupervisor:
         await asyncio.gather(*(push(c) for c in self.constructors), return_exceptions=True)
 
     # -------------------------------------------------------------- scaling
+    def loader_counts(self) -> dict[str, int]:
+        """Loaders per source: the count asked for (:meth:`scale`) where not applied yet,
+        else the active ones."""
+        return {s: self._targets.get(s, len(slots)) for s, slots in self.active.items()}
+
     def bounds(self, source: str) -> tuple[int, int]:
         """The least and most loaders ``source`` may have (the config's scaling bounds)."""
         return ScalingPolicy.from_config(self.cfg).bounds(source)

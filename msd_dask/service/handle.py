@@ -435,12 +435,18 @@ class DataService:
         """Serve ``source`` with ``n`` loaders (within its bounds); returns the count.
 
         Applied before the next step is planned.  Which loader reads a unit never
-        changes the documents of a step: the stream does not depend on it.
+        changes the documents of a step: the stream does not depend on it.  A planner
+        re-created after a loss starts with as many loaders: in the process that started
+        the service, its kept checkpoint has the count once this returns (elsewhere, within
+        a second, as for :meth:`set_weights`).
         """
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise ValueError(f"scale_loaders({source!r}, n): n must be a number of loaders "
                              f"(an integer), got {n!r}")
-        return int(self.link.call(lambda p: p.scale(source, int(n))))
+        got = int(self.link.call(lambda p: p.scale(source, int(n))))
+        if self.keeper is not None:  # (a planner lost right after would drop the count)
+            self.keeper.keep_checkpoint()
+        return got
 
     def retire_workers(self, workers: list[str], *, close: bool = True) -> dict[str, int]:
         """Move the loaders and constructors off ``workers``, then retire them from Dask.

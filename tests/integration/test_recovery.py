@@ -211,6 +211,44 @@ def test_stats_answer_while_the_roles_of_a_lost_worker_are_re_created(tmp_path):
                 assert [next(rd).step for rd in readers] == [step, step]
 
 
+def test_loaders_scaled_by_hand_stay_scaled_after_the_planner_is_re_created(tmp_path):
+    """``scale_loaders`` (policy fixed: nothing else scales) survives the loss of the
+    planner: the re-created one serves the source with as many loaders, not the config's
+    count again."""
+    root = str(tmp_path / "corpus")
+    texts = write_corpus(root)
+    cfg = config(root, name="scaled", timeout=90)
+    with dask_cluster(str(tmp_path), n_workers=3) as cl:
+        with Client(cl["address"], timeout=60) as c:
+            c.wait_for_workers(3, timeout=60)
+        with DataService.start(cfg, cl["address"]) as svc:
+            readers = [svc.reader(r) for r in range(2)]
+            recs = []
+
+            def read(steps: range) -> None:
+                for step in steps:
+                    for rd in readers:
+                        b = next(rd)
+                        assert b.step == step, (b.step, step)
+                        recs.append(record(b))
+
+            read(range(5))
+            pid = svc.client.run(os.getpid)[svc.planner._address]
+            # killed at once: before the owner's next periodic checkpoint (a second)
+            assert svc.scale_loaders("prose", 3) == 3
+            os.kill(pid, signal.SIGKILL)
+            read(range(5, 30))
+            deadline = time.monotonic() + 30
+            while (svc.generation != 1
+                   or svc.stats()["sources"]["prose"]["loaders"] != 3):
+                assert time.monotonic() < deadline, (svc.generation, svc.stats()["sources"])
+                time.sleep(0.5)
+            assert svc.stats()["sources"]["code"]["loaders"] == 2  # the config's
+            read(range(30, 35))
+    check_content(recs, texts, 512)
+    check_exactly_once(recs, texts, 512)  # (no document twice in an epoch)
+
+
 def test_planner_lost_with_its_owner_is_reported(tmp_path):
     """The serving process and the planner's worker both killed: nothing can re-create the
     planner, and a reader says so at once instead of waiting out its timeout."""
