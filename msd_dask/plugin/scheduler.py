@@ -334,14 +334,18 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         decided = scaler.decide(time.monotonic(), loads)
         self._targets[name] = {s: scaler.target(s, ld) for s, ld in loads.items()}
         for s, n in decided.items():
-            got = await planner.scale(s, n)
-            self.decisions.setdefault(name, deque(maxlen=1000)).append(
-                {"time": time.time(), "source": s, "loaders": got, "from": loads[s].loaders,
-                 "starved": loads[s].starved, "consumption": loads[s].consumption,
-                 "seconds_per_token": loads[s].seconds_per_token,
-                 "cpu_fraction": scaler.cpu_fraction.get(s, 0.0),
-                 "cpu_cap": scaler.cpu_caps.get(s), "saturated": scaler.saturated.get(s),
-                 "cores": cores})
+            # recorded before it is applied: a scale that waits for new workers may outlast
+            # this poll's SCALE_WAIT, and the planner applies it all the same
+            decision = {"time": time.time(), "source": s, "loaders": n, "applied": False,
+                        "from": loads[s].loaders, "starved": loads[s].starved,
+                        "consumption": loads[s].consumption,
+                        "seconds_per_token": loads[s].seconds_per_token,
+                        "cpu_fraction": scaler.cpu_fraction.get(s, 0.0),
+                        "cpu_cap": scaler.cpu_caps.get(s), "saturated": scaler.saturated.get(s),
+                        "cores": cores}
+            self.decisions.setdefault(name, deque(maxlen=1000)).append(decision)
+            decision["loaders"] = await planner.scale(s, n)
+            decision["applied"] = True
 
     # ------------------------------------------------------------ Dask's Adaptive
     def _hook(self, scheduler: Any) -> None:

@@ -252,3 +252,41 @@ def test_a_planner_that_does_not_apply_its_scaling_stalls_no_other_service(
     asyncio.run(polls())
     assert "TimeoutError" in plugin.poll_errors["a"]
     assert "b" in plugin.services and "b" not in plugin.poll_errors
+
+
+def test_a_decision_is_recorded_while_the_planner_applies_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decision the planner took longer than the poll's SCALE_WAIT to apply (new loaders
+    waiting for new workers) was applied, but not in the plugin's decisions (the status
+    page's scaling log): it was recorded after the planner answered (review).  It is
+    recorded first, marked applied once the planner answers."""
+    from msd_dask.core.config import parse_config
+    from msd_dask.core.figures import source_figures
+    from msd_dask.core.scaling import Scaler
+
+    class _Slow:
+        async def scale(self, source: str, n: int) -> int:
+            if source == "prose":
+                await asyncio.Event().wait()  # still creating the loaders
+            return n
+
+    plugin = _plugin({})
+    plugin._configs["svc"] = parse_config(config("/nonexistent", name="svc",
+                                                 scaling={"policy": "adaptive"}))
+    monkeypatch.setattr(Scaler, "decide", lambda self, now, loads: {"code": 3, "prose": 2})
+    planner = {"tokens_planned": {"code": 10, "prose": 5}, "starved_seconds": {},
+               "loaders": {"code": 2, "prose": 1}, "weights": {"code": 0.7, "prose": 0.3}}
+    loader = dict(_loader(1000), cpu_seconds=0.5, cpu_wait_seconds=0.0)
+    snap = {"time": 10.0, "planner": planner, "weights_ahead": planner["weights"],
+            "sources": source_figures(planner, {"code": [loader] * 2, "prose": [loader]})}
+    prev = dict(snap, time=9.0)
+
+    async def run() -> None:
+        await asyncio.wait_for(plugin._scale("svc", {"planner": _Handle(_Slow())}, snap, prev),
+                               0.2)
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(run())
+    got = [(d["source"], d["loaders"], d["from"], d.get("applied", True))
+           for d in plugin.decisions["svc"]]
+    assert got == [("code", 3, 2, True), ("prose", 2, 1, False)]
