@@ -224,3 +224,12 @@ def hf_loader(sources: list[SourceSpec], rank: int, world_size: int, workers: in
     kw: dict[str, Any] = {"prefetch_factor": prefetch_factor, "persistent_workers": True} \
         if workers > 0 else {}
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, **kw)
+
+
+if __name__ == "__main__":  # a module of the benchmarks, not a benchmark: say which to run
+    import sys
+
+    print(__doc__)
+    print("Run a benchmark that uses these loaders instead (each has --help): "
+          "scripts/bench_memory.py, scripts/bench_throughput.py, scripts/bench_train.py")
+    sys.exit(0 if sys.argv[1:] in ([], ["-h"], ["--help"]) else 2)

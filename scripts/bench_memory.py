@@ -26,7 +26,7 @@ their memory grows with -- ``config``: the sources' ``read_ahead`` (8 units)
 and ``read_ahead_tokens`` (0: ``prefetch`` whole steps' tokens); ``nocap``:
 8 units, no token cap (the default before the cap); an integer ``n``:
 ``read_ahead: n`` units, no token cap.  The tokens they hold at the measurement
-(``stats()``, × 2 bytes: uint16 for this vocabulary) are reported as a part of
+(``stats()``, × 2 bytes for a vocabulary of up to 65,536 ids, as uint16, else × 4) are reported as a part of
 the workers' PSS.
 
 Every rank consumes ``--warm`` batches, then all processes hold still (``--settle``,
@@ -649,7 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, list[float | None], str]] = [
         ("scheduler", [m["scheduler"] for m in msds], "mib"),
         (f"{a.dask_workers} workers (all roles)", [m["workers"] for m in msds], "mib"),
-        ("  of which loaders' token buffers (uint16)", [m["token_buffers"] for m in msds], "mib"),
+        ("  of which loaders' token buffers "
+         + ("(uint16)" if _token_bytes(a.config) == 2 else "(int32)"),
+         [m["token_buffers"] for m in msds], "mib"),
         ("process that started the service", [m["serve"] for m in msds], "mib"),
         *([("host agents (with their children)", [m["agents"] if m["hosts"] else None
                                                    for m in msds], "mib"),

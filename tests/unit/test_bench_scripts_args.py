@@ -31,3 +31,20 @@ def test_write_records_the_command_run(tmp_path: Any) -> None:
     assert ("Command: `python scripts/bench_balance.py --quick --micro-batches 1 --no-compose "
             f"--scale-dp 0 --small-steps 0 --root {tmp_path / 'none'}`") in text
     assert "**End to end**" not in text  # (no such table was made)
+
+
+def _scripts() -> list[str]:
+    return sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py"))
+
+
+def test_every_script_answers_help() -> None:
+    """Each script under ``scripts/`` answers ``--help`` with what it does (baselines.py, a
+    module the benchmarks share, printed nothing and exited 0: review)."""
+    import subprocess
+
+    assert "baselines.py" in _scripts()
+    for name in _scripts():
+        res = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), "--help"],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, (name, res.stderr[-2000:])
+        assert len(res.stdout.splitlines()) >= 10, (name, res.stdout)
