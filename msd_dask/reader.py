@@ -435,7 +435,6 @@ class Reader:
         returned: int | None = None  # what the call in flight told the constructor
         wait = CLAIM_WAIT
         while True:
-            max_age = 0.0
             self._raise_if_closed()  # (by another thread while this one waited)
             try:
                 if call is None:
@@ -450,19 +449,23 @@ class Reader:
             except ServiceError:  # closed: nothing was sent
                 raise
             except TimeoutError:
-                # a slow constructor only answers late; look less and less often, one
-                # look per process and interval (thousands of ranks may wait at once)
+                # a slow constructor only answers late, a lost one never: whether the
+                # service replaced it is looked at (one look per process and interval:
+                # thousands of ranks may wait at once) before the deadline can raise, or
+                # every later request of this rank would go to the lost one again
+                constructor, call = self._current(c, constructor, call, CLAIM_WAIT)
                 self._check_deadline(deadline, waiting_for)
                 wait = min(2 * wait, CLAIM_WAIT_MAX)
-                max_age = CLAIM_WAIT
+                continue
             except Exception as e:  # noqa: BLE001 - its worker was lost, or it was closed
                 # a KeyError naming the actor: Dask forgot it (its planner was lost)
                 gone = isinstance(e, KeyError) and e.args and e.args[0] == constructor.key
                 if isinstance(e, KeyError | ValueError) and not gone:
                     raise
-                self._check_deadline(deadline, waiting_for, e)
                 time.sleep(0.5)
-                call = None
+                constructor, call = self._current(c, constructor, None, 0.0)  # (as above)
+                self._check_deadline(deadline, waiting_for, e)
+                continue
             else:
                 call = None
                 if answer is not None:
@@ -492,12 +495,20 @@ class Reader:
                 if not self.link.adopt_published():
                     self.link.raise_if_lost()
                     continue
-            self.link.refresh(max_age=max_age)
-            self.link.announce_generation()
-            if self.link.constructors[c].key != constructor.key:
-                if call is not None:
-                    call.cancel()  # a call to a lost worker would wait for ever
-                constructor, call = self.link.constructors[c], None
+            constructor, call = self._current(c, constructor, call, 0.0)
+
+    def _current(self, c: int, constructor: Any, call: Any, max_age: float) -> tuple[Any, Any]:
+        """``(constructor c, the call in flight)`` as the service has them now: the link
+        refreshed (if its handles are older than ``max_age`` seconds); where the service
+        replaced the constructor, the new one and no call (the one to the old is
+        cancelled: a call to a lost worker would wait for ever)."""
+        self.link.refresh(max_age=max_age)
+        self.link.announce_generation()
+        if self.link.constructors[c].key == constructor.key:
+            return constructor, call
+        if call is not None:
+            call.cancel()
+        return self.link.constructors[c], None
 
     def _check_deadline(self, deadline: float, waiting_for: str,
                         cause: BaseException | None = None) -> None:

@@ -249,6 +249,48 @@ def test_loaders_scaled_by_hand_stay_scaled_after_the_planner_is_re_created(tmp_
     check_exactly_once(recs, texts, 512)  # (no document twice in an epoch)
 
 
+def test_a_reader_with_a_short_timeout_follows_its_re_created_constructor(tmp_path):
+    """A reader whose ``timeout`` is shorter than one claim's wait (7 s) timed out on the
+    call to its lost constructor before it looked for the re-created one, so every later
+    request went to the lost one again and timed out too, for good (found by a chaos run
+    through host agents, whose group readers read on after a timeout).  The request after
+    a timeout goes to the new constructor."""
+    from msd_dask import ServiceTimeoutError
+
+    root = str(tmp_path / "corpus")
+    texts = write_corpus(root)
+    cfg = config(root, name="short-timeout", timeout=6)
+    with dask_cluster(str(tmp_path), n_workers=3) as cl:
+        with Client(cl["address"], timeout=60) as c:
+            c.wait_for_workers(3, timeout=60)
+        with DataService.start(cfg, cl["address"]) as svc:
+            readers = [svc.reader(r) for r in range(2)]
+            recs: dict[int, list] = {0: [], 1: []}
+            for _ in range(4):
+                for rd in readers:
+                    recs[rd.rank].append(record(next(rd)))
+            roles = _roles(svc)
+            victim = next((w for w, r in roles.items()
+                           if "constructor" in r and "planner" not in r), None)
+            assert victim is not None, roles
+            os.kill(svc.client.run(os.getpid)[victim], signal.SIGKILL)
+            timeouts = {0: 0, 1: 0}
+            deadline = time.monotonic() + 90
+            for _ in range(4, 10):  # step by step (a rank alone stalls after prefetch steps)
+                for rd in readers:  # a timeout or two while its constructor is re-created
+                    while True:
+                        assert time.monotonic() < deadline, (timeouts, recs)
+                        try:
+                            recs[rd.rank].append(record(next(rd)))
+                            break
+                        except ServiceTimeoutError:
+                            timeouts[rd.rank] += 1
+            assert [r["step"] for r in recs[0]] == [r["step"] for r in recs[1]] == list(range(10))
+            assert sum(timeouts.values()) <= 4, timeouts
+    check_content(recs[0] + recs[1], texts, 512)
+    check_exactly_once(recs[0] + recs[1], texts, 512)
+
+
 def test_planner_lost_with_its_owner_is_reported(tmp_path):
     """The serving process and the planner's worker both killed: nothing can re-create the
     planner, and a reader says so at once instead of waiting out its timeout."""
