@@ -546,17 +546,26 @@ class DataService:
         return dict(self.link.call(lambda p: p.state_at(at)))
 
     def _constructor_figures(self) -> list[dict[str, Any]]:
-        """Every constructor's ``stats()``, asked at once, for :meth:`stats`.  One that does not answer within
-        :data:`~msd_dask.dask_internals.STATS_WAIT` seconds, or whose worker was lost (the
-        planner re-creates it), has ``error`` set and no ranks' figures."""
+        """Every constructor's ``stats()``, asked at once, for :meth:`stats`.  One that does
+        not answer within :data:`~msd_dask.dask_internals.STATS_WAIT` seconds, or whose
+        worker was lost (the planner re-creates it), has ``error`` set and no ranks' figures."""
         from msd_dask.roles.constructor import unanswered_stats  # (not behind an agent)
 
-        calls = [c.stats() for c in self.constructors]
+        calls: list[Any] = []
+        for c in self.constructors:
+            try:
+                calls.append(c.stats())
+            except Exception as e:  # noqa: BLE001 - a handle whose worker is known lost
+                calls.append(e)
         deadline = time.monotonic() + STATS_WAIT
         out = []
         for i, call in enumerate(calls):
             try:
-                out.append(dict(call.result(timeout=max(0.0, deadline - time.monotonic()))))
+                if isinstance(call, Exception):
+                    raise call
+                # (never a zero wait: Dask then gives up even on an answer already there,
+                # and the constructors after a lost one would count as not answering)
+                out.append(dict(call.result(timeout=max(0.1, deadline - time.monotonic()))))
             except Exception as e:  # noqa: BLE001 - its worker was lost: not the caller's failure
                 out.append(unanswered_stats(i, unanswered(e, STATS_WAIT)))
         return out
