@@ -593,19 +593,43 @@ class RoleSupervisor:
 
     async def _replace_constructor(self, i: int, why: str) -> None:
         old = self.constructors[i]
-        handle, fut = await self._new_constructor(i)
-        await handle.setup(self.view(), self.planner.had)
+        while True:
+            handle, fut = await self._new_constructor(i)
+            try:
+                await handle.setup(self.view(), self.planner.had)
+                break
+            except Exception:
+                _drop((handle, fut))
+                if not await self._left(actor_address(handle)):
+                    raise
+                # its worker left before it was set up (while it is not a current role,
+                # heal would not find it): placed again
         self.constructors[i] = handle
         old_f, self._cfuts[i] = self._cfuts[i], fut
         self.record_event("constructor", str(i), why, actor_address(old), actor_address(handle))
-        # steps that may not have been claimed by every rank yet go to the new one (a round
-        # the planner sends it meanwhile waits for them: see DataConstructor.submit)
-        await _hand_round(direct(handle),
-                          [(s, None, packed) for s, packed in self.planner.unclaimed_steps(i)],
-                          0, force=True)
-        if why != "lost":
-            await old.close()
-        _drop((old, old_f))
+        try:
+            # steps that may not have been claimed by every rank yet go to the new one (a
+            # round the planner sends it meanwhile waits for them: see DataConstructor.submit)
+            await _hand_round(direct(handle),
+                              [(s, None, packed) for s, packed in self.planner.unclaimed_steps(i)],
+                              0, force=True)
+        finally:  # (also where the new one's worker died meanwhile: heal re-creates it)
+            if why != "lost":  # moved: the old one stops publishing, and frees its batches
+                with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
+                    await asyncio.wait_for(old.close(), 30)
+            _drop((old, old_f))
+
+    async def _left(self, worker: str | None, wait: float = 10.0) -> bool:
+        """Whether ``worker`` left the cluster, waiting up to ``wait`` seconds for the
+        scheduler to notice (a worker killed a moment ago is still listed)."""
+        if worker is None:
+            return False
+        deadline = time.monotonic() + wait
+        while worker in await self._workers():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.25)
+        return True
 
     def record_event(self, role: str, name: str, why: str, old: str | None, new: str | None,
                      detail: str = "") -> None:

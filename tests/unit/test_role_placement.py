@@ -9,6 +9,7 @@ import asyncio
 import random
 import types
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -415,3 +416,76 @@ def test_a_worker_lost_while_roles_are_moved_off_another_is_healed_and_the_move_
     # the constructor moved off the retiring worker was closed there (a lost one is not)
     assert all(h.closed for h in client.handles if h._address == retire
                and h.key.startswith("msd-p-constructor-"))
+
+
+def test_a_moved_constructor_whose_new_worker_dies_closes_the_old_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker a moved constructor was just placed on died before it got its unclaimed
+    steps: evacuate() healed the new one, but the old one on the retiring worker was never
+    closed, and kept publishing to its ranks and holding its batches (review)."""
+    from msd_dask.roles import supervisor as module
+
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 2, timeout=0.3)
+    real, dead = module._hand_round, []
+
+    async def hand_round(constructor: Any, steps: Any, room: int, force: bool = False) -> None:
+        if not dead:  # the moved constructor's new worker dies before it gets its steps
+            dead.append(constructor._address)
+            client.scheduler.workers.remove(constructor._address)
+            raise OSError("Unable to contact Actor's worker")
+        await real(constructor, steps, room, force)
+
+    monkeypatch.setattr(module, "_hand_round", hand_round)
+
+    async def run() -> tuple[str, list[_Handle], dict[str, int]]:
+        await sup.setup()
+        retire = next(w for w in workers[1:] if w in {c._address for c in sup.constructors})
+        olds = [c for c in sup.constructors if c._address == retire]
+        return retire, olds, await asyncio.wait_for(sup.evacuate([retire]), 30)
+
+    retire, olds, moved = asyncio.run(run())
+    assert moved.get("constructors") == 1, moved
+    assert olds and all(c.closed for c in olds)
+    now = [c._address for c in sup.constructors]
+    assert retire not in now and dead[0] not in now, (retire, dead, now)
+    whys = [(e["role"], e["why"], e["from"]) for e in sup.events]
+    assert ("constructor", "moved", retire) in whys and ("constructor", "lost", dead[0]) in whys
+
+
+def test_a_moved_constructor_whose_new_worker_dies_in_setup_is_placed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker a moved constructor was placed on (one that had just joined) died during
+    its setup, before it was a current role: the retry's heal found nothing lost, evacuate()
+    raised, and the next heal re-created the constructor of the live retiring worker as
+    "lost", without closing it (review).  It is placed again, and the move goes on."""
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 2, timeout=0.3)
+    real, dead = _Handle.setup, []
+
+    async def setup(self: _Handle, view: object, had: object) -> None:
+        if self._address == "tcp://h:5" and not dead:
+            dead.append(self._address)
+            client.scheduler.workers.remove(self._address)
+            raise OSError("Unable to contact Actor's worker")
+        await real(self, view, had)
+
+    monkeypatch.setattr(_Handle, "setup", setup)
+
+    async def run() -> tuple[str, list[_Handle], dict[str, int]]:
+        await sup.setup()
+        loaders = {h._address for h, _ in sup._all_loaders()}
+        retire = next(w for w in workers[1:]
+                      if w in {c._address for c in sup.constructors} and w not in loaders)
+        olds = [c for c in sup.constructors if c._address == retire]
+        client.scheduler.workers.append("tcp://h:5")  # joins with no role: the first pick
+        return retire, olds, await asyncio.wait_for(sup.evacuate([retire]), 30)
+
+    retire, olds, moved = asyncio.run(run())
+    assert dead == ["tcp://h:5"] and moved == {"constructors": 1}, (dead, moved)
+    assert olds and all(c.closed for c in olds)
+    now = [c._address for c in sup.constructors]
+    assert retire not in now and "tcp://h:5" not in now, now
+    assert [e["why"] for e in sup.events] == ["moved"], sup.events
