@@ -426,7 +426,11 @@ class _Group:
     last_read: int = -1
     reading: bool = False
     #: the group reader's failure (``(message, kind)``), told to every rank that asks
+    #: again from where it was then
     error: tuple[str, str] | None = None
+    #: per rank: the last step it had when the group reader failed (a rank that asks
+    #: from a later one, having loaded a later state, has the group read again)
+    failed_has: dict[int, int] = field(default_factory=dict)
     #: the group reader's timeouts so far, and the last one's message: told to the ranks
     #: waiting when it came, as a direct reader's; the agent then reads on
     timeouts: int = 0
@@ -754,6 +758,8 @@ class HostAgent:
         error after ``timeout`` seconds, saying what it waited for."""
         assert self._stopped is not None
         async with g.changed:
+            if g.error is not None and after > g.failed_has.get(rank, -1):
+                self._reset(g)
             if rank in g.assumed and after < g.has[rank]:
                 return {"error": f"rank {rank} asked the agent at {self.path} for step "
                         f"{after + 1}, but the agent began reading ranks {g.ranks} after step "
@@ -807,6 +813,19 @@ class HostAgent:
                               if never else ""))
         return head + (f"the agent is waiting for step {g.last_read + 1} of service "
                        f"{self.name!r} (msd-dask agent's log says more)")
+
+    def _reset(self, g: _Group) -> None:
+        """Forget ``g``'s failed reader: it is read again, as from the start, once its ranks
+        ask (a rank that loaded a later state after the failure, e.g. as the error told it
+        to; a new direct reader would do the same)."""
+        _log.warning("msd-dask agent: reading ranks %s again after: %s", g.ranks, g.error)
+        g.error, g.reader, g.reading, g.last_read = None, None, False, -1
+        g.asked.clear()
+        g.assumed.clear()
+        g.has.clear()
+        for block in g.blocks.values():
+            block.unlink()
+        g.blocks.clear()
 
     def _start(self, g: _Group) -> None:
         """Start reading ``g`` after the last step every rank that asked has; the ranks
@@ -894,6 +913,7 @@ class HostAgent:
             async with g.changed:
                 g.error = (f"the agent at {self.path} could not read ranks {g.ranks}: "
                            f"{type(e).__name__}: {e}", kind)
+                g.failed_has = dict(g.has)
                 g.changed.notify_all()
 
     def _asked_since(self, g: _Group, requests: int) -> bool:

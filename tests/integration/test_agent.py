@@ -16,11 +16,12 @@ import uuid
 from typing import Any
 
 import numpy as np
+import pytest
 
 from msd_dask.service import DataService
 from msd_dask.service.agent_client import AGENT_ENV, BLOCK_PREFIX, SHM_DIR
 
-from checks import check_content, check_exactly_once, read_steps, wait_until
+from checks import check_content, check_exactly_once, read_steps, record, wait_until
 from cluster import dask_cluster, start_agent, stop_proc
 from corpus import config, write_corpus
 
@@ -180,3 +181,48 @@ def test_a_rank_without_a_running_agent_fails_at_once(tmp_path):
     assert "ServiceError" in last and f"no msd-dask agent answers at {sock}" in last, res.stderr
     assert "is `msd-dask agent` running on this host?" in last
     assert took < 30, took  # the import, not a wait for the connect timeout
+
+
+def test_a_group_that_failed_is_read_again_from_a_later_state(tmp_path):
+    """An agent killed (-9) took the steps it had read ahead with it: a new agent cannot
+    serve its ranks from their own states, and says which state to load.  A rank that
+    loaded it got the same error again, for good: the group's failed reader was never
+    replaced (found by a chaos run through agents).  It is read again from that state."""
+    import re
+    import signal
+
+    from msd_dask.errors import ServiceError
+    from msd_dask.service.agent_client import AgentHandle
+
+    root = str(tmp_path / "corpus")
+    texts = write_corpus(root)
+    cfg = config(root, name="again", parallel={"dp": 2}, timeout=30)
+    sock = str(tmp_path / "agent.sock")
+    with dask_cluster(str(tmp_path), n_workers=2) as cl, \
+            DataService.start(cfg, cl["address"]) as svc:
+        agent = start_agent(cl["address"], "again", sock, dict(os.environ), "0-1", "0; 1")
+        try:
+            with AgentHandle.connect(sock, "again") as h:
+                recs = read_steps(h, 5, readers=[h.reader(r) for r in (0, 1)])
+                assert wait_until(lambda: (svc.stats()["ranks"][0]["last_claimed"] or -1) > 4, 10)
+        finally:
+            stop_proc(agent, signal.SIGKILL)  # (its watcher removes its blocks)
+        agent = start_agent(cl["address"], "again", sock, dict(os.environ), "0-1", "0; 1")
+        try:
+            with AgentHandle.connect(sock, "again") as h:
+                readers = [h.reader(r) for r in (0, 1)]
+                for rd in readers:
+                    rd.load_state_dict({"rank": rd.rank, "step": 4})
+                with pytest.raises(ServiceError, match="load the state of step") as info:
+                    next(readers[0])
+                k = int(re.search(r"state of step (\d+)", str(info.value)).group(1))
+                assert k > 4
+                again = [h.reader(r) for r in (0, 1)]
+                for rd in again:
+                    rd.load_state_dict({"rank": rd.rank, "step": k})
+                later = [record(next(rd)) for _ in range(5) for rd in again]
+        finally:
+            stop_proc(agent)
+    assert [r["step"] for r in later] == [s for s in range(k + 1, k + 6) for _ in (0, 1)]
+    check_content(recs + later, texts, 512)
+    check_exactly_once(recs + later, texts, 512)
