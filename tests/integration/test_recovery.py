@@ -174,13 +174,8 @@ def test_stats_answer_while_the_roles_of_a_lost_worker_are_re_created(tmp_path):
     """``svc.stats()`` polled right after the worker of a constructor and loaders is killed
     never raises: until their successors answer, a lost loader counts by its last answer
     (``loaders_unanswered``) and a lost constructor has ``error`` set."""
-    root = str(tmp_path / "corpus")
-    write_corpus(root)
-    cfg = config(root, name="stats-kill", timeout=90)
-    cfg["sources"][1]["loaders"] = 2
-    with dask_cluster(str(tmp_path), n_workers=3) as cl:
-        with Client(cl["address"], timeout=60) as c:
-            c.wait_for_workers(3, timeout=60)
+    with _three_workers(tmp_path, "stats-kill", 90) as (cl, cfg, _):
+        cfg["sources"][1]["loaders"] = 2
         with DataService.start(cfg, cl["address"]) as svc:
             roles = _roles(svc)
             victims = sorted(w for w, r in roles.items()
@@ -218,12 +213,7 @@ def test_loaders_scaled_by_hand_stay_scaled_after_the_planner_is_re_created(tmp_
     """``scale_loaders`` (policy fixed: nothing else scales) survives the loss of the
     planner: the re-created one serves the source with as many loaders, not the config's
     count again."""
-    root = str(tmp_path / "corpus")
-    texts = write_corpus(root)
-    cfg = config(root, name="scaled", timeout=90)
-    with dask_cluster(str(tmp_path), n_workers=3) as cl:
-        with Client(cl["address"], timeout=60) as c:
-            c.wait_for_workers(3, timeout=60)
+    with _three_workers(tmp_path, "scaled", 90) as (cl, cfg, texts):
         with DataService.start(cfg, cl["address"]) as svc:
             readers = [svc.reader(r) for r in range(2)]
             recs = []
@@ -260,12 +250,7 @@ def test_a_reader_with_a_short_timeout_follows_its_re_created_constructor(tmp_pa
     a timeout goes to the new constructor."""
     from msd_dask import ServiceTimeoutError
 
-    root = str(tmp_path / "corpus")
-    texts = write_corpus(root)
-    cfg = config(root, name="short-timeout", timeout=6)
-    with dask_cluster(str(tmp_path), n_workers=3) as cl:
-        with Client(cl["address"], timeout=60) as c:
-            c.wait_for_workers(3, timeout=60)
+    with _three_workers(tmp_path, "short-timeout", 6) as (cl, cfg, texts):
         with DataService.start(cfg, cl["address"]) as svc:
             readers = [svc.reader(r) for r in range(2)]
             recs: dict[int, list] = {0: [], 1: []}
@@ -364,14 +349,14 @@ def test_an_unchanged_checkpoint_is_not_sent_again(tmp_path):
 
 @contextmanager
 def _three_workers(tmp_path, name, timeout):
-    """A cluster of three ``dask worker`` processes, all joined, and a config ``name`` over
-    the test corpus."""
+    """A cluster of three ``dask worker`` processes, all joined, a config ``name`` over the
+    test corpus, and the corpus's texts."""
     root = str(tmp_path / "corpus")
-    write_corpus(root)
+    texts = write_corpus(root)
     with dask_cluster(str(tmp_path), n_workers=3) as cl:
         with Client(cl["address"], timeout=60) as c:
             c.wait_for_workers(3, timeout=60)
-        yield cl, config(root, name=name, timeout=timeout)
+        yield cl, config(root, name=name, timeout=timeout), texts
 
 
 def test_after_a_recovered_planner_the_default_state_is_the_step_returned(tmp_path):
@@ -380,7 +365,7 @@ def test_after_a_recovered_planner_the_default_state_is_the_step_returned(tmp_pa
     started after the last step claimed, 5), so ``consumed_step()`` and the default
     ``state_dict()`` say 3, the state of step 3 is still held, and the readers go on at 4
     (a review found: they said 5, and resuming from that skipped steps 4 and 5)."""
-    with _three_workers(tmp_path, "recovered-default", 60) as (cl, cfg):
+    with _three_workers(tmp_path, "recovered-default", 60) as (cl, cfg, _):
         with DataService.start(cfg, cl["address"]) as svc:
             readers = [svc.reader(r) for r in range(2)]
             for step in range(4):
@@ -412,7 +397,7 @@ def test_a_re_creation_that_fails_after_publishing_is_retried_with_a_new_generat
     switched and its reader timed out on a closed constructor)."""
     from msd_dask.service.link import PlannerLink
 
-    with _three_workers(tmp_path, "generation-retry", 20) as (cl, cfg):
+    with _three_workers(tmp_path, "generation-retry", 20) as (cl, cfg, _):
         with DataService.start(cfg, cl["address"]) as svc, \
                 DataService.connect(cl["address"], cfg["name"], agent=False) as other:
             adopt, attempts = PlannerLink.adopt, []
