@@ -164,6 +164,8 @@ class RoleSupervisor:
         self._rr: dict[str, itertools.count[int]] = {}
         self._seq: dict[str, itertools.count[int]] = {}
         self._targets: dict[str, int] = {}
+        #: the count apply_scaling is reaching, per source (taken out of _targets)
+        self._applying: dict[str, int] = {}
         #: loaders per source :meth:`setup` creates where not the config's count: a
         #: re-created planner's are the lost one's (:meth:`loader_counts`), so what
         #: ``scale_loaders`` or the adaptive policy chose outlives the planner
@@ -661,9 +663,10 @@ class RoleSupervisor:
 
     # -------------------------------------------------------------- scaling
     def loader_counts(self) -> dict[str, int]:
-        """Loaders per source: the count asked for (:meth:`scale`) where not applied yet,
-        else the active ones."""
-        return {s: self._targets.get(s, len(slots)) for s, slots in self.active.items()}
+        """Loaders per source: the count asked for (:meth:`scale`) where not applied yet or
+        being applied, else the active ones."""
+        return {s: self._targets.get(s, self._applying.get(s, len(slots)))
+                for s, slots in self.active.items()}
 
     def bounds(self, source: str) -> tuple[int, int]:
         """The least and most loaders ``source`` may have (the config's scaling bounds)."""
@@ -688,22 +691,29 @@ class RoleSupervisor:
                 # is applied (an operator and the adaptive policy, say) puts its own back,
                 # and it is applied next, not dropped
                 source = next(iter(self._targets))
-                n = self._targets.pop(source)
-                act = self.active[source]
-                grew = len(act) < n
-                while len(act) < n:
-                    slot = await self._add_slot(source)
-                    self.record_event("loader", f"{source}#{slot}", "added", "-",
-                                      actor_address(self._slots[source][slot][0]))
-                    changed = True
-                if grew:  # the units not read yet: added loaders help at once
-                    await self.planner.spread_units(source)
-                while len(act) > n:
-                    slot = act.pop()
-                    await self._retire_slot(source, slot, act[0])
-                    changed = True
+                n = self._applying[source] = self._targets.pop(source)
+                try:
+                    changed |= await self._reach(source, n)
+                finally:
+                    del self._applying[source]
             if changed:
                 await self._push_loaders()
+
+    async def _reach(self, source: str, n: int) -> bool:
+        """Add or retire ``source``'s loader slots until it has ``n``; whether any changed."""
+        act = self.active[source]
+        grew = len(act) < n
+        while len(act) < n:
+            slot = await self._add_slot(source)
+            self.record_event("loader", f"{source}#{slot}", "added", "-",
+                              actor_address(self._slots[source][slot][0]))
+        if grew:  # the units not read yet: added loaders help at once
+            await self.planner.spread_units(source)
+        shrank = len(act) > n
+        while len(act) > n:
+            slot = act.pop()
+            await self._retire_slot(source, slot, act[0])
+        return grew or shrank
 
     async def _retire_slot(self, source: str, slot: int, heir: int) -> None:
         h, f = self._slots[source].pop(slot)

@@ -489,3 +489,22 @@ def test_a_moved_constructor_whose_new_worker_dies_in_setup_is_placed_again(
     now = [c._address for c in sup.constructors]
     assert retire not in now and "tcp://h:5" not in now, now
     assert [e["why"] for e in sup.events] == ["moved"], sup.events
+
+
+def test_the_loader_count_kept_while_a_scale_is_applied_is_the_one_asked_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's checkpoint keeps its loaders per source for a re-created planner; while
+    scale('a', 4) was applied, the count read the loaders added so far (the target was
+    already taken out), and a planner lost then came back with that interim count (review)."""
+    workers = ["tcp://h:1", "tcp://h:2"]
+    sup = _supervisor(monkeypatch, _Client(workers), workers[0], 1, 1)
+
+    async def run() -> list[int]:
+        await sup.setup()
+        up = asyncio.ensure_future(sup.scale("a", 4))
+        await asyncio.sleep(0)  # it holds the lock, adding loaders
+        during = [len(sup.active["a"]), sup.loader_counts()["a"]]
+        await up
+        return [*during, sup.loader_counts()["a"], len(sup.active["a"])]
+
+    assert asyncio.run(asyncio.wait_for(run(), 10)) == [1, 4, 4, 4]
