@@ -437,15 +437,22 @@ class DataService:
         Applied before the next step is planned.  Which loader reads a unit never
         changes the documents of a step: the stream does not depend on it.  A planner
         re-created after a loss starts with as many loaders: in the process that started
-        the service, its kept checkpoint has the count once this returns (elsewhere, within
-        a second, as for :meth:`set_weights`).
+        the service, its kept checkpoint has the count once this returns, unless the
+        planner does not send its checkpoint in time (a warning says so; the owner's next
+        check, a second later, keeps it); elsewhere within a second, as for
+        :meth:`set_weights`.
         """
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise ValueError(f"scale_loaders({source!r}, n): n must be a number of loaders "
                              f"(an integer), got {n!r}")
         got = int(self.link.call(lambda p: p.scale(source, int(n))))
         if self.keeper is not None:  # (a planner lost right after would drop the count)
-            self.keeper.keep_checkpoint()
+            try:
+                self.keeper.keep_checkpoint()
+            except Exception as e:  # noqa: BLE001 - applied all the same: not the call's failure
+                _log.warning("msd_dask %s: %s loaders of %r applied, but not kept for a "
+                             "re-created planner yet (the next check keeps it): %s",
+                             self.name, got, source, e)
         return got
 
     def retire_workers(self, workers: list[str], *, close: bool = True) -> dict[str, int]:

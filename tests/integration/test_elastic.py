@@ -50,6 +50,31 @@ def test_adding_and_removing_loaders_keeps_every_step(corpus):
     assert min(check_exactly_once(scaled, texts, 512).values()) >= 1
 
 
+def test_scale_loaders_is_applied_when_the_checkpoint_is_not_sent_in_time(corpus, caplog,
+                                                                         monkeypatch):
+    """scale_loaders keeps the owner's checkpoint at once (for a re-created planner); a
+    planner that did not send it in time (one step planned for longer than 10 s) made the
+    call raise, although the count was applied (review).  It warns and returns the count."""
+    import logging
+
+    from msd_dask import ServiceTimeoutError
+
+    root, _ = corpus
+    with DataService.start(config(root, name="scale-ck"), n_workers=2,
+                           threads_per_worker=1) as svc:
+        def late() -> None:
+            raise ServiceTimeoutError("the planner did not send its checkpoint within 10s")
+
+        monkeypatch.setattr(svc.keeper, "keep_checkpoint", late)
+        with caplog.at_level(logging.WARNING, logger="msd_dask.service"):
+            assert svc.scale_loaders("prose", 2) == 2
+        monkeypatch.undo()
+        assert "2 loaders of 'prose' applied, but not kept for a re-created planner yet" \
+            in caplog.text
+        read_steps(svc, 3)  # (applied before the next step is planned)
+        assert svc.stats()["sources"]["prose"]["loaders"] == 2
+
+
 def test_retiring_a_worker_moves_its_roles(tmp_path, corpus):
     root, texts = corpus
     cfg = config(root, name="retire")
