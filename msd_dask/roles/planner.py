@@ -480,6 +480,10 @@ class PlannerActor:
         """Stats of every active loader, per source."""
         return await self.roles.loader_stats()
 
+    async def constructor_stats(self) -> list[dict[str, Any]]:
+        """Stats of every constructor (:meth:`RoleSupervisor.constructor_stats`)."""
+        return await self.roles.constructor_stats()
+
     async def scale(self, source: str, n: int) -> int:
         """Serve ``source`` with ``n`` loaders (clamped to its bounds); returns the count."""
         return await self.roles.scale(source, int(n))
@@ -1035,7 +1039,7 @@ class PlannerActor:
             :meth:`history_since` ``since``; ``weights_ahead``: :meth:`weights_ahead`
             over ``lookahead`` steps (``None`` without ``lookahead``).
         """
-        cons = await self.roles.constructor_stats()
+        cons = await self.constructor_stats()
         loaders = await self.loader_stats()
         async with self._plan_lock:  # the planner's figures after a whole step
             return {"planner": await self.stats(), "loaders": loaders,

@@ -27,14 +27,13 @@ from typing import Any, Literal, overload
 
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
-from msd_dask.dask_internals import STATS_WAIT, bound_actor, keys_on
+from msd_dask.dask_internals import bound_actor, keys_on
 from msd_dask.errors import (
     CLOSED_BY_OWNER,
     ServiceError,
     ServiceTimeoutError,
     WorkerLeft,
     first_of,
-    unanswered,
 )
 from msd_dask.reader import REPORT_IDLE, Reader
 from msd_dask.service.agent_client import AgentHandle, connect_agent
@@ -515,8 +514,7 @@ class DataService:
         """
         planner = self.link.call(lambda p: p.stats())
         loader_stats = self.link.call(lambda p: p.loader_stats())
-        self.refresh()
-        cons = self._constructor_figures()
+        cons = self.link.call(lambda p: p.constructor_stats())
         sources = source_figures(planner, loader_stats, self.link.registry.get("quarantined", {}))
         ranks = rank_figures(cons)
         return {"sources": sources, "ranks": ranks, "planner": planner,
@@ -551,31 +549,6 @@ class DataService:
             step = self.consumed_step()
         at = int(step)
         return dict(self.link.call(lambda p: p.state_at(at)))
-
-    def _constructor_figures(self) -> list[dict[str, Any]]:
-        """Every constructor's ``stats()``, asked at once, for :meth:`stats`.  One that does
-        not answer within :data:`~msd_dask.dask_internals.STATS_WAIT` seconds, or whose
-        worker was lost (the planner re-creates it), has ``error`` set and no ranks' figures."""
-        from msd_dask.roles.constructor import unanswered_stats  # (not behind an agent)
-
-        calls: list[Any] = []
-        for c in self.constructors:
-            try:
-                calls.append(c.stats())
-            except Exception as e:  # noqa: BLE001 - a handle whose worker is known lost
-                calls.append(e)
-        deadline = time.monotonic() + STATS_WAIT
-        out = []
-        for i, call in enumerate(calls):
-            try:
-                if isinstance(call, Exception):
-                    raise call
-                # (never a zero wait: Dask then gives up even on an answer already there,
-                # and the constructors after a lost one would count as not answering)
-                out.append(dict(call.result(timeout=max(0.1, deadline - time.monotonic()))))
-            except Exception as e:  # noqa: BLE001 - its worker was lost: not the caller's failure
-                out.append(unanswered_stats(i, unanswered(e, STATS_WAIT)))
-        return out
 
     def _constructor_stats(self, i: int, c: Any) -> dict[str, Any]:
         """Constructor ``i``'s ``stats()``, where the answer matters (the default
