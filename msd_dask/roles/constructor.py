@@ -56,7 +56,8 @@ def unanswered_stats(index: int, error: str) -> dict[str, Any]:
     """What stands for :meth:`DataConstructor.stats` of constructor ``index`` that did not
     answer (its worker was lost and the planner re-creates it): ``error`` says why, and it
     has no ranks' figures."""
-    return {"index": index, "queue_depth": {}, "last_claimed": {}, "error": error}
+    return {"index": index, "queue_depth": {}, "last_claimed": {}, "error": error,
+            "unanswered": True}
 
 
 def constructor_of(dp: int, n_constructors: int) -> int:

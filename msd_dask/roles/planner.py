@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from msd_dask.core.config import parse_config
-from msd_dask.dask_internals import STATS_WAIT
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, pack_work
 from msd_dask.roles.direct import direct
@@ -1000,15 +999,11 @@ class PlannerActor:
         """
         claimed: dict[int, int] = {}
         returned: dict[int, int] = {}
-        complete = True
-        for c in list(self.constructors):
-            try:
-                st = await asyncio.wait_for(direct(c).stats(), STATS_WAIT)
-            except Exception:  # noqa: BLE001 - lost meanwhile: heal re-creates it
-                complete = False
-                continue
+        cons = await self.constructor_stats()  # (one lost meanwhile: heal re-creates it)
+        complete = not any(st.get("unanswered") for st in cons)
+        for st in cons:
             claimed.update({int(r): int(s) for r, s in st["last_claimed"].items()})
-            returned.update({int(r): int(s) for r, s in st["returned"].items()})
+            returned.update({int(r): int(s) for r, s in st.get("returned", {}).items()})
         async with self._plan_lock:  # not while a step is planned (or a round split)
             # the state after the last step every rank *returned*, not claimed: a planner
             # re-created from it still holds the state of every step a rank may be at

@@ -510,7 +510,7 @@ class DataService:
             each constructor's counters.  While the planner re-creates a role lost with
             its worker, the call still answers: a loader's figures are its last
             answer's (``loaders_unanswered`` of its source counts them), a constructor
-            has ``error`` set and its ranks are missing from ``ranks``.
+            has ``error`` and ``unanswered`` set and its ranks are missing from ``ranks``.
         """
         planner = self.link.call(lambda p: p.stats())
         loader_stats = self.link.call(lambda p: p.loader_stats())
