@@ -473,16 +473,11 @@ class Reader:
                         if answer["error"] == CLOSED_BY_OWNER:  # the process's other readers
                             self.link.close(CLOSED_BY_OWNER)  # then call no released role
                         raise ServiceError(f"service {self.link.name!r}: {answer['error']}")
+                    if "handed" in answer:  # the constructor says so: nothing was sent
+                        raise self._gone(done, int(answer["handed"]))
                     first_step = int(answer["steps"][0])
                     if done >= 0 and first_step > done + 1:
-                        # a rank restarted from a state older than what the service handed
-                        # it: those steps are gone from the service (it serves each once)
-                        raise ServiceError(
-                            f"rank {self.rank} asked service {self.link.name!r} for step "
-                            f"{done + 1}, but the service had handed this rank the steps up to "
-                            f"{first_step - 1} already and serves each step once: resume the "
-                            "whole job from DataService.state_dict(step) (docs/resume.md), or "
-                            f"load the state of step {first_step - 1} or later on this rank")
+                        raise self._gone(done, first_step - 1)
                     if returned is None:  # it knows the steps before the round
                         self._known = (constructor.key, first_step - 1)
                     return [self._batch(p) for p in answer["payloads"]]
@@ -496,6 +491,16 @@ class Reader:
                     self.link.raise_if_lost()
                     continue
             constructor, call = self._current(c, constructor, call, 0.0)
+
+    def _gone(self, done: int, handed: int) -> ServiceError:
+        """The error for a rank restarted from a state (``done``) older than what the
+        service handed it (every step up to ``handed``): those steps are gone from the
+        service, which serves each once."""
+        return ServiceError(
+            f"rank {self.rank} asked service {self.link.name!r} for step {done + 1}, but the "
+            f"service had handed this rank the steps up to {handed} already and serves each "
+            "step once: resume the whole job from DataService.state_dict(step) "
+            f"(docs/resume.md), or load the state of step {handed} or later on this rank")
 
     def _current(self, c: int, constructor: Any, call: Any, max_age: float) -> tuple[Any, Any]:
         """``(constructor c, the call in flight)`` as the service has them now: the link

@@ -583,7 +583,9 @@ class DataConstructor:
         service closed by its owner, answers ``{"error": message, "g"}``.  A claim
         whose ``done`` is before the end of the last round handed to ``rank`` and not
         before its start (that answer never reached the reader) gets the round's
-        steps after ``done`` again.
+        steps after ``done`` again; any other claim whose ``done`` (0 or more) is
+        before the last step handed to ``rank`` (the rank restarted from an older
+        state: those steps are gone) is answered ``{"handed": that step, "g"}`` at once.
 
         Returns
         -------
@@ -643,6 +645,13 @@ class DataConstructor:
                 self.rounds_resent += 1
                 return {"steps": steps, "g": self.generation,
                         "payloads": [to_wire(view_for_rank(b, *view)) for b in batches]}
+            handed = self.last_claimed.get(rank, -1)
+            if 0 <= done < handed:
+                # the rank restarted from a state older than the steps handed to it (and
+                # not a retry of its last round): they are gone (each step is served once).
+                # Said at once, whatever is posted: a round would wait for room, which
+                # may wait for the other DP groups' ranks
+                return {"handed": handed, "g": self.generation}
             rounds = self._rounds.get(rank)
             while rounds:
                 steps = rounds.popleft()

@@ -244,7 +244,12 @@ def test_a_reader_dropped_without_close_reports_its_last_step() -> None:
 def test_a_rank_restarted_from_an_older_state_is_told_its_steps_are_gone() -> None:
     """A rank handed steps 0-2 restarts from the state of step 0 against the running
     service: steps 1-2 are not served again (each step is served once).  It got step 3
-    next, silently; it is told (review)."""
+    next, silently; it is told (review), at once, with nothing posted to it yet (it used to
+    be told only once step 3 was posted, which waits for room that the other DP group's
+    ranks may hold: a CI run waited out its timeout), and step 3 is not lost with the
+    error: the state it names reads on from there."""
+    import time
+
     from test_constructor_bookkeeping import _toy_round
 
     from msd_dask.errors import ServiceError
@@ -254,11 +259,42 @@ def test_a_rank_restarted_from_an_older_state_is_told_its_steps_are_gone() -> No
         con = link.constructors[0].obj
         first = Reader(link, 0, timeout=10.0)  # type: ignore[arg-type]
         assert [next(first).step for _ in range(3)] == [0, 1, 2]
-        asyncio.run_coroutine_threadsafe(con.submit(_toy_round(MEMBERS, [3])),
-                                         link.loop).result(10)
         again = Reader(link, 0, timeout=10.0)  # type: ignore[arg-type]
         again.load_state_dict({"rank": 0, "step": 0})
+        t0 = time.monotonic()
         with pytest.raises(ServiceError, match=r"asked service 'lost' for step 1, but the "
-                                               r"service had handed this rank the steps up to 2"):
+                                               r"service had handed this rank the steps up to "
+                                               r"2 already .* load the state of step 2 or "):
             next(again)
+        assert time.monotonic() - t0 < 5.0  # (not the reader's 10 s timeout)
+        asyncio.run_coroutine_threadsafe(con.submit(_toy_round(MEMBERS, [3])),
+                                         link.loop).result(10)
+        resumed = Reader(link, 0, timeout=10.0)  # type: ignore[arg-type]
+        resumed.load_state_dict({"rank": 0, "step": 2})
+        batch = next(resumed)
+        assert batch.step == 3 and int(batch.input_ids[0, 0]) == 30
         first.close()
+
+
+def test_a_claim_from_before_the_steps_handed_is_answered_at_once() -> None:
+    """The constructor answers a claim whose ``done`` is before the last step it handed
+    the rank (not a retry of its last round) with that step, without waiting for a round:
+    rank 0 had steps 0-2, nothing more is posted; a claim from step 0 is answered
+    ``handed: 2``; a fresh reader's (``done`` -1) and a retry of the last round are not."""
+    import time
+
+    from test_constructor_bookkeeping import _serving
+
+    async def run() -> None:
+        con = await _serving(MEMBERS, 3)
+        for step in range(3):
+            assert (await con.next_round(0, step - 1))["steps"] == [step]
+        t0 = time.monotonic()
+        answer = await con.next_round(0, 0, wait=5.0)
+        assert answer == {"handed": 2, "g": con.generation}
+        assert time.monotonic() - t0 < 2.0
+        assert (await con.next_round(0, 1))["steps"] == [2]  # the last round: a retry
+        assert await con.next_round(0, -1, wait=0.2) is None  # a fresh reader: it waits
+        await _closed(con)
+
+    asyncio.run(run())
