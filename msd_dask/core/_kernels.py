@@ -682,6 +682,8 @@ def _row_order(rank: np.ndarray, micro: np.ndarray, mb: int, sizes: np.ndarray) 
 _SIGN = np.int64(-(1 << 63))
 _BELOW_SIGN = np.int64((1 << 63) - 1)
 _NAN = np.int64(0x7FF8000000000000)
+#: :func:`_radix_argsort` sorts at most this many keys by insertion
+_INSERTION_AT = 32
 
 
 def _int_order(a: np.ndarray, negate: bool) -> np.ndarray:
@@ -716,13 +718,31 @@ def _float_order(a: np.ndarray, negate: bool) -> np.ndarray:
 
 
 def _radix_argsort(k: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """The stable argsort of unsigned 64-bit keys ``k`` (which it overwrites): LSD radix over
-    the bits that vary, in one counting pass where they span at most 20 bits, else 16 bits a
-    pass (11 and 11 below 2^17 keys, such as a round's ranks in :func:`_fill_rounds`).
+    """The stable argsort of unsigned 64-bit keys ``k`` (which it overwrites): by insertion
+    up to :data:`_INSERTION_AT` keys (a round's ranks in :func:`_fill_rounds` at a small
+    step), else LSD radix over the bits that vary, in one counting pass where they span at
+    most 20 bits, else 16 bits a pass (11 and 11 below 2^17 keys).
     ``idx``: ``arange(len(k))`` in an integer type that holds it (int32 takes half the
     memory of int64), which it reorders; the result is of its type."""
     n = len(k)
     if n < 2:
+        return idx
+    if n <= _INSERTION_AT:
+        # a few keys (a round's ranks): an insertion sort, also stable, so the same
+        # order.  Radix passes clear and sum 2^11 counts each, thousands of steps for a
+        # handful of keys: interpreted, a small step's planning spent a quarter of its
+        # time in them.  (Unsigned order: the sign bit flipped, then signed compares.)
+        for i in range(1, n):
+            key = k[i]
+            signed = key ^ _SIGN
+            at = idx[i]
+            j = i - 1
+            while j >= 0 and (k[j] ^ _SIGN) > signed:
+                k[j + 1] = k[j]
+                idx[j + 1] = idx[j]
+                j -= 1
+            k[j + 1] = key
+            idx[j + 1] = at
         return idx
     same1 = k[0]
     any1 = k[0]

@@ -171,6 +171,25 @@ def test_stable_argsort_is_numpys(n: int) -> None:
 
 
 
+@pytest.mark.parametrize("n", [2, 3, 16, 31, 32, 33, 40, 300])
+def test_radix_argsort_of_a_few_keys_is_numpys(n: int) -> None:
+    """A few keys (a round's ranks, sorted by insertion up to ``_INSERTION_AT``, by radix
+    above): the stable order of the keys as unsigned 64-bit ints (a set top bit is large),
+    with ties in index order; a round's rank keys, as ``_fill_rounds`` makes them (floats
+    with ties, zeros of either sign)."""
+    from msd_dask.core._kernels import _float_order, _radix_argsort
+
+    rng = np.random.default_rng(n)
+    keys = [rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64, endpoint=True),
+            rng.integers(-3, 3, n).astype(np.int64),
+            _float_order(np.where(rng.random(n) < 0.3, -0.0,
+                                  rng.choice([0.0, 1.5, 2.25, 7.0], n)), False),
+            _float_order(np.round(rng.normal(size=n), 1), False)]
+    for k in keys:
+        want = np.argsort(k.view(np.uint64), kind="stable")
+        assert _radix_argsort(k.copy(), np.arange(n)).tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("n", [7, 5000, 70000])
 def test_stable_argsort_like_lengths_is_numpys(n: int) -> None:
     """With ``like``: keys that follow it (costs of lengths) and keys that do not (equal keys
