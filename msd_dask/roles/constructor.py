@@ -313,6 +313,9 @@ class DataConstructor:
         self._closed = False
         #: rank -> last step it already has (from a planner this one's replaced)
         self._had: dict[int, int] = {}
+        #: rank -> the last step it showed it has (a claim's ``done``, a report,
+        #: ``mark_had``): unlike ``last_claimed``, not a round whose answer may be lost
+        self._shown: dict[int, int] = {}
         #: calling rank -> the steps and batches of the last round handed to it, until it
         #: shows it has them (its next claim, report or ``mark_had``): a claim that says
         #: less (the answer was lost on its way) is answered the same round again
@@ -361,6 +364,7 @@ class DataConstructor:
             if int(r) in self._dp_by_rank:
                 self._had[int(r)] = max(self._had.get(int(r), -1), int(step))
                 self.last_claimed[int(r)] = max(self.last_claimed.get(int(r), -1), int(step))
+                self._show(int(r), int(step))
         self._work = asyncio.Queue()
         self._room = asyncio.Condition()
         self._task = asyncio.create_task(self._builder())
@@ -624,6 +628,8 @@ class DataConstructor:
             if self._dp_of(r) != dp:
                 raise KeyError(f"rank {r} is not in the DP group of rank {rank} (DP rank {dp})")
         group = [rank, *others]
+        for r in group:
+            self._show(r, done)
         if report_after is not None:
             for r in group:
                 self.report_after[r] = float(report_after)
@@ -776,6 +782,7 @@ class DataConstructor:
             if r in self._dp_by_rank:
                 self._raise_returned(r, int(step), "pause")
                 self._forget_rounds_through(r, int(step))
+                self._show(r, int(step))
 
     def _raise_returned(self, rank: int, step: int, by: str) -> None:
         """``rank`` returned every step up to ``step`` (learnt from a ``by``).  A report
@@ -804,6 +811,7 @@ class DataConstructor:
             return
         self._had[rank] = max(self._had.get(rank, -1), step)
         self.last_claimed[rank] = max(self.last_claimed.get(rank, -1), step)
+        self._show(rank, step)
         self._forget_rounds_through(rank, step)
         # only the batches of the rank's DP group wait for it (the groups are disjoint)
         for key, waiting in [((s, dp), self._unclaimed[(s, dp)])
@@ -812,6 +820,30 @@ class DataConstructor:
                 waiting.discard(rank)
                 if not waiting:
                     await self._done(*key)
+
+    async def mark_had_all(self, had: dict[int, int]) -> None:
+        """:meth:`mark_had` of each ``{rank: step}`` of ``had`` (its ranks of this
+        constructor): what the constructor this one replaces saw the ranks show
+        (:meth:`steps_shown`)."""
+        for rank, step in had.items():
+            await self.mark_had(rank, step)
+
+    def _show(self, rank: int, step: int) -> None:
+        if step > self._shown.get(rank, -1):
+            self._shown[rank] = step
+
+    async def steps_shown(self) -> dict[int, int]:
+        """``{rank: step}``: the last step each rank showed this constructor it has (its
+        claims' ``done``, its reports): it has every step up to it for sure.  Not the
+        steps last handed to it, whose answer may never have reached it.
+
+        A constructor moved to another worker is closed, then asked this, and its
+        successor told (:meth:`mark_had_all`): the steps the planner re-sends to the
+        successor, which the ranks took from this one meanwhile, are not held there for
+        them, taking the room of the next round (a rank that read on from this one and
+        one that had moved to the successor waited for each other until the timeout).
+        """
+        return dict(self._shown)
 
     async def _done(self, step: int, dp: int) -> None:
         """Every member rank has ``step``'s batch of ``dp``: drop it, make room."""

@@ -619,6 +619,10 @@ class RoleSupervisor:
             if why != "lost":  # moved: the old one stops publishing, and frees its batches
                 with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
                     await asyncio.wait_for(old.close(), 30)
+                    # what ranks took from the old one meanwhile is not held for them by
+                    # the new one (see DataConstructor.steps_shown)
+                    shown = await asyncio.wait_for(old.steps_shown(), 10)
+                    await asyncio.wait_for(handle.mark_had_all(shown), 30)
             _drop((old, old_f))
 
     async def _left(self, worker: str | None, wait: float = 10.0) -> bool:

@@ -323,3 +323,36 @@ def test_a_round_that_cannot_be_built_is_named_whole() -> None:
         assert (await con.next_round(0, 0)) == {"error": error, "g": 0}
 
     asyncio.run(run())
+
+
+def test_a_moved_constructors_successor_holds_nothing_the_ranks_showed_they_took() -> None:
+    """A constructor moves: the planner re-sends its last ``prefetch`` steps (0-3) to the
+    successor, while rank 1 still reads on from the old one (steps 0-3; its claim of step 3
+    showed it has 0-2).  Told what the ranks showed the old one (``steps_shown``), the
+    successor holds for rank 1 only step 3, so the next round has room, and rank 0 (moved
+    to the successor after step 0) reads on.  It used to hold steps 0-3 for rank 1: no
+    room for the next step, which rank 0 waited for, while rank 1, which had its steps,
+    had no reason to ask (a CI run waited out its timeout)."""
+
+    async def run() -> None:
+        members = {0: [0], 1: [1]}
+        old = await _serving(members, 4)
+        assert (await old.next_round(0, -1))["steps"] == [0]
+        for step in range(4):
+            assert (await old.next_round(1, step - 1))["steps"] == [step]
+        new = await _serving(members, 0)
+        await new.submit(_toy_round(members, [0, 1, 2, 3]), force=True)  # the re-send
+        await old.close()
+        assert await old.steps_shown() == {1: 2}  # (rank 0's claim showed nothing)
+        await new.mark_had_all(await old.steps_shown())
+        assert (await new.stats())["held_steps"] == 4  # rank 0 lacks 1-3, both lack 3...
+        assert (await new.next_round(0, 0))["steps"] == [1, 2, 3]  # ... rank 0 takes them
+        assert (await new.stats())["held_steps"] == 1  # step 3, for rank 1
+        await asyncio.wait_for(new.submit(_toy_round(members, [4])), 5)  # room for it
+        assert (await new.next_round(0, 3))["steps"] == [4]
+        assert (await new.next_round(1, 3))["steps"] == [4]  # step 3 released, 4 sent
+        for con in (old, new):
+            await con.close()
+            con._task.cancel()
+
+    asyncio.run(run())
