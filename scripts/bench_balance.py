@@ -345,6 +345,9 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
     """The planner's work per step at ``dp`` ranks, end to end, and its memory while it keeps
     the work of the last ``prefetch`` steps for re-created constructors, as its actor does."""
+    from msd_dask.sources.heap import cap_arenas
+
+    cap_arenas()  # as the planner's actor does (its worker's C heap)
     cfg = default_config(dp, 8, seq_len)
     pl = planner_for(cfg, 1 << 16)
     look = LognormalUnits(4096)

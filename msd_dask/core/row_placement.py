@@ -4,25 +4,44 @@ The planner's placement (:class:`~msd_dask.core.plan.Planner` draws a step's
 pieces, these functions place them), reusable by benchmarks and the simulator:
 :func:`kept_rows` chooses the pieces a step keeps without the mesh,
 :func:`place_step` puts them on ranks and micro-batches with a balance
-strategy (:mod:`msd_dask.core.balance`), and :func:`spread_long` limits the
+strategy (:mod:`msd_dask.core.balance`), on a large mesh block by block
+(:func:`rank_blocks`, in parallel threads), and :func:`spread_long` limits the
 long-context pieces per rank.  Pieces it cannot place are carried to the next
 step (rank ``-1``).
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from heapq import heappop, heappush
+from typing import TypeVar
 
 import numpy as np
 
-from msd_dask.core._kernels import best_fit_rows, in_piece_order
+from msd_dask.core._kernels import best_fit_rows, in_piece_order, stable_argsort
 from msd_dask.core.balance import assign, build_assignment, improve
 
-__all__ = ["kept_rows", "place_step", "spread_long", "KEPT_SLACK"]
+__all__ = ["kept_rows", "place_step", "planner_threads", "rank_blocks", "spread_long",
+           "BLOCK_RANKS", "KEPT_SLACK", "THREADS_ENV"]
 
 #: the share of a step's tokens :func:`kept_rows` leaves free (rows packed to the last token
 #: leave the balance strategy no room to move pieces between ranks)
 KEPT_SLACK = 0.001
+
+#: the fewest DP ranks of a block :func:`place_step` balances on its own (:func:`rank_blocks`)
+BLOCK_RANKS = 2048
+
+#: the environment variable that caps the threads placing blocks (default: the cores this
+#: process may run on)
+THREADS_ENV = "MSD_DASK_PLANNER_THREADS"
+
+_T = TypeVar("_T")
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
 
 
 def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) -> np.ndarray:
@@ -111,6 +130,15 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
     micro-batch), which always fits, and with ``balanced`` then evened by its
     exchanges (:func:`~msd_dask.core.balance.improve`).
 
+    From ``2 × BLOCK_RANKS`` DP ranks on, the strategy balances blocks of
+    ranks on their own (:func:`rank_blocks`: ``B`` blocks of ``dp / B``
+    consecutive ranks): the kept pieces, longest first (stable), are dealt to
+    the blocks in turn, so each block has the same share of long and short
+    pieces (the blocks' tokens differ by at most one piece), and the blocks
+    are placed in parallel threads (:func:`planner_threads`).  The kernels
+    release the GIL, and a block's tables are smaller, so this is faster even
+    on one thread.  The result depends on ``dp``, never on the threads.
+
     Parameters
     ----------
     lengths, costs : ndarray
@@ -138,12 +166,13 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
     rows = rows[idx].astype(np.int32 if dp * mb < 2**31 else np.int64)  # the kept pieces' rows
     lengths_kept, costs_kept = lengths[idx], costs[idx]
     del lengths, costs  # (the caller may pass them for this call alone)
-    a = assign(lengths_kept, costs_kept, dp, mb, seq_len, strategy)
+    kept_rank, kept_micro = _assign_blocks(lengths_kept, costs_kept, dp, mb, seq_len, strategy)
     rank = np.full(n, -1, dtype=np.int64)  # (made after the strategy's peak)
     micro = rank.copy()
-    if (a.rank >= 0).all():
-        rank[idx], micro[idx] = a.rank, a.micro
+    if (kept_rank >= 0).all():
+        rank[idx], micro[idx] = kept_rank, kept_micro
         return rank, micro
+    del kept_rank, kept_micro
     row_cost = np.bincount(rows, weights=costs_kept, minlength=dp * mb)
     load = [(0.0, r) for r in range(dp)]
     slots = [0] * dp
@@ -160,6 +189,82 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         b = improve(build_assignment(rank[idx], micro[idx], lengths_kept, costs_kept, dp, mb),
                     lengths_kept, costs_kept, seq_len)
         rank[idx], micro[idx] = b.rank, b.micro
+    return rank, micro
+
+
+def rank_blocks(dp: int) -> int:
+    """How many blocks of DP ranks :func:`place_step` balances on their own.
+
+    The most blocks, each of at least :data:`BLOCK_RANKS` ranks, that split ``dp``
+    into equal blocks (``dp`` divided by them); ``1`` (the whole mesh at once) below
+    ``2 × BLOCK_RANKS`` ranks or where no such split exists.  dp 16,384: 8 blocks of
+    2,048; dp 12,288: 6 of 2,048; dp 4,096: 2.
+    """
+    for blocks in range(dp // BLOCK_RANKS, 1, -1):
+        if dp % blocks == 0:
+            return blocks
+    return 1
+
+
+def planner_threads() -> int:
+    """The threads :func:`place_step` places blocks with: ``$MSD_DASK_PLANNER_THREADS``
+    (:data:`THREADS_ENV`) if set, else the cores this process may run on."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{THREADS_ENV}={raw!r}: expected a whole number of threads >= 1")
+        return n
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else os.cpu_count() or 1)
+
+
+def _map(fn: Callable[[int], _T], items: Iterable[int], threads: int) -> list[_T]:
+    """``[fn(i) for i in items]``, on up to ``threads`` threads of one pool kept for the
+    process (the same threads step after step, so their C heap arenas too)."""
+    global _pool, _pool_size
+    if threads <= 1:
+        return [fn(i) for i in items]
+    with _pool_lock:  # (submitted under the lock: a larger pool replaces this one only after)
+        if _pool is None or _pool_size < threads:
+            if _pool is not None:
+                _pool.shutdown(wait=False)  # (jobs submitted to it still run)
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="msd-place")
+            _pool_size = threads
+        jobs = [_pool.submit(fn, i) for i in items]
+    return [job.result() for job in jobs]
+
+
+def _assign_blocks(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq_len: int,
+                   strategy: str) -> tuple[np.ndarray, np.ndarray]:
+    """The strategy's rank and micro-batch of each kept piece (``-1``: it left the piece
+    out), block by block of :func:`rank_blocks` (see :func:`place_step`)."""
+    blocks = rank_blocks(dp)
+    if blocks == 1:
+        a = assign(lengths, costs, dp, mb, seq_len, strategy)
+        return a.rank, a.micro
+    order = stable_argsort(lengths, descending=True)
+    per = dp // blocks
+
+    def block(b: int) -> tuple[np.ndarray, np.ndarray]:
+        mine = order[b::blocks]  # every blocks-th piece from the b-th longest
+        a = assign(lengths[mine], costs[mine], per, mb, seq_len, strategy)
+        # (narrow, and only these kept: at dp 16,384 x 128K a step holds millions of pieces)
+        return a.rank.astype(np.int32), a.micro.astype(np.int32)
+
+    rank = np.full(len(lengths), -1, dtype=np.int32)
+    micro = rank.copy()
+    results = _map(block, range(blocks), planner_threads())
+    for b in range(blocks):
+        r, m = results.pop(0)  # (each block's arrays go once merged)
+        mine = order[b::blocks]
+        ok = r >= 0
+        rank[mine[ok]] = r[ok] + b * per
+        micro[mine[ok]] = m[ok]
+        del r, m, mine, ok
     return rank, micro
 
 

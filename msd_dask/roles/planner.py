@@ -374,8 +374,12 @@ class PlannerActor:
         from msd_dask.core.plan import Planner
         from msd_dask.core.units import Unit
         from msd_dask.roles.supervisor import RoleSupervisor
+        from msd_dask.sources.heap import cap_arenas
         from msd_dask.sources.storage import SourceFiles
 
+        # before the threads placing a large step's blocks of ranks allocate (their arenas
+        # would hold what each frees: see row_placement.planner_threads)
+        cap_arenas()
         self.cfg = parse_config(config)
         self.generation = int(generation)
         self.had = {int(r): int(s) for r, s in (had or {}).items()}

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from msd_dask import DataService
 
@@ -41,20 +42,27 @@ def _short_docs(root: str, files: int = 6, rows: int = 100_000) -> None:
                        row_group_size=rows)
 
 
-def _config(root: str) -> dict:
-    # 16 x 16 x 8192 = 2.1M tokens a step: about 260,000 documents of ~8 tokens.  One
-    # constructor and one loader, each on a worker of its own (3 workers): the planner's
+def _config(root: str, dp: int, micro_batches: int, seq_len: int) -> dict:
+    # dp x micro_batches x seq_len = 2.1M or 4.2M tokens a step: 260,000 or 520,000 documents
+    # of ~8 tokens.
+    # One constructor and one loader, each on a worker of its own (3 workers): the planner's
     # worker hosts no other role, so what is timed is the planner's answer
-    return config(root, name="responsive", parallel={"dp": 16},
-                  batch={"seq_len": 8192, "micro_batches": 16}, constructors=1,
+    return config(root, name="responsive", parallel={"dp": dp},
+                  batch={"seq_len": seq_len, "micro_batches": micro_batches}, constructors=1,
                   sources=[{"name": "short", "uri": f"{root}/short/*.parquet",
                             "format": "parquet", "weight": 1.0, "shuffle_window": 2}])
 
 
-def test_the_planner_answers_stats_within_50ms_while_it_plans_a_large_step(tmp_path):
+@pytest.mark.parametrize("dp, micro_batches, seq_len", [
+    (16, 16, 8192),
+    (4096, 1, 1024),  # placed as 2 blocks of 2,048 ranks, on threads of their own
+])
+def test_the_planner_answers_stats_within_50ms_while_it_plans_a_large_step(
+        tmp_path, dp, micro_batches, seq_len):
     root = str(tmp_path)
     _short_docs(root)
-    with DataService.start(_config(root), n_workers=3, threads_per_worker=1) as svc:
+    cfg = _config(root, dp, micro_batches, seq_len)
+    with DataService.start(cfg, n_workers=3, threads_per_worker=1) as svc:
         planner = svc.link.planner
         during: list[float] = []   # seconds from call to answer, of calls answered mid-step
         plan_seconds = 0.0

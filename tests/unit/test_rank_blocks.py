@@ -1,0 +1,113 @@
+"""A large mesh placed block by block of DP ranks (``row_placement.rank_blocks``): every kept
+piece placed once, rows within ``seq_len``, balance as good as the whole mesh at once, the
+same decisions on any number of threads, and the same pieces kept when ``dp × mb`` is."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import msd_dask.core.row_placement as rp
+from msd_dask.core.balance import capacity_bound
+from msd_dask.core.cost import CostModel
+from msd_dask.core.row_placement import (
+    BLOCK_RANKS,
+    THREADS_ENV,
+    kept_rows,
+    place_step,
+    planner_threads,
+    rank_blocks,
+)
+
+
+def _step(seed: int, n: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.ceil(rng.lognormal(5.5, 1.8, n)), 1, seq_len).astype(np.int64)
+    return lengths, CostModel(1.0, 1 / (12 * seq_len))(lengths)
+
+
+def _rank_costs(rank: np.ndarray, costs: np.ndarray, dp: int) -> np.ndarray:
+    return np.bincount(rank[rank >= 0], weights=costs[rank >= 0], minlength=dp)
+
+
+def test_rank_blocks_split_dp_into_equal_blocks_of_at_least_block_ranks() -> None:
+    assert rank_blocks(16384) == 8 and rank_blocks(12288) == 6 and rank_blocks(4096) == 2
+    assert rank_blocks(2 * BLOCK_RANKS - 1) == 1 and rank_blocks(1024) == 1
+    assert rank_blocks(2 * BLOCK_RANKS + 1) == 1  # odd: no equal split
+    for dp in (4096, 6144, 10000, 12288, 16384, 24576, 65536):
+        b = rank_blocks(dp)
+        assert dp % b == 0 and (b == 1 or dp // b >= BLOCK_RANKS), dp
+        assert not any(dp % more == 0 for more in range(b + 1, dp // BLOCK_RANKS + 1)), dp
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 8 ranks, so a mesh of a few dozen ranks is placed block by block."""
+    monkeypatch.setattr(rp, "BLOCK_RANKS", 8)
+
+
+def test_blocks_place_every_kept_piece_once_within_its_rows(small_blocks: None) -> None:
+    dp, mb, seq_len = 32, 2, 512
+    assert rank_blocks(dp) == 4
+    for seed in range(4):
+        lengths, costs = _step(seed, 1600, seq_len)
+        rank, micro = place_step(lengths, costs, 0, dp, mb, seq_len, "balanced")
+        kept = kept_rows(lengths, 0, dp * mb, seq_len) >= 0
+        assert ((rank >= 0) == kept).all(), seed
+        assert ((micro >= 0) == kept).all() and micro.max() < mb and rank.max() < dp
+        used = np.zeros((dp, mb), dtype=np.int64)
+        np.add.at(used, (rank[kept], micro[kept]), lengths[kept])
+        assert used.max() <= seq_len, seed
+        # each block holds every 4th of the kept pieces, longest first
+        order = np.argsort(-lengths[kept], kind="stable")
+        block = (rank[kept] // (dp // 4))[order]
+        assert (block == np.arange(len(order)) % 4).all(), seed
+
+
+def test_blocks_balance_as_well_as_the_whole_mesh(small_blocks: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    dp, mb, seq_len = 64, 4, 1024
+    for seed in range(3):
+        lengths, costs = _step(10 + seed, 9000, seq_len)
+        rank, _ = place_step(lengths, costs, 0, dp, mb, seq_len, "balanced")
+        with monkeypatch.context() as m:
+            m.setattr(rp, "BLOCK_RANKS", 1 << 30)
+            whole, _ = place_step(lengths, costs, 0, dp, mb, seq_len, "balanced")
+        assert ((rank >= 0) == (whole >= 0)).all(), seed  # the same pieces: kept_rows decides
+        kept = rank >= 0
+        bound = capacity_bound(lengths[kept], costs[kept], dp, mb, seq_len)
+        blocks_max = _rank_costs(rank, costs, dp).max()
+        assert blocks_max <= 1.02 * bound, (seed, blocks_max / bound)
+        assert blocks_max <= 1.01 * _rank_costs(whole, costs, dp).max(), seed
+
+
+def test_blocks_decide_the_same_on_any_number_of_threads(small_blocks: None,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    lengths, costs = _step(7, 4000, 512)
+    n_carried = 40
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv(THREADS_ENV, threads)
+        assert planner_threads() == int(threads)
+        results.append(place_step(lengths, costs, n_carried, 48, 2, 512, "balanced"))
+    for rank, micro in results[1:]:
+        assert np.array_equal(rank, results[0][0]) and np.array_equal(micro, results[0][1])
+
+
+def test_blocks_keep_the_same_pieces_when_dp_times_mb_is_the_same(small_blocks: None) -> None:
+    """The elastic-resume guarantee: which pieces a step keeps depends on its rows alone."""
+    lengths, costs = _step(3, 3000, 512)
+    kept = [place_step(lengths, costs, 25, dp, mb, 512, "balanced")[0] >= 0
+            for dp, mb in ((32, 4), (64, 2), (128, 1), (16, 8))]
+    assert [rank_blocks(dp) for dp in (32, 64, 128, 16)] == [4, 8, 16, 2]
+    for other in kept[1:]:
+        assert np.array_equal(other, kept[0])
+
+
+def test_a_bad_thread_count_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{THREADS_ENV}='{bad}'"):
+            planner_threads()
+    monkeypatch.delenv(THREADS_ENV)
+    assert planner_threads() >= 1
