@@ -255,16 +255,22 @@ def _assign_blocks(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq
         # (narrow, and only these kept: at dp 16,384 x 128K a step holds millions of pieces)
         return a.rank.astype(np.int32), a.micro.astype(np.int32)
 
-    rank = np.full(len(lengths), -1, dtype=np.int32)
-    micro = rank.copy()
+    # merged in the dealing order (each block's pieces every blocks-th: strided copies),
+    # then put in piece order with one scatter per array
+    dealt_rank = np.empty(len(lengths), dtype=np.int32)
+    dealt_micro = np.empty(len(lengths), dtype=np.int32)
     results = _map(block, range(blocks), planner_threads())
     for b in range(blocks):
         r, m = results.pop(0)  # (each block's arrays go once merged)
-        mine = order[b::blocks]
-        ok = r >= 0
-        rank[mine[ok]] = r[ok] + b * per
-        micro[mine[ok]] = m[ok]
-        del r, m, mine, ok
+        np.add(r, b * per, out=r, where=r >= 0)  # (-1, left out, stays)
+        dealt_rank[b::blocks] = r
+        dealt_micro[b::blocks] = m
+        del r, m
+    rank = np.empty_like(dealt_rank)
+    rank[order] = dealt_rank
+    del dealt_rank
+    micro = np.empty_like(dealt_micro)
+    micro[order] = dealt_micro
     return rank, micro
 
 

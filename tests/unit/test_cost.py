@@ -275,3 +275,16 @@ def test_a_window_of_no_steps_is_refused() -> None:
     with pytest.raises(ValueError, match="window must be >= 1, got 0"):
         CostFitter(window=0)
     assert CostFitter(window=1).window == 1
+
+
+def test_cost_is_the_plain_expression_bit_for_bit_and_leaves_its_input_alone() -> None:
+    model = CostModel(1.0, 1 / (12 * 4096))
+    rng = np.random.default_rng(5)
+    ints = rng.integers(1, 131_072, 10_000)
+    floats = ints.astype(np.float64)
+    for given in (ints, floats, floats[::3], ints.astype(np.int32), ints.tolist(), 4097):
+        before = np.array(given, copy=True)
+        L = np.asarray(given, dtype=np.float64)
+        want = model.linear * L + model.quadratic * L * L
+        assert np.array_equal(model(given), want)
+        assert np.array_equal(np.asarray(given), before)  # not scaled in place
