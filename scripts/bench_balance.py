@@ -31,7 +31,8 @@ fill (tokens over ``dp × micro_batches × seq_len``), after the first quarter o
 the steps (the outlier hold fills first), and a check that no piece came twice.
 
 *end to end at scale* (``--scale-dp``, default 16,384, 8 micro-batches, 4K and
-128K, each in a process of its own): per step, ``plan_step`` with what the
+128K, each in a process of its own; ``threads``: those placing the blocks of ranks,
+``MSD_DASK_PLANNER_THREADS`` or the cores): per step, ``plan_step`` with what the
 planner's actor takes from each plan (its units and tokens per source), splitting the plan
 into 256 constructors' work (:func:`msd_dask.roles.planner.split_plan`) and
 packing it (:func:`~msd_dask.roles.constructor.pack_work`: the bytes the planner's
@@ -345,6 +346,7 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
     """The planner's work per step at ``dp`` ranks, end to end, and its memory while it keeps
     the work of the last ``prefetch`` steps for re-created constructors, as its actor does."""
+    from msd_dask.core.row_placement import planner_threads, rank_blocks
     from msd_dask.sources.heap import cap_arenas
 
     cap_arenas()  # as the planner's actor does (its worker's C heap)
@@ -366,6 +368,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
     now, peak = rss_mib()
     plan_s, split_s, pack_s = np.array(parts).T
     return {"dp": dp, "seq_len": seq_len, "pieces": float(np.mean(pieces)),
+            "threads": float(planner_threads()) if rank_blocks(dp) > 1 else 1.0,
             "plan": float(np.median(plan_s)), "split": float(np.median(split_s)),
             "pack": float(np.median(pack_s)),
             "total": float(np.median(plan_s + split_s + pack_s)),
@@ -424,15 +427,16 @@ def fmt_small(r: dict[str, float]) -> str:
             f"| {r['total'] * 1e3:.2f} |")
 
 
-SCALE_HEADER = ("| dp × rows per rank | seq_len | pieces/step | plan ms | split ms | keep ms "
+SCALE_HEADER = ("| dp × rows per rank | seq_len | pieces/step | threads | plan ms | split ms | keep ms "
                 "| end to end ms | goal ms | kept MiB | RSS MiB | peak RSS MiB |\n"
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def fmt_scale(r: dict[str, float]) -> str:
     goal = 100 if r["seq_len"] <= 4096 else 1000
     return (f"| {int(r['dp']):,} × 8 | {int(r['seq_len'])} | {r['pieces']:,.0f} "
-            f"| {r['plan'] * 1e3:,.0f} | {r['split'] * 1e3:,.0f} | {r['pack'] * 1e3:,.0f} "
+            f"| {int(r['threads'])} | {r['plan'] * 1e3:,.0f} | {r['split'] * 1e3:,.0f} "
+            f"| {r['pack'] * 1e3:,.0f} "
             f"| {r['total'] * 1e3:,.0f} | {goal:,} | {r['kept']:,.0f} | {r['rss']:,.0f} "
             f"| {r['peak']:,.0f} |")
 
