@@ -421,14 +421,27 @@ class DataService:
         """Change the mix; returns the first step planned with the new weights.
 
         In the process that started the service, the planner's checkpoint the owner keeps
-        (what a re-created planner starts from) has the change once this returns; a change
-        made elsewhere reaches it within the owner's next check (a second)."""
-        start = int(self.link.call(
-            lambda p: p.set_weights(weights if not isinstance(weights, Mapping) else dict(weights),
-                                    from_step)))
-        if self.keeper is not None:  # (a planner lost right after would drop the change)
-            self.keeper.keep_checkpoint()
+        (what a re-created planner starts from) has the change once this returns, unless
+        the planner does not send its checkpoint in time (a warning says so; the owner's
+        next check, a second later, keeps it); a change made elsewhere reaches it within
+        the owner's next check (a second)."""
+        given = dict(weights) if isinstance(weights, Mapping) else weights
+        start = int(self.link.call(lambda p: p.set_weights(given, from_step)))
+        self._keep_applied(f"weights {given} from step {start}")
         return start
+
+    def _keep_applied(self, change: str) -> None:
+        """In the process that started the service, keep the planner's checkpoint now, so
+        that a planner lost right after a change applied by the planner is re-created with
+        it.  A checkpoint not sent in time is not the change's failure: a warning says so,
+        and the owner's next check (a second later) keeps it."""
+        if self.keeper is None:
+            return
+        try:
+            self.keeper.keep_checkpoint()
+        except Exception as e:  # noqa: BLE001 - applied all the same: not the call's failure
+            _log.warning("msd_dask %s: %s applied, but not kept for a re-created planner yet "
+                         "(the next check keeps it): %s", self.name, change, e)
 
     def scale_loaders(self, source: str, n: int) -> int:
         """Serve ``source`` with ``n`` loaders (within its bounds); returns the count.
@@ -445,13 +458,7 @@ class DataService:
             raise ValueError(f"scale_loaders({source!r}, n): n must be a number of loaders "
                              f"(an integer), got {n!r}")
         got = int(self.link.call(lambda p: p.scale(source, int(n))))
-        if self.keeper is not None:  # (a planner lost right after would drop the count)
-            try:
-                self.keeper.keep_checkpoint()
-            except Exception as e:  # noqa: BLE001 - applied all the same: not the call's failure
-                _log.warning("msd_dask %s: %s loaders of %r applied, but not kept for a "
-                             "re-created planner yet (the next check keeps it): %s",
-                             self.name, got, source, e)
+        self._keep_applied(f"{got} loaders of {source!r}")
         return got
 
     def retire_workers(self, workers: list[str], *, close: bool = True) -> dict[str, int]:

@@ -92,3 +92,28 @@ def test_the_owners_set_weights_returns_once_its_kept_checkpoint_has_the_change(
     assert events == ["set_weights", "keep_checkpoint"]
     svc.keeper = None  # a process connected to the service: nothing to keep
     assert svc.set_weights({"a": 1.0}) == 13 and events[-1] == "set_weights"
+
+
+def test_set_weights_applied_returns_when_the_checkpoint_is_not_sent_in_time(caplog) -> None:
+    """The planner applied the weights, but the owner's checkpoint did not come in time: the
+    call raised although the change was made (noticed in review, as for scale_loaders).  It
+    warns and returns the step."""
+    import logging
+
+    from msd_dask import ServiceTimeoutError
+
+    class _WeightsPlanner(_Planner):
+        def set_weights(self, weights: Any, from_step: Any) -> int:
+            return 21
+
+    class _LateKeeper:
+        def keep_checkpoint(self) -> None:
+            raise ServiceTimeoutError("the planner did not send its checkpoint within 10s")
+
+    svc = _service([])
+    svc.link.call = lambda fn: fn(_WeightsPlanner())  # type: ignore[method-assign]
+    svc.keeper = _LateKeeper()  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="msd_dask.service"):
+        assert svc.set_weights({"a": 0.25, "b": 0.75}) == 21
+    assert "weights {'a': 0.25, 'b': 0.75} from step 21 applied, but not kept for a " \
+        "re-created planner yet" in caplog.text
