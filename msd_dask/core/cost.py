@@ -53,15 +53,17 @@ class CostModel:
         return cls(*transformer_coefficients(hidden_size, layers))
 
     def __call__(self, lengths: np.ndarray | int) -> np.ndarray:
-        L = np.asarray(lengths, dtype=np.float64)
         # linear·L + (quadratic·L)·L, bit for bit, in two arrays where the plain expression
         # makes four (a step at dp 16,384 x 128K has millions of pieces)
+        if isinstance(lengths, np.ndarray) and lengths.dtype == np.float64:
+            out = np.multiply(lengths, self.quadratic)  # (the caller's array: not scaled)
+            out *= lengths
+            out += np.multiply(lengths, self.linear)
+            return out
+        L = np.array(lengths, dtype=np.float64)  # a copy of its own, whatever was given
         out = np.multiply(L, self.quadratic)
         out *= L
-        if L is lengths or L.base is not None:  # the caller's array (or a view of it)
-            L = np.multiply(L, self.linear)
-        else:
-            L *= self.linear
+        L *= self.linear
         out += L
         return out
 

@@ -44,6 +44,17 @@ _pool_size = 0
 _pool_lock = threading.Lock()
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool has no threads here (a job given to it would
+    never run), and its lock may have been held by another thread at the fork."""
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) -> np.ndarray:
     """Which pieces a step places, decided without the mesh: a row of each, ``-1`` if carried.
 
@@ -228,8 +239,8 @@ def _map(fn: Callable[[int], _T], items: Iterable[int], threads: int) -> list[_T
     global _pool, _pool_size
     if threads <= 1:
         return [fn(i) for i in items]
-    with _pool_lock:  # (submitted under the lock: a larger pool replaces this one only after)
-        if _pool is None or _pool_size < threads:
+    with _pool_lock:  # (submitted under the lock: another size replaces this pool only after)
+        if _pool is None or _pool_size != threads:
             if _pool is not None:
                 _pool.shutdown(wait=False)  # (jobs submitted to it still run)
             _pool = ThreadPoolExecutor(threads, thread_name_prefix="msd-place")

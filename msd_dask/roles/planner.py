@@ -372,6 +372,7 @@ class PlannerActor:
                  tokenizer: dict[str, Any] | None = None, generation: int = 0,
                  had: dict[int, int] | None = None, lost: dict[str, Any] | None = None):
         from msd_dask.core.plan import Planner
+        from msd_dask.core.row_placement import planner_threads
         from msd_dask.core.units import Unit
         from msd_dask.roles.supervisor import RoleSupervisor
         from msd_dask.sources.heap import cap_arenas
@@ -380,6 +381,7 @@ class PlannerActor:
         # before the threads placing a large step's blocks of ranks allocate (their arenas
         # would hold what each frees: see row_placement.planner_threads)
         cap_arenas()
+        planner_threads()  # (a bad MSD_DASK_PLANNER_THREADS is refused here, at the start)
         self.cfg = parse_config(config)
         self.generation = int(generation)
         self.had = {int(r): int(s) for r, s in (had or {}).items()}

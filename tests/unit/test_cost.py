@@ -282,9 +282,20 @@ def test_cost_is_the_plain_expression_bit_for_bit_and_leaves_its_input_alone() -
     rng = np.random.default_rng(5)
     ints = rng.integers(1, 131_072, 10_000)
     floats = ints.astype(np.float64)
-    for given in (ints, floats, floats[::3], ints.astype(np.int32), ints.tolist(), 4097):
+    class Wrapped:  # an array-like handing out its own array (``__array__``, no copy)
+        def __init__(self, a: np.ndarray):
+            self.a = a
+
+        def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+            return self.a
+
+    wrapped = Wrapped(floats.copy())
+    wrapped_ints = Wrapped(ints.copy())
+    for given in (ints, floats, floats[::3], ints.astype(np.int32), ints.tolist(), 4097,
+                  np.float64(4097.0), wrapped, wrapped_ints):
         before = np.array(given, copy=True)
         L = np.asarray(given, dtype=np.float64)
         want = model.linear * L + model.quadratic * L * L
         assert np.array_equal(model(given), want)
         assert np.array_equal(np.asarray(given), before)  # not scaled in place
+    assert isinstance(model(4097), np.float64)

@@ -111,3 +111,31 @@ def test_a_bad_thread_count_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
             planner_threads()
     monkeypatch.delenv(THREADS_ENV)
     assert planner_threads() >= 1
+
+
+def _place_in_child(queue: object) -> None:
+    lengths, costs = _step(7, 4000, 512)
+    rank, _ = place_step(lengths, costs, 0, 48, 2, 512, "balanced")
+    queue.put(rank.tolist())  # type: ignore[attr-defined]
+
+
+def test_a_forked_child_places_blocks_on_threads_of_its_own(small_blocks: None,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked after the parent placed blocks on its pool inherits a pool without
+    threads: a block given to it would never run (the child hung)."""
+    import multiprocessing
+
+    monkeypatch.setenv(THREADS_ENV, "2")
+    lengths, costs = _step(7, 4000, 512)
+    here, _ = place_step(lengths, costs, 0, 48, 2, 512, "balanced")  # the parent's pool
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_place_in_child, args=(queue,))
+    child.start()
+    try:
+        got = queue.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert got == here.tolist()
