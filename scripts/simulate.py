@@ -499,7 +499,8 @@ class ControlPlaneCosts:
     queue_op: float = 0.3e-3
     # a training process's client; bench_many_readers.py: 4-9 ms per host (client + 8 readers)
     connect: float = 9e-3
-    # bench_balance.py, the planner end to end at dp 16,384 × 8 rows per rank × 4K: 261 ms
+    # bench_balance.py, the planner end to end at dp 16,384 × 8 rows per rank × 4K: 261 ms in a
+    # busy hour (157-219 ms since it places blocks of ranks on threads: an upper bound)
     plan_rank_step: float = 0.261 / 16384
     # bench_many_readers.py, every role of the workers net of their idle load, 1,024 ranks
     constructor_rank_step: float = 1.5e-3
