@@ -55,16 +55,12 @@ class CostModel:
     def __call__(self, lengths: np.ndarray | int) -> np.ndarray:
         # linear·L + (quadratic·L)·L, bit for bit, in two arrays where the plain expression
         # makes four (a step at dp 16,384 x 128K has millions of pieces)
-        if isinstance(lengths, np.ndarray) and lengths.dtype == np.float64:
-            out = np.multiply(lengths, self.quadratic)  # (the caller's array: not scaled)
-            out *= lengths
-            out += np.multiply(lengths, self.linear)
-            return out
-        L = np.array(lengths, dtype=np.float64)  # a copy of its own, whatever was given
+        # (the caller's float64 array as it is, never scaled; anything else a copy of its own)
+        own = not (isinstance(lengths, np.ndarray) and lengths.dtype == np.float64)
+        L = np.array(lengths, dtype=np.float64) if own else np.asarray(lengths)
         out = np.multiply(L, self.quadratic)
         out *= L
-        L *= self.linear
-        out += L
+        out += np.multiply(L, self.linear, out=L if own else None)
         return out
 
     def total(self, lengths: np.ndarray | Sequence[np.ndarray]) -> float:
