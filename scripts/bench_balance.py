@@ -328,7 +328,9 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
 
     Returns the seconds of the three parts by ``clock``, the step's pieces, the packed work
     and the packed state."""
-    from msd_dask.roles.planner import pack_snapshot, pack_works, split_plan
+    from msd_dask.core.row_placement import planner_threads
+    from msd_dask.roles.constructor import pack_works
+    from msd_dask.roles.planner import pack_snapshot, split_plan
 
     names = [s.name for s in pl.cfg.sources]
     t0 = clock()
@@ -337,7 +339,7 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
     t1 = clock()
     work = split_plan(plan, constructors, Owner(), relpath, names)
     t2 = clock()
-    kept = pack_works(work)
+    kept = pack_works(work, planner_threads())
     snapshot = pack_snapshot(pl.snapshot())
     t3 = clock()
     return [t1 - t0, t2 - t1, t3 - t2], len(plan.table), kept, snapshot

@@ -218,8 +218,9 @@ def rank_blocks(dp: int) -> int:
 
 
 def planner_threads() -> int:
-    """The threads :func:`place_step` places blocks with: ``$MSD_DASK_PLANNER_THREADS``
-    (:data:`THREADS_ENV`) if set, else the cores this process may run on."""
+    """The threads :func:`place_step` places blocks with (and the planner's actor compresses
+    a step's work with): ``$MSD_DASK_PLANNER_THREADS`` (:data:`THREADS_ENV`) if set, else the
+    cores this process may run on."""
     raw = os.environ.get(THREADS_ENV, "").strip()
     if raw:
         try:

@@ -23,7 +23,7 @@ import numpy as np
 
 from msd_dask.core.config import parse_config
 from msd_dask.errors import ServiceError, ServiceTimeoutError
-from msd_dask.roles.constructor import StepPieces, pack_work
+from msd_dask.roles.constructor import StepPieces, pack_works
 from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # costs each of them memory (tests/unit/test_imports.py).
 
 __all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "pack_snapshot",
-           "pack_works", "planner_state"]
+           "planner_state"]
 
 _log = logging.getLogger("msd_dask.roles.planner")
 
@@ -258,13 +258,6 @@ def _run(rows: np.ndarray, col: int, k: int) -> np.ndarray:
     size = rows.itemsize
     return np.ndarray((len(rows),), dtype=f"V{k * size}", buffer=rows, offset=col * size,
                       strides=(rows.strides[0],))
-
-
-def pack_works(works: Sequence[StepPieces]) -> list[bytes]:
-    """:func:`pack_work` of each constructor's work of a step, in this thread: on a pool
-    of threads the arrays each one makes and frees stay in its own malloc arena, which
-    takes the planner's peak memory at dp 16,384 × 128K past 1 GiB."""
-    return [pack_work(w) for w in works]
 
 
 def pack_snapshot(snap: PlannerSnapshot) -> bytes:
@@ -874,10 +867,14 @@ class PlannerActor:
     async def _submit(self, plans: list[StepPlan], room: int) -> None:
         """Hand a round to the constructors; return once each has room for ``room`` more
         steps (the next round: one message per constructor and round)."""
+        from msd_dask.core.row_placement import planner_threads
+
         steps = []
         async with self._planning():  # hand_over may not move units meanwhile
             works = await self._off_loop(lambda: [self._split(plan) for plan in plans])
-            packed = await self._off_loop(lambda: [pack_works(work) for work in works])
+            threads = planner_threads()  # (zstd's threads, as place_step's)
+            packed = await self._off_loop(
+                lambda: [pack_works(work, threads) for work in works])
         for plan, work, kept in zip(plans, works, packed, strict=True):
             self._recent[plan.step] = kept
             steps.append((plan.step, work, kept))

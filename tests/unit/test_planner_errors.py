@@ -72,7 +72,7 @@ def test_a_round_that_cannot_be_handed_over_is_named(corpus: Any, monkeypatch: A
                     actor._meta[(s.name, epoch, i)] = lengths
         actor.roles = Roles()  # type: ignore[assignment]
         monkeypatch.setattr(actor, "_split", lambda plan: [None])
-        monkeypatch.setattr(planner_module, "pack_works", lambda works: [b""])
+        monkeypatch.setattr(planner_module, "pack_works", lambda works, threads=1: [b""])
         await actor._loop()
 
     asyncio.run(run())

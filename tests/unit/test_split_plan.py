@@ -118,12 +118,21 @@ def test_distinct_by_flags_and_by_sort_agree(n: int) -> None:
         assert keys[one].tolist() == want[0].tolist()  # an occurrence of each, in order
 
 
-def test_a_steps_work_packed_is_each_constructors_packed() -> None:
-    """pack_works packs each constructor's work of a step, in order."""
-    from msd_dask.roles import planner
+@pytest.mark.parametrize("threads,batch", [(1, 1 << 27), (2, 1 << 27), (3, 1 << 27), (2, 1),
+                                          (2, 3000)])
+def test_a_steps_work_packed_is_each_constructors_packed(
+        threads: int, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_works packs each constructor's work of a step, in order, the same bytes on any
+    number of threads, across its batches (a work each, two or three, or all in one)."""
+    from msd_dask.roles import constructor
 
+    monkeypatch.setattr(constructor, "_BATCH_BYTES", batch)
     work = split_plan(_plan(16, 4, 7, big=True), 5, OWNER, RELPATH, NAMES)
-    assert planner.pack_works(work) == [pack_work(w) for w in work]
+    packed = constructor.pack_works(work, threads)
+    assert packed == [pack_work(w) for w in work]
+    assert all(type(p) is bytes for p in packed)
+    for one, back in zip(work, map(unpack_work, packed), strict=True):
+        assert pickle.dumps(back) == pickle.dumps(one)
 
 
 @pytest.mark.parametrize("piece_slice", [1, 7, 1 << 15])
