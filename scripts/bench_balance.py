@@ -327,14 +327,25 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
     ``constructors``' work, that work packed and the planner's state after the step packed.
 
     Returns the seconds of the three parts by ``clock``, the step's pieces, the packed work
-    and the packed state."""
+    and the packed state.  The plan's seconds leave out ``look``'s own: it makes each
+    unit's lengths, which in the service the loaders read and the actor keeps, so its
+    ``lookup`` is a dict's (``PlannerActor._lookup``)."""
     from msd_dask.core.row_placement import planner_threads
     from msd_dask.roles.constructor import pack_works
     from msd_dask.roles.planner import pack_snapshot, split_plan
 
     names = [s.name for s in pl.cfg.sources]
+    looking = 0.0
+
+    def lookup(source: str, epoch: int, unit: int) -> np.ndarray:
+        nonlocal looking
+        t = clock()
+        lengths = look(source, epoch, unit)
+        looking += clock() - t
+        return lengths
+
     t0 = clock()
-    plan = pl.plan_step(look)
+    plan = pl.plan_step(lookup)
     plan.units(), plan.tokens_by_source()
     t1 = clock()
     work = split_plan(plan, constructors, Owner(), relpath, names)
@@ -342,7 +353,7 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
     kept = pack_works(work, planner_threads())
     snapshot = pack_snapshot(pl.snapshot())
     t3 = clock()
-    return [t1 - t0, t2 - t1, t3 - t2], len(plan.table), kept, snapshot
+    return [t1 - t0 - looking, t2 - t1, t3 - t2], len(plan.table), kept, snapshot
 
 
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
