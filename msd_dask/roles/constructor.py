@@ -151,7 +151,7 @@ def pack_work(work: StepPieces) -> bytes:
     (zstandard's output buffers are not kept), and :func:`unpack_work` gives back an
     equal work, which pickles to the same bytes.
     """
-    return bytes(memoryview(_compressor().compress(_laid_out(work))))
+    return _compressed([_laid_out(work)], 1)[0]
 
 
 def _laid_out(work: StepPieces) -> bytes:
@@ -186,16 +186,14 @@ def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
     """:func:`pack_work` of each constructor's work of a step, in order, the same bytes.
 
     The works are laid out in this thread and compressed together on up to ``threads`` of
-    zstd's own threads, which run without the GIL (zstd takes about half of packing).  One
-    call for up to :data:`_BATCH_BYTES` of laid-out works: each call starts its threads, so
-    a call per few works is slower than none, while at dp 16,384 × 128K a step's works
-    (about 80 MiB laid out) stay below the planner's peak, its placement's.  (Packing the
-    works themselves on a pool of Python threads is slower still: laying one out is many
-    small numpy calls under the GIL.)
+    zstd's own threads, which run without the GIL (zstd takes about half of packing a
+    large step).  One call for up to :data:`_BATCH_BYTES` of laid-out works: each call
+    starts its threads (about 0.3 ms), so a call per few works is slower than none, while
+    at dp 16,384 × 128K a step's works (about 80 MiB laid out) stay below the planner's
+    peak, its placement's.  Under :data:`_THREADS_FROM` bytes (a small step) they are
+    compressed in this thread.  (Packing the works themselves on a pool of Python threads
+    is slower still: laying one out is many small numpy calls under the GIL.)
     """
-    z = _compressor()
-    if threads <= 1 or not hasattr(z, "multi_compress_to_buffer"):  # (the cffi backend)
-        return [pack_work(w) for w in works]
     out: list[bytes] = []
     laid: list[bytes] = []
     size = 0
@@ -203,11 +201,19 @@ def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
         laid.append(_laid_out(w))
         size += len(laid[-1])
         if size >= _BATCH_BYTES or i == len(works) - 1:
-            done = z.multi_compress_to_buffer(laid, threads=threads)
+            out += _compressed(laid, threads if size >= _THREADS_FROM else 1)
             laid, size = [], 0
-            out += [bytes(part) for part in done]
-            del done
     return out
+
+
+def _compressed(laid: list[bytes], threads: int) -> list[bytes]:
+    """Each of ``laid`` compressed as :func:`pack_work` does, on up to ``threads`` of zstd's
+    threads, each in bytes of its own size."""
+    z = _compressor()
+    if threads <= 1 or not hasattr(z, "multi_compress_to_buffer"):  # (the cffi backend)
+        return [bytes(memoryview(z.compress(b))) for b in laid]
+    done = z.multi_compress_to_buffer(laid, threads=threads)
+    return [bytes(part) for part in done]
 
 
 def unpack_work(packed: bytes) -> StepPieces:
@@ -252,6 +258,9 @@ _HEAD = 8
 
 #: the most bytes of laid-out works :func:`pack_works` compresses in one call
 _BATCH_BYTES = 1 << 27
+
+#: the fewest bytes of laid-out works :func:`pack_works` compresses on several threads
+_THREADS_FROM = 1 << 20
 
 #: the unsigned integers an integer array, or a piece table's column, is narrowed to (dtype
 #: strings), and the largest value each holds (the narrowest holding a part's largest value

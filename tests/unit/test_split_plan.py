@@ -118,17 +118,41 @@ def test_distinct_by_flags_and_by_sort_agree(n: int) -> None:
         assert keys[one].tolist() == want[0].tolist()  # an occurrence of each, in order
 
 
-@pytest.mark.parametrize("threads,batch", [(1, 1 << 27), (2, 1 << 27), (3, 1 << 27), (2, 1),
-                                          (2, 3000)])
+class _Counting:
+    """A zstd compressor that counts the calls that start zstd's threads."""
+
+    def __init__(self, z: object):
+        self.z, self.threaded = z, 0
+
+    def compress(self, data: bytes) -> bytes:
+        return self.z.compress(data)  # type: ignore[attr-defined, no-any-return]
+
+    def multi_compress_to_buffer(self, data: list[bytes], threads: int) -> object:
+        self.threaded += 1
+        return self.z.multi_compress_to_buffer(data, threads=threads)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("threads,batch,threaded", [
+    (1, 1 << 27, False), (2, 1 << 27, False), (2, 1 << 27, True), (3, 1 << 27, True),
+    (2, 1, True), (2, 3000, True)])
 def test_a_steps_work_packed_is_each_constructors_packed(
-        threads: int, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        threads: int, batch: int, threaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """pack_works packs each constructor's work of a step, in order, the same bytes on any
-    number of threads, across its batches (a work each, two or three, or all in one)."""
+    number of threads, across its batches (a work each, two or three, or all in one), and
+    a small step's (under _THREADS_FROM bytes) in this thread: starting zstd's threads for
+    it costs more than they save."""
     from msd_dask.roles import constructor
 
+    z = _Counting(constructor._compressor())
+    monkeypatch.setattr(constructor, "_compressor", lambda: z)
     monkeypatch.setattr(constructor, "_BATCH_BYTES", batch)
+    if threaded:
+        monkeypatch.setattr(constructor, "_THREADS_FROM", 0)
     work = split_plan(_plan(16, 4, 7, big=True), 5, OWNER, RELPATH, NAMES)
     packed = constructor.pack_works(work, threads)
+    assert (z.threaded > 0) == (threaded and threads > 1), z.threaded
+    if threaded and threads > 1:  # a call per batch
+        assert z.threaded == {1 << 27: 1, 1: 5, 3000: 2}[batch]
     assert packed == [pack_work(w) for w in work]
     assert all(type(p) is bytes for p in packed)
     for one, back in zip(work, map(unpack_work, packed), strict=True):
