@@ -92,7 +92,7 @@ def _sent(round_steps: list[Any]) -> bytes:
     planner keeps it (``pack_work``), pickled together."""
     import pickle
 
-    from msd_dask.roles.planner import pack_work
+    from msd_dask.roles.constructor import pack_work
 
     return pickle.dumps([(step, pack_work(work)) for step, work in round_steps], protocol=5)
 
