@@ -36,7 +36,7 @@ EPILOG = """examples:
 TLS settings may also come from Dask's own configuration (distributed.comm.tls.*,
 e.g. DASK_DISTRIBUTED__COMM__TLS__CA_FILE), as for any Dask client.
 MSD_DASK_PLANNER_THREADS=N in the workers' environment caps the threads the planner
-places a step of 4,096 or more DP ranks with, and compresses each step's work for the
+places a step of 4,096 or more DP ranks with, and compresses a large step's work for the
 constructors with (default: the cores of its worker).
 """
 
