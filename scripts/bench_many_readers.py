@@ -259,10 +259,13 @@ def service_config(base: str, n: int) -> dict[str, Any]:
     return cfg
 
 
-def check_once(results: dict[int, dict[str, Any]], steps: int) -> list[str]:
-    """What is wrong with the ranks' reads (empty: every rank read every step exactly once,
-    and each DP group's ranks got the same ``input_ids`` at every step)."""
+def check_once(results: dict[int, dict[str, Any]], steps: int, ranks: int) -> list[str]:
+    """What is wrong with the ranks' reads (empty: every one of ``ranks`` ranks read every
+    step exactly once, and each DP group's ranks got the same ``input_ids`` at every step)."""
     problems = []
+    missing = sorted(set(range(ranks)) - set(results))
+    if missing:
+        problems.append(f"{len(missing)} rank(s) reported nothing: {missing[:8]}")
     firsts = {r["steps"][0] for r in results.values() if r.get("steps")}
     if len(firsts) > 1:
         problems.append(f"ranks started at different steps: {sorted(firsts)}")
@@ -370,7 +373,7 @@ def run_one(n: int, a: argparse.Namespace, address: str, sched_pid: int, worker_
     for h in range(hosts_n):
         with open(os.path.join(tmp, f"host-{n}-{h}.json")) as f:
             results.update({int(r): v for r, v in json.load(f).items()})
-    problems = check_once(results, a.steps)
+    problems = check_once(results, a.steps, n)
     read = [r for r in results.values() if len(r.get("done", ())) == a.steps]
     nan = float("nan")
     first = max(r["done"][0] for r in read) - t0 if len(read) == n else nan

@@ -97,7 +97,7 @@ def check_content(records: list[dict[str, Any]], texts: dict[tuple[str, str], st
 
 
 def check_exactly_once(records: list[dict[str, Any]], texts: dict[tuple[str, str], str],
-                       seq_len: int, carry_steps: int = 3) -> dict[str, int]:
+                       seq_len: int, carry_steps: int = 3, min_complete: int = 1) -> dict[str, int]:
     """Every piece of a source is delivered exactly once per source epoch.
 
     Every epoch must hold every piece of the source exactly once, except the
@@ -107,7 +107,10 @@ def check_exactly_once(records: list[dict[str, Any]], texts: dict[tuple[str, str
     drawn piece to a later step), so a run that stops there has seen it not yet.
     Partial epochs must hold no piece twice and no unknown piece.  Records
     without a ``"step"`` (pieces still pending) count as the last step.
-    Returns the number of epochs found complete per source.
+    Returns the number of epochs found complete per source, which must be at least
+    ``min_complete`` for every source: a run that completes no epoch only shows that
+    no piece came twice (a lost one passes), so a test whose run is that short says so
+    with ``min_complete=0``.
     """
     tok = ByteTokenizer()
     counts: dict[tuple[str, int], Counter[tuple[str, int]]] = defaultdict(Counter)
@@ -140,6 +143,10 @@ def check_exactly_once(records: list[dict[str, Any]], texts: dict[tuple[str, str
                 f"extra {sorted(got - expected)[:8]} (of {len(expected)} pieces)")
             assert max(got.values()) == 1, f"{src}: a piece repeats inside epoch {e}"
             assert set(got) <= set(expected), f"{src}: unknown pieces delivered in epoch {e}"
+    least = min(complete.values(), default=0)
+    assert least >= min_complete, (
+        f"epochs complete per source {complete}, at least {min_complete} wanted: read more "
+        "steps, or pass min_complete=0 where the run only shows that no piece comes twice")
     return complete
 
 

@@ -164,7 +164,7 @@ def test_one_agent_serves_a_host_of_tp_ranks(tmp_path):
         np.testing.assert_array_equal(a["labels"], b["labels"])
     group = by_rank[0] + by_rank[2]  # one member per DP group
     check_content(group, texts, 512)
-    check_exactly_once(group, texts, 512)
+    check_exactly_once(group, texts, 512, min_complete=0)  # (12 steps: no piece twice)
 
 
 def test_a_rank_without_a_running_agent_fails_at_once(tmp_path):
@@ -232,4 +232,4 @@ def test_a_group_that_failed_is_read_again_from_a_later_state(tmp_path):
     assert [(r["rank"], r["step"]) for r in later] == [
         (rank, s) for rank in (0, 1) for s in range(k + 1, k + 6)]
     check_content(recs + later, texts, 512)
-    check_exactly_once(recs + later, texts, 512)
+    check_exactly_once(recs + later, texts, 512, min_complete=0)  # (no piece twice)

@@ -68,9 +68,10 @@ def test_tp_cp_members_share_one_build(corpus):
             rec.update(full)
             full_records.append(rec)
             assert b[(0, 0)].documents == b[(1, 1)].documents
-    # the reassembled DP-group batches are the source text, each document once per epoch
+    # the reassembled DP-group batches are the source text, no piece twice (12 steps
+    # complete no epoch: whole epochs are test_service's)
     tokens = check_content(full_records, texts, 512)
-    check_exactly_once(full_records, texts, 512)
+    check_exactly_once(full_records, texts, 512, min_complete=0)
     # one fetch per DP group: loaders handed out exactly the tokens the constructors built,
     # not once per member rank (4 members per group here)
     fetched = sum(s["tokens_fetched"] for s in st["sources"].values())

@@ -37,7 +37,7 @@ def test_service_delivers_the_same_batches_with_a_process_pool(corpus: Any) -> N
     for a, b in zip(pooled, base, strict=True):
         np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
     check_content(pooled, texts, 512)
-    check_exactly_once(pooled, texts, 512)
+    check_exactly_once(pooled, texts, 512, min_complete=0)  # (12 steps: no piece twice)
     # the adaptive policy counts the pool's size as the loader's parallelism
     assert {s["threads"] for s in stats["prose"]} == {2}
     assert {s["pool"] for s in stats["prose"]} == {"process"}

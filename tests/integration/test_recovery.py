@@ -239,7 +239,7 @@ def test_loaders_scaled_by_hand_stay_scaled_after_the_planner_is_re_created(tmp_
             assert svc.stats()["sources"]["code"]["loaders"] == 2  # the config's
             read(range(30, 35))
     check_content(recs, texts, 512)
-    check_exactly_once(recs, texts, 512)  # (no document twice in an epoch)
+    check_exactly_once(recs, texts, 512, min_complete=0)  # (35 steps: no piece twice)
 
 
 def test_a_reader_with_a_short_timeout_follows_its_re_created_constructor(tmp_path):
@@ -276,7 +276,7 @@ def test_a_reader_with_a_short_timeout_follows_its_re_created_constructor(tmp_pa
             assert [r["step"] for r in recs[0]] == [r["step"] for r in recs[1]] == list(range(10))
             assert sum(timeouts.values()) <= 4, timeouts
     check_content(recs[0] + recs[1], texts, 512)
-    check_exactly_once(recs[0] + recs[1], texts, 512)
+    check_exactly_once(recs[0] + recs[1], texts, 512, min_complete=0)  # (10 steps)
 
 
 def test_planner_lost_with_its_owner_is_reported(tmp_path):

@@ -80,5 +80,5 @@ def test_s3_glob_over_many_small_keys(s3_server, s3_corpus):
         recs = read_steps(svc, 30)
     both = {**texts, **many}
     check_content(recs, both, SEQ)
-    epochs = check_exactly_once(recs, both, SEQ)
-    assert epochs["many"] >= 1, epochs
+    epochs = check_exactly_once(recs, both, SEQ, min_complete=0)
+    assert epochs["many"] >= 1, epochs  # (30 steps: whole epochs of the small source)

@@ -12,6 +12,7 @@ import pytest
 from distributed.security import Security
 
 from msd_dask import DataService
+from msd_dask.errors import ServiceError
 
 from checks import check_content, read_steps
 from cluster import dask_cluster, start_serve, workers_info
@@ -34,9 +35,12 @@ def test_service_over_tls(tmp_path):
         with DataService.connect(address, "tls", security=sec) as other:
             readers = [other.reader(r) for r in range(2)]
             recs = read_steps(other, 5, readers=readers)
-        # without credentials the scheduler cannot even be reached
-        with pytest.raises(Exception):  # noqa: B017 - distributed raises a few kinds here
+        # without credentials the service refuses at once, saying where to put them
+        with pytest.raises(ServiceError, match="uses TLS but no credentials"):
             DataService.connect(address, "tls", timeout=3)
+        # and a certificate of another authority is refused by the scheduler itself
+        with pytest.raises(OSError):
+            DataService.connect(address, "tls", security=Security.temporary(), timeout=3)
     check_content(recs, texts, 512)
 
 

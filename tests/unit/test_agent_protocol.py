@@ -360,6 +360,7 @@ def test_every_rank_gets_every_step_once_in_order(tmp_path: Any) -> None:
         for t in threads:
             t.join(30)
         assert errors == []
+        assert not any(t.is_alive() for t in threads) and sorted(out) == [0, 1, 2, 3]
         assert sorted(readers) == [0, 2]  # one reader per (dp, cp, pp) group
         assert readers[0].ranks == [0, 1] and readers[2].ranks == [2, 3]
         for rank, batches in out.items():

@@ -5,6 +5,7 @@ It checks the script works, not the figure (docs/benchmarks.md, Start-up).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -19,5 +20,6 @@ def test_quick_prints_every_phase_the_goal_and_the_old_vs_new_ratio() -> None:
     assert "dp=64 tp=2" in out and "128 ranks; 16 constructors" in out, out
     for phase in ("parse", "map ranks", "place (service)", "planner setup", "total"):
         assert f"| {phase}" in out, out
-    assert "goal: total <= 10 s: met" in out, out
+    # the verdict is printed (the quick mesh takes milliseconds: it is met, and says nothing)
+    assert re.search(r"goal: total <= 10 s: (met|not met)", out), out
     assert "extrapolated to all 64 DP indices" in out and "Ratio old / new" in out, out

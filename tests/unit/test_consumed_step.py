@@ -56,7 +56,8 @@ def _service(constructors: list[_Constructor]) -> DataService:
 
 
 def test_every_rank_reported_step_3() -> None:
-    svc = _service([_Constructor([0], {0: 3}, False), _Constructor([1], {1: 3}, False)])
+    """The step every rank has returned: the least of the ranks' (rank 1 is at step 5)."""
+    svc = _service([_Constructor([0], {0: 3}, False), _Constructor([1], {1: 5}, False)])
     assert svc.consumed_step() == 3
     assert svc.link.refreshed == 1  # (a constructor re-created since is asked, not the lost one)
 

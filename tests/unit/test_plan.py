@@ -165,7 +165,8 @@ def test_exactly_once_per_source_epoch(plans_3: list[StepPlan]) -> None:
 
 
 def test_epochs_do_not_interleave_much(plans_3: list[StepPlan]) -> None:
-    """Epoch e+1 of a source starts only after epoch e has been drawn completely."""
+    """Epoch e+1 of a source starts only after epoch e has been drawn completely: its last
+    pieces land at most two steps after epoch e+1's first (a drawn piece may be carried)."""
     for source in WEIGHTS_3:
         first: dict[int, int] = {}
         last: dict[int, int] = {}
