@@ -49,11 +49,18 @@ STATE_FORMAT = "msd_dask.state/1"
 STATE_WAIT = 30.0
 
 
-def make_state(cfg: Any, step: int, planner: dict[str, Any]) -> dict[str, Any]:
-    """The service state after ``step``: a versioned, JSON-able wrapper of a planner state."""
-    return {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
-            "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
-            "step": int(step), "planner": planner}
+def make_state(cfg: Any, step: int, planner: dict[str, Any],
+               units: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The service state after ``step``: a versioned, JSON-able wrapper of a planner state,
+    with what the stream order depends on besides the seed: each source's ``units`` (how
+    many) and ``shuffle_window`` (:func:`planner_state` checks them)."""
+    state = {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
+             "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
+             "shuffle_window": {s.name: s.shuffle_window for s in cfg.sources},
+             "step": int(step), "planner": planner}
+    if units is not None:
+        state["units"] = {k: int(v) for k, v in units.items()}
+    return state
 
 
 def ahead_within(tokens: list[float | None], cap: float) -> int:
@@ -85,13 +92,17 @@ def ahead_within(tokens: list[float | None], cap: float) -> int:
     return n
 
 
-def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """Check a resume ``state`` against ``cfg`` and return its planner state.
+def planner_state(cfg: Any, state: dict[str, Any],
+                  units: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Check a resume ``state`` against ``cfg`` (and each source's ``units``, how many, where
+    the caller has listed them) and return its planner state.
 
     Raises
     ------
     ServiceError
-        For an unknown format, a different seed, ``seq_len`` or set of sources.
+        For an unknown format, a malformed state, a different seed, ``seq_len``, set of
+        sources, ``shuffle_window`` or number of units of a source (a state of a version
+        that did not record the last two is not checked for them).
     """
     if not isinstance(state, dict) or "planner" not in state or "format" not in state:
         raise ServiceError("resume: not a DataService.state_dict() (no 'format'/'planner' key)")
@@ -102,6 +113,17 @@ def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     if missing or not isinstance(state["planner"], dict):
         lacks = f"lacks {missing}" if missing else "has no 'planner' mapping"
         raise ServiceError(f"resume: the state {lacks}: not a whole DataService.state_dict()")
+    lacking = sorted(_PLANNER_KEYS - state["planner"].keys())
+    if lacking:
+        raise ServiceError(f"resume: the state's 'planner' mapping lacks {lacking}: not a whole "
+                           "DataService.state_dict()")
+    for key in ("seed", "seq_len"):
+        if isinstance(state[key], bool) or not isinstance(state[key], int):
+            raise ServiceError(f"resume: the state's {key!r} is {state[key]!r}, not an integer")
+    if (not isinstance(state["sources"], list)
+            or not all(isinstance(s, str) for s in state["sources"])):
+        raise ServiceError(f"resume: the state's 'sources' is {state['sources']!r}, not a list "
+                           "of source names")
     if int(state["seed"]) != cfg.seed:
         raise ServiceError(f"resume: the state was taken with seed {state['seed']} (service "
                            f"{state.get('name')!r}) but the config has seed {cfg.seed}; the "
@@ -113,7 +135,24 @@ def planner_state(cfg: Any, state: dict[str, Any]) -> dict[str, Any]:
     if sorted(state["sources"]) != sorted(names):
         raise ServiceError(f"resume: the state has sources {sorted(state['sources'])} but the "
                            f"config has {sorted(names)}")
+    for i, s in enumerate(cfg.sources):
+        was = (state.get("shuffle_window") or {}).get(s.name)
+        if was is not None and was != s.shuffle_window:
+            raise ServiceError(
+                f"resume: the state was taken with sources[{i}].shuffle_window {was} (source "
+                f"{s.name!r}) but the config has {s.shuffle_window}; the stream order depends "
+                "on it, so it cannot continue exactly")
+        had, has = (state.get("units") or {}).get(s.name), (units or {}).get(s.name)
+        if had is not None and has is not None and int(had) != int(has):
+            raise ServiceError(
+                f"resume: source {s.name!r} had {had} units (files' row groups or chunks) when "
+                f"the state was taken and has {has} now ({s.uri}); the stream order depends on "
+                "them, so it cannot continue exactly: resume with the same files")
     return dict(state["planner"])
+
+
+#: the keys of a planner's state_dict() a resume needs (Planner.load_state_dict)
+_PLANNER_KEYS = frozenset({"step", "streams", "mixer", "carry", "overrides", "tokens", "pieces"})
 
 
 def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int],
@@ -387,7 +426,8 @@ class PlannerActor:
             self.planner.load_snapshot(_unpacked(state))
         elif state is not None:
             self.planner.load_state_dict(
-                planner_state(self.cfg, state) if "format" in state else state)
+                planner_state(self.cfg, state, {k: len(v) for k, v in self.units.items()})
+                if "format" in state else state)
         #: step the service started at (resumed services do not start at 0)
         self.first_step = self.planner.step
         #: planner state after each recent step (a PlannerSnapshot, packed), for
@@ -956,7 +996,8 @@ class PlannerActor:
         async with self._plan_lock:  # a step being planned is answered once it is planned
             packed = self._packed_at(step)
         # (a list per carried and held piece: seconds at dp 16,384 x 128K, off the loop)
-        return make_state(self.cfg, step, await asyncio.to_thread(_state_of, packed))
+        return make_state(self.cfg, step, await asyncio.to_thread(_state_of, packed),
+                          {k: len(v) for k, v in self.units.items()})
 
     def _packed_at(self, step: int) -> bytes:
         """The kept snapshot of the state after ``step``, packed."""

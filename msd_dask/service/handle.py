@@ -273,6 +273,8 @@ class DataService:
                   timeout: float) -> DataService:
         """:meth:`start` once ``client`` is connected: list the units, place the planner,
         publish its registry and watch it."""
+        from msd_dask.roles.planner import planner_state
+
         key = REGISTRY_PREFIX + cfg.name
         if key in client.list_datasets():
             raise ServiceError(f"a service named {cfg.name!r} is already running on "
@@ -285,6 +287,8 @@ class DataService:
                 f"service {cfg.name!r} lists its sources' units and places its roles on "
                 f"workers; start some (dask worker {address})") from None
         units, roots, quarantined = discover_remote(client, cfg, cfg.timeout)
+        if resume is not None:  # (as listed now: the files may differ from the state's)
+            planner_state(cfg, dict(resume), {k: len(v) for k, v in units.items()})
         while True:
             registry = place_planner(client, cfg, units, roots, resume, loader_threads)
             try:

@@ -1,0 +1,64 @@
+"""A resume state is checked against the service it resumes: everything the stream order
+depends on, or one clear error (``planner_state``)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from msd_dask.core.config import parse_config
+from msd_dask.core.plan import Planner
+from msd_dask.core.units import Unit
+from msd_dask.errors import ServiceError
+from msd_dask.roles.planner import make_state, planner_state
+
+
+def _cfg(window: int = 4) -> Any:
+    return parse_config({
+        "name": "rs", "parallel": {"dp": 2}, "batch": {"seq_len": 64},
+        "sources": [{"name": n, "uri": f"memory://{n}/*.parquet", "format": "parquet",
+                     "weight": 0.5, "shuffle_window": window} for n in ("a", "b")]})
+
+
+def _state(units: int = 10) -> dict[str, Any]:
+    cfg = _cfg()
+    pl = Planner(cfg, {s.name: [Unit(f"{s.name}/u{i}.parquet") for i in range(units)]
+                       for s in cfg.sources})
+    pl.plan_step(lambda source, epoch, unit: [40, 30, 100])
+    return make_state(cfg, 0, pl.state_dict(), {"a": units, "b": units})
+
+
+def test_the_same_service_resumes() -> None:
+    state = _state()
+    assert planner_state(_cfg(), state, {"a": 10, "b": 10}) == state["planner"]
+    # a state of a version that did not record units and shuffle windows: not checked
+    old = {k: v for k, v in state.items() if k not in ("units", "shuffle_window")}
+    assert planner_state(_cfg(8), old, {"a": 3, "b": 10}) == state["planner"]
+
+
+def test_another_file_list_is_refused_by_source() -> None:
+    """A state of 10 units resumed over 3 (files removed) planned a unit that no longer
+    exists (an IndexError in the planner's worker); over 30 it went on with another
+    stream, silently."""
+    for now in (3, 30):
+        with pytest.raises(ServiceError, match=rf"source 'a' had 10 units .* has {now} now"):
+            planner_state(_cfg(), _state(), {"a": now, "b": 10})
+
+
+def test_another_shuffle_window_is_refused_by_key() -> None:
+    with pytest.raises(ServiceError, match=r"sources\[0\]\.shuffle_window 4 .* has 8"):
+        planner_state(_cfg(8), _state())
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s["planner"].pop("streams"), r"'planner' mapping lacks \['streams'\]"),
+    (lambda s: s.update(seed="x"), r"'seed' is 'x', not an integer"),
+    (lambda s: s.update(sources="ab"), r"'sources' is 'ab', not a list"),
+])
+def test_a_malformed_state_is_one_clear_error(change: Any, message: str) -> None:
+    state = copy.deepcopy(_state())
+    change(state)
+    with pytest.raises(ServiceError, match=message):
+        planner_state(_cfg(), state)
