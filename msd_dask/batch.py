@@ -8,6 +8,8 @@ and importing it costs each of them about 100 MiB.
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +18,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "loaded_step", "rank_number"]
 
 
 @dataclass
@@ -113,3 +115,42 @@ def _tensor(a: Any) -> torch.Tensor | None:
     import torch
 
     return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).long()
+
+
+def loaded_step(state: Any, rank: int) -> int | None:
+    """The step of a reader's saved ``state`` (``{"rank", "step"}``, its ``state_dict()``)
+    that rank ``rank`` loads: the last step it returned, ``None`` if none.
+
+    Raises
+    ------
+    ValueError
+        ``state`` is not such a mapping (an unknown key, a step that is not a whole number
+        >= 0 or None), or is another rank's.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a reader state is a mapping {{'rank', 'step'}}, got "
+                         f"{type(state).__name__}")
+    unknown = sorted(map(str, set(state) - {"rank", "step"}))
+    if unknown:
+        raise ValueError(f"reader state: unknown key(s) {unknown} (a reader state has 'rank' "
+                         "and 'step')")
+    if "rank" in state and (not _whole(state["rank"]) or state["rank"] != rank):
+        raise ValueError(f"reader state of rank {state['rank']!r} loaded into rank {rank}")
+    step = state.get("step")
+    if step is not None and (not _whole(step) or step < 0):
+        raise ValueError(f"reader state of rank {rank}: 'step' is {step!r}, not a whole number "
+                         ">= 0 or None")
+    return None if step is None else int(step)
+
+
+def _whole(x: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def rank_number(rank: Any) -> int:
+    """``rank`` as the ``int`` a reader is made for; a ``ValueError`` naming it if it is no
+    integer (a rank read from ``os.environ["RANK"]`` is a str: ``int(...)`` it)."""
+    if not _whole(rank):
+        raise ValueError(f"rank must be an integer, got {rank!r}")
+    return int(rank)

@@ -385,6 +385,10 @@ def _scheduler_answers(client: Any) -> bool:
 def _set_weights(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
+    names = [n for n, _ in args.weights]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # (as a config refuses a key given twice)
+        raise ValueError(f"source(s) {twice} given twice: give each source once")
     weights = dict(args.weights)
     svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
     with svc:

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from msd_dask.batch import Batch
+from msd_dask.batch import Batch, loaded_step, rank_number
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import CLOSED_BY_OWNER, RESTART_HINT, ServiceError, ServiceTimeoutError
@@ -262,6 +262,7 @@ class Reader:
 
         cfg = link.config
         for r in (rank, *also):
+            rank_number(r)
             if not 0 <= r < cfg.parallel.world_size:
                 raise ValueError(f"rank {r} is outside [0, {cfg.parallel.world_size}) for "
                                  f"parallel {cfg.parallel}")
@@ -337,10 +338,9 @@ class Reader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
-        if state.get("rank", self.rank) != self.rank:
-            raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
-        if state.get("step") is not None:
-            self._skip_through = int(state["step"])
+        step = loaded_step(state, self.rank)
+        if step is not None:
+            self._skip_through = step
 
     def __iter__(self) -> Iterator[Batch]:
         return self

@@ -588,7 +588,7 @@ def _image(d: Mapping[str, Any], key: str) -> dict[str, Any]:
     if d.get("image_field") is None and d.get("image") is None:
         return {}
     field_ = _str(d, "image_field", key, "image")
-    img = d.get("image") or {}
+    img = {} if d.get("image") is None else d["image"]  # (image: false is no mapping)
     k = f"{key}.image"
     _check_keys(img, k, _names(ImageConfig))
     size = _int(img, "size", k, ImageConfig.size)
@@ -702,10 +702,14 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
             except OSError as e:  # a Path that is missing, a folder, unreadable
                 raise ConfigError("<root>", f"cannot read config file {text!r}: "
                                   f"{e.strerror or e}") from None
+        path = str(cfg) if from_file else None
         try:
             data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:
-            raise ConfigError("<root>", f"not valid YAML: {e}") from e
+            said = str(e) if path is None else str(e).replace('"<unicode string>"', repr(path))
+            raise ConfigError("<root>", f"not valid YAML: {said}") from e
+        if path is not None and data is None:
+            raise ConfigError("<root>", f"config file {path!r} is empty")
         if not from_file and "\n" not in text and not isinstance(data, dict):
             # one line that is no file and no mapping: a path with a typo, most likely
             raise ConfigError("<root>", f"no config file {text!r} (a config is the path of a "

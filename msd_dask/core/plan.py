@@ -434,7 +434,8 @@ class Planner:
         names = [s.name for s in self.cfg.sources]
         unknown = set(weights) - set(names)
         if unknown:
-            raise ValueError(f"set_weights: unknown source(s) {sorted(unknown)}")
+            raise ValueError(f"set_weights: unknown source(s) {sorted(unknown)} (known: "
+                             f"{', '.join(names)})")
         w: dict[str, float] = {}
         for n in names:
             v = weights.get(n, 0.0)

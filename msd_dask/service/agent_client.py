@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.batch import Batch
+from msd_dask.batch import Batch, loaded_step, rank_number
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 
@@ -231,7 +231,7 @@ class AgentReader:
     def __init__(self, path: str, name: str, rank: int, *, timeout: float):
         self.path = path
         self.name = name
-        self.rank = int(rank)
+        self.rank = rank_number(rank)
         self.timeout = float(timeout)
         self.step: int | None = None
         #: the step of the last state loaded (:meth:`load_state_dict`)
@@ -267,9 +267,8 @@ class AgentReader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
-        if state.get("rank", self.rank) != self.rank:
-            raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
-        self._loaded = self._loaded if state.get("step") is None else int(state["step"])
+        step = loaded_step(state, self.rank)
+        self._loaded = self._loaded if step is None else step
 
     def __iter__(self) -> Iterator[Batch]:
         return self

@@ -64,12 +64,13 @@ def discover_units(cfg: Config, threads: int = 8,
                 except (DataError, OSError) as e:
                     return with_source(e, name, p)
 
-            found = []
+            found, refused = [], []
             for got in ex.map(listing, files.paths):
                 if isinstance(got, DataError):
                     if s.on_error != "skip":
                         raise got
                     _log.warning("source %r quarantined %s", s.name, got)
+                    refused.append(got)
                     if quarantined is not None:
                         quarantined.setdefault(s.name, []).append(str(got))
                     continue
@@ -77,8 +78,13 @@ def discover_units(cfg: Config, threads: int = 8,
             units[s.name] = [(u.path, u.part, u.row_offset) for u in itertools.chain(*found)]
             roots[s.name] = files.root
             if not units[s.name]:
-                raise DataError(f"no readable units in {len(files.paths)} file(s) matching "
-                                f"{s.uri!r} (empty files?)", source=s.name)
+                n = len(files.paths)
+                why = (f"all {n} were quarantined (the first: {refused[0]}): is its format "
+                       f"{s.format!r} right?" if len(refused) == n else
+                       f"{len(refused)} quarantined, the rest empty" if refused else
+                       "empty files?")
+                raise DataError(f"no readable units in {n} file(s) matching {s.uri!r} "
+                                f"({why})", source=s.name)
     return units, roots
 
 

@@ -170,3 +170,12 @@ def test_every_argument_has_help(command: str) -> None:
     for action in parser._actions:
         if action.dest != "help":
             assert action.help, f"msd-dask {command} {action.option_strings or action.dest}"
+
+
+def test_a_source_given_twice_to_set_weights_is_refused(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """``code=1 code=2`` kept 2 without a word (a config refuses a key given twice); refused
+    before anything connects (the scheduler's address here is never reached)."""
+    assert main(["set-weights", "s", "code=1", "prose=1", "code=2",
+                 "--scheduler", "tcp://198.18.0.1:8786"]) == 2
+    assert "source(s) ['code'] given twice" in capsys.readouterr().err

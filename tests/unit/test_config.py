@@ -500,3 +500,23 @@ def test_a_recursive_alias_is_a_config_error(data_dir: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(text)
     assert info.value.key.startswith("cost.model")
+
+
+@pytest.mark.parametrize("image", [False, 0, "", []])
+def test_an_image_setting_that_is_no_mapping_is_refused(data_dir: Path, image: Any) -> None:
+    """``image: false`` made a text source an image+text source with the default image."""
+    cfg = base(data_dir)
+    cfg["sources"][0]["image"] = image
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.image': must be a mapping"):
+        parse_config(cfg)
+
+
+def test_a_yaml_file_with_a_syntax_error_or_nothing_in_it_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbatch: {seq_len: 64\nsources: []\n")
+    with pytest.raises(ConfigError, match=rf"(?s)not valid YAML: .*in '{bad}', line 2"):
+        parse_config(str(bad))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match=rf"config file '{empty}' is empty"):
+        parse_config(empty)

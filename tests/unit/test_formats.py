@@ -781,3 +781,18 @@ def test_a_brace_that_is_a_character_lists_as_before(tmp_path: Any) -> None:
     assert glob.root == run.as_posix() and [glob.relpath(p) for p in glob.paths] == ["a.jsonl"]
     cls = open_source(f"{tmp_path.as_posix()}/cls/[{{}}].jsonl")
     assert [cls.relpath(p) for p in cls.paths] == ["{.jsonl", "}.jsonl"]
+
+
+def test_a_source_whose_every_file_is_quarantined_asks_about_its_format(tmp_path: Any) -> None:
+    """JSON lines listed as parquet under ``on_error: skip``: every file was quarantined, and
+    the error said 'empty files?'."""
+    from msd_dask.core.config import parse_config
+    from msd_dask.sources.discover import discover_units
+
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text('{"text": "hello world"}\n')
+    cfg = parse_config({"name": "q", "batch": {"seq_len": 64},
+                        "sources": [{"name": "s", "uri": str(tmp_path / "*.jsonl"),
+                                     "format": "parquet", "on_error": "skip"}]})
+    with pytest.raises(DataError, match=r"all 2 were quarantined .*is its format 'parquet' right"):
+        discover_units(cfg)

@@ -367,7 +367,7 @@ def test_set_weights_in_the_past_or_future() -> None:
 
 def test_set_weights_refusals() -> None:
     pl = planner(make_cfg({"web": 0.5, "code": 0.5}))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"unknown source\(s\) \['nope'\] \(known: web, code\)"):
         pl.set_weights({"nope": 1.0})
     with pytest.raises(ValueError):
         pl.set_weights({"web": 0.0, "code": 0.0})
