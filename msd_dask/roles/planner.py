@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -333,6 +334,16 @@ def _with_overrides(packed: bytes, overrides: tuple[tuple[int, dict[str, float]]
     return pack_snapshot(dataclasses.replace(_unpacked(packed), overrides=overrides))
 
 
+async def _assign(units: list[tuple[int, int]], loader: Any) -> None:
+    """Loader ``loader`` reads ``units`` ((epoch, unit) of its source) from now on."""
+    await loader.assign(units)
+
+
+async def _release(units: list[tuple[int, int]], loader: Any) -> None:
+    """Loader ``loader`` lets go of ``units`` (another slot reads them now)."""
+    await loader.release(units)
+
+
 def _state_of(packed: bytes) -> dict[str, Any]:
     """The JSON form of a packed :class:`~msd_dask.core.plan.PlannerSnapshot`."""
     state: dict[str, Any] = _unpacked(packed).to_state()
@@ -580,7 +591,11 @@ class PlannerActor:
                      if k[0] == source and (s in slots or resolve(source, s) in slots)]
             for k in moved:
                 self._owner[k] = heir
-        await self.roles.loader(source, heir).assign([(k[1], k[2]) for k in moved])
+        units = [(k[1], k[2]) for k in moved]
+        # (heal holds the roles' lock here: a lost heir is given up, and heal hands the
+        # slot's units to the actor it re-creates there)
+        await self.roles.tell_loader(source, heir, f"take {len(units)} units",
+                                     partial(_assign, units))
         for k in moved:
             if k not in self._meta:
                 self._ask_again(k)
@@ -605,11 +620,14 @@ class PlannerActor:
                     old.setdefault(resolve(source, self._owner[k]), []).append((k[1], k[2]))
                     self._owner[k] = slot
         for slot, keys in moves.items():
-            await self.roles.loader(source, slot).assign([(k[1], k[2]) for k in keys])
+            units = [(k[1], k[2]) for k in keys]
+            await self.roles.tell_loader(source, slot, f"take {len(units)} units",
+                                         partial(_assign, units))
             for k in keys:
                 self._ask_again(k)
-            for s, ks in olds[slot].items():
-                await self.roles.loader(source, s).release(ks)
+            for s, ks in olds[slot].items():  # (a lost old slot has nothing left to release)
+                await self.roles.tell_loader(source, s, f"release {len(ks)} units",
+                                             partial(_release, ks))
 
     # ------------------------------------------------------------- internals
     def _claimed_by_all(self) -> int:

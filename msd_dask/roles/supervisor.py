@@ -217,8 +217,14 @@ class RoleSupervisor:
         for (source, slot), pair in zip(loader_slots, made[n_c:], strict=True):
             self._slots[source][slot] = pair
             self.active[source].append(slot)
-        view = self.view()
-        await asyncio.gather(*(c.setup(view, self.planner.had) for c in self.constructors))
+        set_up = partial(_set_up, self.view(), self.planner.had)
+        made_up = await self._watched_each(
+            [(c, f"constructor {i}", set_up) for i, c in enumerate(self.constructors)],
+            "finish its setup")
+        for i, ok in enumerate(made_up):
+            if not ok:
+                raise WorkerLeft(self.cfg.name, f"constructor {i}",
+                                 str(actor_address(self.constructors[i])))
 
     async def _workers(self, placeable: bool = False) -> list[str]:
         """Workers the scheduler knows; ``placeable``: only running ones (not paused, closing
@@ -375,6 +381,77 @@ class RoleSupervisor:
     def loader(self, source: str, slot: int) -> Any:
         """The actor handle reading the units of ``source``'s ``slot``."""
         return self._slots[source][self.resolve(source, slot)][0]
+
+    async def tell_loader(self, source: str, slot: int, what: str,
+                          call: Callable[[Any], Awaitable[Any]]) -> bool:
+        """``call(loader)`` on the actor of ``source``'s loader ``slot``, for a caller that may
+        hold the roles' lock (:meth:`heal`, scaling, retiring a slot), watched as
+        :meth:`_watched` does: ``False`` if the loader's worker left (:meth:`heal`
+        re-creates the slot and hands it the slot's units again)."""
+        return await self._watched(self.loader(source, slot), f"loader {source}#{slot}",
+                                   what, call)
+
+    async def _watched(self, h: Any, role: str, what: str,
+                       call: Callable[[Any], Awaitable[Any]]) -> bool:
+        """:meth:`_watched_each` of one call."""
+        return (await self._watched_each([(h, role, call)], what))[0]
+
+    async def _watched_each(self, calls: list[tuple[Any, str, Callable[[Any], Awaitable[Any]]]],
+                            what: str) -> list[bool]:
+        """``call(h)`` on each role ``h``'s actor, together, each given up if its worker
+        leaves the cluster meanwhile: a call to a lost actor does not fail, it waits for
+        good, and with it whatever waits for the roles' lock.  The workers are looked at
+        once every :data:`~msd_dask.dask_internals.CREATE_CHECK` seconds for all the calls
+        (hundreds of constructors set up at once ask the scheduler once).  Returns, per
+        call, whether it was made (``False``: its worker left).
+
+        Raises
+        ------
+        ServiceTimeoutError
+            A worker stayed but its call did not end within the config's ``timeout`` (the
+            roles and ``what`` they were asked name it).
+        """
+        async def run(h: Any, call: Callable[[Any], Awaitable[Any]]) -> Any:
+            return await call(direct(h))  # (in a coroutine: a lost actor's handle raises here)
+
+        tasks = [asyncio.ensure_future(run(h, call)) for h, _, call in calls]
+        where = {t: (actor_address(h), role) for t, (h, role, _) in zip(tasks, calls, strict=True)}
+        gone: set[asyncio.Future[Any]] = set()
+        pending = set(tasks)
+        deadline = time.monotonic() + self.cfg.timeout
+        try:
+            while pending:
+                pending = (await asyncio.wait(pending, timeout=dask_internals.CREATE_CHECK))[1]
+                if not pending:
+                    break
+                workers = set(await self._workers())
+                for t in [t for t in pending if where[t][0] not in workers]:
+                    gone.add(t)
+                    pending.discard(t)
+                    t.cancel()
+                if pending and time.monotonic() >= deadline:
+                    late = [f"{role} on {w}" for t in tasks if t in pending
+                            for w, role in [where[t]]]
+                    raise ServiceTimeoutError(
+                        f"msd_dask {self.cfg.name}: {first_of(late, 4)} did not {what} within "
+                        f"{self.cfg.timeout:g}s (the config's timeout); the workers are alive "
+                        "but do not answer (paused for memory, or busy)")
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+        made = []
+        for t in tasks:
+            worker, role = where[t]
+            if t not in gone and t.exception() is not None and not await self._left(worker, 5.0):
+                raise t.exception()  # type: ignore[misc]
+            if t in gone or t.exception() is not None:
+                _log.warning("msd_dask %s: %s on %s left before it could %s", self.cfg.name,
+                             role, worker, what)
+                made.append(False)
+            else:
+                made.append(True)
+        return made
 
     def view(self) -> dict[str, dict[int, Any]]:
         """Slot -> actor handle for every slot ever used (retired slots point at their heir)."""
@@ -598,14 +675,16 @@ class RoleSupervisor:
         while True:
             handle, fut = await self._new_constructor(i)
             try:
-                await handle.setup(self.view(), self.planner.had)
-                break
+                if await self._watched(handle, f"re-created constructor {i}",
+                                       "finish its setup",
+                                       partial(_set_up, self.view(), self.planner.had)):
+                    break
             except Exception:
                 _drop((handle, fut))
-                if not await self._left(actor_address(handle)):
-                    raise
-                # its worker left before it was set up (while it is not a current role,
-                # heal would not find it): placed again
+                raise
+            # its worker left before it was set up (while it is not a current role, heal
+            # would not find it): placed again
+            _drop((handle, fut))
         self.constructors[i] = handle
         old_f, self._cfuts[i] = self._cfuts[i], fut
         self.record_event("constructor", str(i), why, actor_address(old), actor_address(handle))
@@ -850,6 +929,11 @@ async def _close_made(made: list[Any], handles: list[Any]) -> None:
                          return_exceptions=True)
     if handles:
         _drop(*zip(handles, made, strict=True))
+
+
+async def _set_up(view: dict[str, dict[int, Any]], had: dict[int, int], constructor: Any) -> None:
+    """A constructor's setup: the loaders' handles, and the steps ranks had read."""
+    await constructor.setup(view, had)
 
 
 def _drop(*roles: tuple[Any, Any]) -> None:

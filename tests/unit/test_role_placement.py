@@ -508,3 +508,70 @@ def test_the_loader_count_kept_while_a_scale_is_applied_is_the_one_asked_for(
         return [*during, sup.loader_counts()["a"], len(sup.active["a"])]
 
     assert asyncio.run(asyncio.wait_for(run(), 10)) == [1, 4, 4, 4]
+
+
+def test_a_call_to_a_loader_whose_worker_leaves_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hand_over and spread_units told loaders through their handles while heal or scaling
+    held the roles' lock: a call to a lost actor waits for good, and with it the planning
+    loop (an audit of the service's waits).  tell_loader gives it up once the worker leaves
+    (heal re-creates the slot), and names the loader if its worker stays but never answers."""
+    import asyncio
+    import time
+
+    from msd_dask.errors import ServiceTimeoutError
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 1, 2, timeout=1.0)
+
+    async def forever(h: object) -> None:
+        await asyncio.Event().wait()
+
+    async def answer(h: object) -> str:
+        return "done"
+
+    async def run() -> None:
+        await sup.setup()
+        slot = sup.active["a"][0]
+        worker = sup.loader("a", slot)._address
+        assert await sup.tell_loader("a", slot, "take 3 units", answer) is True
+        # the worker stays and does not answer: an error naming the loader, within the timeout
+        t0 = time.monotonic()
+        with pytest.raises(ServiceTimeoutError,
+                           match=rf"loader a#{slot} on {worker} did not take 3 units within 1s"):
+            await sup.tell_loader("a", slot, "take 3 units", forever)
+        assert time.monotonic() - t0 < 5
+        # the worker leaves while the call waits: given up, not an error
+        later = asyncio.get_running_loop().call_later(0.3, client.scheduler.workers.remove, worker)
+        t0 = time.monotonic()
+        assert await sup.tell_loader("a", slot, "take 3 units", forever) is False
+        assert time.monotonic() - t0 < 0.95  # (before the timeout)
+        later.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_constructor_whose_worker_leaves_during_its_setup_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The constructors' setups were gathered with no bound: one whose worker died after it
+    was created waited for good, and the start gave up only at its timeout, blaming the
+    planner.  Now the role and the worker are named as soon as the worker is gone."""
+    import asyncio
+
+    from msd_dask.errors import WorkerLeft
+
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 3, 1)
+    real = _Handle.setup
+
+    async def setup(self: _Handle, view: object, had: object) -> None:
+        if self.key.startswith(_FROZEN):  # constructor 1: its worker dies meanwhile
+            client.scheduler.workers.remove(self._address)
+            await asyncio.Event().wait()
+        await real(self, view, had)
+
+    monkeypatch.setattr(_Handle, "setup", setup)
+    with pytest.raises(WorkerLeft, match=r"worker tcp://h:\d left the cluster before "
+                                         r"constructor 1 started there"):
+        asyncio.run(sup.setup())
