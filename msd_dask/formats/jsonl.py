@@ -268,7 +268,9 @@ def _parse(line: bytes, fields: Sequence[str], path: str, row: int) -> dict[str,
     try:
         return {f: obj[f] for f in fields}
     except KeyError as exc:
-        raise DataError(f"missing field '{exc.args[0]}'", path=path, row=row) from None
+        keys = ", ".join(map(str, list(obj)[:12])) + (", ..." if len(obj) > 12 else "")
+        raise DataError(f"missing field '{exc.args[0]}' (the line's keys: {keys or 'none'})",
+                        path=path, row=row) from None
 
 
 register_format(JsonlFormat())

@@ -144,7 +144,8 @@ class ParquetFormat:
                 names = set(pf.schema_arrow.names)
                 missing = [c for c in columns if c not in names]
                 if missing:
-                    raise DataError(f"missing field '{missing[0]}'", path=path,
+                    raise DataError(f"missing field '{missing[0]}' (the file's columns: "
+                                    f"{', '.join(pf.schema_arrow.names)})", path=path,
                                     row=unit.row_offset)
                 if not 0 <= unit.part < pf.metadata.num_row_groups:
                     raise DataError(f"no row group {unit.part} (the file has "

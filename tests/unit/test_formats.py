@@ -374,7 +374,8 @@ def test_parquet_middle_unit_reads_only_its_row_group(tmp_path: Any) -> None:
 def test_parquet_missing_field_names_first_row_of_unit(tmp_path: Any) -> None:
     path = _parquet_file(tmp_path)
     unit = PARQUET.units(LOCAL, path)[2]
-    with pytest.raises(DataError, match=r"p\.parquet', row 6: missing field 'title'"):
+    with pytest.raises(DataError, match=r"p\.parquet', row 6: missing field 'title' "
+                                        r"\(the file's columns: text"):
         list(PARQUET.read(LOCAL, unit, ["text", "title"]))
 
 
@@ -454,7 +455,8 @@ def test_jsonl_blank_lines_are_skipped_but_counted(tmp_path: Any) -> None:
     (b'{"text": "a"', "invalid JSON"),
     (b'["text", "a"]', "expected a JSON object, got list"),
     (b'"text"', "expected a JSON object, got str"),
-    (b'{"title": "a"}', "missing field 'text'"),
+    (b'{"title": "a"}', "missing field 'text' (the line's keys: title)"),
+    (b'{}', "missing field 'text' (the line's keys: none)"),
     (b'{"text": "\xff\xfe"}', "invalid UTF-8"),
     # json.loads raises a bare ValueError past int()'s 4,300 digits: it escaped as one
     pytest.param(b'{"text": "a", "n": ' + b"1" * 5000 + b"}", "invalid JSON: Exceeds the limit",
