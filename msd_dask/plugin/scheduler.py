@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 _PREFIX = "msd-"
 #: seconds a poll waits for a service's planner to apply its adaptive policy's decisions
 SCALE_WAIT = 30.0
+#: seconds a poll waits for a service's stats (its planner's, its roles')
+POLL_WAIT = 10.0
 
 
 async def collect(registry: dict[str, Any], since: int = 0,
@@ -206,8 +208,13 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         hist = self.imbalance.setdefault(name, deque(maxlen=300))
         since = hist[-1][0] + 1 if hist else 0
         sc = self._configs[name].scaling
-        snap = await asyncio.wait_for(
-            collect(registry, since, sc.lookahead if sc.policy == "adaptive" else None), 10)
+        try:
+            snap = await asyncio.wait_for(
+                collect(registry, since, sc.lookahead if sc.policy == "adaptive" else None),
+                POLL_WAIT)
+        except TimeoutError:
+            raise TimeoutError(f"the planner of {name!r} did not answer its stats within "
+                               f"{POLL_WAIT:g}s") from None
         prev = self.services.get(name)
         if prev is not None:
             dt = snap["time"] - prev["time"]
@@ -227,7 +234,11 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             self._scaled_from[name] = snap
             # (bounded: one service's planner that stops answering must not stall the
             # polls, the dashboard and the metrics of every service)
-            await asyncio.wait_for(self._scale(name, registry, snap, base), SCALE_WAIT)
+            try:
+                await asyncio.wait_for(self._scale(name, registry, snap, base), SCALE_WAIT)
+            except TimeoutError:
+                raise TimeoutError(f"applying the scaling decisions of {name!r} took more than "
+                                   f"{SCALE_WAIT:g}s") from None
         from msd_dask.plugin.adaptive import roles_wanted
 
         self._wanted[name] = roles_wanted(snap["constructors"], snap["planner"]["loaders"],

@@ -250,7 +250,8 @@ def test_a_planner_that_does_not_apply_its_scaling_stalls_no_other_service(
             await asyncio.sleep(0.25)
 
     asyncio.run(polls())
-    assert "TimeoutError" in plugin.poll_errors["a"]
+    # (it said 'TimeoutError()': not what took too long, nor whose)
+    assert "applying the scaling decisions of 'a' took more than 0.2s" in plugin.poll_errors["a"]
     assert "b" in plugin.services and "b" not in plugin.poll_errors
 
 
@@ -290,3 +291,21 @@ def test_a_decision_is_recorded_while_the_planner_applies_it(
     got = [(d["source"], d["loaders"], d["from"], d.get("applied", True))
            for d in plugin.decisions["svc"]]
     assert got == [("code", 3, 2, True), ("prose", 2, 1, False)]
+
+
+class _Silent:
+    async def snapshot(self, since: int, lookahead: int | None) -> dict[str, Any]:
+        await asyncio.Event().wait()  # a planner that never answers
+        raise AssertionError
+
+
+def test_a_planner_that_does_not_answer_its_stats_is_named(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """The poll's bound on a service's stats said 'TimeoutError()' (an audit of the waits)."""
+    import msd_dask.plugin.scheduler as module
+
+    monkeypatch.setattr(module, "POLL_WAIT", 0.2)
+    plugin = _plugin({"a": _Silent(), "b": _Planner()})
+    asyncio.run(asyncio.wait_for(plugin.poll(), 5))
+    assert "the planner of 'a' did not answer its stats within 0.2s" in plugin.poll_errors["a"]
+    assert "b" in plugin.services and "b" not in plugin.poll_errors
