@@ -189,7 +189,13 @@ class PlannerLink:
                         f"{self.config.timeout:.0f}s (it answers other calls: a role it "
                         "waited on may be stuck on a busy or unreachable worker)") from e
                 raise
-            return request(self.planner).result(timeout=self.config.timeout)
+            try:  # the planner that replaced the lost one
+                return request(self.planner).result(timeout=self.config.timeout)
+            except TimeoutError as again:
+                raise ServiceTimeoutError(
+                    f"service {self.name!r}: the planner of generation {self.generation}, "
+                    f"re-created for the lost one, did not answer within "
+                    f"{self.config.timeout:.0f}s") from again
 
     def planner_lost(self, *, confirm: bool = False) -> bool:
         """Whether the current planner is lost with its worker.

@@ -163,3 +163,28 @@ def test_a_checkpoint_that_does_not_come_is_a_timeout_naming_it() -> None:
     with pytest.raises(ServiceTimeoutError,
                        match=r"service 'rct': the planner did not send its checkpoint within 10s"):
         keeper.keep_checkpoint()
+
+
+class _LostPlanner(_Planner):
+    """A planner whose worker is gone: a call to it fails."""
+
+    def set_weights(self, weights: dict[str, float]) -> Any:
+        raise OSError("Timed out trying to connect to tcp://198.18.0.9:4321")
+
+
+def test_a_re_created_planner_that_does_not_answer_is_named() -> None:
+    """The request sent once more, to the planner that replaced a lost one, ended in a bare
+    ``TimeoutError`` when that one did not answer (an audit of the waits)."""
+    import pytest
+
+    link = _link(_LostPlanner(delay=0.0))
+    successor = _Slow()
+
+    def refresh(max_age: float = 0.0) -> None:  # (finds the re-created planner)
+        link.planner, link.generation = successor, 1
+
+    link.refresh = refresh  # type: ignore[method-assign]
+    with pytest.raises(ServiceTimeoutError, match="the planner of generation 1, re-created for "
+                       "the lost one, did not answer within 300s"):
+        link.call(lambda p: p.set_weights({"a": 1.0}))
+    assert successor.sets == 1
