@@ -35,6 +35,11 @@ __all__ = ["PlannerLink"]
 _log = logging.getLogger("msd_dask.service")
 
 
+#: seconds a link waits for the published planner's handle (there at once for a planner
+#: that lives; a lost one's may never come, and the link looks for its successor)
+HANDLE_WAIT = 5.0
+
+
 class PlannerLink:
     """The current planner generation of service ``cfg.name``, as seen from this process.
 
@@ -73,8 +78,8 @@ class PlannerLink:
         self._refreshed_at = float("-inf")
         self._failed: tuple[float, Exception | None] = (0.0, None)
         self.planner: Any = None
-        try:
-            self.planner = bind_actor(registry["planner"].result(timeout=cfg.timeout), client)
+        try:  # (a published planner's handle is there at once; a lost one's may never come)
+            self.planner = bind_actor(registry["planner"].result(timeout=HANDLE_WAIT), client)
         except Exception:  # noqa: BLE001 - a lost planner: refresh finds its successor
             pass
         self.constructors: list[Any] = []
@@ -154,6 +159,9 @@ class PlannerLink:
             with self._swap:
                 planner, gen = self.planner, self.generation
             try:  # short waits: a call to a lost actor may hang instead of failing
+                if planner is None:  # (its handle did not come: lost with its worker?)
+                    raise ServiceError("the planner's handle could not be fetched from the "
+                                       "scheduler (lost with its worker?)")
                 handles = planner.handles(False).result(timeout=5.0)
             except Exception as e:  # noqa: BLE001 - lost or busy: look for a successor
                 if self.adopt_published():

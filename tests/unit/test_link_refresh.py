@@ -188,3 +188,31 @@ def test_a_re_created_planner_that_does_not_answer_is_named() -> None:
                        "the lost one, did not answer within 300s"):
         link.call(lambda p: p.set_weights({"a": 1.0}))
     assert successor.sets == 1
+
+
+class _LostFuture:
+    """The published planner's future once its worker is gone: its result never comes."""
+
+    status = "lost"
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise TimeoutError(f"timed out after {timeout} s.")
+
+
+def test_a_link_to_a_planner_whose_handle_never_came_says_so() -> None:
+    """A link made while the planner was lost waited the config's timeout (300 s) for its
+    handle, then refresh quoted ``AttributeError: 'NoneType' object has no attribute
+    'handles'`` (an audit of the waits).  The handle is waited for 5 s, and the error says
+    what was lost."""
+    import pytest
+
+    cfg = parse_config({"name": "link", "batch": {"seq_len": 64}, "timeout": 1, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    t0 = time.monotonic()
+    link = PlannerLink(None, cfg, {"planner": _LostFuture()})
+    assert link.planner is None
+    with pytest.raises(ServiceTimeoutError) as info:
+        link.refresh()
+    assert time.monotonic() - t0 < 10
+    assert "was lost with its worker" in str(info.value), info.value
+    assert "AttributeError" not in repr(info.value.__cause__ or info.value), info.value
