@@ -193,19 +193,29 @@ class PlannerKeeper:
         except BaseException:
             registry["planner"].release()
             raise
+        doing = "set up its roles"  # (what a timeout names)
         try:
             planner.setup().result(timeout=cfg.timeout)
+            doing = "publish its registry on the scheduler"
             client.publish_dataset(registry, name=REGISTRY_PREFIX + self.link.name,
                                    override=True, callback_timeout=cfg.timeout)
             self._published = max(self._published, int(registry["generation"]))
+            doing = "hand over its constructors' handles"
             handles = planner.handles(False).result(timeout=cfg.timeout)
             self.link.adopt(registry, planner, handles["constructors"])
+            doing = "start planning"
             planner.start().result(timeout=cfg.timeout)
-        except BaseException:  # this attempt's planner goes; a retry publishes a higher one
+        except BaseException as e:  # this attempt's planner goes; a retry publishes a higher one
             try:
                 planner.close_roles().result(timeout=30)
             except Exception:  # noqa: BLE001 - best effort: its worker may be the trouble
                 pass
             finally:
                 registry["planner"].release()
+            if isinstance(e, TimeoutError) and not isinstance(e, ServiceTimeoutError):
+                # (Dask's says only 'timed out after 300 s.'; one of ours names its role)
+                raise ServiceTimeoutError(
+                    f"msd_dask {cfg.name}: the re-created planner (generation "
+                    f"{registry['generation']}) did not {doing} within {cfg.timeout:g}s (the "
+                    "config's timeout)") from e
             raise

@@ -216,3 +216,42 @@ def test_a_link_to_a_planner_whose_handle_never_came_says_so() -> None:
     assert time.monotonic() - t0 < 10
     assert "was lost with its worker" in str(info.value), info.value
     assert "AttributeError" not in repr(info.value.__cause__ or info.value), info.value
+
+
+def test_a_re_created_planner_that_does_not_set_up_is_named(monkeypatch: Any) -> None:
+    """Re-creating a lost planner let Dask's bare ``TimeoutError`` out of each step (its
+    setup, publishing, its handles, its start): the owner's log said 'timed out after
+    300 s.' and nothing of what (an audit of the waits)."""
+    import types
+
+    import pytest
+
+    from msd_dask.service import recovery
+
+    class _Released:
+        released = False
+
+        def release(self) -> None:
+            self.released = True
+
+    class _Stuck:
+        def setup(self) -> Any:
+            class _Never:
+                def result(self, timeout: float | None = None) -> Any:
+                    raise TimeoutError(f"timed out after {timeout} s.")
+            return _Never()
+
+        def close_roles(self) -> Any:
+            return _Done(None)
+
+    cfg = parse_config({"name": "rct", "batch": {"seq_len": 64}, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    link = types.SimpleNamespace(name="rct", generation=0, client=None, config=cfg)
+    keeper = recovery.PlannerKeeper(link, {})  # type: ignore[arg-type]
+    monkeypatch.setattr(recovery, "bound_actor", lambda *a, **k: _Stuck())
+    future = _Released()
+    with pytest.raises(ServiceTimeoutError, match=r"msd_dask rct: the re-created planner "
+                       r"\(generation 1\) did not set up its roles within 300s"):
+        keeper._start_generation({"planner": future, "planner_worker": "tcp://w:1",
+                                  "generation": 1})
+    assert future.released  # (this attempt's planner goes)
