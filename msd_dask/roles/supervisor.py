@@ -313,7 +313,15 @@ class RoleSupervisor:
             waiting.cancel()
             waiting.add_done_callback(_observe)
         made = [f for f in futs if f.status == "finished"]
-        handles = await self._client.gather(made, asynchronous=True) if made else []
+        try:  # (a handle of an actor whose worker left a moment ago may never come)
+            handles = await asyncio.wait_for(self._client.gather(made, asynchronous=True),
+                                             self.cfg.timeout) if made else []
+        except TimeoutError:
+            raise ServiceTimeoutError(
+                f"msd_dask {self.cfg.name}: the handles of "
+                f"{first_of([n for n, _, f in submitted if f in made], 4)}, created, did not "
+                f"come from the scheduler within {self.cfg.timeout:g}s (the config's timeout)"
+            ) from None
         if len(made) == len(futs):
             return list(zip(handles, futs, strict=True))
         await _close_made(made, handles)

@@ -483,14 +483,30 @@ class DataService:
         # ... and wait until nothing references them any more: Dask does not retire a
         # worker that still holds an actor
         deadline = time.monotonic() + self.config.timeout
-        while held := self.client.run_on_scheduler(keys_on, workers=list(workers),
-                                                   prefix=f"msd-{self.name}-"):
+
+        def holding() -> list[str]:
+            try:
+                return list(self.client.run_on_scheduler(
+                    keys_on, workers=list(workers), prefix=f"msd-{self.name}-",
+                    callback_timeout=10))
+            except TimeoutError:
+                raise ServiceTimeoutError(
+                    f"retiring {list(workers)}: the scheduler did not say within 10s which "
+                    "of this service's roles they still hold") from None
+
+        while held := holding():
             if time.monotonic() > deadline:
                 raise ServiceTimeoutError(f"roles {held} on {list(workers)} were still "
                                           f"referenced after {self.config.timeout:.0f}s")
             time.sleep(0.2)
         if close:
-            self.client.retire_workers(list(workers), close_workers=True)
+            try:
+                self.client.retire_workers(list(workers), close_workers=True,
+                                           callback_timeout=self.config.timeout)
+            except TimeoutError:
+                raise ServiceTimeoutError(
+                    f"retiring {list(workers)}: Dask did not finish within "
+                    f"{self.config.timeout:.0f}s (the roles moved off them)") from None
         return moved
 
     def _worker_addresses(self, workers: list[str]) -> list[str]:

@@ -575,3 +575,24 @@ def test_a_constructor_whose_worker_leaves_during_its_setup_is_named(
     with pytest.raises(WorkerLeft, match=r"worker tcp://h:\d left the cluster before "
                                          r"constructor 1 started there"):
         asyncio.run(sup.setup())
+
+
+def test_handles_that_do_not_come_are_a_timeout_naming_the_roles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The created roles' handles were gathered with no bound (an audit of the waits)."""
+    import asyncio
+
+    from msd_dask.errors import ServiceTimeoutError
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers)
+
+    async def gather(futs: list[_Future], asynchronous: bool = False) -> list[_Handle]:
+        await asyncio.Event().wait()  # the scheduler never hands them over
+        return []
+
+    client.gather = gather  # type: ignore[method-assign]
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 1, timeout=1.0)
+    with pytest.raises(ServiceTimeoutError, match=r"the handles of constructor 0, .* did not "
+                                                  r"come from the scheduler within 1s"):
+        asyncio.run(sup.setup())
