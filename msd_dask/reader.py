@@ -41,7 +41,13 @@ from typing import Any, Protocol
 from msd_dask.batch import Batch, loaded_step, rank_number
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
-from msd_dask.errors import CLOSED_BY_OWNER, RESTART_HINT, ServiceError, ServiceTimeoutError
+from msd_dask.errors import (
+    CLOSED_BY_OWNER,
+    RESTART_HINT,
+    ServiceError,
+    ServiceTimeoutError,
+    first_of,
+)
 
 __all__ = ["REPORT_IDLE", "Reader", "ServiceLink", "idle_time"]
 
@@ -59,7 +65,54 @@ IDLE_GAPS = 8
 #: long, up to every ``CLAIM_WAIT_MAX`` seconds
 CLAIM_WAIT = 2.0
 CLAIM_WAIT_MAX = 8.0
+#: seconds the readers of a process share one look at the roles when they time out (the
+#: look asks the planner and every constructor: thousands of ranks timing out together
+#: would each ask them all), and the longest the look waits for the roles' answers
+DIAGNOSIS_AGE = 10.0
+DIAGNOSIS_WAIT = 5.0
 
+_diagnoses: weakref.WeakKeyDictionary[Any, tuple[float, str]] = weakref.WeakKeyDictionary()
+_diagnosing = threading.Lock()
+
+
+
+def _look_at_roles(link: Any) -> str:
+    """What the planner and each constructor of ``link`` say they do or wait for, asked all
+    at once and waited for at most :data:`DIAGNOSIS_WAIT` seconds (a role that does not
+    answer by then is named as such)."""
+    deadline = time.monotonic() + DIAGNOSIS_WAIT
+    parts = []
+    try:
+        asked = [("planner", link.planner.stats())]
+        asked += [(f"constructor {i}", c.stats()) for i, c in enumerate(link.constructors)]
+    except Exception as e:  # noqa: BLE001 - the diagnosis must not hide the timeout
+        return f"the service did not answer ({type(e).__name__}: {e}) (see DataService.stats())"
+    silent = []
+    for role, call in asked:
+        try:
+            st = call.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - lost, or not answering within the look's wait
+            silent.append(role)
+            continue
+        if role == "planner":
+            if st.get("error"):
+                parts.append(f"planner failed: {st['error']}")
+            elif st.get("waiting"):
+                parts.append(f"planner (at step {st['steps_planned']}) is waiting for "
+                             f"{st['waiting']}")
+            else:
+                parts.append(f"planner is planning step {st['steps_planned']}")
+        elif st.get("error"):
+            parts.append(f"{role} failed: {st['error']}")
+        elif st.get("fetching"):
+            parts.append(f"{role} is fetching {st['fetching']}")
+        elif st.get("unclaimed"):
+            slow = sorted({r for rs in st["unclaimed"].values() for r in rs})
+            parts.append(f"{role} holds {st['held_steps']} step(s) not yet claimed by "
+                         f"rank(s) {slow}")
+    if silent:
+        parts.append(f"{first_of(silent, 4)} did not answer within {DIAGNOSIS_WAIT:g}s")
+    return "; ".join(parts) + " (see DataService.stats())"
 
 class ServiceLink(Protocol):
     """What a :class:`Reader` needs from its service: the current planner generation.
@@ -558,30 +611,15 @@ class Reader:
                 pass
 
     def _diagnose(self) -> str:
-        """Which role is stuck, from the roles' own stats (best effort, a few seconds)."""
-        parts = []
-        try:
-            planner = self.link.planner.stats().result(timeout=5)
-            if planner.get("error"):
-                parts.append(f"planner failed: {planner['error']}")
-            elif planner.get("waiting"):
-                parts.append(f"planner (at step {planner['steps_planned']}) is waiting for "
-                             f"{planner['waiting']}")
-            else:
-                parts.append(f"planner is planning step {planner['steps_planned']}")
-            for i, c in enumerate(self.link.constructors):
-                st = c.stats().result(timeout=5)
-                if st.get("error"):
-                    parts.append(f"constructor {i} failed: {st['error']}")
-                elif st.get("fetching"):
-                    parts.append(f"constructor {i} is fetching {st['fetching']}")
-                elif st.get("unclaimed"):
-                    slow = sorted({r for rs in st["unclaimed"].values() for r in rs})
-                    parts.append(f"constructor {i} holds {st['held_steps']} step(s) not yet "
-                                 f"claimed by rank(s) {slow}")
-        except Exception as e:  # noqa: BLE001 - the diagnosis must not hide the timeout
-            parts.append(f"the service did not answer ({type(e).__name__}: {e})")
-        return "; ".join(parts) + " (see DataService.stats())"
+        """Which role is stuck, from the roles' own stats: one look per process every
+        :data:`DIAGNOSIS_AGE` seconds, shared by its readers (best effort, at most
+        :data:`DIAGNOSIS_WAIT` seconds)."""
+        with _diagnosing:
+            at, text = _diagnoses.get(self.link, (float("-inf"), ""))
+            if time.monotonic() - at >= DIAGNOSIS_AGE:
+                text = _look_at_roles(self.link)
+                _diagnoses[self.link] = (time.monotonic(), text)
+        return text
 
     def report_step_time(self, seconds: float, step: int | None = None) -> None:
         """Report how long this rank computed on a step (default: the last one returned).
