@@ -744,7 +744,9 @@ class HostAgent:
             return {"error": f"the agent at {self.path} has no service handle to take the "
                     "state from", "kind": "service"}
         try:
-            state = await asyncio.to_thread(self._state, None if step is None else int(step))
+            # (a daemon thread: a state that waits on the service, up to several times its
+            # timeout, does not hold the agent's stop, as the loop's executor would)
+            state = await _in_thread(self._state, None if step is None else int(step))
         except ValueError as e:
             return {"error": str(e), "kind": "value"}
         except TimeoutError as e:

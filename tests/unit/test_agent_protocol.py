@@ -858,3 +858,34 @@ def test_a_rank_takes_the_services_state_through_the_agent(tmp_path: Any) -> Non
     with running_agent(tmp_path, [0, 1]) as (agent, _):  # an agent with no service handle
         with pytest.raises(ServiceError, match="has no service handle"):
             AgentHandle.connect(agent.path, "agentunit").state_dict(3)
+
+
+def test_a_state_that_waits_on_the_service_does_not_hold_the_agents_stop(tmp_path: Any) -> None:
+    """The agent took the service's state in the loop's default executor: at stop,
+    ``asyncio.run`` waited for a state_dict stuck on the service (which waits up to several
+    times its timeout), silently (an audit of the waits)."""
+    release = threading.Event()
+
+    def state(step: int | None) -> dict[str, Any]:
+        release.wait(60)  # the service does not answer
+        return {"format": "x", "step": 0}
+
+    asked = threading.Event()
+
+    def ask(path: str) -> None:
+        asked.set()
+        try:
+            AgentHandle.connect(path, "agentunit").state_dict(3)
+        except Exception:  # noqa: BLE001 - the agent stops meanwhile
+            pass
+
+    t0 = time.monotonic()
+    try:
+        with running_agent(tmp_path, [0, 1], state=state) as (agent, _):
+            threading.Thread(target=ask, args=(agent.path,), daemon=True).start()
+            assert asked.wait(5)
+            time.sleep(0.5)  # the agent is taking the state
+        # (running_agent's exit joined the agent's thread within 10 s)
+        assert time.monotonic() - t0 < 15
+    finally:
+        release.set()
