@@ -290,6 +290,21 @@ def _compressor() -> Any:
     return z
 
 
+async def _reading(loader: Any) -> str:
+    """What ``loader`` says it has been reading longest (``"; it is reading PATH (epoch e)
+    for Ns"``), for an error of a fetch that waited on it: a store that hangs or a
+    ``preprocess`` that loops, not a lost loader; ``""`` if it does not say within
+    :data:`~msd_dask.dask_internals.STATS_WAIT` seconds or reads nothing."""
+    from msd_dask.dask_internals import STATS_WAIT
+
+    try:
+        st = await asyncio.wait_for(direct(loader).stats(), STATS_WAIT)
+        r = st["reading"][0]
+    except Exception:  # noqa: BLE001 - lost, or not answering either
+        return ""
+    return f"; it is reading {r['path']} (epoch {r['epoch']}) for {r['seconds']:.0f}s"
+
+
 class DataConstructor:
     """Dask actor building and serving the batches of a set of DP ranks.
 
@@ -606,7 +621,7 @@ class DataConstructor:
                 if time.monotonic() > deadline:
                     task.cancel()
                     raise RuntimeError(f"loader slot {source}#{slot} did not answer within "
-                                       f"{self.timeout:.0f}s")
+                                       f"{self.timeout:.0f}s{await _reading(loader)}")
             if replaced or task.cancelled():
                 continue
             e = task.exception()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -69,7 +70,7 @@ def unanswered_stats(source: str, index: int, last: dict[str, Any] | None,
         "threads": 1, "read_threads": 1, "pool": "thread", "docs_read": 0, "tokens_read": 0,
         "units_read": 0, "units_buffered": 0, "tokens_buffered": 0, "read_seconds": 0.0,
         "cpu_seconds": 0.0, "cpu_wait_seconds": 0.0, "tokens_fetched": 0,
-        "quarantined_docs": 0, "quarantined_files": 0, "quarantined": []}
+        "quarantined_docs": 0, "quarantined_files": 0, "quarantined": [], "reading": []}
     return {**(last or zero), "source": source, "index": index, "error": error}
 
 
@@ -118,9 +119,9 @@ class SourceLoader:
         self._data: dict[tuple[int, int], _UnitData] = {}
         self._ready: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._todo: asyncio.Queue[tuple[int, int]] | None = None
-        #: keys being read now: a key queued twice (released, then assigned again before
-        #: its read) is read once
-        self._reading: set[tuple[int, int]] = set()
+        #: keys being read now, and when their read began: a key queued twice (released,
+        #: then assigned again before its read) is read once
+        self._reading: dict[tuple[int, int], float] = {}
         self._task: asyncio.Task[None] | None = None
         self.docs_read = 0
         self.tokens_read = 0
@@ -160,11 +161,11 @@ class SourceLoader:
             if fut is None or fut.done() or key in self._reading:
                 continue
             await slots.acquire()
-            self._reading.add(key)
+            self._reading[key] = time.monotonic()
             task = asyncio.create_task(self._read(key))
 
             def done(_t: asyncio.Task[None], key: tuple[int, int] = key) -> None:
-                self._reading.discard(key)
+                self._reading.pop(key, None)
                 slots.release()
 
             task.add_done_callback(done)
@@ -301,6 +302,7 @@ class SourceLoader:
         a core nor waiting for one).  Not counted: what sending documents to a
         process pool and results back costs this process.
         """
+        now = time.monotonic()
         return {
             "source": self.src.name,
             "index": self.index,
@@ -319,6 +321,10 @@ class SourceLoader:
             "quarantined_docs": self.quarantined_docs,
             "quarantined_files": self.quarantined_files,
             "quarantined": list(self.quarantined_keys),
+            # the longest reads going on: what a fetch that waits on this loader waits for
+            "reading": [{"path": self.units[k[1]].path, "epoch": k[0],
+                         "seconds": round(now - t, 1)}
+                        for k, t in sorted(self._reading.items(), key=lambda kt: kt[1])[:3]],
         }
 
     async def close(self) -> None:

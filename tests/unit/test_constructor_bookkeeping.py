@@ -356,3 +356,30 @@ def test_a_moved_constructors_successor_holds_nothing_the_ranks_showed_they_took
             con._task.cancel()
 
     asyncio.run(run())
+
+
+class _HungLoader:
+    """A loader stuck reading a unit (a store that hangs): its fetch never answers, its
+    stats say what it reads."""
+
+    key = "hung"
+
+    async def fetch(self, requests: np.ndarray) -> Any:
+        await asyncio.Event().wait()
+
+    async def stats(self) -> dict[str, Any]:
+        return {"reading": [{"path": "s3://bucket/part-7.parquet", "epoch": 1, "seconds": 42.0}]}
+
+
+def test_a_fetch_from_a_loader_stuck_reading_says_what_it_reads() -> None:
+    """'loader slot toy#0 did not answer' sent users looking for a lost worker, where the
+    loader answered and one of its reads hung (an audit of the waits)."""
+    async def run() -> None:
+        con = _bare({0: [0]}, timeout=1.0)
+        con.loaders = {"toy": {0: _HungLoader()}}
+        with pytest.raises(RuntimeError, match=r"loader slot toy#0 did not answer within 1s; "
+                                               r"it is reading s3://bucket/part-7\.parquet "
+                                               r"\(epoch 1\) for 42s"):
+            await con._fetch("toy", 0, np.zeros((1, 5), dtype=np.int64))
+
+    asyncio.run(run())

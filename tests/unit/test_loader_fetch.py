@@ -93,6 +93,32 @@ def test_close_ends_a_wait_for_a_unit_and_drops_what_it_holds(corpus) -> None:
     assert held == 0
 
 
+def test_stats_say_what_the_loader_is_reading(corpus) -> None:
+    """A fetch that waits on a loader whose read hangs names the file it reads (the
+    constructor asks ``stats()["reading"]``)."""
+    root, _texts = corpus
+    cfg = config(root)
+    cfg["sources"][1]["preprocess"] = "msd_dask.examples.preprocess:slow_store"
+    source, units = _loader_inputs(cfg, 1)
+
+    async def run() -> tuple[list[dict], list[dict]]:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            before = (await loader.stats())["reading"]
+            waiting = asyncio.ensure_future(loader.metadata(0, 1))
+            await asyncio.sleep(0.3)
+            during = (await loader.stats())["reading"]
+            waiting.cancel()
+            return before, during
+        finally:
+            await loader.close()
+
+    before, during = asyncio.run(run())
+    assert before == []
+    assert [(r["path"], r["epoch"]) for r in during] == [(units[1][0], 0)], during
+    assert 0.1 <= during[0]["seconds"] < 30
+
+
 def test_a_unit_released_and_assigned_again_is_read_once(corpus, monkeypatch) -> None:
     """A unit released before its read and assigned again (``spread_units`` moving it back)
     sits in the loader's queue twice: it is read once, and its counters count it once (a
