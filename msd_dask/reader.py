@@ -75,7 +75,6 @@ _diagnoses: weakref.WeakKeyDictionary[Any, tuple[float, str]] = weakref.WeakKeyD
 _diagnosing = threading.Lock()
 
 
-
 def _look_at_roles(link: Any) -> str:
     """What the planner and each constructor of ``link`` say they do or wait for, asked all
     at once and waited for at most :data:`DIAGNOSIS_WAIT` seconds (a role that does not
@@ -113,6 +112,7 @@ def _look_at_roles(link: Any) -> str:
     if silent:
         parts.append(f"{first_of(silent, 4)} did not answer within {DIAGNOSIS_WAIT:g}s")
     return "; ".join(parts) + " (see DataService.stats())"
+
 
 class ServiceLink(Protocol):
     """What a :class:`Reader` needs from its service: the current planner generation.

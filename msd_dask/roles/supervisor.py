@@ -438,8 +438,7 @@ class RoleSupervisor:
                     pending.discard(t)
                     t.cancel()
                 if pending and time.monotonic() >= deadline:
-                    late = [f"{role} on {w}" for t in tasks if t in pending
-                            for w, role in [where[t]]]
+                    late = [f"{where[t][1]} on {where[t][0]}" for t in tasks if t in pending]
                     raise ServiceTimeoutError(
                         f"msd_dask {self.cfg.name}: {first_of(late, 4)} did not {what} within "
                         f"{self.cfg.timeout:g}s (the config's timeout); the workers are alive "
@@ -451,14 +450,14 @@ class RoleSupervisor:
         made = []
         for t in tasks:
             worker, role = where[t]
-            if t not in gone and t.exception() is not None and not await self._left(worker, 5.0):
-                raise t.exception()  # type: ignore[misc]
-            if t in gone or t.exception() is not None:
+            error = None if t in gone else t.exception()
+            if error is not None and not await self._left(worker, 5.0):
+                raise error
+            left = t in gone or error is not None
+            if left:
                 _log.warning("msd_dask %s: %s on %s left before it could %s", self.cfg.name,
                              role, worker, what)
-                made.append(False)
-            else:
-                made.append(True)
+            made.append(not left)
         return made
 
     def view(self) -> dict[str, dict[int, Any]]:

@@ -245,7 +245,7 @@ class PlannerLink:
                                           callback_timeout=5)
             if reg is None or int(reg.get("generation", 0)) <= self.generation:
                 return False
-            planner = bind_actor(reg["planner"].result(timeout=5), self.client)
+            planner = bind_actor(reg["planner"].result(timeout=HANDLE_WAIT), self.client)
         except Exception:  # noqa: BLE001 - not there yet, or unreachable: try again later
             return False
         with self._swap:
