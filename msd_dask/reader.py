@@ -143,9 +143,10 @@ class ServiceLink(Protocol):
         """Call ``method`` on the actor ``handle`` (a future), or raise
         :class:`~msd_dask.errors.ServiceError` without sending once :meth:`close` was called."""
 
-    def refresh(self, max_age: float = 0.0) -> None:
+    def refresh(self, max_age: float = 0.0, timeout: float | None = None) -> None:
         """Fetch the current constructors; switch to a re-created planner if needed (not if
-        this process did within ``max_age`` seconds)."""
+        this process did within ``max_age`` seconds), waiting ``timeout`` seconds at most
+        (the config's ``timeout`` if ``None`` or longer)."""
 
     def adopt_published(self) -> bool:
         """Switch to the published planner if it is a newer generation; whether it was."""
@@ -506,7 +507,7 @@ class Reader:
                 # service replaced it is looked at (one look per process and interval:
                 # thousands of ranks may wait at once) before the deadline can raise, or
                 # every later request of this rank would go to the lost one again
-                constructor, call = self._current(c, constructor, call, CLAIM_WAIT)
+                constructor, call = self._current(c, constructor, call, CLAIM_WAIT, deadline)
                 self._check_deadline(deadline, waiting_for)
                 wait = min(2 * wait, CLAIM_WAIT_MAX)
                 continue
@@ -516,7 +517,7 @@ class Reader:
                 if isinstance(e, KeyError | ValueError) and not gone:
                     raise
                 time.sleep(0.5)
-                constructor, call = self._current(c, constructor, None, 0.0)  # (as above)
+                constructor, call = self._current(c, constructor, None, 0.0, deadline)  # (as above)
                 self._check_deadline(deadline, waiting_for, e)
                 continue
             else:
@@ -543,7 +544,7 @@ class Reader:
                 if not self.link.adopt_published():
                     self.link.raise_if_lost()
                     continue
-            constructor, call = self._current(c, constructor, call, 0.0)
+            constructor, call = self._current(c, constructor, call, 0.0, deadline)
 
     def _gone(self, done: int, handed: int) -> ServiceError:
         """The error for a rank restarted from a state (``done``) older than what the
@@ -555,12 +556,14 @@ class Reader:
             "step once: resume the whole job from DataService.state_dict(step) "
             f"(docs/resume.md), or load the state of step {handed} or later on this rank")
 
-    def _current(self, c: int, constructor: Any, call: Any, max_age: float) -> tuple[Any, Any]:
+    def _current(self, c: int, constructor: Any, call: Any, max_age: float,
+                 deadline: float) -> tuple[Any, Any]:
         """``(constructor c, the call in flight)`` as the service has them now: the link
-        refreshed (if its handles are older than ``max_age`` seconds); where the service
-        replaced the constructor, the new one and no call (the one to the old is
-        cancelled: a call to a lost worker would wait for ever)."""
-        self.link.refresh(max_age=max_age)
+        refreshed (if its handles are older than ``max_age`` seconds, waiting at most
+        until this reader's ``deadline``); where the service replaced the constructor,
+        the new one and no call (the one to the old is cancelled: a call to a lost worker
+        would wait for ever)."""
+        self.link.refresh(max_age=max_age, timeout=max(0.1, deadline - time.monotonic()))
         self.link.announce_generation()
         if self.link.constructors[c].key == constructor.key:
             return constructor, call

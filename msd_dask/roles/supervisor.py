@@ -234,9 +234,20 @@ class RoleSupervisor:
         scheduler's ``identity``: :meth:`heal` asks twice a second, and ``identity``
         carries every worker's metrics, which the scheduler builds and this worker
         reads each time.
+
+        Raises
+        ------
+        ServiceTimeoutError
+            The scheduler did not answer within the config's ``timeout``.
         """
         scheduler = self._client.scheduler
-        threads = await (scheduler.ncores_running() if placeable else scheduler.ncores())
+        ask = scheduler.ncores_running() if placeable else scheduler.ncores()
+        try:
+            threads = await asyncio.wait_for(ask, self.cfg.timeout)
+        except TimeoutError:
+            raise ServiceTimeoutError(
+                f"msd_dask {self.cfg.name}: the scheduler did not list its workers within "
+                f"{self.cfg.timeout:g}s (the config's timeout)") from None
         return sorted(threads)
 
     async def _place(self, n: int = 1) -> list[str]:

@@ -115,7 +115,7 @@ class PlannerLink:
             self.check_open()
             return call_actor(handle, method, *args, **kwargs)
 
-    def refresh(self, max_age: float = 0.0) -> None:
+    def refresh(self, max_age: float = 0.0, timeout: float | None = None) -> None:
         """Fetch the current constructor handles (they change when a role is re-created).
 
         If the planner does not answer, switch to the one the service re-created
@@ -123,7 +123,10 @@ class PlannerLink:
         With ``max_age``, none if one finished less than ``max_age`` seconds ago,
         and one at a time per process (the readers of a process whose claims wait
         share one call to the planner per interval; one that failed that recently
-        raises its error again).
+        raises its error again).  ``timeout``: the most the call waits, where the
+        caller's own bound is shorter than the config's ``timeout`` (a reader's); with
+        ``max_age``, a call that finds another look of the process going on waits for
+        it that long, then returns (the handles as they are).
 
         Raises
         ------
@@ -132,13 +135,16 @@ class PlannerLink:
             so nothing can re-create it.
         ServiceTimeoutError
             The planner did not answer, and no successor appeared, within the
-            config's ``timeout``.
+            config's ``timeout`` (or ``timeout``).
         """
+        wait = self.config.timeout if timeout is None else min(timeout, self.config.timeout)
         if not max_age:  # a lost role: look now (concurrently with the process's others)
-            self._refresh()
+            self._refresh(wait)
             self._refreshed_at = time.monotonic()
             return
-        with self._refreshing:
+        if not self._refreshing.acquire(timeout=wait):
+            return  # (the look going on is not done: the caller's own deadline decides)
+        try:
             now = time.monotonic()
             if now - self._refreshed_at < max_age:
                 return
@@ -146,14 +152,16 @@ class PlannerLink:
             if error is not None and now - failed_at < max_age:
                 raise error  # the look that just failed, not one more full wait per reader
             try:
-                self._refresh()
+                self._refresh(wait)
             except Exception as e:
                 self._failed = (time.monotonic(), e)
                 raise
             self._refreshed_at, self._failed = time.monotonic(), (0.0, None)
+        finally:
+            self._refreshing.release()
 
-    def _refresh(self) -> None:
-        deadline = time.monotonic() + self.config.timeout
+    def _refresh(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
         while True:
             self.check_open()  # a closed service's planner may be released already
             with self._swap:
@@ -166,7 +174,7 @@ class PlannerLink:
             except Exception as e:  # noqa: BLE001 - lost or busy: look for a successor
                 if self.adopt_published():
                     continue
-                self.raise_if_lost(deadline, e)
+                self.raise_if_lost(deadline, e, within=wait)
                 time.sleep(0.5)
                 continue
             with self._swap:
@@ -266,9 +274,11 @@ class PlannerLink:
             self.constructors = [bind_actor(h, self.client) for h in constructors]
             self.handles = (gen, self.constructors)
 
-    def raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None
-                      ) -> None:
-        """Raise if the planner is lost for good, or (past ``deadline``) did not answer."""
+    def raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None,
+                      *, within: float | None = None) -> None:
+        """Raise if the planner is lost for good, or (past ``deadline``, ``within`` seconds
+        of the look's start: the config's ``timeout`` if not given) did not answer."""
+        within = self.config.timeout if within is None else within
         lost = self.planner_lost()
         where = actor_address(self.planner) or "?"
         if lost and not self.owner_alive():
@@ -283,11 +293,11 @@ class PlannerLink:
             if lost:
                 raise ServiceTimeoutError(
                     f"the planner of service {self.name!r} was lost with its worker {where} "
-                    f"and was not re-created within {self.config.timeout:.0f}s; "
+                    f"and was not re-created within {within:g}s; "
                     f"{RESTART_HINT}")
             raise ServiceTimeoutError(
                 f"the planner of service {self.name!r} did not answer within "
-                f"{self.config.timeout:.0f}s (its worker may be lost): {cause!r}")
+                f"{within:g}s (its worker may be lost): {cause!r}")
 
     def _unpublished(self) -> bool:
         """Whether the service's registry is gone: its owner closed it (one that crashed

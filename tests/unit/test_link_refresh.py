@@ -79,7 +79,8 @@ class _Link(PlannerLink):
     def adopt_published(self) -> bool:
         return False
 
-    def raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None) -> None:
+    def raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None,
+                      **_kw: Any) -> None:
         time.sleep(0.3)  # the wait a real look spends before it gives up
         raise ServiceTimeoutError(f"the planner did not answer ({cause!r})")
 
@@ -255,3 +256,41 @@ def test_a_re_created_planner_that_does_not_set_up_is_named(monkeypatch: Any) ->
         keeper._start_generation({"planner": future, "planner_worker": "tcp://w:1",
                                   "generation": 1})
     assert future.released  # (this attempt's planner goes)
+
+
+class _Published(_Done):
+    """The published planner's future, its worker alive (``status`` as Dask's)."""
+
+    status = "finished"
+
+
+def test_a_look_waits_the_callers_timeout_not_the_configs() -> None:
+    """A reader's timeout shorter than the config's (300 s here) bounds its look for the
+    roles: a planner that does not answer was waited for the config's timeout, whatever
+    the reader had asked (an audit of the waits)."""
+    import pytest
+
+    planner = _Failing(delay=0.0)
+    link = PlannerLink(None, _link(planner).config, {"planner": _Published(planner)})
+    t0 = time.monotonic()
+    with pytest.raises(ServiceTimeoutError, match=r"did not answer within 0.5s"):
+        link.refresh(timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    assert planner.calls >= 1
+
+
+def test_a_look_going_on_is_waited_for_the_callers_timeout_only() -> None:
+    """A reader whose claim waits finds another reader of its process looking for the
+    roles (a slow planner): it waits for that look its own timeout at most, then goes on
+    with the handles as they are (its own deadline then decides)."""
+    planner = _Planner(delay=2.0)
+    link = _link(planner)
+    first = threading.Thread(target=link.refresh, kwargs={"max_age": 2.0})
+    first.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    link.refresh(max_age=2.0, timeout=0.3)
+    waited = time.monotonic() - t0
+    first.join(10)
+    assert 0.25 <= waited < 1.5, waited
+    assert planner.calls == 1 and link.constructors == ["c0", "c1"]

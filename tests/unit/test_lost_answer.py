@@ -95,7 +95,7 @@ class _Link:
                 return lost  # ... and the answer never arrived
         return fut
 
-    def refresh(self, max_age: float = 0.0) -> None:
+    def refresh(self, max_age: float = 0.0, timeout: float | None = None) -> None:
         pass
 
     def announce_generation(self) -> None:

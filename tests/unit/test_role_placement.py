@@ -596,3 +596,24 @@ def test_handles_that_do_not_come_are_a_timeout_naming_the_roles(
     with pytest.raises(ServiceTimeoutError, match=r"the handles of constructor 0, .* did not "
                                                   r"come from the scheduler within 1s"):
         asyncio.run(sup.setup())
+
+
+def test_a_scheduler_that_does_not_list_its_workers_is_a_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor's look at the scheduler's workers (on every heal and placement) waits
+    the config's timeout, then says what it waited for, instead of hanging with it."""
+    from msd_dask.errors import ServiceTimeoutError
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 1, 1, timeout=0.2)
+    asyncio.run(sup.setup())
+
+    async def stalled() -> dict[str, int]:
+        await asyncio.Event().wait()  # a scheduler whose event loop is stuck
+        return {}
+
+    client.scheduler.ncores = stalled  # type: ignore[method-assign]
+    expected = r"msd_dask p: the scheduler did not list its workers within 0.2s \(the config's"
+    with pytest.raises(ServiceTimeoutError, match=expected):
+        asyncio.run(asyncio.wait_for(sup._heal(wait=False), 10))
