@@ -21,7 +21,7 @@ __all__ = ["main"]
 
 EPILOG = """examples:
   msd-dask demo-corpus data/demo              write the demo corpus (stdlib code + docstrings)
-  msd-dask validate configs/demo.yaml         check a config and list each source's files
+  msd-dask validate configs/demo.yaml         check a config, list each source's files
   msd-dask run configs/demo.yaml --steps 50   run the service and consume every rank locally
   msd-dask serve configs/demo.yaml --scheduler tcp://head:8786
                                               serve until interrupted; training jobs connect
@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a state file written by `DataService.state_dict()` to continue from")
     _tls_options(s)
 
-    v = sub.add_parser("validate", help="check a config and list each source's files")
+    v = sub.add_parser("validate", help="check a config, list each source's files and read "
+                       "the fields of its first record")
     v.add_argument("config", help="service config (YAML)")
 
     d = sub.add_parser("demo-corpus", help="write the demo corpus (standard-library code "
@@ -213,17 +214,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from msd_dask.sources.check import load_config
+    from msd_dask.sources.check import check_fields, load_config
+    from msd_dask.sources.documents import source_fields
     from msd_dask.sources.storage import list_files
 
     cfg = load_config(args.config)
+    firsts = check_fields(cfg)
     print(f"config {args.config}: OK (service {cfg.name!r}, {cfg.parallel.world_size} ranks, "
           f"seq_len {cfg.batch.seq_len} x {cfg.batch.micro_batches} micro-batches)")
     w = cfg.weights_at(0)
-    for s in cfg.sources:
+    for s, first in zip(cfg.sources, firsts, strict=True):
         files = list_files(s.uri, s.storage_options)
+        fields = ", ".join(map(repr, source_fields(s)))
         print(f"\nsource {s.name!r} ({s.format}, weight {w[s.name]:.3f} at step 0, "
-              f"{s.loaders} loader(s)): {len(files)} file(s)")
+              f"{s.loaders} loader(s)): {len(files)} file(s); {fields} read from the first "
+              f"record of {first}")
         for f in files:
             print(f"  {f}")
     return 0

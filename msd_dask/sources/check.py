@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from msd_dask.core.config import Config, parse_config
-from msd_dask.errors import ConfigError
+from msd_dask.errors import ConfigError, DataError
 
-__all__ = ["check_preprocessors", "check_storage", "load_config"]
+__all__ = ["check_fields", "check_preprocessors", "check_storage", "load_config"]
 
 
 def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
@@ -92,3 +92,41 @@ def check_storage(cfg: Config) -> None:
         if not files:
             raise ConfigError(key, f"glob {src.uri!r} matches no file (names starting with "
                                    f"{' or '.join(map(repr, IGNORED_PREFIXES))} are left out)")
+
+
+def check_fields(cfg: Config) -> list[str]:
+    """Read the first record of each source's first file with the fields the source reads
+    (``text_field``, ``image_field``): a misspelt field shows before the service starts,
+    not when a loader first reads the file.
+
+    Returns each source's first file, in the config's order.  Only the first record of
+    the first file is read (a Parquet file's first row group, of those columns): a file
+    further on that lacks the field is found when it is read.
+
+    Raises
+    ------
+    DataError
+        Naming the source, the file and the row, and the fields the record has.
+    """
+    from msd_dask.formats import get_format
+    from msd_dask.sources.documents import source_fields, with_source
+    from msd_dask.sources.storage import open_source
+
+    firsts = []
+    for i, src in enumerate(cfg.sources):
+        files = open_source(src.uri, src.storage_options)
+        if not files.paths:  # (load_config's check_storage says so first)
+            raise ConfigError(f"sources[{i}].uri", f"glob {src.uri!r} matches no file")
+        path = files.paths[0]
+        fmt = get_format(src.format)
+        try:
+            for unit in fmt.units(files.fs, path):
+                if next(iter(fmt.read(files.fs, unit, source_fields(src))), None) is not None:
+                    break  # (a unit without rows: the next one's first)
+        except (DataError, OSError) as e:
+            err = with_source(e, src.name, path)
+            if err is e:
+                raise
+            raise err from e
+        firsts.append(path)
+    return firsts

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 # (tests/unit/test_imports.py)
 
 __all__ = ["DocPool", "ImageDoc", "preprocessor", "process_docs", "read_unit", "source_config",
-           "with_source"]
+           "source_fields", "with_source"]
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -160,6 +160,12 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     return out
 
 
+def source_fields(src: SourceConfig) -> list[str]:
+    """The fields a source reads from each record: its ``text_field``, and its
+    ``image_field`` if it has one."""
+    return [src.text_field] + ([src.image_field] if src.image_field else [])
+
+
 def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
                out: list[np.ndarray | ImageDoc],
                bad: list[DataError] | None, pool: DocPool | None = None,
@@ -176,7 +182,7 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     # formats that can report a bad row without ending the read (JSON lines) do so
     tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
     read: Any = fmt.read
-    fields = [src.text_field] + ([src.image_field] if src.image_field else [])
+    fields = source_fields(src)
 
     def rows_in_order() -> list[tuple[int, Any]]:
         rows = read(fs, unit, fields, errors="yield") if tolerant else read(fs, unit, fields)

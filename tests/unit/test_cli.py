@@ -179,3 +179,40 @@ def test_a_source_given_twice_to_set_weights_is_refused(capsys: pytest.CaptureFi
     assert main(["set-weights", "s", "code=1", "prose=1", "code=2",
                  "--scheduler", "tcp://198.18.0.1:8786"]) == 2
     assert "source(s) ['code'] given twice" in capsys.readouterr().err
+
+
+def _one_file_source(tmp_path: Path, fmt: str) -> None:
+    """``tmp_path/data/a.<fmt>`` of three records with a ``text`` field and an ``id``."""
+    records = [{"id": i, "text": f"document {i}"} for i in range(3)]
+    (tmp_path / "data").mkdir()
+    if fmt == "jsonl":
+        (tmp_path / "data" / "a.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), tmp_path / "data" / "a.parquet")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_validate_reads_the_fields_of_each_sources_first_record(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str) -> None:
+    """A misspelt ``text_field`` passed ``msd-dask validate`` and failed only once a
+    loader read the file (an audit).  Now validate names the source, the file, the row
+    and what the record has; the right field passes and is listed."""
+    _one_file_source(tmp_path, fmt)
+    uri = str(tmp_path / "data" / f"*.{fmt}")
+    for field in ("txt", "text"):
+        (tmp_path / "c.yaml").write_text(
+            f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: '{uri}', "
+            f"format: {fmt}, text_field: {field}}}\n")
+        code = main(["validate", str(tmp_path / "c.yaml")])
+        out, err = capsys.readouterr()
+        if field == "txt":
+            assert code == 2 and "Traceback" not in err, err
+            assert "missing field 'txt'" in err and f"a.{fmt}" in err, err
+            assert "source 'web'" in err and "row 0" in err and "id, text)" in err, err
+        else:
+            assert code == 0, err
+            assert f"'text' read from the first record of {tmp_path}/data/a.{fmt}" in out, out
