@@ -135,8 +135,9 @@ StepWork = tuple[int, StepPieces]
 def pack_work(work: StepPieces) -> bytes:
     """One constructor's work of a step, packed as the planner keeps it for that constructor
     if it is re-created and sends it to a constructor on another worker: its arrays' bytes
-    after the rest pickled, compressed together (zstd level -1); an integer array in the
-    narrowest unsigned integers that hold it, the piece table column by column.
+    after the rest pickled; an integer array in the narrowest unsigned integers that hold
+    it, the piece table column by column; compressed together (zstd level -1) where a
+    step's work is large (:func:`pack_works`).
 
     A column of a constructor's pieces holds values of one kind (a source, a row, a
     length...), mostly small: narrowed, the arrays are about half their bytes, and zstd,
@@ -147,11 +148,11 @@ def pack_work(work: StepPieces) -> bytes:
     thousands of paths (:func:`_joined`).  A work of a step at dp 16,384 is small (a
     few hundred pieces at 4K), so what is done per array or column, not per value, counts:
     a column's narrow dtype comes from one pass (its largest value as unsigned), and the
-    parts are joined and compressed in one call.  The result is bytes of their own size
+    parts are joined (and compressed) in one call.  The result is bytes of their own size
     (zstandard's output buffers are not kept), and :func:`unpack_work` gives back an
     equal work, which pickles to the same bytes.
     """
-    return _compressed([_laid_out(work)], 1)[0]
+    return pack_works([work])[0]
 
 
 def _laid_out(work: StepPieces) -> bytes:
@@ -178,6 +179,8 @@ def _laid_out(work: StepPieces) -> bytes:
         arrays.append((name, dtype, value.shape, kinds))
         body += [part.astype(kind, copy=False) for part, kind in zip(parts, kinds, strict=True)]
     head = pickle.dumps((rest, joined, arrays), protocol=5)
+    if len(head) >= 2**31:  # (unpack_work tells laid-out bytes from a zstd frame by this)
+        raise ValueError(f"a constructor's work of {len(head)} bytes besides its arrays")
     body[:2] = len(head).to_bytes(_HEAD, "little"), head
     return b"".join(body)
 
@@ -185,23 +188,26 @@ def _laid_out(work: StepPieces) -> bytes:
 def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
     """:func:`pack_work` of each constructor's work of a step, in order, the same bytes.
 
-    The works are laid out in this thread and compressed together on up to ``threads`` of
-    zstd's own threads, which run without the GIL (zstd takes about half of packing a
-    large step).  One call for up to :data:`_BATCH_BYTES` of laid-out works: each call
-    starts its threads (about 0.3 ms), so a call per few works is slower than none, while
-    at dp 16,384 × 128K a step's works (about 80 MiB laid out) stay below the planner's
-    peak, its placement's.  Under :data:`_THREADS_FROM` bytes (a small step) they are
-    compressed in this thread.  (Packing the works themselves on a pool of Python threads
-    is slower still: laying one out is many small numpy calls under the GIL.)
+    The works are laid out in this thread.  A step whose works take
+    :data:`_COMPRESS_FROM` bytes or more laid out (dp 16,384 × 32K or 128K) is compressed,
+    where the planner keeps ``prefetch`` steps of it within its memory bound: on up to
+    ``threads`` of zstd's own threads, which run without the GIL, one call for up to
+    :data:`_BATCH_BYTES` of laid-out works (each call starts its threads, about 0.3 ms;
+    at dp 16,384 × 128K a step's works, about 80 MiB laid out, stay below the planner's
+    peak, its placement's).  A smaller step's works are kept and sent as laid out (at
+    dp 16,384 × 4K, 3.6 MiB a step: zstd would take about as long as laying them out,
+    to save 1.6 MiB).  (Packing the works themselves on a pool of Python threads is
+    slower: laying one out is many small numpy calls under the GIL.)
     """
     out: list[bytes] = []
     laid: list[bytes] = []
-    size = 0
+    size = total = 0
     for i, w in enumerate(works):
         laid.append(_laid_out(w))
         size += len(laid[-1])
+        total += len(laid[-1])
         if size >= _BATCH_BYTES or i == len(works) - 1:
-            out += _compressed(laid, threads if size >= _THREADS_FROM else 1)
+            out += _compressed(laid, threads) if total >= _COMPRESS_FROM else laid
             laid, size = [], 0
     return out
 
@@ -220,7 +226,10 @@ def unpack_work(packed: bytes) -> StepPieces:
     """The work :func:`pack_work` packed (its arrays writable, each its own)."""
     import zstandard
 
-    raw = memoryview(zstandard.ZstdDecompressor().decompress(packed))
+    if packed[:4] == _ZSTD_MAGIC:  # (laid-out bytes start with a length below 2**31)
+        raw = memoryview(zstandard.ZstdDecompressor().decompress(packed))
+    else:
+        raw = memoryview(packed)
     at = _HEAD + int.from_bytes(raw[:_HEAD], "little")
     rest, joined, arrays = pickle.loads(raw[_HEAD:at])
     rest.update((name, tuple(text.split("\0"))) for name, text in joined.items())
@@ -259,8 +268,11 @@ _HEAD = 8
 #: the most bytes of laid-out works :func:`pack_works` compresses in one call
 _BATCH_BYTES = 1 << 27
 
-#: the fewest bytes of laid-out works :func:`pack_works` compresses on several threads
-_THREADS_FROM = 1 << 20
+#: the fewest bytes of a step's laid-out works :func:`pack_works` compresses
+_COMPRESS_FROM = 1 << 24
+
+#: the first bytes of a zstd frame (its magic number, little-endian)
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 #: the unsigned integers an integer array, or a piece table's column, is narrowed to (dtype
 #: strings), and the largest value each holds (the narrowest holding a part's largest value

@@ -71,11 +71,14 @@ def test_kept_work_comes_back_the_same() -> None:
         assert again.pieces.dtype == w.pieces.dtype and again.paths == w.paths
 
 
-def test_kept_work_holds_only_its_bytes() -> None:
+def test_kept_work_holds_only_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """pack_work's bytes hold no more memory than their length: zstandard's own result keeps
     its whole output buffer (the input's size), and the planner keeps ``prefetch`` steps."""
     import tracemalloc
 
+    from msd_dask.roles import constructor
+
+    monkeypatch.setattr(constructor, "_COMPRESS_FROM", 0)  # (a large step's, compressed)
     plan = StepPlan(0, np.zeros((20_000, 8), dtype=np.int64), np.full((4, 2), 2_500, dtype=np.int64),
                     tuple(NAMES), [1.0] * 4, 1.0)
     work = split_plan(plan, 1, OWNER, RELPATH, NAMES)[0]
@@ -119,42 +122,68 @@ def test_distinct_by_flags_and_by_sort_agree(n: int) -> None:
 
 
 class _Counting:
-    """A zstd compressor that counts the calls that start zstd's threads."""
+    """A zstd compressor that counts its calls, and those that start zstd's threads."""
 
     def __init__(self, z: object):
-        self.z, self.threaded = z, 0
+        self.z, self.calls, self.threaded = z, 0, 0
 
     def compress(self, data: bytes) -> bytes:
+        self.calls += 1
         return self.z.compress(data)  # type: ignore[attr-defined, no-any-return]
 
     def multi_compress_to_buffer(self, data: list[bytes], threads: int) -> object:
+        self.calls += 1
         self.threaded += 1
         return self.z.multi_compress_to_buffer(data, threads=threads)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("threads,batch,threaded", [
-    (1, 1 << 27, False), (2, 1 << 27, False), (2, 1 << 27, True), (3, 1 << 27, True),
-    (2, 1, True), (2, 3000, True)])
+@pytest.mark.parametrize("threads,batch", [(1, 1 << 27), (2, 1 << 27), (3, 1 << 27), (2, 1),
+                                           (2, 3000)])
 def test_a_steps_work_packed_is_each_constructors_packed(
-        threads: int, batch: int, threaded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        threads: int, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """pack_works packs each constructor's work of a step, in order, the same bytes on any
-    number of threads, across its batches (a work each, two or three, or all in one), and
-    a small step's (under _THREADS_FROM bytes) in this thread: starting zstd's threads for
-    it costs more than they save."""
+    number of threads, across its batches (a work each, two or three, or all in one); a
+    large step's (from _COMPRESS_FROM bytes laid out) compressed on zstd's threads, one call
+    per batch."""
     from msd_dask.roles import constructor
 
     z = _Counting(constructor._compressor())
     monkeypatch.setattr(constructor, "_compressor", lambda: z)
     monkeypatch.setattr(constructor, "_BATCH_BYTES", batch)
-    if threaded:
-        monkeypatch.setattr(constructor, "_THREADS_FROM", 0)
+    monkeypatch.setattr(constructor, "_COMPRESS_FROM", 0)
     work = split_plan(_plan(16, 4, 7, big=True), 5, OWNER, RELPATH, NAMES)
     packed = constructor.pack_works(work, threads)
-    assert (z.threaded > 0) == (threaded and threads > 1), z.threaded
-    if threaded and threads > 1:  # a call per batch
+    if threads > 1:
         assert z.threaded == {1 << 27: 1, 1: 5, 3000: 2}[batch]
+    else:
+        assert z.threaded == 0 and z.calls == len(work)
+    assert all(p[:4] == constructor._ZSTD_MAGIC for p in packed)
     assert packed == [pack_work(w) for w in work]
     assert all(type(p) is bytes for p in packed)
+    for one, back in zip(work, map(unpack_work, packed), strict=True):
+        assert pickle.dumps(back) == pickle.dumps(one)
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_a_small_steps_work_is_kept_as_laid_out(over: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose works take fewer than _COMPRESS_FROM bytes laid out (dp 16,384 × 4K:
+    3.6 MiB) is not compressed: zstd took about as long as laying the works out (10-16 ms
+    a step) to save 1.6 MiB.  From _COMPRESS_FROM bytes on, the whole step is; either
+    unpacks to the same work."""
+    from msd_dask.roles import constructor
+
+    z = _Counting(constructor._compressor())
+    monkeypatch.setattr(constructor, "_compressor", lambda: z)
+    work = split_plan(_plan(16, 4, 7, big=True), 5, OWNER, RELPATH, NAMES)
+    laid = [constructor._laid_out(w) for w in work]
+    monkeypatch.setattr(constructor, "_COMPRESS_FROM", sum(map(len, laid)) + over)
+    packed = constructor.pack_works(work, 2)
+    if over:
+        assert packed == laid and z.calls == 0
+    else:
+        assert z.calls == 1 and all(p[:4] == constructor._ZSTD_MAGIC for p in packed)
+        assert sum(map(len, packed)) < sum(map(len, laid))
     for one, back in zip(work, map(unpack_work, packed), strict=True):
         assert pickle.dumps(back) == pickle.dumps(one)
 
