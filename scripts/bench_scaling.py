@@ -156,7 +156,10 @@ def _policy_state(dask_scheduler: Any) -> dict[str, Any]:
 
 
 def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
-        prefetch: int) -> dict[str, Any]:
+        prefetch: int, idle: float = 0.0) -> dict[str, Any]:
+    """One allocation; with ``idle`` seconds, then the CPU per second of every process
+    while the readers hold their batches and take none (the service's cost with no
+    step: Dask's heartbeats and monitors, the service's once-a-second control plane)."""
     from msd_dask import DataService
     from msd_dask.torch import Prefetcher
 
@@ -204,6 +207,12 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
         cpu = _cpu_seconds() - (cpu0 or 0.0)
         stop.set()
         poller.join(5)
+        idle_cpu = 0.0
+        if idle:  # (the poller stopped: the bench's own look at the service is not counted)
+            time.sleep(3.0)  # the readers' and the constructors' prefetch fill up
+            c0, t0 = _cpu_seconds(), time.perf_counter()
+            time.sleep(idle)
+            idle_cpu = (_cpu_seconds() - c0) / (time.perf_counter() - t0)
         loaders = svc.planner.loader_stats().result()
         policy = svc.client.run_on_scheduler(_policy_state).get(cfg["name"], {})
         for rd in readers:
@@ -220,7 +229,26 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
             "converged_cpu_per_token": cpu / conv_tokens if conv_tokens else 0.0,
             # of that CPU, the loaders' reading, preprocessing and tokenizing
             "converged_read_cpu_per_token":
-                loader_cpu_seconds(half, loaders) / conv_tokens if conv_tokens else 0.0}
+                loader_cpu_seconds(half, loaders) / conv_tokens if conv_tokens else 0.0,
+            "idle_cpu_per_s": idle_cpu}
+
+
+def dask_floor(workers: int, seconds: float) -> float:
+    """CPU seconds per second of every process of an embedded Dask cluster of ``workers``
+    one-thread workers and a client, with the service's Dask settings and nothing to do:
+    what Dask itself costs :func:`run`'s processes."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    from msd_dask.service import EMBEDDED_DASK_CONFIG
+
+    with dask.config.set(EMBEDDED_DASK_CONFIG), \
+            LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                         dashboard_address=":0") as cluster, Client(cluster):
+        time.sleep(3.0)
+        c0, t0 = _cpu_seconds(), time.perf_counter()
+        time.sleep(seconds)
+        return (_cpu_seconds() - c0) / (time.perf_counter() - t0)
 
 
 def _loader_window(before: dict[str, list[dict[str, Any]]],
@@ -326,7 +354,8 @@ def reference_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _reference_only(args: argparse.Namespace, seconds: float, demand: float) -> int:
     """``--reference-only``: the "no costly" run alone, and the service's own CPU per token."""
-    r = run(reference_config(args), seconds, args.step_seconds, args.workers, args.prefetch)
+    r = run(reference_config(args), seconds, args.step_seconds, args.workers, args.prefetch,
+            idle=args.idle_seconds)
     print(f"no costly source ({args.mode} mode), {seconds:.0f}s, {args.workers} workers on "
           f"{os.cpu_count() or 1} cores; demand {demand:,.0f} tokens/s")
     print(f"delivered {r['tokens_per_s']:,.0f} tokens/s ({r['converged_tokens_per_s']:,.0f} "
@@ -335,7 +364,21 @@ def _reference_only(args: argparse.Namespace, seconds: float, demand: float) -> 
           f"us/token ({r['converged_cores']:.2f} cores at {r['converged_tokens_per_s']:,.0f} "
           "tokens/s)")
     print(_without_reading(r))
+    if args.idle_seconds:
+        print(_idle_share(r, dask_floor(args.workers, args.idle_seconds)))
     return 0
+
+
+def _idle_share(r: dict[str, Any], floor: float) -> str:
+    """The line that splits a run's CPU per token into what its processes cost per second
+    with no step (Dask's own part, measured on a bare cluster, and the service's) and what
+    the steps add."""
+    rate = r["converged_tokens_per_s"] or 1.0
+    idle, own = r["idle_cpu_per_s"], r["converged_cpu_per_token"]
+    return (f"with no step taken its processes use {idle * 1e3:.1f} ms of CPU per second "
+            f"({idle / rate * 1e6:.2f} us/token at this rate), a bare Dask cluster of as many "
+            f"workers with the service's Dask settings {floor * 1e3:.1f}; the steps add "
+            f"{(own - idle / rate) * 1e6:.2f} us/token")
 
 
 def _without_reading(r: dict[str, Any]) -> str:
@@ -387,9 +430,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-only", action="store_true",
                    help="only that third run: the service's own CPU per token (cpu mode), "
                         "and what it delivers at this demand")
+    p.add_argument("--idle-seconds", type=float, default=10.0,
+                   help="with --reference-only: then measure the processes' CPU per second "
+                        "with no step taken for this long, and a bare Dask cluster's (0: "
+                        "neither)")
     args = p.parse_args(argv)
     if args.reference_only and args.no_reference:
         p.error("--reference-only and --no-reference exclude each other")
+    if not args.idle_seconds >= 0:
+        p.error(f"--idle-seconds {args.idle_seconds}: must be a number of seconds >= 0")
     for flag in ("micro_batches", "repeat", "service_prefetch"):
         if getattr(args, flag) < 1:  # before the corpus is written or anything measured
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")

@@ -26,6 +26,7 @@ heartbeats and monitors), measured on the loop's thread.
     python scripts/profile_scaling.py --policy adaptive --seconds 40
     python scripts/profile_scaling.py --policy fixed --cheap --seconds 40
     python scripts/profile_scaling.py --policy fixed --cheap --seconds 24 --calls
+    python scripts/profile_scaling.py --policy fixed --cheap --seconds 30 --calls --micro-batches 4
 """
 
 from __future__ import annotations
@@ -308,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between two looks at what the planner is blocked on (0: "
                         "none); each look is a message the planner's worker serves, about 1 ms "
                         "of its CPU per step at the default")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="rows per rank and step; the consumer's step lasts as many times "
+                        "0.04 s (the same demand in fewer, larger steps, as bench_scaling's "
+                        "--micro-batches 4 --step-seconds 0.16)")
     p.add_argument("--calls", action="store_true",
                    help="count the messages each process serves per step (by RPC, actor role "
                         "and method), the calls between roles on one worker, and its event "
@@ -318,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     from msd_dask import DataService
     from msd_dask.torch import Prefetcher
 
-    cfg = bench.make_config(args.data, args.policy, "cpu")
+    if args.micro_batches < 1:
+        p.error(f"argument --micro-batches: must be an integer >= 1, got {args.micro_batches}")
+    cfg = bench.make_config(args.data, args.policy, "cpu", micro_batches=args.micro_batches)
     if args.read_ahead_tokens:
         for s in cfg["sources"]:
             s["read_ahead_tokens"] = args.read_ahead_tokens
@@ -374,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             batches = [rd.get(timeout=120) for rd in readers]
             waited += time.perf_counter() - t0
-            time.sleep(0.04)
+            time.sleep(0.04 * args.micro_batches)
             steps += 1
             tokens += sum(b.num_tokens for b in batches)
         end = {"t": time.perf_counter(), "main": _thread_times(), "loop": dict(_SAMPLES),

@@ -86,3 +86,20 @@ def test_the_service_prefetch_is_the_configs() -> None:
     cfg = bench_scaling.make_config("data", "adaptive", "cpu", prefetch=8)
     assert cfg["prefetch"] == 8
     assert bench_scaling.make_config("data", "adaptive", "cpu")["prefetch"] == 4
+
+
+def test_a_negative_idle_time_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_scaling.main(["--mode", "cpu", "--reference-only", "--idle-seconds", "-1"])
+    assert exc.value.code == 2
+    assert "--idle-seconds -1.0: must be a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_the_idle_share_splits_the_cpu_per_token() -> None:
+    """0.05 CPU seconds per second with no step, at 100,000 tokens/s, are 0.5 us of a run's
+    1.5 us/token: the steps add the other 1.0."""
+    r = {"converged_tokens_per_s": 100_000.0, "idle_cpu_per_s": 0.05,
+         "converged_cpu_per_token": 1.5e-6}
+    line = bench_scaling._idle_share(r, 0.025)
+    assert "50.0 ms of CPU per second (0.50 us/token at this rate)" in line, line
+    assert "service's Dask settings 25.0; the steps add 1.00 us/token" in line, line
