@@ -225,6 +225,11 @@ CREATE_CHECK = 1.0
 #: seconds), and a monitor polling the service must not stall while the role is re-created
 STATS_WAIT = 3.0
 
+#: the oldest answers of every constructor's ``stats()`` (seconds since they were asked)
+#: the owner's checkpoint and the plugin's poll take instead of asking again: each comes
+#: once a second, and one round of asks serves both
+STATS_SHARED = 1.0
+
 
 def bound_actor(client: Any, future: Any, worker: str, service: str, role: str,
                 timeout: float) -> Any:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from msd_dask.core.config import parse_config
+from msd_dask.dask_internals import STATS_SHARED
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, pack_works
 from msd_dask.roles.direct import direct
@@ -1029,8 +1030,8 @@ class PlannerActor:
                              "closer to the readers' position")
         return self._snapshots[step]
 
-    async def checkpoint(self, have: int | None = None,
-                         have_version: int | None = None) -> dict[str, Any]:
+    async def checkpoint(self, have: int | None = None, have_version: int | None = None,
+                         stats_age: float = 0.0) -> dict[str, Any]:
         """What the service's owner keeps to re-create this planner if it is lost.
 
         Parameters
@@ -1041,13 +1042,18 @@ class PlannerActor:
             is not sent again (``None``; the kept snapshot of a step changes only with
             a live weight change, which raises the version, and the owner polls every
             second while a snapshot is megabytes at dp 16,384 × 128K).
+        stats_age : float
+            Take every constructor's answers of up to this many seconds ago (a round the
+            plugin's poll asked for,
+            :data:`~msd_dask.dask_internals.STATS_SHARED`) instead of asking them again:
+            the owner's checkpoint once a second; ``0``, ask.
 
         Returns
         -------
         dict
             ``state``: the planner's state after ``step``, the last step every
             rank has returned as far as its constructor knows (each constructor
-            asked, a few seconds at most; a constructor that does not answer counts
+            asked, a few seconds at most, or see ``stats_age``; a constructor that does not answer counts
             as a round before the ``prefetch`` steps behind the last submitted step,
             which every rank has claimed), as packed
             bytes that a re-created planner takes as its ``state`` (the JSON form
@@ -1061,7 +1067,8 @@ class PlannerActor:
         """
         claimed: dict[int, int] = {}
         returned: dict[int, int] = {}
-        cons = await self.constructor_stats()  # (one lost meanwhile: heal re-creates it)
+        # (one lost meanwhile: heal re-creates it)
+        cons = await self.roles.constructor_stats(max_age=stats_age)
         complete = not any(st.get("unanswered") for st in cons)
         for st in cons:
             claimed.update({int(r): int(s) for r, s in st["last_claimed"].items()})
@@ -1096,7 +1103,7 @@ class PlannerActor:
             :meth:`history_since` ``since``; ``weights_ahead``: :meth:`weights_ahead`
             over ``lookahead`` steps (``None`` without ``lookahead``).
         """
-        cons = await self.constructor_stats()
+        cons = await self.roles.constructor_stats(max_age=STATS_SHARED)
         loaders = await self.loader_stats()
         async with self._plan_lock:  # the planner's figures after a whole step
             return {"planner": await self.stats(), "loaders": loaders,

@@ -157,6 +157,8 @@ class RoleSupervisor:
         self._slots: dict[str, dict[int, tuple[Any, Any]]] = {}
         #: each loader's last stats() answer, by actor key (see loader_stats)
         self._last_stats: dict[str, dict[str, Any]] = {}
+        #: when the last round of constructor_stats asks started, and its answers
+        self._cons_stats: tuple[float, asyncio.Future[list[dict[str, Any]]]] | None = None
         #: source -> retired slot -> slot that took its units over
         self._alias: dict[str, dict[int, int]] = {}
         #: source -> slots that take new units, in round-robin order
@@ -522,10 +524,19 @@ class RoleSupervisor:
             out[source].append(st)
         return out
 
-    async def constructor_stats(self) -> list[dict[str, Any]]:
+    async def constructor_stats(self, max_age: float = 0.0) -> list[dict[str, Any]]:
         """Every constructor's ``stats()``, asked at once; one that does not answer within
         :data:`~msd_dask.dask_internals.STATS_WAIT` seconds (its worker was lost, and
-        heal re-creates it) is given by :func:`~msd_dask.roles.constructor.unanswered_stats`."""
+        heal re-creates it) is given by :func:`~msd_dask.roles.constructor.unanswered_stats`.
+
+        With ``max_age``, the answers of a round of asks that started less than ``max_age``
+        seconds ago (or is still under way) serve instead: the owner's checkpoint and the
+        plugin's poll each ask once a second, a message to every constructor each time
+        (256 of them at dp 16,384), and share one round.
+        """
+        shared = self._cons_stats
+        if shared is not None and time.monotonic() - shared[0] < max_age:
+            return list(await asyncio.shield(shared[1]))
 
         async def one(i: int, c: Any) -> dict[str, Any]:
             try:
@@ -533,7 +544,10 @@ class RoleSupervisor:
             except Exception as e:  # noqa: BLE001 - lost meanwhile: heal re-creates it
                 return constructor_role.unanswered_stats(i, unanswered(e, STATS_WAIT))
 
-        return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(self.constructors))))
+        asked = asyncio.ensure_future(
+            asyncio.gather(*(one(i, c) for i, c in enumerate(self.constructors))))
+        self._cons_stats = (time.monotonic(), asked)
+        return list(await asyncio.shield(asked))
 
     # -------------------------------------------------------------- calls
     async def assign_units(self, source: str, slot: int, keys: list[tuple[int, int]]) -> None:

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from msd_dask.dask_internals import actor_address, bound_actor
+from msd_dask.dask_internals import STATS_SHARED, actor_address, bound_actor
 from msd_dask.errors import ServiceTimeoutError
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
@@ -74,13 +74,15 @@ class PlannerKeeper:
         if self._watcher is not None:
             self._watcher.join(timeout)
 
-    def keep_checkpoint(self) -> None:
+    def keep_checkpoint(self, stats_age: float = 0.0) -> None:
         """Keep the planner's last checkpoint, and hold the keys of the roles it names.
 
         A checkpoint of the step and weights version already kept, from the same planner
         generation, comes without its state (``have`` of
         :meth:`msd_dask.roles.planner.PlannerActor.checkpoint`): the kept state
-        stays."""
+        stays.  ``stats_age``: of the checkpoint, the constructors' answers it may take
+        from a round of up to that many seconds ago (the watcher's, once a second,
+        shares the plugin's round)."""
         with self._lock:
             generation = self.link.generation
             last = self.checkpoint
@@ -88,7 +90,8 @@ class PlannerKeeper:
             if last is not None and last.get("generation") == generation:
                 have, version = last["step"], last.get("version")
             try:
-                ck = dict(self.link.planner.checkpoint(have=have, have_version=version)
+                ck = dict(self.link.planner.checkpoint(have=have, have_version=version,
+                                                       stats_age=stats_age)
                           .result(timeout=CHECKPOINT_WAIT))
             except TimeoutError:
                 raise ServiceTimeoutError(
@@ -127,7 +130,7 @@ class PlannerKeeper:
                 if self.link.planner_lost(confirm=True):
                     self.recover()
                 else:
-                    self.keep_checkpoint()
+                    self.keep_checkpoint(stats_age=STATS_SHARED)
             except Exception as e:  # noqa: BLE001 - logged; the next round tries again
                 if self._stop.is_set():
                     return

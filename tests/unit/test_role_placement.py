@@ -93,9 +93,17 @@ class _Handle:
     async def submit(self, steps: object, room: int, force: bool = False) -> None:
         pass
 
+    async def stats(self) -> dict[str, object]:
+        _STATS_ASKED.append(self.key)
+        await asyncio.sleep(0.05)  # an answer that takes a message's time
+        return {"asked": len(_STATS_ASKED)}
+
     async def close(self) -> None:
         self.closed = True
 
+
+#: the keys of the roles asked for their stats, in order (see _Handle.stats)
+_STATS_ASKED: list[str] = []
 
 #: the key prefix of a role whose worker froze (see _Handle.set_loaders)
 _FROZEN = "msd-p-constructor-1-"
@@ -617,3 +625,30 @@ def test_a_scheduler_that_does_not_list_its_workers_is_a_timeout(
     expected = r"msd_dask p: the scheduler did not list its workers within 0.2s \(the config's"
     with pytest.raises(ServiceTimeoutError, match=expected):
         asyncio.run(asyncio.wait_for(sup._heal(wait=False), 10))
+
+
+def test_the_checkpoint_and_the_poll_share_a_round_of_constructor_stats(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner's checkpoint and the plugin's poll each asked every constructor for its
+    stats once a second (two messages a second to each of 256 constructors at dp 16,384).
+    With ``max_age``, a round under way or younger than it serves both; without, each
+    call asks."""
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 3, 1)
+    asyncio.run(sup.setup())
+    _STATS_ASKED.clear()
+
+    async def calls() -> list[list[dict[str, object]]]:
+        both = await asyncio.gather(sup.constructor_stats(max_age=1.0),
+                                    sup.constructor_stats(max_age=1.0))  # one under way
+        again = await sup.constructor_stats(max_age=1.0)                  # younger than 1 s
+        fresh = await sup.constructor_stats()                            # no max_age: asks
+        await asyncio.sleep(0.2)
+        old = await sup.constructor_stats(max_age=0.1)                   # older: asks
+        return [*both, again, fresh, old]
+
+    first, second, again, fresh, old = asyncio.run(calls())
+    assert first == second == again and len(first) == 3
+    assert fresh != first and old != fresh
+    assert len(_STATS_ASKED) == 9  # three rounds of three constructors
