@@ -32,6 +32,16 @@ class FakeReader:
         self.reports += 1
 
 
+def _until(check: object, timeout: float) -> float:
+    """Seconds until ``check()`` holds, polled every 10 ms; fails after ``timeout`` (a
+    loaded machine's thread wakes late: the bound is generous, the order is what counts)."""
+    t0 = time.monotonic()
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() - t0 < timeout, f"not within {timeout}s"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
 def test_no_report_while_reading_one_per_pause() -> None:
     reporter = _Reporter()
     readers = [FakeReader(reporter) for _ in range(3)]
@@ -41,13 +51,14 @@ def test_no_report_while_reading_one_per_pause() -> None:
             r.next()
         time.sleep(0.05)
     assert [r.reports for r in readers] == [0, 0, 0]
-    time.sleep(REPORT_IDLE + 0.5)  # the loops stop: one report each
-    assert [r.reports for r in readers] == [1, 1, 1]
+    # the loops stop: one report each, once they were idle REPORT_IDLE
+    waited = _until(lambda: [r.reports for r in readers] == [1, 1, 1], REPORT_IDLE + 10)
+    assert waited >= REPORT_IDLE - 0.1, waited
     time.sleep(REPORT_IDLE)  # and no more while they stay stopped
     assert [r.reports for r in readers] == [1, 1, 1]
     readers[0].next()  # one resumes and stops again: one more from it
-    time.sleep(REPORT_IDLE + 0.5)
-    assert [r.reports for r in readers] == [2, 1, 1]
+    waited = _until(lambda: [r.reports for r in readers] == [2, 1, 1], REPORT_IDLE + 10)
+    assert waited >= REPORT_IDLE - 0.1, waited
 
 
 def test_a_reader_waits_longer_when_its_loop_is_slower() -> None:
@@ -61,13 +72,14 @@ def test_a_reader_waits_longer_when_its_loop_is_slower() -> None:
     assert idle_time([0.01] * 20 + [3.0] * IDLE_GAPS) == IDLE_FACTOR * 3.0  # the last ones count
     reporter = _Reporter()
     slow_reader = FakeReader(reporter)
-    slow_reader.report_after = idle_time([0.5] * IDLE_GAPS)  # 1.5 s
+    slow_reader.report_after = idle_time([1.0] * IDLE_GAPS)  # 3 s
     for _ in range(3):  # steps of 1.2 s: longer than REPORT_IDLE, no report
         slow_reader.next()
         time.sleep(1.2)
     assert slow_reader.reports == 0
-    time.sleep(0.6)  # stopped for 1.8 s in all: one report
-    assert slow_reader.reports == 1
+    # stopped: one report, once idle for its 3 s (1.2 of them already slept)
+    waited = _until(lambda: slow_reader.reports == 1, 10.0)
+    assert waited >= 3.0 - 1.2 - 0.1, waited
 
 
 def test_constructor_counts_claims_and_pauses() -> None:
