@@ -103,8 +103,11 @@ def specs() -> list[Spec]:
         out += [
             Spec(f"{balance}-seq64", 8, 4, seq_len=64, balance=balance, seed=5, outliers=0.5,
                  tags=("golden",)),
-            Spec(f"{balance}-seq1024", 8, 2, seq_len=1024, balance=balance, seed=6, outliers=300,
-                 max_wait=2, outlier_group=3, resume_at=3, tags=("golden",)),
+            # (at seed 6 balanced's exchanges leave lpt's assignment as it is: the two specs'
+            # digests were one; at 26 they change it)
+            Spec(f"{balance}-seq1024", 8, 2, seq_len=1024, balance=balance,
+                 seed=6 if balance == "lpt" else 26, outliers=300, max_wait=2, outlier_group=3,
+                 resume_at=3, tags=("golden",)),
             Spec(f"{balance}-group5-wait1", 16, 2, balance=balance, outliers=0.3, outlier_group=5,
                  max_wait=1, seed=7, steps=10, resume_at=5),
             Spec(f"{balance}-spread", 16, 4, balance=balance, long_mode="spread", max_per_rank=1,
