@@ -293,11 +293,11 @@ class PlannerLink:
             if lost:
                 raise ServiceTimeoutError(
                     f"the planner of service {self.name!r} was lost with its worker {where} "
-                    f"and was not re-created within {within:g}s; "
+                    f"and was not re-created within {round(within, 1):g}s; "
                     f"{RESTART_HINT}")
             raise ServiceTimeoutError(
                 f"the planner of service {self.name!r} did not answer within "
-                f"{within:g}s (its worker may be lost): {cause!r}")
+                f"{round(within, 1):g}s (its worker may be lost): {cause!r}")
 
     def _unpublished(self) -> bool:
         """Whether the service's registry is gone: its owner closed it (one that crashed

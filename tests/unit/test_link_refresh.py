@@ -277,6 +277,9 @@ def test_a_look_waits_the_callers_timeout_not_the_configs() -> None:
         link.refresh(timeout=0.5)
     assert time.monotonic() - t0 < 5
     assert planner.calls >= 1
+    # a reader's remaining time is any float: said to a tenth of a second
+    with pytest.raises(ServiceTimeoutError, match=r"did not answer within 0.5s \(its worker"):
+        link.refresh(timeout=0.54321)
 
 
 def test_a_look_going_on_is_waited_for_the_callers_timeout_only() -> None:
