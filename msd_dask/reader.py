@@ -507,7 +507,8 @@ class Reader:
                 # service replaced it is looked at (one look per process and interval:
                 # thousands of ranks may wait at once) before the deadline can raise, or
                 # every later request of this rank would go to the lost one again
-                constructor, call = self._current(c, constructor, call, CLAIM_WAIT, deadline)
+                constructor, call = self._current(c, constructor, call, CLAIM_WAIT, deadline,
+                                                  waiting_for)
                 self._check_deadline(deadline, waiting_for)
                 wait = min(2 * wait, CLAIM_WAIT_MAX)
                 continue
@@ -517,7 +518,8 @@ class Reader:
                 if isinstance(e, KeyError | ValueError) and not gone:
                     raise
                 time.sleep(0.5)
-                constructor, call = self._current(c, constructor, None, 0.0, deadline)  # (as above)
+                constructor, call = self._current(c, constructor, None, 0.0, deadline,
+                                                  waiting_for)  # (as above)
                 self._check_deadline(deadline, waiting_for, e)
                 continue
             else:
@@ -544,7 +546,7 @@ class Reader:
                 if not self.link.adopt_published():
                     self.link.raise_if_lost()
                     continue
-            constructor, call = self._current(c, constructor, call, 0.0, deadline)
+            constructor, call = self._current(c, constructor, call, 0.0, deadline, waiting_for)
 
     def _gone(self, done: int, handed: int) -> ServiceError:
         """The error for a rank restarted from a state (``done``) older than what the
@@ -557,13 +559,22 @@ class Reader:
             f"(docs/resume.md), or load the state of step {handed} or later on this rank")
 
     def _current(self, c: int, constructor: Any, call: Any, max_age: float,
-                 deadline: float) -> tuple[Any, Any]:
+                 deadline: float, waiting_for: str) -> tuple[Any, Any]:
         """``(constructor c, the call in flight)`` as the service has them now: the link
         refreshed (if its handles are older than ``max_age`` seconds, waiting at most
-        until this reader's ``deadline``); where the service replaced the constructor,
-        the new one and no call (the one to the old is cancelled: a call to a lost worker
-        would wait for ever)."""
-        self.link.refresh(max_age=max_age, timeout=max(0.1, deadline - time.monotonic()))
+        until this reader's ``deadline``: past it, this rank's own timeout for
+        ``waiting_for`` is raised, the look's error its cause); where the service replaced
+        the constructor, the new one and no call (the one to the old is cancelled: a call
+        to a lost worker would wait for ever)."""
+        try:
+            self.link.refresh(max_age=max_age,
+                              timeout=max(0.1, deadline - time.monotonic()))
+        except ServiceTimeoutError as e:
+            try:
+                self._check_deadline(deadline, waiting_for)
+            except ServiceTimeoutError as mine:  # (this rank's words, the look's as cause)
+                raise mine from e
+            raise
         self.link.announce_generation()
         if self.link.constructors[c].key == constructor.key:
             return constructor, call

@@ -73,10 +73,10 @@ class PlannerLink:
         #: held while the planner handle, its generation and the constructors change
         self._swap = threading.Lock()
         #: one refresh with ``max_age`` at a time; when the last one finished (monotonic),
-        #: and when the last one failed and why
+        #: and when the last one failed, why, and how long it had waited at most
         self._refreshing = threading.Lock()
         self._refreshed_at = float("-inf")
-        self._failed: tuple[float, Exception | None] = (0.0, None)
+        self._failed: tuple[float, Exception | None, float] = (0.0, None, 0.0)
         self.planner: Any = None
         try:  # (a published planner's handle is there at once; a lost one's may never come)
             self.planner = bind_actor(registry["planner"].result(timeout=HANDLE_WAIT), client)
@@ -148,15 +148,17 @@ class PlannerLink:
             now = time.monotonic()
             if now - self._refreshed_at < max_age:
                 return
-            failed_at, error = self._failed
-            if error is not None and now - failed_at < max_age:
-                raise error  # the look that just failed, not one more full wait per reader
+            failed_at, error, waited = self._failed
+            # the look that just failed, not one more full wait per reader (unless this
+            # caller may wait longer than that look could: a reader near its deadline)
+            if error is not None and now - failed_at < max_age and wait <= waited:
+                raise error
             try:
                 self._refresh(wait)
             except Exception as e:
-                self._failed = (time.monotonic(), e)
+                self._failed = (time.monotonic(), e, wait)
                 raise
-            self._refreshed_at, self._failed = time.monotonic(), (0.0, None)
+            self._refreshed_at, self._failed = time.monotonic(), (0.0, None, 0.0)
         finally:
             self._refreshing.release()
 
@@ -170,12 +172,13 @@ class PlannerLink:
                 if planner is None:  # (its handle did not come: lost with its worker?)
                     raise ServiceError("the planner's handle could not be fetched from the "
                                        "scheduler (lost with its worker?)")
-                handles = planner.handles(False).result(timeout=5.0)
+                left = max(0.1, deadline - time.monotonic())
+                handles = planner.handles(False).result(timeout=min(5.0, left))
             except Exception as e:  # noqa: BLE001 - lost or busy: look for a successor
                 if self.adopt_published():
                     continue
                 self.raise_if_lost(deadline, e, within=wait)
-                time.sleep(0.5)
+                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
                 continue
             with self._swap:
                 if gen == self.generation:

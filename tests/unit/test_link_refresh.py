@@ -264,22 +264,9 @@ class _Published(_Done):
     status = "finished"
 
 
-def test_a_look_waits_the_callers_timeout_not_the_configs() -> None:
-    """A reader's timeout shorter than the config's (300 s here) bounds its look for the
-    roles: a planner that does not answer was waited for the config's timeout, whatever
-    the reader had asked (an audit of the waits)."""
-    import pytest
-
-    planner = _Failing(delay=0.0)
-    link = PlannerLink(None, _link(planner).config, {"planner": _Published(planner)})
-    t0 = time.monotonic()
-    with pytest.raises(ServiceTimeoutError, match=r"did not answer within 0.5s"):
-        link.refresh(timeout=0.5)
-    assert time.monotonic() - t0 < 5
-    assert planner.calls >= 1
-    # a reader's remaining time is any float: said to a tenth of a second
-    with pytest.raises(ServiceTimeoutError, match=r"did not answer within 0.5s \(its worker"):
-        link.refresh(timeout=0.54321)
+def _published(planner: _Planner) -> PlannerLink:
+    """A link to ``planner``, published and alive (its looks go the whole way)."""
+    return PlannerLink(None, _link(planner).config, {"planner": _Published(planner)})
 
 
 def test_a_look_going_on_is_waited_for_the_callers_timeout_only() -> None:
@@ -297,3 +284,56 @@ def test_a_look_going_on_is_waited_for_the_callers_timeout_only() -> None:
     first.join(10)
     assert 0.25 <= waited < 1.5, waited
     assert planner.calls == 1 and link.constructors == ["c0", "c1"]
+
+
+def test_a_short_look_that_failed_is_not_every_readers_answer() -> None:
+    """A look cut short by one reader near its deadline fails within that reader's time;
+    readers that may wait longer look for themselves (they got 'did not answer within
+    0.1s' for the next 2 s: review), those that may not get its error at once."""
+    import pytest
+
+    planner = _Failing(delay=0.0)
+    link = _published(planner)
+    with pytest.raises(ServiceTimeoutError, match=r"within 0.3s"):
+        link.refresh(max_age=2.0, timeout=0.3)
+    calls = planner.calls
+    with pytest.raises(ServiceTimeoutError, match=r"within 0.3s"):
+        link.refresh(max_age=2.0, timeout=0.2)  # no longer than that look: its error
+    assert planner.calls == calls
+    with pytest.raises(ServiceTimeoutError, match=r"within 0.6s"):
+        link.refresh(max_age=2.0, timeout=0.6)  # longer: a look of its own
+    assert planner.calls > calls
+
+
+class _Hung(_Planner):
+    """A planner whose ``handles`` call never answers: its result waits its whole timeout."""
+
+    def handles(self, _with_loaders: bool) -> Any:
+        with self.lock:
+            self.calls += 1
+
+        class _Never:
+            def result(self, timeout: float | None = None) -> Any:
+                time.sleep(timeout or 0.0)
+                raise TimeoutError(f"timed out after {timeout} s.")
+
+        return _Never()
+
+
+def test_a_look_waits_the_callers_timeout_not_the_configs() -> None:
+    """A reader's timeout shorter than the config's (300 s here) bounds its look for the
+    roles: a planner that does not answer was waited for the config's timeout, whatever
+    the reader had asked (an audit of the waits); and each call to the planner inside a
+    look waited 5 s whatever the caller's time (a hung planner: review)."""
+    import pytest
+
+    for planner in (_Failing(delay=0.0), _Hung(delay=0.0)):
+        link = _published(planner)
+        t0 = time.monotonic()
+        with pytest.raises(ServiceTimeoutError, match=r"did not answer within 0.5s"):
+            link.refresh(timeout=0.5)
+        assert time.monotonic() - t0 < 2.0
+        assert planner.calls >= 1
+    # a reader's remaining time is any float: said to a tenth of a second
+    with pytest.raises(ServiceTimeoutError, match=r"did not answer within 0.5s \(its worker"):
+        link.refresh(timeout=0.54321)

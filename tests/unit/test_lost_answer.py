@@ -298,3 +298,35 @@ def test_a_claim_from_before_the_steps_handed_is_answered_at_once() -> None:
         await _closed(con)
 
     asyncio.run(run())
+
+
+class _LostLink(_Link):
+    """A link whose constructor's worker is gone (every claim fails at once) and whose look
+    for a re-created one times out; it records the bound each look was given."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None)  # type: ignore[arg-type]
+        self.bounds: list[float | None] = []
+
+    def send(self, handle: _Handle, method: Any, *args: Any, **kwargs: Any) -> Any:
+        lost: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        lost.set_exception(ConnectionResetError("its worker is gone"))
+        return lost
+
+    def refresh(self, max_age: float = 0.0, timeout: float | None = None) -> None:
+        self.bounds.append(timeout)
+        raise ServiceTimeoutError("the planner of service 'lost' did not answer within 0.1s")
+
+
+def test_a_look_for_roles_past_the_readers_deadline_raises_the_readers_timeout() -> None:
+    """A reader's look for re-created roles is bounded by what is left of the reader's own
+    timeout, not by the config's (300 s); past the reader's deadline its error is the
+    rank's own timeout, naming what it waited for, with the look's error as its cause."""
+    link = _LostLink()
+    reader = Reader(link, 0, timeout=0.3)  # type: ignore[arg-type]
+    with pytest.raises(ServiceTimeoutError, match="rank 0 waited 0s for the first step of "
+                       "service 'lost'") as info:
+        next(reader)
+    assert isinstance(info.value.__cause__, ServiceTimeoutError)
+    assert "did not answer within 0.1s" in str(info.value.__cause__)
+    assert link.bounds and all(b is not None and b <= 0.3 for b in link.bounds), link.bounds
