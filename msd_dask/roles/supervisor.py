@@ -529,13 +529,15 @@ class RoleSupervisor:
         :data:`~msd_dask.dask_internals.STATS_WAIT` seconds (its worker was lost, and
         heal re-creates it) is given by :func:`~msd_dask.roles.constructor.unanswered_stats`.
 
-        With ``max_age``, the answers of a round of asks that started less than ``max_age``
-        seconds ago (or is still under way) serve instead: the owner's checkpoint and the
+        With ``max_age``, the answers of a round of asks still under way (a lost
+        constructor's takes ``STATS_WAIT``), or that started less than ``max_age`` seconds
+        ago, serve instead: the owner's checkpoint and the
         plugin's poll each ask once a second, a message to every constructor each time
         (256 of them at dp 16,384), and share one round.
         """
         shared = self._cons_stats
-        if shared is not None and time.monotonic() - shared[0] < max_age:
+        if shared is not None and max_age > 0 and (
+                not shared[1].done() or time.monotonic() - shared[0] < max_age):
             return list(await asyncio.shield(shared[1]))
 
         async def one(i: int, c: Any) -> dict[str, Any]:

@@ -652,3 +652,24 @@ def test_the_checkpoint_and_the_poll_share_a_round_of_constructor_stats(
     assert first == second == again and len(first) == 3
     assert fresh != first and old != fresh
     assert len(_STATS_ASKED) == 9  # three rounds of three constructors
+
+
+def test_a_round_of_stats_under_way_is_shared_however_old(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round slower than ``max_age`` (a lost constructor's ask waits STATS_WAIT) is still
+    shared: otherwise the two pollers ask in overlapping rounds exactly when asks are
+    slowest (review)."""
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 3, 1)
+    asyncio.run(sup.setup())
+    _STATS_ASKED.clear()
+
+    async def calls() -> tuple[object, object]:
+        first = asyncio.ensure_future(sup.constructor_stats(max_age=0.01))
+        await asyncio.sleep(0.03)  # under way (each answer takes 0.05 s), older than 0.01
+        second = await sup.constructor_stats(max_age=0.01)
+        return await first, second
+
+    first, second = asyncio.run(calls())
+    assert first == second and len(_STATS_ASKED) == 3
