@@ -223,12 +223,13 @@ def _validate(args: argparse.Namespace) -> int:
     print(f"config {args.config}: OK (service {cfg.name!r}, {cfg.parallel.world_size} ranks, "
           f"seq_len {cfg.batch.seq_len} x {cfg.batch.micro_batches} micro-batches)")
     w = cfg.weights_at(0)
-    for s, first in zip(cfg.sources, firsts, strict=True):
+    for s, (first, found) in zip(cfg.sources, firsts, strict=True):
         files = list_files(s.uri, s.storage_options)
         fields = ", ".join(map(repr, source_fields(s)))
+        read = (f"{fields} read from the first record of {first}" if found else
+                f"no record in its first file {first}: {fields} not checked")
         print(f"\nsource {s.name!r} ({s.format}, weight {w[s.name]:.3f} at step 0, "
-              f"{s.loaders} loader(s)): {len(files)} file(s); {fields} read from the first "
-              f"record of {first}")
+              f"{s.loaders} loader(s)): {len(files)} file(s); {read}")
         for f in files:
             print(f"  {f}")
     return 0

@@ -152,7 +152,7 @@ def pack_work(work: StepPieces) -> bytes:
     (zstandard's output buffers are not kept), and :func:`unpack_work` gives back an
     equal work, which pickles to the same bytes.
     """
-    return pack_works([work])[0]
+    return pack_works([work])[0]  # (a step of this work alone)
 
 
 def _laid_out(work: StepPieces) -> bytes:
@@ -186,7 +186,9 @@ def _laid_out(work: StepPieces) -> bytes:
 
 
 def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
-    """:func:`pack_work` of each constructor's work of a step, in order, the same bytes.
+    """Each constructor's work of a step, in order, laid out as :func:`pack_work` lays it
+    out, and compressed as it compresses it where the whole step is large
+    (:func:`pack_work` of one work is this of a step of that work alone).
 
     The works are laid out in this thread.  A step whose works take
     :data:`_COMPRESS_FROM` bytes or more laid out (dp 16,384 × 32K or 128K) is compressed,
@@ -268,7 +270,9 @@ _HEAD = 8
 #: the most bytes of laid-out works :func:`pack_works` compresses in one call
 _BATCH_BYTES = 1 << 27
 
-#: the fewest bytes of a step's laid-out works :func:`pack_works` compresses
+#: the fewest bytes of a step's laid-out works :func:`pack_works` compresses (at most
+#: :data:`_BATCH_BYTES`: a step is compressed whole or not at all, decided by the time its
+#: first batch is)
 _COMPRESS_FROM = 1 << 24
 
 #: the first bytes of a zstd frame (its magic number, little-endian)

@@ -1053,8 +1053,9 @@ class PlannerActor:
         dict
             ``state``: the planner's state after ``step``, the last step every
             rank has returned as far as its constructor knows (each constructor
-            asked, a few seconds at most, or see ``stats_age``; a constructor that does not answer counts
-            as a round before the ``prefetch`` steps behind the last submitted step,
+            asked, a few seconds at most, or see ``stats_age``; a constructor that does
+            not answer counts as a round before the ``prefetch`` steps behind the last
+            submitted step,
             which every rank has claimed), as packed
             bytes that a re-created planner takes as its ``state`` (the JSON form
             of :meth:`state_at` is a list per carried and held piece: tens of MB,

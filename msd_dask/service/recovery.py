@@ -80,9 +80,15 @@ class PlannerKeeper:
         A checkpoint of the step and weights version already kept, from the same planner
         generation, comes without its state (``have`` of
         :meth:`msd_dask.roles.planner.PlannerActor.checkpoint`): the kept state
-        stays.  ``stats_age``: of the checkpoint, the constructors' answers it may take
-        from a round of up to that many seconds ago (the watcher's, once a second,
-        shares the plugin's round)."""
+        stays.
+
+        Parameters
+        ----------
+        stats_age : float
+            The checkpoint may take the constructors' answers from a round of asks up
+            to this many seconds old (the watcher's, once a second, shares the plugin's
+            round); ``0``: it asks them.
+        """
         with self._lock:
             generation = self.link.generation
             last = self.checkpoint

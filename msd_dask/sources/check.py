@@ -94,14 +94,23 @@ def check_storage(cfg: Config) -> None:
                                    f"{' or '.join(map(repr, IGNORED_PREFIXES))} are left out)")
 
 
-def check_fields(cfg: Config) -> list[str]:
+def check_fields(cfg: Config) -> list[tuple[str, bool]]:
     """Read the first record of each source's first file with the fields the source reads
     (``text_field``, ``image_field``): a misspelt field shows before the service starts,
     not when a loader first reads the file.
 
-    Returns each source's first file, in the config's order.  Only the first record of
-    the first file is read (a Parquet file's first row group, of those columns): a file
-    further on that lacks the field is found when it is read.
+    Only the first record of the first file is read (a Parquet file's first row group, of
+    those columns): a file further on that lacks the field is found when it is read.
+
+    Parameters
+    ----------
+    cfg : Config
+
+    Returns
+    -------
+    list of (str, bool)
+        Each source's first file, in the config's order, and whether it has a record
+        (a file without one says nothing of the fields).
 
     Raises
     ------
@@ -119,14 +128,16 @@ def check_fields(cfg: Config) -> list[str]:
             raise ConfigError(f"sources[{i}].uri", f"glob {src.uri!r} matches no file")
         path = files.paths[0]
         fmt = get_format(src.format)
+        found = False
         try:
             for unit in fmt.units(files.fs, path):
-                if next(iter(fmt.read(files.fs, unit, source_fields(src))), None) is not None:
+                found = next(iter(fmt.read(files.fs, unit, source_fields(src))), None) is not None
+                if found:
                     break  # (a unit without rows: the next one's first)
         except (DataError, OSError) as e:
             err = with_source(e, src.name, path)
             if err is e:
                 raise
             raise err from e
-        firsts.append(path)
+        firsts.append((path, found))
     return firsts

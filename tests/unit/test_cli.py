@@ -216,3 +216,17 @@ def test_validate_reads_the_fields_of_each_sources_first_record(
         else:
             assert code == 0, err
             assert f"'text' read from the first record of {tmp_path}/data/a.{fmt}" in out, out
+
+
+def test_validate_says_when_the_first_file_has_no_record(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty first file says nothing of the fields: validate said it read them from
+    its first record (review)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text("")
+    (tmp_path / "c.yaml").write_text(
+        f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: "
+        f"'{tmp_path}/data/*.jsonl', format: jsonl, text_field: txt}}\n")
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert f"no record in its first file {tmp_path}/data/a.jsonl: 'txt' not checked" in out, out

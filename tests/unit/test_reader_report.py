@@ -32,14 +32,13 @@ class FakeReader:
         self.reports += 1
 
 
-def _until(check: object, timeout: float) -> float:
-    """Seconds until ``check()`` holds, polled every 10 ms; fails after ``timeout`` (a
-    loaded machine's thread wakes late: the bound is generous, the order is what counts)."""
+def _until(check: object, timeout: float) -> None:
+    """Wait until ``check()`` holds, polled every 10 ms; fail after ``timeout`` (a loaded
+    machine's thread wakes late: the bound is generous, the order is what counts)."""
     t0 = time.monotonic()
     while not check():  # type: ignore[operator]
         assert time.monotonic() - t0 < timeout, f"not within {timeout}s"
         time.sleep(0.01)
-    return time.monotonic() - t0
 
 
 def test_no_report_while_reading_one_per_pause() -> None:
@@ -52,13 +51,13 @@ def test_no_report_while_reading_one_per_pause() -> None:
         time.sleep(0.05)
     assert [r.reports for r in readers] == [0, 0, 0]
     # the loops stop: one report each, once they were idle REPORT_IDLE
-    waited = _until(lambda: [r.reports for r in readers] == [1, 1, 1], REPORT_IDLE + 10)
-    assert waited >= REPORT_IDLE - 0.1, waited
+    _until(lambda: [r.reports for r in readers] == [1, 1, 1], REPORT_IDLE + 10)
+    assert min(time.monotonic() - r.returned_at for r in readers) >= REPORT_IDLE - 0.02
     time.sleep(REPORT_IDLE)  # and no more while they stay stopped
     assert [r.reports for r in readers] == [1, 1, 1]
     readers[0].next()  # one resumes and stops again: one more from it
-    waited = _until(lambda: [r.reports for r in readers] == [2, 1, 1], REPORT_IDLE + 10)
-    assert waited >= REPORT_IDLE - 0.1, waited
+    _until(lambda: [r.reports for r in readers] == [2, 1, 1], REPORT_IDLE + 10)
+    assert time.monotonic() - readers[0].returned_at >= REPORT_IDLE - 0.02
 
 
 def test_a_reader_waits_longer_when_its_loop_is_slower() -> None:
@@ -77,9 +76,9 @@ def test_a_reader_waits_longer_when_its_loop_is_slower() -> None:
         slow_reader.next()
         time.sleep(1.2)
     assert slow_reader.reports == 0
-    # stopped: one report, once idle for its 3 s (1.2 of them already slept)
-    waited = _until(lambda: slow_reader.reports == 1, 10.0)
-    assert waited >= 3.0 - 1.2 - 0.1, waited
+    # stopped: one report, once idle for its 3 s
+    _until(lambda: slow_reader.reports == 1, 10.0)
+    assert time.monotonic() - slow_reader.returned_at >= 3.0 - 0.02
 
 
 def test_constructor_counts_claims_and_pauses() -> None:
