@@ -216,18 +216,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from msd_dask.sources.check import check_fields, load_config
     from msd_dask.sources.documents import source_fields
-    from msd_dask.sources.storage import list_files
 
     cfg = load_config(args.config)
-    firsts = check_fields(cfg)
+    listed = check_fields(cfg)
     print(f"config {args.config}: OK (service {cfg.name!r}, {cfg.parallel.world_size} ranks, "
           f"seq_len {cfg.batch.seq_len} x {cfg.batch.micro_batches} micro-batches)")
     w = cfg.weights_at(0)
-    for s, (first, found) in zip(cfg.sources, firsts, strict=True):
-        files = list_files(s.uri, s.storage_options)
+    for s, (files, found) in zip(cfg.sources, listed, strict=True):
         fields = ", ".join(map(repr, source_fields(s)))
-        read = (f"{fields} read from the first record of {first}" if found else
-                f"no record in its first file {first}: {fields} not checked")
+        read = (f"{fields} read from the first record of {files[0]}" if found else
+                f"no record in its first file {files[0]}: {fields} not checked")
         print(f"\nsource {s.name!r} ({s.format}, weight {w[s.name]:.3f} at step 0, "
               f"{s.loaders} loader(s)): {len(files)} file(s); {read}")
         for f in files:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from msd_dask.core.config import Config, parse_config
+from msd_dask.core.config import Config, SourceConfig, parse_config
 from msd_dask.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from msd_dask.sources.storage import SourceFiles
 
 __all__ = ["check_fields", "check_preprocessors", "check_storage", "load_config"]
 
@@ -73,7 +76,6 @@ def check_storage(cfg: Config) -> None:
     Each source's ``uri`` must match at least one file (``sources[i].uri``), and a
     ``kind: hf`` tokenizer must load (``tokenizer.path``).
     """
-    from msd_dask.sources.storage import IGNORED_PREFIXES, list_files
     from msd_dask.sources.tokenizer import make_tokenizer
 
     if cfg.tokenizer.kind != "bytes":
@@ -84,17 +86,26 @@ def check_storage(cfg: Config) -> None:
         except Exception as e:  # noqa: BLE001 - report any load failure against the key
             raise ConfigError("tokenizer.path", f"cannot load tokenizer {cfg.tokenizer.path!r}: {e}") from e
     for i, src in enumerate(cfg.sources):
-        key = f"sources[{i}].uri"
-        try:
-            files = list_files(src.uri, src.storage_options)
-        except Exception as e:  # noqa: BLE001 - report any storage error against the key
-            raise ConfigError(key, f"cannot list {src.uri!r}: {e}") from e
-        if not files:
-            raise ConfigError(key, f"glob {src.uri!r} matches no file (names starting with "
-                                   f"{' or '.join(map(repr, IGNORED_PREFIXES))} are left out)")
+        _source_files(i, src)
 
 
-def check_fields(cfg: Config) -> list[tuple[str, bool]]:
+def _source_files(i: int, src: SourceConfig) -> SourceFiles:
+    """The :class:`~msd_dask.sources.storage.SourceFiles` of ``cfg.sources[i]``, ``src``; a
+    :class:`ConfigError` naming ``sources[i].uri`` if it cannot be listed or matches no file."""
+    from msd_dask.sources.storage import IGNORED_PREFIXES, open_source
+
+    key = f"sources[{i}].uri"
+    try:
+        files = open_source(src.uri, src.storage_options)
+    except Exception as e:  # noqa: BLE001 - report any storage error against the key
+        raise ConfigError(key, f"cannot list {src.uri!r}: {e}") from e
+    if not files.paths:
+        raise ConfigError(key, f"glob {src.uri!r} matches no file (names starting with "
+                               f"{' or '.join(map(repr, IGNORED_PREFIXES))} are left out)")
+    return files
+
+
+def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
     """Read the first record of each source's first file with the fields the source reads
     (``text_field``, ``image_field``): a misspelt field shows before the service starts,
     not when a loader first reads the file.
@@ -108,24 +119,23 @@ def check_fields(cfg: Config) -> list[tuple[str, bool]]:
 
     Returns
     -------
-    list of (str, bool)
-        Each source's first file, in the config's order, and whether it has a record
-        (a file without one says nothing of the fields).
+    list of (list of str, bool)
+        Each source's files (the first is the one read), in the config's order, and
+        whether the first has a record (a file without one says nothing of the fields).
 
     Raises
     ------
+    ConfigError
+        A source's ``uri`` cannot be listed or matches no file (as :func:`check_storage`).
     DataError
         Naming the source, the file and the row, and the fields the record has.
     """
     from msd_dask.formats import get_format
     from msd_dask.sources.documents import source_fields, with_source
-    from msd_dask.sources.storage import open_source
 
     firsts = []
     for i, src in enumerate(cfg.sources):
-        files = open_source(src.uri, src.storage_options)
-        if not files.paths:  # (load_config's check_storage says so first)
-            raise ConfigError(f"sources[{i}].uri", f"glob {src.uri!r} matches no file")
+        files = _source_files(i, src)
         path = files.paths[0]
         fmt = get_format(src.format)
         found = False
@@ -139,5 +149,5 @@ def check_fields(cfg: Config) -> list[tuple[str, bool]]:
             if err is e:
                 raise
             raise err from e
-        firsts.append((path, found))
+        firsts.append((files.paths, found))
     return firsts
