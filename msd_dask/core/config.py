@@ -38,7 +38,8 @@ __all__ = [
     "resolve_import_path",
 ]
 
-#: Known source formats (the readers registered in :mod:`msd_dask.formats`).
+#: The built-in source formats (the readers :mod:`msd_dask.formats` registers); a source may
+#: also name a format of its own by import path (``"package.module:Name"``)
 KNOWN_FORMATS = ("parquet", "jsonl", "webdataset")
 KNOWN_TOKENIZERS = ("bytes", "hf")
 #: the keys of :data:`msd_dask.core.balance.STRATEGIES`, named here so that parsing a config (as
@@ -553,8 +554,10 @@ def parse_weight(v: Any, key: str) -> WeightSchedule:
 def _source(d: Any, key: str) -> SourceConfig:
     _check_keys(d, key, _names(SourceConfig), {"name", "uri", "format"})
     fmt = _str(d, "format", key)
-    if fmt not in KNOWN_FORMATS:
-        raise ConfigError(f"{key}.format", f"unknown format {fmt!r} (known: {', '.join(KNOWN_FORMATS)})")
+    if fmt not in KNOWN_FORMATS and not _IMPORT_PATH.match(fmt):
+        # (a format of your own is imported where the source is listed and read, never here)
+        raise ConfigError(f"{key}.format", f"unknown format {fmt!r} (known: {', '.join(KNOWN_FORMATS)}; "
+                          "or 'package.module:Name' naming a format of your own)")
     so = d.get("storage_options", {})
     if not isinstance(so, Mapping):
         raise ConfigError(f"{key}.storage_options", "must be a mapping")

@@ -1,7 +1,14 @@
-"""The format registry: what a source format provides, and the formats known by name."""
+"""The format registry: what a source format provides, and the formats known by name.
+
+A source's ``format`` is a registered format's name (the built-in ones register
+themselves) or the import path ``"package.module:Name"`` of a format of your own:
+a class, made with no arguments, or an instance, which every process that lists or
+reads the source (the workers) imports on first use, as it does a ``preprocess``.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -34,16 +41,61 @@ class Format(Protocol):
 
 FORMATS: dict[str, Format] = {}
 
+#: formats named by import path, once imported in this process (by path)
+_IMPORTED: dict[str, Format] = {}
+_importing = threading.Lock()
+
 
 def register_format(fmt: Format) -> Format:
-    """Add ``fmt`` to the registry under ``fmt.name``."""
+    """Add ``fmt`` to the registry under ``fmt.name`` (the built-in formats do, when
+    :mod:`msd_dask.formats` is imported).  A format of your own is named in a config by
+    its import path instead: a name registered in one process is unknown to the others."""
     FORMATS[fmt.name] = fmt
     return fmt
 
 
 def get_format(name: str) -> Format:
-    """The registered format called ``name``."""
+    """The format a source's ``format`` names.
+
+    Parameters
+    ----------
+    name : str
+        A registered format's name, or ``"package.module:Name"``: a format class (made
+        with no arguments) or instance, imported here the first time it is asked for.
+
+    Raises
+    ------
+    ValueError
+        No such format; a path that does not import, or names something without
+        ``units()`` and ``read()``.
+    """
+    fmt = FORMATS.get(name)
+    if fmt is not None:
+        return fmt
+    if ":" not in name:
+        raise ValueError(f"unknown format {name!r} (known: {', '.join(sorted(FORMATS))}; or "
+                         "'package.module:Name' naming a format of your own)")
+    with _importing:
+        fmt = _IMPORTED.get(name)
+        if fmt is None:
+            fmt = _IMPORTED[name] = _imported(name)
+    return fmt
+
+
+def _imported(spec: str) -> Format:
+    """The format ``spec`` (``"package.module:Name"``) names, imported."""
+    from msd_dask.core.config import resolve_import_path
+
     try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown format {name!r} (known: {', '.join(sorted(FORMATS))})") from None
+        obj = resolve_import_path(spec)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"format {spec!r} does not import ({type(e).__name__}: {e}): a format "
+                         "of your own must be importable on every worker (installed, or on "
+                         "PYTHONPATH)") from e
+    if isinstance(obj, type):
+        obj = obj()
+    missing = [m for m in ("units", "read") if not callable(getattr(obj, m, None))]
+    if missing:
+        raise ValueError(f"format {spec!r} names {type(obj).__name__!r}, which has no "
+                         f"{' or '.join(m + '()' for m in missing)} (see msd_dask.formats.Format)")
+    return obj

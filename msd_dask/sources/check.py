@@ -126,18 +126,18 @@ def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
     Raises
     ------
     ConfigError
-        A source's ``uri`` cannot be listed or matches no file (as :func:`check_storage`).
+        A source's ``uri`` cannot be listed or matches no file (as :func:`check_storage`),
+        or its ``format`` cannot be imported.
     DataError
         Naming the source, the file and the row, and the fields the record has.
     """
-    from msd_dask.formats import get_format
-    from msd_dask.sources.documents import source_fields, with_source
+    from msd_dask.sources.documents import source_fields, source_format, with_source
 
     firsts = []
     for i, src in enumerate(cfg.sources):
         files = _source_files(i, src)
         path = files.paths[0]
-        fmt = get_format(src.format)
+        fmt = source_format(src, i)
         found = False
         try:
             for unit in fmt.units(files.fs, path):

@@ -47,16 +47,15 @@ def discover_units(cfg: Config, threads: int = 8,
     """
     # imported where units are listed (DataService.start: a worker, see
     # discover_on_worker), never by a reader or the process that starts the service
-    from msd_dask.formats import get_format
-    from msd_dask.sources.documents import with_source
+    from msd_dask.sources.documents import source_format, with_source
     from msd_dask.sources.storage import open_source
 
     units: Units = {}
     roots: dict[str, str] = {}
     with ThreadPoolExecutor(threads) as ex:
-        for s in cfg.sources:
+        for i, s in enumerate(cfg.sources):
             files = open_source(s.uri, s.storage_options)
-            fmt = get_format(s.format)
+            fmt = source_format(s, i)
 
             def listing(p: str, fs: Any = files.fs, fmt: Any = fmt, name: str = s.name) -> Any:
                 try:

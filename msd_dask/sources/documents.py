@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from msd_dask.core.config import SourceConfig, TokenizerConfig, WeightSchedule, resolve_import_path
-from msd_dask.errors import DataError
+from msd_dask.errors import ConfigError, DataError
 from msd_dask.sources.tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
     from msd_dask.core.units import Unit
+    from msd_dask.formats import Format
 
 # formats (fsspec, zstandard, tarfile), storage and vision are imported where a unit is read:
 # a training process imports this module with msd_dask.roles.loader when it unpickles a
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 # (tests/unit/test_imports.py)
 
 __all__ = ["DocPool", "ImageDoc", "preprocessor", "process_docs", "read_unit", "source_config",
-           "source_fields", "with_source"]
+           "source_fields", "source_format", "with_source"]
 
 
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -160,6 +161,25 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     return out
 
 
+def source_format(src: SourceConfig, index: int | None = None) -> Format:
+    """The format ``src`` reads (:func:`msd_dask.formats.get_format`), imported here first if
+    it is one of your own.
+
+    Raises
+    ------
+    ConfigError
+        No such format, or it cannot be imported here: naming ``sources[index].format``
+        (``index``: the source's place in the config), else the source.
+    """
+    from msd_dask.formats import get_format
+
+    try:
+        return get_format(src.format)
+    except ValueError as e:
+        key = f"sources[{index}].format" if index is not None else f"format of source {src.name!r}"
+        raise ConfigError(key, str(e)) from e
+
+
 def source_fields(src: SourceConfig) -> list[str]:
     """The fields a source reads from each record: its ``text_field``, and its
     ``image_field`` if it has one."""
@@ -176,9 +196,7 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     The rows are read first, then their documents are preprocessed and tokenized
     (on ``pool`` when given); results and errors are taken in row order.
     """
-    from msd_dask.formats import get_format
-
-    fmt = get_format(src.format)
+    fmt = source_format(src)
     # formats that can report a bad row without ending the read (JSON lines) do so
     tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
     read: Any = fmt.read

@@ -199,7 +199,16 @@ def test_unknown_format(data_dir: Path) -> None:
     d = base(data_dir)
     d["sources"][0]["format"] = "csv"
     err = refused(d, "sources[0].format")
-    assert "csv" in str(err)
+    assert "csv" in str(err) and "package.module:Name" in str(err)
+    d["sources"][0]["format"] = "my_formats:"  # an import path needs a name after the colon
+    refused(d, "sources[0].format")
+
+
+def test_a_format_of_your_own_is_an_import_path_not_imported_by_parsing(data_dir: Path) -> None:
+    d = base(data_dir)
+    d["sources"][0]["format"] = "not_installed_here.formats:Csv"
+    # (the workers import it; the process that parses, a reader's say, need not have it)
+    assert load_config(d).sources[0].format == "not_installed_here.formats:Csv"
 
 
 def test_unknown_tokenizer_kind(data_dir: Path) -> None:

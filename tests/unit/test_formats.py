@@ -242,6 +242,75 @@ def test_format_names_match_registry() -> None:
         get_format("no-such-format")
 
 
+# ---------------------------------------------------------------------------------------
+# A format of your own, named by import path (msd_dask.examples.text_lines)
+# ---------------------------------------------------------------------------------------
+
+TEXT_LINES = "msd_dask.examples.text_lines:TextLinesFormat"
+
+
+def test_a_format_named_by_import_path_is_imported_once_and_not_registered() -> None:
+    from msd_dask.examples import text_lines
+
+    fmt = get_format(TEXT_LINES)
+    assert isinstance(fmt, text_lines.TextLinesFormat)  # (a class is made with no arguments)
+    assert get_format(TEXT_LINES) is fmt
+    assert TEXT_LINES not in FORMATS and fmt.name not in FORMATS
+    # an instance is taken as it is
+    text_lines.INSTANCE = text_lines.TextLinesFormat()  # type: ignore[attr-defined]
+    try:
+        spec = "msd_dask.examples.text_lines:INSTANCE"
+        assert get_format(spec) is text_lines.INSTANCE  # type: ignore[attr-defined]
+    finally:
+        del text_lines.INSTANCE  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("no_such_module_here:Format", "No module named 'no_such_module_here'"),
+    ("msd_dask.examples.text_lines:Nope", "has no attribute 'Nope'"),
+    ("msd_dask.examples.preprocess:drop_short", "'function', which has no units() or read()"),
+    ("csv", "unknown format 'csv'"),
+])
+def test_a_format_that_cannot_be_had_says_why(spec: str, says: str) -> None:
+    with pytest.raises(ValueError) as info:
+        get_format(spec)
+    assert says in str(info.value) and spec in str(info.value)
+
+
+def test_text_lines_reads_each_line_as_a_document(where: tuple[Any, str]) -> None:
+    fs, root = where
+    fmt = get_format(TEXT_LINES)
+    body = "\ufefffirst\n\n  \nnaïve café\r\nlast without a break"
+    fs.pipe_file(f"{root}/a.txt", body.encode())
+    fs.pipe_file(f"{root}/b.txt.gz", gzip.compress(body.encode()))
+    want = [(0, {"text": "first"}), (3, {"text": "naïve café"}),
+            (4, {"text": "last without a break"})]
+    for name in ("a.txt", "b.txt.gz"):
+        assert read_all(fmt, fs, f"{root}/{name}", ["text"]) == want
+        assert [rec for _, rec in read_all(fmt, fs, f"{root}/{name}", [])] == [{}] * 3
+
+
+def test_text_lines_bad_input_names_file_and_row(where: tuple[Any, str]) -> None:
+    fs, root = where
+    fmt = get_format(TEXT_LINES)
+    fs.pipe_file(f"{root}/bad.txt", b"fine\nnot \xff utf-8\n")
+    with pytest.raises(DataError) as info:
+        read_all(fmt, fs, f"{root}/bad.txt", ["text"])
+    assert info.value.path == f"{root}/bad.txt" and info.value.row == 1
+    assert "invalid UTF-8" in str(info.value)
+    with pytest.raises(DataError, match="missing field 'id'") as info:
+        read_all(fmt, fs, f"{root}/bad.txt", ["text", "id"])
+    assert info.value.row == 0
+    fs.pipe_file(f"{root}/cut.txt.gz", gzip.compress(b"a line\n" * 5000)[:-12])
+    with pytest.raises(DataError) as info:
+        read_all(fmt, fs, f"{root}/cut.txt.gz", ["text"])
+    assert info.value.path == f"{root}/cut.txt.gz" and info.value.row is None
+    tracking = TrackingFS(fs)
+    with pytest.raises(DataError):
+        read_all(fmt, tracking, f"{root}/bad.txt", ["text"])
+    assert tracking.opened and tracking.all_closed()
+
+
 def test_units_cover_every_row_once_in_file_order(written: Any) -> None:
     fmt, fs, path = written
     units = fmt.units(fs, path)

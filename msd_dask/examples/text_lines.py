@@ -1,0 +1,112 @@
+"""An example source format of your own: one document per line of a UTF-8 text file.
+
+A format is any class (or instance) with ``units(fs, path)`` and ``read(fs, unit,
+fields)`` (:class:`msd_dask.formats.Format`); a source names it by import path::
+
+    sources:
+      - name: lines
+        uri: data/lines/*.txt
+        format: msd_dask.examples.text_lines:TextLinesFormat
+
+Like a ``preprocess`` function, it must be importable on every worker (installed, or on
+``PYTHONPATH``): the workers list and read the source's files, and each imports the
+format the first time it does.  The readers and the process that starts the service
+never import it.  What a format must do is what the built-in ones pass in
+``tests/unit/test_formats.py``: every row once, in file order, in units that split the
+file; a record of exactly the fields asked for; one :class:`~msd_dask.errors.DataError`
+naming the file and row for bad input; every file it opens closed.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import fsspec
+from fsspec.compression import compr
+from fsspec.utils import infer_compression
+
+from msd_dask.core.units import Unit
+from msd_dask.errors import DataError
+
+__all__ = ["TextLinesFormat"]
+
+
+class TextLinesFormat:
+    """Plain UTF-8 text files, a document per line (blank lines are no document).
+
+    A file is one unit; its rows are its lines, counted from 0 (row ``r`` is line
+    ``r + 1`` in an editor).  A record has one field, ``text``: the line without its
+    line break.  fsspec decompresses a file whose name says it is compressed
+    (``.gz``, ``.bz2``, ``.xz``, ``.zst``).
+    """
+
+    name = "text-lines"
+
+    def units(self, fs: fsspec.AbstractFileSystem, path: str) -> list[Unit]:
+        """The whole file as one unit (the file is not opened).
+
+        Parameters
+        ----------
+        fs : fsspec.AbstractFileSystem
+            Filesystem holding the file.
+        path : str
+            The file, as ``fs`` names it.
+
+        Returns
+        -------
+        list of Unit
+            ``[Unit(path, 0, 0)]``.
+        """
+        return [Unit(path, 0, 0)]
+
+    def read(self, fs: fsspec.AbstractFileSystem, unit: Unit,
+             fields: Sequence[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield ``(row, {"text": line})`` for every line of ``unit.path`` that is not blank.
+
+        Parameters
+        ----------
+        fs : fsspec.AbstractFileSystem
+            Filesystem holding ``unit.path``.
+        unit : Unit
+            The file to read.
+        fields : sequence of str
+            The fields to return: ``text`` or none.
+
+        Raises
+        ------
+        DataError
+            A field other than ``text`` is asked for, or a line is not valid UTF-8
+            (naming the file and row); a compressed file is corrupt (naming the file).
+        """
+        other = [f for f in fields if f != "text"]
+        if other:
+            raise DataError(f"missing field '{other[0]}' (a text-lines file has only 'text')",
+                            path=unit.path, row=unit.row_offset)
+        with ExitStack() as stack:
+            f = stack.enter_context(fs.open(unit.path, "rb"))
+            compression = infer_compression(unit.path)
+            if compression:
+                f = stack.enter_context(compr[compression](f, mode="rb"))
+            row = -1
+            while True:
+                try:
+                    line = f.readline()
+                except (OSError, EOFError, ValueError) as e:
+                    raise DataError(f"cannot read the file: {e}", path=unit.path) from e
+                if not line:
+                    return
+                row += 1
+                if row == 0 and line.startswith(codecs.BOM_UTF8):
+                    line = line[len(codecs.BOM_UTF8):]
+                if not line.strip():
+                    continue
+                try:
+                    text = line.decode("utf-8").rstrip("\r\n")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"invalid UTF-8: {e.reason} at byte {e.start}",
+                                    path=unit.path, row=row) from None
+                yield row, {"text": text} if fields else {}
+
