@@ -430,13 +430,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-only", action="store_true",
                    help="only that third run: the service's own CPU per token (cpu mode), "
                         "and what it delivers at this demand")
-    p.add_argument("--idle-seconds", type=float, default=10.0,
+    p.add_argument("--idle-seconds", type=float, default=None,
                    help="with --reference-only: then measure the processes' CPU per second "
                         "with no step taken for this long, and a bare Dask cluster's (0: "
-                        "neither)")
+                        "neither; default 10)")
     args = p.parse_args(argv)
     if args.reference_only and args.no_reference:
         p.error("--reference-only and --no-reference exclude each other")
+    if args.idle_seconds is None:
+        args.idle_seconds = 10.0
+    elif not args.reference_only:  # (the three runs measure no idle time: it would be lost)
+        p.error("--idle-seconds applies to --reference-only alone")
     if not args.idle_seconds >= 0:
         p.error(f"--idle-seconds {args.idle_seconds}: must be a number of seconds >= 0")
     for flag in ("micro_batches", "repeat", "service_prefetch"):

@@ -95,6 +95,13 @@ def test_a_negative_idle_time_is_refused(capsys) -> None:
     assert "--idle-seconds -1.0: must be a number of seconds >= 0" in capsys.readouterr().err
 
 
+def test_an_idle_time_without_the_reference_alone_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_scaling.main(["--mode", "cpu", "--idle-seconds", "5"])
+    assert exc.value.code == 2
+    assert "--idle-seconds applies to --reference-only alone" in capsys.readouterr().err
+
+
 def test_the_idle_share_splits_the_cpu_per_token() -> None:
     """0.05 CPU seconds per second with no step, at 100,000 tokens/s, are 0.5 us of a run's
     1.5 us/token: the steps add the other 1.0."""
