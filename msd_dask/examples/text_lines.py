@@ -19,17 +19,15 @@ naming the file and row for bad input; every file it opens closed.
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import closing
 from typing import Any
 
 import fsspec
-from fsspec.compression import compr
-from fsspec.utils import infer_compression
 
 from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
+from msd_dask.formats.jsonl import file_lines
 
 __all__ = ["TextLinesFormat"]
 
@@ -39,8 +37,9 @@ class TextLinesFormat:
 
     A file is one unit; its rows are its lines, counted from 0 (row ``r`` is line
     ``r + 1`` in an editor).  A record has one field, ``text``: the line without its
-    line break.  fsspec decompresses a file whose name says it is compressed
-    (``.gz``, ``.bz2``, ``.xz``, ``.zst``).
+    line break.  A file whose name says it is compressed (``.gz``, ``.zst``/``.zstd``,
+    ``.bz2``, ``.xz``) is decompressed as JSON-lines files are
+    (:func:`msd_dask.formats.jsonl.file_lines`).
     """
 
     name = "text-lines"
@@ -79,34 +78,19 @@ class TextLinesFormat:
         ------
         DataError
             A field other than ``text`` is asked for, or a line is not valid UTF-8
-            (naming the file and row); a compressed file is corrupt (naming the file).
+            (naming the file and row); a compressed file is corrupt or cut off (naming the
+            file).
         """
         other = [f for f in fields if f != "text"]
         if other:
             raise DataError(f"missing field '{other[0]}' (a text-lines file has only 'text')",
                             path=unit.path, row=unit.row_offset)
-        with ExitStack() as stack:
-            f = stack.enter_context(fs.open(unit.path, "rb"))
-            compression = infer_compression(unit.path)
-            if compression:
-                f = stack.enter_context(compr[compression](f, mode="rb"))
-            row = -1
-            while True:
+        with closing(file_lines(fs, unit.path)) as lines:  # (decompressed, as JSON lines are)
+            for row, line in enumerate(lines):
                 try:
-                    line = f.readline()
-                except (OSError, EOFError, ValueError) as e:
-                    raise DataError(f"cannot read the file: {e}", path=unit.path) from e
-                if not line:
-                    return
-                row += 1
-                if row == 0 and line.startswith(codecs.BOM_UTF8):
-                    line = line[len(codecs.BOM_UTF8):]
-                if not line.strip():
-                    continue
-                try:
-                    text = line.decode("utf-8").rstrip("\r\n")
+                    text = line.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise DataError(f"invalid UTF-8: {e.reason} at byte {e.start}",
                                     path=unit.path, row=row) from None
-                yield row, {"text": text} if fields else {}
-
+                if text.strip():
+                    yield row, {"text": text.rstrip("\r\n")} if fields else {}

@@ -13,8 +13,8 @@ import io
 import json
 import lzma
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import ExitStack, closing
 from typing import IO, Any, Protocol
 
 import fsspec
@@ -24,7 +24,7 @@ from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
 from msd_dask.formats.registry import register_format
 
-__all__ = ["JsonlFormat", "compression_of"]
+__all__ = ["JsonlFormat", "compression_of", "file_lines"]
 
 _BUFFER_SIZE = 1 << 20
 
@@ -57,6 +57,38 @@ def compression_of(path: str) -> str | None:
 
 class _LineReader(Protocol):
     def readline(self, size: int = -1, /) -> bytes: ...
+
+
+def file_lines(fs: fsspec.AbstractFileSystem, path: str) -> Generator[bytes, None, None]:
+    """Each line of file ``path`` (bytes, with its line break), decompressed as its name says
+    (:func:`compression_of`; a file of several compressed streams read whole), without the
+    UTF-8 byte-order mark that may start it.  The JSON-lines reader's lines, for a format
+    of your own to reuse (``msd_dask.examples.text_lines``).
+
+    The file is read a buffer at a time, and closed when the lines end or the iterator is
+    closed.
+
+    Raises
+    ------
+    DataError
+        A compressed stream that is corrupt or cut off (naming the file).
+    """
+    compression = compression_of(path)
+    with ExitStack() as stack:
+        raw = stack.enter_context(fs.open(path, "rb"))
+        lines = _open_lines(stack, raw, compression)
+        first = True
+        while True:
+            try:
+                line = lines.readline()
+            except (_Corrupt, gzip.BadGzipFile, zlib.error, EOFError) as exc:
+                raise DataError(f"corrupt {compression} stream: {exc}", path=path) from exc
+            if not line:
+                return
+            if first and line.startswith(codecs.BOM_UTF8):
+                line = line[len(codecs.BOM_UTF8):]
+            first = False
+            yield line
 
 
 def _open_lines(stack: ExitStack, raw: IO[bytes], compression: str | None) -> _LineReader:
@@ -220,21 +252,8 @@ class JsonlFormat:
             the file).
         """
         path = unit.path
-        compression = compression_of(path)
-        with ExitStack() as stack:
-            raw = stack.enter_context(fs.open(path, "rb"))
-            lines = _open_lines(stack, raw, compression)
-            row = -1
-            while True:
-                try:
-                    line = lines.readline()
-                except (_Corrupt, gzip.BadGzipFile, zlib.error, EOFError) as exc:
-                    raise DataError(f"corrupt {compression} stream: {exc}", path=path) from exc
-                if not line:
-                    break
-                row += 1
-                if row == 0 and line.startswith(codecs.BOM_UTF8):
-                    line = line[len(codecs.BOM_UTF8):]  # a byte-order mark may start the file
+        with closing(file_lines(fs, path)) as lines:
+            for row, line in enumerate(lines):
                 if not line.strip():
                     continue
                 try:

@@ -8,7 +8,6 @@ reads the source (the workers) imports on first use, as it does a ``preprocess``
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -43,7 +42,6 @@ FORMATS: dict[str, Format] = {}
 
 #: formats named by import path, once imported in this process (by path)
 _IMPORTED: dict[str, Format] = {}
-_importing = threading.Lock()
 
 
 def register_format(fmt: Format) -> Format:
@@ -69,17 +67,15 @@ def get_format(name: str) -> Format:
         No such format; a path that does not import, or names something without
         ``units()`` and ``read()``.
     """
-    fmt = FORMATS.get(name)
+    fmt = FORMATS.get(name) or _IMPORTED.get(name)
     if fmt is not None:
         return fmt
     if ":" not in name:
         raise ValueError(f"unknown format {name!r} (known: {', '.join(sorted(FORMATS))}; or "
                          "'package.module:Name' naming a format of your own)")
-    with _importing:
-        fmt = _IMPORTED.get(name)
-        if fmt is None:
-            fmt = _IMPORTED[name] = _imported(name)
-    return fmt
+    # (imported and made outside any lock of ours: a format that asks for another while it
+    # is imported must not wait on itself; two threads at once may both make one, one kept)
+    return _IMPORTED.setdefault(name, _imported(name))
 
 
 def _imported(spec: str) -> Format:
@@ -88,12 +84,12 @@ def _imported(spec: str) -> Format:
 
     try:
         obj = resolve_import_path(spec)
-    except (ImportError, AttributeError) as e:
+        if isinstance(obj, type):
+            obj = obj()
+    except Exception as e:  # noqa: BLE001 - whatever stops it (import, constructor) is the path's
         raise ValueError(f"format {spec!r} does not import ({type(e).__name__}: {e}): a format "
                          "of your own must be importable on every worker (installed, or on "
-                         "PYTHONPATH)") from e
-    if isinstance(obj, type):
-        obj = obj()
+                         "PYTHONPATH), its class made with no arguments") from e
     missing = [m for m in ("units", "read") if not callable(getattr(obj, m, None))]
     if missing:
         raise ValueError(f"format {spec!r} names {type(obj).__name__!r}, which has no "

@@ -96,6 +96,7 @@ class SourceLoader:
     def __init__(self, source: dict[str, Any], units: list[tuple[str, int, int]],
                  tokenizer: dict[str, Any], index: int = 0, threads: int = 1):
         from msd_dask.core.units import Unit
+        from msd_dask.formats import get_format
         from msd_dask.sources.heap import cap_arenas
         from msd_dask.sources.storage import open_source
 
@@ -106,6 +107,7 @@ class SourceLoader:
         self.tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
         if self.src.preprocess:
             preprocessor(self.src.preprocess)  # fail at start, not at the first unit
+        get_format(self.src.format)  # (a format of your own: imported here, at start too)
         self._files = open_source(self.src.uri, self.src.storage_options)
         self.threads = max(1, int(threads))
         pool = self.src.pool if isinstance(self.src.pool, PoolConfig) else PoolConfig()

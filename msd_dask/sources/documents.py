@@ -161,23 +161,21 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     return out
 
 
-def source_format(src: SourceConfig, index: int | None = None) -> Format:
+def source_format(src: SourceConfig, index: int) -> Format:
     """The format ``src`` reads (:func:`msd_dask.formats.get_format`), imported here first if
-    it is one of your own.
+    it is one of your own; ``index``: the source's place in the config.
 
     Raises
     ------
     ConfigError
-        No such format, or it cannot be imported here: naming ``sources[index].format``
-        (``index``: the source's place in the config), else the source.
+        No such format, or it cannot be had here: naming ``sources[index].format``.
     """
     from msd_dask.formats import get_format
 
     try:
         return get_format(src.format)
     except ValueError as e:
-        key = f"sources[{index}].format" if index is not None else f"format of source {src.name!r}"
-        raise ConfigError(key, str(e)) from e
+        raise ConfigError(f"sources[{index}].format", str(e)) from e
 
 
 def source_fields(src: SourceConfig) -> list[str]:
@@ -196,7 +194,9 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     The rows are read first, then their documents are preprocessed and tokenized
     (on ``pool`` when given); results and errors are taken in row order.
     """
-    fmt = source_format(src)
+    from msd_dask.formats import get_format
+
+    fmt = get_format(src.format)  # (the loader had it made: SourceLoader)
     # formats that can report a bad row without ending the read (JSON lines) do so
     tolerant = bad is not None and "errors" in inspect.signature(fmt.read).parameters
     read: Any = fmt.read

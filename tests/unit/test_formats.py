@@ -267,27 +267,46 @@ def test_a_format_named_by_import_path_is_imported_once_and_not_registered() -> 
 
 @pytest.mark.parametrize("spec, says", [
     ("no_such_module_here:Format", "No module named 'no_such_module_here'"),
+    ("msd_dask.core.units:Unit", "TypeError"),  # (a class that needs arguments)
+    ("raises_when_imported_xyz:Format", "RuntimeError: broken on purpose"),
     ("msd_dask.examples.text_lines:Nope", "has no attribute 'Nope'"),
     ("msd_dask.examples.preprocess:drop_short", "'function', which has no units() or read()"),
     ("csv", "unknown format 'csv'"),
 ])
-def test_a_format_that_cannot_be_had_says_why(spec: str, says: str) -> None:
+def test_a_format_that_cannot_be_had_says_why(spec: str, says: str, tmp_path: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "raises_when_imported_xyz.py").write_text(
+        "raise RuntimeError('broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError) as info:
         get_format(spec)
     assert says in str(info.value) and spec in str(info.value)
 
 
-def test_text_lines_reads_each_line_as_a_document(where: tuple[Any, str]) -> None:
+@pytest.mark.parametrize("suffix, compress", [
+    (".txt", lambda b: b), (".txt.gz", gzip.compress), (".txt.bz2", bz2.compress),
+    (".txt.xz", lzma.compress), (".txt.zst", zstandard.ZstdCompressor().compress),
+    (".txt.zstd", zstandard.ZstdCompressor().compress),
+    # two frames, as parallel compressors write them: both read
+    (".txt.zst", lambda b: b"".join(zstandard.ZstdCompressor().compress(h)
+                                    for h in (b[:len(b) // 2], b[len(b) // 2:]))),
+], ids=["plain", "gz", "bz2", "xz", "zst", "zstd", "zst-frames"])
+def test_text_lines_reads_each_line_as_a_document(where: tuple[Any, str], suffix: str,
+                                                  compress: Callable[[bytes], bytes]) -> None:
     fs, root = where
     fmt = get_format(TEXT_LINES)
-    body = "\ufefffirst\n\n  \nnaïve café\r\nlast without a break"
-    fs.pipe_file(f"{root}/a.txt", body.encode())
-    fs.pipe_file(f"{root}/b.txt.gz", gzip.compress(body.encode()))
+    body = "\ufefffirst\n\n  \nnaïve café\r\n\u00a0\u3000\n\r\nlast without a break"
+    path = f"{root}/a{suffix}"
+    fs.pipe_file(path, compress(body.encode()))
     want = [(0, {"text": "first"}), (3, {"text": "naïve café"}),
-            (4, {"text": "last without a break"})]
-    for name in ("a.txt", "b.txt.gz"):
-        assert read_all(fmt, fs, f"{root}/{name}", ["text"]) == want
-        assert [rec for _, rec in read_all(fmt, fs, f"{root}/{name}", [])] == [{}] * 3
+            (6, {"text": "last without a break"})]  # (rows 4 and 5: Unicode blanks, a lone CR)
+    assert read_all(fmt, fs, path, ["text"]) == want
+    assert [rec for _, rec in read_all(fmt, fs, path, [])] == [{}] * 3
+    tracking = TrackingFS(fs)  # an abandoned read leaves nothing open
+    it = fmt.read(tracking, fmt.units(tracking, path)[0], ["text"])
+    next(it)
+    it.close()
+    assert tracking.opened and tracking.all_closed()
 
 
 def test_text_lines_bad_input_names_file_and_row(where: tuple[Any, str]) -> None:
