@@ -173,6 +173,12 @@ class DataService:
         self.refresh()
 
     @property
+    def address(self) -> str:
+        """The address of the scheduler the service runs on (for :meth:`connect` from other
+        processes; with :meth:`start` without one, its embedded cluster's)."""
+        return str(self.client.scheduler.address)
+
+    @property
     def planner(self) -> Any:
         """The current planner's actor handle."""
         return self.link.planner
@@ -372,10 +378,16 @@ class DataService:
         ServiceError
             No service ``name`` within ``timeout``; through an agent, no agent answers
             at its socket, or it serves another service.
+        ValueError
+            No ``address`` (directly).
         """
         handle = connect_agent(name, agent, timeout=timeout)
         if handle is not None:
             return handle
+        if not address:  # (a Client of None starts a cluster of its own: no service there)
+            raise ValueError(f"DataService.connect(address, {name!r}): no scheduler address; "
+                             "a service started without one runs on an embedded cluster, "
+                             "whose address is its handle's .address")
         from distributed import Client
 
         _check_tls(address, security)

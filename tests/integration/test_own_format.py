@@ -50,6 +50,12 @@ def test_a_format_named_by_import_path_serves_every_line_once(tmp_path):
     texts = _lines(root)
     with DataService.start(_cfg(root), n_workers=1, threads_per_worker=2) as svc:
         recs = read_steps(svc, 40)
+        # another process would connect to the embedded cluster by the handle's address
+        other = DataService.connect(svc.address, "own-format", agent=False)
+        try:
+            assert other.config == svc.config and other.address == svc.address
+        finally:
+            other.close()
     check_content(recs, texts, 256)
     epochs = check_exactly_once(recs, texts, 256)
     assert epochs["lines"] >= 1, epochs

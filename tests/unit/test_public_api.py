@@ -70,3 +70,11 @@ def test_unknown_attribute_raises_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         msd_dask.no_such_name  # noqa: B018
     assert EXPECTED <= set(dir(msd_dask))
+
+
+def test_connect_without_an_address_says_where_to_find_one(monkeypatch) -> None:
+    # (a Dask Client given no address starts a cluster of its own, where no service runs:
+    # connect waited its whole timeout there and said the service was not on None)
+    monkeypatch.delenv("MSD_DASK_AGENT", raising=False)
+    with pytest.raises(ValueError, match=r"no scheduler address.*\.address"):
+        msd_dask.DataService.connect(None, "demo", timeout=0.1)  # type: ignore[arg-type]
