@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -201,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return int(_COMMANDS[args.command](args) or 0)
+    except BrokenPipeError:  # (``msd-dask validate c.yaml | head``: the reader stopped reading)
+        _quiet_stdout()
+        return 128 + signal.SIGPIPE  # as a command that died of SIGPIPE: what shells expect
     # (ConfigError and DataError are ValueErrors; a missing file or an unreachable
     # scheduler, OSErrors)
     except (ValueError, ServiceError, OSError) as e:
@@ -208,6 +212,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _quiet_stdout() -> None:
+    """Standard output to ``/dev/null``: its reader is gone, and Python's flush at exit would
+    raise the broken pipe again (as its docs on SIGPIPE advise)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 # ------------------------------------------------------------------ commands
@@ -295,13 +309,19 @@ def _run(args: argparse.Namespace) -> int:
                     for s in weights},
             "imbalance_mean": sum(imbalance) / len(imbalance),
             "imbalance_max": max(imbalance),
-            "dashboard": svc.dashboard_link,
+            # (an embedded cluster closes with the run: no dashboard left to look at)
+            "dashboard": svc.dashboard_link if args.scheduler else None,
         }
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         _print_summary(summary)
     return 0
+
+
+#: what ``run``'s summary says of the dashboard of the embedded cluster it closed
+_NO_DASHBOARD = ("closed with the embedded cluster (with --scheduler ADDRESS the service "
+                 "runs on a cluster that stays)")
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -314,7 +334,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"               {name:<13} {m['delivered']:9.3f} {m['weight']:8.3f}")
     print(f"  imbalance  : max/mean rank cost per step: mean {s['imbalance_mean']:.3f}, "
           f"worst {s['imbalance_max']:.3f}")
-    print(f"  dashboard  : {s['dashboard']}")
+    print(f"  dashboard  : {s['dashboard'] or _NO_DASHBOARD}")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -341,7 +361,10 @@ def _serve(args: argparse.Namespace) -> int:
     # that call half done, and close() then waits on it
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(f"serving {svc.name!r} on {args.scheduler}; connect with "
+    resumed = ("" if resume is None else
+               f" from step {int(resume['step']) + 1} (resumed from the state of step "
+               f"{int(resume['step'])})")
+    print(f"serving {svc.name!r} on {args.scheduler}{resumed}; connect with "
           f"DataService.connect({args.scheduler!r}, {svc.name!r}). Ctrl-C stops.", flush=True)
     lost = ("msd-dask serve: lost the scheduler at {}; restart the service from the last "
             "DataService.state_dict() (msd-dask serve --resume STATE_JSON)")

@@ -101,8 +101,10 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
         log.close()
 
 
-def start_serve(cfg: dict, tmp: str, address: str, *extra: str) -> subprocess.Popen:
-    """``msd-dask serve`` of ``cfg`` in another process, returned once it says it serves.
+def start_serve(cfg: dict, tmp: str, address: str, *extra: str,
+                says: str | None = None) -> subprocess.Popen:
+    """``msd-dask serve`` of ``cfg`` in another process, returned once it says it serves
+    (its first line holds ``says``, by default ``serving 'NAME'``).
 
     Its output (stdout and stderr) stays readable on ``proc.stdout``; ``extra`` are more
     command-line options (e.g. ``--tls-*``).
@@ -113,7 +115,7 @@ def start_serve(cfg: dict, tmp: str, address: str, *extra: str) -> subprocess.Po
     proc = subprocess.Popen(
         [sys.executable, "-m", "msd_dask.cli", "serve", path, "--scheduler", address, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return _announced(proc, f"serving {cfg['name']!r}")
+    return _announced(proc, says or f"serving {cfg['name']!r}")
 
 
 def start_agent(address: str, name: str, sock: str, env: dict[str, str], ranks: str,

@@ -2,12 +2,14 @@
 
 :func:`msd_dask.core.config.parse_config` validates a config without I/O; this
 module adds what only the storage can say, and reports it against the YAML key
-as the parser does.
+as the parser does; :func:`anchored` makes a local relative path absolute where the
+user gave it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +19,7 @@ from msd_dask.errors import ConfigError, DataError
 if TYPE_CHECKING:
     from msd_dask.sources.storage import SourceFiles
 
-__all__ = ["check_fields", "check_preprocessors", "check_storage", "load_config"]
+__all__ = ["anchored", "check_fields", "check_preprocessors", "check_storage", "load_config"]
 
 
 def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
@@ -89,6 +91,33 @@ def check_storage(cfg: Config) -> None:
         _source_files(i, src)
 
 
+#: a local file URL's protocol: fsspec reads ``file://a``, ``file:a`` and ``local://a`` as
+#: the relative path ``a``
+_LOCAL_URL = re.compile(r"^(file|local):(?://)?")
+
+
+def anchored(uri: str) -> str:
+    """A local relative ``uri`` made absolute against this process's working directory.
+
+    fsspec resolves a relative local path against the current directory of the process
+    that lists it; the units are listed on a worker, whose directory may differ, so the
+    path is fixed where the user gave it: a plain path, a local file URL (``file://a``,
+    ``file:a``, ``local://a``), or either as the last target of a chained URL
+    (``simplecache::a``).  Remote URLs (``s3://...``) are unchanged.
+    """
+    head, sep, last = uri.rpartition("::")
+    local = _LOCAL_URL.match(last)
+    if local is not None:
+        proto, path = local.group(1) + "://", last[local.end():]
+    elif "://" in last:
+        return uri
+    else:
+        proto, path = "", last
+    if os.path.isabs(path):
+        return uri
+    return head + sep + proto + os.path.abspath(os.path.expanduser(path))
+
+
 def _source_files(i: int, src: SourceConfig) -> SourceFiles:
     """The :class:`~msd_dask.sources.storage.SourceFiles` of ``cfg.sources[i]``, ``src``; a
     :class:`ConfigError` naming ``sources[i].uri`` if it cannot be listed or matches no file."""
@@ -100,8 +129,10 @@ def _source_files(i: int, src: SourceConfig) -> SourceFiles:
     except Exception as e:  # noqa: BLE001 - report any storage error against the key
         raise ConfigError(key, f"cannot list {src.uri!r}: {e}") from e
     if not files.paths:
-        raise ConfigError(key, f"glob {src.uri!r} matches no file (names starting with "
-                               f"{' or '.join(map(repr, IGNORED_PREFIXES))} are left out)")
+        where = anchored(src.uri)  # (a local relative path: say where it was looked for)
+        looked = f" (as {where!r}, from this process's directory)" if where != src.uri else ""
+        raise ConfigError(key, f"glob {src.uri!r} matches no file{looked} (names starting "
+                               f"with {' or '.join(map(repr, IGNORED_PREFIXES))} are left out)")
     return files
 
 

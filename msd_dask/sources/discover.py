@@ -10,17 +10,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from msd_dask.core.config import Config
 from msd_dask.dask_internals import task_worker
 from msd_dask.errors import ConfigError, DataError, ServiceTimeoutError
-from msd_dask.sources.check import load_config
+from msd_dask.sources.check import anchored, load_config
 
-__all__ = ["anchored", "anchored_config", "discover_on_worker", "discover_remote", "discover_units"]
+__all__ = ["anchored_config", "discover_on_worker", "discover_remote", "discover_units"]
 
 #: the service's logger: these messages are about starting a service
 _log = logging.getLogger("msd_dask.service")
@@ -87,37 +85,11 @@ def discover_units(cfg: Config, threads: int = 8,
     return units, roots
 
 
-#: a local file URL's protocol: fsspec reads ``file://a``, ``file:a`` and ``local://a`` as
-#: the relative path ``a``
-_LOCAL_URL = re.compile(r"^(file|local):(?://)?")
-
-
-def anchored(uri: str) -> str:
-    """A local relative ``uri`` made absolute against this process's working directory.
-
-    fsspec resolves a relative local path against the current directory of the process
-    that lists it; the units are listed on a worker, whose directory may differ, so the
-    path is fixed where the user gave it: a plain path, a local file URL (``file://a``,
-    ``file:a``, ``local://a``), or either as the last target of a chained URL
-    (``simplecache::a``).  Remote URLs (``s3://...``) are unchanged.
-    """
-    head, sep, last = uri.rpartition("::")
-    local = _LOCAL_URL.match(last)
-    if local is not None:
-        proto, path = local.group(1) + "://", last[local.end():]
-    elif "://" in last:
-        return uri
-    else:
-        proto, path = "", last
-    if os.path.isabs(path):
-        return uri
-    return head + sep + proto + os.path.abspath(os.path.expanduser(path))
-
-
 def anchored_config(cfg: Config) -> Config:
     """``cfg`` with its local relative paths (the sources' ``uri``, the tokenizer's
-    ``path``) made absolute by :func:`anchored`: the workers that list, read and
-    tokenize may run in another directory than the process given the config."""
+    ``path``) made absolute by :func:`~msd_dask.sources.check.anchored`: the workers that
+    list, read and tokenize may run in another directory than the process given the
+    config."""
     tok = cfg.tokenizer
     return dataclasses.replace(
         cfg, sources=tuple(dataclasses.replace(s, uri=anchored(s.uri)) for s in cfg.sources),

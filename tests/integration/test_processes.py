@@ -75,3 +75,50 @@ def test_serve_exits_with_a_clear_error_when_the_scheduler_is_lost(tmp_path):
     assert last.startswith("msd-dask serve: lost the scheduler") and "state_dict" in last, out
     # and nobody tried to re-create the planner on a scheduler that is gone
     assert "re-creating" not in out, out
+
+
+def test_serve_resumes_from_a_state_file(tmp_path):
+    """``msd-dask serve --resume STATE_JSON``: the restarted service says the step it
+    resumes from, and serves from it the batches the first service would have (it printed
+    the same banner as a fresh start, and no test ran a resume through the CLI)."""
+    import json
+
+    from msd_dask import DataService
+
+    from checks import read_steps, record
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="resumecli")
+    with dask_cluster(str(tmp_path), n_workers=1) as cl:
+        serve = start_serve(cfg, str(tmp_path), cl["address"])
+        try:
+            svc = DataService.connect(cl["address"], "resumecli", agent=False)
+            try:
+                first = read_steps(svc, 7)
+                state = svc.state_dict(5)
+            finally:
+                svc.close()
+        finally:
+            serve.send_signal(signal.SIGINT)
+            serve.wait(60)
+        path = tmp_path / "state.json"
+        path.write_text(json.dumps(state))
+        serve = start_serve(cfg, str(tmp_path), cl["address"], "--resume", str(path),
+                            says=f"serving 'resumecli' on {cl['address']} from step 6 "
+                                 "(resumed from the state of step 5)")
+        try:
+            svc = DataService.connect(cl["address"], "resumecli", agent=False)
+            try:
+                again = [record(next(svc.reader(r)))
+                         for r in range(svc.config.parallel.world_size)]
+            finally:
+                svc.close()
+        finally:
+            serve.send_signal(signal.SIGINT)
+            serve.wait(60)
+    want = [r for r in first if r["step"] == 6]
+    assert [r["step"] for r in again] == [6] * len(want)
+    for a, b in zip(again, want, strict=True):
+        assert a["rank"] == b["rank"] and a["documents"] == b["documents"]
+        assert (a["input_ids"] == b["input_ids"]).all()

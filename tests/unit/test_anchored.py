@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from msd_dask.sources.discover import anchored
+from msd_dask.sources.check import anchored
 from msd_dask.sources.storage import list_files
 
 

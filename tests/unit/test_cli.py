@@ -4,6 +4,7 @@ missing file is one line naming it, not a traceback."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +231,35 @@ def test_validate_says_when_the_first_file_has_no_record(
     assert main(["validate", str(tmp_path / "c.yaml")]) == 0
     out = capsys.readouterr().out
     assert f"no record in its first file {tmp_path}/data/a.jsonl: 'txt' not checked" in out, out
+
+
+def test_validate_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    """``msd-dask validate c.yaml | head -1`` printed ``error: [Errno 32] Broken pipe`` and
+    exited 2 (once in four it aborted): now it stops quietly, with SIGPIPE's status."""
+    import subprocess
+    import sys
+
+    _one_file_source(tmp_path, "jsonl")
+    (tmp_path / "c.yaml").write_text(
+        f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: "
+        f"'{tmp_path}/data/*.jsonl', format: jsonl}}\n")
+    read, write = os.pipe()
+    os.close(read)  # (the reader is gone before the first line: every write breaks the pipe)
+    try:
+        done = subprocess.run([sys.executable, "-m", "msd_dask.cli", "validate",
+                               str(tmp_path / "c.yaml")], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.stderr == "" and done.returncode == 141, (done.returncode, done.stderr)
+
+
+def test_a_relative_glob_that_matches_nothing_says_where_it_looked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run from another directory, validate said only "glob 'data/...' matches no file"."""
+    (tmp_path / "c.yaml").write_text("name: v\nbatch: {seq_len: 8}\nsources:\n  - {name: web, "
+                                     "uri: 'data/web/*.jsonl', format: jsonl}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "c.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "'sources[0].uri'" in err and f"as '{tmp_path}/data/web/*.jsonl'" in err, err
