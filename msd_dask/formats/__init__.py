@@ -2,8 +2,10 @@
 
 A reader splits a file into :class:`Unit`\\ s (the pieces a loader reads at
 once: a parquet row group, a whole JSON-lines file) and yields the records of
-one unit.  Every reader passes the shared conformance suite in
-``tests/unit/test_formats.py``.
+one unit.  Every built-in reader passes the shared conformance suite in
+``tests/unit/test_formats.py``.  A source may also name a format of your own by
+import path (``format: "package.module:Name"``, :func:`get_format`;
+``msd_dask.examples.text_lines`` is one).
 """
 
 from __future__ import annotations

@@ -208,8 +208,9 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
         for row, rec in rows:
             expected = unit.row_offset + len(items)
             if row < expected:
-                raise DataError(f"rows out of order (expected {expected})", source=src.name,
-                                path=unit.path, row=row)
+                raise DataError(f"rows out of order (expected {expected} or later): format "
+                                f"{src.format!r} must yield a unit's rows in increasing order "
+                                f"from its row_offset", source=src.name, path=unit.path, row=row)
             while len(items) < row - unit.row_offset:  # rows the format skipped (blank lines)
                 items.append((unit.row_offset + len(items), None))
             items.append((row, rec))

@@ -886,3 +886,32 @@ def test_a_source_whose_every_file_is_quarantined_asks_about_its_format(tmp_path
                                      "format": "parquet", "on_error": "skip"}]})
     with pytest.raises(DataError, match=r"all 2 were quarantined .*is its format 'parquet' right"):
         discover_units(cfg)
+
+
+def test_a_format_that_yields_rows_out_of_order_is_named(tmp_path: Any,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A format of your own whose ``read`` gives row 1 before row 0 is bad input naming the
+    file, the row and the format (it said only "rows out of order")."""
+    from msd_dask import load_config
+    from msd_dask.sources.documents import read_unit
+    from msd_dask.sources.tokenizer import ByteTokenizer
+
+    (tmp_path / "backwards_format_xyz.py").write_text(
+        "from msd_dask.formats import Unit\n"
+        "class Backwards:\n"
+        "    def units(self, fs, path):\n"
+        "        return [Unit(path, 0, 0)]\n"
+        "    def read(self, fs, unit, fields):\n"
+        "        yield 1, {'text': 'b'}\n"
+        "        yield 0, {'text': 'a'}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "a.txt").write_text("a\nb\n")
+    cfg = load_config({"name": "b", "batch": {"seq_len": 8}, "sources": [
+        {"name": "back", "uri": str(tmp_path / "*.txt"), "format": "backwards_format_xyz:Backwards"}]})
+    src = cfg.sources[0]
+    fs = fsspec.filesystem("file")
+    with pytest.raises(DataError) as info:
+        read_unit(src, fs, Unit(str(tmp_path / "a.txt")), ByteTokenizer())
+    err = info.value
+    assert err.source == "back" and err.path == str(tmp_path / "a.txt") and err.row == 0
+    assert "rows out of order" in str(err) and "backwards_format_xyz:Backwards" in str(err)
