@@ -353,7 +353,7 @@ class AgentReader:
 
 #: what a :class:`~msd_dask.service.DataService` handle has and an :class:`AgentHandle`
 #: has not: operations on the service, for its owner or a process connected directly
-DIRECT_ONLY = frozenset({"client", "planner", "generation", "constructors", "refresh",
+DIRECT_ONLY = frozenset({"address", "client", "planner", "generation", "constructors", "refresh",
                          "set_weights", "scale_loaders", "retire_workers", "stats",
                          "consumed_step", "dashboard_link", "start"})
 
