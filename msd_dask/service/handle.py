@@ -147,6 +147,11 @@ def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any,
 _UNKNOWN = 2**62
 
 
+#: this process's handles not closed yet (an owner closing its embedded cluster closes the
+#: others on it)
+_OPEN: weakref.WeakSet[DataService] = weakref.WeakSet()
+
+
 class DataService:
     """A handle on a running msd_dask service.
 
@@ -171,6 +176,7 @@ class DataService:
         #: this process's readers (counted by :meth:`consumed_step`)
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
         self.refresh()
+        _OPEN.add(self)
 
     @property
     def address(self) -> str:
@@ -714,6 +720,9 @@ class DataService:
     def close(self) -> None:
         """Stop the service (if this handle started it) and disconnect.
 
+        A handle that started its own embedded cluster (:meth:`start` without an
+        address) closes this process's other handles on it first: they cannot outlive it.
+
         This process's readers send nothing from then on: the next batch they do not
         hold raises :class:`ServiceError` (one waiting for a round hears the owner's
         notice as the roles close).  The owner then closes the roles and lets Dask
@@ -722,6 +731,13 @@ class DataService:
         """
         if self._closed:
             return
+        if self._cluster is not None:
+            # this process's other handles on the embedded cluster cannot outlive it (their
+            # clients would try to reach its scheduler until the process exits, and log each
+            # try): closed first, while the roles still hear their readers' last steps
+            for other in [h for h in _OPEN if h is not self and not h._closed]:
+                if other.address == self.address:
+                    other.close()
         if not self.link.owner:  # the last steps this process's readers returned
             self._report_readers(5.0)
         # before the roles are closed and released: this process's readers send nothing

@@ -183,3 +183,39 @@ def test_close_does_not_wait_for_ever_on_a_frozen_scheduler(corpus, tmp_path, ca
         finally:
             os.kill(cl["scheduler"].pid, signal.SIGCONT)
     assert "the scheduler did not answer within" in caplog.text
+
+
+_OWNER_AND_HANDLE = """
+import json, sys, time
+from msd_dask import DataService, ServiceError
+if __name__ == "__main__":
+    svc = DataService.start(json.loads(sys.argv[1]), n_workers=1, threads_per_worker=2)
+    other = DataService.connect(svc.address, svc.name, agent=False)
+    reader = other.reader(0)
+    next(reader)
+    svc.close()
+    try:
+        while True:
+            next(reader)
+    except ServiceError as e:
+        print("reader:", e, flush=True)
+    time.sleep(1.0)
+"""
+
+
+def test_closing_an_embedded_cluster_closes_the_processs_other_handles_on_it(corpus):
+    """A handle connected in the process that started the service on its embedded cluster
+    outlived the cluster: its client tried to reach the scheduler until the process exited
+    and logged each try (about 40 lines of tracebacks, a new user's walk).  The owner now
+    closes it first: its reader says the handle was closed, and nothing is logged."""
+    import json
+    import subprocess
+    import sys
+
+    root, _ = corpus
+    cfg = config(root, name="ownerhandle")
+    done = subprocess.run([sys.executable, "-c", _OWNER_AND_HANDLE, json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "reader:" in done.stdout and "closed" in done.stdout, done.stdout
+    assert "ERROR" not in done.stderr and "Traceback" not in done.stderr, done.stderr
