@@ -307,11 +307,13 @@ class Reader:
 
     ``also``: more ranks of the rank's DP group with the same view (its tensor-parallel
     peers) this reader reads for: their constructor sends each batch once, for all of
-    them (a host agent serving the ranks of its host reads so).
+    them (a host agent serving the ranks of its host reads so).  ``ledger``: a record,
+    rank -> the last step returned (or the state loaded), this reader keeps up to date
+    (:meth:`DataService.reader` starts a rank's next reader after it).
     """
 
     def __init__(self, link: ServiceLink, rank: int, *, timeout: float,
-                 also: Sequence[int] = ()):
+                 also: Sequence[int] = (), ledger: dict[int, int] | None = None):
         from msd_dask.roles.constructor import constructor_of
 
         cfg = link.config
@@ -334,6 +336,7 @@ class Reader:
         self.coords = coords
         self.timeout = timeout
         self._progress = _Progress()
+        self._ledger = ledger
         self._view = (self.coords["cp"], cfg.parallel.cp, self.coords["pp"], cfg.parallel.pp)
         #: the planner generation whose constructors know what this reader has
         self._gen = link.handles[0]
@@ -395,6 +398,11 @@ class Reader:
         step = loaded_step(state, self.rank)
         if step is not None:
             self._skip_through = step
+            self._keep_ledger()
+
+    def _keep_ledger(self) -> None:
+        if self._ledger is not None:
+            self._ledger[self.rank] = self._progress.last()
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -423,6 +431,7 @@ class Reader:
             self._raise_if_closed()
         batch = self._held.popleft()
         self.step = batch.step
+        self._keep_ledger()
         now = time.monotonic()
         if self.returned_at:
             self._gaps.append(now - self.returned_at)
@@ -552,6 +561,14 @@ class Reader:
         """The error for a rank restarted from a state (``done``) older than what the
         service handed it (every step up to ``handed``): those steps are gone from the
         service, which serves each once."""
+        if done < 0:  # (a reader with no state, after another reader of the rank)
+            return ServiceError(
+                f"rank {self.rank}: a new reader with no state asked service "
+                f"{self.link.name!r} for its first step, but the service had handed this rank "
+                f"the steps up to {handed} already (to an earlier reader) and serves each step "
+                "once: load the state of the last step this rank returned "
+                "(reader.load_state_dict(state), the state_dict() saved with its checkpoint), "
+                "or resume the whole job from DataService.state_dict(step) (docs/resume.md)")
         return ServiceError(
             f"rank {self.rank} asked service {self.link.name!r} for step {done + 1}, but the "
             f"service had handed this rank the steps up to {handed} already and serves each "

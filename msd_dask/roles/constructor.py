@@ -728,9 +728,11 @@ class DataConstructor:
                 return {"steps": steps, "g": self.generation,
                         "payloads": [to_wire(view_for_rank(b, *view)) for b in batches]}
             handed = self.last_claimed.get(rank, -1)
-            if 0 <= done < handed:
+            if done < handed:
                 # the rank restarted from a state older than the steps handed to it (and
-                # not a retry of its last round): they are gone (each step is served once).
+                # not a retry of its last round), or a new reader with no state came after
+                # one that had steps: they are gone (each step is served once; serving the
+                # next round would skip what the earlier reader held unread, silently).
                 # Said at once, whatever is posted: a round would wait for room, which
                 # may wait for the other DP groups' ranks
                 return {"handed": handed, "g": self.generation}

@@ -175,6 +175,8 @@ class DataService:
         self._closed = False
         #: this process's readers (counted by :meth:`consumed_step`)
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
+        #: rank -> the last step this handle's readers of it returned (or loaded)
+        self._returned: dict[int, int] = {}
         self.refresh()
         _OPEN.add(self)
 
@@ -432,9 +434,20 @@ class DataService:
 
     # --------------------------------------------------------------- readers
     def reader(self, rank: int, *, timeout: float | None = None) -> Reader:
-        """An iterator over the batches of global ``rank``."""
-        reader = Reader(self.link, rank,
+        """An iterator over the batches of global ``rank``.
+
+        A rank's second reader from this handle starts after the last step the first
+        returned (or the state it loaded), as if that state were loaded: its constructor
+        sends it again the steps of the last round the first held unread.  A reader with
+        no state of a rank whose earlier reader (in another process, say) had steps is
+        refused: load the state of the last step the rank returned
+        (:meth:`~msd_dask.reader.Reader.load_state_dict`, docs/resume.md).
+        """
+        reader = Reader(self.link, rank, ledger=self._returned,
                         timeout=self.config.timeout if timeout is None else timeout)
+        last = self._returned.get(rank, -1)
+        if last >= 0:
+            reader.load_state_dict({"rank": rank, "step": last})
         self._readers.add(reader)
         return reader
 
