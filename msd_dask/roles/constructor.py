@@ -896,6 +896,7 @@ class DataConstructor:
                              for s in self._unclaimed_steps.get(dp, ())]:
             if key[0] <= step and rank in waiting:
                 waiting.discard(rank)
+                self.claimed[rank] += 1  # (published to it: its queue depth counts it)
                 if not waiting:
                     await self._done(*key)
 

@@ -122,6 +122,9 @@ def test_next_round_skips_what_a_rank_has_and_mark_had_releases_only_its_group()
         # rank 1 told the constructor it has steps 0 and 1: its next round is step 2
         assert (await con.next_round(1, -1))["steps"] == [2]
         assert await con.next_round(1, 2, wait=0.2) is None
+        # nothing is pending for rank 1: the steps mark_had released count as taken (they
+        # did not, and its queue depth, a metric, stayed 2 for good: a review)
+        assert (await con.stats())["queue_depth"][1] == 0
         with pytest.raises(KeyError, match="not served"):
             await con.next_round(4, -1)
         await con.notify("planner failed at step 3")
