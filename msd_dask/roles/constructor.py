@@ -970,6 +970,8 @@ class DataConstructor:
             "queue_depth": {r: self.published[r] - self.claimed[r]
                             for rs in self.members.values() for r in rs},
             "last_claimed": dict(self.last_claimed),
+            # the last step each rank showed it has (see steps_shown)
+            "shown": dict(self._shown),
             "returned": dict(self.returned),
             "returned_by": dict(self.returned_by),
             "report_after": dict(self.report_after),

@@ -1059,20 +1059,22 @@ class PlannerActor:
             which every rank has claimed), as packed
             bytes that a re-created planner takes as its ``state`` (the JSON form
             of :meth:`state_at` is a list per carried and held piece: tens of MB,
-            made in seconds, at dp 16,384 × 128K); ``claimed``: ``{rank: last
-            claimed step}`` as far as the constructors answered; ``loaders``:
+            made in seconds, at dp 16,384 × 128K); ``had``: ``{rank: the last step
+            it showed its constructor it has}`` (its claims, its reports: not the steps
+            last handed to it, whose answer may never have reached it) as far as the
+            constructors answered; ``loaders``:
             loaders per source (:meth:`RoleSupervisor.loader_counts`);
             ``recovered``, ``events``: this planner's recovery counters;
             ``address``: its worker; ``keys``: the Dask keys of its roles;
             ``version``: the live weight changes made so far.
         """
-        claimed: dict[int, int] = {}
+        had: dict[int, int] = {}
         returned: dict[int, int] = {}
         # (one lost meanwhile: heal re-creates it)
         cons = await self.roles.constructor_stats(max_age=stats_age)
         complete = not any(st.get("unanswered") for st in cons)
         for st in cons:
-            claimed.update({int(r): int(s) for r, s in st["last_claimed"].items()})
+            had.update({int(r): int(s) for r, s in st.get("shown", {}).items()})
             returned.update({int(r): int(s) for r, s in st.get("returned", {}).items()})
         async with self._plan_lock:  # not while a step is planned (or a round split)
             # the state after the last step every rank *returned*, not claimed: a planner
@@ -1089,7 +1091,7 @@ class PlannerActor:
             same = step == have and self.weights_version == have_version
             state = None if same else self._packed_at(step)
             return {"state": state, "step": step, "version": self.weights_version,
-                    "claimed": claimed, "loaders": self.roles.loader_counts(),
+                    "had": had, "loaders": self.roles.loader_counts(),
                     "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
                     "address": self.roles.own_address(), "keys": self.roles.keys()}
 

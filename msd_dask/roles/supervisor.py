@@ -907,8 +907,8 @@ async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, A
     Run on every worker (``client.run``) by the process that re-creates a lost
     planner, before it starts the new one: the old roles must stop building
     and give their memory back (their readers switch to the new ones).  Returns
-    ``{"closed": n, "last_claimed": {rank: step}}``, the ranks' last claimed steps on
-    the closed constructors.
+    ``{"closed": n, "shown": {rank: step}}``, the last step each rank showed the closed
+    constructors it has (:meth:`~msd_dask.roles.constructor.DataConstructor.steps_shown`).
     """
     prefix = f"msd-{name}-"
     closed = 0
@@ -923,9 +923,9 @@ async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, A
             continue
         closed += 1
         if isinstance(role, DataConstructor):
-            for r, step in role.last_claimed.items():
+            for r, step in (await role.steps_shown()).items():
                 last[int(r)] = max(last.get(int(r), -1), int(step))
-    return {"closed": closed, "last_claimed": last}
+    return {"closed": closed, "shown": last}
 
 
 def pick_workers(workers: Iterable[str], load: Mapping[str, int], n: int) -> list[str]:

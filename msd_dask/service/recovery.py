@@ -149,7 +149,7 @@ class PlannerKeeper:
             # without a checkpoint (lost before the first one), from where this service
             # started: readers skip what they have, the plans are the same
             resume = self.recipe.get("resume")
-            ck = self.checkpoint or {"state": resume, "claimed": {}, "recovered": {},
+            ck = self.checkpoint or {"state": resume, "had": {}, "recovered": {},
                                      "events": [],
                                      "step": (resume or {}).get("step", "-1 (the start)")}
             t0 = time.monotonic()
@@ -179,17 +179,19 @@ class PlannerKeeper:
     def _close_lost_roles(self, ck: dict[str, Any]) -> tuple[dict[str, Any], dict[int, int]]:
         """Close the roles the lost planner leaves behind (they stop publishing and free
         their memory); returns what each worker answered and the last step each rank
-        claimed (from the checkpoint and the closed constructors)."""
+        showed it has (from the checkpoint and the closed constructors): not the last
+        step handed to it, whose answer may not have reached it (the new constructors
+        would then never send it the steps re-planned up to there)."""
         from msd_dask.roles.supervisor import (
             close_service_roles,  # the owner only: readers never import roles
         )
 
         closed = self.link.client.run(close_service_roles, self.link.name, on_error="return",
                                       callback_timeout=60)
-        had = {int(r): int(s) for r, s in ck["claimed"].items()}
+        had = {int(r): int(s) for r, s in ck["had"].items()}
         for res in closed.values():
             if isinstance(res, dict):
-                for r, st in res["last_claimed"].items():
+                for r, st in res["shown"].items():
                     had[int(r)] = max(had.get(int(r), -1), int(st))
         return closed, had
 

@@ -386,3 +386,43 @@ def test_a_fetch_from_a_loader_stuck_reading_says_what_it_reads() -> None:
             await con._fetch("toy", 0, np.zeros((1, 5), dtype=np.int64))
 
     asyncio.run(run())
+
+
+def test_a_round_whose_answer_was_lost_is_sent_again_by_the_next_generation() -> None:
+    """Rank 0 is handed steps 0 and 1, but the answer never reaches it; the planner is lost
+    and re-created.  The new constructors were told the ranks had what they were *handed*
+    (``last_claimed``), so they never sent the re-planned steps 0 and 1 to rank 0, whose
+    reader went on with step 2 (a review of the claim protocol).  What the old ones say
+    the ranks *showed* they have (``stats()["shown"]``, :func:`close_service_roles`) is
+    what the next generation starts from."""
+    from msd_dask.roles.supervisor import close_service_roles
+
+    members = {0: [0, 1], 1: [2, 3]}
+
+    class Worker:  # what close_service_roles looks at on a worker
+        def __init__(self, actors: dict[str, Any]):
+            self.state = type("State", (), {"actors": actors})()
+
+    async def run() -> None:
+        old = DataConstructor("u", 0, members, 8, 0, prefetch=4)
+        await old.setup({"toy": {0: ToyLoader()}})
+        await old.submit(_toy_round(members, [0, 1]))
+        await _built(old, 1)
+        assert (await old.next_round(0, -1))["steps"] == [0, 1]  # (the answer is lost)
+        assert (await old.next_round(2, -1))["steps"] == [0, 1]
+        assert (await old.next_round(2, 1, wait=0.1)) is None  # rank 2 shows it has them
+        stats = await old.stats()
+        assert stats["last_claimed"] == {0: 1, 2: 1} and stats["shown"] == {2: 1}
+        closed = await close_service_roles("u", dask_worker=Worker({"msd-u-c0": old}))
+        assert closed == {"closed": 1, "shown": {2: 1}}
+        new = DataConstructor("u", 0, members, 8, 0, prefetch=4, generation=1)
+        await new.setup({"toy": {0: ToyLoader()}}, had=closed["shown"])
+        await new.submit(_toy_round(members, [0, 1]))  # re-planned from the checkpoint
+        await new.submit(_toy_round(members, [2, 3]))
+        await _built(new, 2)
+        assert (await new.next_round(0, -1))["steps"] == [0, 1]  # again: it never had them
+        assert (await new.next_round(2, -1))["steps"] == [2, 3]  # it had them: not again
+        await new.close()
+        new._task.cancel()
+
+    asyncio.run(run())
