@@ -463,7 +463,15 @@ class DataConstructor:
         assert self._room is not None
         async with self._room:
             await self._room.wait_for(
-                lambda: len(self._held_steps) + steps <= self.prefetch or self._closed)
+                lambda: len(self._held_steps) + steps <= self.prefetch or self._closed
+                or self._error is not None)
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        """The planner hears a failed build too (its readers do from :meth:`next_round`):
+        the failed round's steps stay held, and a wait for room would never end."""
+        if self._error is not None:
+            raise RuntimeError(self._error)
 
     async def submit(self, round_steps: list[StepWork] | bytes, room: int = 0,
                      force: bool = False) -> None:
@@ -502,8 +510,9 @@ class DataConstructor:
         held = sum(1 for _step, work in steps if work)
         async with self._room:
             if not force:
-                await self._room.wait_for(lambda: self._closed or (self._resent and (
-                    not steps or len(self._held_steps) + held <= self.prefetch)))
+                await self._room.wait_for(lambda: self._closed or self._error is not None or (
+                    self._resent and (not steps or len(self._held_steps) + held <= self.prefetch)))
+            self._raise_failed()
             steps = self._unseen(steps)  # the same round, delivered again, went first
             if self._closed:
                 return
@@ -535,6 +544,10 @@ class DataConstructor:
                 self._error = (f"constructor {self.index} failed to build {_steps_named(steps)}: "
                                f"{e!r}")
                 self._wake_all()
+                room = self._room
+                assert room is not None  # (made with the builder, in setup)
+                async with room:  # (the planner waiting for room hears it)
+                    room.notify_all()
                 return
 
     async def _build(self, steps: list[StepWork]) -> None:

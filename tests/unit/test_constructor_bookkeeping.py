@@ -324,6 +324,11 @@ def test_a_round_that_cannot_be_built_is_named_whole() -> None:
                          "DataError('corrupt document at row 20')")
         assert (await con.next_round(0, -1))["steps"] == [0]  # the step built before
         assert (await con.next_round(0, 0)) == {"error": error, "g": 0}
+        # the planner hears it too: the failed round's steps stayed held, and its next
+        # submit and wait for room waited for ever (a review)
+        for call in (con.submit(_toy_round(members, [3, 4, 5, 6])), con.wait_room(4)):
+            with pytest.raises(RuntimeError, match="failed to build steps 1-2"):
+                await asyncio.wait_for(call, 5)
 
     asyncio.run(run())
 
