@@ -250,10 +250,22 @@ class SourceLoader:
             await asyncio.shield(self._ready[key])
             data = self._data[key]
             i = int(row) - self.units[key[1]].row_offset
-            doc = data.docs[i]
-            if doc is None:
-                raise DataError("document has no tokens (it was skipped as bad input)",
-                                source=self.src.name, path=self.units[key[1]].path, row=int(row))
+            doc = data.docs[i] if 0 <= i < len(data.docs) else None
+            if doc is None or len(doc) < int(end):
+                # the unit read again (this loader re-created, or given another's units)
+                # is not what the step was planned from: under on_error: skip a store that
+                # failed for a moment quarantined the file, or a preprocess failed once.
+                # Read again at the next fetch (the constructor asks again until its
+                # timeout), rather than cut a piece of what is not there.
+                self._data.pop(key, None)
+                self._ready.pop(key, None)
+                what = (f"{len(doc)} tokens" if doc is not None else
+                        f"{len(data.docs)} rows in the unit")
+                raise RuntimeError(
+                    f"source {self.src.name!r}, file {self.units[key[1]].path!r}, row {int(row)} "
+                    f"(epoch {key[0]}): read again, the document has {what}, but the step was "
+                    f"planned with a piece up to token {int(end)}: the file read differently "
+                    "(a read error quarantined under on_error: skip?); reading it again")
             if isinstance(doc, ImageDoc):
                 out.append(doc.piece(int(start), int(end)))
             else:

@@ -150,3 +150,43 @@ def test_a_unit_released_and_assigned_again_is_read_once(corpus, monkeypatch) ->
             await loader.close()
 
     asyncio.run(run())
+
+
+def test_a_unit_read_again_differently_is_read_once_more_not_cut(corpus, tmp_path) -> None:
+    """Under ``on_error: skip`` a loader re-created (or given a retired one's units) reads
+    a unit again; a store failing for a moment then quarantines the file, and the unit
+    has no row where the step was planned with the first read's.  ``fetch`` raised a
+    bare IndexError, and kept the empty unit after the store came back (a review).  Now
+    it says which source, file and row read differently, and reads the unit again at
+    the next fetch."""
+    import os
+    import shutil
+
+    import pytest
+
+    root, _ = corpus
+    copy = str(tmp_path / "corpus")
+    shutil.copytree(root, copy)
+    cfg = config(copy)
+    cfg["sources"][1]["on_error"] = "skip"
+    source, units = _loader_inputs(cfg, 1)
+    path = units[1][0]
+
+    async def run() -> None:
+        first = SourceLoader(source, units, {"kind": "bytes"})
+        lengths = np.asarray(await first.metadata(0, 1))  # what the planner plans with
+        request = [(0, 1, units[1][2] + 2, 0, int(lengths[2]) - 1)]
+        want = split_pieces(await first.fetch(request))[0]
+        await first.close()  # lost, or retired
+        os.rename(path, path + ".away")  # the store fails for a moment
+        again = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            with pytest.raises(RuntimeError, match=rf"file '{path}', row {units[1][2] + 2} "
+                               r"\(epoch 0\): read again, the document has 0 rows in the unit"):
+                await again.fetch(request)
+            os.rename(path + ".away", path)  # it is back: the next fetch reads the unit again
+            np.testing.assert_array_equal(split_pieces(await again.fetch(request))[0], want)
+        finally:
+            await again.close()
+
+    asyncio.run(run())
