@@ -768,8 +768,14 @@ class HostAgent:
                         f"{g.has[rank]}, the state the other ranks loaded; load the same "
                         "state on every rank of the group (or restart the agent)",
                         "kind": "error"}
+            had = g.has.get(rank, -1)
+            if rank not in g.assumed and after < had:
+                # the rank took the steps up to ``had`` from this agent (it acknowledged
+                # them) and asks again from an older state (restarted, or a second reader):
+                # refused before anything is handed out (each step is served once)
+                return {"error": self._taken_already(rank, after, had), "kind": "error"}
             g.assumed.discard(rank)
-            g.has[rank] = max(g.has.get(rank, -1), after)
+            g.has[rank] = max(had, after)
             if not g.asked:
                 self._spawn(self._start_later(g))
             g.asked.add(rank)
@@ -797,6 +803,24 @@ class HostAgent:
             if g.timeouts > seen:
                 return {"error": g.timeout_error, "kind": "timeout"}
             return {"error": f"the agent at {self.path} is closing", "kind": "closed"}
+
+    def _taken_already(self, rank: int, after: int, had: int) -> str:
+        """Why ``rank``, which took every step up to ``had``, is refused the step after
+        ``after`` (worded as a direct reader's refusal)."""
+        head = f"rank {rank}: "
+        if after < 0:
+            return head + (
+                f"a new reader with no state asked the agent at {self.path} for its first "
+                f"step, but this rank took the steps up to {had} from it already (an earlier "
+                "reader) and the service serves each step once: load the state of the last "
+                "step this rank returned (reader.load_state_dict(state), the state_dict() "
+                "saved with its checkpoint), or resume the whole job from "
+                "DataService.state_dict(step) (docs/resume.md)")
+        return head + (
+            f"asked the agent at {self.path} for step {after + 1}, but this rank took the "
+            f"steps up to {had} from it already and the service serves each step once: "
+            "resume the whole job from DataService.state_dict(step) (docs/resume.md), or "
+            f"load the state of step {had} or later on this rank")
 
     def _why_waiting(self, g: _Group, rank: int, timeout: float) -> str:
         want = g.has.get(rank, -1) + 1

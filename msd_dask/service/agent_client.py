@@ -228,11 +228,15 @@ class AgentReader:
     copied out of the agent's shared memory.
     """
 
-    def __init__(self, path: str, name: str, rank: int, *, timeout: float):
+    def __init__(self, path: str, name: str, rank: int, *, timeout: float,
+                 ledger: dict[int, int] | None = None):
         self.path = path
         self.name = name
         self.rank = rank_number(rank)
         self.timeout = float(timeout)
+        #: rank -> the last step returned or loaded, kept up to date for the handle (its
+        #: next reader of the rank starts after it, as a direct handle's does)
+        self._ledger = ledger
         self.step: int | None = None
         #: the step of the last state loaded (:meth:`load_state_dict`)
         self._loaded: int | None = None
@@ -269,6 +273,12 @@ class AgentReader:
         """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
         step = loaded_step(state, self.rank)
         self._loaded = self._loaded if step is None else step
+        self._keep_ledger()
+
+    def _keep_ledger(self) -> None:
+        last = self.state_dict()["step"]
+        if self._ledger is not None and last is not None:
+            self._ledger[self.rank] = int(last)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -319,6 +329,7 @@ class AgentReader:
                 "serves each step once: resume the whole job from DataService.state_dict(step) "
                 f"(docs/resume.md), or load the state of step {batch.step - 1} or later")
         self.step = batch.step
+        self._keep_ledger()
         return batch
 
     def report_step_time(self, seconds: float, step: int | None = None) -> None:
@@ -378,6 +389,8 @@ class AgentHandle:
         #: the service's ``timeout``: a reader's default
         self.timeout = float(info["timeout"])
         self._readers: list[AgentReader] = []
+        #: rank -> the last step its readers from this handle returned (or loaded)
+        self._returned: dict[int, int] = {}
 
     @classmethod
     def connect(cls, path: str, name: str, *, timeout: float = 30.0) -> AgentHandle:
@@ -393,8 +406,10 @@ class AgentHandle:
 
     def reader(self, rank: int, *, timeout: float | None = None) -> AgentReader:
         """An iterator over the batches of global ``rank`` (one of the agent's ranks)."""
-        reader = AgentReader(self.path, self.name, rank,
+        reader = AgentReader(self.path, self.name, rank, ledger=self._returned,
                              timeout=self.timeout if timeout is None else timeout)
+        if rank in self._returned:  # (as DataService.reader: after its earlier reader's step)
+            reader.load_state_dict({"rank": rank, "step": self._returned[rank]})
         self._readers.append(reader)
         return reader
 

@@ -811,7 +811,12 @@ def test_a_malformed_message_is_answered_and_the_agent_serves_on(tmp_path: Any,
 
 def test_a_rank_restarted_from_an_older_state_behind_the_agent_is_told(tmp_path: Any) -> None:
     """Behind the agent, a rank handed steps 0-3 that restarts from the state of step 1 got
-    step 4 next, silently (review; a direct reader says so): it is told, as a direct one."""
+    step 4 next, silently (review; a direct reader says so): it is told, as a direct one.
+    The refusal used to come after the next step was handed out and taken, so loading
+    the state it named was refused again, a step further on each time (a review of the
+    agent): the agent refuses before it hands anything out.  A new reader with no state
+    (a restarted process, another handle) is refused too, where it silently went on
+    after the steps its rank took; the same handle's next reader goes on after them."""
     with running_agent(tmp_path, [0]) as (agent, _):
         handle = AgentHandle.connect(agent.path, "agentunit")
         first = handle.reader(0)
@@ -819,9 +824,21 @@ def test_a_rank_restarted_from_an_older_state_behind_the_agent_is_told(tmp_path:
         first.close()
         again = handle.reader(0)
         again.load_state_dict({"rank": 0, "step": 1})
-        with pytest.raises(ServiceError, match=r"asked the agent at .* for step 2, but this "
-                                               r"rank was handed the steps up to 3 already"):
-            next(again)
+        for _ in range(2):  # (nothing is handed out by a refusal)
+            with pytest.raises(ServiceError, match=r"rank 0: asked the agent at .* for step 2, "
+                                                   r"but this rank took the steps up to 3 from "
+                                                   r"it already .* load the state of step 3"):
+                next(again)
+        again.load_state_dict({"rank": 0, "step": 3})  # as the error says
+        assert next(again).step == 4
+        other = AgentHandle.connect(agent.path, "agentunit")  # a restarted process
+        for _ in range(2):
+            with pytest.raises(ServiceError, match=r"rank 0: a new reader with no state asked "
+                                                   r"the agent at .* for its first step, but "
+                                                   r"this rank took the steps up to 4"):
+                next(other.reader(0))
+        other.close()
+        assert next(handle.reader(0)).step == 5  # this handle's next reader: after step 4
         handle.close()
 
 
