@@ -426,11 +426,9 @@ class _Group:
     last_read: int = -1
     reading: bool = False
     #: the group reader's failure (``(message, kind)``), told to every rank that asks
-    #: again from where it was then
+    #: for a step after the last one read (a rank that asks from past that, having
+    #: loaded a later state, has the group read again)
     error: tuple[str, str] | None = None
-    #: per rank: the last step it had when the group reader failed (a rank that asks
-    #: from a later one, having loaded a later state, has the group read again)
-    failed_has: dict[int, int] = field(default_factory=dict)
     #: the group reader's timeouts so far, and the last one's message: told to the ranks
     #: waiting when it came, as a direct reader's; the agent then reads on
     timeouts: int = 0
@@ -760,7 +758,10 @@ class HostAgent:
         error after ``timeout`` seconds, saying what it waited for."""
         assert self._stopped is not None
         async with g.changed:
-            if g.error is not None and after > g.failed_has.get(rank, -1):
+            if g.error is not None and after > g.last_read:
+                # a rank past every step read before the failure loaded a later state (as
+                # the error may have told it); a rank still taking the steps read before it
+                # is no such rank: resetting then unlinked its peers' blocks (a review)
                 self._reset(g)
             if rank in g.assumed and after < g.has[rank]:
                 return {"error": f"rank {rank} asked the agent at {self.path} for step "
@@ -939,7 +940,6 @@ class HostAgent:
             async with g.changed:
                 g.error = (f"the agent at {self.path} could not read ranks {g.ranks}: "
                            f"{type(e).__name__}: {e}", kind)
-                g.failed_has = dict(g.has)
                 g.changed.notify_all()
 
     def _asked_since(self, g: _Group, requests: int) -> bool:

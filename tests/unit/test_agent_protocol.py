@@ -101,13 +101,14 @@ def assert_same(got: Batch, want: Batch) -> None:
 
 
 class FakeGroupReader:
-    """A group's reader: batches of steps ``0, 1, ...`` (after a loaded state); fails at
-    ``fail_at`` if given."""
+    """A group's reader: batches of steps ``0, 1, ...`` (after a loaded state); times out
+    from ``fail_at`` on (or once at ``fail_once_at``), fails at ``error_at``, if given."""
 
     def __init__(self, group: int, ranks: list[int], fail_at: int | None = None,
-                 delay: float = 0.0, fail_once_at: int | None = None):
+                 delay: float = 0.0, fail_once_at: int | None = None,
+                 error_at: int | None = None):
         self.group, self.ranks, self.fail_at, self.delay = group, ranks, fail_at, delay
-        self.fail_once_at = fail_once_at
+        self.fail_once_at, self.error_at = fail_once_at, error_at
         self.timeouts = 0
         self.next_step = 0
         self.reads = 0
@@ -120,6 +121,8 @@ class FakeGroupReader:
             time.sleep(self.delay)
         if self.fail_at is not None and self.next_step >= self.fail_at:
             raise ServiceTimeoutError(f"rank {self.ranks[0]} waited 5s for step {self.next_step}")
+        if self.error_at == self.next_step:  # (a reader loaded past it reads on)
+            raise ServiceError(f"constructor 0 failed to build step {self.next_step}")
         if self.fail_once_at == self.next_step and not self.timeouts:
             self.timeouts += 1
             raise ServiceTimeoutError(f"rank {self.ranks[0]} waited 5s for step {self.next_step}")
@@ -480,6 +483,40 @@ def test_a_failed_group_reader_is_told_to_its_ranks(tmp_path: Any) -> None:
         t.join(10)
         with pytest.raises(ServiceTimeoutError, match=r"could not read ranks \[0, 1\].*waited 5s"):
             next(r0)
+        handle.close()
+
+
+def test_a_failed_group_reader_still_serves_the_steps_it_read_before(tmp_path: Any) -> None:
+    """The group's reader reads steps 0-2, then fails (not a timeout).  A rank taking the
+    steps read before the failure counted as one that had loaded a later state: the group
+    was reset, the blocks its peer was handed unlinked under it, and the peer refused
+    with advice to load a state nobody had loaded (a review of the agent).  Each rank
+    now gets steps 0-2, then the error; the group is read again only for a rank asking
+    from past every step read (a later state loaded)."""
+    with running_agent(tmp_path, [0, 1], error_at=3) as (agent, readers):
+        handle, r0, r1 = _pair(agent)
+        t = threading.Thread(target=next, args=(r1,))
+        t.start()
+        assert next(r0).step == 0
+        t.join(10)
+        first = readers[0]
+        assert wait_until(lambda: agent.groups[0].error is not None, 10)  # step 3 failed
+        assert [next(r0).step, next(r0).step] == [1, 2]
+        assert [next(r1).step, next(r1).step] == [1, 2]  # its blocks are still there
+        for reader in (r0, r1):
+            with pytest.raises(ServiceError, match=r"could not read ranks \[0, 1\]: "
+                                                   r"ServiceError: constructor 0 failed"):
+                next(reader)
+        assert readers[0] is first  # not read again
+        for rank, reader in ((0, r0), (1, r1)):  # a later state loaded: read again from it
+            reader.load_state_dict({"rank": rank, "step": 5})
+        got: list[int] = []
+        t = threading.Thread(target=lambda: got.append(next(r1).step))
+        t.start()
+        assert next(r0).step == 6
+        t.join(10)
+        assert got == [6] and readers[0] is not first and readers[0].loaded == [
+            {"rank": 0, "step": 5}]
         handle.close()
 
 
