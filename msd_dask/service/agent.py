@@ -803,7 +803,8 @@ class HostAgent:
                 return {"error": g.error[0], "kind": g.error[1]}
             if g.timeouts > seen:
                 return {"error": g.timeout_error, "kind": "timeout"}
-            return {"error": f"the agent at {self.path} is closing", "kind": "closed"}
+            return {"error": f"the agent at {self.path} is closing (rank {rank} waited for step "
+                    f"{g.has.get(rank, -1) + 1})", "kind": "closed"}
 
     def _taken_already(self, rank: int, after: int, had: int) -> str:
         """Why ``rank``, which took every step up to ``had``, is refused the step after

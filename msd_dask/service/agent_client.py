@@ -315,7 +315,13 @@ class AgentReader:
         if "error" in answer:
             err = ServiceTimeoutError if answer.get("kind") == "timeout" else ServiceError
             raise err(f"service {self.name!r}: {answer['error']}")
-        batch = read_block(answer, self.rank)
+        try:
+            batch = read_block(answer, self.rank)
+        except OSError as e:  # (its block gone: the agent stopped, or was killed)
+            self._drop()
+            raise ServiceError(f"rank {self.rank} could not copy step {answer.get('step')} "
+                               f"from the agent at {self.path} ({type(e).__name__}: {e}); did "
+                               "`msd-dask agent` exit?") from None
         try:
             send(sock, {"op": "ack", "step": batch.step})
         except OSError:

@@ -943,3 +943,23 @@ def test_a_state_that_waits_on_the_service_does_not_hold_the_agents_stop(tmp_pat
         assert time.monotonic() - t0 < 15
     finally:
         release.set()
+
+
+def test_a_block_gone_before_it_is_copied_is_one_error_naming_the_rank(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block unlinked before the rank copied it (the agent stopped or was killed) reached
+    the rank as a bare FileNotFoundError naming a /dev/shm file (a review of the agent)."""
+    from msd_dask.service import agent_client
+
+    def gone(msg: Any, rank: int) -> Any:
+        raise FileNotFoundError(2, "No such file or directory", f"/dev/shm/{msg['block']}")
+
+    with running_agent(tmp_path, [0]) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        reader = handle.reader(0)
+        monkeypatch.setattr(agent_client, "read_block", gone)
+        with pytest.raises(ServiceError, match=r"rank 0 could not copy step 0 from the agent "
+                                               r"at .*FileNotFoundError.*did `msd-dask agent` exit"):
+            next(reader)
+        monkeypatch.undo()
+        handle.close()
