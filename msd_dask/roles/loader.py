@@ -109,6 +109,8 @@ class SourceLoader:
             preprocessor(self.src.preprocess)  # fail at start, not at the first unit
         get_format(self.src.format)  # (a format of your own: imported here, at start too)
         self._files = open_source(self.src.uri, self.src.storage_options)
+        #: closed (:meth:`close`): calls that would wait for a unit are refused
+        self._closed = False
         self.threads = max(1, int(threads))
         pool = self.src.pool if isinstance(self.src.pool, PoolConfig) else PoolConfig()
         #: documents preprocessed at once (what the adaptive policy counts per loader)
@@ -140,6 +142,9 @@ class SourceLoader:
     # ------------------------------------------------------------ assignment
     async def assign(self, keys: list[tuple[int, int]]) -> int:
         """Queue ``(epoch, unit)`` keys for reading, in order; returns how many were new."""
+        if self._closed:  # (its reader is stopped: the call would wait for ever)
+            raise RuntimeError(f"loader {self.index} of source {self.src.name!r} was closed; "
+                               "ask the loader now in its slot")
         loop = asyncio.get_running_loop()
         if self._todo is None:
             self._todo = asyncio.Queue()
@@ -346,6 +351,7 @@ class SourceLoader:
         metadata call still waiting for a unit here ends at once (cancelled) and its
         caller asks the loader now in this slot, instead of waiting on one that reads
         nothing more and keeping its units in memory."""
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
         await self.release(list(self._ready))

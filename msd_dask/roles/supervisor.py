@@ -695,14 +695,19 @@ class RoleSupervisor:
             await self._push_loaders()
         return bool(lost_l or lost_c)
 
-    async def _replace_loader(self, source: str, slot: int, why: str) -> None:
+    async def _replace_loader(self, source: str, slot: int, why: str) -> tuple[Any, Any]:
+        """Put a new loader in ``source``'s ``slot`` and hand it the slot's units; returns
+        the old one's handle and future: dropped here if it was lost, else the caller
+        closes it once the constructors fetch from the new one (:meth:`_move_off`)."""
         old_h, old_f = self._slots[source][slot]
         self._slots[source][slot] = await self._new_loader(source, slot)
         new = self._slots[source][slot][0]
         self.record_event("loader", f"{source}#{slot}", why, actor_address(old_h),
                           actor_address(new))
-        _drop((old_h, old_f))
+        if why == "lost":
+            _drop((old_h, old_f))
         await self.planner.hand_over(source, [slot], slot)
+        return old_h, old_f
 
     async def _replace_constructor(self, i: int, why: str) -> None:
         old = self.constructors[i]
@@ -868,11 +873,16 @@ class RoleSupervisor:
 
     async def _move_off(self, workers: list[str]) -> None:
         """Re-create the loaders and constructors on ``workers`` elsewhere (under the lock)."""
+        moved = []
         for source, slots in self._slots.items():
             for slot, (h, _) in list(slots.items()):
                 if actor_address(h) in workers:
-                    await self._replace_loader(source, slot, "moved")
+                    moved.append(await self._replace_loader(source, slot, "moved"))
         await self._push_loaders()
+        for old in moved:  # (alive: it stops reading and frees its units, threads, pool)
+            with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
+                await asyncio.wait_for(direct(old[0]).close(), 30)
+            _drop(old)
         for i, c in enumerate(list(self.constructors)):
             if actor_address(c) in workers:
                 await self._replace_constructor(i, "moved")

@@ -13,6 +13,7 @@ import dataclasses
 import pickle
 
 import numpy as np
+import pytest
 
 from msd_dask import load_config
 from msd_dask.core.packing import split_pieces
@@ -85,6 +86,11 @@ def test_close_ends_a_wait_for_a_unit_and_drops_what_it_holds(corpus) -> None:
             err = None
         except BaseException as e:  # noqa: BLE001 - the test reports what ended the wait
             err = e
+        # a call reaching it after close is refused at once: its reader is stopped, and the
+        # unit it asked for was queued and waited for for ever (a review of the loaders)
+        for late in (loader.metadata(0, 0), loader.fetch([(0, 0, units[0][2], 0, 1)])):
+            with pytest.raises(RuntimeError, match="loader 0 of source 'prose' was closed"):
+                await asyncio.wait_for(late, 5.0)
         return still_reading, err, len(loader._data)
 
     still_reading, err, held = asyncio.run(run())
@@ -161,8 +167,6 @@ def test_a_unit_read_again_differently_is_read_once_more_not_cut(corpus, tmp_pat
     the next fetch."""
     import os
     import shutil
-
-    import pytest
 
     root, _ = corpus
     copy = str(tmp_path / "corpus")
