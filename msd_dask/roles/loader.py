@@ -29,7 +29,7 @@ import numpy as np
 
 from msd_dask.core.config import PoolConfig, TokenizerConfig
 from msd_dask.core.packing import JoinedPieces, join_pieces
-from msd_dask.errors import DataError
+from msd_dask.errors import ConfigError, DataError
 from msd_dask.sources.documents import DocPool, ImageDoc, preprocessor, read_unit, source_config
 from msd_dask.sources.tokenizer import make_tokenizer
 
@@ -189,6 +189,13 @@ class SourceLoader:
                 self._pool, read_unit, self.src, self._files.fs,
                 self.units[key[1]], self.tokenizer, quarantine, self._docs, busy, cpu)
         except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
+            if not isinstance(e, DataError | ConfigError | OSError):  # (those name it already)
+                # a tokenizer's, a format's or a preprocess pool's own failure: say where
+                named = RuntimeError(f"source {self.src.name!r}, file "
+                                     f"{self.units[key[1]].path!r} (epoch {key[0]}, unit "
+                                     f"{key[1]}): {type(e).__name__}: {e}")
+                named.__cause__ = e
+                e = named
             fut = self._ready.get(key)
             if fut is not None and not fut.done():
                 fut.set_exception(e)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["DocPool", "ImageDoc", "preprocessor", "process_docs", "read_unit", "source_config",
            "source_fields", "source_format", "with_source"]
 
+
+_log = logging.getLogger(__name__)
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -415,9 +419,10 @@ class DocPool:
                     "false (DASK_DISTRIBUTED__WORKER__DAEMON=False)")
             payload = dataclasses.asdict(src)
             payload.pop("weight")
-            self._ex = ProcessPoolExecutor(
-                self.size, mp_context=multiprocessing.get_context("spawn"),
+            self._processes = functools.partial(
+                ProcessPoolExecutor, self.size, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_process, initargs=(payload, dict(tokenizer)))
+            self._ex = self._processes()
         else:
             self._tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
             self._prep = preprocessor(src.preprocess) if src.preprocess else None
@@ -455,6 +460,21 @@ class DocPool:
         """
         if not items:
             return []
+        try:
+            return self._map(path, items, timing, cpu)
+        except BrokenProcessPool:
+            # a process of the pool died (killed for memory, say): every later unit would
+            # fail the same way, and the loader's worker lives on, so it is never re-created.
+            # A new pool, and this unit once more (a second failure is raised)
+            _log.warning("source %r: a process of its pool died; starting a new pool",
+                         self.src.name)
+            self._ex.shutdown(wait=False, cancel_futures=True)
+            self._ex = self._processes()
+            return self._map(path, items, timing, cpu)
+
+    def _map(self, path: str, items: Sequence[tuple[int, dict[str, Any]]],
+             timing: list[float] | None, cpu: list[tuple[float, float]] | None
+             ) -> list[np.ndarray | ImageDoc | DataError]:
         n = min(len(items), 4 * self.size)
         bounds = [len(items) * i // n for i in range(n + 1)]
         chunks = [list(items[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]

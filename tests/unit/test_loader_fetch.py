@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -192,5 +193,28 @@ def test_a_unit_read_again_differently_is_read_once_more_not_cut(corpus, tmp_pat
             np.testing.assert_array_equal(split_pieces(await again.fetch(request))[0], want)
         finally:
             await again.close()
+
+    asyncio.run(run())
+
+
+def test_a_failure_that_is_not_bad_input_names_the_source_and_file(corpus) -> None:
+    """A tokenizer's (or a format's, or a pool's) own error reached the planner and the
+    constructors bare, naming no source, file or unit (a review of the loaders)."""
+    root, _ = corpus
+    source, units = _loader_inputs(config(root), 1)
+
+    async def run() -> None:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+
+        def broken(text: str) -> Any:
+            raise RuntimeError("tokenizer internal error")
+
+        loader.tokenizer.encode = broken
+        try:
+            with pytest.raises(RuntimeError, match=rf"source 'prose', file '{units[1][0]}' "
+                               r"\(epoch 0, unit 1\): RuntimeError: tokenizer internal error"):
+                await loader.metadata(0, 1)
+        finally:
+            await loader.close()
 
     asyncio.run(run())

@@ -185,3 +185,30 @@ def test_unit_buffer_is_compact_for_small_vocabularies():
     assert (small.docs[0] == text).all() and (small.docs[1].tokens == img.tokens).all()
     assert (small.docs[1].patches == img.patches).all()
     assert (small.lengths == wide.lengths).all()
+
+
+def test_a_process_pool_that_lost_a_process_is_started_again(
+        sources: dict[str, SourceConfig]) -> None:
+    """A process of a loader's pool killed (by the kernel's OOM killer, say) made every
+    later unit of the loader fail with a bare BrokenProcessPool, under on_error: skip too,
+    and the loader, its worker alive, was never re-created (a review of the loaders).  The
+    pool is started again and the unit read once more: the same documents."""
+    import signal
+    import time
+
+    src = sources["prose"]
+    inline = _read_all(src, None)
+    pool = DocPool(src, TOK, 2, "process")
+    try:
+        fs, units = source_units(src)
+        first = [np.asarray(d) for d in read_unit(src, fs, units[0], ByteTokenizer(), pool=pool)]
+        os.kill(next(iter(pool._ex._processes)), signal.SIGKILL)  # type: ignore[attr-defined]
+        time.sleep(0.5)
+        got = [first] + [[np.asarray(d) for d in read_unit(src, fs, u, ByteTokenizer(), pool=pool)]
+                         for u in units[1:]]
+    finally:
+        pool.close()
+    for a, b in zip(got, inline, strict=True):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
