@@ -554,25 +554,42 @@ class RoleSupervisor:
     # -------------------------------------------------------------- calls
     async def assign_units(self, source: str, slot: int, keys: list[tuple[int, int]]) -> None:
         """Queue ``(epoch, unit)`` keys on a loader slot (:meth:`SourceLoader.assign`)."""
-        await self._on_loader(source, slot, lambda loader: loader.assign(keys))
+        await self._on_loader(source, slot, lambda loader: loader.assign(keys),
+                              f"take {len(keys)} unit(s)")
 
     async def release_units(self, source: str, slot: int, keys: list[tuple[int, int]]) -> None:
         """Let a loader slot drop units (:meth:`SourceLoader.release`)."""
-        await self._on_loader(source, slot, lambda loader: loader.release(keys))
+        await self._on_loader(source, slot, lambda loader: loader.release(keys),
+                              f"let go of {len(keys)} unit(s)")
 
     async def _on_loader(self, source: str, slot: int,
-                         call: Callable[[Any], Awaitable[_T]]) -> _T:
+                         call: Callable[[Any], Awaitable[_T]], what: str) -> _T:
         """``call(loader)`` on a loader slot's actor; if its worker is lost meanwhile, on
-        the actor re-created in that slot instead (a call to a lost actor may hang, not fail)."""
+        the actor re-created in that slot instead (a call to a lost actor may hang, not fail).
+
+        Raises
+        ------
+        ServiceTimeoutError
+            The loader's worker stayed but the call (``what`` it was asked) did not end
+            within the config's ``timeout``.
+        """
         async def run(h: Any) -> _T:
             # inside a coroutine: a lost actor's handle raises on attribute access
             return await call(direct(h))
 
+        deadline = time.monotonic() + self.cfg.timeout
         while True:
             h = self.loader(source, slot)
             task = asyncio.ensure_future(run(h))
             replaced = False
             while not task.done():
+                if time.monotonic() > deadline:
+                    task.cancel()
+                    task.add_done_callback(_observe)
+                    raise ServiceTimeoutError(
+                        f"loader {source}#{slot} on {actor_address(h)} was asked to {what} "
+                        f"and did not answer within {self.cfg.timeout:g}s (the config's "
+                        "timeout); its worker is alive (frozen, or its event loop blocked?)")
                 await asyncio.wait({task}, timeout=1.0)
                 if not task.done() and await self.heal() and self.loader(source, slot) is not h:
                     task.cancel()

@@ -673,3 +673,28 @@ def test_a_round_of_stats_under_way_is_shared_however_old(
 
     first, second = asyncio.run(calls())
     assert first == second and len(_STATS_ASKED) == 3
+
+
+def test_a_loader_that_does_not_take_its_units_times_out_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Giving a loader units (or taking them back) had no deadline, unlike every other call
+    to a role (a review of the loaders): a loader on a live but frozen worker stopped the
+    planning loop for good.  It ends after the config's timeout, naming the loader."""
+    from msd_dask.errors import ServiceTimeoutError
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    sup = _supervisor(monkeypatch, _Client(workers), workers[0], 1, 1, timeout=0.3)
+
+    async def frozen(keys: object) -> None:
+        await asyncio.Event().wait()  # its worker froze: no answer, no closed comm
+
+    async def run() -> None:
+        await sup.setup()
+        for source in ("a", "b"):
+            sup.loader(source, 0).assign = sup.loader(source, 0).release = frozen
+        for call, what in ((sup.assign_units, "take 1 unit"), (sup.release_units, "let go of 1")):
+            with pytest.raises(ServiceTimeoutError, match=rf"loader a#0 on tcp://h:\d was asked "
+                                                          rf"to {what}.* within 0.3s"):
+                await asyncio.wait_for(call("a", 0, [(0, 1)]), 10)
+
+    asyncio.run(run())
