@@ -361,6 +361,8 @@ class Reader:
 
     #: whether a reader dropped without :meth:`close` reports the last step it returned
     REPORT_WHEN_DROPPED = True
+    #: the record of the last steps returned this reader keeps up to date (see ``ledger``)
+    _ledger: dict[int, int] | None = None
 
     @property
     def step(self) -> int | None:

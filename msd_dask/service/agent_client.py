@@ -228,6 +228,9 @@ class AgentReader:
     copied out of the agent's shared memory.
     """
 
+    #: the handle's record of the last steps returned, kept up to date (see ``__init__``)
+    _ledger: dict[int, int] | None = None
+
     def __init__(self, path: str, name: str, rank: int, *, timeout: float,
                  ledger: dict[int, int] | None = None):
         self.path = path

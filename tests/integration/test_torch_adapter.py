@@ -26,11 +26,27 @@ def service(tmp_path_factory):
         yield svc
 
 
+#: each rank's reader state when a test closed its datasets: the module's tests share one
+#: service, and a rank's next process loads the state its last one saved, as a training
+#: process restarted from its checkpoint does (a rank's reader with no state after one that
+#: had steps is refused: each step is served once)
+_SAVED: dict[int, dict] = {}
+
+
 def _rank_loaders(service, **kwargs):
     """One dataset per rank of the service and a DataLoader iterator over each."""
     addr = service.client.scheduler.address
     datasets = [MsdIterableDataset(addr, "torchtest", r, **kwargs) for r in range(2)]
+    for ds in datasets:
+        if ds.rank in _SAVED:
+            ds.load_state_dict(_SAVED[ds.rank])
     return datasets, [iter(DataLoader(ds, batch_size=None, num_workers=0)) for ds in datasets]
+
+
+def _close(datasets) -> None:
+    for ds in datasets:
+        _SAVED[ds.rank] = ds.state_dict()
+        ds.close()
 
 
 def test_dataloader_yields_the_readers_batches(service):
@@ -54,8 +70,7 @@ def test_dataloader_yields_the_readers_batches(service):
         assert next(iter(datasets[1]))["step"] == 3
         assert next(iter(datasets[0]))["step"] == 3
     finally:
-        for ds in datasets:
-            ds.close()
+        _close(datasets)
 
 
 def test_pickles_unconnected_and_refuses_loader_workers(service):
@@ -97,8 +112,7 @@ def test_prefetch_claims_ahead_and_reports_step_times(service):
         with pytest.raises(RuntimeError, match="before the first iter"):
             datasets[0].load_state_dict({"rank": 0, "step": 0})
     finally:
-        for ds in datasets:
-            ds.close()
+        _close(datasets)
     addr = service.client.scheduler.address
     with pytest.raises(ValueError, match="no batch"):
         MsdIterableDataset(addr, "torchtest", 0).report_step_time(1.0)

@@ -280,7 +280,9 @@ def test_a_claim_from_before_the_steps_handed_is_answered_at_once() -> None:
     """The constructor answers a claim whose ``done`` is before the last step it handed
     the rank (not a retry of its last round) with that step, without waiting for a round:
     rank 0 had steps 0-2, nothing more is posted; a claim from step 0 is answered
-    ``handed: 2``; a fresh reader's (``done`` -1) and a retry of the last round are not."""
+    ``handed: 2``, and so is a new reader's with no state (``done`` -1: it went on after
+    the steps handed to the earlier reader, which may have held them unread); a retry of
+    the last round is not."""
     import time
 
     from test_constructor_bookkeeping import _serving
@@ -294,7 +296,7 @@ def test_a_claim_from_before_the_steps_handed_is_answered_at_once() -> None:
         assert answer == {"handed": 2, "g": con.generation}
         assert time.monotonic() - t0 < 2.0
         assert (await con.next_round(0, 1))["steps"] == [2]  # the last round: a retry
-        assert await con.next_round(0, -1, wait=0.2) is None  # a fresh reader: it waits
+        assert await con.next_round(0, -1, wait=0.2) == {"handed": 2, "g": con.generation}
         await _closed(con)
 
     asyncio.run(run())
