@@ -368,7 +368,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
     look = LognormalUnits(4096)
     relpath = {s.name: [f"u{i:06d}.parquet" for i in range(1 << 16)] for s in cfg.sources}
     kept: list[list[bytes]] = []
-    snapshots: list[bytes] = []  # the actor's: 2 x prefetch + 16 steps
+    snapshots: list[bytes] = []  # the actor's: prefetch + 2 x round_steps + 16 steps
     parts, pieces = [], []
     for _ in range(steps):
         seconds, n, work, snapshot = planning_step(pl, look, min(constructors, dp), relpath)
@@ -376,7 +376,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
         snapshots.append(snapshot)
         parts.append(seconds)
         pieces.append(n)
-        del kept[:-cfg.prefetch], snapshots[:-(2 * cfg.prefetch + 16)]
+        del kept[:-cfg.prefetch], snapshots[:-(cfg.prefetch + 2 * cfg.steps_per_round + 16)]
         del work
     now, peak = rss_mib()
     plan_s, split_s, pack_s = np.array(parts).T

@@ -444,9 +444,11 @@ class PlannerActor:
         self.first_step = self.planner.step
         #: planner state after each recent step (a PlannerSnapshot, packed), for
         #: :meth:`state_at` and :meth:`checkpoint`; bounded because planning runs at most
-        #: ``prefetch + round_steps`` steps ahead of any reader
+        #: ``prefetch + round_steps`` steps ahead of any reader, and a checkpoint taken
+        #: while a constructor does not answer goes back to its floor, ``prefetch +
+        #: round_steps`` behind the last step submitted (:meth:`checkpoint`)
         self._snapshots: OrderedDict[int, bytes] = OrderedDict()
-        self._keep = 2 * self.cfg.prefetch + 16
+        self._keep = self.cfg.prefetch + 2 * self.cfg.steps_per_round + 16
         #: live weight changes made so far (each re-packs the kept states: see set_weights)
         self.weights_version = 0
         #: the last snapshot's step (the next to plan), tokens and pieces, for :meth:`stats`
@@ -966,6 +968,12 @@ class PlannerActor:
         all of them): a service resumed from one (:meth:`state_at`), or a planner
         re-created from one (:meth:`checkpoint`), makes the change at the same step."""
         async with self._plan_lock:  # after the step being planned, which read the weights
+            # a re-created planner re-plans steps ranks had from the lost one (``had``): a
+            # change starts after them, or ranks of one step would take their shares of
+            # it from two different plans (a review)
+            after_had = max(self.had.values(), default=-1) + 1
+            if after_had > self.planner.step:
+                from_step = max(after_had, -1 if from_step is None else int(from_step))
             start = self.planner.set_weights(weights, from_step)
             overrides = tuple((st, dict(w)) for st, w in self.planner.overrides)
             kept = list(self._snapshots.items())
@@ -1009,8 +1017,12 @@ class PlannerActor:
         # a step the next round plans (a re-created planner re-plans the few steps after
         # its checkpoint: a rank may be at one of them) is answered once it is planned
         deadline = time.monotonic() + min(self.cfg.timeout, STATE_WAIT)
-        while (step >= self.planner.step and step < self.planner.step + self.cfg.steps_per_round
-               and self.error is None and time.monotonic() < deadline):
+        # (and, on a re-created planner, a step a rank had from the lost one: re-planned
+        # within seconds, though at dp 16,384 many steps behind it: a review)
+        ahead = max(self.planner.step + self.cfg.steps_per_round - 1,
+                    max(self.had.values(), default=-1))
+        while (self.planner.step <= step <= ahead and self.error is None
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
         async with self._plan_lock:  # a step being planned is answered once it is planned
             packed = self._packed_at(step)
@@ -1140,7 +1152,7 @@ class PlannerActor:
     def _keep_features(self, step: int, features: np.ndarray | None) -> None:
         """Keep each DP rank's ``(ΣL, ΣL²)`` of ``step`` (for the cost fitter): 16 bytes
         per rank and step (the pieces' lengths were 3.4M per step at dp 16,384 x 128K,
-        for ``4 × (2 × prefetch + 16)`` steps)."""
+        for ``4 ×`` the steps whose snapshots are kept)."""
         if features is None:
             return
         self._step_features[step] = features

@@ -599,7 +599,7 @@ class DataService:
         ------
         ValueError
             If ``step`` is not planned yet or no longer held (the service keeps
-            the planner state of the last ``2 × prefetch + 16`` steps); without
+            the planner state of the last ``prefetch + 2 × round_steps + 16`` steps); without
             ``step``, if the last step every rank returned cannot be known (see
             :meth:`consumed_step`).
         """

@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+from test_planner_recreated import _plan
 
 from msd_dask import load_config
 from msd_dask.core.plan import Planner
@@ -44,20 +45,11 @@ def test_a_weight_change_reaches_the_kept_states(corpus: Any) -> None:
         # (no Dask worker holds this actor here: its checkpoint names none)
         actor.roles.own_address = lambda: "tcp://198.18.0.2:0"  # type: ignore[method-assign]
 
-        async def plan(n: int) -> list[Any]:  # what the planning loop does per step
-            plans = []
-            for _ in range(n):
-                async with actor._planning():
-                    p, _used, _record, _features, after = await actor._off_loop(actor._plan_next)
-                actor._snapshot(p.step, *after)
-                plans.append(p)
-            return plans
-
-        await plan(10)
+        await _plan(actor, 10)
         before = await actor.checkpoint()
         start = await actor.set_weights(NEW)
         assert start == 10
-        live = {p.step: p for p in await plan(10)}
+        live = {p.step: p for p in await _plan(actor, 10)}
         # the readers are at step 7: a resume from its state changes the mix at step 10
         resumed = Planner(cfg, actor.units)
         resumed.load_state_dict((await actor.state_at(7))["planner"])
