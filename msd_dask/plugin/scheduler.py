@@ -151,17 +151,24 @@ class MsdSchedulerPlugin(SchedulerPlugin):
     async def _run(self) -> None:
         from distributed import Client
 
+        failed = None
         while True:
             await asyncio.sleep(self.period())
             try:
                 if self._client is None:
                     self._client = await Client(self.scheduler.address, asynchronous=True,
-                                                direct_to_workers=True, name="msd-plugin")
+                                                direct_to_workers=True, name="msd-plugin",
+                                                security=_as_client(self.scheduler.security))
                 await self.poll()
+                failed = None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a poll must never take the scheduler down
-                logger.debug("msd_dask plugin poll failed: %r", e)
+                # (said once per kind of failure: a plugin that cannot poll shows nothing,
+                # and its adaptive policy does nothing)
+                if repr(e) != failed:
+                    logger.warning("msd_dask plugin: polling failed: %r", e)
+                failed = repr(e)
 
     def period(self) -> float:
         """Seconds between polls: :attr:`interval`, or less where an adaptive service's
@@ -463,6 +470,19 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                          # the last polls failed: these figures are the last answered one's
                          "poll_error": self.poll_errors.get(name)}
         return {"services": out, "time": time.time()}
+
+
+def _as_client(security: Any) -> Any:
+    """The scheduler's ``Security`` as its plugin's client takes it: on a TLS cluster (``dask
+    scheduler --tls-*`` gives the scheduler alone its credentials) the client presents the
+    scheduler's own certificate; ``None`` on a plain one."""
+    from distributed.security import Security
+
+    if security is None or not security.tls_scheduler_cert:
+        return security
+    return Security(tls_ca_file=security.tls_ca_file, tls_client_cert=security.tls_scheduler_cert,
+                    tls_client_key=security.tls_scheduler_key,
+                    require_encryption=security.require_encryption)
 
 
 def _names(published: Any) -> set[str]:
