@@ -574,9 +574,14 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
                                   labels=["service", "quantile"])
             lag = GaugeMetricFamily("msd_rank_lag_steps", "Steps between the most and the least "
                                     "advanced rank", labels=["service"])
+            # (by place, not by rank: a label per rank id made a new series of each rank
+            # that was once among the slowest, without end at 16,384 ranks)
             slow = GaugeMetricFamily("msd_slowest_rank_last_claimed", "Last step claimed by the "
-                                     f"least advanced ranks (up to {SLOWEST}; -1: none yet)",
-                                     labels=["service", "rank"])
+                                     f"least advanced ranks (up to {SLOWEST}, least advanced "
+                                     "first; -1: none yet)", labels=["service", "place"])
+            slow_rank = GaugeMetricFamily("msd_slowest_rank", "Global rank of the least advanced "
+                                          f"ranks (up to {SLOWEST}, least advanced first)",
+                                          labels=["service", "place"])
             steps = GaugeMetricFamily("msd_steps_planned", "Steps planned", labels=["service"])
             imb = GaugeMetricFamily("msd_step_imbalance_mean",
                                     "Mean max/mean rank cost per step", labels=["service"])
@@ -589,12 +594,13 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
                                            ("max", "1")):
                         q.add_metric([svc, quantile], float(depth[name]))
                 lag.add_metric([svc], float(summary["lag"]))
-                for v in summary["slowest"]:
+                for place, v in enumerate(summary["slowest"]):
                     claimed = v["last_claimed"]
-                    slow.add_metric([svc, str(v["rank"])], float(-1 if claimed is None else claimed))
+                    slow.add_metric([svc, str(place)], float(-1 if claimed is None else claimed))
+                    slow_rank.add_metric([svc, str(place)], float(v["rank"]))
                 steps.add_metric([svc], float(d["steps_planned"]))
                 imb.add_metric([svc], float(d["mean_imbalance"]))
-            yield from (n, q, lag, slow, steps, imb)
+            yield from (n, q, lag, slow, slow_rank, steps, imb)
 
     _COLLECTOR.append(_Collector())
     REGISTRY.register(_COLLECTOR[0])
