@@ -245,7 +245,11 @@ def cpu_caps(loads: Mapping[str, SourceLoad], fractions: Mapping[str, float],
         f = fractions.get(s, 0.0)
         if f <= 0:
             continue
-        share = cores * need[s] / total if total > cores else cores
+        # its share of the cores: in proportion to the needs where they exceed the cores,
+        # else its need and every core the others do not need (the same at total == cores:
+        # a share that jumped there from the need to all cores made a source at the cores'
+        # limit gain and lose loaders with the noise of its demand, a review)
+        share = cores * need[s] / total if total > cores else need[s] + (cores - total)
         threads = max(1, ld.threads)
         cap = max(1, math.floor(share / (threads * f) + CPU_ROUND))
         if windows is not None and windows.get(s, 0) < MIN_CPU_WINDOWS:
