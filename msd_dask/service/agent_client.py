@@ -329,14 +329,8 @@ class AgentReader:
             send(sock, {"op": "ack", "step": batch.step})
         except OSError:
             self._drop()  # the agent learns the step from the next request's ``after``
-        if after >= 0 and batch.step > after + 1:
-            # restarted from a state older than what the agent handed this rank (as a
-            # direct reader, :meth:`msd_dask.reader.Reader._next_round`)
-            raise ServiceError(
-                f"rank {self.rank} asked the agent at {self.path} for step {after + 1}, but "
-                f"this rank was handed the steps up to {batch.step - 1} already and the service "
-                "serves each step once: resume the whole job from DataService.state_dict(step) "
-                f"(docs/resume.md), or load the state of step {batch.step - 1} or later")
+        # (the agent refuses a request from before the steps this rank took, before it
+        # hands anything out)
         self.step = batch.step
         self._keep_ledger()
         return batch
