@@ -10,7 +10,9 @@ them (:meth:`SourceLoader.fetch`).  A unit's tokens stay until the planner
 releases it (once every step that used it was claimed), so a loader holds the
 units of its source's current shuffle window, those assigned after it
 (``read_ahead`` units holding at most ``read_ahead_tokens``) and those behind
-it not yet released.
+it not yet released.  A unit fetched that the planner does not hold (released
+already, or not handed to this loader yet) is read for the fetches that use it
+and dropped after them.
 
 All methods are ``async``: they run on the worker's event loop, and calls
 from other actors never block a thread.
@@ -122,6 +124,12 @@ class SourceLoader:
                                         thread_name_prefix=f"msd-load-{self.src.name}")
         self._data: dict[tuple[int, int], _UnitData] = {}
         self._ready: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        #: keys the planner assigned and has not released: the units kept after a fetch.
+        #: A re-created constructor may fetch a unit after the planner released it (the
+        #: re-sent steps); kept, it stayed for good, as nothing releases it again
+        self._held: set[tuple[int, int]] = set()
+        #: fetch calls using each key now: its release waits for them (see release)
+        self._pins: dict[tuple[int, int], int] = {}
         self._todo: asyncio.Queue[tuple[int, int]] | None = None
         #: keys being read now, and when their read began: a key queued twice (released,
         #: then assigned again before its read) is read once
@@ -141,7 +149,15 @@ class SourceLoader:
 
     # ------------------------------------------------------------ assignment
     async def assign(self, keys: list[tuple[int, int]]) -> int:
-        """Queue ``(epoch, unit)`` keys for reading, in order; returns how many were new."""
+        """Queue ``(epoch, unit)`` keys for reading, in order, and keep them until
+        :meth:`release`; returns how many were new."""
+        keys = [(int(k[0]), int(k[1])) for k in keys]
+        new = self._queue(keys)
+        self._held.update(keys)
+        return new
+
+    def _queue(self, keys: list[tuple[int, int]]) -> int:
+        """Queue the keys not queued or read yet; returns how many were new."""
         if self._closed:  # (its reader is stopped: the call would wait for ever)
             raise RuntimeError(f"loader {self.index} of source {self.src.name!r} was closed; "
                                "ask the loader now in its slot")
@@ -151,7 +167,6 @@ class SourceLoader:
             self._task = asyncio.create_task(self._reader())
         new = 0
         for k in keys:
-            k = (int(k[0]), int(k[1]))
             if k not in self._ready:
                 self._ready[k] = loop.create_future()
                 self._todo.put_nowait(k)
@@ -230,10 +245,12 @@ class SourceLoader:
 
     # ---------------------------------------------------------------- serving
     async def metadata(self, epoch: int, unit: int) -> np.ndarray:
-        """Token lengths of the unit's rows, once it is read (assigns it if needed)."""
+        """Token lengths of the unit's rows, once it is read (assigns it if needed).
+
+        The planner asks for units it holds: one only a fetch reads now is kept after it.
+        """
         key = (int(epoch), int(unit))
-        if key not in self._ready:
-            await self.assign([key])
+        await self.assign([key])  # (queues it only if not queued or read already)
         return await asyncio.shield(self._ready[key])
 
     async def fetch(self, requests: np.ndarray | list[tuple[int, int, int, int, int]]
@@ -250,15 +267,39 @@ class SourceLoader:
         unit that is not held (re-assigned after a loader was lost or retired)
         is read first.  Units stay until the planner releases them
         (:meth:`release`), so a step can be fetched again after a constructor
-        was lost.
+        was lost; a unit the planner does not hold (it released the unit before a
+        re-created constructor fetched the steps re-sent to it) is read for this
+        fetch and not kept.
         """
+        pinned: list[tuple[int, int]] = []
+        try:
+            return await self._fetch(requests, pinned)
+        finally:
+            for key in pinned:
+                n = self._pins[key] - 1
+                if n:
+                    self._pins[key] = n
+                else:
+                    del self._pins[key]
+                    if key not in self._held:  # released, or never assigned here
+                        self._drop(key)
+
+    async def _fetch(self, requests: np.ndarray | list[tuple[int, int, int, int, int]],
+                     pinned: list[tuple[int, int]]) -> JoinedPieces:
+        """:meth:`fetch`; each key it uses is pinned (counted in ``_pins``) and added to
+        ``pinned``, for :meth:`fetch` to unpin."""
         out: list[np.ndarray | tuple[np.ndarray, np.ndarray]] = []
         rows: Sequence[Sequence[int]] = (requests.reshape(-1, 5).tolist()
                                          if isinstance(requests, np.ndarray) else requests)
+        seen: set[tuple[int, int]] = set()
         for epoch, unit, row, start, end in rows:
             key = (int(epoch), int(unit))
+            if key not in seen:
+                seen.add(key)
+                self._pins[key] = self._pins.get(key, 0) + 1
+                pinned.append(key)
             if key not in self._ready:
-                await self.assign([key])
+                self._queue([key])  # (not assigned: the planner does not release it)
             await asyncio.shield(self._ready[key])
             data = self._data[key]
             i = int(row) - self.units[key[1]].row_offset
@@ -299,13 +340,23 @@ class SourceLoader:
         return pickle.dumps(joined, protocol=5)
 
     async def release(self, keys: list[tuple[int, int]]) -> None:
-        """Forget units the planner will not use (e.g. after a re-partition)."""
+        """Forget units the planner will not use (e.g. after a re-partition).
+
+        A unit a fetch uses now is dropped when the last such fetch ends, rather than
+        the fetch cancelled: its constructor retried it, which read the unit again.
+        """
         for k in keys:
             key = (int(k[0]), int(k[1]))
-            self._data.pop(key, None)
-            fut = self._ready.pop(key, None)
-            if fut is not None and not fut.done():
-                fut.cancel()
+            self._held.discard(key)
+            if key not in self._pins:
+                self._drop(key)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        """Drop unit ``key``'s documents; a call still waiting for them is cancelled."""
+        self._data.pop(key, None)
+        fut = self._ready.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
 
     async def ping(self) -> int:
         """Liveness check; returns the number of units held."""
@@ -354,14 +405,16 @@ class SourceLoader:
         }
 
     async def close(self) -> None:
-        """Stop reading and drop every unit held, as :meth:`release` does: a fetch or
-        metadata call still waiting for a unit here ends at once (cancelled) and its
-        caller asks the loader now in this slot, instead of waiting on one that reads
-        nothing more and keeping its units in memory."""
+        """Stop reading and drop every unit held, fetched or not: a fetch or metadata
+        call still waiting for a unit here ends at once (cancelled) and its caller asks
+        the loader now in this slot, instead of waiting on one that reads nothing more
+        and keeping its units in memory."""
         self._closed = True
         if self._task is not None:
             self._task.cancel()
-        await self.release(list(self._ready))
+        self._held.clear()
+        for key in list(self._ready):
+            self._drop(key)
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._docs is not None:
             self._docs.close()
