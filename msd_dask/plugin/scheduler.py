@@ -11,6 +11,9 @@ the roles of every service published on the scheduler and serves
 * ``/msd/api/status`` — the same as JSON;
 * ``msd_*`` metrics on the scheduler's ``/metrics`` endpoint.
 
+Both pages go under the dashboard's prefix where it has one (``dask scheduler
+--dashboard-prefix /dask``: ``/dask/msd/status``), as Dask's own pages do.
+
 It also applies the adaptive loader policy (``scaling: {policy: adaptive}``),
 and makes Dask's ``Adaptive`` (``cluster.adapt(...)``) serve the roles:
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -129,12 +133,18 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         #: registries fetched from the scheduler, and polls done (for tests and the docs)
         self.registry_fetches = 0
         self.polls = 0
+        #: the scheduler's dashboard prefix its pages are served under ("" for none)
+        self.http_prefix = ""
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
+        # under the dashboard's prefix (``dask scheduler --dashboard-prefix``), as Dask's
+        # own pages are: the reverse proxy that prefix is for forwards nothing else
+        self.http_prefix = _http_prefix(scheduler)
+        at = re.escape(self.http_prefix)
         scheduler.http_application.add_handlers(r".*", [
-            (r"/msd/status/?", _Page, {"plugin": self}),
-            (r"/msd/api/status/?", _Api, {"plugin": self}),
+            (at + r"/msd/status/?", _Page, {"plugin": self}),
+            (at + r"/msd/api/status/?", _Api, {"plugin": self}),
         ])
         _register_collector(self)
         self._hook(scheduler)
@@ -187,22 +197,27 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         # are gone (the scheduler warns "desires key ... but key is unknown")
         for gone in self._known() - _names(names):
             self._forget(gone)
-        for key in names:
-            name = str(key)[len(_PREFIX):]
-            try:
-                await self._poll_service(key)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - one service's failure stops no other
-                # (its registry stays: a new planner, or a new service of that name,
-                # publishes a new entry, and a refetch of a service being closed would ask
-                # for keys its owner is about to forget); logged when the failure changes
-                if self.poll_errors.get(name) != repr(e):
-                    logger.warning("msd_dask plugin: service %r did not answer its poll: %r",
-                                   name, e)
-                self.poll_errors[name] = repr(e)
-            else:
-                self.poll_errors.pop(name, None)
+        # (together: one after another, a service whose planner does not answer held back
+        # the figures of every service after it by up to POLL_WAIT + SCALE_WAIT)
+        await asyncio.gather(*(self._poll_one(key) for key in names))
+
+    async def _poll_one(self, key: Any) -> None:
+        """:meth:`_poll_service`, its failure recorded in :attr:`poll_errors` and logged."""
+        name = str(key)[len(_PREFIX):]
+        try:
+            await self._poll_service(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one service's failure stops no other
+            # (its registry stays: a new planner, or a new service of that name,
+            # publishes a new entry, and a refetch of a service being closed would ask
+            # for keys its owner is about to forget); logged when the failure changes
+            if self.poll_errors.get(name) != repr(e):
+                logger.warning("msd_dask plugin: service %r did not answer its poll: %r",
+                               name, e)
+            self.poll_errors[name] = repr(e)
+        else:
+            self.poll_errors.pop(name, None)
 
     async def _poll_service(self, key: Any) -> None:
         """Refresh the figures of the service published under ``key``."""
@@ -483,6 +498,51 @@ def _as_client(security: Any) -> Any:
     return Security(tls_ca_file=security.tls_ca_file, tls_client_cert=security.tls_scheduler_cert,
                     tls_client_key=security.tls_scheduler_key,
                     require_encryption=security.require_encryption)
+
+
+def _http_prefix(scheduler: Any) -> str:
+    """The prefix the scheduler serves its dashboard under: ``"/a/b"``, or ``""`` for none.
+
+    Dask does not keep ``Scheduler(http_prefix=...)`` (``dask scheduler
+    --dashboard-prefix``); it puts it in front of each route of the modules of
+    ``distributed.scheduler.http.routes``.  So the prefix is what stands in front of
+    those routes in the scheduler's HTTP application (the most common answer, should a
+    route of one module end like that of another).
+
+    Parameters
+    ----------
+    scheduler : distributed.Scheduler
+        A scheduler whose HTTP server is started.
+
+    Returns
+    -------
+    str
+        The prefix, with a leading and no trailing slash; ``""`` where there is none
+        or none can be told.
+    """
+    import importlib
+    from collections import Counter
+
+    import dask
+
+    app = getattr(scheduler, "http_application", None)
+    patterns = [getattr(getattr(rule.matcher, "regex", None), "pattern", "")
+                for rule in (app.wildcard_router.rules if app is not None else ())]
+    votes: Counter[str] = Counter()
+    for module in dask.config.get("distributed.scheduler.http.routes", None) or ():
+        try:
+            routes = importlib.import_module(module).routes
+        except Exception:  # noqa: BLE001 - a module Dask could not load either
+            continue
+        for url, *_ in routes:
+            tail = str(url).lstrip("/") + "$"  # (tornado anchors each route with "$")
+            if tail == "$":  # (the prefix itself: no telling where it ends)
+                continue
+            for pattern in patterns:
+                head = pattern[:-len(tail)]
+                if pattern.endswith(tail) and head.startswith("/") and head.endswith("/"):
+                    votes[head] += 1
+    return votes.most_common(1)[0][0].rstrip("/") if votes else ""
 
 
 def _names(published: Any) -> set[str]:

@@ -724,10 +724,31 @@ class DataService:
 
     @property
     def dashboard_link(self) -> str:
-        """The service's status page on the Dask dashboard's address (``/msd/status``)."""
+        """The service's status page on the Dask dashboard's address (``/msd/status``).
+
+        Under the dashboard's prefix (``dask scheduler --dashboard-prefix``), which Dask's
+        own link leaves out unless ``distributed.dashboard.link`` says it: a link with a
+        path of its own (a reverse proxy's, or the prefix) is taken as it is; one straight
+        to the scheduler's address gets the prefix the scheduler's plugin serves under.
+        """
+        from urllib.parse import urlsplit
+
         link = str(self.client.dashboard_link)
         base = link[:-len("/status")] if link.endswith("/status") else link.rstrip("/")
+        if not urlsplit(base).path.strip("/"):
+            base = base.rstrip("/") + self._dashboard_prefix()
         return base + "/msd/status"
+
+    def _dashboard_prefix(self) -> str:
+        """The prefix the scheduler's plugin serves its pages under (``""``: none, or no
+        plugin there to ask)."""
+        def prefix(dask_scheduler: Any) -> str:  # (nested: pickled by value)
+            return str(getattr(dask_scheduler.plugins.get("msd_dask"), "http_prefix", ""))
+
+        try:
+            return str(self.client.run_on_scheduler(prefix, callback_timeout=10))
+        except Exception:  # noqa: BLE001 - a link without the prefix beats none
+            return ""
 
     # ---------------------------------------------------------------- close
     def close(self) -> None:

@@ -309,3 +309,29 @@ def test_a_planner_that_does_not_answer_its_stats_is_named(monkeypatch: pytest.M
     asyncio.run(asyncio.wait_for(plugin.poll(), 5))
     assert "the planner of 'a' did not answer its stats within 0.2s" in plugin.poll_errors["a"]
     assert "b" in plugin.services and "b" not in plugin.poll_errors
+
+
+def test_a_planner_that_does_not_answer_holds_back_no_other_services_figures(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The services were polled one after another: ``b``'s figures waited for ``a``'s
+    planner, which never answers, until its POLL_WAIT ran out (every poll, on the page and
+    in ``/metrics``).  They are polled together: ``b``'s figures come while the poll still
+    waits for ``a``, whose failure is recorded as before."""
+    import msd_dask.plugin.scheduler as module
+
+    # (long against a poll of a fake, short for the test: the poll must still be waiting
+    # for 'a' when 'b' is refreshed, whatever the machine's load)
+    monkeypatch.setattr(module, "POLL_WAIT", 3.0)
+    plugin = _plugin({"a": _Silent(), "b": _Planner()})  # 'a' first, as published
+
+    async def run() -> bool:
+        poll = asyncio.create_task(plugin.poll())
+        while "b" not in plugin.services and not poll.done():
+            await asyncio.sleep(0.01)
+        waiting = not poll.done()  # 'b' refreshed while 'a' was not answering
+        await asyncio.wait_for(poll, 30)
+        return waiting
+
+    assert asyncio.run(run()), "b's figures waited for a's POLL_WAIT"
+    assert "b" in plugin.services and "b" not in plugin.poll_errors
+    assert "did not answer its stats within 3s" in plugin.poll_errors["a"]
