@@ -34,6 +34,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -68,6 +69,12 @@ _log = logging.getLogger("msd_dask.agent")
 #: the group without its ranks that did not ask yet, from the lowest step those that
 #: asked lack (normally every rank of a group asks at once, with the same state)
 START_GRACE = 2.0
+#: seconds the agent waits for a new connection's hello (a rank sends it as it connects):
+#: a connection that sends none is closed, not held (with its task) until the agent stops
+HELLO_TIMEOUT = 30.0
+#: seconds the agent's stop waits for the blocks being written to be written (each then
+#: unlinked); a write that takes longer unlinks its block itself once done
+STOP_WRITES_WAIT = 10.0
 #: bytes each array of a block is aligned to
 _ALIGN = 64
 #: the watcher of a process's blocks (:func:`_watch_blocks`): a POSIX shell that waits for
@@ -124,6 +131,31 @@ async def _arecv(stream: asyncio.StreamReader) -> dict[str, Any] | None:
 async def _asend(writer: asyncio.StreamWriter, msg: Mapping[str, Any]) -> None:
     writer.write(frame(msg))
     await writer.drain()
+
+
+def _int_field(msg: Mapping[str, Any], key: str) -> int:
+    """``msg[key]`` as an int; a ValueError naming the field if it is not a finite number
+    (``int()`` of an infinite float, which Python's JSON reads from ``Infinity`` or
+    ``1e400``, raises OverflowError: the connection closed without an answer)."""
+    value = msg[key]
+    try:
+        return int(value)
+    except OverflowError:
+        raise ValueError(f"field {key!r} is {value!r:.40}, not a finite number") from None
+
+
+def _float_field(msg: Mapping[str, Any], key: str) -> float:
+    """``msg[key]`` as a finite float; a ValueError naming the field if it is not one
+    (``float()`` of an integer beyond a float's range raises OverflowError; an infinite
+    or NaN wait or step time is no number of seconds either)."""
+    value = msg[key]
+    try:
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise ValueError(f"field {key!r} is {value!r:.40}, not a finite number")
+    return out
 
 
 # ---------------------------------------------------------- shared blocks
@@ -402,11 +434,16 @@ class _Block:
     message: dict[str, Any]
 
     def unlink(self) -> None:
-        try:
-            self.shm.close()
-            self.shm.unlink()
-        except FileNotFoundError:
-            pass
+        _discard(self.shm)
+
+
+def _discard(shm: SharedBlock) -> None:
+    """Unmap and remove ``shm`` (one removed already is gone)."""
+    try:
+        shm.close()
+        shm.unlink()
+    except FileNotFoundError:
+        pass
 
 
 @dataclass
@@ -532,6 +569,16 @@ class HostAgent:
         self._stop_requested = False
         self._stop_lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: guards the three below, shared with the threads that write blocks
+        #: (:meth:`_write_block`): a block written as the agent stops is unlinked once
+        self._blocks_lock = threading.Lock()
+        #: blocks written and not yet held by their group (the read that awaits one may
+        #: be cancelled by the stop meanwhile): :meth:`_free_all` unlinks them
+        self._unplaced: dict[str, SharedBlock] = {}
+        #: blocks being written now (the stop waits for them, :data:`STOP_WRITES_WAIT`)
+        self._writing = 0
+        #: :meth:`_free_all` ran: a block written from now on is unlinked by its writer
+        self._closing = False
         #: set once the socket accepts connections (:meth:`run` in another thread)
         self.ready = threading.Event()
 
@@ -572,6 +619,7 @@ class HostAgent:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._wait_writes()
             self._free_all()
             with self._path_lock():  # (only the socket this agent bound, not one bound since)
                 try:
@@ -683,7 +731,7 @@ class HostAgent:
             await self._talk(stream, writer)
         except (ConnectionError, asyncio.CancelledError):
             pass
-        except (ValueError, KeyError, TypeError) as e:  # not the protocol: say so, hang up
+        except (ValueError, KeyError, TypeError, OverflowError) as e:  # not the protocol: say so, hang up
             _log.warning("msd-dask agent: a malformed message on %s: %r", self.path, e)
             try:
                 await _asend(writer, {"error": f"the agent at {self.path} got a malformed "
@@ -695,7 +743,14 @@ class HostAgent:
             writer.close()
 
     async def _talk(self, stream: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hello = await _arecv(stream)
+        try:
+            # (a rank sends its hello as it connects; a peer that sends none, or half of
+            # one, held the connection and its task until the agent stopped)
+            hello = await asyncio.wait_for(_arecv(stream), HELLO_TIMEOUT)
+        except TimeoutError:
+            _log.warning("msd-dask agent: a connection to %s sent no hello within %gs; "
+                         "closing it", self.path, HELLO_TIMEOUT)
+            return
         if hello is None or hello.get("op") != "hello":
             return
         info = {"ok": True, "service": self.name, "ranks": self.ranks,
@@ -713,7 +768,7 @@ class HostAgent:
         if "rank" not in hello:  # a probe
             await _asend(writer, info)
             return
-        rank = int(hello["rank"])
+        rank = _int_field(hello, "rank")
         group = self._group_of.get(rank)
         if group is None:
             await _asend(writer, {"error": f"the agent at {self.path} serves ranks "
@@ -724,13 +779,13 @@ class HostAgent:
         while (msg := await _arecv(stream)) is not None:
             op = msg.get("op")
             if op == "next":
-                await _asend(writer, await self._next(group, rank, int(msg["after"]),
-                                                      float(msg["timeout"])))
+                await _asend(writer, await self._next(group, rank, _int_field(msg, "after"),
+                                                      _float_field(msg, "timeout")))
             elif op == "ack":
-                await self._taken(group, rank, int(msg["step"]))
+                await self._taken(group, rank, _int_field(msg, "step"))
             elif op == "step_time" and group.reader is not None:
-                self._spawn(_in_thread(group.reader.report_step_time, float(msg["seconds"]),
-                                       int(msg["step"])))
+                self._spawn(_in_thread(group.reader.report_step_time,
+                                       _float_field(msg, "seconds"), _int_field(msg, "step")))
             elif op == "bye":
                 return
 
@@ -742,9 +797,14 @@ class HostAgent:
             return {"error": f"the agent at {self.path} has no service handle to take the "
                     "state from", "kind": "service"}
         try:
+            want = None if step is None else int(step)
+        except (ValueError, TypeError, OverflowError):  # (OverflowError: Infinity)
+            return {"error": f"the agent at {self.path} was asked for the state of step "
+                    f"{step!r:.40}, not a step number", "kind": "value"}
+        try:
             # (a daemon thread: a state that waits on the service, up to several times its
             # timeout, does not hold the agent's stop, as the loop's executor would)
-            state = await _in_thread(self._state, None if step is None else int(step))
+            state = await _in_thread(self._state, want)
         except ValueError as e:
             return {"error": str(e), "kind": "value"}
         except TimeoutError as e:
@@ -925,11 +985,15 @@ class HostAgent:
                     continue
                 block = None
                 if batch.step > g.slowest():  # some rank lacks it: into shared memory
-                    shm, msg = await _in_thread(write_block, batch, new_block_name())
-                    block = _Block(batch.step, shm, msg)
+                    written = await _in_thread(self._write_block, batch, new_block_name())
+                    if written is None:  # the agent stopped meanwhile (and unlinked it)
+                        return
+                    block = _Block(batch.step, *written)
                 async with g.changed:
                     g.last_read = batch.step
                     if block is not None:
+                        with self._blocks_lock:  # the group's now, unlinked with it
+                            self._unplaced.pop(block.shm.name, None)
                         g.blocks[batch.step] = block
                         self._free(g)  # every rank may have skipped it meanwhile
                     g.changed.notify_all()
@@ -948,7 +1012,54 @@ class HostAgent:
         the agent stops."""
         return g.requests > requests or self._stopped is not None and self._stopped.is_set()
 
+    def _write_block(self, batch: WireBatch, name: str) -> tuple[SharedBlock, dict[str, Any]] | None:
+        """:func:`write_block` (in a thread of :meth:`_read`), the block then the agent's
+        to unlink until its group holds it; ``None`` if the agent stopped before it was
+        written, the block unlinked here.
+
+        The stop cancels the read that awaits the write, so no one else learns of the
+        block: it was left in :data:`SHM_DIR` until the process exited (at once for
+        ``msd-dask agent``, whose watcher removed it; never, for an agent in a process
+        that lives on).
+        """
+        with self._blocks_lock:
+            if self._closing:
+                return None
+            self._writing += 1
+        try:
+            shm, msg = write_block(batch, name)
+        except BaseException:
+            with self._blocks_lock:
+                self._writing -= 1
+            raise
+        with self._blocks_lock:
+            self._writing -= 1
+            if not self._closing:
+                self._unplaced[shm.name] = shm
+                return shm, msg
+        _discard(shm)
+        return None
+
+    async def _wait_writes(self) -> None:
+        """Wait for the blocks being written, at most :data:`STOP_WRITES_WAIT` seconds, so
+        that a stopped agent leaves none (one written later is unlinked by its writer)."""
+        deadline = time.monotonic() + STOP_WRITES_WAIT
+        while self._writing and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._writing:
+            _log.warning("msd-dask agent at %s: %d block(s) still being written %gs after it "
+                         "began to stop; each is unlinked once written", self.path,
+                         self._writing, STOP_WRITES_WAIT)
+
     def _free_all(self) -> None:
+        """Unlink every block of the agent: its groups', those written but not yet placed
+        in a group; a block written from now on is unlinked by its writer."""
+        with self._blocks_lock:
+            self._closing = True
+            unplaced = list(self._unplaced.values())
+            self._unplaced.clear()
+        for shm in unplaced:
+            _discard(shm)
         for g in self.groups:
             for block in g.blocks.values():
                 block.unlink()

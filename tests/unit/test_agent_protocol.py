@@ -963,3 +963,154 @@ def test_a_block_gone_before_it_is_copied_is_one_error_naming_the_rank(
             next(reader)
         monkeypatch.undo()
         handle.close()
+
+
+@pytest.mark.parametrize("sent", [b"", frame({"op": "hello"})[:6]], ids=["nothing", "half"])
+def test_a_connection_that_sends_no_hello_is_closed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture,
+                                                    sent: bytes) -> None:
+    """A connection that never sent its hello (or half of one) held its task until the
+    agent stopped, the agent waiting on it silently (an audit of the waits): it is closed
+    after :data:`HELLO_TIMEOUT`, with a warning naming the socket and the wait."""
+    import logging
+    import socket
+
+    from msd_dask.service import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "HELLO_TIMEOUT", 0.3)
+    with caplog.at_level(logging.WARNING, logger="msd_dask.agent"), \
+            running_agent(tmp_path, [0, 1]) as (agent, _):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(agent.path)
+        sock.sendall(sent)
+        assert wait_until(lambda: len(agent._tasks) == 1)  # the connection's
+        t0 = time.monotonic()
+        assert sock.recv(1) == b""  # closed, nothing said
+        assert time.monotonic() - t0 < 5
+        assert wait_until(lambda: not agent._tasks)
+        sock.close()
+        handle = AgentHandle.connect(agent.path, "agentunit")  # the agent serves on
+        assert next(handle.reader(0)).step == 0
+        handle.close()
+    assert [r.getMessage() for r in caplog.records
+            if "no hello" in r.getMessage()] == [
+        f"msd-dask agent: a connection to {agent.path} sent no hello within 0.3s; closing it"]
+
+
+@pytest.mark.parametrize(("hello", "bad", "field"), [
+    (True, b'{"op": "next", "after": Infinity, "timeout": 5}', "after"),
+    (True, b'{"op": "next", "after": -1, "timeout": 1e400}', "timeout"),
+    (True, b'{"op": "next", "after": -1, "timeout": NaN}', "timeout"),
+    (True, b'{"op": "next", "after": -1, "timeout": 1' + b"0" * 400 + b"}", "timeout"),
+    (True, b'{"op": "ack", "step": -Infinity}', "step"),
+    (False, b'{"op": "hello", "rank": Infinity, "service": "agentunit"}', "rank"),
+], ids=["after-inf", "timeout-1e400", "timeout-nan", "timeout-huge-int", "ack-inf", "rank-inf"])
+def test_a_number_that_is_no_number_is_a_malformed_message(tmp_path: Any, hello: bool,
+                                                           bad: bytes, field: str) -> None:
+    """``Infinity`` (which Python's JSON reads and writes) or ``1e400`` as a step: ``int()``
+    raised OverflowError, which the connection did not take for a malformed message, so
+    it closed without an answer (review).  A wait of NaN or of an integer beyond a float's
+    range is no number of seconds either.  The rank is told which field, as for any
+    malformed message, and the agent serves on."""
+    import socket
+    import struct
+
+    with running_agent(tmp_path, [0, 1]) as (agent, _):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(agent.path)
+        if hello:
+            sock.sendall(frame({"op": "hello", "rank": 0, "service": "agentunit"}))
+            assert "ok" in recv(sock)
+        sock.sendall(struct.pack("!I", len(bad)) + bad)
+        answer = recv(sock)
+        assert answer is not None and "malformed message" in answer["error"], answer
+        assert f"field {field!r} is " in answer["error"] and "not a finite number" in answer["error"]
+        assert agent.path in answer["error"]
+        assert recv(sock) is None  # hung up
+        sock.close()
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        assert next(handle.reader(1)).step == 0
+        handle.close()
+
+
+def test_the_state_of_step_infinity_is_refused(tmp_path: Any) -> None:
+    """``state_dict`` of step ``Infinity``: an OverflowError taken for the service's."""
+    import socket
+
+    with running_agent(tmp_path, [0, 1], state=lambda step: {"step": step}) as (agent, _):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(agent.path)
+        sock.sendall(frame({"op": "hello", "service": "agentunit", "state_dict": float("inf")}))
+        answer = recv(sock)
+        assert answer is not None and answer["kind"] == "value", answer
+        assert answer["error"] == (f"the agent at {agent.path} was asked for the state of step "
+                                   "inf, not a step number")
+        sock.close()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["during-stop", "after-stop"])
+def test_a_block_written_as_the_agent_stops_is_unlinked(tmp_path: Any,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        late: bool) -> None:
+    """A block still being written when the agent stopped: the stop cancelled the read
+    awaiting it, so no one unlinked it, and it stayed in /dev/shm as long as the process
+    lived (an agent in a process that lives on; ``msd-dask agent``'s watcher removed it at
+    exit).  The stop waits for it and unlinks it (``during-stop``); written after the stop
+    gave up waiting, its writer unlinks it (``after-stop``)."""
+    from msd_dask.service import agent as agent_module
+
+    names: list[str] = []
+    written, release = threading.Event(), threading.Event()
+    write_block = agent_module.write_block
+
+    def slow_write(batch: WireBatch, name: str) -> Any:
+        names.append(name)
+        out = write_block(batch, name)
+        written.set()  # the block is in /dev/shm; the write is not over
+        release.wait(30)
+        return out
+
+    monkeypatch.setattr(agent_module, "write_block", slow_write)
+    if late:
+        monkeypatch.setattr(agent_module, "STOP_WRITES_WAIT", 0.1)
+    agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
+                      str(tmp_path / "agent.sock"), prefetch=1)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+
+    def left() -> list[str]:
+        return [n for n in names if os.path.exists(os.path.join("/dev/shm", n))]
+
+    try:
+        assert agent.ready.wait(10)
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        reader = handle.reader(0, timeout=30)
+
+        def ask() -> None:
+            try:
+                next(reader)
+            except ServiceError:  # the agent stops meanwhile
+                pass
+
+        threading.Thread(target=ask, daemon=True).start()
+        assert written.wait(10)
+        assert len(left()) == 1
+        agent.stop()
+        assert wait_until(lambda: not agent._tasks)  # the read awaiting the write: cancelled
+        if late:
+            thread.join(10)
+            assert not thread.is_alive() and len(left()) == 1  # the stop gave up waiting
+        release.set()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert wait_until(lambda: not left(), timeout=5), left()
+        handle.close()
+    finally:
+        release.set()
+        agent.stop()
+        thread.join(10)
+        for name in left():  # (a failure leaves nothing behind)
+            os.unlink(os.path.join("/dev/shm", name))
