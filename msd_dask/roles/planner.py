@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from msd_dask.core.config import parse_config
+from msd_dask.core.figures import RANKS_LISTED, rank_columns, rank_figures, rank_summary_of
 from msd_dask.dask_internals import STATS_SHARED
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, pack_works
@@ -1114,15 +1115,30 @@ class PlannerActor:
         -------
         dict
             ``planner``: :meth:`stats`; ``loaders``: :meth:`loader_stats`;
-            ``constructors``: each constructor's ``stats()``; ``history``:
-            :meth:`history_since` ``since``; ``weights_ahead``: :meth:`weights_ahead`
-            over ``lookahead`` steps (``None`` without ``lookahead``).
+            ``constructors``: how many; ``rank_summary``: the ranks in a few numbers
+            (:func:`~msd_dask.core.figures.rank_summary_of`); ``ranks``: each rank's
+            figures (``{str(rank): {"queue_depth", "last_claimed"}}``) up to
+            :data:`~msd_dask.core.figures.RANKS_LISTED` ranks, else ``{}``;
+            ``history``: :meth:`history_since` ``since``; ``weights_ahead``:
+            :meth:`weights_ahead` over ``lookahead`` steps (``None`` without
+            ``lookahead``).
+
+        The ranks are summarised here, not by the caller: the constructors' figures of
+        every rank (six dicts of 16,384 entries at 16,384 ranks, half a megabyte) cost
+        the scheduler, where the plugin polls every second, about 30 ms to receive and
+        summarise; the summary costs it nothing to speak of.
         """
         cons = await self.roles.constructor_stats(max_age=STATS_SHARED)
         loaders = await self.loader_stats()
+        columns = rank_columns(cons)
+        listed = ({str(r): v for r, v in rank_figures(cons).items()}
+                  if len(columns[0]) <= RANKS_LISTED else {})
+        summary = rank_summary_of(*columns)
+        del columns
         async with self._plan_lock:  # the planner's figures after a whole step
             return {"planner": await self.stats(), "loaders": loaders,
-                    "constructors": cons, "history": await self.history_since(since),
+                    "constructors": len(cons), "rank_summary": summary, "ranks": listed,
+                    "history": await self.history_since(since),
                     "weights_ahead": None if lookahead is None else
                     await self.weights_ahead(int(lookahead))}
 

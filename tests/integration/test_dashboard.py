@@ -170,3 +170,44 @@ def test_a_poll_asks_the_planner_once(corpus):
         assert v["weight"] == stats["sources"][s]["weight"]
         assert v["tokens_read"] <= stats["sources"][s]["tokens_read"]
     assert set(status["ranks"]) == {str(r) for r in stats["ranks"]}
+
+
+def test_a_poll_past_the_listed_ranks_brings_the_scheduler_their_summary_alone(corpus):
+    """Past :data:`~msd_dask.core.figures.RANKS_LISTED` ranks the planner sends the plugin
+    the ranks' summary, not every rank's figures (six dicts of 16,384 entries at 16,384
+    ranks, about 30 ms of the scheduler's CPU a poll): the figures the scheduler keeps are
+    those of :meth:`DataService.stats`' ranks, summarised."""
+    from msd_dask.core.figures import RANKS_LISTED, rank_summary
+
+    root, _ = corpus
+    # (a reader for the first rank of each DP group: the others' steps wait unclaimed, so
+    # the readers take fewer than a round ahead of what the constructors may hold)
+    dp, tp = 2, RANKS_LISTED // 2 + 4
+    cfg = config(root, name="many", parallel={"dp": dp, "tp": tp})
+    with DataService.start(cfg, n_workers=1, threads_per_worker=1) as svc:
+        readers = [svc.reader(dp_rank * tp) for dp_rank in range(dp)]
+        for _ in range(2):
+            for rd in readers:
+                next(rd)
+        # (the constructors' figures a snapshot takes may be a second old: wait for the
+        # readers' claims to show)
+        deadline = time.monotonic() + 30
+        while True:
+            snap = svc.link.call(lambda p: p.snapshot(0, None))
+            status = svc.client.run_on_scheduler(_polls, 1)["many"]
+            if snap["rank_summary"]["waiting"] == status["rank_summary"]["waiting"] == \
+                    dp * (tp - 1):
+                break
+            assert time.monotonic() < deadline, (snap["rank_summary"], status["rank_summary"])
+            time.sleep(0.5)
+        stats = svc.stats()
+    assert snap["ranks"] == {} and status["ranks"] == {}
+    assert snap["constructors"] == len(stats["constructors"])
+    assert "queue_depth" not in str(snap["loaders"])  # (nothing per rank came along)
+    ranks = {int(r): v for r, v in stats["ranks"].items()}
+    assert len(ranks) == dp * tp > RANKS_LISTED
+    want = rank_summary(ranks)
+    for got in (snap["rank_summary"], status["rank_summary"]):
+        assert got["ranks"] == want["ranks"] == dp * tp
+        assert want["waiting"] == dp * (tp - 1)  # the ranks not read
+        assert got["queue_depth"]["max"] >= 1 and got["last_claimed"]["max"] >= 1

@@ -48,3 +48,16 @@ def test_every_script_answers_help() -> None:
                              capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, (name, res.stderr[-2000:])
         assert len(res.stdout.splitlines()) >= 10, (name, res.stdout)
+
+
+def test_bench_poll_measures_what_reaches_the_scheduler(capsys: Any) -> None:
+    """The poll's answer to the scheduler stays a few hundred bytes whatever the ranks, where
+    the constructors' stats as they are grow with them."""
+    import bench_poll
+
+    assert bench_poll.main(["--ranks", "256,2048", "--repeat", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["256", "2,048"]
+    small, large = (int(r[4].replace(",", "")) for r in rows)
+    whole = [int(r[-1].replace(",", "")) for r in rows]
+    assert small < 1000 and large < 1000 and whole[1] > 8 * whole[0] > 8 * large

@@ -87,3 +87,32 @@ def test_rank_summary_stays_small_at_16k_ranks() -> None:
     assert len(s["slowest"]) == SLOWEST
     assert [v["rank"] for v in s["slowest"][:2]] == [5, 9000]
     assert s["lag"] == 103 - 40 and s["last_claimed"]["p50"] in range(100, 104)
+
+
+def test_rank_columns_summarise_as_the_dict_of_ranks() -> None:
+    """The arrays the planner summarises from (no dict per rank) say what the dict says:
+    keys as the constructors send them (ints, or strings through JSON), ranks that have
+    claimed nothing, a constructor that did not answer, ranks in no particular order."""
+    import numpy as np
+
+    from msd_dask.core.figures import rank_columns, rank_summary_of
+    from msd_dask.roles.constructor import unanswered_stats
+
+    rng = np.random.default_rng(1)
+    cons: list[dict] = []
+    for c in range(8):
+        rs = rng.permutation(np.arange(c, 512, 8)).tolist()
+        key = str if c % 2 else int
+        cons.append({"queue_depth": {key(r): int(rng.integers(0, 4)) for r in rs},
+                     "last_claimed": {key(r): int(rng.integers(20, 25)) for r in rs
+                                      if rng.random() < 0.9}})
+    cons.append(unanswered_stats(8, "did not answer"))
+    rank, depth, claimed = rank_columns(cons)
+    assert len(rank) == 512 and sorted(rank.tolist()) == list(range(512))
+    assert (claimed == -1).sum() == sum(len(c["queue_depth"]) - len(c["last_claimed"])
+                                        for c in cons)
+    for slowest in (3, 8, 600):
+        assert rank_summary_of(rank, depth, claimed, slowest) == \
+            rank_summary(rank_figures(cons), slowest)
+    empty = rank_columns([])
+    assert rank_summary_of(*empty) == rank_summary({})

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from msd_dask.core.figures import rank_columns, rank_summary_of
 from msd_dask.plugin.scheduler import MsdSchedulerPlugin
 
 from corpus import config
@@ -47,7 +48,8 @@ class _Planner:
                             "loaders": {"code": len(code), "prose": 1}, "steps_planned": 3,
                             "mean_imbalance": 1.0, "starved_seconds": {}},
                 "loaders": {"code": [_loader(t) for t in code], "prose": [_loader(100)]},
-                "constructors": [], "history": [], "weights_ahead": None}
+                "constructors": 0, "rank_summary": rank_summary_of(*rank_columns([])),
+                "ranks": {}, "history": [], "weights_ahead": None}
 
 
 class _Lost:
