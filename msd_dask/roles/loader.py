@@ -301,7 +301,15 @@ class SourceLoader:
             if key not in self._ready:
                 self._queue([key])  # (not assigned: the planner does not release it)
             await asyncio.shield(self._ready[key])
-            data = self._data[key]
+            data = self._data.get(key)
+            if data is None:
+                # another fetch that waited for the same read found it read differently
+                # (below) and dropped it before this one woke
+                raise RuntimeError(
+                    f"source {self.src.name!r}, file {self.units[key[1]].path!r}, row {int(row)} "
+                    f"(epoch {key[0]}): read again, and another fetch waiting for it found "
+                    "that the file read differently from what the step was planned with; "
+                    "reading it again")
             i = int(row) - self.units[key[1]].row_offset
             doc = data.docs[i] if 0 <= i < len(data.docs) else None
             if doc is None or len(doc) < int(end):

@@ -159,14 +159,9 @@ def test_a_unit_released_and_assigned_again_is_read_once(corpus, monkeypatch) ->
     asyncio.run(run())
 
 
-def test_a_unit_read_again_differently_is_read_once_more_not_cut(corpus, tmp_path) -> None:
-    """Under ``on_error: skip`` a loader re-created (or given a retired one's units) reads
-    a unit again; a store failing for a moment then quarantines the file, and the unit
-    has no row where the step was planned with the first read's.  ``fetch`` raised a
-    bare IndexError, and kept the empty unit after the store came back (a review).  Now
-    it says which source, file and row read differently, and reads the unit again at
-    the next fetch."""
-    import os
+def _skipping_copy(corpus, tmp_path) -> tuple[Any, Any, str]:
+    """A copy of the corpus whose ``prose`` source skips bad input: its source, units and
+    the path of its unit 1 (the file the tests take away for a moment)."""
     import shutil
 
     root, _ = corpus
@@ -175,21 +170,68 @@ def test_a_unit_read_again_differently_is_read_once_more_not_cut(corpus, tmp_pat
     cfg = config(copy)
     cfg["sources"][1]["on_error"] = "skip"
     source, units = _loader_inputs(cfg, 1)
-    path = units[1][0]
+    return source, units, units[1][0]
+
+
+async def _planned_then_away(source: Any, units: Any, path: str) -> tuple[list, np.ndarray]:
+    """Read unit 1 as the planner planned it (a piece of row 2), then take its file away
+    (a store failing for a moment): the request and the piece it fetched."""
+    import os
+
+    first = SourceLoader(source, units, {"kind": "bytes"})
+    lengths = np.asarray(await first.metadata(0, 1))  # what the planner plans with
+    request = [(0, 1, units[1][2] + 2, 0, int(lengths[2]) - 1)]
+    want = split_pieces(await first.fetch(request))[0]
+    await first.close()  # lost, or retired
+    os.rename(path, path + ".away")
+    return request, want
+
+
+def test_a_unit_read_again_differently_is_read_once_more_not_cut(corpus, tmp_path) -> None:
+    """Under ``on_error: skip`` a loader re-created (or given a retired one's units) reads
+    a unit again; a store failing for a moment then quarantines the file, and the unit
+    has no row where the step was planned with the first read's.  ``fetch`` raised a
+    bare IndexError, and kept the empty unit after the store came back (a review).  Now
+    it says which source, file and row read differently, and reads the unit again at
+    the next fetch."""
+    import os
+
+    source, units, path = _skipping_copy(corpus, tmp_path)
 
     async def run() -> None:
-        first = SourceLoader(source, units, {"kind": "bytes"})
-        lengths = np.asarray(await first.metadata(0, 1))  # what the planner plans with
-        request = [(0, 1, units[1][2] + 2, 0, int(lengths[2]) - 1)]
-        want = split_pieces(await first.fetch(request))[0]
-        await first.close()  # lost, or retired
-        os.rename(path, path + ".away")  # the store fails for a moment
+        request, want = await _planned_then_away(source, units, path)
         again = SourceLoader(source, units, {"kind": "bytes"})
         try:
             with pytest.raises(RuntimeError, match=rf"file '{path}', row {units[1][2] + 2} "
                                r"\(epoch 0\): read again, the document has 0 rows in the unit"):
                 await again.fetch(request)
             os.rename(path + ".away", path)  # it is back: the next fetch reads the unit again
+            np.testing.assert_array_equal(split_pieces(await again.fetch(request))[0], want)
+        finally:
+            await again.close()
+
+    asyncio.run(run())
+
+
+def test_fetches_waiting_together_for_a_unit_read_differently_both_say_so(corpus, tmp_path) -> None:
+    """Two fetches wait for one unit (a constructor's round and a retry, say); the first
+    to wake finds it read differently and drops it.  The second then took the dropped
+    unit's documents: a bare KeyError (a review).  Now both say the unit read
+    differently, and the next fetch reads it again."""
+    import os
+
+    source, units, path = _skipping_copy(corpus, tmp_path)
+
+    async def run() -> None:
+        request, want = await _planned_then_away(source, units, path)
+        again = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            got = await asyncio.gather(again.fetch(request), again.fetch(request),
+                                       return_exceptions=True)
+            for e in got:
+                assert isinstance(e, RuntimeError), got
+                assert f"file '{path}', row {units[1][2] + 2} (epoch 0): read again" in str(e)
+            os.rename(path + ".away", path)
             np.testing.assert_array_equal(split_pieces(await again.fetch(request))[0], want)
         finally:
             await again.close()
