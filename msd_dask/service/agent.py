@@ -123,9 +123,13 @@ def local_groups(cfg: Config, ranks: Sequence[int]) -> list[list[int]]:
 async def _arecv(stream: asyncio.StreamReader) -> dict[str, Any] | None:
     try:
         head = await stream.readexactly(HEADER.size)
-        return dict(json.loads(await stream.readexactly(HEADER.unpack(head)[0])))
+        body = await stream.readexactly(HEADER.unpack(head)[0])
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
+    try:
+        return dict(json.loads(body))
+    except RecursionError:  # (JSON nested past Python's limit: no message of the protocol)
+        raise ValueError(f"a message of {len(body)} bytes nested too deeply") from None
 
 
 async def _asend(writer: asyncio.StreamWriter, msg: Mapping[str, Any]) -> None:

@@ -1035,6 +1035,27 @@ def test_a_number_that_is_no_number_is_a_malformed_message(tmp_path: Any, hello:
         handle.close()
 
 
+def test_a_message_nested_too_deeply_is_a_malformed_message(tmp_path: Any) -> None:
+    """JSON nested past Python's recursion limit made ``json.loads`` raise RecursionError,
+    which closed the connection with no answer and a traceback in the log (a review)."""
+    import socket
+    import struct
+
+    bad = b"[" * 100_000 + b"]" * 100_000
+    with running_agent(tmp_path, [0, 1]) as (agent, _):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(agent.path)
+        sock.sendall(struct.pack("!I", len(bad)) + bad)
+        answer = recv(sock)
+        assert answer is not None and "malformed message" in answer["error"], answer
+        assert "nested too deeply" in answer["error"] and agent.path in answer["error"]
+        sock.close()
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        assert next(handle.reader(0)).step == 0
+        handle.close()
+
+
 def test_the_state_of_step_infinity_is_refused(tmp_path: Any) -> None:
     """``state_dict`` of step ``Infinity``: an OverflowError taken for the service's."""
     import socket
