@@ -140,11 +140,12 @@ async def _asend(writer: asyncio.StreamWriter, msg: Mapping[str, Any]) -> None:
 def _int_field(msg: Mapping[str, Any], key: str) -> int:
     """``msg[key]`` as an int; a ValueError naming the field if it is not a finite number
     (``int()`` of an infinite float, which Python's JSON reads from ``Infinity`` or
-    ``1e400``, raises OverflowError: the connection closed without an answer)."""
+    ``1e400``, raises OverflowError, which is no malformed message to the connection; of
+    NaN or of text, a ValueError that does not name the field)."""
     value = msg[key]
     try:
         return int(value)
-    except OverflowError:
+    except (OverflowError, ValueError):
         raise ValueError(f"field {key!r} is {value!r:.40}, not a finite number") from None
 
 

@@ -1004,8 +1004,11 @@ def test_a_connection_that_sends_no_hello_is_closed(tmp_path: Any, monkeypatch: 
     (True, b'{"op": "next", "after": -1, "timeout": NaN}', "timeout"),
     (True, b'{"op": "next", "after": -1, "timeout": 1' + b"0" * 400 + b"}", "timeout"),
     (True, b'{"op": "ack", "step": -Infinity}', "step"),
+    (True, b'{"op": "ack", "step": NaN}', "step"),
+    (True, b'{"op": "next", "after": "abc", "timeout": 5}', "after"),
     (False, b'{"op": "hello", "rank": Infinity, "service": "agentunit"}', "rank"),
-], ids=["after-inf", "timeout-1e400", "timeout-nan", "timeout-huge-int", "ack-inf", "rank-inf"])
+], ids=["after-inf", "timeout-1e400", "timeout-nan", "timeout-huge-int", "ack-inf", "ack-nan",
+         "after-text", "rank-inf"])
 def test_a_number_that_is_no_number_is_a_malformed_message(tmp_path: Any, hello: bool,
                                                            bad: bytes, field: str) -> None:
     """``Infinity`` (which Python's JSON reads and writes) or ``1e400`` as a step: ``int()``
