@@ -4,7 +4,7 @@ number of ranks.
 Every second the plugin (on the scheduler) asks the service's planner for a snapshot;
 the planner asks its constructors for their ``stats()``, whose per-rank figures (six
 dicts of a value per rank) it summarises (:func:`msd_dask.core.figures.rank_columns`,
-:func:`~msd_dask.core.figures.rank_summary_of`) before it answers.  This script builds
+:func:`~msd_dask.core.figures.rank_summary`) before it answers.  This script builds
 constructors' stats of the shape ``DataConstructor.stats()`` gives for ``--ranks`` ranks
 over ``--constructors`` constructors and times, median of ``--repeat``:
 
@@ -53,10 +53,10 @@ def measure(ranks: int, constructors: int, repeat: int) -> dict[str, float]:
     """The module's figures for one size."""
     from distributed.protocol import dumps, loads
 
-    from msd_dask.core.figures import rank_columns, rank_summary_of
+    from msd_dask.core.figures import rank_columns, rank_summary
 
     cons = constructor_stats(ranks, constructors)
-    summary = rank_summary_of(*rank_columns(cons))
+    summary = rank_summary(*rank_columns(cons))
     summarised = {"op": "reply", "result": {"constructors": len(cons), "rank_summary": summary,
                                             "ranks": {}}}
     whole = {"op": "reply", "result": {"constructors": cons}}
@@ -66,7 +66,7 @@ def measure(ranks: int, constructors: int, repeat: int) -> dict[str, float]:
         return lambda: loads(frames)
 
     return {"ranks": ranks, "constructors": constructors,
-            "planner_ms": _median_ms(lambda: rank_summary_of(*rank_columns(cons)), repeat),
+            "planner_ms": _median_ms(lambda: rank_summary(*rank_columns(cons)), repeat),
             "scheduler_ms": _median_ms(received(summarised), repeat),
             "bytes": float(sum(len(f) for f in dumps(summarised))),
             "whole_scheduler_ms": _median_ms(received(whole), repeat),

@@ -3,7 +3,8 @@
 Shared by :meth:`msd_dask.DataService.stats` and the scheduler plugin's
 dashboard and Prometheus metrics, so both report the same numbers.  At
 thousands of ranks the dashboard and the metrics show :func:`rank_summary`
-(quantiles and the slowest ranks), not a line per rank.
+(quantiles and the slowest ranks), not a line per rank; the planner makes it
+from :func:`rank_columns` before it answers the plugin's poll.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import numpy as np
 SLOWEST = 8
 #: the dashboard's JSON lists every rank up to this many ranks
 RANKS_LISTED = 64
+#: the counters of a loader's ``stats()`` that only grow: the planner adds those of the
+#: loaders gone from a slot (lost, replaced, retired) to the slot's
+#: (``RoleSupervisor.loader_stats``), so that a source's never go back
+LOADER_COUNTERS = ("docs_read", "tokens_read", "units_read", "tokens_fetched", "read_seconds",
+                   "cpu_seconds", "cpu_wait_seconds", "quarantined_docs", "quarantined_files")
 
 
 def source_figures(planner: Mapping[str, Any], loader_stats: Mapping[str, Sequence[Mapping[str, Any]]],
@@ -36,32 +42,31 @@ def source_figures(planner: Mapping[str, Any], loader_stats: Mapping[str, Sequen
     total = sum(planner["tokens_planned"].values()) or 1
     out = {}
     for name, ls in loader_stats.items():
-        tokens_read = sum(x["tokens_read"] for x in ls)
-        read_seconds = sum(x["read_seconds"] for x in ls)
-        cpu_seconds = sum(x.get("cpu_seconds", 0.0) for x in ls)
+        counted = {c: sum(x.get(c, 0) for x in ls) for c in LOADER_COUNTERS}
+        tokens_read, read_seconds = counted["tokens_read"], counted["read_seconds"]
         out[name] = {
             "loaders": len(ls),
             # loaders that did not answer (a lost worker's, until the planner re-creates
             # them): their figures are their last answer's
             "loaders_unanswered": sum(1 for x in ls if x.get("error")),
-            "docs_read": sum(x["docs_read"] for x in ls),
+            "docs_read": counted["docs_read"],
             "tokens_read": tokens_read,
             "tokens_buffered": sum(x["tokens_buffered"] for x in ls),
             "units_buffered": sum(x["units_buffered"] for x in ls),
-            "tokens_fetched": sum(x["tokens_fetched"] for x in ls),
+            "tokens_fetched": counted["tokens_fetched"],
             "tokens_planned": planner["tokens_planned"][name],
             "share": planner["tokens_planned"][name] / total,
             "weight": planner["weights"][name],
             "read_seconds": read_seconds,
             "seconds_per_token": read_seconds / tokens_read if tokens_read else 0.0,
             # 0 when a loader has measured none yet (every loader measures, pools included)
-            "cpu_seconds": cpu_seconds if all(x.get("cpu_seconds") for x in ls) else 0.0,
-            "cpu_wait_seconds": sum(x.get("cpu_wait_seconds", 0.0) for x in ls),
+            "cpu_seconds": counted["cpu_seconds"] if all(x.get("cpu_seconds") for x in ls)
+            else 0.0,
+            "cpu_wait_seconds": counted["cpu_wait_seconds"],
             "threads": ls[0].get("threads", 1) if ls else 1,
             # bad input skipped under on_error: skip (counted per read, so per epoch)
-            "quarantined_docs": sum(x.get("quarantined_docs", 0) for x in ls),
-            "quarantined_files": sum(x.get("quarantined_files", 0) for x in ls)
-            + len(listed_out.get(name, [])),
+            "quarantined_docs": counted["quarantined_docs"],
+            "quarantined_files": counted["quarantined_files"] + len(listed_out.get(name, [])),
             "quarantined": list(listed_out.get(name, []))
             + [k for x in ls for k in x.get("quarantined", [])],
         }
@@ -82,7 +87,7 @@ def rank_columns(constructor_stats: Sequence[Mapping[str, Any]]
     """Every rank's id, queue depth and last claimed step (``-1``: none yet), as arrays in
     the constructors' order, from their ``stats()``.
 
-    What :func:`rank_summary_of` takes: at 16,384 ranks, three arrays of a few hundred KB
+    What :func:`rank_summary` takes: at 16,384 ranks, three arrays of a few hundred KB
     where :func:`rank_figures` makes a dict per rank (tens of milliseconds).
     """
     ids, depths, claims = [], [], []
@@ -99,19 +104,17 @@ def rank_columns(constructor_stats: Sequence[Mapping[str, Any]]
     return np.concatenate(ids), np.concatenate(depths), np.concatenate(claims)
 
 
-def rank_summary(ranks: Mapping[int, Mapping[str, Any]], slowest: int = SLOWEST) -> dict[str, Any]:
-    """:func:`rank_summary_of` of :func:`rank_figures`' dict of ranks."""
-    rs = np.fromiter(ranks, dtype=np.int64, count=len(ranks))
-    depth = np.fromiter((v["queue_depth"] for v in ranks.values()), dtype=np.int64,
-                        count=len(ranks))
-    claimed = np.fromiter((-1 if (c := v["last_claimed"]) is None else c for v in ranks.values()),
-                          dtype=np.int64, count=len(ranks))
-    return rank_summary_of(rs, depth, claimed, slowest)
+def rank_summary(rank: np.ndarray, depth: np.ndarray, claimed: np.ndarray,
+                 slowest: int = SLOWEST) -> dict[str, Any]:
+    """Any number of ranks in a few numbers.
 
-
-def rank_summary_of(rank: np.ndarray, depth: np.ndarray, claimed: np.ndarray,
-                    slowest: int = SLOWEST) -> dict[str, Any]:
-    """Any number of ranks in a few numbers (:func:`rank_columns`' arrays, in any order).
+    Parameters
+    ----------
+    rank, depth, claimed : ndarray of int
+        Each rank's id, queue depth and last claimed step (``-1``: none yet), in any
+        order (:func:`rank_columns`).
+    slowest : int
+        How many of the least advanced ranks to name.
 
     Returns
     -------

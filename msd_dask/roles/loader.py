@@ -318,8 +318,7 @@ class SourceLoader:
                 # failed for a moment quarantined the file, or a preprocess failed once.
                 # Read again at the next fetch (the constructor asks again until its
                 # timeout), rather than cut a piece of what is not there.
-                self._data.pop(key, None)
-                self._ready.pop(key, None)
+                self._drop(key)
                 what = (f"{len(doc)} tokens" if doc is not None else
                         f"{len(data.docs)} rows in the unit")
                 raise RuntimeError(

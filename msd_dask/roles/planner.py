@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from msd_dask.core.config import parse_config
-from msd_dask.core.figures import RANKS_LISTED, rank_columns, rank_figures, rank_summary_of
+from msd_dask.core.figures import RANKS_LISTED, rank_columns, rank_figures, rank_summary
 from msd_dask.dask_internals import STATS_SHARED
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, pack_works
@@ -1116,7 +1116,7 @@ class PlannerActor:
         dict
             ``planner``: :meth:`stats`; ``loaders``: :meth:`loader_stats`;
             ``constructors``: how many; ``rank_summary``: the ranks in a few numbers
-            (:func:`~msd_dask.core.figures.rank_summary_of`); ``ranks``: each rank's
+            (:func:`~msd_dask.core.figures.rank_summary`); ``ranks``: each rank's
             figures (``{str(rank): {"queue_depth", "last_claimed"}}``) up to
             :data:`~msd_dask.core.figures.RANKS_LISTED` ranks, else ``{}``;
             ``history``: :meth:`history_since` ``since``; ``weights_ahead``:
@@ -1133,7 +1133,7 @@ class PlannerActor:
         columns = rank_columns(cons)
         listed = ({str(r): v for r, v in rank_figures(cons).items()}
                   if len(columns[0]) <= RANKS_LISTED else {})
-        summary = rank_summary_of(*columns)
+        summary = rank_summary(*columns)
         del columns
         async with self._plan_lock:  # the planner's figures after a whole step
             return {"planner": await self.stats(), "loaders": loaders,

@@ -742,8 +742,12 @@ class DataService:
     def _dashboard_prefix(self) -> str:
         """The prefix the scheduler's plugin serves its pages under (``""``: none, or no
         plugin there to ask)."""
+        from msd_dask.plugin.scheduler import MsdSchedulerPlugin
+
+        name = MsdSchedulerPlugin.name
+
         def prefix(dask_scheduler: Any) -> str:  # (nested: pickled by value)
-            return str(getattr(dask_scheduler.plugins.get("msd_dask"), "http_prefix", ""))
+            return str(getattr(dask_scheduler.plugins.get(name), "http_prefix", ""))
 
         try:
             return str(self.client.run_on_scheduler(prefix, callback_timeout=10))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from msd_dask.core.figures import SLOWEST, rank_figures, rank_summary, source_figures
+from msd_dask.core.figures import SLOWEST, rank_columns, rank_figures, rank_summary, source_figures
 
 
 def loader(**kw: float) -> dict:
@@ -57,10 +57,13 @@ def test_ranks_from_every_constructor() -> None:
         0: {"queue_depth": 2, "last_claimed": 7}, 2: {"queue_depth": 1, "last_claimed": None}}
 
 
+def _summary(depth: dict, claimed: dict, slowest: int = SLOWEST) -> dict:
+    """:func:`rank_summary` of one constructor's ranks (its stats' two dicts)."""
+    return rank_summary(*rank_columns([{"queue_depth": depth, "last_claimed": claimed}]), slowest)
+
+
 def test_rank_summary_small() -> None:
-    ranks = {0: {"queue_depth": 2, "last_claimed": 7}, 1: {"queue_depth": 0, "last_claimed": 9},
-             2: {"queue_depth": 1, "last_claimed": None}, 3: {"queue_depth": 3, "last_claimed": 7}}
-    s = rank_summary(ranks)
+    s = _summary({0: 2, 1: 0, 2: 1, 3: 3}, {0: 7, 1: 9, 3: 7})
     assert s["ranks"] == 4 and s["waiting"] == 1
     assert s["queue_depth"] == {"min": 0, "p50": 1, "p90": 2, "max": 3}
     assert s["last_claimed"] == {"min": 7, "p50": 7, "p90": 7, "max": 9}
@@ -68,7 +71,7 @@ def test_rank_summary_small() -> None:
     # least advanced first; ties: the deeper queue, then the lower rank
     assert [v["rank"] for v in s["slowest"]] == [2, 3, 0, 1]
     assert s["slowest"][0] == {"rank": 2, "last_claimed": None, "queue_depth": 1}
-    assert rank_summary({})["ranks"] == 0
+    assert _summary({}, {})["ranks"] == 0 and rank_summary(*rank_columns([]))["slowest"] == []
 
 
 def test_rank_summary_stays_small_at_16k_ranks() -> None:
@@ -80,22 +83,21 @@ def test_rank_summary_stays_small_at_16k_ranks() -> None:
     rng = np.random.default_rng(0)
     claimed = rng.integers(100, 104, 16384)
     claimed[[5, 9000]] = [40, 41]
-    ranks = {r: {"queue_depth": int(rng.integers(0, 5)), "last_claimed": int(c)}
-             for r, c in enumerate(claimed)}
-    s = rank_summary(ranks)
+    s = _summary({r: int(rng.integers(0, 5)) for r in range(16384)},
+                 {r: int(c) for r, c in enumerate(claimed)})
     assert len(json.dumps(s)) < 2000
     assert len(s["slowest"]) == SLOWEST
     assert [v["rank"] for v in s["slowest"][:2]] == [5, 9000]
     assert s["lag"] == 103 - 40 and s["last_claimed"]["p50"] in range(100, 104)
 
 
-def test_rank_columns_summarise_as_the_dict_of_ranks() -> None:
-    """The arrays the planner summarises from (no dict per rank) say what the dict says:
-    keys as the constructors send them (ints, or strings through JSON), ranks that have
-    claimed nothing, a constructor that did not answer, ranks in no particular order."""
+def test_rank_columns_say_what_the_dict_of_ranks_says() -> None:
+    """The arrays the planner summarises from (no dict per rank) hold what
+    :func:`rank_figures` says of each rank: keys as the constructors send them (ints, or
+    strings through JSON), ranks that have claimed nothing, a constructor that did not
+    answer; the summary does not depend on the ranks' order."""
     import numpy as np
 
-    from msd_dask.core.figures import rank_columns, rank_summary_of
     from msd_dask.roles.constructor import unanswered_stats
 
     rng = np.random.default_rng(1)
@@ -108,11 +110,11 @@ def test_rank_columns_summarise_as_the_dict_of_ranks() -> None:
                                       if rng.random() < 0.9}})
     cons.append(unanswered_stats(8, "did not answer"))
     rank, depth, claimed = rank_columns(cons)
-    assert len(rank) == 512 and sorted(rank.tolist()) == list(range(512))
-    assert (claimed == -1).sum() == sum(len(c["queue_depth"]) - len(c["last_claimed"])
-                                        for c in cons)
+    want = {r: (v["queue_depth"], -1 if v["last_claimed"] is None else v["last_claimed"])
+            for r, v in rank_figures(cons).items()}
+    assert dict(zip(rank.tolist(), zip(depth.tolist(), claimed.tolist(), strict=True),
+                    strict=True)) == want and len(rank) == len(want) == 512
+    order = rng.permutation(len(rank))
     for slowest in (3, 8, 600):
-        assert rank_summary_of(rank, depth, claimed, slowest) == \
-            rank_summary(rank_figures(cons), slowest)
-    empty = rank_columns([])
-    assert rank_summary_of(*empty) == rank_summary({})
+        assert rank_summary(rank, depth, claimed, slowest) == \
+            rank_summary(rank[order], depth[order], claimed[order], slowest)
