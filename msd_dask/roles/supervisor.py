@@ -44,6 +44,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from msd_dask import dask_internals
+from msd_dask.core.figures import LOADER_COUNTERS
 from msd_dask.core.scaling import ScalingPolicy, pick_loader
 from msd_dask.dask_internals import (
     STATS_WAIT,
@@ -157,6 +158,9 @@ class RoleSupervisor:
         self._slots: dict[str, dict[int, tuple[Any, Any]]] = {}
         #: each loader's last stats() answer, by actor key (see loader_stats)
         self._last_stats: dict[str, dict[str, Any]] = {}
+        #: source -> slot -> the counters (LOADER_COUNTERS) of the loaders gone from the
+        #: slot, summed from their last answers (see loader_stats)
+        self._gone: dict[str, dict[int, dict[str, float]]] = {}
         #: when the last round of constructor_stats asks started, and its answers
         self._cons_stats: tuple[float, asyncio.Future[list[dict[str, Any]]]] | None = None
         #: source -> retired slot -> slot that took its units over
@@ -500,6 +504,11 @@ class RoleSupervisor:
         lost, and heal re-creates it) is given by its last answer, with ``error`` saying
         why (:func:`~msd_dask.roles.loader.unanswered_stats`): a monitor polling the
         service does not fail while it recovers.
+
+        The counters of :data:`~msd_dask.core.figures.LOADER_COUNTERS` go on from those
+        of the loaders gone from the slot (a lost loader's successor, or a retired slot's
+        heir, :meth:`resolve`), as they last answered: a new loader starts from zero, and
+        a source's figures, which a dashboard takes rates of, went back.
         """
 
         async def one(source: str, slot: int, h: Any) -> dict[str, Any]:
@@ -510,7 +519,7 @@ class RoleSupervisor:
                 st = loader_role.unanswered_stats(source, slot, self._last_stats.get(key),
                                                   unanswered(e, STATS_WAIT))
             else:
-                self._last_stats[key] = st
+                self._last_stats[key] = dict(st, slot=slot)
             return dict(st, slot=slot, worker=actor_address(h))
 
         pairs = [(source, slot, h) for source, slots in self._slots.items()
@@ -518,10 +527,22 @@ class RoleSupervisor:
         got = await asyncio.gather(*(one(*p) for p in pairs))
         keys = {str(h.key) for _, _, h in pairs}
         for key in [k for k in self._last_stats if k not in keys]:
-            del self._last_stats[key]  # of loaders replaced or retired
+            last = self._last_stats.pop(key)  # a loader replaced or retired: kept counted
+            gone = self._gone.setdefault(str(last["source"]), {}).setdefault(
+                int(last["slot"]), dict.fromkeys(LOADER_COUNTERS, 0))
+            for c in LOADER_COUNTERS:
+                gone[c] += last.get(c, 0)
         out: dict[str, list[dict[str, Any]]] = {source: [] for source in self._slots}
         for (source, _, _), st in zip(pairs, got, strict=True):
             out[source].append(st)
+        for source, slots in self._gone.items():
+            live = {st["slot"]: st for st in out.get(source, [])}
+            for slot, counted in slots.items():
+                heir = self.resolve(source, slot) if source in self._alias else slot
+                into = live.get(heir) or next(iter(live.values()), None)
+                if into is not None:  # (a source with no loader: nothing to count on)
+                    for c in LOADER_COUNTERS:
+                        into[c] = into.get(c, 0) + counted[c]
         return out
 
     async def constructor_stats(self, max_age: float = 0.0) -> list[dict[str, Any]]:

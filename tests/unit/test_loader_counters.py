@@ -1,0 +1,69 @@
+"""A source's counters never go back when a loader is re-created or retired.
+
+A loader re-created after its worker was lost (or moved, or a slot retired by
+scaling down) starts from zero: the source's ``tokens_read``, which the
+dashboard and ``/metrics`` take rates of, went back as soon as the new loader
+answered (``tests/integration/test_recovery.py`` saw it on a busy machine).
+:meth:`RoleSupervisor.loader_stats` adds the counters of the loaders gone from a
+slot to the slot's, as they last answered.  Without Dask: stand-in handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from typing import Any
+
+from msd_dask.core.figures import LOADER_COUNTERS, source_figures
+from msd_dask.roles.supervisor import RoleSupervisor
+
+
+class _Loader:
+    def __init__(self, key: str, source: str, slot: int, tokens: int):
+        self.key, self._address = key, f"tcp://w:{slot}"
+        self.source, self.slot, self.tokens = source, slot, tokens
+        self.lost = False
+
+    async def stats(self) -> dict[str, Any]:
+        if self.lost:
+            raise OSError("Timed out trying to connect")
+        counters = {c: self.tokens if c == "tokens_read" else 1 for c in LOADER_COUNTERS}
+        return {**counters, "source": self.source, "index": self.slot, "tokens_buffered": 0,
+                "units_buffered": 0, "threads": 1}
+
+
+def _supervisor() -> RoleSupervisor:
+    planner = types.SimpleNamespace(cfg=None)
+    return RoleSupervisor(planner, [], 0, 1, {}, {})  # type: ignore[arg-type]
+
+
+def _tokens(sup: RoleSupervisor) -> tuple[int, list[int]]:
+    stats = asyncio.run(sup.loader_stats())["a"]
+    planner = {"tokens_planned": {"a": 1}, "weights": {"a": 1.0}}
+    return (source_figures(planner, {"a": stats})["a"]["tokens_read"],
+            [st["tokens_read"] for st in stats])
+
+
+def test_counters_go_on_from_a_lost_loader_and_a_retired_slot(monkeypatch: Any) -> None:
+    import msd_dask.roles.supervisor as module
+
+    monkeypatch.setattr(module, "STATS_WAIT", 0.5)
+    sup = _supervisor()
+    old = [_Loader("l-a-0-g0", "a", 0, 100), _Loader("l-a-1-g0", "a", 1, 50),
+           _Loader("l-a-2-g0", "a", 2, 30)]
+    sup._slots = {"a": {i: (h, None) for i, h in enumerate(old)}}
+    sup._alias = {"a": {}}
+    assert _tokens(sup) == (180, [100, 50, 30])
+    old[0].tokens = 120
+    old[0].lost = True  # its worker lost: its last answer stands for it
+    assert _tokens(sup) == (180, [100, 50, 30])
+    # re-created: the new loader has read 5 tokens so far (its units again)
+    sup._slots["a"][0] = (_Loader("l-a-0-g1", "a", 0, 5), None)
+    assert _tokens(sup) == (185, [105, 50, 30])
+    # slot 2 retired, its units to slot 1
+    del sup._slots["a"][2]
+    sup._alias["a"][2] = 1
+    assert _tokens(sup) == (185, [105, 80])
+    # and the counters keep counting
+    sup._slots["a"][0][0].tokens = 40
+    assert _tokens(sup) == (220, [140, 80])
