@@ -134,6 +134,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self.polls = 0
         #: the scheduler's dashboard prefix its pages are served under ("" for none)
         self.http_prefix = ""
+        #: per service: its poll under way (:meth:`poll`)
+        self._polling: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -154,6 +156,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self._unhook()
         if self._task is not None:
             self._task.cancel()
+        for task in self._polling.values():
+            task.cancel()
         if self._client is not None:
             await self._client.close()
 
@@ -168,7 +172,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                     self._client = await Client(self.scheduler.address, asynchronous=True,
                                                 direct_to_workers=True, name="msd-plugin",
                                                 security=_as_client(self.scheduler.security))
-                await self.poll()
+                await self.poll(wait=self.period())
                 failed = None
             except asyncio.CancelledError:
                 raise
@@ -185,8 +189,20 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         return min([self.interval, *(c.scaling.interval for c in self._configs.values()
                                      if c.scaling.policy == "adaptive")])
 
-    async def poll(self) -> None:
-        """Refresh the figures of every published service."""
+    async def poll(self, wait: float | None = None) -> None:
+        """Refresh the figures of every published service.
+
+        Each service is polled on its own, one poll of it at a time: a service still
+        being polled from an earlier call (its planner slow to answer: up to
+        :data:`POLL_WAIT` and :data:`SCALE_WAIT`) is not polled again meanwhile.
+
+        Parameters
+        ----------
+        wait : float, optional
+            Seconds to wait for the services' polls (the plugin's own loop: its period,
+            so that one service that does not answer holds back no other's next poll);
+            ``None``: until every one is done.
+        """
         published = published_datasets(self.scheduler)
         listed = list(published) if published is not None else await self._client.list_datasets()
         names = [n for n in listed if str(n).startswith(_PREFIX)]
@@ -196,9 +212,27 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         # are gone (the scheduler warns "desires key ... but key is unknown")
         for gone in self._known() - _names(names):
             self._forget(gone)
-        # (together: one after another, a service whose planner does not answer held back
-        # the figures of every service after it by up to POLL_WAIT + SCALE_WAIT)
-        await asyncio.gather(*(self._poll_one(key) for key in names))
+        # (each on its own: one after another, a service whose planner does not answer held
+        # back the figures of every service after it by up to POLL_WAIT + SCALE_WAIT, and
+        # awaited together, every service's next poll waited for it)
+        polls = [self._polling_of(key) for key in names]
+        if polls:
+            await asyncio.wait(polls, timeout=wait)
+
+    def _polling_of(self, key: Any) -> asyncio.Task[None]:
+        """The poll under way of the service published under ``key``, started if none is."""
+        name = str(key)[len(_PREFIX):]
+        task = self._polling.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._poll_one(key))
+            self._polling[name] = task
+
+            def done(t: asyncio.Task[None]) -> None:
+                if self._polling.get(name) is t:
+                    del self._polling[name]
+
+            task.add_done_callback(done)
+        return task
 
     async def _poll_one(self, key: Any) -> None:
         """:meth:`_poll_service`, its failure recorded in :attr:`poll_errors` and logged."""
@@ -242,7 +276,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             rates = {}
             for src, v in snap["sources"].items() if dt > 0 else ():
                 read = v["tokens_read"] - prev["sources"].get(src, {}).get("tokens_read", 0)
-                # (fewer: a loader retired or re-created since took its count with it; the
+                # (fewer: the planner was re-created since, and its loaders count anew; the
                 # last rate stands for this poll)
                 rates[src] = read / dt if read >= 0 else self.rates.get(name, {}).get(src, 0.0)
             self.rates[name] = rates
@@ -278,7 +312,13 @@ class MsdSchedulerPlugin(SchedulerPlugin):
     def _forget(self, name: str) -> None:
         """Drop everything held for service ``name`` (closed): its registry (the handles
         that keep its keys referenced), figures, history and policy state; a later service
-        of that name starts afresh (its own config, history from its step 0)."""
+        of that name starts afresh (its own config, history from its step 0).  Its poll
+        under way, if any and not the caller (a poll finding the service started again),
+        is cancelled: it would put back what was dropped."""
+        task = self._polling.get(name)
+        if task is not None and task is not asyncio.current_task():
+            del self._polling[name]
+            task.cancel()
         for table in self._per_service():
             table.pop(name, None)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from msd_dask.core.figures import rank_columns, rank_summary_of
+from msd_dask.core.figures import rank_columns, rank_summary
 from msd_dask.plugin.scheduler import MsdSchedulerPlugin
 
 from corpus import config
@@ -48,7 +48,7 @@ class _Planner:
                             "loaders": {"code": len(code), "prose": 1}, "steps_planned": 3,
                             "mean_imbalance": 1.0, "starved_seconds": {}},
                 "loaders": {"code": [_loader(t) for t in code], "prose": [_loader(100)]},
-                "constructors": 0, "rank_summary": rank_summary_of(*rank_columns([])),
+                "constructors": 0, "rank_summary": rank_summary(*rank_columns([])),
                 "ranks": {}, "history": [], "weights_ahead": None}
 
 
@@ -68,7 +68,11 @@ def _plugin(planners: dict[str, Any]) -> MsdSchedulerPlugin:
     plugin.scheduler = SimpleNamespace(  # type: ignore[assignment]
         extensions={"publish": SimpleNamespace(datasets={k: object() for k in registries})},
         tasks={}, workers={}, plugins={})
-    plugin._client = SimpleNamespace(get_dataset=get_dataset, refcount={})  # type: ignore[assignment]
+    async def close() -> None:
+        pass
+
+    plugin._client = SimpleNamespace(get_dataset=get_dataset, refcount={},  # type: ignore[assignment]
+                                     close=close)
     return plugin
 
 
@@ -337,3 +341,37 @@ def test_a_planner_that_does_not_answer_holds_back_no_other_services_figures(
     assert asyncio.run(run()), "b's figures waited for a's POLL_WAIT"
     assert "b" in plugin.services and "b" not in plugin.poll_errors
     assert "did not answer its stats within 3s" in plugin.poll_errors["a"]
+
+
+class _CountedSilent(_Silent):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def snapshot(self, since: int, lookahead: int | None) -> dict[str, Any]:
+        self.calls += 1
+        return await super().snapshot(since, lookahead)
+
+
+def test_the_next_polls_do_not_wait_for_a_service_that_does_not_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Polled together, every poll still waited for ``a``'s planner, which never answers,
+    until its POLL_WAIT ran out: ``b`` was refreshed once per POLL_WAIT, not once per
+    period.  The plugin's loop waits at most its period; ``a``'s poll carries over (it is
+    not asked again meanwhile) while ``b`` is polled every time."""
+    import msd_dask.plugin.scheduler as module
+
+    monkeypatch.setattr(module, "POLL_WAIT", 30.0)
+    silent, planner = _CountedSilent(), _Planner()
+    plugin = _plugin({"a": silent, "b": planner})
+
+    async def run() -> None:
+        for _ in range(3):
+            await asyncio.wait_for(plugin.poll(wait=0.2), 10)
+        assert planner.calls == 3 and silent.calls == 1
+        assert "a" in plugin._polling and "b" in plugin.services
+        under_way = list(plugin._polling.values())
+        await plugin.close()  # (its polls under way end with it)
+        await asyncio.wait(under_way, timeout=10)
+        assert all(t.cancelled() for t in under_way)
+
+    asyncio.run(run())
