@@ -271,7 +271,7 @@ class SourceLoader:
         re-created constructor fetched the steps re-sent to it) is read for this
         fetch and not kept.
         """
-        pinned: list[tuple[int, int]] = []
+        pinned: set[tuple[int, int]] = set()
         try:
             return await self._fetch(requests, pinned)
         finally:
@@ -285,19 +285,17 @@ class SourceLoader:
                         self._drop(key)
 
     async def _fetch(self, requests: np.ndarray | list[tuple[int, int, int, int, int]],
-                     pinned: list[tuple[int, int]]) -> JoinedPieces:
-        """:meth:`fetch`; each key it uses is pinned (counted in ``_pins``) and added to
-        ``pinned``, for :meth:`fetch` to unpin."""
+                     pinned: set[tuple[int, int]]) -> JoinedPieces:
+        """:meth:`fetch`; each key it uses is pinned once (counted in ``_pins``) and added
+        to ``pinned``, for :meth:`fetch` to unpin."""
         out: list[np.ndarray | tuple[np.ndarray, np.ndarray]] = []
         rows: Sequence[Sequence[int]] = (requests.reshape(-1, 5).tolist()
                                          if isinstance(requests, np.ndarray) else requests)
-        seen: set[tuple[int, int]] = set()
         for epoch, unit, row, start, end in rows:
             key = (int(epoch), int(unit))
-            if key not in seen:
-                seen.add(key)
+            if key not in pinned:
+                pinned.add(key)
                 self._pins[key] = self._pins.get(key, 0) + 1
-                pinned.append(key)
             if key not in self._ready:
                 self._queue([key])  # (not assigned: the planner does not release it)
             await asyncio.shield(self._ready[key])

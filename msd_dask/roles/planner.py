@@ -1124,9 +1124,10 @@ class PlannerActor:
             ``lookahead``).
 
         The ranks are summarised here, not by the caller: the constructors' figures of
-        every rank (six dicts of 16,384 entries at 16,384 ranks, half a megabyte) cost
-        the scheduler, where the plugin polls every second, about 30 ms to receive and
-        summarise; the summary costs it nothing to speak of.
+        every rank (six dicts of 16,384 entries at 16,384 ranks, about 0.9 MB) cost the
+        scheduler, where the plugin polls every second, about 17 ms to decode and as much
+        again to summarise; the summary, about 450 bytes, costs it nothing to speak of
+        (``scripts/bench_poll.py``).
         """
         cons = await self.roles.constructor_stats(max_age=STATS_SHARED)
         loaders = await self.loader_stats()
