@@ -22,6 +22,14 @@ def _wait_for(path: str, proc: subprocess.Popen, what: str, timeout: float = 60)
         time.sleep(0.1)
 
 
+def http_get(url: str) -> str:
+    """The body of ``url`` (a dashboard page), as text."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
 def workers_info(client) -> dict:
     """The scheduler's workers now (address -> info), asked of the scheduler.
 
@@ -54,11 +62,13 @@ def _wait_for_workers(address: str, n: int, workers: list[subprocess.Popen],
 
 @contextmanager
 def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
-                 preload: str | None = None, tls: dict[str, str] | None = None) -> Iterator[dict]:
+                 preload: str | None = None, tls: dict[str, str] | None = None,
+                 dashboard_prefix: str | None = None) -> Iterator[dict]:
     """Start a scheduler and ``n_workers`` worker processes on loopback.
 
     ``tls``: ``{"ca": path, "cert": path, "key": path}`` starts them with dask's own
-    ``--tls-*`` options (protocol ``tls://``).
+    ``--tls-*`` options (protocol ``tls://``); ``dashboard_prefix``: the scheduler's
+    ``--dashboard-prefix``.
     Yields ``{"address": ..., "workers": [Popen, ...], "scheduler": Popen}``.
     """
     tls_args = (["--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"], "--tls-key", tls["key"]]
@@ -72,6 +82,7 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
             [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
              "--port", "0", "--dashboard-address", "127.0.0.1:0",
              "--scheduler-file", sched_file, *(["--preload", preload] if preload else []),
+             *(["--dashboard-prefix", dashboard_prefix] if dashboard_prefix else []),
              *(["--protocol", "tls", *tls_args] if tls else [])],
             stdout=log, stderr=log, env=env)
         procs.append(sched)

@@ -7,13 +7,12 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.request
 
 import pytest
 
 from msd_dask import DataService
 
-from cluster import dask_cluster
+from cluster import dask_cluster, http_get
 from corpus import config, write_corpus
 
 
@@ -25,11 +24,6 @@ def _chromium() -> str:
     if os.environ.get("CI"):
         pytest.fail("headless Chromium is required in CI (.ci/run installs Debian's chromium)")
     pytest.skip("no Chromium on this machine (apt-get install chromium)")
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
 
 
 def _reported(status: str) -> dict:
@@ -52,15 +46,15 @@ def test_status_page_and_metrics(tmp_path):
                 for rd in readers:
                     next(rd)
             deadline = time.monotonic() + 30
-            while '"dash"' not in _get(base + "/msd/api/status"):
+            while '"dash"' not in http_get(base + "/msd/api/status"):
                 assert time.monotonic() < deadline, "the plugin never reported the service"
                 time.sleep(0.5)
             # the plugin's status is that of its last poll, which may predate the readers'
             # 20 steps: wait for one after them (the page shows the same status)
-            while _reported(_get(base + "/msd/api/status"))["waiting"] != 0:
+            while _reported(http_get(base + "/msd/api/status"))["waiting"] != 0:
                 assert time.monotonic() < deadline, "the plugin never saw the ranks' steps"
                 time.sleep(0.5)
-            metrics = _get(base + "/metrics")
+            metrics = http_get(base + "/metrics")
             for src in ("code", "prose"):
                 assert f'msd_source_weight{{service="dash",source="{src}"}}' in metrics
                 assert f'msd_source_loaders{{service="dash",source="{src}"}}' in metrics

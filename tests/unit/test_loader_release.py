@@ -81,6 +81,13 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return gate
 
 
+async def _fetching(loader: SourceLoader, units: Any) -> asyncio.Future[Any]:
+    """A fetch of a piece of unit 1, under way: its read waits for the gate (``gated``)."""
+    fetching = asyncio.ensure_future(loader.fetch([(0, 1, units[1][2], 0, 1)]))
+    await asyncio.sleep(0.2)
+    return fetching
+
+
 def test_a_release_during_a_fetch_waits_for_the_fetch(corpus, gated) -> None:
     """The unit a fetch waits for is released meanwhile: the fetch gets its pieces (it was
     cancelled, and the constructor's retry read the unit again and kept it), and the unit
@@ -92,9 +99,7 @@ def test_a_release_during_a_fetch_waits_for_the_fetch(corpus, gated) -> None:
         loader = SourceLoader(source, units, {"kind": "bytes"})
         try:
             await loader.assign([(0, 1)])
-            off = units[1][2]
-            fetching = asyncio.ensure_future(loader.fetch([(0, 1, off, 0, 1)]))
-            await asyncio.sleep(0.2)
+            fetching = await _fetching(loader, units)
             await loader.release([(0, 1)])
             assert not fetching.done()
             gated.set()
@@ -117,9 +122,7 @@ def test_a_unit_assigned_while_a_fetch_reads_it_is_kept_until_released(corpus, g
     async def run() -> None:
         loader = SourceLoader(source, units, {"kind": "bytes"})
         try:
-            off = units[1][2]
-            fetching = asyncio.ensure_future(loader.fetch([(0, 1, off, 0, 1)]))
-            await asyncio.sleep(0.2)
+            fetching = await _fetching(loader, units)
             assert await loader.assign([(0, 1)]) == 0  # being read already: not read twice
             gated.set()
             await asyncio.wait_for(fetching, 30)
@@ -141,8 +144,7 @@ def test_close_ends_a_fetch_of_a_released_unit(corpus, gated) -> None:
 
     async def run() -> BaseException | None:
         loader = SourceLoader(source, units, {"kind": "bytes"})
-        fetching = asyncio.ensure_future(loader.fetch([(0, 1, units[1][2], 0, 1)]))
-        await asyncio.sleep(0.2)
+        fetching = await _fetching(loader, units)
         await loader.close()
         gated.set()
         try:
