@@ -31,15 +31,15 @@ import functools
 import pickle
 import threading
 import time
-from bisect import bisect_left
 from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import islice
 from typing import Any
 
 import numpy as np
 
+from msd_dask.core.gcpause import gc_paused
 from msd_dask.core.packing import pack_rows, split_pieces, to_wire
 from msd_dask.dask_internals import call_remote_actor
 from msd_dask.roles.direct import direct
@@ -155,34 +155,82 @@ def pack_work(work: StepPieces) -> bytes:
     return pack_works([work])[0]  # (a step of this work alone)
 
 
-def _laid_out(work: StepPieces) -> bytes:
-    """:func:`pack_work`'s bytes of ``work`` before they are compressed."""
-    rest, joined, arrays, body = {}, {}, [], [b"", b""]
-    for name, value in vars(work).items():  # the fields, in order
-        if not isinstance(value, np.ndarray):
+def _laid_out(works: Sequence[StepPieces]) -> list[bytes]:
+    """:func:`pack_work`'s bytes of each of ``works`` before they are compressed.
+
+    The works are laid out together, a field at a time: the arrays of a field (of one
+    dtype and number of columns) are joined into one table, each work's largest value
+    of each column comes from one ``reduceat`` and each narrow dtype a column needs from
+    one conversion of the column, so the numpy calls are per field, not per work and
+    column (at dp 16,384 a step has 256 works or more, of a few hundred pieces at 4K,
+    and those calls took most of the time); a work's bytes are then slices of the
+    converted columns, joined after its pickled rest.  Python's collector is paused
+    meanwhile (:func:`~msd_dask.core.gcpause.gc_paused`): the thousands of lists and
+    tuples made here are no garbage.
+    """
+    with gc_paused():
+        return _laid_out_together(works)
+
+
+def _laid_out_together(works: Sequence[StepPieces]) -> list[bytes]:
+    """:func:`_laid_out`, while the collector is paused."""
+    k = len(works)
+    rests: list[dict[str, Any]] = [{} for _ in range(k)]
+    joins: list[dict[str, str]] = [{} for _ in range(k)]
+    arrays: list[list[tuple[str, str, tuple[int, ...], list[str]]]] = [[] for _ in range(k)]
+    bodies: list[list[Any]] = [[b"", b""] for _ in range(k)]
+    for field in fields(StepPieces):  # (vars() of a work: the fields, in this order)
+        name = field.name
+        values = [getattr(w, name) for w in works]
+        groups: dict[tuple[np.dtype[Any], int], list[int]] = defaultdict(list)
+        for i, value in enumerate(values):
+            if isinstance(value, np.ndarray):  # (-1: not 2-d, laid out as one column)
+                groups[(value.dtype, value.shape[1] if value.ndim == 2 else -1)].append(i)
+                continue
             text = _joined(value)
             if text is None:
-                rest[name] = value
+                rests[i][name] = value
             else:
-                joined[name] = text
-            continue
-        # a 2-d array's columns (the piece table's), a 1-d array as one
-        parts = np.ascontiguousarray(value.T if value.ndim == 2 else value.reshape(1, -1))
-        dtype = value.dtype.str
-        if value.size and value.dtype.kind in "iu":
-            # as unsigned, a negative value lies past the signed dtype's top
-            tops = parts.view(dtype.replace("i", "u")).max(axis=1).tolist()
-            past, choice = _past(value.dtype), (*_NARROW, dtype)
-            kinds = [choice[bisect_left(_TOPS, top)] if top <= past else dtype for top in tops]
-        else:
-            kinds = [dtype] * len(parts)
-        arrays.append((name, dtype, value.shape, kinds))
-        body += [part.astype(kind, copy=False) for part, kind in zip(parts, kinds, strict=True)]
-    head = pickle.dumps((rest, joined, arrays), protocol=5)
-    if len(head) >= 2**31:  # (unpack_work tells laid-out bytes from a zstd frame by this)
-        raise ValueError(f"a constructor's work of {len(head)} bytes besides its arrays")
-    body[:2] = len(head).to_bytes(_HEAD, "little"), head
-    return b"".join(body)
+                joins[i][name] = text
+        for (kind, width), members in groups.items():
+            mine = [values[i] for i in members]
+            # the values' rows of ``cols`` columns, one after the other: a 2-d array's own,
+            # else one column
+            cols = 1 if width < 0 else width
+            table = np.concatenate([v if width >= 0 else v.reshape(-1, 1) for v in mine])
+            sizes = np.array([len(v) if width >= 0 else v.size for v in mine], dtype=np.int64)
+            starts = np.zeros(len(mine) + 1, dtype=np.int64)
+            np.cumsum(sizes, out=starts[1:])
+            dtype = kind.str
+            choice = (*_NARROW, dtype)
+            # which of ``choice`` each value's column takes (len(_NARROW): its own dtype)
+            pick = np.full((len(mine), cols), len(_NARROW), dtype=np.int64)
+            if kind.kind in "iu" and table.size:
+                some = np.flatnonzero(sizes)
+                # as unsigned, a negative value lies past the signed dtype's top
+                tops = np.maximum.reduceat(table.view(dtype.replace("i", "u")), starts[some],
+                                           axis=0)
+                narrow = np.searchsorted(_TOP_VALUES, tops, side="left")
+                narrow[tops > _past(kind)] = len(_NARROW)
+                pick[some] = narrow
+            # each column in each dtype its values take, as bytes (sliced without numpy)
+            converted = [{j: np.ascontiguousarray(table[:, c], dtype=choice[j]).data.cast("B")
+                          for j in np.unique(pick[:, c]).tolist()} for c in range(cols)]
+            del table
+            size = [[np.dtype(k).itemsize for k in choice]] * cols
+            for i, value, a, b, picked in zip(members, mine, starts[:-1].tolist(),
+                                              starts[1:].tolist(), pick.tolist(), strict=True):
+                arrays[i].append((name, dtype, value.shape, [choice[j] for j in picked]))
+                bodies[i] += [converted[c][j][a * size[c][j]:b * size[c][j]]
+                              for c, j in enumerate(picked)]
+    out = []
+    for rest, joined, laid, body in zip(rests, joins, arrays, bodies, strict=True):
+        head = pickle.dumps((rest, joined, laid), protocol=5)
+        if len(head) >= 2**31:  # (unpack_work tells laid-out bytes from a zstd frame by this)
+            raise ValueError(f"a constructor's work of {len(head)} bytes besides its arrays")
+        body[:2] = len(head).to_bytes(_HEAD, "little"), head
+        out.append(b"".join(body))
+    return out
 
 
 def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
@@ -190,7 +238,8 @@ def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
     out, and compressed as it compresses it where the whole step is large
     (:func:`pack_work` of one work is this of a step of that work alone).
 
-    The works are laid out in this thread.  A step whose works take
+    The works are laid out in this thread, a run of them at a time
+    (:func:`_laid_out`).  A step whose works take
     :data:`_COMPRESS_FROM` bytes or more laid out (dp 16,384 × 32K or 128K) is compressed,
     where the planner keeps ``prefetch`` steps of it within its memory bound: on up to
     ``threads`` of zstd's own threads, which run without the GIL, one call for up to
@@ -204,14 +253,31 @@ def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
     out: list[bytes] = []
     laid: list[bytes] = []
     size = total = 0
-    for i, w in enumerate(works):
-        laid.append(_laid_out(w))
-        size += len(laid[-1])
-        total += len(laid[-1])
-        if size >= _BATCH_BYTES or i == len(works) - 1:
-            out += _compressed(laid, threads) if total >= _COMPRESS_FROM else laid
-            laid, size = [], 0
+    for chunk in _chunks(works):
+        for one in _laid_out(chunk):
+            laid.append(one)
+            size += len(one)
+            total += len(one)
+            if size >= _BATCH_BYTES:
+                out += _compressed(laid, threads) if total >= _COMPRESS_FROM else laid
+                laid, size = [], 0
+    if laid:
+        out += _compressed(laid, threads) if total >= _COMPRESS_FROM else laid
     return out
+
+
+def _chunks(works: Sequence[StepPieces]) -> Iterator[Sequence[StepPieces]]:
+    """``works`` in runs laid out together (:func:`_laid_out`), each of about
+    :data:`_LAY_BYTES` of arrays: a run's tables, joined and converted, are its
+    temporaries (at dp 16,384 × 128K a step's pieces take about 170 MiB)."""
+    start = size = 0
+    for i, w in enumerate(works):
+        size += sum(v.nbytes for v in vars(w).values() if isinstance(v, np.ndarray))
+        if size >= _LAY_BYTES:
+            yield works[start:i + 1]
+            start, size = i + 1, 0
+    if start < len(works):
+        yield works[start:]
 
 
 def _compressed(laid: list[bytes], threads: int) -> list[bytes]:
@@ -282,7 +348,10 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: strings), and the largest value each holds (the narrowest holding a part's largest value
 #: is the first whose top is not below it)
 _NARROW = ("|u1", "<u2", "<u4")
-_TOPS = [int(np.iinfo(np.dtype(k)).max) for k in _NARROW]
+_TOP_VALUES = np.array([np.iinfo(np.dtype(k)).max for k in _NARROW], dtype=np.uint64)
+
+#: about the most bytes of works' arrays :func:`pack_works` lays out together
+_LAY_BYTES = 1 << 23
 
 
 @functools.cache

@@ -176,7 +176,7 @@ def test_a_small_steps_work_is_kept_as_laid_out(over: int,
     z = _Counting(constructor._compressor())
     monkeypatch.setattr(constructor, "_compressor", lambda: z)
     work = split_plan(_plan(16, 4, 7, big=True), 5, OWNER, RELPATH, NAMES)
-    laid = [constructor._laid_out(w) for w in work]
+    laid = constructor._laid_out(work)
     monkeypatch.setattr(constructor, "_COMPRESS_FROM", sum(map(len, laid)) + over)
     packed = constructor.pack_works(work, 2)
     if over:
@@ -292,3 +292,36 @@ def test_packed_work_narrows_its_columns() -> None:
     packed = len(pack_work(work))
     assert packed < len(zstandard.ZstdCompressor(level=1).compress(pieces))
     assert packed < pieces.size + 1024
+
+
+@pytest.mark.parametrize("lay_bytes", [1, 3000, 1 << 23])
+def test_works_laid_out_together_are_each_laid_out_alone(
+        lay_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_works lays out a run of works together, a field at a time (each column's
+    narrow dtype of each work from one pass): each work's bytes are those it has packed
+    alone, whatever the runs, where the works' arrays differ in dtype and columns, hold
+    negative or wide values, or nothing."""
+    from msd_dask.roles import constructor
+
+    monkeypatch.setattr(constructor, "_LAY_BYTES", lay_bytes)
+    rng = np.random.default_rng(3)
+    works = []
+    for case in range(12):
+        pieces = rng.integers(0, [2, 16, 3, 300, 70_000, 5_000, 5_000, 2, 9],
+                              (int(rng.integers(0, 40)), 9)).astype(np.int32)
+        if case % 4 == 1:
+            pieces = pieces.astype(np.int64)
+            pieces[:, 3] += 2**40
+        elif case % 4 == 2 and len(pieces):
+            pieces[-1, 6] = -1
+        elif case % 4 == 3:
+            pieces = pieces[:0]
+        works.append(_work(pieces, tuple(f"p{case}-{i}" for i in range(case % 3))))
+    works.append(StepPieces(dps=np.zeros(0, dtype=np.int64), rows=np.zeros(0, dtype=np.int64),
+                            lengths=np.zeros(0, dtype=np.int64),
+                            pieces=np.zeros((3, 0), dtype=np.int32), sources=tuple(NAMES),
+                            paths=(), costs=np.zeros(0)))
+    alone = [constructor.pack_works([w])[0] for w in works]
+    assert constructor.pack_works(works) == alone
+    for one, back in zip(works, map(unpack_work, alone), strict=True):
+        assert pickle.dumps(back, protocol=5) == pickle.dumps(one, protocol=5)
