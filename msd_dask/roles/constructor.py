@@ -159,12 +159,12 @@ def _laid_out(works: Sequence[StepPieces]) -> list[bytes]:
     """:func:`pack_work`'s bytes of each of ``works`` before they are compressed.
 
     The works are laid out together, a field at a time: the arrays of a field (of one
-    dtype and number of columns) are joined into one table, each work's largest value
-    of each column comes from one ``reduceat`` and each narrow dtype a column needs from
-    one conversion of the column, so the numpy calls are per field, not per work and
-    column (at dp 16,384 a step has 256 works or more, of a few hundred pieces at 4K,
-    and those calls took most of the time); a work's bytes are then slices of the
-    converted columns, joined after its pickled rest.  Python's collector is paused
+    dtype and number of columns) are transposed into one table of columns, each work's
+    largest value of each column comes from one ``reduceat`` and each narrow dtype a
+    column needs from one conversion of the column, so most numpy calls are per field,
+    not per work and column (at dp 16,384 a step has 256 works or more, of a few hundred
+    pieces at 4K, and those calls took most of the time); a work's bytes are then
+    slices of the converted columns, joined after its pickled rest.  Python's collector is paused
     meanwhile (:func:`~msd_dask.core.gcpause.gc_paused`): the thousands of lists and
     tuples made here are no garbage.
     """
@@ -197,29 +197,36 @@ def _laid_out_together(works: Sequence[StepPieces]) -> list[bytes]:
             # the values' rows of ``cols`` columns, one after the other: a 2-d array's own,
             # else one column
             cols = 1 if width < 0 else width
-            table = np.concatenate([v if width >= 0 else v.reshape(-1, 1) for v in mine])
             sizes = np.array([len(v) if width >= 0 else v.size for v in mine], dtype=np.int64)
             starts = np.zeros(len(mine) + 1, dtype=np.int64)
             np.cumsum(sizes, out=starts[1:])
+            bounds = starts.tolist()
+            # the values' columns, each contiguous, one after the other: each value's
+            # transposed into its place (joining the values first was a pass more over
+            # the step's pieces, at dp 16,384 x 128K about 20 ms)
+            columns = np.empty((cols, bounds[-1]), dtype=kind)
+            for v, a, b in zip(mine, bounds[:-1], bounds[1:], strict=True):
+                columns[:, a:b] = v.T if width >= 0 else v.reshape(1, -1)
             dtype = kind.str
             choice = (*_NARROW, dtype)
             # which of ``choice`` each value's column takes (len(_NARROW): its own dtype)
             pick = np.full((len(mine), cols), len(_NARROW), dtype=np.int64)
-            if kind.kind in "iu" and table.size:
+            if kind.kind in "iu" and columns.size:
                 some = np.flatnonzero(sizes)
                 # as unsigned, a negative value lies past the signed dtype's top
-                tops = np.maximum.reduceat(table.view(dtype.replace("i", "u")), starts[some],
-                                           axis=0)
+                tops = np.maximum.reduceat(columns.view(dtype.replace("i", "u")), starts[some],
+                                           axis=1).T
                 narrow = np.searchsorted(_TOP_VALUES, tops, side="left")
                 narrow[tops > _past(kind)] = len(_NARROW)
                 pick[some] = narrow
             # each column in each dtype its values take, as bytes (sliced without numpy)
-            converted = [{j: np.ascontiguousarray(table[:, c], dtype=choice[j]).data.cast("B")
-                          for j in np.unique(pick[:, c]).tolist()} for c in range(cols)]
-            del table
+            picks = pick.tolist()
+            converted = [{j: columns[c].astype(choice[j], copy=False).data.cast("B")
+                          for j in {p[c] for p in picks}} for c in range(cols)]
+            del columns
             size = [[np.dtype(k).itemsize for k in choice]] * cols
-            for i, value, a, b, picked in zip(members, mine, starts[:-1].tolist(),
-                                              starts[1:].tolist(), pick.tolist(), strict=True):
+            for i, value, a, b, picked in zip(members, mine, bounds[:-1], bounds[1:], picks,
+                                              strict=True):
                 arrays[i].append((name, dtype, value.shape, [choice[j] for j in picked]))
                 bodies[i] += [converted[c][j][a * size[c][j]:b * size[c][j]]
                               for c, j in enumerate(picked)]
@@ -268,8 +275,9 @@ def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
 
 def _chunks(works: Sequence[StepPieces]) -> Iterator[Sequence[StepPieces]]:
     """``works`` in runs laid out together (:func:`_laid_out`), each of about
-    :data:`_LAY_BYTES` of arrays: a run's tables, joined and converted, are its
-    temporaries (at dp 16,384 × 128K a step's pieces take about 170 MiB)."""
+    :data:`_LAY_BYTES` of arrays (a work larger than that alone): a run's columns and
+    their narrow copies are its temporaries, not the step's (at dp 16,384 × 128K a
+    step's pieces take about 170 MiB)."""
     start = size = 0
     for i, w in enumerate(works):
         size += sum(v.nbytes for v in vars(w).values() if isinstance(v, np.ndarray))
@@ -350,8 +358,12 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _NARROW = ("|u1", "<u2", "<u4")
 _TOP_VALUES = np.array([np.iinfo(np.dtype(k)).max for k in _NARROW], dtype=np.uint64)
 
-#: about the most bytes of works' arrays :func:`pack_works` lays out together
-_LAY_BYTES = 1 << 23
+#: about the most bytes of works' arrays :func:`pack_works` lays out together: enough for
+#: the calls per run to be spread over dozens of small works (dp 16,384 x 4K: about 30 KB
+#: each), few enough for a run's passes to stay near the cores' caches where works are
+#: large (x 128K: about 700 KB each; a run of 8 MiB took a third longer there, one of a
+#: single work longer still)
+_LAY_BYTES = 1 << 21
 
 
 @functools.cache
