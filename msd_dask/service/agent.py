@@ -72,6 +72,12 @@ START_GRACE = 2.0
 #: seconds the agent waits for a new connection's hello (a rank sends it as it connects):
 #: a connection that sends none is closed, not held (with its task) until the agent stops
 HELLO_TIMEOUT = 30.0
+#: seconds the agent waits for the rest of a rank's message once its first byte came: a
+#: rank writes each message whole (one ``sendall`` of a small frame on a local socket), so
+#: a message cut short is a stalled or broken client, whose connection is closed, not held
+#: (with its task) until the rank disconnects.  The wait for a message's first byte stays
+#: unbounded: a rank may be silent between its steps for as long as it computes
+MESSAGE_TIMEOUT = 10.0
 #: seconds the agent's stop waits for the blocks being written to be written (each then
 #: unlinked); a write that takes longer unlinks its block itself once done
 STOP_WRITES_WAIT = 10.0
@@ -120,10 +126,33 @@ def local_groups(cfg: Config, ranks: Sequence[int]) -> list[list[int]]:
 # ------------------------------------------------------------------ wire
 
 
-async def _arecv(stream: asyncio.StreamReader) -> dict[str, Any] | None:
+async def _arecv(stream: asyncio.StreamReader,
+                 rest_within: float | None = None) -> dict[str, Any] | None:
+    """The next message on ``stream``, ``None`` once the other end closed the connection.
+
+    Parameters
+    ----------
+    stream : asyncio.StreamReader
+        The connection.
+    rest_within : float, optional
+        Seconds the rest of the message may take once its first byte came (default:
+        unbounded).  The wait for the first byte is never bounded here: a caller that
+        bounds the whole message wraps the call in a timeout of its own.
+
+    Raises
+    ------
+    TimeoutError
+        The message began and its rest did not come within ``rest_within``.
+    ValueError
+        The message is no JSON, or JSON nested too deeply.
+    """
     try:
-        head = await stream.readexactly(HEADER.size)
-        body = await stream.readexactly(HEADER.unpack(head)[0])
+        first = await stream.readexactly(1)
+        # (a timeout of None is no deadline; asyncio.timeout, unlike wait_for in 3.11,
+        # starts no task, once per message of every rank)
+        async with asyncio.timeout(rest_within):
+            head = first + await stream.readexactly(HEADER.size - 1)
+            body = await stream.readexactly(HEADER.unpack(head)[0])
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
     try:
@@ -781,7 +810,19 @@ class HostAgent:
                                   f"{rank}; start this host's agent with --ranks covering it"})
             return
         await _asend(writer, info)
-        while (msg := await _arecv(stream)) is not None:
+        while True:
+            try:
+                # (unbounded between messages, as a rank is silent while it computes; a
+                # message begun and never finished held the connection and its task
+                # until the rank disconnected, the agent waiting on it silently)
+                msg = await _arecv(stream, rest_within=MESSAGE_TIMEOUT)
+            except TimeoutError:
+                _log.warning("msd-dask agent: rank %d on %s sent the start of a message and "
+                             "not the rest within %gs; closing its connection", rank,
+                             self.path, MESSAGE_TIMEOUT)
+                return
+            if msg is None:
+                return
             op = msg.get("op")
             if op == "next":
                 await _asend(writer, await self._next(group, rank, _int_field(msg, "after"),

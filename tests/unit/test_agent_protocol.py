@@ -998,6 +998,79 @@ def test_a_connection_that_sends_no_hello_is_closed(tmp_path: Any, monkeypatch: 
         f"msd-dask agent: a connection to {agent.path} sent no hello within 0.3s; closing it"]
 
 
+def _said_hello(path: str, rank: int) -> Any:
+    """A raw socket to the agent at ``path``, which said the hello of ``rank`` and was
+    answered."""
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    sock.sendall(frame({"op": "hello", "rank": rank, "service": "agentunit"}))
+    assert "ok" in recv(sock)
+    return sock
+
+
+@pytest.mark.parametrize("cut", [2, 10], ids=["half-a-header", "half-a-body"])
+def test_a_rank_that_sends_half_a_message_is_closed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture,
+                                                    cut: int) -> None:
+    """After its hello, a rank that sent the first bytes of a message and not the rest
+    held its connection and its task until it disconnected, the agent waiting on it
+    silently (an audit of the waits): the connection is closed after
+    :data:`MESSAGE_TIMEOUT`, with a warning naming the rank, the socket and the wait, and
+    the agent serves its other ranks meanwhile and after, that rank's too."""
+    import logging
+
+    from msd_dask.service import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "MESSAGE_TIMEOUT", 0.3)
+    with caplog.at_level(logging.WARNING, logger="msd_dask.agent"), \
+            running_agent(tmp_path, [0, 1], cfg=_config(dp=2)) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")  # rank 1, well behaved
+        other = handle.reader(1)
+        assert next(other).step == 0
+        sock = _said_hello(agent.path, 0)
+        t0 = time.monotonic()  # (before the agent's wait for the rest begins)
+        sock.sendall(frame({"op": "next", "after": -1, "timeout": 5})[:cut])
+        assert next(other).step == 1  # served while rank 0's message hangs
+        assert sock.recv(1) == b""  # closed, nothing said
+        assert 0.29 < time.monotonic() - t0 < 5
+        sock.close()
+        assert next(other).step == 2  # the agent serves on
+        assert next(handle.reader(0)).step == 0  # rank 0 too, connected again
+        handle.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"msd-dask agent: rank 0 on {agent.path} sent the start of a message and not the "
+        "rest within 0.3s; closing its connection"]
+
+
+def test_a_rank_silent_between_messages_is_not_closed(tmp_path: Any,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A rank is silent between its messages for as long as it computes a step: only a
+    message begun is bounded (:data:`MESSAGE_TIMEOUT`), a rank silent after its hello or
+    after a whole message for several times that bound is served on, and not warned of."""
+    import logging
+
+    from msd_dask.service import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "MESSAGE_TIMEOUT", 0.2)
+    with caplog.at_level(logging.WARNING, logger="msd_dask.agent"), \
+            running_agent(tmp_path, [0, 1], cfg=_config(dp=2)) as (agent, _):
+        sock = _said_hello(agent.path, 0)
+        for step in range(2):
+            time.sleep(1.0)  # five times the bound, silent
+            sock.sendall(frame({"op": "next", "after": step - 1, "timeout": 5}))
+            answer = recv(sock)
+            assert answer is not None and answer.get("step") == step, answer
+            sock.sendall(frame({"op": "ack", "step": step}))
+        sock.sendall(frame({"op": "bye"}))
+        assert sock.recv(1) == b""  # closed by its bye
+        sock.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 @pytest.mark.parametrize(("hello", "bad", "field"), [
     (True, b'{"op": "next", "after": Infinity, "timeout": 5}', "after"),
     (True, b'{"op": "next", "after": -1, "timeout": 1e400}', "timeout"),
