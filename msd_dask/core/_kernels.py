@@ -284,6 +284,43 @@ def _replay(tk: np.ndarray, tr: np.ndarray, i: int) -> None:
         i >>= 1
 
 
+def _take(r: int, length: int, key: float, free: np.ndarray, row_key: np.ndarray,
+          max_free: np.ndarray, rank_key: np.ndarray) -> int:
+    """Put a piece on rank ``r``'s row with the least key sum that has room for it (the first
+    on ties), updating the state arrays; returns the row.  The rank's largest room is
+    looked for again only where the row had it."""
+    mb = free.shape[1]
+    m = -1
+    for q in range(mb):
+        if free[r, q] >= length and (m < 0 or row_key[r, q] < row_key[r, m]):
+            m = q
+    was = free[r, m]
+    free[r, m] = was - length
+    row_key[r, m] += key
+    if was == max_free[r]:
+        top = free[r, 0]
+        for q in range(1, mb):
+            if free[r, q] > top:
+                top = free[r, q]
+        max_free[r] = top
+    rank_key[r] += key
+    return m
+
+
+def _build(tk: np.ndarray, tr: np.ndarray, size: int) -> None:
+    """The inner nodes of a tournament tree from its leaves ``size ..``: each the least
+    ``(key, rank)`` below it."""
+    for i in range(size - 1, 0, -1):
+        a = 2 * i
+        b = a + 1
+        if _before(tk[a], tr[a], tk[b], tr[b]):
+            tk[i] = tk[a]
+            tr[i] = tr[a]
+        else:
+            tk[i] = tk[b]
+            tr[i] = tr[b]
+
+
 def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
                 row_key: np.ndarray, rank_key: np.ndarray, max_free: np.ndarray,
                 out_rank: np.ndarray, out_micro: np.ndarray, fresh: bool) -> None:
@@ -304,6 +341,15 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
     and its new sum is replayed up its path, a comparison a level with no
     branch on where it goes, where a heap's sift-down compares two children a
     level and guesses which way.
+
+    A long run of equal pieces (length and key; a long document's full-row
+    chunks, about half a 4K step's pieces on a lognormal corpus) that every
+    rank with room for them meets at one key sum is placed in rounds, with no
+    tree: each round, every such rank in rank order takes one piece (what the
+    rule does piece by piece: the key raises each taker above the others, to
+    one sum again once the round is over), and a rank without room for the
+    next drops out.  Where the key does not raise a sum (a key of 0, or below
+    the sum's precision), or the sums differ, the run goes piece by piece.
     """
     n_ranks, mb = free.shape
     n = len(idx)
@@ -327,26 +373,63 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
     for r in range(n_ranks):
         tk[size + r] = rank_key[r]
         tr[size + r] = r
-    for i in range(size - 1, 0, -1):
-        a = 2 * i
-        b = a + 1
-        if _before(tk[a], tr[a], tk[b], tr[b]):
-            tk[i] = tk[a]
-            tr[i] = tr[a]
-        else:
-            tk[i] = tk[b]
-            tr[i] = tr[b]
+    _build(tk, tr, size)
     pk = np.empty(n_ranks, dtype=np.float64)  # the parked ranks, by (-largest room, rank)
     pr = np.empty(n_ranks, dtype=np.int64)
     p = 0
-    for j in range(start, n):
+    # rounds for a run of at least this many pieces (each costs a pass over the ranks)
+    in_rounds = max(64, n_ranks // 4)
+    takers = np.empty(n_ranks, dtype=np.int64)  # a round's ranks, in rank order
+    plain_until = 0  # (a run rounds were tried on: what they left, piece by piece)
+    j = start
+    while j < n:
         length = lens[j]
+        key = ks[j]
         while p and -pk[0] >= length:
             r = pr[0]
             p = _pop_top(pk, pr, p)
             tk[size + r] = rank_key[r]
             tr[size + r] = r
             _replay(tk, tr, size + r)
+        end = j + 1
+        while end < n and lens[end] == length and ks[end] == key:
+            end += 1
+        if end - j >= in_rounds and j >= plain_until:
+            plain_until = end
+            # every rank with room (none parked: the heap's roomiest has less) at one sum
+            k = 0
+            level = 0.0
+            for r in range(n_ranks):
+                if max_free[r] >= length:
+                    if k and rank_key[r] != level:
+                        k = 0
+                        break
+                    level = rank_key[r]
+                    takers[k] = r
+                    k += 1
+            placed = j
+            while k and j < end and level + key > level:
+                c = 0
+                left = 0  # the takers with room for another, in place
+                while c < k and j < end:
+                    r = takers[c]
+                    out_micro[idx[j]] = _take(r, length, key, free, row_key, max_free, rank_key)
+                    out_rank[idx[j]] = r
+                    j += 1
+                    if max_free[r] >= length:
+                        takers[left] = r
+                        left += 1
+                    c += 1
+                if c < k:  # the run ended inside the round
+                    break
+                k = left
+                level = level + key
+            if j > placed:  # the takers' new sums, in the tree at once
+                for r in range(n_ranks):
+                    if tr[size + r] == r:
+                        tk[size + r] = rank_key[r]
+                _build(tk, tr, size)
+                continue
         r = tr[1]
         while r < n_ranks and max_free[r] < length:
             p = _push(pk, pr, p, -float(max_free[r]), r)
@@ -354,21 +437,12 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
             tr[size + r] = 2 * size + r
             _replay(tk, tr, size + r)
             r = tr[1]
-        if r >= n_ranks:
-            continue
-        m = -1
-        for q in range(mb):
-            if free[r, q] >= length and (m < 0 or row_key[r, q] < row_key[r, m]):
-                m = q
-        key = ks[j]
-        free[r, m] -= length
-        row_key[r, m] += key
-        max_free[r] = free[r].max()
-        rank_key[r] += key
-        tk[size + r] = rank_key[r]
-        _replay(tk, tr, size + r)
-        out_rank[idx[j]] = r
-        out_micro[idx[j]] = m
+        if r < n_ranks:
+            out_micro[idx[j]] = _take(r, length, key, free, row_key, max_free, rank_key)
+            out_rank[idx[j]] = r
+            tk[size + r] = rank_key[r]
+            _replay(tk, tr, size + r)
+        j += 1
 
 
 def _fill_rounds(order: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.ndarray,
@@ -964,9 +1038,12 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: compiled version (numba finds a kernel's callees there when it compiles it, and the
 #: functions above call the kernels by their names)
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _in_piece_order, _before, _sift_down,
-            _push, _pop_top, _replay,
+            _push, _pop_top, _replay, _take, _build,
             _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _row_order,
             _int_order, _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums, _row_sums)
+#: kernels compiled into their callers (numba's ``inline="always"``): a call per piece of
+#: :func:`_greedy_fill` to :func:`_take` cost it a fifth of its time
+_INLINED = frozenset({_take})
 _compiled = False
 _compiling = threading.Lock()
 
@@ -999,7 +1076,10 @@ def compile_kernels(in_child: bool = True) -> None:
 
         module = globals()
         for fn in _KERNELS:
-            module[fn.__name__] = njit(cache=True, nogil=True)(fn)
+            if fn in _INLINED:
+                module[fn.__name__] = njit(cache=True, nogil=True, inline="always")(fn)
+            else:
+                module[fn.__name__] = njit(cache=True, nogil=True)(fn)
         for name, make in _SCRATCH.items():
             module[name] = njit(cache=True, nogil=True)(make)
         _compiled = True

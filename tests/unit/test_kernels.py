@@ -99,6 +99,41 @@ def test_greedy_fill_is_lpt_piece_by_piece(seed: int) -> None:
         assert g.rank.tolist() == rank and g.micro.tolist() == micro
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_fill_runs_of_equal_pieces_are_lpt_piece_by_piece(seed: int) -> None:
+    """Long runs of equal pieces (a long document's full-row chunks) are placed in rounds
+    where every rank with room is at one key sum: the same ranks and rows as piece by
+    piece, whether the run starts on equal sums (after the first pieces), on unequal ones,
+    with keys too small to raise a sum (1 on sums of 1e18) or zero, ends inside a round,
+    or leaves ranks without room; below and above COMPILE_AT pieces (interpreted and
+    compiled)."""
+    from msd_dask.core.balance import _Greedy
+
+    rng = np.random.default_rng(100 + seed)
+    for case in range(6):
+        n_ranks, mb = int(rng.integers(1, 40)), int(rng.choice([1, 2, 8]))
+        seq_len = int(rng.choice([16, 256]))
+        lens: list[int] = []
+        ks: list[float] = []
+        if case % 3 == 1:  # a few pieces of another length first: unequal sums
+            head = int(rng.integers(1, n_ranks + 2))
+            lens += [int(x) for x in rng.integers(1, seq_len + 1, head)]
+            ks += [float(x) * 1e18 if case == 4 else float(x) * 10 for x in lens]
+        for _ in range(int(rng.integers(1, 4))):  # runs, longest first
+            length = int(rng.integers(1, seq_len + 1)) if lens else seq_len
+            run = int(rng.choice([64, 65, 200, 3 * n_ranks * mb + 7, 1100]))
+            key = 0.0 if case == 5 else float(length)
+            lens += [length] * run
+            ks += [key] * run
+        order = np.argsort(-np.array(ks), kind="stable")
+        lengths = np.array(lens, dtype=np.int64)[order]
+        keys = np.array(ks, dtype=np.float64)[order]
+        g = _Greedy(len(lengths), n_ranks, mb, seq_len)
+        g.fill(np.arange(len(lengths)), lengths, keys)
+        rank, micro = _greedy_one_by_one(lengths, keys, n_ranks, mb, seq_len)
+        assert g.rank.tolist() == rank and g.micro.tolist() == micro
+
+
 def _rounds_vectorised(g: object, order: np.ndarray, lengths: np.ndarray,
                        keys: np.ndarray) -> np.ndarray:
     """The rounds of ``_Greedy.fill_tail`` in numpy: per round, the ``k`` ranks with room for
