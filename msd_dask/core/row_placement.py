@@ -24,8 +24,8 @@ import numpy as np
 from msd_dask.core._kernels import best_fit_rows, in_piece_order, stable_argsort
 from msd_dask.core.balance import assign, build_assignment, improve
 
-__all__ = ["kept_rows", "place_step", "planner_threads", "rank_blocks", "spread_long",
-           "BLOCK_RANKS", "KEPT_SLACK", "THREADS_ENV"]
+__all__ = ["kept_rows", "place_step", "planner_threads", "rank_blocks", "row_blocks",
+           "spread_long", "BLOCK_RANKS", "BLOCK_ROWS", "KEPT_SLACK", "THREADS_ENV"]
 
 #: the share of a step's tokens :func:`kept_rows` leaves free (rows packed to the last token
 #: leave the balance strategy no room to move pieces between ranks)
@@ -33,6 +33,10 @@ KEPT_SLACK = 0.001
 
 #: the fewest DP ranks of a block :func:`place_step` balances on its own (:func:`rank_blocks`)
 BLOCK_RANKS = 2048
+
+#: the fewest rows of a block :func:`kept_rows` fits on its own (:func:`row_blocks`): a
+#: block's best fit is as full as the whole step's, and the blocks fit on threads
+BLOCK_ROWS = 16384
 
 #: the environment variable that caps the threads placing blocks (default: the cores this
 #: process may run on)
@@ -62,9 +66,13 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     carried from the last step first (in order), then the new ones by
     decreasing length (stable); each goes to the row with the least room that
     still fits it (lowest row on ties), and a piece that fits in no row is
-    carried.  Then the shortest kept new pieces beyond ``1 - KEPT_SLACK`` of
-    the step's tokens are carried too (only pieces no longer than that excess),
-    so the balance strategy has room to move pieces between ranks.  Only the
+    carried.  From ``2 × BLOCK_ROWS`` rows on, the rows are blocks of
+    consecutive rows (:func:`row_blocks`) and the pieces, in that order, are
+    dealt to them in turn, each block fitting its own on a thread
+    (:func:`planner_threads`; the same rows on any number of them).  Then the
+    shortest kept new pieces beyond ``1 - KEPT_SLACK`` of the step's tokens are
+    carried too (only pieces no longer than that excess), so the balance
+    strategy has room to move pieces between ranks.  Only the
     number of rows matters, not how they are split into ranks and
     micro-batches, so a step holds the same pieces after an elastic resume
     with another ``dp`` and the same ``dp × micro_batches``.
@@ -83,7 +91,7 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     ls = np.empty(n, dtype=np.int64)
     ls[:n_carried] = lengths[:n_carried]
     ls[n_carried:] = np.repeat(np.arange(len(count) - 1, -1, -1), count[::-1])
-    fit = best_fit_rows(ls, n_rows, seq_len)
+    fit = _best_fit_blocks(ls, n_rows, seq_len)
     del ls
     row[:n_carried] = fit[:n_carried]
     # back in piece order: the new pieces of length L come after the longer ones
@@ -98,6 +106,25 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     if over > 0:
         _carry_shortest(row[n_carried:], lengths[n_carried:], over)
     return row
+
+
+def _best_fit_blocks(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
+    """The best fit of the pieces ``ls`` (lengths, in placement order) over ``n_rows`` rows,
+    block by block of :func:`row_blocks` (see :func:`kept_rows`): each piece's row."""
+    blocks = row_blocks(n_rows)
+    if blocks == 1:
+        return best_fit_rows(ls, n_rows, seq_len)
+    per = n_rows // blocks
+
+    def block(b: int) -> np.ndarray:
+        rows = best_fit_rows(np.ascontiguousarray(ls[b::blocks]), per, seq_len)
+        np.add(rows, b * per, out=rows, where=rows >= 0)  # (-1, carried, stays)
+        return rows
+
+    fit = np.empty(len(ls), dtype=np.int64)
+    for b, rows in enumerate(_map(block, range(blocks), planner_threads())):
+        fit[b::blocks] = rows
+    return fit
 
 
 def _carry_shortest(row: np.ndarray, lengths: np.ndarray, over: int) -> None:
@@ -211,8 +238,21 @@ def rank_blocks(dp: int) -> int:
     ``2 × BLOCK_RANKS`` ranks or where no such split exists.  dp 16,384: 8 blocks of
     2,048; dp 12,288: 6 of 2,048; dp 4,096: 2.
     """
-    for blocks in range(dp // BLOCK_RANKS, 1, -1):
-        if dp % blocks == 0:
+    return _equal_blocks(dp, BLOCK_RANKS)
+
+
+def row_blocks(n_rows: int) -> int:
+    """How many blocks of rows :func:`kept_rows` fits on their own: as :func:`rank_blocks`,
+    of at least :data:`BLOCK_ROWS` rows.  A step's rows alone decide it (``dp ×
+    micro_batches``), so an elastic resume keeps the same pieces.  dp 16,384 × 8 rows:
+    8 blocks of 16,384 rows; × 1 row: one."""
+    return _equal_blocks(n_rows, BLOCK_ROWS)
+
+
+def _equal_blocks(n: int, least: int) -> int:
+    """The most equal blocks of at least ``least`` that split ``n``; 1 where none do."""
+    for blocks in range(n // least, 1, -1):
+        if n % blocks == 0:
             return blocks
     return 1
 

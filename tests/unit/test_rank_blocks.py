@@ -1,6 +1,7 @@
-"""A large mesh placed block by block of DP ranks (``row_placement.rank_blocks``): every kept
-piece placed once, rows within ``seq_len``, balance as good as the whole mesh at once, the
-same decisions on any number of threads, and the same pieces kept when ``dp × mb`` is."""
+"""A large mesh placed block by block of DP ranks (``row_placement.rank_blocks``), its kept
+pieces fitted block by block of rows (``row_placement.row_blocks``): every kept piece placed
+once, rows within ``seq_len``, balance as good as the whole mesh at once, the same decisions
+on any number of threads, and the same pieces kept when ``dp × mb`` is."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from msd_dask.core.balance import capacity_bound
 from msd_dask.core.cost import CostModel
 from msd_dask.core.row_placement import (
     BLOCK_RANKS,
+    BLOCK_ROWS,
     THREADS_ENV,
     kept_rows,
     place_step,
     planner_threads,
     rank_blocks,
+    row_blocks,
 )
 
 
@@ -40,10 +43,49 @@ def test_rank_blocks_split_dp_into_equal_blocks_of_at_least_block_ranks() -> Non
         assert not any(dp % more == 0 for more in range(b + 1, dp // BLOCK_RANKS + 1)), dp
 
 
+def test_row_blocks_split_the_rows_into_equal_blocks_of_at_least_block_rows() -> None:
+    assert row_blocks(16384 * 8) == 8 and row_blocks(16384 * 2) == 2 and row_blocks(16384) == 1
+    assert row_blocks(2 * BLOCK_ROWS - 1) == 1 and row_blocks(2 * BLOCK_ROWS + 1) == 1
+    for rows in (32768, 65536, 98304, 131072, 12288 * 8):
+        b = row_blocks(rows)
+        assert rows % b == 0 and rows // b >= BLOCK_ROWS, rows
+
+
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks of 8 ranks, so a mesh of a few dozen ranks is placed block by block."""
+    """Blocks of 8 ranks and of 16 rows, so a mesh of a few dozen ranks is placed, and its
+    pieces kept, block by block."""
     monkeypatch.setattr(rp, "BLOCK_RANKS", 8)
+    monkeypatch.setattr(rp, "BLOCK_ROWS", 16)
+
+
+def test_kept_rows_fit_blocks_of_rows_with_the_pieces_dealt_in_turn(
+        small_blocks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From 2 x BLOCK_ROWS rows, the pieces in best-fit order (carried ones first, then by
+    decreasing length) are dealt to blocks of rows in turn: each kept piece is in its
+    block's rows, no row holds more than ``seq_len``, every carried piece that fits is
+    kept, and the rows are the same on any number of threads."""
+    n_rows, seq_len, n_carried = 96, 512, 30
+    assert row_blocks(n_rows) == 6
+    lengths, _ = _step(5, 900, seq_len)
+    results = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv(THREADS_ENV, threads)
+        results.append(kept_rows(lengths, n_carried, n_rows, seq_len))
+    for rows in results[1:]:
+        assert np.array_equal(rows, results[0])
+    rows = results[0]
+    kept = rows >= 0
+    assert kept[:n_carried].all()
+    used = np.bincount(rows[kept], weights=lengths[kept], minlength=n_rows)
+    assert used.max() <= seq_len and len(used) == n_rows
+    # the best-fit order: carried first, then new by decreasing length (stable)
+    order = np.concatenate([np.arange(n_carried),
+                            n_carried + np.argsort(-lengths[n_carried:], kind="stable")])
+    dealt = np.arange(len(order)) % 6
+    placed = kept[order]
+    assert (rows[order][placed] // (n_rows // 6) == dealt[placed]).all()
+    assert lengths[kept].sum() >= 0.95 * n_rows * seq_len  # as full as the whole step
 
 
 def test_blocks_place_every_kept_piece_once_within_its_rows(small_blocks: None) -> None:
