@@ -27,7 +27,6 @@ from msd_dask.core.packing import from_wire, to_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.service import DataService
 from msd_dask.service.agent import (
-    START_GRACE,
     HostAgent,
     WireBatch,
     local_groups,
@@ -148,6 +147,16 @@ class FakeGroupReader:
 def _blocks_left() -> list[str]:
     prefix = f"{BLOCK_PREFIX}{os.getpid()}-"
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+@pytest.fixture(autouse=True)
+def _short_start_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group whose other ranks never ask is read after the agent's START_GRACE (2 s);
+    most tests here read one rank of a pair, so they wait it (2 s each, a minute of the
+    suite): half a second does, as the test of the grace itself reads it here."""
+    from msd_dask.service import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "START_GRACE", 0.5)
 
 
 @contextmanager
@@ -405,7 +414,11 @@ def test_backpressure_and_a_slow_peer_is_named(tmp_path: Any) -> None:
         handle.close()
 
 
-def test_reading_starts_when_every_rank_of_the_group_asked(tmp_path: Any) -> None:
+def test_reading_starts_when_every_rank_of_the_group_asked(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from msd_dask.service import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "START_GRACE", 5.0)  # (longer than the reader waits)
     with running_agent(tmp_path, [0, 1]) as (agent, readers):
         handle = AgentHandle.connect(agent.path, "agentunit")
         r0 = handle.reader(0, timeout=0.5)
@@ -417,12 +430,15 @@ def test_reading_starts_when_every_rank_of_the_group_asked(tmp_path: Any) -> Non
 
 def test_one_thread_reads_a_group_one_rank_after_the_other(tmp_path: Any) -> None:
     """Without its peers, a group is read START_GRACE seconds after its first rank asked."""
+    from msd_dask.service import agent as agent_module
+
     with running_agent(tmp_path, [0, 1], prefetch=2) as (agent, readers):
         handle, r0, r1 = _pair(agent)
         t0 = time.monotonic()
         got = [(next(r0).step, next(r1).step) for _ in range(5)]
         assert got == [(s, s) for s in range(5)]
-        assert START_GRACE <= time.monotonic() - t0 < START_GRACE + 3
+        grace = agent_module.START_GRACE  # (this module's, see _short_start_grace)
+        assert grace <= time.monotonic() - t0 < grace + 3
         handle.close()
 
 
