@@ -392,23 +392,25 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
             tr[size + r] = r
             _replay(tk, tr, size + r)
         end = j + 1
-        while end < n and lens[end] == length and ks[end] == key:
-            end += 1
-        if end - j >= in_rounds and j >= plain_until:
+        if j >= plain_until:  # (once a run: what rounds leave goes piece by piece)
+            while end < n and lens[end] == length and ks[end] == key:
+                end += 1
             plain_until = end
+        if end - j >= in_rounds:
             # every rank with room (none parked: the heap's roomiest has less) at one sum
             k = 0
             level = 0.0
+            equal = True
             for r in range(n_ranks):
                 if max_free[r] >= length:
                     if k and rank_key[r] != level:
-                        k = 0
+                        equal = False
                         break
                     level = rank_key[r]
                     takers[k] = r
                     k += 1
             placed = j
-            while k and j < end and level + key > level:
+            while equal and k and j < end and level + key > level:
                 c = 0
                 left = 0  # the takers with room for another, in place
                 while c < k and j < end:
@@ -429,6 +431,9 @@ def _greedy_fill(idx: np.ndarray, lens: np.ndarray, ks: np.ndarray, free: np.nda
                     if tr[size + r] == r:
                         tk[size + r] = rank_key[r]
                 _build(tk, tr, size)
+            if equal and not k:  # no rank has room for the rest of the run: left out
+                j = end
+            if j > placed:
                 continue
         r = tr[1]
         while r < n_ranks and max_free[r] < length:

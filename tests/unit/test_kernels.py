@@ -104,34 +104,46 @@ def test_greedy_fill_runs_of_equal_pieces_are_lpt_piece_by_piece(seed: int) -> N
     """Long runs of equal pieces (a long document's full-row chunks) are placed in rounds
     where every rank with room is at one key sum: the same ranks and rows as piece by
     piece, whether the run starts on equal sums (after the first pieces), on unequal ones,
-    with keys too small to raise a sum (1 on sums of 1e18) or zero, ends inside a round,
-    or leaves ranks without room; below and above COMPILE_AT pieces (interpreted and
-    compiled)."""
+    on one sum too large for its key to raise (1 on 1e18) or with a key of zero, ends
+    inside a round with other pieces after it (placed by the sums the rounds left), or
+    leaves ranks without room; in one fill or two; below and above COMPILE_AT pieces
+    (interpreted and compiled)."""
     from msd_dask.core.balance import _Greedy
 
     rng = np.random.default_rng(100 + seed)
-    for case in range(6):
+    for case in range(8):
         n_ranks, mb = int(rng.integers(1, 40)), int(rng.choice([1, 2, 8]))
         seq_len = int(rng.choice([16, 256]))
         lens: list[int] = []
         ks: list[float] = []
-        if case % 3 == 1:  # a few pieces of another length first: unequal sums
+        if case in (1, 4):  # a few pieces of another length first: unequal sums
             head = int(rng.integers(1, n_ranks + 2))
             lens += [int(x) for x in rng.integers(1, seq_len + 1, head)]
             ks += [float(x) * 1e18 if case == 4 else float(x) * 10 for x in lens]
-        for _ in range(int(rng.integers(1, 4))):  # runs, longest first
+        elif case == 6:  # every rank at one sum a key of 1 does not raise
+            lens += [1] * n_ranks
+            ks += [1e18] * n_ranks
+        for _ in range(int(rng.integers(1, 4)) if case != 7 else 0):  # runs, longest first
             length = int(rng.integers(1, seq_len + 1)) if lens else seq_len
             run = int(rng.choice([64, 65, 200, 3 * n_ranks * mb + 7, 1100]))
-            key = 0.0 if case == 5 else float(length)
+            key = 0.0 if case == 5 else 1.0 if case == 6 else float(length)
             lens += [length] * run
             ks += [key] * run
+        if case == 7:  # a run ending inside a round, then pieces the tree places by the
+            # sums the rounds left (the first few ranks one piece ahead)
+            n_ranks, seq_len = max(n_ranks, 2), 256
+            run = n_ranks * (64 // n_ranks + 2) + n_ranks // 2
+            lens += [4] * run + [2] * (3 * n_ranks)
+            ks += [4.0] * run + [1.0] * (3 * n_ranks)
         order = np.argsort(-np.array(ks), kind="stable")
         lengths = np.array(lens, dtype=np.int64)[order]
         keys = np.array(ks, dtype=np.float64)[order]
         g = _Greedy(len(lengths), n_ranks, mb, seq_len)
-        g.fill(np.arange(len(lengths)), lengths, keys)
+        cut = len(lengths) if case % 2 else max(n_ranks, len(lengths) // 2)
+        g.fill(np.arange(cut), lengths, keys)  # (two fills where cut is short of the end)
+        g.fill(np.arange(cut, len(lengths)), lengths, keys)
         rank, micro = _greedy_one_by_one(lengths, keys, n_ranks, mb, seq_len)
-        assert g.rank.tolist() == rank and g.micro.tolist() == micro
+        assert g.rank.tolist() == rank and g.micro.tolist() == micro, case
 
 
 def _rounds_vectorised(g: object, order: np.ndarray, lengths: np.ndarray,
