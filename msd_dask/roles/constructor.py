@@ -164,16 +164,8 @@ def _laid_out(works: Sequence[StepPieces]) -> list[bytes]:
     column needs from one conversion of the column, so most numpy calls are per field,
     not per work and column (at dp 16,384 a step has 256 works or more, of a few hundred
     pieces at 4K, and those calls took most of the time); a work's bytes are then
-    slices of the converted columns, joined after its pickled rest.  Python's collector is paused
-    meanwhile (:func:`~msd_dask.core.gcpause.gc_paused`): the thousands of lists and
-    tuples made here are no garbage.
+    slices of the converted columns, joined after its pickled rest.
     """
-    with gc_paused():
-        return _laid_out_together(works)
-
-
-def _laid_out_together(works: Sequence[StepPieces]) -> list[bytes]:
-    """:func:`_laid_out`, while the collector is paused."""
     k = len(works)
     rests: list[dict[str, Any]] = [{} for _ in range(k)]
     joins: list[dict[str, str]] = [{} for _ in range(k)]
@@ -224,11 +216,11 @@ def _laid_out_together(works: Sequence[StepPieces]) -> list[bytes]:
             converted = [{j: columns[c].astype(choice[j], copy=False).data.cast("B")
                           for j in {p[c] for p in picks}} for c in range(cols)]
             del columns
-            size = [[np.dtype(k).itemsize for k in choice]] * cols
+            itemsize = [np.dtype(k).itemsize for k in choice]
             for i, value, a, b, picked in zip(members, mine, bounds[:-1], bounds[1:], picks,
                                               strict=True):
                 arrays[i].append((name, dtype, value.shape, [choice[j] for j in picked]))
-                bodies[i] += [converted[c][j][a * size[c][j]:b * size[c][j]]
+                bodies[i] += [converted[c][j][a * itemsize[j]:b * itemsize[j]]
                               for c, j in enumerate(picked)]
     out = []
     for rest, joined, laid, body in zip(rests, joins, arrays, bodies, strict=True):
@@ -260,16 +252,19 @@ def pack_works(works: Sequence[StepPieces], threads: int = 1) -> list[bytes]:
     out: list[bytes] = []
     laid: list[bytes] = []
     size = total = 0
-    for chunk in _chunks(works):
-        for one in _laid_out(chunk):
-            laid.append(one)
-            size += len(one)
-            total += len(one)
-            if size >= _BATCH_BYTES:
-                out += _compressed(laid, threads) if total >= _COMPRESS_FROM else laid
-                laid, size = [], 0
-    if laid:
-        out += _compressed(laid, threads) if total >= _COMPRESS_FROM else laid
+    # (the thousands of lists and tuples a layout makes are no garbage: Python's collector
+    # is paused meanwhile, :func:`~msd_dask.core.gcpause.gc_paused`)
+    with gc_paused():
+        for chunk in _chunks(works):
+            for one in _laid_out(chunk):
+                laid.append(one)
+                size += len(one)
+                total += len(one)
+                if size >= _BATCH_BYTES:
+                    out += _compressed(laid, threads) if total >= _COMPRESS_FROM else laid
+                    laid, size = [], 0
+        if laid:
+            out += _compressed(laid, threads) if total >= _COMPRESS_FROM else laid
     return out
 
 
