@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -88,53 +89,57 @@ async def _fetching(loader: SourceLoader, units: Any) -> asyncio.Future[Any]:
     return fetching
 
 
-def test_a_release_during_a_fetch_waits_for_the_fetch(corpus, gated) -> None:
-    """The unit a fetch waits for is released meanwhile: the fetch gets its pieces (it was
-    cancelled, and the constructor's retry read the unit again and kept it), and the unit
-    is dropped once the fetch ends."""
+def _on_a_loader(corpus: Any, gated: threading.Event,
+                 body: Callable[[SourceLoader, Any], Awaitable[None]]) -> None:
+    """Run ``body(loader, units)`` on a loader of the corpus's first source; then open the
+    gate (a read still waiting ends) and close the loader."""
     root, _ = corpus
     source, units = _loader_inputs(config(root), 0)
 
     async def run() -> None:
         loader = SourceLoader(source, units, {"kind": "bytes"})
         try:
-            await loader.assign([(0, 1)])
-            fetching = await _fetching(loader, units)
-            await loader.release([(0, 1)])
-            assert not fetching.done()
-            gated.set()
-            pieces = split_pieces(await asyncio.wait_for(fetching, 30))
-            assert len(pieces) == 1 and len(pieces[0]) == 2
-            assert _held(loader) == (0, 0)
+            await body(loader, units)
         finally:
             gated.set()
             await loader.close()
 
     asyncio.run(run())
+
+
+def test_a_release_during_a_fetch_waits_for_the_fetch(corpus, gated) -> None:
+    """The unit a fetch waits for is released meanwhile: the fetch gets its pieces (it was
+    cancelled, and the constructor's retry read the unit again and kept it), and the unit
+    is dropped once the fetch ends."""
+
+    async def body(loader: SourceLoader, units: Any) -> None:
+        await loader.assign([(0, 1)])
+        fetching = await _fetching(loader, units)
+        await loader.release([(0, 1)])
+        assert not fetching.done()
+        gated.set()
+        pieces = split_pieces(await asyncio.wait_for(fetching, 30))
+        assert len(pieces) == 1 and len(pieces[0]) == 2
+        assert _held(loader) == (0, 0)
+
+    _on_a_loader(corpus, gated, body)
 
 
 def test_a_unit_assigned_while_a_fetch_reads_it_is_kept_until_released(corpus, gated) -> None:
     """A re-created loader may be asked for a unit before the planner hands it the unit
     (``hand_over``): the planner's assign makes it the planner's to release."""
-    root, _ = corpus
-    source, units = _loader_inputs(config(root), 0)
 
-    async def run() -> None:
-        loader = SourceLoader(source, units, {"kind": "bytes"})
-        try:
-            fetching = await _fetching(loader, units)
-            assert await loader.assign([(0, 1)]) == 0  # being read already: not read twice
-            gated.set()
-            await asyncio.wait_for(fetching, 30)
-            assert _held(loader) == (1, 1)
-            assert loader.units_read == 1
-            await loader.release([(0, 1)])
-            assert _held(loader) == (0, 0)
-        finally:
-            gated.set()
-            await loader.close()
+    async def body(loader: SourceLoader, units: Any) -> None:
+        fetching = await _fetching(loader, units)
+        assert await loader.assign([(0, 1)]) == 0  # being read already: not read twice
+        gated.set()
+        await asyncio.wait_for(fetching, 30)
+        assert _held(loader) == (1, 1)
+        assert loader.units_read == 1
+        await loader.release([(0, 1)])
+        assert _held(loader) == (0, 0)
 
-    asyncio.run(run())
+    _on_a_loader(corpus, gated, body)
 
 
 def test_close_ends_a_fetch_of_a_released_unit(corpus, gated) -> None:
