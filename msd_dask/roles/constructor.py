@@ -31,10 +31,11 @@ import functools
 import pickle
 import threading
 import time
+from bisect import bisect_left
 from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
-from itertools import islice
+from itertools import accumulate, islice
 from typing import Any
 
 import numpy as np
@@ -189,10 +190,10 @@ def _laid_out(works: Sequence[StepPieces]) -> list[bytes]:
             # the values' rows of ``cols`` columns, one after the other: a 2-d array's own,
             # else one column
             cols = 1 if width < 0 else width
-            sizes = np.array([len(v) if width >= 0 else v.size for v in mine], dtype=np.int64)
-            starts = np.zeros(len(mine) + 1, dtype=np.int64)
-            np.cumsum(sizes, out=starts[1:])
-            bounds = starts.tolist()
+            # (the bookkeeping of a run's values in lists: a step of a few works, at the
+            # service's small steps, paid more for numpy calls on tiny arrays than it saved)
+            sizes = [len(v) if width >= 0 else v.size for v in mine]
+            bounds = [0, *accumulate(sizes)]
             # the values' columns, each contiguous, one after the other: each value's
             # transposed into its place (joining the values first was a pass more over
             # the step's pieces, at dp 16,384 x 128K about 20 ms)
@@ -201,22 +202,22 @@ def _laid_out(works: Sequence[StepPieces]) -> list[bytes]:
                 columns[:, a:b] = v.T if width >= 0 else v.reshape(1, -1)
             dtype = kind.str
             choice = (*_NARROW, dtype)
-            # which of ``choice`` each value's column takes (len(_NARROW): its own dtype)
-            pick = np.full((len(mine), cols), len(_NARROW), dtype=np.int64)
-            if kind.kind in "iu" and columns.size:
-                some = np.flatnonzero(sizes)
+            own = len(_NARROW)
+            # which of ``choice`` each value's column takes (``own``: its own dtype)
+            picks = [[own] * cols for _ in mine]
+            if kind.kind in "iu" and bounds[-1]:
+                some = [m for m, n in enumerate(sizes) if n]
                 # as unsigned, a negative value lies past the signed dtype's top
-                tops = np.maximum.reduceat(columns.view(dtype.replace("i", "u")), starts[some],
-                                           axis=1).T
-                narrow = np.searchsorted(_TOP_VALUES, tops, side="left")
-                narrow[tops > _past(kind)] = len(_NARROW)
-                pick[some] = narrow
+                tops = np.maximum.reduceat(columns.view(dtype.replace("i", "u")),
+                                           [bounds[m] for m in some], axis=1).T.tolist()
+                past = _past(kind)
+                for m, row in zip(some, tops, strict=True):
+                    picks[m] = [bisect_left(_TOPS, top) if top <= past else own for top in row]
             # each column in each dtype its values take, as bytes (sliced without numpy)
-            picks = pick.tolist()
             converted = [{j: columns[c].astype(choice[j], copy=False).data.cast("B")
                           for j in {p[c] for p in picks}} for c in range(cols)]
             del columns
-            itemsize = [np.dtype(k).itemsize for k in choice]
+            itemsize = (*_NARROW_SIZES, kind.itemsize)
             for i, value, a, b, picked in zip(members, mine, bounds[:-1], bounds[1:], picks,
                                               strict=True):
                 arrays[i].append((name, dtype, value.shape, [choice[j] for j in picked]))
@@ -351,7 +352,8 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 #: strings), and the largest value each holds (the narrowest holding a part's largest value
 #: is the first whose top is not below it)
 _NARROW = ("|u1", "<u2", "<u4")
-_TOP_VALUES = np.array([np.iinfo(np.dtype(k)).max for k in _NARROW], dtype=np.uint64)
+_TOPS = [int(np.iinfo(np.dtype(k)).max) for k in _NARROW]
+_NARROW_SIZES = tuple(np.dtype(k).itemsize for k in _NARROW)
 
 #: about the most bytes of works' arrays :func:`pack_works` lays out together: enough for
 #: the calls per run to be spread over dozens of small works (dp 16,384 x 4K: about 30 KB
