@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 SMOKES: dict[str, tuple[str, ...]] = {
     "test_train_smoke": ("bench_train.py", "--smoke"),
     "test_throughput_smoke": ("bench_throughput.py", "--smoke", "--tokenizer", "bpe"),
-    "test_scaling_smoke": ("bench_scaling.py", "--mode", "io", "--seconds", "8",
+    "test_scaling_smoke": ("bench_scaling.py", "--mode", "io", "--seconds", "4",
                            "--no-reference", "--data", "{tmp}/scaling", "--plot",
                            "{tmp}/scaling.png"),
     "test_memory_smoke": ("bench_memory.py", "--smoke", "--read-ahead", "nocap"),
@@ -127,8 +127,8 @@ def test_throughput_smoke(smokes):
 def test_train_smoke(smokes):
     _needs("test_train_smoke")
     out = _out(smokes, "test_train_smoke")
-    assert "ratio msd_dask / HF" in out, out
-    assert "msd_dask" in out and "HF streaming (per rank)" in out, out
+    assert "ratio msd_dask outliers+fit / HF" in out, out
+    assert "HF streaming (per rank)" in out and "outliers+fit: planner imbalance" in out, out
 
 
 def test_outliers_quick(smokes):
