@@ -66,8 +66,8 @@ def _security(args: argparse.Namespace) -> Any:
 AGENT_EPILOG = """example, on each node of a torchrun job with 8 GPUs per node:
   export MSD_DASK_AGENT=/tmp/msd-dask-agent-demo.sock
   msd-dask agent --scheduler tcp://head:8786 --name demo \\
-      --ranks $((NODE_RANK*8))-$((NODE_RANK*8+7)) --socket $MSD_DASK_AGENT &
-  until [ -S $MSD_DASK_AGENT ]; do sleep 1; done
+      --ranks $((NODE_RANK*8))-$((NODE_RANK*8+7)) --socket $MSD_DASK_AGENT > agent.log 2>&1 &
+  until grep -q "serves ranks" agent.log; do sleep 1; done   # connected, serving
   torchrun --nnodes ... --nproc-per-node 8 train.py   # train.py unchanged
 
 With MSD_DASK_AGENT set, DataService.connect(address, name).reader(rank) reads
