@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         write_demo_corpus(root)
     import dask.config
     from bench_memory import start_cluster
-    from bench_scheduler_bytes import _stop
+    from bench_scheduler_bytes import stop_cluster
     from distributed import Client
 
     os.environ.update(_dask_env())  # the hosts' server starts with them, as does this process's
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                                     tmp))
                 print(f"N = {n}: done", flush=True)
         finally:
-            _stop(cluster)
+            stop_cluster(cluster)
     print_table(rows)
     if a.json:
         with open(a.json, "w") as f:

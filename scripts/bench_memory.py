@@ -434,7 +434,7 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
     ``variant`` (``None``: the config's); the readers read through ``agents`` host agents
     (0: directly)."""
     read_ahead, read_ahead_tokens = variant
-    from bench_scheduler_bytes import _stop
+    from bench_scheduler_bytes import stop_cluster
 
     from msd_dask.service.agent_client import AGENT_ENV
 
@@ -475,7 +475,7 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
                     _remove_blocks(pid)
                 procs.stop()
             finally:
-                _stop(cluster)
+                stop_cluster(cluster)
     bare = m["bare"][0]
     readers = [m[f"rank{r}"][0] for r in range(a.ranks)]
     out = {"bare": bare, "scheduler": m["scheduler"][0],

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import bench_memory
-    from bench_scheduler_bytes import _start_cluster, _stop
+    from bench_scheduler_bytes import _start_cluster, stop_cluster
 
     from msd_dask import load_config
 
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"the measured reader failed:\n{res.stderr[-3000:]}")
         finally:
             procs.stop()
-            _stop(cluster)
+            stop_cluster(cluster)
     lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
     stages = [x for x in lines if "stage" in x]
     extra = next(x for x in lines if "connect_imports" in x)

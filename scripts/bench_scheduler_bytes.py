@@ -166,15 +166,37 @@ def _client_and_idle_rate(address: str, workers: int, seconds: float) -> tuple[A
     return client, _rate(client, seconds)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in reversed(procs):
+def stop_cluster(procs: list[subprocess.Popen]) -> None:
+    """Stop the processes of :func:`_start_cluster` (the scheduler first in ``procs``): the
+    workers, then the scheduler (a worker told to close by its closing scheduler while it
+    handles its own SIGINT can hang)."""
+    stop_processes(procs[1:])
+    stop_processes(procs[:1])
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = 3.0) -> None:
+    """SIGINT to each of ``procs`` still running, and wait for them to exit.
+
+    ``dask worker --no-nanny`` does not close its worker on a signal: it cancels the
+    worker's tasks, which now and then hangs for good; Dask's CLI puts Python's own handler
+    back after the first signal, so a second one, sent to a process still there ``grace``
+    seconds later, ends it at once (KeyboardInterrupt).  A process still there 10 s after
+    that is killed.
+    """
+    for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
-    for p in reversed(procs):
+    deadline = time.monotonic() + grace
+    for p in procs:
         try:
-            p.wait(15)
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
 
 
 def measure(client: Any, address: str, cfg: dict[str, Any], steps: int, warmup: int,
@@ -262,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                                     1.0 if args.smoke else 3.0))
             client.close()
         finally:
-            _stop(procs)
+            stop_cluster(procs)
     world = base["parallel"]["dp"]
     print(f"config {args.config}: {world} ranks x {base['batch']['micro_batches']} micro-batches, "
           f"{steps} steps per seq_len, {args.workers} workers; idle scheduler traffic "

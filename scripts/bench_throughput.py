@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from bench_scheduler_bytes import _client_and_idle_rate, _start_cluster, _stop
+    from bench_scheduler_bytes import _client_and_idle_rate, _start_cluster, stop_cluster
 
     from msd_dask import load_config
 
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[kind] = {"service": svc, "hf": hf, "limit": limit}
             client.close()
         finally:
-            _stop(procs)
+            stop_cluster(procs)
     secs = time.perf_counter() - t_start
     c = base["parallel"]
     dp = c["dp"]

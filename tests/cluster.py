@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from scripts_import import load_script
+
 
 def _wait_for(path: str, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
@@ -101,15 +103,18 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
         _wait_for_workers(address, n_workers, workers, tls)
         yield {"address": address, "workers": workers, "scheduler": sched}
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in reversed(procs):
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        # the workers before the scheduler: a worker told to close by its closing scheduler
+        # while it handles its own SIGINT is one that hangs (see interrupt)
+        interrupt(procs[1:])
+        interrupt(procs[:1])
         log.close()
+
+
+def interrupt(procs: list[subprocess.Popen]) -> None:
+    """SIGINT to each of ``procs``, and wait for them (a second SIGINT to a process still
+    there 3 s later, killed 10 s after that): ``stop_processes`` of
+    ``scripts/bench_scheduler_bytes.py``, which says why."""
+    load_script("bench_scheduler_bytes", "bench_scheduler_bytes").stop_processes(procs)
 
 
 def start_serve(cfg: dict, tmp: str, address: str, *extra: str,

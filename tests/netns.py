@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import pytest
+
+from cluster import interrupt
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -92,15 +93,10 @@ class Network:
         return out.stdout
 
     def close(self) -> None:
+        # one at a time, the last started first: the dask scheduler after its workers
+        # (see cluster.interrupt)
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in reversed(self.procs):
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+            interrupt([p])
         for ns in reversed(self.namespaces):  # their veth ends (and the bridge) go with them
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self.namespaces.clear()

@@ -33,9 +33,9 @@ def test_cluster_env_reaches_the_scheduler_and_workers_only(bench_memory, tmp_pa
             assert list(client.run(os.getenv, key).values()) == ["on"]
             assert client.run_on_scheduler(os.getenv, key) == "on"
     finally:
-        from bench_scheduler_bytes import _stop
+        from bench_scheduler_bytes import stop_cluster
 
-        _stop(procs)
+        stop_cluster(procs)
 
 
 @pytest.mark.slow
