@@ -142,6 +142,9 @@ def test_default_state_refuses_when_a_rank_cannot_report(tmp_path):
     write_corpus(root)
     cfg = config(root, name="defrefuse", prefetch=4)
     with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
+        # (the call waits the readers' idle time, then this long for their reports: killed
+        # ranks never send one, and the answer is the same after any margin)
+        svc.report_margin = 0.5
         address = svc.client.scheduler.address
         ranks = [Rank(address, "defrefuse", r, str(tmp_path / f"r{r}.pkl")) for r in range(2)]
         try:

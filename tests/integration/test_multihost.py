@@ -4,10 +4,11 @@ network namespace with its own address, joined by a bridge (``tests/netns.py``).
 `dask scheduler`, `dask worker --no-nanny` (one per worker host), `msd-dask serve` (on the
 scheduler's host) and one reader process per reader host, all real processes.  Mid-run,
 the link of the worker host without the planner goes down: no process dies and no
-connection is closed, its packets just stop.  The scheduler drops that worker after
-``distributed.scheduler.worker-ttl`` (5 s here), the planner re-creates its roles on the
-other worker host, and every rank still receives every step exactly once, every document
-once per epoch.  Skipped where network namespaces are unavailable (not root, no ``ip``).
+connection is closed, its packets just stop.  The scheduler drops that worker 5 to 6 s
+after its last heartbeat (``distributed.scheduler.worker-ttl``, see ``TTL``), the planner
+re-creates its roles on the other worker host, and every rank still receives every step
+exactly once, every document once per epoch.  Skipped where network namespaces are
+unavailable (not root, no ``ip``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ HOSTS = {"sched": "198.18.0.1", "w0": "198.18.0.2", "w1": "198.18.0.3",
          "r0": "198.18.0.4", "r1": "198.18.0.5"}
 ADDRESS = f"tcp://{HOSTS['sched']}:8786"
 STEPS, CUT = 36, 12
-TTL = "5s"  # Dask's default is 5 minutes: a cut host would hold its roles that long
+# Dask's default is 5 minutes: a cut host would hold its roles that long.  The scheduler
+# checks every TTL for workers silent longer than max(TTL, 10 heartbeats = 5 s here), so a
+# live worker still has 5 s, and checks every 1 s drop the cut host 5 to 6 s after its last
+# heartbeat: mostly before the readers' first look for re-created roles, 7 s after their
+# request (constructor POLL + reader CLAIM_WAIT), which checks every 5 s mostly missed (the
+# step then waits for the next look: 16 s)
+TTL = "1s"
 
 # where the service's roles are, and what the planner re-created (run on the scheduler's host)
 PROBE = """
@@ -129,7 +136,7 @@ def test_a_worker_host_cut_off_mid_run(tmp_path):
     assert all(_host_of(e["from"]) == victim and _host_of(e["to"]) != victim
                for e in lost), lost
     # the first step the prefetched ones did not cover waited for Dask to drop the cut host
-    # (worker-ttl, checked every ttl: 5 to 10 s) and for its roles to be re-created; with
+    # (5 to 6 s, see TTL) and for its roles to be re-created; with
     # Dask's default of 5 minutes the readers (timeout 90 s) would have failed instead
     slow = max(range(1, STEPS), key=took.__getitem__)  # step 0: the readers' start-up
     print(f"\nmultihost: step {slow} waited {took[slow]:.1f}s for the roles of the host cut "

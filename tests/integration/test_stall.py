@@ -27,12 +27,13 @@ def test_stalled_reader_bounds_memory_and_is_named(tmp_path):
         assert "not yet claimed by rank(s) [0]" in msg, msg
         assert "planner (at step" in msg and "waiting for constructors to make room" in msg, msg
         samples = []
-        for _ in range(2):
+        for i in range(2):
+            if i:
+                time.sleep(1.5)
             st = svc.stats()
             samples.append((st["planner"]["steps_planned"],
                             sum(s["tokens_buffered"] for s in st["sources"].values()),
                             st["ranks"][0]["queue_depth"]))
-            time.sleep(1.5)
         # nothing grows while the reader stalls
         assert samples[0] == samples[1], samples
         planned, _, depth = samples[0]
