@@ -10,6 +10,8 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
+from types import ModuleType
 
 from scripts_import import load_script
 
@@ -103,10 +105,7 @@ def dask_cluster(tmp: str, n_workers: int = 2, nthreads: int = 1,
         _wait_for_workers(address, n_workers, workers, tls)
         yield {"address": address, "workers": workers, "scheduler": sched}
     finally:
-        # the workers before the scheduler: a worker told to close by its closing scheduler
-        # while it handles its own SIGINT is one that hangs (see interrupt)
-        interrupt(procs[1:])
-        interrupt(procs[:1])
+        _stopping().stop_cluster(procs)  # (the scheduler first in procs: stopped last)
         log.close()
 
 
@@ -114,7 +113,14 @@ def interrupt(procs: list[subprocess.Popen]) -> None:
     """SIGINT to each of ``procs``, and wait for them (a second SIGINT to a process still
     there 3 s later, killed 10 s after that): ``stop_processes`` of
     ``scripts/bench_scheduler_bytes.py``, which says why."""
-    load_script("bench_scheduler_bytes", "bench_scheduler_bytes").stop_processes(procs)
+    _stopping().stop_processes(procs)
+
+
+@cache
+def _stopping() -> ModuleType:
+    """``scripts/bench_scheduler_bytes.py``, where the benchmarks and these helpers stop
+    Dask processes (imported once)."""
+    return load_script("bench_scheduler_bytes", "bench_scheduler_bytes")
 
 
 def start_serve(cfg: dict, tmp: str, address: str, *extra: str,

@@ -26,14 +26,16 @@ def test_stalled_reader_bounds_memory_and_is_named(tmp_path):
         msg = str(ei.value)
         assert "not yet claimed by rank(s) [0]" in msg, msg
         assert "planner (at step" in msg and "waiting for constructors to make room" in msg, msg
-        samples = []
-        for i in range(2):
-            if i:
-                time.sleep(1.5)
+
+        def sample() -> tuple[int, int, int]:
             st = svc.stats()
-            samples.append((st["planner"]["steps_planned"],
-                            sum(s["tokens_buffered"] for s in st["sources"].values()),
-                            st["ranks"][0]["queue_depth"]))
+            return (st["planner"]["steps_planned"],
+                    sum(s["tokens_buffered"] for s in st["sources"].values()),
+                    st["ranks"][0]["queue_depth"])
+
+        first = sample()
+        time.sleep(1.5)
+        samples = [first, sample()]
         # nothing grows while the reader stalls
         assert samples[0] == samples[1], samples
         planned, _, depth = samples[0]
