@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -189,8 +190,9 @@ def task_worker(key: str, dask_scheduler: Any = None) -> str | None:
     return None if ws is None else str(ws.address)
 
 
-def keys_on(dask_scheduler: Any, workers: list[str], prefix: str) -> list[str]:
-    """Keys starting with ``prefix`` held or running on ``workers`` (runs on the scheduler).
+def keys_on(dask_scheduler: Any, workers: list[str], pattern: str) -> list[str]:
+    """Keys held or running on ``workers`` that the regular expression ``pattern`` matches
+    whole (:func:`msd_dask.roles.keys.role_pattern`; runs on the scheduler).
 
     Relies on ``Scheduler.workers`` and ``WorkerState.has_what`` / ``.processing``:
     ``Client.has_what`` does not list running tasks (an actor is one), and
@@ -201,7 +203,7 @@ def keys_on(dask_scheduler: Any, workers: list[str], prefix: str) -> list[str]:
         ws = dask_scheduler.workers.get(w)
         if ws is not None:
             out += [str(ts.key) for ts in (*ws.has_what, *ws.processing)
-                    if str(ts.key).startswith(prefix)]
+                    if re.fullmatch(pattern, str(ts.key))]
     return out
 
 

@@ -37,7 +37,6 @@ import itertools
 import logging
 import pickle
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from functools import partial
@@ -58,6 +57,7 @@ from msd_dask.roles import constructor as constructor_role
 from msd_dask.roles import loader as loader_role
 from msd_dask.roles.constructor import DataConstructor, StepPieces, unpack_work
 from msd_dask.roles.direct import direct
+from msd_dask.roles.keys import constructor_key, is_role_of, loader_key, role_pattern
 from msd_dask.roles.loader import SourceLoader
 
 if TYPE_CHECKING:
@@ -280,7 +280,7 @@ class RoleSupervisor:
             self.pad_id, self.cfg.prefetch, self.cfg.timeout, self.planner.generation,
             replacing=replacing, actor=True, workers=[where],
             allow_other_workers=False, pure=False,
-            key=f"msd-{self.cfg.name}-constructor-{index}-{uuid.uuid4().hex[:8]}")
+            key=constructor_key(self.cfg.name, index))
 
     def _loader_units(self, source: str) -> list[tuple[Any, ...]]:
         return [(u.path, u.part, u.row_offset) for u in self.planner.units[source]]
@@ -290,7 +290,7 @@ class RoleSupervisor:
         return self._client.submit(
             SourceLoader, self.payloads[source], units, self.tokenizer, slot,
             self.loader_threads, actor=True, workers=[where], allow_other_workers=False,
-            pure=False, key=f"msd-{self.cfg.name}-loader-{source}-{slot}-{uuid.uuid4().hex[:8]}")
+            pure=False, key=loader_key(self.cfg.name, source, slot))
 
     async def _created(self, submitted: list[tuple[str, str, Any]]) -> list[tuple[Any, Any]]:
         """``(actor handle, future)`` of each role submitted as ``(name, worker, future)``,
@@ -949,8 +949,11 @@ class RoleSupervisor:
         _drop(*zip(self.constructors, self._cfuts, strict=True), *self._all_loaders())
 
 
-async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, Any]:
-    """Close the loaders and constructors of service ``name`` held by this worker.
+async def close_service_roles(name: str, sources: list[str],
+                              dask_worker: Any = None) -> dict[str, Any]:
+    """Close the loaders and constructors of service ``name`` (whose sources are
+    ``sources``) held by this worker: by their whole keys
+    (:func:`~msd_dask.roles.keys.role_pattern`), never another service's.
 
     Run on every worker (``client.run``) by the process that re-creates a lost
     planner, before it starts the new one: the old roles must stop building
@@ -958,11 +961,11 @@ async def close_service_roles(name: str, dask_worker: Any = None) -> dict[str, A
     ``{"closed": n, "shown": {rank: step}}``, the last step each rank showed the closed
     constructors it has (:meth:`~msd_dask.roles.constructor.DataConstructor.steps_shown`).
     """
-    prefix = f"msd-{name}-"
+    pattern = role_pattern(name, sources)
     closed = 0
     last: dict[int, int] = {}
     for key, role in list(worker_actors(dask_worker).items()):
-        if not str(key).startswith(prefix) or not isinstance(role, DataConstructor | SourceLoader):
+        if not is_role_of(key, pattern) or not isinstance(role, DataConstructor | SourceLoader):
             continue
         try:
             await asyncio.wait_for(role.close(), 5)

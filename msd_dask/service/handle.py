@@ -36,6 +36,7 @@ from msd_dask.errors import (
     first_of,
 )
 from msd_dask.reader import REPORT_IDLE, Reader
+from msd_dask.roles.keys import role_pattern
 from msd_dask.service.agent_client import AgentHandle, connect_agent
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import (
@@ -518,7 +519,8 @@ class DataService:
         def holding() -> list[str]:
             try:
                 return list(self.client.run_on_scheduler(
-                    keys_on, workers=list(workers), prefix=f"msd-{self.name}-",
+                    keys_on, workers=list(workers),
+                    pattern=role_pattern(self.name, [s.name for s in self.config.sources]),
                     callback_timeout=10))
             except TimeoutError:
                 raise ServiceTimeoutError(

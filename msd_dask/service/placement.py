@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -91,13 +90,13 @@ def place_planner(client: Any, cfg: Config,
                            "on (every worker is paused or being retired)")
     n_c = constructors or cfg.constructors or min(cfg.parallel.dp, len(workers))
     members = constructor_members(cfg, n_c)
+    from msd_dask.roles.keys import planner_key
     from msd_dask.roles.planner import PlannerActor  # the starting process only (see planner.py)
 
     # unique: a service started again under this name right after a close must not
     # find the old planner's key still held (by the plugin's cached registry) and
     # attach to that planner
-    key = (f"msd-{cfg.name}-planner" + (f"-g{generation}" if generation else "")
-           + f"-{uuid.uuid4().hex[:8]}")
+    key = planner_key(cfg.name, generation)
     planner = client.submit(
         PlannerActor, cfg.to_dict(), units, roots,
         resume if isinstance(resume, bytes) else dict(resume) if resume else None,

@@ -186,8 +186,9 @@ class PlannerKeeper:
             close_service_roles,  # the owner only: readers never import roles
         )
 
-        closed = self.link.client.run(close_service_roles, self.link.name, on_error="return",
-                                      callback_timeout=60)
+        sources = [s.name for s in self.link.config.sources]
+        closed = self.link.client.run(close_service_roles, self.link.name, sources,
+                                      on_error="return", callback_timeout=60)
         had = {int(r): int(s) for r, s in ck["had"].items()}
         for res in closed.values():
             if isinstance(res, dict):

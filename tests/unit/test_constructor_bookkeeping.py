@@ -400,6 +400,7 @@ def test_a_round_whose_answer_was_lost_is_sent_again_by_the_next_generation() ->
     reader went on with step 2 (a review of the claim protocol).  What the old ones say
     the ranks *showed* they have (``stats()["shown"]``, :func:`close_service_roles`) is
     what the next generation starts from."""
+    from msd_dask.roles.keys import constructor_key
     from msd_dask.roles.supervisor import close_service_roles
 
     members = {0: [0, 1], 1: [2, 3]}
@@ -418,7 +419,8 @@ def test_a_round_whose_answer_was_lost_is_sent_again_by_the_next_generation() ->
         assert (await old.next_round(2, 1, wait=0.1)) is None  # rank 2 shows it has them
         stats = await old.stats()
         assert stats["last_claimed"] == {0: 1, 2: 1} and stats["shown"] == {2: 1}
-        closed = await close_service_roles("u", dask_worker=Worker({"msd-u-c0": old}))
+        closed = await close_service_roles("u", ["toy"],
+                                           dask_worker=Worker({constructor_key("u", 0): old}))
         assert closed == {"closed": 1, "shown": {2: 1}}
         new = DataConstructor("u", 0, members, 8, 0, prefetch=4, generation=1)
         await new.setup({"toy": {0: ToyLoader()}}, had=closed["shown"])

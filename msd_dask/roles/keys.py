@@ -1,0 +1,53 @@
+"""The Dask keys of a service's roles: made here, and recognised here.
+
+A role's key is ``msd-{service}-planner[-g{generation}]-{hex}``,
+``msd-{service}-constructor-{index}-{hex}`` or
+``msd-{service}-loader-{source}-{slot}-{hex}``, ``{hex}`` eight random hex
+digits (a service started again under its name never finds the old roles' keys).
+Service names are free text, so a prefix does not tell services apart: every key
+of a service ``train-eval`` starts with ``msd-train-``.  :func:`role_pattern`
+matches a loader's or constructor's whole key, given the service's sources, and
+no key of another service.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+
+__all__ = ["constructor_key", "is_role_of", "loader_key", "planner_key", "role_pattern"]
+
+
+def _tail() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def planner_key(service: str, generation: int) -> str:
+    """A new key for the planner of ``service`` (generation 0 unnumbered)."""
+    return f"msd-{service}-planner" + (f"-g{generation}" if generation else "") + f"-{_tail()}"
+
+
+def constructor_key(service: str, index: int) -> str:
+    """A new key for constructor ``index`` of ``service``."""
+    return f"msd-{service}-constructor-{index}-{_tail()}"
+
+
+def loader_key(service: str, source: str, slot: int) -> str:
+    """A new key for the loader in ``slot`` of ``source`` of ``service``."""
+    return f"msd-{service}-loader-{source}-{slot}-{_tail()}"
+
+
+def role_pattern(service: str, sources: Iterable[str]) -> str:
+    """A regular expression (for :func:`is_role_of`) that matches the whole key of every
+    loader and constructor of ``service``, whose sources are ``sources``, and no other
+    key: not its planner's, and none of another service (whose name may start with
+    ``service``)."""
+    names = "|".join(re.escape(s) for s in sorted(set(sources), key=len, reverse=True))
+    loader = f"|loader-(?:{names})-[0-9]+" if names else ""
+    return f"msd-{re.escape(service)}-(?:constructor-[0-9]+{loader})-[0-9a-f]{{8}}"
+
+
+def is_role_of(key: object, pattern: str) -> bool:
+    """Whether ``key`` is the key of a role :func:`role_pattern` made ``pattern`` for."""
+    return re.fullmatch(pattern, str(key)) is not None
