@@ -748,38 +748,55 @@ class RoleSupervisor:
         return old_h, old_f
 
     async def _replace_constructor(self, i: int, why: str) -> None:
-        old = self.constructors[i]
+        old, old_f = self.constructors[i], self._cfuts[i]
+        moved = why != "lost"
+        try:
+            while True:
+                handle, fut = await self._set_up_constructor(i)
+                was, was_f = self.constructors[i], self._cfuts[i]
+                self.constructors[i], self._cfuts[i] = handle, fut
+                if was is not old:  # one placed here before, whose worker left
+                    _drop((was, was_f))
+                self.record_event("constructor", str(i), why, actor_address(was),
+                                  actor_address(handle))
+                # steps that may not have been claimed by every rank yet go to the new one
+                # (taken with the assignment, no await between: a round the planner sends
+                # it meanwhile waits for them, see DataConstructor.submit); watched, as a
+                # call to an actor whose worker left waits for good, and so would heal,
+                # holding the roles' lock
+                resent: list[tuple[int, StepPieces | None, bytes]] = [
+                    (s, None, packed) for s, packed in self.planner.unclaimed_steps(i)]
+                if await self._watched(handle, f"re-created constructor {i}",
+                                       f"take the {len(resent)} steps not claimed by every "
+                                       "rank yet", partial(_hand_round, steps=resent, room=0,
+                                                           force=True)):
+                    break
+                why = "lost"  # its worker left before it had them: placed again
+        finally:  # (also where the new one's worker died meanwhile: heal re-creates it)
+            if moved:  # the old one stops publishing, and frees its batches
+                with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
+                    await asyncio.wait_for(old.close(), 30)
+                    # what ranks took from the old one meanwhile is not held for them by
+                    # the new one (see DataConstructor.steps_shown)
+                    shown = await asyncio.wait_for(old.steps_shown(), 10)
+                    await asyncio.wait_for(self.constructors[i].mark_had_all(shown), 30)
+            _drop((old, old_f))
+
+    async def _set_up_constructor(self, i: int) -> tuple[Any, Any]:
+        """A new constructor ``i``, set up: ``(handle, future)``, not a current role yet."""
         while True:
             handle, fut = await self._new_constructor(i)
             try:
                 if await self._watched(handle, f"re-created constructor {i}",
                                        "finish its setup",
                                        partial(_set_up, self.view(), self.planner.had)):
-                    break
+                    return handle, fut
             except Exception:
                 _drop((handle, fut))
                 raise
             # its worker left before it was set up (while it is not a current role, heal
             # would not find it): placed again
             _drop((handle, fut))
-        self.constructors[i] = handle
-        old_f, self._cfuts[i] = self._cfuts[i], fut
-        self.record_event("constructor", str(i), why, actor_address(old), actor_address(handle))
-        try:
-            # steps that may not have been claimed by every rank yet go to the new one (a
-            # round the planner sends it meanwhile waits for them: see DataConstructor.submit)
-            await _hand_round(direct(handle),
-                              [(s, None, packed) for s, packed in self.planner.unclaimed_steps(i)],
-                              0, force=True)
-        finally:  # (also where the new one's worker died meanwhile: heal re-creates it)
-            if why != "lost":  # moved: the old one stops publishing, and frees its batches
-                with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
-                    await asyncio.wait_for(old.close(), 30)
-                    # what ranks took from the old one meanwhile is not held for them by
-                    # the new one (see DataConstructor.steps_shown)
-                    shown = await asyncio.wait_for(old.steps_shown(), 10)
-                    await asyncio.wait_for(handle.mark_had_all(shown), 30)
-            _drop((old, old_f))
 
     async def _left(self, worker: str | None, wait: float = 10.0) -> bool:
         """Whether ``worker`` left the cluster, waiting up to ``wait`` seconds for the

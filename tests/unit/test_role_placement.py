@@ -462,6 +462,44 @@ def test_a_moved_constructor_whose_new_worker_dies_closes_the_old_one(
     assert ("constructor", "moved", retire) in whys and ("constructor", "lost", dead[0]) in whys
 
 
+def test_a_replacement_whose_worker_leaves_while_it_takes_the_steps_is_placed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A constructor re-created after a loss whose worker leaves while it is sent the steps
+    not claimed by every rank yet: that call never ends (a call to an actor whose worker
+    left waits for good), and heal held the roles' lock for ever, so nothing re-created
+    the constructor again (a review of the recovery path).  It is placed again."""
+    from msd_dask.roles import supervisor as module
+
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
+    client = _Client(workers)
+    # (2 s: constructor 1 of this test's stand-ins never answers set_loaders)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 2, timeout=2)
+    real, dead = module._hand_round, []
+
+    async def hand_round(constructor: Any, steps: Any, room: int, force: bool = False) -> None:
+        if force and not dead:  # the re-created one's worker dies while it gets its steps
+            dead.append(constructor._address)
+            client.scheduler.workers.remove(constructor._address)
+            await asyncio.Event().wait()
+        await real(constructor, steps, room, force)
+
+    monkeypatch.setattr(module, "_hand_round", hand_round)
+
+    async def run() -> str:
+        await sup.setup()
+        lost = next(c._address for c in sup.constructors if c._address != workers[0])
+        client.scheduler.workers.remove(lost)
+        await asyncio.wait_for(sup.heal(wait=True), 20)
+        return lost
+
+    lost = asyncio.run(run())
+    now = [c._address for c in sup.constructors]
+    assert dead and lost not in now and dead[0] not in now, (lost, dead, now)
+    assert set(now) <= set(client.scheduler.workers)
+    whys = [(e["role"], e["why"], e["from"]) for e in sup.events]
+    assert ("constructor", "lost", lost) in whys and ("constructor", "lost", dead[0]) in whys
+
+
 def test_a_moved_constructor_whose_new_worker_dies_in_setup_is_placed_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The worker a moved constructor was placed on (one that had just joined) died during
