@@ -37,6 +37,7 @@ import mmap
 import os
 import socket
 import struct
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -391,7 +392,9 @@ class AgentHandle:
         self.ranks: list[int] = [int(r) for r in info["ranks"]]
         #: the service's ``timeout``: a reader's default
         self.timeout = float(info["timeout"])
-        self._readers: list[AgentReader] = []
+        # (weak, as DataService's: a reader dropped without close() lets its socket, and
+        # the agent its connection, go)
+        self._readers: weakref.WeakSet[AgentReader] = weakref.WeakSet()
         #: rank -> the last step its readers from this handle returned (or loaded)
         self._returned: dict[int, int] = {}
 
@@ -413,7 +416,7 @@ class AgentHandle:
                              timeout=self.timeout if timeout is None else timeout)
         if rank in self._returned:  # (as DataService.reader: after its earlier reader's step)
             reader.load_state_dict({"rank": rank, "step": self._returned[rank]})
-        self._readers.append(reader)
+        self._readers.add(reader)
         return reader
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
@@ -437,7 +440,7 @@ class AgentHandle:
 
     def close(self) -> None:
         """Close this handle's readers (the agent and the service keep running)."""
-        for reader in self._readers:
+        for reader in list(self._readers):
             reader.close()
         self._readers.clear()
 

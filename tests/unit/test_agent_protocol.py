@@ -204,6 +204,34 @@ def _pair(agent: HostAgent) -> tuple[AgentHandle, AgentReader, AgentReader]:
     return handle, handle.reader(0), handle.reader(1)
 
 
+def test_readers_dropped_without_close_let_their_connections_go(tmp_path: Any) -> None:
+    """``for batch in handle.reader(r): ... break``, once per evaluation: the handle held
+    every such reader, so each kept its socket in the rank and a socket and a task in the
+    agent until the handle closed (a review of the reader path)."""
+    import gc
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))  # (the agent's sockets too: in a thread here)
+
+    def settled(tasks: int, files: int) -> bool:
+        gc.collect()
+        return wait_until(lambda: len(agent._tasks) <= tasks and fds() <= files)
+
+    with running_agent(tmp_path, [0]) as (agent, _readers):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        for step in range(21):
+            for batch in handle.reader(0):
+                assert batch.step == step
+                break
+            if step == 0:  # (the agent's reading of the rank's group has started)
+                gc.collect()
+                time.sleep(0.5)
+                tasks, files = len(agent._tasks), fds()
+        assert settled(tasks, files), (len(agent._tasks), tasks, fds(), files)
+        assert len(handle._readers) == 0
+        handle.close()
+
+
 def test_parse_ranks_and_groups() -> None:
     assert parse_ranks("0-3") == [0, 1, 2, 3]
     assert parse_ranks("8-9,2,4-5") == [2, 4, 5, 8, 9]
