@@ -125,10 +125,22 @@ class Prefetcher(Generic[T]):
         self._run.slots.release()
         return item
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop taking items (an item being taken is finished first, up to ``timeout``)."""
+    def close(self, timeout: float = 5.0) -> list[T]:
+        """Stop taking items (an item being taken is finished first, up to ``timeout``);
+        returns the items taken and not returned by :meth:`get`, in order (an error the
+        source raised after them is not raised)."""
         self._run.stop.set()
         self._thread.join(timeout)
+        left = []
+        while True:
+            try:
+                ok, item = self._run.items.get_nowait()
+            except queue.Empty:
+                break
+            if not ok:
+                break
+            left.append(item)
+        return left
 
 
 class _Run:
@@ -187,7 +199,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         ``prefetch`` batches are taken from the reader and not yet handed out
         (the reader itself claims whole rounds, ``round_steps`` steps, and
         holds the rest of a round until they are taken); they stay with the
-        dataset from one ``iter()`` to the next.  The thread shares the
+        dataset from one ``iter()`` to the next, and across :meth:`close`.  The thread shares the
         process's GIL: on CPU ranks it competes with the model's own Python
         work (``scripts/bench_train.py`` measured the data share going from
         ~0.4% to 0.1% of a step, and no wait reduction beyond noise).
@@ -225,6 +237,9 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         self._pending_state: Mapping[str, Any] | None = None
         self._prefetcher: Prefetcher[Batch] | None = None
         self._start_state: dict[str, Any] | None = None
+        #: batches prefetched and not handed out when the dataset was closed: the next
+        #: iter() hands them out first (its new reader goes on after them)
+        self._carried: list[Batch] = []
         #: the step of the last batch handed out
         self.last_step: int | None = None
 
@@ -250,12 +265,19 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             raise RuntimeError("MsdIterableDataset must be read with DataLoader(num_workers=0): "
                                "each loader worker would be another reader of rank "
                                f"{self.rank}")
+        n = 0
+        while self._carried and (self.steps is None or n < self.steps):
+            batch = self._carried.pop(0)
+            self.last_step = batch.step
+            yield batch_to_dict(batch)
+            n += 1
+        if self.steps is not None and n >= self.steps:
+            return
         reader = self._connect()
         if self.prefetch and self._prefetcher is None:
             self._start_state = dict(reader.state_dict())
             self._prefetcher = Prefetcher(reader, self.prefetch,
                                           name=f"msd-prefetch-{self.name}-rank{self.rank}")
-        n = 0
         while self.steps is None or n < self.steps:
             if self._prefetcher is None:
                 batch = next(reader)
@@ -298,6 +320,10 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the last step handed out (``None`` before the first)."""
+        if self._carried and self.last_step is not None:
+            return {"rank": self.rank, "step": self.last_step}
+        if self._carried:
+            return dict(self._start_state or {"rank": self.rank, "step": None})
         if self._reader is None:
             return dict(self._pending_state or {"rank": self.rank, "step": None})
         if self._prefetcher is not None:  # the reader is ahead by the prefetched batches
@@ -322,19 +348,30 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         if self._reader is None:
             if state.get("rank", self.rank) != self.rank:
                 raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
-            self._pending_state = dict(state)
+            step = -1 if state.get("step") is None else int(state["step"])
+            # batches carried from before a close stay where the state goes on right before
+            # them; else the state's reader decides (they are dropped)
+            self._carried = [b for b in self._carried if b.step > step]
+            if self._carried and self._carried[0].step != step + 1:
+                self._carried = []
+            if self._carried:
+                self.last_step = step if step >= 0 else None
+            else:
+                self._pending_state = dict(state)
         else:
             self._reader.load_state_dict(state)
 
     def close(self) -> None:
         """Stop prefetching and disconnect from the service (the service keeps running).
 
-        Batches prefetched and not handed out are lost to this rank.
+        Batches prefetched and not handed out stay with the dataset: a later ``iter()``
+        hands them out first, then reads on after them (:meth:`state_dict` stays the
+        last batch handed out).
         """
-        position = self._position()  # (kept: a later iter() goes on after it)
         if self._prefetcher is not None:
-            self._prefetcher.close()
+            self._carried += self._prefetcher.close()
             self._prefetcher = None
+        position = self._resume_at()  # (kept: a later iter() goes on after it)
         if self._service is not None:
             self._service.close()
         self._service = None
@@ -346,8 +383,16 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         state["_service"] = None
         state["_reader"] = None
         state["_prefetcher"] = None
-        state["_pending_state"] = self._position()  # (a copy goes on after it)
+        state["_pending_state"] = self._resume_at()  # (a copy goes on after it)
+        state["_carried"] = list(self._carried)
         return state
+
+    def _resume_at(self) -> dict[str, Any] | None:
+        """The state a reader connected later loads: after the batches carried from a close
+        (its reader took them), else :meth:`_position`."""
+        if self._carried:
+            return {"rank": self.rank, "step": self._carried[-1].step}
+        return self._position()
 
     def _position(self) -> dict[str, Any] | None:
         """The state a reader connected later loads: :meth:`state_dict`, if any step was

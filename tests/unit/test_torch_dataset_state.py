@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from msd_dask.batch import Batch
-from msd_dask.errors import ServiceTimeoutError
+from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.torch import MsdIterableDataset
 
 
@@ -35,6 +35,9 @@ class _Service:
     def __init__(self, fail_once_at: int | None = None):
         self.served = -1
         self.fail_once_at = fail_once_at
+        #: refuse a reader that asks for a step served already (as the agent does), instead
+        #: of serving it the next one
+        self.strict = False
         self.readers: list[Any] = []
 
     def reader(self, rank: int, timeout: float | None = None) -> Any:
@@ -58,6 +61,9 @@ class _Service:
 
             def __next__(self) -> Batch:
                 step = max(service.served, self.skip) + 1
+                if service.strict and self.step is None and 0 <= self.skip < service.served:
+                    raise ServiceError(f"rank {rank} asked for step {self.skip + 1}, but took "
+                                       f"the steps up to {service.served} already")
                 if step == service.fail_once_at:
                     service.fail_once_at = None
                     raise ServiceTimeoutError(f"rank {rank} waited 1s for step {step}")
@@ -97,6 +103,35 @@ def test_the_position_survives_close_and_pickling(service: _Service, prefetch: i
     service.served = -1  # (what a new service resumed from that state would serve after it)
     assert next(iter(ds))["step"] == 3
     ds.close()
+
+
+def test_batches_prefetched_before_a_close_are_handed_out_by_the_next_iter(
+        service: _Service) -> None:
+    """Closed with batches prefetched, the dataset's next ``iter()`` asked for the step after
+    the last one handed out, which the reader had taken already: behind the agent, a refusal
+    (a review of the reader path).  They are handed out first, then the new reader goes on
+    after them; the state stays the last batch handed out, also in a pickled copy."""
+    service.strict = True
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=2)
+    it = iter(ds)
+    assert [next(it)["step"] for _ in range(3)] == [0, 1, 2]
+    deadline = time.monotonic() + 5
+    while ds.ahead < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the prefetch thread takes steps 3 and 4)
+    ds.close()
+    assert service.served == 4 and ds.state_dict() == {"rank": 0, "step": 2}
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.state_dict() == {"rank": 0, "step": 2}
+    assert [b["step"] for _, b in zip(range(4), ds, strict=False)] == [3, 4, 5, 6]
+    assert ds.state_dict() == {"rank": 0, "step": 6}
+    ds.close()
+    # a state loaded into the copy (it carries the batches too): the carried batches right
+    # after it stay, others go
+    copy.load_state_dict({"rank": 0, "step": 3})
+    assert copy.state_dict() == {"rank": 0, "step": 3}
+    assert [b.step for b in copy._carried] == [4]
+    copy.load_state_dict({"rank": 0, "step": 1})
+    assert copy._carried == [] and copy.state_dict() == {"rank": 0, "step": 1}
 
 
 def test_one_timeout_does_not_end_prefetching(service: _Service) -> None:
