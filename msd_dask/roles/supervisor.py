@@ -773,14 +773,15 @@ class RoleSupervisor:
                     break
                 why = "lost"  # its worker left before it had them: placed again
         finally:  # (also where the new one's worker died meanwhile: heal re-creates it)
-            if moved:  # the old one stops publishing, and frees its batches
-                with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
-                    await asyncio.wait_for(old.close(), 30)
-                    # what ranks took from the old one meanwhile is not held for them by
-                    # the new one (see DataConstructor.steps_shown)
-                    shown = await asyncio.wait_for(old.steps_shown(), 10)
-                    await asyncio.wait_for(self.constructors[i].mark_had_all(shown), 30)
-            _drop((old, old_f))
+            if self.constructors[i] is not old:  # (else none was made: the old one stays)
+                if moved:  # the old one stops publishing, and frees its batches
+                    with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
+                        await asyncio.wait_for(old.close(), 30)
+                        # what ranks took from the old one meanwhile is not held for them
+                        # by the new one (see DataConstructor.steps_shown)
+                        shown = await asyncio.wait_for(old.steps_shown(), 10)
+                        await asyncio.wait_for(self.constructors[i].mark_had_all(shown), 30)
+                _drop((old, old_f))
 
     async def _set_up_constructor(self, i: int) -> tuple[Any, Any]:
         """A new constructor ``i``, set up: ``(handle, future)``, not a current role yet."""
@@ -923,6 +924,9 @@ class RoleSupervisor:
                     # another worker was lost meanwhile (the one a moved role was just
                     # placed on, say): re-create its roles, then move the others on
                     if not await self._heal(wait=True, gone_only=True):
+                        # the move failed: the roles still on ``workers`` stay current
+                        # (heal would take them for lost, and drop them unclosed)
+                        self._evacuating.difference_update(workers)
                         raise
         return {k: n for k, n in moved.items() if n}
 
