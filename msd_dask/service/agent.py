@@ -867,8 +867,25 @@ class HostAgent:
             if g.error is not None and after > g.last_read:
                 # a rank past every step read before the failure loaded a later state (as
                 # the error may have told it); a rank still taking the steps read before it
-                # is no such rank: resetting then unlinked its peers' blocks (a review)
-                self._reset(g)
+                # is no such rank: resetting then unlinked its peers' blocks (a review).
+                # Nor is the group read again while a peer that asked still takes them:
+                # their blocks stay until it has them (another review)
+                def behind() -> list[int]:
+                    return [r for r in g.ranks if r != rank and r in g.asked
+                            and r not in g.assumed and g.has.get(r, -1) < g.last_read]
+
+                try:
+                    await asyncio.wait_for(g.changed.wait_for(
+                        lambda: not behind() or g.error is None
+                        or self._stopped is not None and self._stopped.is_set()), timeout)
+                except TimeoutError:
+                    return {"error": f"rank {rank} asked the agent at {self.path} for step "
+                            f"{after + 1} (a later state than the steps up to {g.last_read} "
+                            f"read before the group's reader failed), and waited {timeout:.0f}s "
+                            f"for rank(s) {behind()} of its group to take those steps first",
+                            "kind": "timeout"}
+                if g.error is not None:
+                    self._reset(g)
             if rank in g.assumed and after < g.has[rank]:
                 return {"error": f"rank {rank} asked the agent at {self.path} for step "
                         f"{after + 1}, but the agent began reading ranks {g.ranks} after step "

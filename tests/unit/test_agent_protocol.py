@@ -564,6 +564,60 @@ def test_a_failed_group_reader_still_serves_the_steps_it_read_before(tmp_path: A
         handle.close()
 
 
+def test_a_rank_past_a_failure_waits_for_its_peers_to_take_the_steps_read_before(
+        tmp_path: Any) -> None:
+    """The group's reader fails at step 3; rank 0 takes steps 0-2 and the error, loads a
+    later state and asks again while rank 1 has taken step 0 alone: the group was read
+    again at once, the blocks of steps 1 and 2 unlinked under rank 1 and its record
+    cleared, so it was refused the steps its peer trained on (a review of the agent).
+    Rank 0 now waits until rank 1 has them, then the group is read from its state."""
+    with running_agent(tmp_path, [0, 1], error_at=3) as (agent, readers):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        r0, r1 = handle.reader(0, timeout=10), handle.reader(1, timeout=10)
+        t = threading.Thread(target=next, args=(r1,))
+        t.start()
+        assert next(r0).step == 0
+        t.join(10)
+        assert wait_until(lambda: agent.groups[0].error is not None, 10)  # step 3 failed
+        assert [next(r0).step, next(r0).step] == [1, 2]
+        with pytest.raises(ServiceError, match="constructor 0 failed"):
+            next(r0)
+        r0.load_state_dict({"rank": 0, "step": 5})
+        got: list[int] = []
+        t = threading.Thread(target=lambda: got.append(next(r0).step))
+        t.start()
+        time.sleep(0.3)
+        assert sorted(agent.groups[0].blocks) == [1, 2] and got == []  # kept for rank 1
+        assert [next(r1).step, next(r1).step] == [1, 2]
+        t.join(10)
+        assert got == [6]  # then read again from rank 0's state
+        r1.load_state_dict({"rank": 1, "step": 5})
+        assert next(r1).step == 6
+        handle.close()
+
+
+def test_a_rank_past_a_failure_is_told_which_peers_it_waited_for(tmp_path: Any) -> None:
+    """As above, with rank 1 never taking the steps read before the failure: rank 0's wait
+    ends at its timeout, naming rank 1 and the steps."""
+    with running_agent(tmp_path, [0, 1], error_at=3) as (agent, readers):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        r0, r1 = handle.reader(0, timeout=1), handle.reader(1, timeout=10)
+        t = threading.Thread(target=next, args=(r1,))
+        t.start()
+        assert next(r0).step == 0
+        t.join(10)
+        assert wait_until(lambda: agent.groups[0].error is not None, 10)
+        assert [next(r0).step, next(r0).step] == [1, 2]
+        with pytest.raises(ServiceError):
+            next(r0)
+        r0.load_state_dict({"rank": 0, "step": 5})
+        with pytest.raises(ServiceTimeoutError, match=r"waited 1s for rank\(s\) \[1\] of its "
+                                                       r"group to take those steps first"):
+            next(r0)
+        assert sorted(agent.groups[0].blocks) == [1, 2]
+        handle.close()
+
+
 def test_a_group_readers_timeout_is_told_once_and_the_agent_reads_on(tmp_path: Any) -> None:
     """The service is slow once (the group's reader times out at step 2): the ranks waiting
     get the timeout, as a direct reader's would, and their next requests get steps 2, 3, 4
