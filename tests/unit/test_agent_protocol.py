@@ -564,6 +564,24 @@ def test_a_failed_group_reader_still_serves_the_steps_it_read_before(tmp_path: A
         handle.close()
 
 
+def _past_the_failure(agent: HostAgent, timeout: float) -> tuple[AgentHandle, AgentReader,
+                                                                  AgentReader]:
+    """Ranks 0 and 1 of a group whose reader fails at step 3: rank 1 has taken step 0, and
+    rank 0 (``timeout``) steps 0-2 and the error, then loads the state of step 5."""
+    handle = AgentHandle.connect(agent.path, "agentunit")
+    r0, r1 = handle.reader(0, timeout=timeout), handle.reader(1, timeout=10)
+    t = threading.Thread(target=next, args=(r1,))
+    t.start()
+    assert next(r0).step == 0
+    t.join(10)
+    assert wait_until(lambda: agent.groups[0].error is not None, 10)  # step 3 failed
+    assert [next(r0).step, next(r0).step] == [1, 2]
+    with pytest.raises(ServiceError, match="constructor 0 failed"):
+        next(r0)
+    r0.load_state_dict({"rank": 0, "step": 5})
+    return handle, r0, r1
+
+
 def test_a_rank_past_a_failure_waits_for_its_peers_to_take_the_steps_read_before(
         tmp_path: Any) -> None:
     """The group's reader fails at step 3; rank 0 takes steps 0-2 and the error, loads a
@@ -572,17 +590,7 @@ def test_a_rank_past_a_failure_waits_for_its_peers_to_take_the_steps_read_before
     cleared, so it was refused the steps its peer trained on (a review of the agent).
     Rank 0 now waits until rank 1 has them, then the group is read from its state."""
     with running_agent(tmp_path, [0, 1], error_at=3) as (agent, readers):
-        handle = AgentHandle.connect(agent.path, "agentunit")
-        r0, r1 = handle.reader(0, timeout=10), handle.reader(1, timeout=10)
-        t = threading.Thread(target=next, args=(r1,))
-        t.start()
-        assert next(r0).step == 0
-        t.join(10)
-        assert wait_until(lambda: agent.groups[0].error is not None, 10)  # step 3 failed
-        assert [next(r0).step, next(r0).step] == [1, 2]
-        with pytest.raises(ServiceError, match="constructor 0 failed"):
-            next(r0)
-        r0.load_state_dict({"rank": 0, "step": 5})
+        handle, r0, r1 = _past_the_failure(agent, 10)
         got: list[int] = []
         t = threading.Thread(target=lambda: got.append(next(r0).step))
         t.start()
@@ -600,17 +608,7 @@ def test_a_rank_past_a_failure_is_told_which_peers_it_waited_for(tmp_path: Any) 
     """As above, with rank 1 never taking the steps read before the failure: rank 0's wait
     ends at its timeout, naming rank 1 and the steps."""
     with running_agent(tmp_path, [0, 1], error_at=3) as (agent, readers):
-        handle = AgentHandle.connect(agent.path, "agentunit")
-        r0, r1 = handle.reader(0, timeout=1), handle.reader(1, timeout=10)
-        t = threading.Thread(target=next, args=(r1,))
-        t.start()
-        assert next(r0).step == 0
-        t.join(10)
-        assert wait_until(lambda: agent.groups[0].error is not None, 10)
-        assert [next(r0).step, next(r0).step] == [1, 2]
-        with pytest.raises(ServiceError):
-            next(r0)
-        r0.load_state_dict({"rank": 0, "step": 5})
+        handle, r0, r1 = _past_the_failure(agent, 1)
         with pytest.raises(ServiceTimeoutError, match=r"waited 1s for rank\(s\) \[1\] of its "
                                                        r"group to take those steps first"):
             next(r0)
