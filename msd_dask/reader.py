@@ -439,9 +439,14 @@ class Reader:
             self._gaps.append(now - self.returned_at)
             self.report_after = idle_time(self._gaps)
         self.returned_at = now
-        if not self.report_pending:  # once per pause, not per step
-            _REPORTER.pending(self)
+        self._report_when_idle()
         return batch
+
+    def _report_when_idle(self) -> None:
+        """Have the process's reporter tell this rank's constructor what it returned once
+        it pauses (:meth:`report_returned`): once per pause, not per step."""
+        if not self.report_pending:
+            _REPORTER.pending(self)
 
     def close(self) -> None:
         """Stop reading: tell this rank's constructor the last step returned (what
@@ -626,8 +631,7 @@ class Reader:
         if self._gen == gen:
             return
         self._gen = gen
-        if not self.report_pending:  # tell the new constructor what it returned, if idle
-            _REPORTER.pending(self)
+        self._report_when_idle()  # (the new constructor learns what it returned)
         done = self._done()
         if done < 0:
             return

@@ -444,9 +444,12 @@ class AgentGroupReader(Reader):
         return batch
 
     def mark_taken(self, step: int) -> None:
-        """Every rank of the group has ``step`` and the steps before it."""
+        """Every rank of the group has ``step`` and the steps before it: reported once the
+        reader pauses, as a step it returns is (its ranks may take steps read ahead while
+        it waits for the service, after the reporter told an older one)."""
         if self.taken is None or step > self.taken:
             self.taken = int(step)
+            self._report_when_idle()
 
     def state_dict(self) -> dict[str, Any]:
         """``{"rank", "step"}``: the last step every rank of the group took."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
+from typing import Any
 
 from msd_dask import reader as reader_module
 from msd_dask.reader import IDLE_FACTOR, IDLE_GAPS, REPORT_IDLE, _Reporter, idle_time
@@ -133,3 +135,51 @@ def test_a_forked_child_starts_with_its_own_reporter() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     assert reader_module._REPORTER._readers  # the parent's is untouched
 
+
+
+def test_a_group_reader_reports_what_its_ranks_took_while_it_waits(monkeypatch: Any) -> None:
+    """The agent's reader of a group read steps 0-3 ahead of its ranks and then waited on
+    the service; its ranks took step 0, the reporter told the constructor so once the
+    reader paused, and the ranks then took steps 1-3 and stopped (a checkpoint): nothing
+    told the constructor, so ``consumed_step()`` and the default state stayed at step 0
+    (a review of the reader path).  A step taken re-registers the reader."""
+    from msd_dask.core.config import parse_config
+    from msd_dask.service.agent import AgentGroupReader, WireBatch
+
+    from corpus import config as config_dict
+
+    reports: list[int] = []
+    monkeypatch.setattr(reader_module, "_report",
+                        lambda link, c, rank, ranks, step, progress: reports.append(step))
+
+    class Link:  # what a reader uses of its link to the planner here
+        config = parse_config(config_dict("/nonexistent", name="report", timeout=60,
+                                          parallel={"dp": 2, "tp": 2}))
+        name, closed = "report", False
+        constructors = [type("C", (), {"key": "c0"})()]
+        handles = (0, constructors)
+
+        def on_new_generation(self, f: object) -> None:
+            pass
+
+    gate, rounds = threading.Event(), []
+
+    def next_round(self: AgentGroupReader) -> list[WireBatch]:
+        rounds.append(1)
+        if len(rounds) == 1:
+            return [WireBatch({"step": s}) for s in range(4)]
+        gate.wait(30)  # the service is slow: the round after step 3 is not built yet
+        return [WireBatch({"step": 4})]
+
+    monkeypatch.setattr(AgentGroupReader, "_next_round", next_round)
+    reader = AgentGroupReader(Link(), 0, timeout=60, also=[1])
+    try:
+        for _ in range(4):
+            next(reader)  # the agent reads steps 0-3 ahead of its ranks
+        reader.mark_taken(0)
+        threading.Thread(target=next, args=(reader,), daemon=True).start()  # waits for 4
+        _until(lambda: reports == [0], REPORT_IDLE + 10)  # the reader paused
+        reader.mark_taken(3)  # its ranks take steps 1-3 and stop
+        _until(lambda: reports[-1:] == [3], REPORT_IDLE + 10)
+    finally:
+        gate.set()
