@@ -8,6 +8,7 @@ and importing it costs each of them about 100 MiB.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "loaded_step", "rank_number"]
+__all__ = ["Batch", "loaded_step", "rank_number", "wait_seconds"]
 
 
 @dataclass
@@ -154,3 +155,13 @@ def rank_number(rank: Any) -> int:
     if not _whole(rank):
         raise ValueError(f"rank must be an integer, got {rank!r}")
     return int(rank)
+
+
+def wait_seconds(timeout: Any, rank: int) -> float:
+    """A reader's ``timeout`` as seconds; a ``ValueError`` naming it unless it is a finite
+    number > 0 (every wait ends, saying what it waited for: ``inf`` would hang silently)."""
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(f"rank {rank}: a reader's timeout is a finite number of seconds > 0, "
+                         f"got {timeout!r}")
+    return float(timeout)

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from msd_dask.batch import Batch, loaded_step, rank_number
+from msd_dask.batch import Batch, loaded_step, rank_number, wait_seconds
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import (
@@ -334,7 +334,7 @@ class Reader:
         #: every rank this reader reads for (``rank`` first)
         self.ranks = [rank, *(r for r in also if r != rank)]
         self.coords = coords
-        self.timeout = timeout
+        self.timeout = wait_seconds(timeout, rank)
         self._progress = _Progress()
         self._ledger = ledger
         self._view = (self.coords["cp"], cfg.parallel.cp, self.coords["pp"], cfg.parallel.pp)

@@ -81,6 +81,9 @@ MESSAGE_TIMEOUT = 10.0
 #: seconds the agent's stop waits for the blocks being written to be written (each then
 #: unlinked); a write that takes longer unlinks its block itself once done
 STOP_WRITES_WAIT = 10.0
+#: seconds an agent starting waits for another agent on its socket path to bind it or
+#: leave (the lock on ``<path>.lock``), and for an agent found there to answer
+BIND_WAIT = 30.0
 #: bytes each array of a block is aligned to
 _ALIGN = 64
 #: the watcher of a process's blocks (:func:`_watch_blocks`): a POSIX shell that waits for
@@ -604,7 +607,9 @@ class HostAgent:
         #: :meth:`stop` was called (before :meth:`serve` began, too: a signal right after
         #: ``msd-dask agent`` installed its handlers); with the lock, it is never lost
         self._stop_requested = False
-        self._stop_lock = threading.Lock()
+        # (re-entrant: msd-dask agent's signal handler calls stop() in the main thread,
+        # which may be inside serve()'s locked section when the signal comes)
+        self._stop_lock = threading.RLock()
         self._tasks: set[asyncio.Task[None]] = set()
         #: guards the three below, shared with the threads that write blocks
         #: (:meth:`_write_block`): a block written as the agent stops is unlinked once
@@ -716,7 +721,18 @@ class HostAgent:
 
         lock = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            deadline = time.monotonic() + BIND_WAIT
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise ServiceError(
+                            f"another process held {self.path}.lock for {BIND_WAIT:g}s (an "
+                            "agent starting or stopping on this socket path, stuck?); stop "
+                            "it or pass another --socket") from None
+                    time.sleep(0.05)
             yield
         finally:
             os.close(lock)  # (releases the lock)
@@ -744,8 +760,12 @@ class HostAgent:
         if not os.path.exists(self.path):
             return
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(BIND_WAIT)
         try:
             probe.connect(self.path)
+        except TimeoutError:
+            raise ServiceError(f"an agent on {self.path} takes no connection within "
+                               f"{BIND_WAIT:g}s; stop it or pass another --socket") from None
         except OSError:
             os.unlink(self.path)
         else:

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.batch import Batch, loaded_step, rank_number
+from msd_dask.batch import Batch, loaded_step, rank_number, wait_seconds
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 
@@ -237,7 +237,7 @@ class AgentReader:
         self.path = path
         self.name = name
         self.rank = rank_number(rank)
-        self.timeout = float(timeout)
+        self.timeout = wait_seconds(timeout, self.rank)
         #: rank -> the last step returned or loaded, kept up to date for the handle (its
         #: next reader of the rank starts after it, as a direct handle's does)
         self._ledger = ledger

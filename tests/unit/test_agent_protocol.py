@@ -710,6 +710,47 @@ def test_a_stale_socket_is_replaced(tmp_path: Any) -> None:
                       agent.path).run()
 
 
+def test_a_socket_path_locked_by_a_stuck_process_is_an_error_naming_it(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent starting waited for good on the lock of its socket path held by another
+    process (an agent stuck while binding), saying nothing (a review of the agent)."""
+    import fcntl
+
+    from msd_dask.service import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "BIND_WAIT", 0.5)
+    path = str(tmp_path / "agent.sock")
+    held = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]), path)
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError, match=rf"another process held {re.escape(path)}\.lock "
+                                               r"for 0\.5s"):
+            agent.run()
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.close(held)
+
+
+def test_a_stop_inside_the_agents_own_locked_section_returns(tmp_path: Any) -> None:
+    """msd-dask agent's signal handler calls stop() in the main thread, which may be inside
+    serve()'s locked section when the signal comes: a lock that is not re-entrant then
+    never returns (a review of the agent)."""
+    agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
+                      str(tmp_path / "agent.sock"))
+    done = threading.Event()
+
+    def signal_inside() -> None:
+        with agent._stop_lock:  # (where the signal handler may interrupt the main thread)
+            agent.stop()
+        done.set()
+
+    threading.Thread(target=signal_inside, daemon=True).start()
+    assert done.wait(5)
+    agent.run()  # a stop asked before serve began: it returns at once
+
+
 def _start_two_at_once(path: str) -> None:
     """Two agents on ``path``, started at one moment: one serves, the other is refused;
     stopping the one that serves removes the socket."""

@@ -1,5 +1,5 @@
-"""A reader's saved state and its rank, given wrong: one clear error naming what is wrong,
-the same on the direct reader and on a host agent's (``msd_dask.batch``)."""
+"""A reader's saved state, its rank and its timeout, given wrong: one clear error naming
+what is wrong, the same on the direct reader and on a host agent's (``msd_dask.batch``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from msd_dask.batch import loaded_step, rank_number
+from msd_dask.batch import loaded_step, rank_number, wait_seconds
 
 
 def test_a_reader_state_is_its_step() -> None:
@@ -57,3 +57,17 @@ def test_both_readers_take_the_same_rule() -> None:
         assert reader.state_dict() == {"rank": 2, "step": 9}
     with pytest.raises(ValueError, match="rank must be an integer, got '2'"):
         AgentReader("/nowhere", "svc", "2", timeout=1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1.0, "5", None, True])
+def test_a_timeout_that_is_no_finite_number_of_seconds_is_named(timeout: Any) -> None:
+    """``timeout=float("inf")``: the direct reader took it (a wait with no end), the
+    agent's failed connecting with a bare ``OverflowError`` (a review of the reader path)."""
+    from msd_dask.service.agent_client import AgentReader
+
+    message = rf"rank 2: a reader's timeout is a finite number of seconds > 0, got {timeout!r}"
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        wait_seconds(timeout, 2)
+    with pytest.raises(ValueError, match="a reader's timeout is a finite number"):
+        AgentReader("/nowhere", "svc", 2, timeout=timeout)
+    assert wait_seconds(np.float32(2.5), 2) == 2.5 and wait_seconds(3, 2) == 3.0
