@@ -951,6 +951,7 @@ class PlannerActor:
         safe = self._claimed_by_all()
         while self._recent and next(iter(self._recent)) <= safe:
             self._recent.popitem(last=False)
+        self.roles.forget_retired(safe)
         self.waiting = None
 
     def _record(self, record: dict[str, Any]) -> None:

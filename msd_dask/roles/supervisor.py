@@ -163,8 +163,11 @@ class RoleSupervisor:
         self._gone: dict[str, dict[int, dict[str, float]]] = {}
         #: when the last round of constructor_stats asks started, and its answers
         self._cons_stats: tuple[float, asyncio.Future[list[dict[str, Any]]]] | None = None
-        #: source -> retired slot -> slot that took its units over
+        #: source -> retired slot -> slot that took its units over (steps planned before it
+        #: retired may name it: see forget_retired)
         self._alias: dict[str, dict[int, int]] = {}
+        #: source -> retired slot -> the first step planned after it retired
+        self._retired: dict[str, dict[int, int]] = {}
         #: source -> slots that take new units, in round-robin order
         self.active: dict[str, list[int]] = {}
         self._rr: dict[str, itertools.count[int]] = {}
@@ -201,6 +204,7 @@ class RoleSupervisor:
         for s in self.cfg.sources:
             self._slots[s.name] = {}
             self._alias[s.name] = {}
+            self._retired[s.name] = {}
             self.active[s.name] = []
             self._rr[s.name] = itertools.count()
             self._seq[s.name] = itertools.count()
@@ -476,6 +480,28 @@ class RoleSupervisor:
                              role, worker, what)
             made.append(not left)
         return made
+
+    def forget_retired(self, claimed: int) -> int:
+        """Forget the retired slots no step still to be built may name: those retired
+        before step ``claimed + 1`` (every step up to ``claimed`` was claimed by every rank,
+        so built, and is never sent again).  Their counters go to their heirs'.  Under an
+        adaptive policy that adds and retires loaders all run long, the slots ever used
+        (sent to every constructor with each change of loaders) no longer grow without
+        bound.  Returns how many were forgotten."""
+        forgotten = 0
+        for source, retired in self._retired.items():
+            done = [slot for slot, at in retired.items() if at <= claimed + 1]
+            heirs = {slot: self.resolve(source, slot) for slot in done}  # (before any goes)
+            gone = self._gone.get(source, {})
+            for slot in done:
+                counted = gone.pop(slot, None)
+                if counted is not None:
+                    into = gone.setdefault(heirs[slot], dict.fromkeys(LOADER_COUNTERS, 0))
+                    for c in LOADER_COUNTERS:
+                        into[c] += counted[c]
+                del self._alias[source][slot], retired[slot]
+            forgotten += len(done)
+        return forgotten
 
     def view(self) -> dict[str, dict[int, Any]]:
         """Slot -> actor handle for every slot ever used (retired slots point at their heir)."""
@@ -897,6 +923,9 @@ class RoleSupervisor:
         h, f = self._slots[source].pop(slot)
         self._alias[source][slot] = heir
         await self.planner.hand_over(source, [slot], heir)
+        # (the steps planned from now on are split with the heir's slot: hand_over took the
+        # planning lock, and a step is split under it)
+        self._retired[source][slot] = self.planner.next_step()
         self.record_event("loader", f"{source}#{slot}", "retired", actor_address(h),
                           actor_address(self.loader(source, heir)))
         await self._push_loaders()

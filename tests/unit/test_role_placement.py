@@ -573,6 +573,43 @@ def test_a_moved_constructor_whose_new_worker_dies_in_setup_is_placed_again(
     assert [e["why"] for e in sup.events] == ["moved"], sup.events
 
 
+def test_retired_loader_slots_are_forgotten_once_no_step_names_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each retired loader slot stayed an alias for good, and every slot ever used went to
+    every constructor with each change of loaders: under an adaptive policy adding and
+    retiring loaders all run long, without bound (a review of the recovery path).  A slot
+    is forgotten once every step planned before it retired was claimed by every rank;
+    until then it still names its heir, and its counters go to the heir's."""
+    from msd_dask.core.figures import LOADER_COUNTERS
+
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 1, 1)
+    step = [0]
+    monkeypatch.setattr(sup.planner, "next_step", lambda: step[0], raising=False)
+    lag = 3  # steps planned and not claimed by every rank yet
+
+    async def run() -> None:
+        await sup.setup()
+        for cycle in range(40):
+            await sup._reach("a", 3)
+            await sup._reach("a", 1)
+            if cycle == 0:  # the first two retired slots' counters, as loader_stats keeps them
+                first = sorted(sup._alias["a"])
+                sup._gone["a"] = {s: dict.fromkeys(LOADER_COUNTERS, 1) for s in first}
+            step[0] += 1
+            sup.forget_retired(step[0] - lag)
+            live = {id(h) for h, _ in sup._all_loaders()}
+            assert all(id(h) in live for h in sup.view()["a"].values())
+            # a slot retired within the last ``lag`` steps still resolves to its heir
+            assert all(at > step[0] - lag + 1 for at in sup._retired["a"].values())
+
+    asyncio.run(run())
+    assert len(sup._alias["a"]) <= 2 * lag and len(sup.view()["a"]) <= 2 * lag + 1
+    heir = sup.active["a"][0]
+    assert sup._gone["a"] == {heir: dict.fromkeys(LOADER_COUNTERS, 2)}
+
+
 def test_the_loader_count_kept_while_a_scale_is_applied_is_the_one_asked_for(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's checkpoint keeps its loaders per source for a re-created planner; while
