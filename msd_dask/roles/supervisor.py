@@ -654,31 +654,38 @@ class RoleSupervisor:
     async def wait_room(self, steps: int) -> None:
         """Return once every constructor has room for ``steps`` more steps
         (:meth:`DataConstructor.wait_room`); survives constructors lost meanwhile."""
-        await self._on_constructors(lambda i, c: c.wait_room(steps), resend=True)
+        await self._on_constructors(lambda i, c: c.wait_room(steps))
 
     async def submit(self, steps: list[StepRound], room: int) -> None:
         """Hand every constructor its share of a round of ``steps`` and return once each
         has room for ``room`` more (:meth:`DataConstructor.submit`); survives constructors
-        lost meanwhile (one re-created got the recent steps already: not sent again)."""
+        lost meanwhile: one re-created got the recent steps already, so it is not sent them
+        again, but waited for until it has the room (else the planner would take the
+        steps it still holds for claimed by every rank, and not keep them for its
+        successor)."""
         async def submit(i: int, constructor: Any) -> None:
             await _hand_round(constructor, [(s, w[i], packed[i]) for s, w, packed in steps],
                               room)
 
-        await self._on_constructors(submit, resend=False)
+        await self._on_constructors(submit, again=lambda i, c: c.wait_room(room))
 
     async def _on_constructors(self, call: Callable[[int, Any], Awaitable[Any]],
-                               resend: bool) -> None:
+                               again: Callable[[int, Any], Awaitable[Any]] | None = None
+                               ) -> None:
         """``call(i, constructor)`` on every constructor; survive constructors lost meanwhile.
 
-        ``resend``: call a constructor re-created (or moved) meanwhile again; else its
-        call is dropped (a re-created constructor got what :meth:`submit` sends).
+        A constructor re-created (or moved) meanwhile is called with ``again`` instead
+        (default: ``call``).
         """
-        async def run(i: int) -> Any:
-            # inside a coroutine: a lost actor's handle raises on attribute access
-            return await call(i, direct(self.constructors[i]))
+        def run(i: int, fn: Callable[[int, Any], Awaitable[Any]]) -> asyncio.Future[Any]:
+            async def one() -> Any:
+                # inside a coroutine: a lost actor's handle raises on attribute access
+                return await fn(i, direct(self.constructors[i]))
+            return asyncio.ensure_future(one())
 
+        then = call if again is None else again
         handles = list(self.constructors)
-        pending = {i: asyncio.ensure_future(run(i)) for i in range(len(handles))}
+        pending = {i: run(i, call) for i in range(len(handles))}
         try:
             while pending:
                 done, _ = await asyncio.wait(pending.values(), timeout=1.0)
@@ -690,14 +697,10 @@ class RoleSupervisor:
                             await self.heal(wait=True)
                             if self.constructors[i] is handles[i]:
                                 raise t.exception()  # type: ignore[misc]
-                            # re-created: it was sent the recent steps on creation
-                            if not resend:
-                                del pending[i]
-                            else:
-                                handles[i] = self.constructors[i]
-                                pending[i] = asyncio.ensure_future(run(i))
+                            handles[i] = self.constructors[i]
+                            pending[i] = run(i, then)
                 # a constructor replaced meanwhile (lost, or moved off a retiring worker by
-                # evacuate while it stays alive): its pending call is dropped or re-issued
+                # evacuate while it stays alive): its pending call is made again of the new one
                 if pending and (await self.heal() or any(
                         self.constructors[i] is not handles[i] for i in pending)):
                     for i in list(pending):
@@ -705,9 +708,8 @@ class RoleSupervisor:
                             gone = pending.pop(i)
                             gone.cancel()
                             gone.add_done_callback(_observe)
-                            if resend:
-                                handles[i] = self.constructors[i]
-                                pending[i] = asyncio.ensure_future(run(i))
+                            handles[i] = self.constructors[i]
+                            pending[i] = run(i, then)
         finally:  # raised early: the other calls must not fail unobserved later
             for t in pending.values():
                 t.cancel()
