@@ -718,10 +718,12 @@ class DataService:
             hi[r] = lo[r] if trust_pauses and by.get(r) == "pause" else claimed.get(r, first - 1)
             hi[r] = _UNKNOWN if r in unknown else max(hi[r], lo[r])
             idle.setdefault(r, REPORT_IDLE)
-        for reader in list(self._readers):  # this process's readers know exactly
-            done = reader.state_dict()["step"]
-            if done is not None:
-                lo[reader.rank] = hi[reader.rank] = int(done)
+        # this process's readers know exactly: the last step of each rank's latest reader
+        # (the handle's ledger; an earlier reader of the rank, closed or replaced but still
+        # referenced, said an older step: a review)
+        for rank, done in self._returned.items():
+            if done >= 0:
+                lo[rank] = hi[rank] = int(done)
         return lo, hi, idle
 
     @property

@@ -51,6 +51,7 @@ def _service(constructors: list[_Constructor]) -> DataService:
     svc.name = "cs"
     svc.link = _Link(constructors)  # type: ignore[assignment]
     svc._readers = weakref.WeakSet()
+    svc._returned = {}
     svc.report_margin = 0.2
     return svc
 
@@ -60,6 +61,27 @@ def test_every_rank_reported_step_3() -> None:
     svc = _service([_Constructor([0], {0: 3}, False), _Constructor([1], {1: 5}, False)])
     assert svc.consumed_step() == 3
     assert svc.link.refreshed == 1  # (a constructor re-created since is asked, not the lost one)
+
+
+def test_an_earlier_reader_of_a_rank_does_not_speak_for_it() -> None:
+    """Rank 0 read to step 2 with one reader, closed it, and read to step 5 with the next;
+    both still referenced, whichever came last in the handle's set of readers (an order of
+    memory addresses) gave the rank's step: 2, a state that serves steps 3-5 again (a
+    review of the handle).  The latest reader's step counts (the handle's ledger)."""
+
+    class _Reader:
+        def __init__(self, rank: int, step: int):
+            self.rank, self.step = rank, step
+
+        def state_dict(self) -> dict[str, int]:
+            return {"rank": self.rank, "step": self.step}
+
+    svc = _service([_Constructor([0], {0: 2}, False), _Constructor([1], {1: 5}, False)])
+    readers = [_Reader(0, 5), _Reader(0, 2), _Reader(1, 5)]
+    svc._returned = {0: 5, 1: 5}  # (what the readers kept up to date)
+    for order in (readers, readers[::-1]):
+        svc._readers = list(order)  # type: ignore[assignment]
+        assert svc.consumed_step() == 5
 
 
 def test_a_re_created_constructor_that_heard_nothing_is_refused_by_name() -> None:
