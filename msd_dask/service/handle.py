@@ -462,22 +462,47 @@ class DataService:
         next check, a second later, keeps it); a change made elsewhere reaches it within
         the owner's next check (a second)."""
         given = dict(weights) if isinstance(weights, Mapping) else weights
-        start = int(self.link.call(lambda p: p.set_weights(given, from_step)))
-        self._keep_applied(f"weights {given} from step {start}")
-        return start
+        at = from_step
 
-    def _keep_applied(self, change: str) -> None:
+        def apply() -> int:
+            nonlocal at
+            at = int(self.link.call(lambda p: p.set_weights(given, at)))
+            return at  # (applied again, from the same step)
+
+        return self._applied(apply, lambda start: f"weights {given} from step {start}")
+
+    def _applied(self, apply: Callable[[], int], change: Callable[[int], str]) -> int:
+        """``apply()``, a change the planner makes (its answer returned), kept for a
+        re-created planner (:meth:`_keep_applied`); made again where the planner that made
+        it was re-created meanwhile from a state without it (at most twice more)."""
+        for _ in range(3):
+            generation = self.link.generation
+            got = apply()
+            if self._keep_applied(change(got), generation):
+                break
+            _log.warning("msd_dask %s: the planner was re-created while %s was applied, from "
+                         "a state without it: applying it again", self.name, change(got))
+        return got
+
+    def _keep_applied(self, change: str, generation: int) -> bool:
         """In the process that started the service, keep the planner's checkpoint now, so
         that a planner lost right after a change applied by the planner is re-created with
         it.  A checkpoint not sent in time is not the change's failure: a warning says so,
-        and the owner's next check (a second later) keeps it."""
+        and the owner's next check (a second later) keeps it.  ``False`` if the planner of
+        ``generation``, which made the change, was re-created meanwhile (the kept state,
+        and the new planner, lack it)."""
         if self.keeper is None:
-            return
+            return True
         try:
             self.keeper.keep_checkpoint()
         except Exception as e:  # noqa: BLE001 - applied all the same: not the call's failure
+            if self.link.generation != generation:
+                return False
             _log.warning("msd_dask %s: %s applied, but not kept for a re-created planner yet "
                          "(the next check keeps it): %s", self.name, change, e)
+            return True
+        kept = self.keeper.checkpoint
+        return kept is None or int(kept["generation"]) == generation
 
     def scale_loaders(self, source: str, n: int) -> int:
         """Serve ``source`` with ``n`` loaders (within its bounds); returns the count.
@@ -493,9 +518,8 @@ class DataService:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise ValueError(f"scale_loaders({source!r}, n): n must be a number of loaders "
                              f"(an integer), got {n!r}")
-        got = int(self.link.call(lambda p: p.scale(source, int(n))))
-        self._keep_applied(f"{got} loaders of {source!r}")
-        return got
+        return self._applied(lambda: int(self.link.call(lambda p: p.scale(source, int(n)))),
+                             lambda got: f"{got} loaders of {source!r}")
 
     def retire_workers(self, workers: list[str], *, close: bool = True) -> dict[str, int]:
         """Move the loaders and constructors off ``workers``, then retire them from Dask.

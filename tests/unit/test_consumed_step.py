@@ -33,6 +33,8 @@ class _Planner:
 
 
 class _Link:
+    generation = 0
+
     def __init__(self, constructors: list[_Constructor]):
         self.constructors = constructors
         self.refreshed = 0
@@ -105,6 +107,8 @@ def test_the_owners_set_weights_returns_once_its_kept_checkpoint_has_the_change(
             return 13
 
     class _Keeper:
+        checkpoint = {"generation": 0}
+
         def keep_checkpoint(self) -> None:
             events.append("keep_checkpoint")
 
@@ -140,3 +144,49 @@ def test_set_weights_applied_returns_when_the_checkpoint_is_not_sent_in_time(cap
         assert svc.set_weights({"a": 0.25, "b": 0.75}) == 21
     assert "weights {'a': 0.25, 'b': 0.75} from step 21 applied, but not kept for a " \
         "re-created planner yet" in caplog.text
+
+
+def test_a_change_the_planner_made_just_before_it_was_re_created_is_made_again() -> None:
+    """The owner's set_weights was answered by planner generation 0, which was lost before
+    the owner kept its checkpoint; the owner's watcher re-created the planner from the state
+    it kept before the change, and set_weights returned: the change was gone from the
+    service, with no warning (a review of the handle).  It is made again on the new one,
+    from the step the first answer named; a scale_loaders likewise."""
+    calls: list[tuple[int, Any]] = []
+
+    class _Planner2(_Planner):
+        def __init__(self, generation: int):
+            self.generation = generation
+
+        def set_weights(self, weights: Any, from_step: Any) -> int:
+            calls.append((self.generation, from_step))
+            return 13 if from_step is None else int(from_step)
+
+        def scale(self, source: str, n: int) -> int:
+            calls.append((self.generation, n))
+            return n
+
+    svc = _service([])
+    link = svc.link
+
+    def call(fn: Any) -> Any:
+        return fn(_Planner2(link.generation))
+
+    class _Keeper:
+        checkpoint: dict[str, Any] = {"generation": 0}
+        lose = True
+
+        def keep_checkpoint(self) -> None:
+            if self.lose:  # the planner that answered is lost: re-created from an old state
+                self.lose = False
+                link.generation += 1  # type: ignore[attr-defined]
+            self.checkpoint = {"generation": link.generation}
+
+    link.call = call  # type: ignore[attr-defined]
+    svc.keeper = _Keeper()  # type: ignore[assignment]
+    assert svc.set_weights({"a": 1.0}) == 13
+    assert calls == [(0, None), (1, 13)]  # again, on generation 1, from the same step
+    calls.clear()
+    svc.keeper.lose = True  # type: ignore[attr-defined]
+    assert svc.scale_loaders("a", 2) == 2
+    assert calls == [(1, 2), (2, 2)]
