@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from msd_dask.dask_internals import STATS_SHARED, actor_address, bound_actor
-from msd_dask.errors import ServiceTimeoutError
+from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
 
@@ -208,6 +208,9 @@ class PlannerKeeper:
         doing = "set up its roles"  # (what a timeout names)
         try:
             planner.setup().result(timeout=cfg.timeout)
+            if self._stop.is_set():  # closed meanwhile (its close waited for this no longer)
+                raise ServiceError(f"msd_dask {cfg.name}: closed while its planner was "
+                                   "re-created: the new one is not published")
             doing = "publish its registry on the scheduler"
             client.publish_dataset(registry, name=REGISTRY_PREFIX + self.link.name,
                                    override=True, callback_timeout=cfg.timeout)

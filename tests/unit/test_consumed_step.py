@@ -190,3 +190,43 @@ def test_a_change_the_planner_made_just_before_it_was_re_created_is_made_again()
     svc.keeper.lose = True  # type: ignore[attr-defined]
     assert svc.scale_loaders("a", 2) == 2
     assert calls == [(1, 2), (2, 2)]
+
+
+def test_a_planner_re_created_after_the_service_closed_is_not_published(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recovery that outlived close()'s wait for it published its new planner all the
+    same: the service's name stayed taken on the scheduler, its roles alive (a review of
+    the handle).  A recovery that finds the keeper stopped closes the new planner's roles
+    instead."""
+    from msd_dask.errors import ServiceError
+    from msd_dask.service import recovery
+    from msd_dask.service.recovery import PlannerKeeper
+
+    done: list[str] = []
+
+    class _NewPlanner:
+        def setup(self) -> _Done:
+            return _Done(None)
+
+        def close_roles(self) -> _Done:
+            done.append("close_roles")
+            return _Done(None)
+
+    class _Future:
+        def release(self) -> None:
+            done.append("release")
+
+    class _Client:
+        def publish_dataset(self, *args: Any, **kwargs: Any) -> None:
+            done.append("publish")
+
+    svc = _service([])
+    link = svc.link
+    link.client, link.config, link.name = _Client(), svc.config, "cs"  # type: ignore[attr-defined]
+    monkeypatch.setattr(recovery, "bound_actor", lambda *a, **k: _NewPlanner())
+    keeper = PlannerKeeper(link, {})  # type: ignore[arg-type]
+    keeper.stop(0.1)  # the service closed (no watcher: nothing to wait for)
+    with pytest.raises(ServiceError, match="closed while its planner was re-created"):
+        keeper._start_generation({"planner": _Future(), "planner_worker": "tcp://w:1",
+                                  "generation": 1})
+    assert done == ["close_roles", "release"]
