@@ -197,8 +197,8 @@ class PlannerLink:
         generation = self.generation
         try:
             return request(self.planner).result(timeout=self.config.timeout)
-        except (KeyError, ValueError, ServiceError):
-            raise
+        except (KeyError, ValueError, ServiceError, ServiceTimeoutError):
+            raise  # (the planner's own answer: a ServiceTimeoutError of its own says what for)
         except Exception as e:  # noqa: BLE001 - lost or not answering: find the current one
             self.refresh()
             if self.generation == generation:  # the same planner: it answers, but not this

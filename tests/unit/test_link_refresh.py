@@ -140,6 +140,27 @@ def test_a_call_the_same_planner_does_not_answer_is_sent_once() -> None:
     assert planner.sets == 1 and link.generation == 0
 
 
+def test_a_timeout_the_planner_answers_is_its_own_message() -> None:
+    """The planner answered with a timeout of its own (a loader of a scale that did not
+    answer): it was taken for the planner not answering, looked for again, and re-raised
+    as "the planner did not answer within 300s" (a review of the handle)."""
+    import pytest
+
+    class _Busy(_Planner):
+        def scale(self, source: str, n: int) -> Any:
+            class _Raises:
+                def result(self, timeout: float | None = None) -> Any:
+                    raise ServiceTimeoutError("loader 1 of source 'a' did not take its units "
+                                              "within 300s")
+            return _Raises()
+
+    planner = _Busy(delay=0.0)
+    link = _link(planner)
+    with pytest.raises(ServiceTimeoutError, match="^loader 1 of source 'a' did not take"):
+        link.call(lambda p: p.scale("a", 2))
+    assert planner.calls == 0  # not looked for again: it answered
+
+
 class _SlowCheckpoint:
     """A planner whose checkpoint does not come within the owner's wait."""
 
