@@ -36,7 +36,6 @@ from msd_dask.errors import (
     first_of,
 )
 from msd_dask.reader import REPORT_IDLE, Reader
-from msd_dask.roles.keys import role_pattern
 from msd_dask.service.agent_client import AgentHandle, connect_agent
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import (
@@ -539,6 +538,8 @@ class DataService:
         # ... and wait until nothing references them any more: Dask does not retire a
         # worker that still holds an actor
         deadline = time.monotonic() + self.config.timeout
+
+        from msd_dask.roles.keys import role_pattern  # (an operation: ranks import no role)
 
         def holding() -> list[str]:
             try:
