@@ -100,7 +100,7 @@ class SourceLoader:
         from msd_dask.core.units import Unit
         from msd_dask.formats import get_format
         from msd_dask.sources.heap import cap_arenas
-        from msd_dask.sources.storage import open_source
+        from msd_dask.sources.storage import source_filesystem
 
         cap_arenas()  # before this process's read threads allocate
         self.src = source_config(source)
@@ -110,7 +110,7 @@ class SourceLoader:
         if self.src.preprocess:
             preprocessor(self.src.preprocess)  # fail at start, not at the first unit
         get_format(self.src.format)  # (a format of your own: imported here, at start too)
-        self._files = open_source(self.src.uri, self.src.storage_options)
+        self._fs = source_filesystem(self.src.uri, self.src.storage_options)
         #: closed (:meth:`close`): calls that would wait for a unit are refused
         self._closed = False
         self.threads = max(1, int(threads))
@@ -201,7 +201,7 @@ class SourceLoader:
         cpu: list[tuple[float, float]] = []  # CPU and core-wait seconds of the busy time
         try:
             docs = await loop.run_in_executor(
-                self._pool, read_unit, self.src, self._files.fs,
+                self._pool, read_unit, self.src, self._fs,
                 self.units[key[1]], self.tokenizer, quarantine, self._docs, busy, cpu)
         except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
             if not isinstance(e, DataError | ConfigError | OSError):  # (those name it already)

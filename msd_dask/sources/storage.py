@@ -8,7 +8,8 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-__all__ = ["IGNORED_PREFIXES", "SourceFiles", "expand_braces", "list_files", "open_source"]
+__all__ = ["IGNORED_PREFIXES", "SourceFiles", "expand_braces", "list_files", "open_source",
+           "source_filesystem"]
 
 _GLOB_CHARS = "*?["
 
@@ -41,6 +42,14 @@ class SourceFiles:
         if self.root and path.startswith(self.root + "/"):
             return path[len(self.root) + 1:]
         return path
+
+
+def source_filesystem(uri: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """The fsspec filesystem of ``uri`` (what a loader reads its units with), without listing
+    the source: a loader is made at start, at every scale-up and after every loss, and on
+    object storage a listing of a large source is many requests (and one that fails
+    briefly failed the role)."""
+    return url_to_fs(uri, **dict(storage_options or {}))[0]
 
 
 def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> SourceFiles:

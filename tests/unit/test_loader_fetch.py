@@ -260,3 +260,29 @@ def test_a_failure_that_is_not_bad_input_names_the_source_and_file(corpus) -> No
             await loader.close()
 
     asyncio.run(run())
+
+
+def test_a_loader_made_does_not_list_its_source(corpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader listed its whole source to get a filesystem (one glob and an isdir per
+    file: on object storage a listing at start, at every scale-up and after every loss,
+    and a listing that failed briefly failed the role; a review of the loaders).  It now
+    lists nothing, and reads its units all the same."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    root, texts = corpus
+    source, units = _loader_inputs(config(root), 0)
+
+    def listed(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the loader listed its source")
+
+    for name in ("glob", "find", "ls"):
+        monkeypatch.setattr(LocalFileSystem, name, listed)
+
+    async def run() -> np.ndarray:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            return np.asarray(await loader.metadata(0, 1))
+        finally:
+            await loader.close()
+
+    assert len(asyncio.run(run())) > 0
