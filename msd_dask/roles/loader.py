@@ -199,21 +199,31 @@ class SourceLoader:
         quarantine: list[DataError] = []
         busy: list[float] = []
         cpu: list[tuple[float, float]] = []  # CPU and core-wait seconds of the busy time
+        failed: BaseException | None = None
         try:
             docs = await loop.run_in_executor(
                 self._pool, read_unit, self.src, self._fs,
                 self.units[key[1]], self.tokenizer, quarantine, self._docs, busy, cpu)
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if self._closed or task is None or task.cancelling():
+                raise  # (this read was stopped: the waits for the loader's units end too)
+            # the work was cancelled under it (a preprocess pool replaced meanwhile): said,
+            # not left for whoever waits for the unit to find out at its timeout
+            failed = e
         except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
-            if not isinstance(e, DataError | ConfigError | OSError):  # (those name it already)
+            failed = e
+        if failed is not None:
+            if not isinstance(failed, DataError | ConfigError | OSError):  # (they name it)
                 # a tokenizer's, a format's or a preprocess pool's own failure: say where
                 named = RuntimeError(f"source {self.src.name!r}, file "
                                      f"{self.units[key[1]].path!r} (epoch {key[0]}, unit "
-                                     f"{key[1]}): {type(e).__name__}: {e}")
-                named.__cause__ = e
-                e = named
+                                     f"{key[1]}): {type(failed).__name__}: {failed}")
+                named.__cause__ = failed
+                failed = named
             fut = self._ready.get(key)
             if fut is not None and not fut.done():
-                fut.set_exception(e)
+                fut.set_exception(failed)
             return
         # counted together, so a poll sees a unit's busy and CPU seconds at once
         self.read_seconds += sum(busy)

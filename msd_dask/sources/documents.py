@@ -16,9 +16,10 @@ import functools
 import inspect
 import logging
 import multiprocessing
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any
 
@@ -411,6 +412,10 @@ class DocPool:
         self.size = max(1, int(size))
         self.kind = kind
         self._ex: Executor
+        #: held while a broken pool of processes is replaced (the loader's read threads
+        #: share this pool, and each sees it broken)
+        self._swap = threading.Lock()
+        self._closed = False
         if kind == "process":
             if multiprocessing.current_process().daemon:
                 raise RuntimeError(
@@ -460,19 +465,30 @@ class DocPool:
         """
         if not items:
             return []
+        ex = self._ex
         try:
-            return self._map(path, items, timing, cpu)
-        except BrokenProcessPool:
+            return self._map(ex, path, items, timing, cpu)
+        except (RuntimeError, CancelledError) as e:  # (BrokenProcessPool is a RuntimeError)
+            # (a pool another read thread replaced: this work was cancelled with it, or
+            # refused by it: "cannot schedule new futures after shutdown")
+            lost = isinstance(e, BrokenProcessPool | CancelledError) or self._ex is not ex
+            if self.kind != "process" or self._closed or not lost:
+                raise
             # a process of the pool died (killed for memory, say): every later unit would
             # fail the same way, and the loader's worker lives on, so it is never re-created.
-            # A new pool, and this unit once more (a second failure is raised)
-            _log.warning("source %r: a process of its pool died; starting a new pool",
-                         self.src.name)
-            self._ex.shutdown(wait=False, cancel_futures=True)
-            self._ex = self._processes()
-            return self._map(path, items, timing, cpu)
+            # A new pool, and this unit once more (a second failure is raised).  Replaced
+            # once: the loader's other read threads see the same pool broken (or their
+            # work cancelled with it), and take the new one
+            with self._swap:
+                if self._ex is ex:
+                    _log.warning("source %r: a process of its pool died; starting a new pool",
+                                 self.src.name)
+                    ex.shutdown(wait=False, cancel_futures=True)
+                    self._ex = self._processes()
+                ex = self._ex
+            return self._map(ex, path, items, timing, cpu)
 
-    def _map(self, path: str, items: Sequence[tuple[int, dict[str, Any]]],
+    def _map(self, ex: Executor, path: str, items: Sequence[tuple[int, dict[str, Any]]],
              timing: list[float] | None, cpu: list[tuple[float, float]] | None
              ) -> list[np.ndarray | ImageDoc | DataError]:
         n = min(len(items), 4 * self.size)
@@ -480,9 +496,9 @@ class DocPool:
         chunks = [list(items[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
         futs: list[Any]
         if self.kind == "process":
-            futs = [self._ex.submit(_process_in_worker, path, c) for c in chunks]
+            futs = [ex.submit(_process_in_worker, path, c) for c in chunks]
         else:
-            futs = [self._ex.submit(_process_in_thread, self.src, self._prep, self._tokenizer,
+            futs = [ex.submit(_process_in_thread, self.src, self._prep, self._tokenizer,
                                     path, c) for c in chunks]
         out: list[np.ndarray | ImageDoc | DataError] = []
         busy = used = waited = 0.0
@@ -500,7 +516,9 @@ class DocPool:
         return out
 
     def close(self) -> None:
-        self._ex.shutdown(wait=False, cancel_futures=True)
+        with self._swap:
+            self._closed = True
+            self._ex.shutdown(wait=False, cancel_futures=True)
 
 
 def _tokenize(src: SourceConfig, rec: dict[str, Any],

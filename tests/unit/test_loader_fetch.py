@@ -286,3 +286,33 @@ def test_a_loader_made_does_not_list_its_source(corpus, monkeypatch: pytest.Monk
             await loader.close()
 
     assert len(asyncio.run(run())) > 0
+
+
+def test_a_read_whose_work_was_cancelled_under_it_fails_its_unit(
+        corpus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read whose work was cancelled under it (its preprocess pool replaced by another read
+    thread after a pool process died) ended the read's task with asyncio's CancelledError,
+    which ``except Exception`` let through: the unit was never settled, and whoever waited
+    for it waited for the planner's timeout, then blamed the loader (a review of the
+    loaders).  The unit fails at once, naming its file."""
+    import concurrent.futures
+
+    from msd_dask.roles import loader as loader_module
+
+    root, texts = corpus
+    source, units = _loader_inputs(config(root), 0)
+
+    def cancelled(*args: Any, **kwargs: Any) -> Any:
+        raise concurrent.futures.CancelledError()
+
+    monkeypatch.setattr(loader_module, "read_unit", cancelled)
+
+    async def run() -> None:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            with pytest.raises(RuntimeError, match=r"file .* \(epoch 0, unit 1\): CancelledError"):
+                await asyncio.wait_for(loader.metadata(0, 1), 10)
+        finally:
+            await loader.close()
+
+    asyncio.run(run())

@@ -212,3 +212,72 @@ def test_a_process_pool_that_lost_a_process_is_started_again(
         assert len(a) == len(b)
         for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+def test_read_threads_that_find_the_pool_broken_together_start_one_new_pool(
+        sources: dict[str, SourceConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two read threads of a loader saw its process pool broken at once: each replaced it,
+    the second shutting down the pool the first had just started, whose work was then
+    cancelled (the unit never settled, or a RuntimeError failed the service; a review of
+    the loaders, 3 of 12 runs).  One new pool is started, and both units read on it.
+    (Stand-ins: a pool that reports itself broken once both threads reached it, then
+    threads running the processes' own task, so that the race is the same in every run.)"""
+    import threading
+    from concurrent.futures import Future, ThreadPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from msd_dask.sources import documents
+
+    src = sources["prose"]
+    payload = dataclasses.asdict(src)
+    payload.pop("weight")
+    monkeypatch.setattr(documents, "_WORKER", {})
+    documents._init_process(payload, TOK)  # (the processes' task, run here on threads)
+    both_reached = threading.Barrier(2)
+    reached: set[int] = set()
+
+    class _Broken:
+        def submit(self, *args: Any, **kwargs: Any) -> Future:
+            if threading.get_ident() not in reached:  # (each thread's first task)
+                reached.add(threading.get_ident())
+                both_reached.wait(10)
+            fut: Future = Future()
+            fut.set_exception(BrokenProcessPool("a process of the pool died"))
+            return fut
+
+        def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+            pass
+
+    started: list[ThreadPoolExecutor] = []
+
+    def new_pool() -> ThreadPoolExecutor:
+        started.append(ThreadPoolExecutor(2))
+        return started[-1]
+
+    pool = DocPool(src, TOK, 2, "process")  # (no process starts before a first task)
+    pool._ex = _Broken()  # type: ignore[assignment]
+    pool._processes = new_pool  # type: ignore[assignment]
+    items = [(i, {src.text_field: f"document {i} " * 50}) for i in range(40)]
+    want = [np.asarray(d) for d in DocPool(src, TOK, 1, "thread").map("f", items)]
+    got: dict[int, Any] = {}
+
+    def read(i: int) -> None:
+        try:
+            got[i] = pool.map("f", items)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            got[i] = e
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        assert len(started) == 1, started
+        for i in range(2):
+            assert not isinstance(got[i], BaseException), got[i]
+            for a, b in zip(got[i], want, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), b)
+    finally:
+        for ex in started:
+            ex.shutdown()
