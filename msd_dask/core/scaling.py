@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 from msd_dask.core.config import Config, ScalingConfig
 
-__all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "proactive_target", "demand",
+__all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "ReadCostAtCount", "proactive_target", "demand",
            "cpu_caps", "pick_loader", "MAX_STARVED_BOOST", "MIN_EFFICIENCY", "CPU_ROUND",
            "MIN_CPU_WINDOWS"]
 
@@ -266,6 +266,52 @@ def _bottleneck(load: SourceLoad, policy: ScalingPolicy) -> bool:
         return True
     capacity = load.loaders * load.threads / load.seconds_per_token
     return capacity < 2 * policy.scaling.headroom * demand(load, corrected=True)
+
+
+class ReadCostAtCount:
+    """Each source's loader seconds and core-wait seconds per token read at its current
+    loader count (``SourceLoad.seconds_per_token`` and ``core_wait_per_token``).
+
+    The loaders' counters run from the service's start, so figures taken from them
+    mix in every count the source had: the saturation rule
+    (:meth:`Scaler._measure`) compares the capacity of counts, and after an hour at two
+    loaders the figure at eight barely moved from theirs, so loaders that added nothing
+    looked as if each added a loader's worth (a review: 2 → 8 loaders, then stuck at 5
+    where the store supplied 2 loaders' worth).  Here the figures are those since the
+    count last changed; until tokens were read at the new count, those of the count
+    before (at first, since the start).
+    """
+
+    def __init__(self) -> None:
+        #: source -> (loaders, (tokens, read seconds, core-wait seconds) when the count
+        #: changed, the figures of the count before)
+        self._since: dict[str, tuple[int, tuple[float, float, float],
+                                     tuple[float, float] | None]] = {}
+
+    def update(self, source: str, loaders: int, tokens: float, read_seconds: float,
+               wait_seconds: float) -> tuple[float, float]:
+        """``(seconds, core-wait seconds)`` per token of ``source`` from its loaders'
+        counters now (summed over the loaders, gone ones included); ``(0, 0)`` where
+        nothing was read yet."""
+        now = (float(tokens), float(read_seconds), float(wait_seconds))
+        kept = self._since.get(source)
+        if kept is None or kept[0] != loaders or now[0] < kept[1][0]:
+            # a new count (or counters that started again: a re-created planner's loaders)
+            before = None if kept is None or now[0] < kept[1][0] else (
+                _per_token(kept[1], now) or kept[2])
+            kept = self._since[source] = (loaders, now, before)
+        return (_per_token(kept[1], now) or kept[2]
+                or _per_token((0.0, 0.0, 0.0), now) or (0.0, 0.0))
+
+
+def _per_token(a: tuple[float, float, float],
+               b: tuple[float, float, float]) -> tuple[float, float] | None:
+    """Seconds and core-wait seconds per token between two readings of the counters
+    (``None``: no token read between them)."""
+    tokens = b[0] - a[0]
+    if tokens <= 0:
+        return None
+    return (b[1] - a[1]) / tokens, max(0.0, b[2] - a[2]) / tokens
 
 
 class Scaler:

@@ -114,6 +114,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self._client: Any = None
         self._configs: dict[str, Any] = {}
         self._scalers: dict[str, Any] = {}
+        #: service -> its sources' read costs at their loader counts (ReadCostAtCount)
+        self._read_costs: dict[str, Any] = {}
         #: the adaptive policy's decisions per service
         self.decisions: dict[str, deque[dict[str, Any]]] = {}
         self.scheduler: Any = None
@@ -302,8 +304,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
     def _per_service(self) -> tuple[dict[str, Any], ...]:
         """Every table this plugin keeps per service name."""
         return (self.services, self.rates, self.imbalance, self.decisions, self._configs,
-                self._scalers, self._targets, self._wanted, self._registries, self.poll_errors,
-                self._scaled_from)
+                self._scalers, self._read_costs, self._targets, self._wanted, self._registries,
+                self.poll_errors, self._scaled_from)
 
     def _known(self) -> set[str]:
         """Names of the services this plugin holds anything for."""
@@ -375,7 +377,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
     async def _scale(self, name: str, registry: dict[str, Any], snap: dict[str, Any],
                      prev: dict[str, Any]) -> None:
         """Apply the adaptive loader policy (``scaling: {policy: adaptive}``) to a service."""
-        from msd_dask.core.scaling import Scaler, ScalingPolicy, SourceLoad
+        from msd_dask.core.scaling import ReadCostAtCount, Scaler, ScalingPolicy, SourceLoad
 
         cfg = self._configs[name]
         if cfg.scaling.policy != "adaptive":
@@ -389,19 +391,23 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         ahead = snap["weights_ahead"]
         cores = float(sum(ws.nthreads for ws in self.scheduler.workers.values()
                           if _running(ws)))
+        costs = self._read_costs.setdefault(name, ReadCostAtCount())
         loads = {}
         for s, v in snap["sources"].items():
             starved = (snap["planner"]["starved_seconds"].get(s, 0.0)
                        - prev["planner"]["starved_seconds"].get(s, 0.0)) / dt
+            n = int(snap["planner"]["loaders"][s])
+            # (at this count: see ReadCostAtCount; the CPU a token's preprocessing takes is
+            # the data's, not the count's: from the start)
+            spt, wait = costs.update(s, n, v["tokens_read"], v["read_seconds"],
+                                     v["cpu_wait_seconds"])
             loads[s] = SourceLoad(
-                loaders=int(snap["planner"]["loaders"][s]), weight_ahead=float(ahead[s]),
-                consumption=(planned - before) / dt,
-                seconds_per_token=float(v["seconds_per_token"]), threads=int(v["threads"]),
+                loaders=n, weight_ahead=float(ahead[s]), consumption=(planned - before) / dt,
+                seconds_per_token=spt, threads=int(v["threads"]),
                 starved=starved, cpu_per_token=(v["cpu_seconds"] / v["tokens_read"]
                                                 if v["tokens_read"] else 0.0),
                 cpu_fraction=_cpu_fraction(v, prev["sources"].get(s)), cores=cores,
-                core_wait_per_token=(v["cpu_wait_seconds"] / v["tokens_read"]
-                                     if v["tokens_read"] else 0.0))
+                core_wait_per_token=wait)
         scaler = self._scalers[name]
         decided = scaler.decide(time.monotonic(), loads)
         self._targets[name] = {s: scaler.target(s, ld) for s, ld in loads.items()}

@@ -379,3 +379,99 @@ def test_sources_needing_about_the_cores_do_not_flap() -> None:
             loaders[s] = n
     assert len(changes) <= 2, changes  # (each source once, to what the cores allow)
     assert loaders == {"a": 4, "b": 4}
+
+
+def test_read_costs_are_those_at_the_current_count():
+    from msd_dask.core.scaling import ReadCostAtCount
+
+    costs = ReadCostAtCount()
+    assert costs.update("a", 2, 0, 0.0, 0.0) == (0.0, 0.0)  # nothing read yet
+    # an hour at two loaders, 1 us a token (0.1 us of it waiting for a core)
+    assert costs.update("a", 2, 3.6e9, 3600.0, 360.0) == pytest.approx((1e-6, 1e-7))
+    # four loaders: until they read, the figures of the count before
+    assert costs.update("a", 4, 3.6e9, 3600.0, 360.0) == pytest.approx((1e-6, 1e-7))
+    # then 2 us a token at four: what they read since the count changed, not the hour's mean
+    assert costs.update("a", 4, 3.6e9 + 1e6, 3602.0, 360.0) == pytest.approx((2e-6, 0.0))
+    # the counters started again (a re-created planner's loaders): from there
+    assert costs.update("a", 4, 5e5, 2.0, 0.0) == pytest.approx((4e-6, 0.0))
+    assert costs.update("b", 1, 10, 1.0, 0.0) == pytest.approx((0.1, 0.0))  # (per source)
+
+
+@pytest.mark.parametrize("history", [120, 3600])
+def test_the_adaptive_policy_finds_a_saturated_store_after_a_long_run(history, monkeypatch):
+    """The plugin gave the policy its sources' seconds per token since the service started:
+    after a long run at two loaders, loaders added to a store that supplies two loaders'
+    worth looked as if each added capacity, so the policy climbed to its maximum and
+    settled above what the store supplies (a review of the plugin: 2 -> 8, stuck at 5,
+    after an hour).  With the figures at the current count it finds the saturation at
+    once and goes back to two loaders.  (The plugin's own _scale, a simulated source:
+    1 us of loader time a token; from ``history`` seconds on, a demand of 3 M tokens/s
+    from a store that supplies 2 M/s at any count, each loader above two only stretching
+    the time a token takes.)"""
+    import asyncio
+    from types import SimpleNamespace
+
+    from msd_dask.core.config import parse_config
+    from msd_dask.core.figures import source_figures
+    from msd_dask.plugin import scheduler as plugin_module
+
+    from corpus import config
+
+    clock = [1000.0]
+    plugin = plugin_module.MsdSchedulerPlugin()
+    plugin.scheduler = SimpleNamespace(workers={"w": SimpleNamespace(nthreads=16, status=None)})
+    cfg = config("/nowhere", scaling={"policy": "adaptive", "min_loaders": 1, "max_loaders": 8})
+    cfg["sources"] = [dict(cfg["sources"][0], name="code", weight=1.0)]
+    plugin._configs["svc"] = parse_config(cfg)
+
+    class _Planner:
+        n = 2
+
+        async def scale(self, source, n):
+            self.n = n
+            return n
+
+    class _Handle:
+        def __init__(self, planner):
+            self.planner = planner
+
+        def __await__(self):
+            yield from asyncio.sleep(0).__await__()
+            return self.planner
+
+    planner = _Planner()
+    registry = {"planner": _Handle(planner)}
+    tokens = busy = starved = 0.0
+    counts = []
+
+    async def run():
+        nonlocal tokens, busy, starved
+        prev = None
+        for t in range(history + 120):
+            n = planner.n
+            want = 1.6e6 if t < history else 3.0e6
+            got = min(want, n * 1e6 if t < history else 2.0e6)
+            tokens += got
+            busy += got * (1e-6 if t < history else n / 2.0e6)
+            starved += 0.0 if got >= want else 1 - got / want
+            clock[0] += 1.0
+            per = [dict(tokens_read=tokens / n, read_seconds=busy / n, cpu_seconds=0.0,
+                        cpu_wait_seconds=0.0, docs_read=0, units_read=0, tokens_fetched=0,
+                        tokens_buffered=0, units_buffered=0, threads=1, quarantined_docs=0,
+                        quarantined_files=0) for _ in range(n)]
+            pl = {"tokens_planned": {"code": tokens}, "weights": {"code": 1.0},
+                  "starved_seconds": {"code": starved}, "loaders": {"code": n}}
+            snap = {"time": clock[0], "planner": pl, "sources": source_figures(pl, {"code": per}),
+                    "weights_ahead": {"code": 1.0}}
+            if prev is not None:
+                await plugin._scale("svc", registry, snap, prev)
+            prev = snap
+            if t >= history:
+                counts.append(planner.n)
+
+    monkeypatch.setattr(plugin_module, "time",
+                        SimpleNamespace(time=lambda: clock[0], monotonic=lambda: clock[0]))
+    asyncio.run(run())
+    assert max(counts) <= 4, counts  # one step up, measured, then back
+    assert counts[-60:] == [2] * 60, counts
+    assert plugin._scalers["svc"].saturated == {"code": 2}
