@@ -472,6 +472,8 @@ class PlannerActor:
         self._recent: OrderedDict[int, list[bytes]] = OrderedDict()
         self._last_submitted = self.planner.step - 1
         self._meta_wait = {s.name: 0.0 for s in self.cfg.sources}
+        #: (source, when) of the wait for a source's lengths under way: counted as it goes
+        self._meta_waiting: tuple[str, float] | None = None
         self._meta: dict[tuple[str, int, int], np.ndarray] = {}
         self._meta_tasks: dict[tuple[str, int, int], asyncio.Task[Any]] = {}
         #: tokens of each unit as its loader reported them (-1: not read yet), for the
@@ -761,6 +763,16 @@ class PlannerActor:
         if not task.cancelled() and task.exception() is None:
             self._unit_tokens[k[0]][k[2]] = int(np.asarray(task.result()).clip(0).sum())
 
+    def _starved_seconds(self) -> dict[str, float]:
+        """Seconds the planner waited for each source's lengths, the wait under way included:
+        counted only when a wait ended, a 10 s stall showed as nothing for 10 polls, then
+        as 10 s in one (the reactive rule came late, then over-corrected: a review)."""
+        out = dict(self._meta_wait)
+        waiting = self._meta_waiting
+        if waiting is not None:
+            out[waiting[0]] += time.monotonic() - waiting[1]
+        return out
+
     async def _await_meta(self, source: str, units: list[tuple[int, int]]) -> None:
         for e, u in units:
             k = (source, e, u)
@@ -773,29 +785,33 @@ class PlannerActor:
             self.waiting = (f"loader {self._owner.get(k)} of source {source!r} to report the "
                             f"lengths of {self.units[source][u].path} (epoch {e})")
             t0 = time.monotonic()
-            while True:
-                # the request may be replaced meanwhile (a loader re-created, or the unit
-                # moved to an added loader): always wait on the current one
-                task = self._meta_tasks.get(k) or task
-                await asyncio.wait({task}, timeout=1.0)
-                if task.done() and not task.cancelled():
-                    exc = task.exception()
-                    if exc is None:
-                        lengths = task.result()
-                        break
-                    if not await self.roles.healed_after(exc):
-                        raise exc
-                    continue
-                if task.cancelled() and self._meta_tasks.get(k) is task:
-                    self._request_meta(k)
-                    continue
-                if time.monotonic() - t0 > self.cfg.timeout:
-                    raise ServiceTimeoutError(
-                        f"loader {self._owner.get(k)} of source {source!r} did not report "
-                        f"the lengths of {self.units[source][u].path} (epoch {e}) within "
-                        f"{self.cfg.timeout:.0f}s")
-                await self.roles.heal()  # a lost loader is re-created and asked again
-            self._meta_wait[source] += time.monotonic() - t0
+            self._meta_waiting = (source, t0)
+            try:
+                while True:
+                    # the request may be replaced meanwhile (a loader re-created, or the unit
+                    # moved to an added loader): always wait on the current one
+                    task = self._meta_tasks.get(k) or task
+                    await asyncio.wait({task}, timeout=1.0)
+                    if task.done() and not task.cancelled():
+                        exc = task.exception()
+                        if exc is None:
+                            lengths = task.result()
+                            break
+                        if not await self.roles.healed_after(exc):
+                            raise exc
+                        continue
+                    if task.cancelled() and self._meta_tasks.get(k) is task:
+                        self._request_meta(k)
+                        continue
+                    if time.monotonic() - t0 > self.cfg.timeout:
+                        raise ServiceTimeoutError(
+                            f"loader {self._owner.get(k)} of source {source!r} did not report "
+                            f"the lengths of {self.units[source][u].path} (epoch {e}) within "
+                            f"{self.cfg.timeout:.0f}s")
+                    await self.roles.heal()  # a lost loader is re-created and asked again
+            finally:
+                self._meta_wait[source] += time.monotonic() - t0
+                self._meta_waiting = None
             self._meta_tasks.pop(k, None)
             self._meta[k] = np.array(lengths)  # a copy: a loader on this worker hands its own
             self.waiting = None
@@ -1209,7 +1225,7 @@ class PlannerActor:
                            "fitted": self.fitter is not None,
                            "observations": self.fitter.count if self.fitter else 0},
             "uptime": time.time() - self.started,
-            "starved_seconds": dict(self._meta_wait),
+            "starved_seconds": self._starved_seconds(),
             "loaders": {s: len(a) for s, a in self.roles.active.items()},
             "recovered": dict(self.roles.recovered),
             "role_events": list(self.roles.events[-20:]),

@@ -78,3 +78,18 @@ def test_a_round_that_cannot_be_handed_over_is_named(corpus: Any, monkeypatch: A
     asyncio.run(run())
     assert told == ["planner failed at handing over steps 0-2: "
                     "constructor 0 refused steps [0, 1, 2]"]
+
+
+def test_a_wait_for_a_source_under_way_counts_as_starved_as_it_goes() -> None:
+    """The planner counted a wait for a source's lengths only when the wait ended: a 10 s
+    stall showed as no wait for ten polls, then as 10 s in one, so the adaptive policy's
+    reactive rule came late and then over-corrected (a review of the plugin)."""
+    import time as time_module
+
+    planner = PlannerActor.__new__(PlannerActor)
+    planner._meta_wait = {"a": 1.5, "b": 0.0}
+    planner._meta_waiting = ("b", time_module.monotonic() - 2.0)  # waiting for 2 s now
+    got = planner._starved_seconds()
+    assert got["a"] == 1.5 and 2.0 <= got["b"] < 3.0
+    planner._meta_waiting = None
+    assert planner._starved_seconds() == {"a": 1.5, "b": 0.0}
