@@ -91,8 +91,10 @@ class Batch:
             input_ids=_tensor(payload["input_ids"]),
             labels=_tensor(payload["labels"]),
             position_ids=_tensor(payload["position_ids"]),
+            # (copies: the wire form's are views of its one int32 array, which a view kept
+            # alive for as long as the batch, three rows' worth of ints a micro-batch)
             cu_seqlens=None if payload["cu_seqlens"] is None else
-            [torch.from_numpy(np.asarray(c, dtype=np.int32)) for c in payload["cu_seqlens"]],
+            [torch.from_numpy(np.array(c, dtype=np.int32)) for c in payload["cu_seqlens"]],
             documents=[[(str(s), str(k), int(c)) for s, k, c in row] for row in payload["documents"]],
             cost=float(payload["cost"]),
             epochs=[[int(e) for e in row] for row in payload["epochs"]],

@@ -142,6 +142,28 @@ def test_wire_form_round_trip_of_every_rank_view(cp, pp_rank):
             assert back[k] == v, k
 
 
+def test_a_batch_holds_nothing_of_its_wire_array():
+    """A batch's cu_seqlens were views of the wire form's one int32 array (input ids, labels
+    and position ids together), which they kept alive as long as the batch: three rows'
+    worth of ints a micro-batch (a review of the build path).  The wire array may be
+    reused or freed once the batch is built."""
+    from msd_dask.batch import Batch
+    from msd_dask.core.packing import from_wire, to_wire
+
+    rng = np.random.default_rng(2)
+    rows = [[(rng.integers(0, 500, n + 1).astype(np.uint16), n) for n in (5, 9)],
+            [(rng.integers(0, 500, 7).astype(np.uint16), 7)]]
+    batch = pack_rows(rows, 24, 0)
+    batch.update(step=4, dp=0, documents=[[("s", "f:0", 0)]] * 2, epochs=[[0], [0]], cost=2.0)
+    wire = to_wire(batch)
+    built = Batch.from_payload(from_wire(wire), 0)
+    before = [c.clone() for c in built.cu_seqlens]
+    wire["ints"][:] = -7  # (reused by whoever owned it)
+    for c, was in zip(built.cu_seqlens, before, strict=True):
+        assert (c == was).all() and not np.shares_memory(c.numpy(), wire["ints"])
+    assert (built.input_ids != -7).all() and (built.labels != -7).all()
+
+
 @pytest.mark.parametrize("key, value", [("input_ids", 2**31), ("labels", -(2**31) - 1),
                                         ("position_ids", 2**40)])
 def test_wire_form_rejects_values_outside_int32(key, value):
