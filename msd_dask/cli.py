@@ -67,7 +67,11 @@ AGENT_EPILOG = """example, on each node of a torchrun job with 8 GPUs per node:
   export MSD_DASK_AGENT=/tmp/msd-dask-agent-demo.sock
   msd-dask agent --scheduler tcp://head:8786 --name demo \\
       --ranks $((NODE_RANK*8))-$((NODE_RANK*8+7)) --socket $MSD_DASK_AGENT > agent.log 2>&1 &
-  until grep -q "serves ranks" agent.log; do sleep 1; done   # connected, serving
+  AGENT=$!
+  until grep -q "serves ranks" agent.log; do             # connected, serving
+      kill -0 $AGENT 2>/dev/null || { cat agent.log; exit 1; }   # it exited: its error
+      sleep 1
+  done
   torchrun --nnodes ... --nproc-per-node 8 train.py   # train.py unchanged
 
 With MSD_DASK_AGENT set, DataService.connect(address, name).reader(rank) reads

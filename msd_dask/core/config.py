@@ -705,6 +705,9 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
             except OSError as e:  # a Path that is missing, a folder, unreadable
                 raise ConfigError("<root>", f"cannot read config file {text!r}: "
                                   f"{e.strerror or e}") from None
+            except UnicodeDecodeError as e:  # (a data file given for the config, say)
+                raise ConfigError("<root>", f"config file {text!r} is not UTF-8 text (byte "
+                                  f"{e.start}: {e.reason}); a config is a YAML file") from None
         path = str(cfg) if from_file else None
         try:
             data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader

@@ -441,6 +441,11 @@ def test_a_mistyped_config_path_is_named(tmp_path: Path) -> None:
     for path, why in ((Path("configs/tyop.yaml"), "No such file"), (tmp_path, "Is a directory")):
         with pytest.raises(ConfigError, match=rf"cannot read config file '{path}': {why}"):
             load_config(path)
+    # a data file given for the config: the bare codec error named no file (a review)
+    binary = tmp_path / "part-00000.parquet"
+    binary.write_bytes(b"PAR1\x15\xa8\x00\xff")
+    with pytest.raises(ConfigError, match=rf"config file '{binary}' is not UTF-8 text \(byte 5"):
+        load_config(str(binary))
 
 
 def test_a_source_max_loaders_below_its_min_is_refused(data_dir: Path) -> None:
