@@ -294,7 +294,16 @@ class DataService:
             raise ServiceError(f"a service named {cfg.name!r} is already running on "
                                f"{address}; pick another 'name' or close it first")
         try:
-            client.wait_for_workers(1, timeout=timeout)
+            try:
+                client.wait_for_workers(1, timeout=min(2.0, timeout))
+            except TimeoutError:
+                if timeout <= 2.0:
+                    raise
+                # (said, not minutes of silence: a new cluster's workers may be on their way)
+                _log.warning("msd_dask %s: waiting up to %.0fs for a Dask worker to join the "
+                             "scheduler at %s (start some: dask worker %s)", cfg.name, timeout,
+                             address, address)
+                client.wait_for_workers(1, timeout=timeout - 2.0)
         except TimeoutError:
             raise ServiceTimeoutError(
                 f"no Dask worker joined the scheduler at {address} within {timeout:.0f}s: "
