@@ -131,16 +131,21 @@ class PlannerKeeper:
 
     def _watch(self) -> None:
         """Keep the planner's last checkpoint; re-create the planner if it is lost."""
+        said = None  # the failure logged last (a failure that stays is logged once)
         while not self._stop.wait(self.interval):
             try:
                 if self.link.planner_lost(confirm=True):
                     self.recover()
                 else:
                     self.keep_checkpoint(stats_age=STATS_SHARED)
+                said = None
             except Exception as e:  # noqa: BLE001 - logged; the next round tries again
                 if self._stop.is_set():
                     return
-                _log.warning("msd_dask %s: watching the planner: %r", self.link.name, e)
+                if repr(e) != said:
+                    said = repr(e)
+                    _log.warning("msd_dask %s: watching the planner: %s (said once while it "
+                                 "lasts)", self.link.name, said)
 
     def recover(self) -> None:
         """Re-create the lost planner from the last checkpoint."""

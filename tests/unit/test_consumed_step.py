@@ -230,3 +230,36 @@ def test_a_planner_re_created_after_the_service_closed_is_not_published(
         keeper._start_generation({"planner": _Future(), "planner_worker": "tcp://w:1",
                                   "generation": 1})
     assert done == ["close_roles", "release"]
+
+
+def test_a_failure_of_the_watcher_that_lasts_is_logged_once(caplog: Any) -> None:
+    """The owner's watcher logged the same failure every second: with the workers and then
+    the scheduler gone, msd-dask serve wrote about 300 identical lines before it exited (a
+    review of the command line).  A failure is logged when it changes."""
+    import logging
+    import threading
+    import time
+
+    from msd_dask.service.recovery import PlannerKeeper
+
+    class _LostLink:
+        name, generation = "cs", 0
+        failures = 0
+
+        def planner_lost(self, confirm: bool = False) -> bool:
+            self.failures += 1
+            if self.failures == 20:
+                raise ValueError("another failure")
+            raise RuntimeError("Worker holding Actor was lost.  Status: cancelled")
+
+    link = _LostLink()
+    keeper = PlannerKeeper(link, {}, interval=0.01)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="msd_dask.service"):
+        watcher = threading.Thread(target=keeper._watch, daemon=True)
+        watcher.start()
+        deadline = time.monotonic() + 10
+        while link.failures < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        keeper.stop(5)
+    said = [r.getMessage() for r in caplog.records if "watching the planner" in r.getMessage()]
+    assert link.failures >= 40 and len(said) == 3, said  # lost, another, lost again
