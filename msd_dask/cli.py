@@ -391,8 +391,10 @@ def _serve(args: argparse.Namespace) -> int:
                         gone = not _scheduler_answers(svc.client)
                 if gone:
                     # Dask's client logs its reconnect attempts as errors: say it once, plainly
+                    # (exit status 2, as every other error of msd-dask's)
                     logging.disable(logging.CRITICAL)
-                    raise SystemExit(lost.format(args.scheduler))
+                    print(lost.format(args.scheduler), file=sys.stderr, flush=True)
+                    return 2
                 if err:
                     print(f"msd-dask serve: error: {err}", file=sys.stderr)
                     return 2
