@@ -55,8 +55,10 @@ def _security(args: argparse.Namespace) -> Any:
     if not any(given):
         return None
     if not all(given):
-        raise SystemExit(f"msd-dask {args.command}: --tls-ca-file, --tls-cert and --tls-key "
-                         "go together")
+        raise ValueError("--tls-ca-file, --tls-cert and --tls-key go together")
+    for option, path in zip(("--tls-ca-file", "--tls-cert", "--tls-key"), given, strict=True):
+        if not os.path.isfile(str(path)):  # (Dask's own error named neither file nor option)
+            raise ValueError(f"{option} {path}: no such file")
     from distributed.security import Security
 
     return Security(tls_ca_file=args.tls_ca_file, tls_client_cert=args.tls_cert,

@@ -97,7 +97,8 @@ def test_cli_processes_over_tls(tmp_path):
                 [sys.executable, "-m", "msd_dask.cli", "stats", "tlsprocs", "--scheduler",
                  cl["address"], "--tls-ca-file", tls["ca"]], capture_output=True, text=True,
                 timeout=60)
-            assert bare.returncode != 0 and "go together" in bare.stderr
+            assert bare.returncode == 2 and "error: --tls-ca-file, --tls-cert and --tls-key go " \
+                "together" in bare.stderr, bare.stderr
         finally:
             serve.send_signal(signal.SIGINT)
             serve.wait(30)

@@ -80,6 +80,19 @@ def test_a_bad_resume_file_is_one_error(tmp_path: Path, capsys: pytest.CaptureFi
         assert str(state) in err
 
 
+def test_a_tls_file_that_is_not_there_is_named(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing certificate gave "error: [Errno 2] No such file or directory", naming
+    neither the file nor the option (a review of the command line)."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not checked here")
+    code = main(["stats", "demo", "--scheduler", "tls://198.18.0.1:8786", "--tls-ca-file",
+                 str(ca), "--tls-cert", str(tmp_path / "x.pem"), "--tls-key", str(ca)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"msd-dask stats: error: --tls-cert {tmp_path / 'x.pem'}: no such " \
+        "file" in err, err
+
+
 def test_a_mistyped_config_path_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["validate", "configs/tyop.yaml"]) == 2
     assert "no config file 'configs/tyop.yaml'" in capsys.readouterr().err
