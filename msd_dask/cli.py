@@ -344,7 +344,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from msd_dask.errors import ServiceTimeoutError
+    from msd_dask.errors import ServiceError, ServiceTimeoutError
     from msd_dask.service import DataService
 
     resume = None
@@ -354,8 +354,13 @@ def _serve(args: argparse.Namespace) -> int:
                 resume = json.load(f)
             except ValueError as e:  # (JSONDecodeError, or bytes that are not UTF-8)
                 raise ValueError(f"--resume {args.resume}: not a JSON state_dict: {e}") from None
-    svc = DataService.start(args.config, args.scheduler, resume=resume,
-                            security=_security(args))
+    try:
+        svc = DataService.start(args.config, args.scheduler, resume=resume,
+                                security=_security(args))
+    except ServiceError as e:  # (the state refused: named with its file, as a bad JSON is)
+        if args.resume and str(e).startswith("resume: "):
+            raise ServiceError(f"--resume {args.resume}: {str(e)[len('resume: '):]}") from None
+        raise
     stop = {"now": False}
 
     def _stop(signum: int, _frame: object) -> None:
