@@ -136,10 +136,29 @@ def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any,
     settings = dict(EMBEDDED_DASK_CONFIG)
     if cfg is not None and any(s.pool.kind == "process" for s in cfg.sources):
         settings["distributed.worker.daemon"] = False
-    with dask.config.set(settings):  # the workers start inside
+    with dask.config.set(settings), _sigint_ignored():  # the workers start inside
         return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
                             processes=True, dashboard_address=":0", security=security,
                             **({"protocol": "tls://"} if security is not None else {}))
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while the embedded cluster's processes start, which inherit that:
+    a terminal's Ctrl-C reaches its whole process group, and each worker process then
+    printed a traceback of its own while this process closed the cluster anyway (a
+    review of the command line).  Only in the main thread (where signals are set)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 #: the upper bound of what a rank returned that no constructor knows (see

@@ -122,3 +122,41 @@ def test_serve_resumes_from_a_state_file(tmp_path):
     for a, b in zip(again, want, strict=True):
         assert a["rank"] == b["rank"] and a["documents"] == b["documents"]
         assert (a["input_ids"] == b["input_ids"]).all()
+
+
+def test_ctrl_c_on_run_stops_it_plainly(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: each worker process of the
+    embedded cluster printed a traceback of its own (four in all) while msd-dask run closed
+    the cluster anyway (a review of the command line).  Now: exit status 130, no traceback,
+    no process left."""
+    import json
+    import time
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    path = str(tmp_path / "run.json")
+    with open(path, "w") as f:
+        json.dump(config(root, name="ctrlc"), f)
+    proc = subprocess.Popen([sys.executable, "-m", "msd_dask.cli", "run", path, "--steps",
+                             "1000000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        group = os.getpgid(proc.pid)
+        deadline = time.monotonic() + 120
+        seen = b""
+        while b"step" not in seen and time.monotonic() < deadline:  # (steps are read)
+            seen += os.read(proc.stdout.fileno(), 4096)
+        os.killpg(group, signal.SIGINT)  # as a terminal's Ctrl-C
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (seen + out).decode(errors="replace")
+    assert proc.returncode == 130, out[-2000:]
+    assert "Traceback" not in out, out[-4000:]
+    deadline = time.monotonic() + 20  # (the workers' processes end a moment after it)
+    while (left := subprocess.run(["pgrep", "-g", str(group)], capture_output=True,
+                                  text=True).stdout.split()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(group)],
+                                    capture_output=True, text=True).stdout
