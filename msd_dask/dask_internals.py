@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -198,12 +197,14 @@ def keys_on(dask_scheduler: Any, workers: list[str], pattern: str) -> list[str]:
     ``Client.has_what`` does not list running tasks (an actor is one), and
     retiring a worker must wait until no role's key is left on it.
     """
+    from msd_dask.roles.keys import is_role_of  # (the one rule for a role's whole key)
+
     out = []
     for w in workers:
         ws = dask_scheduler.workers.get(w)
         if ws is not None:
             out += [str(ts.key) for ts in (*ws.has_what, *ws.processing)
-                    if re.fullmatch(pattern, str(ts.key))]
+                    if is_role_of(ts.key, pattern)]
     return out
 
 
