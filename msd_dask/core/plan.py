@@ -407,7 +407,11 @@ class Planner:
 
     # ----------------------------------------------------------------- weights
     def weights_at(self, step: int) -> dict[str, float]:
-        """Normalised weights in force at ``step`` (schedule, then live changes)."""
+        """Normalised weights in force at ``step`` (schedule, then live changes).
+
+        For a step before the one given to :meth:`forget_overridden`, the changes it
+        forgot are missing.
+        """
         raw = {s.name: s.weight.at(step) for s in self.cfg.sources}
         for start, w in self.overrides:
             if start <= step:
@@ -684,6 +688,17 @@ class Planner:
                         rank_cost.tolist(), bound, weights, step_tokens)
         self.step += 1
         return plan
+
+    def forget_overridden(self, step: int) -> None:
+        """Forget the weight changes no step from ``step`` on sees: those before the last
+        change in force at ``step`` (:meth:`weights_at` applies the changes in the order they
+        were made, the last in force winning).  Its caller says from which step it may still
+        ask (the planner's actor: the oldest state it keeps), so that a job calling
+        :meth:`set_weights` every step keeps the changes still ahead and a few more, not one
+        per call."""
+        last = max((i for i, (start, _) in enumerate(self.overrides) if start <= step),
+                   default=0)
+        del self.overrides[:last]
 
     def _eligible(self, weights: dict[str, float], capacity: int) -> dict[str, float]:
         """Weights the mixer may choose from this step (long-context modes)."""

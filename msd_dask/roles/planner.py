@@ -1008,6 +1008,9 @@ class PlannerActor:
         self._counts = (snap.step, snap.tokens, snap.pieces)
         while len(self._snapshots) > self._keep:
             self._snapshots.popitem(last=False)
+        # the oldest kept state resumes after its step: no one asks for older weights (a
+        # weight change goes into every kept state, set_weights)
+        self.planner.forget_overridden(next(iter(self._snapshots)) + 1)
 
     async def state(self) -> dict[str, Any]:
         """The planner's state after the last planned step."""

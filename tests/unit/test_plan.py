@@ -432,6 +432,38 @@ def test_set_weights_plans_the_same_under_every_hash_seed() -> None:
     assert len(digests) == 1, digests
 
 
+def test_weight_changes_made_every_step_are_not_kept_for_ever() -> None:
+    # Planner.overrides kept every set_weights call, and weights_at looked through all of
+    # them each step: a job changing its mix every step grew both without bound
+    cfg = make_cfg({"web": 0.5, "code": 0.5})
+    pl = planner(cfg)
+    calls: list[tuple[int, dict[str, float]]] = []  # every change, as set_weights took it
+
+    def expected(step: int) -> dict[str, float]:
+        w = {"web": 0.5, "code": 0.5}
+        for start, ws in calls:  # in the order made, the last in force winning
+            if start <= step:
+                w = ws
+        return {k: v / sum(w.values()) for k, v in w.items()}
+
+    for k in range(300):
+        ws = {"web": 1.0 + k % 7, "code": 1.0 + k % 3}
+        calls.append((pl.set_weights(ws), ws))
+        if k % 10 == 0:  # a change ahead of time, later replaced by the next calls
+            far = {"web": 1.0, "code": 9.0}
+            calls.append((pl.set_weights(far, from_step=pl.step + 5), far))
+        plan = run(pl, 1)[0]
+        assert plan.weights == pytest.approx(expected(plan.step))
+        pl.forget_overridden(pl.step - 3)  # as an actor keeping the last 3 steps' states
+        for step in range(pl.step - 3, pl.step + 8):
+            assert pl.weights_at(step) == pytest.approx(expected(step)), step
+        assert len(pl.overrides) <= 5, pl.overrides
+    # a resumed planner plans the same steps as the one that kept going
+    again = planner(cfg)
+    again.load_state_dict(json.loads(json.dumps(pl.state_dict())))
+    assert [plan_key(p) for p in run(again, 5)] == [plan_key(p) for p in run(pl, 5)]
+
+
 def test_resume_from_a_state_saved_with_sorted_keys_plans_the_same() -> None:
     # weights_at summed an override in its dict's order: a state saved with sorted keys
     # (json sort_keys, YAML) resumed with weights a last bit off, so other mixer credits

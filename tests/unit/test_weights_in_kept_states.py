@@ -24,27 +24,58 @@ from corpus import config
 NEW = {"code": 0.05, "prose": 0.95}
 
 
-def test_a_weight_change_reaches_the_kept_states(corpus: Any) -> None:
+def _actor(corpus: Any) -> tuple[Any, PlannerActor, Any]:
+    """The config, a planner's actor on the corpus (no Dask worker) and its lookup."""
     root, _ = corpus
     cfg = load_config(config(root, prefetch=4))
     units, roots = discover_units(cfg)
+    actor = PlannerActor(cfg.to_dict(), units, roots)
+    lengths: dict[tuple[str, int], np.ndarray] = {}
+    for s in cfg.sources:
+        fs = open_source(s.uri, s.storage_options).fs
+        for i, u in enumerate(actor.units[s.name]):
+            lengths[(s.name, i)] = np.array([len(d) for d in read_unit(s, fs, u,
+                                                                         ByteTokenizer())])
+
+    def lookup(source: str, epoch: int, unit: int) -> np.ndarray:
+        return lengths[(source, unit)]
+
+    actor._lookup = lookup  # type: ignore[method-assign]
+    # (no Dask worker holds this actor here: its checkpoint names none)
+    actor.roles.own_address = lambda: "tcp://198.18.0.2:0"  # type: ignore[method-assign]
+    return cfg, actor, lookup
+
+
+def test_weight_changes_every_step_keep_the_planner_bounded(corpus: Any) -> None:
+    """A change made every step was kept for ever (each call one more entry, each step a
+    pass over them all); the actor now forgets those no kept state can see, and every kept
+    state still plans the changes the live planner made."""
+    cfg, actor, lookup = _actor(corpus)
 
     async def run() -> None:
-        actor = PlannerActor(cfg.to_dict(), units, roots)
-        lengths: dict[tuple[str, int], np.ndarray] = {}
-        for s in cfg.sources:
-            fs = open_source(s.uri, s.storage_options).fs
-            for i, u in enumerate(actor.units[s.name]):
-                lengths[(s.name, i)] = np.array([len(d) for d in read_unit(s, fs, u,
-                                                                             ByteTokenizer())])
+        live = {}
+        for k in range(60):
+            await actor.set_weights({"code": 1.0 + k % 5, "prose": 1.0 + k % 3})
+            if k % 7 == 0:  # made ahead, then replaced by the next steps' changes
+                await actor.set_weights({"code": 9.0, "prose": 1.0},
+                                        from_step=actor.planner.step + 2)
+            live.update((p.step, p) for p in await _plan(actor, 1))
+            assert len(actor.planner.overrides) <= actor._keep + 3, actor.planner.overrides
+        oldest = next(iter(actor._snapshots))
+        resumed = Planner(cfg, actor.units)
+        resumed.load_state_dict((await actor.state_at(oldest))["planner"])
+        for step in range(oldest + 1, max(live) + 1):
+            p = resumed.plan_step(lookup)
+            assert p.step == step and p.weights == live[step].weights, step
+            assert np.array_equal(p.table, live[step].table)
 
-        def lookup(source: str, epoch: int, unit: int) -> np.ndarray:
-            return lengths[(source, unit)]
+    asyncio.run(run())
 
-        actor._lookup = lookup  # type: ignore[method-assign]
-        # (no Dask worker holds this actor here: its checkpoint names none)
-        actor.roles.own_address = lambda: "tcp://198.18.0.2:0"  # type: ignore[method-assign]
 
+def test_a_weight_change_reaches_the_kept_states(corpus: Any) -> None:
+    cfg, actor, lookup = _actor(corpus)
+
+    async def run() -> None:
         await _plan(actor, 10)
         before = await actor.checkpoint()
         start = await actor.set_weights(NEW)
