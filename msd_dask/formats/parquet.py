@@ -37,9 +37,15 @@ def _arrow_allocates_from_the_c_heap() -> None:
         pa.set_memory_pool(pa.system_memory_pool())
 
 
-def _data_error(path: str, exc: BaseException) -> DataError:
+def _data_error(path: str, exc: BaseException, where: str = "") -> DataError:
+    """``exc`` (pyarrow's, or any a corrupt file raises) as the file's :class:`DataError`;
+    ``where``: the part of the file read (a row group)."""
+    import pyarrow as pa
+
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return DataError(f"cannot read parquet: {reason}", path=path)
+    if not isinstance(exc, pa.ArrowException | OSError):  # (an IndexError says little alone)
+        reason = f"{type(exc).__name__}: {reason}"
+    return DataError(f"cannot read parquet{' ' + where if where else ''}: {reason}", path=path)
 
 
 def _values(column: Any) -> list[Any]:
@@ -86,23 +92,22 @@ class ParquetFormat:
         DataError
             If the footer cannot be read (not a parquet file, truncated, corrupt).
         """
-        import pyarrow as pa  # here, not at import: a training process never needs it
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # here, not at import: a training process never needs it
 
         _arrow_allocates_from_the_c_heap()
 
         with fs.open(path, "rb") as f:
             try:
                 meta = pq.ParquetFile(f).metadata
-            except (pa.ArrowException, OSError) as exc:
+                units = []
+                offset = 0
+                for i in range(meta.num_row_groups):
+                    units.append(Unit(path, part=i, row_offset=offset))
+                    offset += meta.row_group(i).num_rows
+            except Exception as exc:  # noqa: BLE001 - a corrupt footer raises all kinds
                 if isinstance(exc, _STORAGE_ERRORS):
                     raise
                 raise _data_error(path, exc) from exc
-        units = []
-        offset = 0
-        for i in range(meta.num_row_groups):
-            units.append(Unit(path, part=i, row_offset=offset))
-            offset += meta.row_group(i).num_rows
         return units
 
     def read(self, fs: fsspec.AbstractFileSystem, unit: Unit,
@@ -129,10 +134,10 @@ class ParquetFormat:
         Raises
         ------
         DataError
-            If a field is not a column of the file (naming the unit's first row), or the
-            file cannot be read.
+            If a field is not a column of the file or is more than one (naming the unit's
+            first row), the file changed since :meth:`units` listed it, or it cannot be
+            read (naming the row group where that is where it failed).
         """
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         _arrow_allocates_from_the_c_heap()
@@ -141,21 +146,45 @@ class ParquetFormat:
         with fs.open(path, "rb") as f:
             try:
                 pf = pq.ParquetFile(f)
-                names = set(pf.schema_arrow.names)
-                missing = [c for c in columns if c not in names]
+                schema = pf.schema_arrow
+                missing = [c for c in columns if c not in schema.names]
                 if missing:
                     raise DataError(f"missing field '{missing[0]}' (the file's columns: "
-                                    f"{', '.join(pf.schema_arrow.names)})", path=path,
+                                    f"{', '.join(schema.names)})", path=path,
                                     row=unit.row_offset)
-                if not 0 <= unit.part < pf.metadata.num_row_groups:
-                    raise DataError(f"no row group {unit.part} (the file has "
-                                    f"{pf.metadata.num_row_groups})", path=path)
-                num_rows = pf.metadata.row_group(unit.part).num_rows
-                table = pf.read_row_group(unit.part, columns=columns)
+                twice = [c for c in columns if len(schema.get_all_field_indices(c)) > 1]
+                if twice:
+                    raise DataError(f"column '{twice[0]}' appears "
+                                    f"{len(schema.get_all_field_indices(twice[0]))} times "
+                                    "in the file's schema: which one to read is ambiguous",
+                                    path=path, row=unit.row_offset)
+                meta = pf.metadata
+                groups = meta.num_row_groups
+                first = sum(meta.row_group(i).num_rows for i in range(min(unit.part, groups)))
+                if not 0 <= unit.part < groups or first != unit.row_offset:
+                    # (row groups are the units: another layout would repeat or skip rows)
+                    raise DataError(
+                        f"the file changed since its units were listed: row group "
+                        f"{unit.part} was to start at row {unit.row_offset}, the file now "
+                        + (f"has {groups} row group(s)" if not 0 <= unit.part < groups else
+                           f"starts it at row {first}") + "; list the source again "
+                        "(restart the service) to read the file as it is", path=path)
+                num_rows = meta.row_group(unit.part).num_rows
+                where = (f"row group {unit.part} (rows {unit.row_offset}-"
+                         f"{unit.row_offset + num_rows - 1})")
+                try:
+                    table = pf.read_row_group(unit.part, columns=columns)
+                except Exception as exc:  # noqa: BLE001 - named with its row group below
+                    if isinstance(exc, _STORAGE_ERRORS):
+                        raise
+                    raise _data_error(path, exc, where) from exc
+                if table.num_rows != num_rows:
+                    raise DataError(f"cannot read parquet: {where} holds {table.num_rows} "
+                                    f"rows, the file's footer says {num_rows}", path=path)
                 values = {c: _values(table.column(c)) for c in columns}
             except DataError:
                 raise
-            except (pa.ArrowException, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a corrupt file raises all kinds
                 if isinstance(exc, _STORAGE_ERRORS):
                     raise
                 raise _data_error(path, exc) from exc

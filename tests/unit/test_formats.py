@@ -501,6 +501,59 @@ def test_parquet_missing_file_is_not_a_data_error(tmp_path: Any) -> None:
         PARQUET.units(LOCAL, (tmp_path / "absent.parquet").as_posix())
 
 
+def test_parquet_a_column_twice_is_one_clear_error(tmp_path: Any) -> None:
+    # pyarrow's KeyError passed the reader's handling: no file named, on_error ignored
+    path = (tmp_path / "dup.parquet").as_posix()
+    pq.write_table(pa.Table.from_arrays([pa.array(["a", "b"]), pa.array(["c", "d"])],
+                                        names=["text", "text"]), path)
+    (unit,) = PARQUET.units(LOCAL, path)
+    with pytest.raises(DataError, match=r"dup\.parquet.*row 0.*column 'text' appears 2 times"):
+        list(PARQUET.read(LOCAL, unit, ["text"]))
+
+
+@pytest.mark.parametrize("groups", [5, 2])
+def test_parquet_a_file_rewritten_after_listing_is_not_read_shifted(tmp_path: Any,
+                                                                    groups: int) -> None:
+    # the row groups listed were read by index: rows came twice, or shifted, silently
+    path = (tmp_path / "f.parquet").as_posix()
+    pq.write_table(pa.table({"text": [f"old{i}" for i in range(6)]}), path, row_group_size=3)
+    first, second = PARQUET.units(LOCAL, path)
+    pq.write_table(pa.table({"text": [f"new{i}" for i in range(6 if groups == 5 else 2)]}),
+                   path, row_group_size=groups if groups == 5 else 1)
+    assert [r for r, _ in PARQUET.read(LOCAL, first, ["text"])][0] == 0  # (still starts at 0)
+    with pytest.raises(DataError, match=r"f\.parquet.*changed since its units were listed"):
+        list(PARQUET.read(LOCAL, second, ["text"]))
+
+
+def test_parquet_a_corrupt_footer_is_always_a_data_error(tmp_path: Any) -> None:
+    # bytes changed at random in the footer: some made pyarrow raise an IndexError or a
+    # UnicodeDecodeError, which passed on_error: skip and named no file
+    import random
+
+    out = io.BytesIO()
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(50)]}), out, row_group_size=10)
+    base = out.getvalue()
+    start = len(base) - 8 - int.from_bytes(base[-8:-4], "little")
+    rng = random.Random(1)
+    fs = fsspec.filesystem("memory")
+    path = f"/fuzz-{uuid.uuid4().hex}.parquet"
+    failed = 0
+    for _ in range(400):
+        data = bytearray(base)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(start, len(base) - 8)] = rng.randrange(256)
+        fs.pipe_file(path, bytes(data))
+        try:
+            for unit in PARQUET.units(fs, path):
+                for _ in PARQUET.read(fs, unit, ["text"]):
+                    pass
+        except DataError as e:
+            assert path in str(e)
+            failed += 1
+    fs.rm(path)
+    assert failed > 100  # (most changes break the file)
+
+
 # ---------------------------------------------------------------------------------------
 # JSON lines
 # ---------------------------------------------------------------------------------------
