@@ -21,6 +21,7 @@ It must be importable on every worker (installed, or on ``PYTHONPATH``).
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 __all__ = ["drop_short", "normalize_whitespace", "clean", "fail_on_marker", "slow_store",
@@ -54,6 +55,14 @@ def fail_on_marker(text: str, record: dict[str, Any]) -> str | None:
     """Raise on documents containing ``"FAIL-ME"`` (to test error reporting)."""
     if "FAIL-ME" in text:
         raise ValueError("found the FAIL-ME marker")
+    return text
+
+
+def exit_on_marker(text: str, record: dict[str, Any]) -> str | None:
+    """Call ``sys.exit`` on documents containing ``"EXIT-ME"`` (user code raising a
+    BaseException: to test that it still names the document)."""
+    if "EXIT-ME" in text:
+        sys.exit("found the EXIT-ME marker")
     return text
 
 

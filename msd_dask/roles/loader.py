@@ -211,8 +211,8 @@ class SourceLoader:
             # the work was cancelled under it (a preprocess pool replaced meanwhile): said,
             # not left for whoever waits for the unit to find out at its timeout
             failed = e
-        except Exception as e:  # noqa: BLE001 - handed to whoever waits for this unit
-            failed = e
+        except BaseException as e:  # handed to whoever waits for this unit (raised here,
+            failed = e                # a SystemExit of user code ended the read loop)
         if failed is not None:
             if not isinstance(failed, DataError | ConfigError | OSError):  # (they name it)
                 # a tokenizer's, a format's or a preprocess pool's own failure: say where

@@ -537,7 +537,9 @@ def _tokenize(src: SourceConfig, rec: dict[str, Any],
     if prep is not None:
         try:
             text = prep(text, rec)
-        except Exception as e:  # noqa: BLE001 - any failure of user code names the row
+        except BaseException as e:  # any failure of user code names the row
+            if not _users_failure(e):
+                raise
             raise DataError(f"preprocess {src.preprocess!r} raised {type(e).__name__}: {e}",
                             source=src.name, path=path, row=row) from e
         if text is None:
@@ -550,9 +552,18 @@ def _tokenize(src: SourceConfig, rec: dict[str, Any],
         return tokenizer.encode(text)
     except (UnicodeError, TypeError, ValueError) as e:
         # e.g. a lone surrogate ("\ud800" is valid JSON, not UTF-8): the byte tokenizer
-        # raises UnicodeEncodeError, a Hugging Face one TypeError
+        # raises UnicodeEncodeError, a Hugging Face one TypeError (its other failures, a
+        # Rust panic among them, fail the unit: SourceLoader names its file)
         raise DataError(f"field '{src.text_field}' could not be tokenized: "
                         f"{type(e).__name__}: {e}", source=src.name, path=path, row=row) from e
+
+
+def _users_failure(e: BaseException) -> bool:
+    """Whether ``e``, raised by a preprocess function, is that function's failure on the
+    document it was given: any exception, and the BaseExceptions such code raises that
+    are not the process's own stop (a ``sys.exit()``), which, let through, ended the
+    loader's read loop instead of naming the document."""
+    return not isinstance(e, KeyboardInterrupt | GeneratorExit)
 
 
 def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, tokenizer: Any,

@@ -9,6 +9,7 @@ by source, file and row (through the service:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import multiprocessing
@@ -22,6 +23,7 @@ import pytest
 from msd_dask import ConfigError, DataError, load_config
 from msd_dask.core.config import PoolConfig, SourceConfig
 from msd_dask.examples import preprocess as prep
+from msd_dask.roles.loader import SourceLoader
 from msd_dask.sources.documents import DocPool, read_unit
 from msd_dask.sources.tokenizer import ByteTokenizer
 
@@ -281,3 +283,66 @@ def test_read_threads_that_find_the_pool_broken_together_start_one_new_pool(
     finally:
         for ex in started:
             ex.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["none", "thread", "process"])
+def test_user_code_raising_a_base_exception_names_the_document(tmp_path: Any,
+                                                               kind: str) -> None:
+    # a preprocess function calling sys.exit() (a pyo3 panic of a tokenizer is another
+    # BaseException) passed 'except Exception' and ended the loader's read loop
+    lines = [{"text": f"doc {i} " + ("EXIT-ME" if i == 2 else "fine")} for i in range(6)]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    src = load_config({"name": "t", "batch": {"seq_len": 64}, "sources": [
+        {"name": "bad", "uri": str(tmp_path / "*.jsonl"), "format": "jsonl",
+         "preprocess": "msd_dask.examples.preprocess:exit_on_marker"}]}).sources[0]
+    fs, units = source_units(src)
+    pool = None if kind == "none" else DocPool(src, TOK, 2, kind)
+    try:
+        with pytest.raises(DataError, match=r"x\.jsonl', row 2: preprocess .* raised "
+                                            r"SystemExit: found the EXIT-ME marker"):
+            read_unit(src, fs, units[0], ByteTokenizer(), pool=pool)
+        quarantine: list[DataError] = []
+        docs = read_unit(dataclasses.replace(src, on_error="skip"), fs, units[0],
+                         ByteTokenizer(), quarantine, pool=pool)
+        assert [e.row for e in quarantine] == [2]
+        assert [len(d) == 0 for d in docs] == [i == 2 for i in range(6)]
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def test_a_format_raising_a_base_exception_fails_its_unit_not_the_loader(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a format of the user's own that raised SystemExit ended the loader's read task: the
+    # unit's waiters were cancelled, not told which file
+    (tmp_path / "exiting_format_xyz.py").write_text(
+        "import sys\n"
+        "from msd_dask.examples.text_lines import TextLinesFormat\n"
+        "class Exiting(TextLinesFormat):\n"
+        "    def read(self, fs, unit, fields):\n"
+        "        if unit.path.endswith('b.txt'):\n"
+        "            sys.exit('a format gave up')\n"
+        "        yield from super().read(fs, unit, fields)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text("one\ntwo\n")
+    src = load_config({"name": "t", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": str(tmp_path / "*.txt"),
+         "format": "exiting_format_xyz:Exiting"}]}).sources[0]
+    source = dataclasses.asdict(src)
+    source.pop("weight")
+    units = [(u.path, u.part, u.row_offset) for u in source_units(src)[1]]
+    assert [os.path.basename(u[0]) for u in units] == ["a.txt", "b.txt"]
+
+    async def run() -> None:
+        loader = SourceLoader(source, units, {"kind": "bytes"}, threads=1)
+        try:
+            with pytest.raises(RuntimeError, match=r"file '.*b\.txt' \(epoch 0, unit 1\): "
+                                                   r"SystemExit: a format gave up"):
+                await asyncio.wait_for(loader.metadata(0, 1), 30)
+            # the loader reads on
+            assert list(await asyncio.wait_for(loader.metadata(0, 0), 30)) == [4, 4]
+        finally:
+            await loader.close()
+
+    asyncio.run(run())
