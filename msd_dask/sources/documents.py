@@ -147,16 +147,22 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     """
     if getattr(src, "on_error", "fail") != "skip":
         try:
-            return _read_rows(src, fs, unit, tokenizer, [], None, pool, timing, cpu)
+            return _again_after_a_blip(
+                src, unit, lambda: _read_rows(src, fs, unit, tokenizer, [], None, pool,
+                                              timing, cpu))
         except (DataError, OSError) as e:
             err = with_source(e, src.name, unit.path)
             if err is e:  # (already named: 'raise e from e' would make e its own cause, a
                 raise     # cycle Dask's pickling of the error recursed on without end)
             raise err from e
-    out: list[np.ndarray | ImageDoc] = []
     bad: list[DataError] = []
+
+    def read() -> list[np.ndarray | ImageDoc]:
+        bad.clear()  # (a read cut short by a blip: its rows are read again)
+        return _read_rows(src, fs, unit, tokenizer, [], bad, pool, timing, cpu)
+
     try:
-        _read_rows(src, fs, unit, tokenizer, out, bad, pool, timing, cpu)
+        out = _again_after_a_blip(src, unit, read)
     except (DataError, OSError) as e:
         if quarantine is not None:
             quarantine.append(with_source(e, src.name, unit.path, whole_file=True))
@@ -164,6 +170,32 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     if quarantine is not None:
         quarantine.extend(bad)
     return out
+
+
+#: seconds :func:`read_unit` waits before each new read of a unit whose storage failed
+#: for a moment (:data:`BLIPS`); the last failure is the unit's
+BLIP_RETRIES = (0.5, 2.0)
+
+#: storage errors that may pass: a connection dropped, a read that timed out (fsspec's
+#: object stores retry their own calls first; these are what got through)
+BLIPS: tuple[type[OSError], ...] = (ConnectionError, TimeoutError)
+
+
+def _again_after_a_blip(src: SourceConfig, unit: Unit,
+                        read: Callable[[], list[np.ndarray | ImageDoc]]
+                        ) -> list[np.ndarray | ImageDoc]:
+    """``read()``, again after each of :data:`BLIP_RETRIES` where the storage failed for a
+    moment (:data:`BLIPS`): a brief failure of the store is not bad input, which
+    ``on_error: skip`` would quarantine (the whole unit, for the epoch) and ``fail``
+    would stop the service on."""
+    for delay in BLIP_RETRIES:
+        try:
+            return read()
+        except BLIPS as e:
+            _log.warning("source %r, file %r: reading it failed (%s: %s); reading it again "
+                         "in %.1fs", src.name, unit.path, type(e).__name__, e, delay)
+            time.sleep(delay)
+    return read()
 
 
 def source_format(src: SourceConfig, index: int) -> Format:

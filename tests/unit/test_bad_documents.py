@@ -4,14 +4,18 @@ by running it): each is now one DataError naming the source, file and row, and w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 
 from msd_dask import DataError, load_config
+from msd_dask.sources import documents
 from msd_dask.sources.documents import read_unit
 from msd_dask.sources.tokenizer import ByteTokenizer
 
@@ -84,3 +88,57 @@ def test_a_document_error_pickles_as_dask_sends_it(tmp_path: Path, line: bytes) 
     assert err.__cause__ is not err
     again = dask_pickle.loads(dask_pickle.dumps(err))
     assert (type(again), str(again), again.source, again.row) == (DataError, str(err), "s", 1)
+
+
+class _FlakyFS(LocalFileSystem):
+    """A local filesystem whose first ``fails`` opens time out, as an object store's
+    connection may for a moment."""
+
+    def __init__(self, fails: int, error: type[OSError] = TimeoutError) -> None:
+        super().__init__()
+        self.fails, self.error, self.opens = fails, error, 0
+
+    def _open(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        self.opens += 1
+        if self.opens <= self.fails:
+            raise self.error("read timed out (a store's blip)")
+        return super()._open(path, *args, **kwargs)
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+@pytest.mark.parametrize("fails", [1, 2])
+def test_a_storage_blip_is_read_again_not_bad_input(tmp_path: Path, on_error: str, fails: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # a storage error that passed in a moment stopped the service (fail) or quarantined the
+    # whole unit for the epoch (skip), although the next read of it succeeded
+    monkeypatch.setattr(documents, "BLIP_RETRIES", (0.01, 0.01))
+    (tmp_path / "f.jsonl").write_text('{"text": "ab"}\n{"text": "cde"}\n')
+    src = load_config({"name": "bad", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": str(tmp_path / "f.jsonl"), "format": "jsonl",
+         "on_error": on_error}]}).sources[0]
+    unit = source_units(src)[1][0]
+    fs = _FlakyFS(fails)
+    quarantine: list[DataError] = []
+    docs = read_unit(src, fs, unit, ByteTokenizer(), quarantine)
+    assert [len(d) for d in docs] == [3, 4] and quarantine == []
+    assert fs.opens > fails  # (read again after each)
+
+
+@pytest.mark.parametrize("error", [TimeoutError, FileNotFoundError])
+def test_a_storage_failure_that_lasts_is_the_files(tmp_path: Path, error: type[OSError],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(documents, "BLIP_RETRIES", (0.01, 0.01))
+    (tmp_path / "f.jsonl").write_text('{"text": "ab"}\n')
+    cfg = {"name": "bad", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": str(tmp_path / "f.jsonl"), "format": "jsonl"}]}
+    src = load_config(cfg).sources[0]
+    unit = source_units(src)[1][0]
+    fs = _FlakyFS(100, error)
+    with pytest.raises(DataError, match=rf"source 's', file '.*f\.jsonl': cannot read: "
+                                        rf"{error.__name__}"):
+        read_unit(src, fs, unit, ByteTokenizer())
+    assert fs.opens == (3 if error is TimeoutError else 1)  # (a missing file is no blip)
+    quarantine: list[DataError] = []
+    skip = dataclasses.replace(src, on_error="skip")
+    assert read_unit(skip, _FlakyFS(100, error), unit, ByteTokenizer(), quarantine) == []
+    assert len(quarantine) == 1 and quarantine[0].row is None
