@@ -12,8 +12,10 @@ the rest, ``jpg`` and ``txt``).  Each sample becomes one record:
   image win over keys of the same name);
 * any other extension → its bytes under the extension.
 
-Rows are sample indices in tar order.  The shard is read as a stream of
-members, never listed first; a shard that ends without the tar end-of-archive
+A sample lacking a field asked for is bad input, save for the image: a sample
+without one is a text document (its image field ``None``).  Rows are sample
+indices in tar order.  The shard is read as a stream of members, never listed
+first; a shard that ends without the tar end-of-archive
 block, or with a header that does not parse, is a :class:`DataError`.
 """
 
@@ -36,6 +38,19 @@ __all__ = ["WebDatasetFormat", "IMAGE_EXTENSIONS", "split_key"]
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
 _STORAGE_ERRORS = (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)
+
+#: the fields a sample's image is under (``image``, and its extension): absent, the
+#: sample is a text document (``None``), as a parquet or JSON row whose image is null
+_IMAGE_FIELDS = frozenset(("image", *IMAGE_EXTENSIONS))
+
+#: the first bytes of the compressed files a shard may be by mistake
+_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2",
+          b"\xfd7zXZ": "xz"}
+
+
+def _compression(head: bytes) -> str | None:
+    """The compression whose magic bytes ``head`` starts with, if any."""
+    return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -98,7 +113,7 @@ class WebDatasetFormat:
         Raises
         ------
         DataError
-            A sample lacking a field, a ``.txt`` that is not UTF-8, a ``.json`` that is
+            A sample lacking a field (save its image), a ``.txt`` that is not UTF-8, a ``.json`` that is
             not an object (naming file and row); a shard that is not a tar file, is
             truncated or has a corrupt header (naming the file).
         """
@@ -107,7 +122,11 @@ class WebDatasetFormat:
             try:
                 tar = tarfile.open(fileobj=f, mode="r:")
             except tarfile.TarError as exc:
-                raise DataError(f"cannot read tar: {exc}", path=path) from None
+                f.seek(0)
+                packed = _compression(f.read(6))
+                raise DataError(f"cannot read tar: {exc}" + (
+                    f" (the shard is {packed}-compressed: shards are read as plain tar "
+                    "files, as WebDataset writes them)" if packed else ""), path=path) from None
             with tar:
                 row = -1
                 key: str | None = None
@@ -135,10 +154,12 @@ class WebDatasetFormat:
             if twice is not None:
                 raise DataError(twice, path=path, row=row)
             rec = _record(sample, path, row)
-            try:
-                return {name: rec[name] for name in fields}
-            except KeyError as exc:
-                raise DataError(f"missing field '{exc.args[0]}'", path=path, row=row) from None
+            missing = [name for name in fields if name not in rec and name not in _IMAGE_FIELDS]
+            if missing:
+                raise DataError(f"missing field '{missing[0]}' (the sample's fields: "
+                                f"{', '.join(sorted(rec)) or 'none'})", path=path, row=row)
+            # a sample without an image is a text document, as a row whose image is null
+            return {name: rec.get(name) for name in fields}
         except DataError as exc:
             if errors == "yield":
                 return exc

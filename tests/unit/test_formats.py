@@ -968,3 +968,45 @@ def test_a_format_that_yields_rows_out_of_order_is_named(tmp_path: Any,
     err = info.value
     assert err.source == "back" and err.path == str(tmp_path / "a.txt") and err.row == 0
     assert "rows out of order" in str(err) and "backwards_format_xyz:Backwards" in str(err)
+
+
+def _write_tar(path: str, members: Sequence[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_webdataset_a_sample_without_an_image_is_a_text_document(tmp_path: Any) -> None:
+    # the docs say a row whose image is null is a text document; a shard's sample without
+    # an image member was a 'missing field' error (a review)
+    path = str(tmp_path / "mixed.tar")
+    _write_tar(path, [("s/0.jpg", b"JPEG"), ("s/0.txt", b"zero"), ("s/1.txt", b"one")])
+    wds = get_format("webdataset")
+    rows = list(wds.read(LOCAL, Unit(path), ["text", "image"]))
+    assert rows == [(0, {"text": "zero", "image": b"JPEG"}), (1, {"text": "one", "image": None})]
+    assert list(wds.read(LOCAL, Unit(path), ["text", "jpg"]))[1] == (1, {"text": "one",
+                                                                        "jpg": None})
+
+
+def test_webdataset_a_missing_field_lists_the_samples_fields(tmp_path: Any) -> None:
+    path = str(tmp_path / "s.tar")
+    _write_tar(path, [("s/0.txt", b"zero"), ("s/0.cls", b"3")])
+    with pytest.raises(DataError, match=r"row 0: missing field 'caption' \(the sample's "
+                                        r"fields: cls, text, txt\)"):
+        list(get_format("webdataset").read(LOCAL, Unit(path), ["caption"]))
+
+
+@pytest.mark.parametrize("compress, says", [(gzip.compress, "gzip"), (bz2.compress, "bzip2"),
+                                            (zstandard.ZstdCompressor().compress, "zstd")])
+def test_webdataset_a_compressed_shard_says_so(tmp_path: Any, compress: Callable[[bytes], bytes],
+                                               says: str) -> None:
+    plain = str(tmp_path / "s.tar")
+    _write_tar(plain, [("s/0.txt", b"zero")])
+    path = str(tmp_path / "s.tar.x")
+    with open(plain, "rb") as f, open(path, "wb") as out:
+        out.write(compress(f.read()))
+    with pytest.raises(DataError, match=rf"s\.tar\.x': cannot read tar: .* \(the shard is "
+                                        rf"{says}-compressed"):
+        list(get_format("webdataset").read(LOCAL, Unit(path), ["text"]))
