@@ -275,7 +275,7 @@ def _parse(line: bytes, fields: Sequence[str], path: str, row: int) -> dict[str,
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(f"invalid JSON: {exc.msg} at column {exc.colno}",
+        raise DataError(f"invalid JSON: {exc.msg} (column {exc.colno})",
                         path=path, row=row) from None
     except RecursionError:
         raise DataError("invalid JSON: nested too deep to parse", path=path, row=row) from None

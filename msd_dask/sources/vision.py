@@ -10,6 +10,7 @@ order, so one patch is a row of ``patch · patch · 3`` ``uint8`` values.
 from __future__ import annotations
 
 import io
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,10 +44,23 @@ def decode_image(data: bytes) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             img.load()
-            return img.convert("RGB")
+            return _eight_bit(img).convert("RGB")
     except Exception as exc:  # noqa: BLE001 - any failure to decode is the row's bad input
+        # (Pillow names the file object it read: an address, other in every run)
+        reason = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc))
         raise ValueError(f"cannot decode image ({len(data)} bytes): "
-                         f"{type(exc).__name__}: {exc}") from None
+                         f"{type(exc).__name__}: {reason}") from None
+
+
+def _eight_bit(img: Image.Image) -> Image.Image:
+    """``img``, a 16-bit grayscale image (a PNG's or TIFF's ``I;16`` or ``I``) scaled to 8
+    bits: Pillow's conversion to RGB clips it instead, all but its darkest pixels white."""
+    from PIL import Image
+
+    if img.mode not in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
+        return img
+    values = np.asarray(img).astype(np.int64)
+    return Image.fromarray((np.clip(values, 0, 65535) // 257).astype(np.uint8), "L")
 
 
 def resize(img: Image.Image, size: int) -> np.ndarray:
