@@ -267,7 +267,9 @@ def _gathered(src: np.ndarray, ends: np.ndarray, delta: np.ndarray, index: np.nd
     None if not ``wide`` and ``src`` holds a negative value.
     """
     total = len(src)
-    table = np.empty((total, 9), dtype=np.int64 if wide else np.int32)
+    # column by column in memory: each column is written here as one run, and laid out
+    # for the constructors (pack_works) as one run, not transposed
+    table = np.empty((total, 9), dtype=np.int64 if wide else np.int32, order="F")
     same = np.array_equal(index, np.arange(len(index)))
     for a in range(0, total, _SLICE):
         b = min(a + _SLICE, total)
@@ -282,24 +284,9 @@ def _gathered(src: np.ndarray, ends: np.ndarray, delta: np.ndarray, index: np.nd
             return None
         part = table[a:b]
         part[:, 0] = rows[:, 0] if same else index[rows[:, 0]]
-        if rows.dtype == part.dtype:
-            # the plan's columns 1-3 and 5-6, adjacent in the table too: a copy of each run
-            # (one strided copy a row, not one a value)
-            _run(part, 2, 3)[...] = _run(rows, 1, 3)
-            _run(part, 5, 2)[...] = _run(rows, 5, 2)
-            part[:, 7] = rows[:, 4]
-        else:
-            for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
-                part[:, col] = rows[:, plan_col]
+        for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
+            part[:, col] = rows[:, plan_col]
     return table
-
-
-def _run(rows: np.ndarray, col: int, k: int) -> np.ndarray:
-    """Columns ``col`` to ``col + k - 1`` of C-contiguous 2-d ``rows``, as one opaque value
-    a row (a view)."""
-    size = rows.itemsize
-    return np.ndarray((len(rows),), dtype=f"V{k * size}", buffer=rows, offset=col * size,
-                      strides=(rows.strides[0],))
 
 
 def pack_snapshot(snap: PlannerSnapshot) -> bytes:
