@@ -706,7 +706,9 @@ class Planner:
             return weights
         long_w = sum(v for k, v in weights.items() if k in self.long_sources)
         short_w = sum(v for k, v in weights.items() if k not in self.long_sources)
-        owed = sum(self.mixer.credit[k] for k in self.long_sources if weights.get(k, 0) > 0)
+        # (summed in the config's order: a set's order depends on the process's hash seed)
+        owed = sum(self.mixer.credit[k] for k in self._names
+                   if k in self.long_sources and weights.get(k, 0) > 0)
         # a long step when the long sources are owed a step's worth (or nothing else is left)
         long_step = long_w > 0 and (short_w <= 0 or owed >= capacity * (1 - long_w))
         keep = self.long_sources if long_step else set(weights) - self.long_sources

@@ -432,6 +432,42 @@ def test_set_weights_plans_the_same_under_every_hash_seed() -> None:
     assert len(digests) == 1, digests
 
 
+_GROUPED_RUN = """
+import numpy as np
+from msd_dask.core.config import parse_config
+from msd_dask.core.plan import Planner
+from msd_dask.formats import Unit
+names = ["s", "la", "lb", "lc"]
+cfg = parse_config({"name": "t", "seed": 3, "batch": {"seq_len": 128, "micro_batches": 2},
+                    "parallel": {"dp": 2}, "long_context": {"mode": "grouped"},
+                    "sources": [{"name": n, "uri": f"mem://{n}/*.parquet", "format": "parquet",
+                                 **({"context": "long"} if n != "s" else {})} for n in names]})
+units = {n: [Unit(f"{n}/p{i}.parquet") for i in range(2)] for n in names}
+rng = np.random.default_rng(0)
+lengths = {(n, u): rng.integers(1, 100, size=5) for n in names for u in range(2)}
+pl = Planner(cfg, units)
+# credits summing to 0 whose long part is 128.0 = capacity x short weight, or a last bit
+# below it, depending on the order of the sum
+pl.mixer.load_state_dict({"s": -128.0, "la": -219.4, "lb": 208.5, "lc": 138.9})
+plan = pl.plan_step(lambda s, e, u: lengths[(s, u)])
+print(sorted(plan.tokens_by_source()))
+"""
+
+
+def test_a_grouped_step_is_long_or_short_the_same_under_every_hash_seed() -> None:
+    # the long sources' credit was summed in a set's order, which depends on the process's
+    # hash seed: whether a step was a long one could differ between two planners
+    import os
+    import subprocess
+    import sys
+
+    drawn = {subprocess.run([sys.executable, "-c", _GROUPED_RUN], check=True,
+                            capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONHASHSEED=str(seed))).stdout.strip()
+             for seed in range(4)}
+    assert len(drawn) == 1, drawn
+
+
 def test_weight_changes_made_every_step_are_not_kept_for_ever() -> None:
     # Planner.overrides kept every set_weights call, and weights_at looked through all of
     # them each step: a job changing its mix every step grew both without bound
