@@ -469,10 +469,11 @@ def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozen
         if k not in allowed:
             where = f"{key}.{k}" if key else str(k)
             raise ConfigError(where, f"unknown key (allowed: {', '.join(sorted(allowed))})")
-    for k in required:
-        if k not in d:
-            where = f"{key}.{k}" if key else k
-            raise ConfigError(where, "is required")
+    missing = sorted(k for k in required if k not in d)  # (a set's order: the hash seed's)
+    if missing:
+        where = [f"{key}.{k}" if key else k for k in missing]
+        raise ConfigError(where[0], "is required" + (
+            f" (and so are {', '.join(where[1:])})" if len(where) > 1 else ""))
 
 
 def _names(cls: Any) -> set[str]:

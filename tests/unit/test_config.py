@@ -534,3 +534,24 @@ def test_a_yaml_file_with_a_syntax_error_or_nothing_in_it_is_named(tmp_path: Pat
     empty.write_text("")
     with pytest.raises(ConfigError, match=rf"config file '{empty}' is empty"):
         parse_config(empty)
+
+
+def test_missing_keys_are_named_the_same_under_every_hash_seed() -> None:
+    # the required keys were looked for in a set's order: which one the error named
+    # depended on PYTHONHASHSEED (a review)
+    import os
+    import subprocess
+    import sys
+
+    code = ("from msd_dask.core.config import parse_config\n"
+            "try:\n"
+            "    parse_config({'name': 'x', 'batch': {'seq_len': 8}, 'sources': [{}]})\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    said = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                           text=True, env=dict(os.environ, PYTHONHASHSEED=str(seed))
+                           ).stdout.strip() for seed in range(4)}
+    assert len(said) == 1, said
+    (one,) = said
+    assert "'sources[0].format'" in one and "is required" in one
+    assert "sources[0].name" in one and "sources[0].uri" in one  # (all of them, at once)
