@@ -471,9 +471,9 @@ def _check_keys(d: Any, key: str, allowed: set[str], required: set[str] = frozen
             raise ConfigError(where, f"unknown key (allowed: {', '.join(sorted(allowed))})")
     missing = sorted(k for k in required if k not in d)  # (a set's order: the hash seed's)
     if missing:
-        where = [f"{key}.{k}" if key else k for k in missing]
-        raise ConfigError(where[0], "is required" + (
-            f" (and so are {', '.join(where[1:])})" if len(where) > 1 else ""))
+        named = [f"{key}.{k}" if key else k for k in missing]
+        raise ConfigError(named[0], "is required" + (
+            f" (and so are {', '.join(named[1:])})" if len(named) > 1 else ""))
 
 
 def _names(cls: Any) -> set[str]:
