@@ -6,7 +6,9 @@ and ``s`` pays ``n``.  The next piece comes from the source with the most
 credit.  Credits always sum to zero and stay bounded (within about the number
 of sources times the longest piece), so over any window of steps the
 delivered token shares follow the weights in force, including weights that
-change with a schedule or a live re-mix.
+change with a schedule or a live re-mix.  A source kept below its share by
+something other than the mix (a layout's cap on its pieces per step) would
+gather credit without bound: the caller forgives it (:meth:`Mixer.forgive`).
 
 :meth:`Mixer.draw` is the one implementation of the rule: it draws a run of
 pieces from per-source length arrays (the planner draws up to millions of
@@ -122,6 +124,25 @@ class Mixer:
         w = np.array([weights.get(s, 0.0) for s in self.sources], dtype=np.float64)
         total = float(w.sum())
         return w / total if total > 0 else w
+
+    def forgive(self, capped: np.ndarray, weights: np.ndarray, bound: float) -> None:
+        """Forgive the credit above ``bound`` of the sources ``capped`` (a mask in source
+        order): sources something other than the mix keeps from their share (a layout's
+        cap on their pieces per step).  Their credit would grow with every step
+        otherwise, and once the cap no longer binds (a live re-mix lowers their weight)
+        they would take that backlog first, for as many steps as it took to build.  The
+        others pay the forgiven credit back in proportion to ``weights`` (equally where
+        those are 0), so the credits still sum to zero."""
+        excess = np.where(capped, np.maximum(self.credits - bound, 0.0), 0.0)
+        total = float(excess.sum())
+        others = ~capped
+        if total <= 0 or not others.any():
+            return
+        share = np.where(others, weights, 0.0)
+        if share.sum() <= 0:
+            share = others.astype(np.float64)
+        self.credits -= excess
+        self.credits += total * share / share.sum()
 
     def state_dict(self) -> dict[str, float]:
         return self.credit

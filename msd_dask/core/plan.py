@@ -605,6 +605,10 @@ class Planner:
             for j, (st, o) in enumerate(zip(streams, offset.tolist(), strict=True)):
                 if j != loading:
                     st.offset = o
+        if long_budget is not None and n_long >= long_budget:
+            # the cap, not the mix, kept the long sources out: their credit beyond a step's
+            # worth is forgiven, not kept for the steps after a re-mix lowers their weight
+            mixer.forgive(is_long, w, float(capacity))
         # (a little over this draw's: a next draw that takes a few more does not copy them all)
         self._draw_sizes = (n_taken + n_taken // 16, n_lens + n_lens // 16)
         new_held = _gather(held[:n_new_held], windows, win_src)

@@ -59,6 +59,21 @@ def test_spread_at_most_k_long_pieces_per_rank(balance):
     assert max(seen.values()) == 1
 
 
+def test_a_binding_cap_keeps_no_backlog_for_after_a_re_mix():
+    # weight 0.8 asks for more long pieces than one per rank and step allows: the long
+    # source's unmet credit grew every step, and after a re-mix lowering its weight it
+    # took that backlog first, for about as many steps as it had built (a review)
+    pl = make({"mode": "spread", "max_per_rank": 1}, w_long=0.8)
+    capped = [pl.plan_step(lookup) for _ in range(300)]
+    assert shares(capped[100:])["long"] < 0.6  # (the cap binds: below its weight)
+    capacity = DP * MB * SEQ_LEN
+    assert max(abs(c) for c in pl.mixer.credit.values()) <= 2 * capacity, pl.mixer.credit
+    pl.set_weights({"short": 0.9, "long": 0.1})
+    after = [pl.plan_step(lookup) for _ in range(60)]
+    got = shares(after[5:])
+    assert abs(got["long"] - 0.1) < 0.03, got
+
+
 def test_without_a_limit_long_pieces_pile_up_somewhere():
     # the check above is not vacuous: unconstrained plans put 2+ long pieces on a rank
     pl = make({"mode": "spread", "max_per_rank": 0}, w_long=0.6)
