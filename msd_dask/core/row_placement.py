@@ -334,6 +334,8 @@ def spread_long(is_long: np.ndarray, n_carried: int, lengths: np.ndarray, costs:
     A long piece moves to the cheapest rank still under the limit, into its
     emptiest row; short pieces it displaces there take its old row where they
     fit, else they are carried to the next step (never pieces carried already).
+    A long piece no rank can take is carried itself (a new one of the rank's:
+    the pieces carried already are placed in this step).
     """
     placed = rank >= 0
     count = np.bincount(rank[placed & is_long], minlength=dp)
@@ -343,44 +345,63 @@ def spread_long(is_long: np.ndarray, n_carried: int, lengths: np.ndarray, costs:
     for r in np.flatnonzero(count > max_per_rank):
         mine = [int(i) for i in np.flatnonzero((rank == r) & is_long)]
         mine.sort(key=lambda i: costs[i])
+        stuck: list[int] = []
         for i in mine[: int(count[r]) - max_per_rank]:
-            for t in np.argsort(load, kind="stable"):
-                if count[t] >= max_per_rank:
-                    continue
-                m = int(np.argmin(used[t]))
-                ri, mi = int(rank[i]), int(micro[i])
-                need = int(lengths[i]) - (seq_len - int(used[t, m]))
-                evict: list[int] = []
-                if need > 0:
-                    cands = [int(j) for j in np.flatnonzero((rank == t) & (micro == m) & ~is_long)
-                             if j >= n_carried]
-                    cands.sort(key=lambda j: -lengths[j])
-                    freed = 0
-                    for j in cands:
-                        if freed >= need:
-                            break
-                        evict.append(j)
-                        freed += int(lengths[j])
-                    if freed < need:
-                        continue
-                # move i to (t, m); displaced pieces go to i's old row or are carried
-                for j in evict:
-                    used[t, m] -= lengths[j]
-                    load[t] -= costs[j]
-                    rank[j] = micro[j] = -1
-                rank[i], micro[i] = t, m
-                used[ri, mi] -= lengths[i]
-                used[t, m] += lengths[i]
-                load[ri] -= costs[i]
-                load[t] += costs[i]
-                count[ri] -= 1
-                count[t] += 1
-                for j in evict:
-                    if used[ri, mi] + lengths[j] <= seq_len:
-                        rank[j], micro[j] = ri, mi
-                        used[ri, mi] += lengths[j]
-                        load[ri] += costs[j]
-                break
+            if not _move_long(i, n_carried, is_long, lengths, costs, rank, micro, count, used,
+                              load, max_per_rank, seq_len):
+                stuck.append(i)
+        # those no rank could take wait for the next step, new ones first (cheapest first)
+        new = [i for i in mine if i >= n_carried and rank[i] == r]
+        for i in new[:len(stuck)]:
+            used[r, micro[i]] -= lengths[i]
+            load[r] -= costs[i]
+            count[r] -= 1
+            rank[i] = micro[i] = -1
+
+
+def _move_long(i: int, n_carried: int, is_long: np.ndarray, lengths: np.ndarray,
+               costs: np.ndarray, rank: np.ndarray, micro: np.ndarray, count: np.ndarray,
+               used: np.ndarray, load: np.ndarray, max_per_rank: int, seq_len: int) -> bool:
+    """Move long piece ``i`` to the cheapest rank under the limit that can take it (see
+    :func:`spread_long`), updating the bookkeeping arrays; whether one could."""
+    for t in np.argsort(load, kind="stable"):
+        if count[t] >= max_per_rank:
+            continue
+        m = int(np.argmin(used[t]))
+        ri, mi = int(rank[i]), int(micro[i])
+        need = int(lengths[i]) - (seq_len - int(used[t, m]))
+        evict: list[int] = []
+        if need > 0:
+            cands = [int(j) for j in np.flatnonzero((rank == t) & (micro == m) & ~is_long)
+                     if j >= n_carried]
+            cands.sort(key=lambda j: -lengths[j])
+            freed = 0
+            for j in cands:
+                if freed >= need:
+                    break
+                evict.append(j)
+                freed += int(lengths[j])
+            if freed < need:
+                continue
+        # move i to (t, m); displaced pieces go to i's old row or are carried
+        for j in evict:
+            used[t, m] -= lengths[j]
+            load[t] -= costs[j]
+            rank[j] = micro[j] = -1
+        rank[i], micro[i] = t, m
+        used[ri, mi] -= lengths[i]
+        used[t, m] += lengths[i]
+        load[ri] -= costs[i]
+        load[t] += costs[i]
+        count[ri] -= 1
+        count[t] += 1
+        for j in evict:
+            if used[ri, mi] + lengths[j] <= seq_len:
+                rank[j], micro[j] = ri, mi
+                used[ri, mi] += lengths[j]
+                load[ri] += costs[j]
+        return True
+    return False
 
 
 def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro: np.ndarray,

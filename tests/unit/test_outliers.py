@@ -139,14 +139,23 @@ def test_spread_with_max_per_rank_holds_no_piece() -> None:
     d = make_cfg(WEIGHTS_3, "balanced", cost=COST).to_dict()
     d["sources"][0]["context"] = "long"
     d["long_context"] = {"mode": "spread", "max_per_rank": 1}
-    cfg = parse_config(d)
-    assert cfg.outliers.min_length == 0
-    pl = planner(cfg)
     long_source = d["sources"][0]["name"]
-    for plan in run(pl, 100):
-        for rank in plan.rows:
-            assert sum(q.source == long_source for row in rank for q in row) <= 1
-        assert not pl.held
+    # (a long piece no rank under the limit could take stayed where it was, over the limit:
+    # in 28 of 30 seeds at this size within 100 steps, a review; now it waits a step)
+    for seed in range(10):
+        cfg = parse_config(dict(d, seed=seed))
+        assert cfg.outliers.min_length == 0
+        pl = planner(cfg)
+        plans = run(pl, 100)
+        for plan in plans:
+            for rank in plan.rows:
+                assert sum(q.source == long_source for row in rank for q in row) <= 1, seed
+            assert not pl.held
+        seen = Counter((q.source, q.epoch, q.unit, q.row, q.chunk)
+                       for p in plans for q in p.pieces())
+        assert max(seen.values()) == 1
+        pending = {(q.source, q.epoch, q.unit, q.row, q.chunk) for q in pl.pending()}
+        assert not pending & set(seen)
     d["outliers"] = {"min_length": MIN}
     with pytest.raises(ConfigError, match=r"outliers\.min_length.*max_per_rank"):
         parse_config(d)
