@@ -369,10 +369,23 @@ class OutlierConfig:
         """
         v = self.min_length
         if v == "auto":
-            return auto_outlier_length(seq_len, linear, quadratic)
+            auto = auto_outlier_length(seq_len, linear, quadratic)
+            return max(auto, shortest_outlier(seq_len)) if auto else 0
         if isinstance(v, float) and 0 < v < 1:
             return int(v * seq_len) + 1
         return int(v)
+
+
+#: the shortest outlier, as a share of ``batch.seq_len`` (:func:`shortest_outlier`)
+MIN_OUTLIER_SHARE = 1 / 32
+
+
+def shortest_outlier(seq_len: int) -> int:
+    """The shortest piece ``outliers.min_length`` may hold back: :data:`MIN_OUTLIER_SHARE` of
+    a row.  Below it nearly every piece is an outlier: the pieces held, each released a row
+    of its own, outgrow the steps (with ``max_wait: 1`` the carried pieces grew by about
+    nine a step at 128 tokens, and the oldest was never delivered)."""
+    return math.ceil(seq_len * MIN_OUTLIER_SHARE)
 
 
 #: ``outliers.min_length: auto`` holds a piece whose attention cost (``quadratic·L²``) is at
@@ -867,9 +880,10 @@ def _parse(d: Any) -> Config:
         if no_hold:  # the default: off where held pieces would land against the layout
             ml = 0
     elif isinstance(ml, float):
-        if ml != 0 and not 0 < ml < 1:
+        if ml != 0 and not MIN_OUTLIER_SHARE <= ml < 1:
             raise ConfigError("outliers.min_length", f"a fraction of batch.seq_len must be "
-                              f"between 0 and 1 (exclusive), got {ml!r}")
+                              f"at least {MIN_OUTLIER_SHARE} (1/32: shorter, nearly every piece "
+                              f"is an outlier) and below 1, or 0 (off), got {ml!r}")
     else:
         ml = _int(oc, "min_length", "outliers", 0, lo=0)
     outliers = OutlierConfig(min_length=ml,
@@ -883,6 +897,11 @@ def _parse(d: Any) -> Config:
     if not isinstance(outliers.min_length, str) and outliers.min_length > batch.seq_len:
         raise ConfigError("outliers.min_length", f"must be <= batch.seq_len ({batch.seq_len}), "
                           f"got {outliers.min_length} (a fraction such as 0.5 follows seq_len)")
+    if isinstance(outliers.min_length, int) and 0 < outliers.min_length < (
+            shortest := shortest_outlier(batch.seq_len)):
+        raise ConfigError("outliers.min_length", f"must be 0 (off) or at least {shortest} "
+                          f"tokens, 1/32 of batch.seq_len {batch.seq_len} (shorter, nearly every "
+                          f"piece is an outlier), got {outliers.min_length}")
     sc = d.get("scaling", {})
     _check_keys(sc, "scaling", _names(ScalingConfig))
     policy = sc.get("policy", ScalingConfig.policy)

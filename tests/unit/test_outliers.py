@@ -293,3 +293,38 @@ def test_a_fraction_follows_seq_len() -> None:
     plans = run(planner(cfg), 100)
     counts = Counter(sum(q.length > SEQ_LEN // 2 for q in p.pieces()) for p in plans)
     assert set(counts) <= {0, ROWS} and counts[ROWS] > 0, counts
+
+
+@pytest.mark.parametrize("min_length, says", [(1, "at least 4 tokens"), (3, "at least 4 tokens"),
+                                              (0.01, "at least 0.03125")])
+def test_a_min_length_that_holds_nearly_every_piece_is_refused(min_length: Any, says: str) -> None:
+    # min_length: 1 made every piece an outlier: the held pieces, released a row each,
+    # outgrew the steps and (max_wait: 1) the carried pieces grew by ~9 a step (a review)
+    with pytest.raises(ConfigError, match=rf"outliers\.min_length.*{says}"):
+        make_cfg(WEIGHTS_3, outliers={"min_length": min_length, "max_wait": 1})
+
+
+def test_the_shortest_min_length_delivers_every_piece_within_steps() -> None:
+    # (at min_length 1 the oldest pending piece waited 999 of 1,000 steps)
+    from msd_dask.core.config import shortest_outlier
+
+    cfg = make_cfg(WEIGHTS_3, cost=COST, outliers={"min_length": shortest_outlier(SEQ_LEN),
+                                                   "max_wait": 1})
+    pl = planner(cfg)
+    first: dict[Any, int] = {}
+    worst = 0
+    for step in range(600):
+        for q in pl.plan_step(lookup).pieces():
+            worst = max(worst, step - first.pop((q.source, q.epoch, q.unit, q.row, q.chunk), step))
+        for q in pl.pending():
+            first.setdefault((q.source, q.epoch, q.unit, q.row, q.chunk), step)
+    assert worst <= 32 and 599 - min(first.values(), default=599) <= 32, worst
+
+
+def test_auto_never_holds_pieces_below_the_shortest_outlier() -> None:
+    from msd_dask.core.config import OutlierConfig, auto_outlier_length, shortest_outlier
+
+    # a cost model whose attention term is large: auto alone would hold 3-token pieces
+    assert auto_outlier_length(4096, 1.0, 100.0) == 4
+    assert OutlierConfig().threshold(4096, 1.0, 100.0) == shortest_outlier(4096) == 128
+    assert OutlierConfig().threshold(4096, 1.0, 0.0) == 0  # (off stays off)
