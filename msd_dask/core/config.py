@@ -498,21 +498,41 @@ def _names(cls: Any) -> set[str]:
 # each default is written once, in the dataclass; ``None``: the key has no default.
 
 
-def _int(d: Mapping[str, Any], k: str, key: str, default: int | None = None, lo: int = 1) -> int:
+#: the most tokens a step may hold (dp 16,384 x 8 rows x 128K is 2**34)
+MAX_STEP_TOKENS = 2**40
+
+#: the most a full row may cost under the cost model (a rank's cost sums millions of pieces')
+MAX_COST = 1e200
+
+#: the longest ``timeout`` (a year): a wait of more raises OverflowError in Python's threading
+MAX_TIMEOUT = 365 * 24 * 3600.0
+
+#: the largest integer a config value may be: counts, lengths, steps and ids travel as int32
+#: (a value past it failed deep in the planner with an OverflowError naming no key)
+MAX_INT = 2**31 - 1
+
+
+def _int(d: Mapping[str, Any], k: str, key: str, default: int | None = None, lo: int = 1,
+         hi: int = MAX_INT) -> int:
     v = d.get(k, default)
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigError(f"{key}.{k}" if key else k, f"must be an integer, got {v!r}")
     if v < lo:
         raise ConfigError(f"{key}.{k}" if key else k, f"must be >= {lo}, got {v}")
+    if v > hi:
+        raise ConfigError(f"{key}.{k}" if key else k, f"must be <= {hi}, got {v}")
     return v
 
 
-def _num(d: Mapping[str, Any], k: str, key: str, default: float | None = None, lo: float = 0.0) -> float:
+def _num(d: Mapping[str, Any], k: str, key: str, default: float | None = None, lo: float = 0.0,
+         hi: float = math.inf) -> float:
     v = d.get(k, default)
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
         raise ConfigError(f"{key}.{k}" if key else k, f"must be a finite number, got {v!r}")
     if v < lo:
         raise ConfigError(f"{key}.{k}" if key else k, f"must be >= {lo}, got {v}")
+    if v > hi:
+        raise ConfigError(f"{key}.{k}" if key else k, f"must be <= {hi:g}, got {v}")
     return float(v)
 
 
@@ -799,6 +819,12 @@ def _parse(d: Any) -> Config:
         raise ConfigError("batch.seq_len", f"must be divisible by 2 x parallel.cp = "
                           f"{2 * parallel.cp} (each context-parallel rank takes two of that "
                           f"many chunks of every row), got {batch.seq_len}")
+    step_tokens = parallel.dp * batch.micro_batches * batch.seq_len
+    if step_tokens > MAX_STEP_TOKENS:
+        raise ConfigError("batch.seq_len", f"a step of parallel.dp {parallel.dp} x "
+                          f"batch.micro_batches {batch.micro_batches} x batch.seq_len "
+                          f"{batch.seq_len} = {step_tokens} tokens: at most {MAX_STEP_TOKENS} "
+                          "(2**40)")
     tokenizer = _tokenizer(d.get("tokenizer", {}))
     cost = d.get("cost", {})
     _check_keys(cost, "cost", _names(CostConfig))
@@ -826,6 +852,13 @@ def _parse(d: Any) -> Config:
                               prior_weight=prior_weight)
     if cost_cfg.linear == 0 and cost_cfg.quadratic == 0:
         raise ConfigError("cost", "linear and quadratic cannot both be 0")
+    row = cost_cfg.linear * batch.seq_len + cost_cfg.quadratic * float(batch.seq_len) ** 2
+    if not row < MAX_COST:  # (sums of rows' costs must stay finite)
+        raise ConfigError("cost.model" if shape is not None else "cost",
+                          f"a full row of batch.seq_len {batch.seq_len} tokens costs {row:g} "
+                          f"under linear {cost_cfg.linear:g} and quadratic "
+                          f"{cost_cfg.quadratic:g}: at most {MAX_COST:g} (the model's scale "
+                          "does not matter, only the ratio quadratic/linear)")
     srcs = d["sources"]
     if not isinstance(srcs, list) or not srcs:
         raise ConfigError("sources", "must be a non-empty list of sources")
@@ -948,6 +981,6 @@ def _parse(d: Any) -> Config:
         round_steps=round_steps,
         cost=cost_cfg,
         constructors=_int(d, "constructors", "", Config.constructors, lo=0),
-        timeout=_num(d, "timeout", "", Config.timeout, lo=0.001),
+        timeout=_num(d, "timeout", "", Config.timeout, lo=0.001, hi=MAX_TIMEOUT),
         balance=balance,
     )

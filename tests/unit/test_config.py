@@ -555,3 +555,23 @@ def test_missing_keys_are_named_the_same_under_every_hash_seed() -> None:
     (one,) = said
     assert "'sources[0].format'" in one and "is required" in one
     assert "sources[0].name" in one and "sources[0].uri" in one  # (all of them, at once)
+
+
+@pytest.mark.parametrize("change, key", [
+    # each passed parsing and failed in the planner with an OverflowError naming no key,
+    # or a wait Python's threading cannot make (a review)
+    ({"batch": {"seq_len": 2**31}}, "batch.seq_len"),
+    ({"parallel": {"dp": 2**40}}, "parallel.dp"),
+    ({"parallel": {"dp": 2**20}, "batch": {"seq_len": 2**11, "micro_batches": 2**10}},
+     "batch.seq_len"),  # (2**41 tokens a step)
+    ({"cost": {"linear": 1e308, "quadratic": 1e308}}, "cost"),
+    ({"cost": {"model": {"hidden_size": 10**160, "layers": 1}}}, "cost.model.hidden_size"),
+    ({"timeout": 1e300}, "timeout"),
+])
+def test_values_too_large_to_plan_with_are_refused(data_dir: Path, change: dict[str, Any],
+                                                   key: str) -> None:
+    d = base(data_dir)
+    d["parallel"] = {"dp": 2}
+    for k, v in change.items():
+        d[k] = v
+    refused(d, key)
