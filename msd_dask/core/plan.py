@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -738,8 +738,10 @@ class Planner:
     def load_snapshot(self, snap: PlannerSnapshot) -> None:
         """Take the state of ``snap`` (of a planner of the same config)."""
         if snap.sources != tuple(self._names):
-            raise ValueError(f"planner snapshot of sources {list(snap.sources)}, not "
-                             f"{self._names}")
+            self._refuse_sources(snap.sources)
+            raise ValueError(f"a planner state of sources in the order {list(snap.sources)}, "
+                             f"not this config's {self._names}")
+        self._refuse_sources(snap.streams)
         self.step = snap.step
         for k, s in snap.streams.items():
             self.streams[k].load_state_dict(s)
@@ -750,6 +752,14 @@ class Planner:
         self.pieces_planned = dict(snap.pieces)
         self.cost = CostModel(*snap.cost)
 
+    def _refuse_sources(self, names: Iterable[str]) -> None:
+        """A ``ValueError`` if a state's sources ``names`` are not this config's."""
+        had = sorted(names)
+        if had != sorted(self._names):
+            raise ValueError(f"a planner state of sources {had} does not fit this config's "
+                             f"sources {self._names}: resume with the config the state was "
+                             "taken with")
+
     def state_dict(self) -> dict[str, Any]:
         """The planner's whole state, JSON-serialisable (:meth:`PlannerSnapshot.to_state`)."""
         return self.snapshot().to_state()
@@ -757,6 +767,7 @@ class Planner:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take a state of :meth:`state_dict` (of a planner of the same config)."""
         state = copy.deepcopy(dict(state))
+        self._refuse_sources(state.get("streams") or {})  # (before its pieces are read)
         held = state.get("held", [])
         cost = state.get("cost", [self.cost.linear, self.cost.quadratic])
         self.load_snapshot(PlannerSnapshot(
