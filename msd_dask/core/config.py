@@ -538,7 +538,7 @@ def _num(d: Mapping[str, Any], k: str, key: str, default: float | None = None, l
 
 def _str(d: Mapping[str, Any], k: str, key: str, default: str | None = None) -> str:
     v = d.get(k, default)
-    if not isinstance(v, str) or not v:
+    if not isinstance(v, str) or not v.strip():
         raise ConfigError(f"{key}.{k}" if key else k, f"must be a non-empty string, got {v!r}")
     return v
 
@@ -795,6 +795,26 @@ def _refuse_repeated_keys(node: yaml.Node, path: str, walked: set[int]) -> None:
             _refuse_repeated_keys(item, f"{path}[{i}]", walked)
 
 
+# YAML 1.1's numbers, but for two forms read silently as other numbers than they look:
+# base 60 (``seq_len: 1:04`` is 64, ``until: 1:30`` 90) and octal (``0100`` is 64); such a
+# value stays a string, which the key's check then refuses by name
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers
+            if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
+                   |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"""^(?:[-+]?0b[0-1_]+
+                   |[-+]?(?:0|[1-9][0-9_]*)
+                   |[-+]?0x[0-9a-fA-F_]+)$""", re.X),
+    list("-+0123456789"))
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),

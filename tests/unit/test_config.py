@@ -575,3 +575,22 @@ def test_values_too_large_to_plan_with_are_refused(data_dir: Path, change: dict[
     for k, v in change.items():
         d[k] = v
     refused(d, key)
+
+
+@pytest.mark.parametrize("seq_len", ["1:04", "0100"])
+def test_yaml_numbers_that_read_as_other_numbers_are_refused(data_dir: Path,
+                                                             seq_len: str) -> None:
+    # YAML 1.1 read 1:04 as 64 (base 60) and 0100 as 64 (octal), silently (a review)
+    text = yaml.safe_dump(base(data_dir)).replace("seq_len: 128", f"seq_len: {seq_len}")
+    assert f"seq_len: {seq_len}" in text
+    err = refused(text, "batch.seq_len")
+    assert repr(seq_len) in str(err)
+    # (the numbers a config writes still read as written)
+    assert load_config(yaml.safe_dump(base(data_dir)).replace(
+        "seq_len: 128", "seq_len: 1_024")).batch.seq_len == 1024
+
+
+def test_a_whitespace_name_is_refused(data_dir: Path) -> None:
+    d = base(data_dir)
+    d["sources"][0]["name"] = "  "
+    refused(d, "sources[0].name")
