@@ -610,7 +610,8 @@ def _source(d: Any, key: str) -> SourceConfig:
         max_loaders=_int(d, "max_loaders", key, SourceConfig.max_loaders, lo=0),
         shuffle_window=_int(d, "shuffle_window", key, SourceConfig.shuffle_window),
         read_ahead=_int(d, "read_ahead", key, SourceConfig.read_ahead),
-        read_ahead_tokens=_int(d, "read_ahead_tokens", key, SourceConfig.read_ahead_tokens, lo=0),
+        read_ahead_tokens=_int(d, "read_ahead_tokens", key, SourceConfig.read_ahead_tokens, lo=0,
+                               hi=2**62),  # (a token count: "no cap" is a large one)
         context=context,
         preprocess=_preprocess(d, key),
         on_error=_on_error(d, key),

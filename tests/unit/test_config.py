@@ -594,3 +594,10 @@ def test_a_whitespace_name_is_refused(data_dir: Path) -> None:
     d = base(data_dir)
     d["sources"][0]["name"] = "  "
     refused(d, "sources[0].name")
+
+
+def test_read_ahead_tokens_may_be_a_large_count(data_dir: Path) -> None:
+    # bench_memory's "no cap" is 10**15 tokens: the int32 limit refused it
+    d = base(data_dir)
+    d["sources"][0]["read_ahead_tokens"] = 10**15
+    assert load_config(d).sources[0].read_ahead_tokens == 10**15
