@@ -379,6 +379,7 @@ def _serve(args: argparse.Namespace) -> int:
           f"DataService.connect({args.scheduler!r}, {svc.name!r}). Ctrl-C stops.", flush=True)
     lost = ("msd-dask serve: lost the scheduler at {}; restart the service from the last "
             "DataService.state_dict() (msd-dask serve --resume STATE_JSON)")
+    failure = None  # said once the service is closed: its threads log nothing after it
     with svc:
         try:
             while not stop["now"]:
@@ -400,13 +401,16 @@ def _serve(args: argparse.Namespace) -> int:
                     # Dask's client logs its reconnect attempts as errors: say it once, plainly
                     # (exit status 2, as every other error of msd-dask's)
                     logging.disable(logging.CRITICAL)
-                    print(lost.format(args.scheduler), file=sys.stderr, flush=True)
-                    return 2
+                    failure = lost.format(args.scheduler)
+                    break
                 if err:
-                    print(f"msd-dask serve: error: {err}", file=sys.stderr)
-                    return 2
+                    failure = f"msd-dask serve: error: {err}"
+                    break
         except KeyboardInterrupt:
             pass
+    if failure is not None:
+        print(failure, file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
