@@ -773,9 +773,10 @@ class DataService:
             idle.setdefault(r, REPORT_IDLE)
         # this process's readers know exactly: the last step of each rank's latest reader
         # (the handle's ledger; an earlier reader of the rank, closed or replaced but still
-        # referenced, said an older step: a review)
+        # referenced, said an older step: a review), unless the rank went on reading
+        # elsewhere (another handle or process) and its constructor has a later step
         for rank, done in self._returned.items():
-            if done >= 0:
+            if done >= 0 and int(done) >= lo[rank]:
                 lo[rank] = hi[rank] = int(done)
         return lo, hi, idle
 

@@ -86,6 +86,17 @@ def test_an_earlier_reader_of_a_rank_does_not_speak_for_it() -> None:
         assert svc.consumed_step() == 5
 
 
+def test_ranks_that_read_on_elsewhere_are_not_held_back_by_this_handles_ledger() -> None:
+    """The owner read steps 0-2 on both ranks, then the ranks read on to step 8 through
+    another handle (the training processes): the owner's ledger said 2, overriding the
+    constructors' 8, so its default state_dict() served steps 3-8 again (a review)."""
+    svc = _service([_Constructor([0], {0: 8}, False), _Constructor([1], {1: 8}, False)])
+    svc._returned = {0: 2, 1: 2}
+    assert svc.consumed_step() == 8
+    svc._returned = {0: 9, 1: 8}  # (its own readers' newer steps still count)
+    assert svc.consumed_step() == 8
+
+
 def test_a_re_created_constructor_that_heard_nothing_is_refused_by_name() -> None:
     svc = _service([_Constructor([0], {0: 3}, False), _Constructor([1], {}, True)])
     with pytest.raises(ValueError, match=r"rank\(s\) 1 are served by a constructor re-created"):
