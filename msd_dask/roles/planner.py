@@ -60,10 +60,44 @@ def make_state(cfg: Any, step: int, planner: dict[str, Any],
     state = {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
              "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
              "shuffle_window": {s.name: s.shuffle_window for s in cfg.sources},
-             "step": int(step), "planner": planner}
+             "reading": reading(cfg), "step": int(step), "planner": planner}
     if units is not None:
         state["units"] = {k: int(v) for k, v in units.items()}
     return state
+
+
+#: each source's settings that decide its documents' lengths in tokens, besides its files
+READING_KEYS = ("format", "text_field", "image_field", "image", "preprocess")
+
+
+def reading(cfg: Any) -> dict[str, Any]:
+    """What decides the documents' lengths, and so where a stream's position points: the
+    tokenizer's settings and each source's :data:`READING_KEYS`, as the config says them
+    (a tokenizer file changed in place is not seen)."""
+    d = cfg.to_dict()
+    return {"tokenizer": d["tokenizer"],
+            "sources": {s["name"]: {k: s.get(k) for k in READING_KEYS} for s in d["sources"]}}
+
+
+def _reading_differs(was: Any, now: dict[str, Any]) -> str | None:
+    """The first key whose setting differs between a state's ``reading`` and the config's,
+    said as the config names it, with both values; None if none does."""
+    if not isinstance(was, dict):
+        return "reading: not a mapping"
+    for k in sorted(set(was.get("tokenizer") or {}) | set(now["tokenizer"])):
+        a, b = (was.get("tokenizer") or {}).get(k), now["tokenizer"].get(k)
+        if a != b:
+            return f"tokenizer.{k} {a!r} but the config has {b!r}"
+    index = {name: i for i, name in enumerate(now["sources"])}
+    for name, settings in now["sources"].items():
+        had = (was.get("sources") or {}).get(name)
+        if had is None:
+            continue  # (the sources themselves are checked on their own)
+        for k in READING_KEYS:
+            if had.get(k) != settings.get(k):
+                return (f"sources[{index[name]}].{k} {had.get(k)!r} (source {name!r}) but the "
+                        f"config has {settings.get(k)!r}")
+    return None
 
 
 def ahead_within(tokens: list[float | None], cap: float) -> int:
@@ -104,8 +138,9 @@ def planner_state(cfg: Any, state: dict[str, Any],
     ------
     ServiceError
         For an unknown format, a malformed state, a different seed, ``seq_len``, set of
-        sources, ``shuffle_window`` or number of units of a source (a state of a version
-        that did not record the last two is not checked for them).
+        sources, ``shuffle_window``, number of units of a source, or tokenizer or source
+        setting that decides the documents' lengths (:func:`reading`; a state of a version
+        that did not record the last three is not checked for them).
     """
     if not isinstance(state, dict) or "planner" not in state or "format" not in state:
         raise ServiceError("resume: not a DataService.state_dict() (no 'format'/'planner' key)")
@@ -151,6 +186,13 @@ def planner_state(cfg: Any, state: dict[str, Any],
                 f"resume: source {s.name!r} had {had} units (files' row groups or chunks) when "
                 f"the state was taken and has {has} now ({s.uri}); the stream order depends on "
                 "them, so it cannot continue exactly: resume with the same files")
+    if "reading" in state:  # (a state of a version that did not record it: not checked)
+        differs = _reading_differs(state["reading"], reading(cfg))
+        if differs is not None:
+            raise ServiceError(
+                f"resume: the state was taken with {differs}; the documents' lengths depend "
+                "on it and a stream's position counts pieces of them, so it cannot continue "
+                "exactly (documents would be skipped or served twice)")
     return dict(state["planner"])
 
 

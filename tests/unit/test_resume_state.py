@@ -15,11 +15,16 @@ from msd_dask.errors import ServiceError
 from msd_dask.roles.planner import make_state, planner_state
 
 
-def _cfg(window: int = 4) -> Any:
-    return parse_config({
-        "name": "rs", "parallel": {"dp": 2}, "batch": {"seq_len": 64},
-        "sources": [{"name": n, "uri": f"memory://{n}/*.parquet", "format": "parquet",
-                     "weight": 0.5, "shuffle_window": window} for n in ("a", "b")]})
+def _cfg(window: int = 4, **change: Any) -> Any:
+    d = {"name": "rs", "parallel": {"dp": 2}, "batch": {"seq_len": 64},
+         "sources": [{"name": n, "uri": f"memory://{n}/*.parquet", "format": "parquet",
+                      "weight": 0.5, "shuffle_window": window} for n in ("a", "b")]}
+    for k, v in change.items():
+        if k == "source_b":
+            d["sources"][1].update(v)
+        else:
+            d[k] = v
+    return parse_config(d)
 
 
 def _state(units: int = 10) -> dict[str, Any]:
@@ -33,8 +38,9 @@ def _state(units: int = 10) -> dict[str, Any]:
 def test_the_same_service_resumes() -> None:
     state = _state()
     assert planner_state(_cfg(), state, {"a": 10, "b": 10}) == state["planner"]
-    # a state of a version that did not record units and shuffle windows: not checked
-    old = {k: v for k, v in state.items() if k not in ("units", "shuffle_window")}
+    # a state of a version that did not record units, shuffle windows and the settings of
+    # reading: not checked
+    old = {k: v for k, v in state.items() if k not in ("units", "shuffle_window", "reading")}
     assert planner_state(_cfg(8), old, {"a": 3, "b": 10}) == state["planner"]
 
 
@@ -62,3 +68,21 @@ def test_a_malformed_state_is_one_clear_error(change: Any, message: str) -> None
     change(state)
     with pytest.raises(ServiceError, match=message):
         planner_state(_cfg(), state)
+
+
+@pytest.mark.parametrize("change, names", [
+    ({"tokenizer": {"kind": "hf", "path": "tok.json"}}, r"tokenizer\.kind 'bytes' but the "
+                                                        r"config has 'hf'"),
+    ({"source_b": {"text_field": "body"}}, r"sources\[1\]\.text_field 'text' \(source 'b'\) "
+                                           r"but the config has 'body'"),
+    ({"source_b": {"preprocess": "msd_dask.examples.preprocess:clean"}},
+     r"sources\[1\]\.preprocess None \(source 'b'\)"),
+])
+def test_another_way_of_reading_the_documents_is_refused_by_key(change: Any, names: str) -> None:
+    """A state taken with the byte tokenizer resumed under a Hugging Face one: a stream's
+    position counts pieces of documents whose lengths changed, and three documents of an
+    epoch were never served (a review)."""
+    with pytest.raises(ServiceError, match=names):
+        planner_state(_cfg(**change), _state())
+    # what does not change the documents' lengths is not refused
+    assert planner_state(_cfg(timeout=60.0, prefetch=2), _state()) == _state()["planner"]
