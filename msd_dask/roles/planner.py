@@ -74,9 +74,13 @@ def reading(cfg: Any) -> dict[str, Any]:
     """What decides the documents' lengths, and so where a stream's position points: the
     tokenizer's settings and each source's :data:`READING_KEYS`, as the config says them
     (a tokenizer file changed in place is not seen)."""
+    import json
+
     d = cfg.to_dict()
-    return {"tokenizer": d["tokenizer"],
-            "sources": {s["name"]: {k: s.get(k) for k in READING_KEYS} for s in d["sources"]}}
+    # (as JSON has it: a state is compared after a round trip through JSON)
+    return json.loads(json.dumps(
+        {"tokenizer": d["tokenizer"],
+         "sources": {s["name"]: {k: s.get(k) for k in READING_KEYS} for s in d["sources"]}}))
 
 
 def _reading_differs(was: Any, now: dict[str, Any]) -> str | None:
