@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from msd_dask.batch import Batch
+from msd_dask.batch import Batch, loaded_step
 
 __all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
 
@@ -351,9 +351,10 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             raise RuntimeError("load_state_dict after prefetching started: batches were already "
                                "claimed ahead; load the state before the first iter()")
         if self._reader is None:
-            if state.get("rank", self.rank) != self.rank:
-                raise ValueError(f"reader state of rank {state['rank']} loaded into rank {self.rank}")
-            step = -1 if state.get("step") is None else int(state["step"])
+            # (checked now, as a reader checks it: else a bad state came back from
+            # state_dict() into a checkpoint, and failed only at iter())
+            loaded = loaded_step(state, self.rank)
+            step = -1 if loaded is None else loaded
             # batches carried from before a close stay where the state goes on right before
             # them; else the state's reader decides (they are dropped)
             self._carried = [b for b in self._carried if b.step > step]

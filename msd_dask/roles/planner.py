@@ -159,9 +159,15 @@ def planner_state(cfg: Any, state: dict[str, Any],
     if lacking:
         raise ServiceError(f"resume: the state's 'planner' mapping lacks {lacking}: not a whole "
                            "DataService.state_dict()")
-    for key in ("seed", "seq_len"):
-        if isinstance(state[key], bool) or not isinstance(state[key], int):
-            raise ServiceError(f"resume: the state's {key!r} is {state[key]!r}, not an integer")
+    for key in ("seed", "seq_len", "step"):
+        if isinstance(state.get(key), bool) or not isinstance(state.get(key), int):
+            raise ServiceError(f"resume: the state's {key!r} is {state.get(key)!r}, not an "
+                               "integer")
+    inner = state["planner"]["step"]
+    if isinstance(inner, bool) or not isinstance(inner, int) or inner != state["step"] + 1:
+        raise ServiceError(f"resume: the state is of step {state['step']} but its planner's "
+                           f"next step is {inner!r}, not {state['step'] + 1}: not one "
+                           "DataService.state_dict()")
     if (not isinstance(state["sources"], list)
             or not all(isinstance(s, str) for s in state["sources"])):
         raise ServiceError(f"resume: the state's 'sources' is {state['sources']!r}, not a list "

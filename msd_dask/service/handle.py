@@ -660,6 +660,8 @@ class DataService:
         """
         if step is None:
             step = self.consumed_step()
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise ValueError(f"state_dict: step must be a step (an integer), got {step!r}")
         at = int(step)
         return dict(self.link.call(lambda p: p.state_at(at)))
 

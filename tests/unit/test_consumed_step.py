@@ -274,3 +274,11 @@ def test_a_failure_of_the_watcher_that_lasts_is_logged_once(caplog: Any) -> None
         keeper.stop(5)
     said = [r.getMessage() for r in caplog.records if "watching the planner" in r.getMessage()]
     assert link.failures >= 40 and len(said) == 3, said  # lost, another, lost again
+
+
+@pytest.mark.parametrize("step", [True, 5.7, "5"])
+def test_a_step_that_is_not_an_integer_is_refused(step: Any) -> None:
+    # int() took True as step 1 and 5.7 as step 5 (a review)
+    svc = _service([_Constructor([0], {0: 8}, False), _Constructor([1], {1: 8}, False)])
+    with pytest.raises(ValueError, match="step must be a step"):
+        svc.state_dict(step)

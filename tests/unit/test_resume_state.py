@@ -62,6 +62,10 @@ def test_another_shuffle_window_is_refused_by_key() -> None:
     (lambda s: s["planner"].pop("streams"), r"'planner' mapping lacks \['streams'\]"),
     (lambda s: s.update(seed="x"), r"'seed' is 'x', not an integer"),
     (lambda s: s.update(sources="ab"), r"'sources' is 'ab', not a list"),
+    # the step was not checked: "5" was taken, and a step other than the planner's
+    # served step 0 again instead of step 5 (a review)
+    (lambda s: s.update(step="0"), r"'step' is '0', not an integer"),
+    (lambda s: s.update(step=4), r"state is of step 4 but its planner's next step is 1"),
 ])
 def test_a_malformed_state_is_one_clear_error(change: Any, message: str) -> None:
     state = copy.deepcopy(_state())

@@ -178,3 +178,14 @@ def test_a_reader_that_loads_a_state_after_reading_reports_it() -> None:
     reader.rank, reader.step, reader._skip_through = 0, 3, -1
     reader.load_state_dict({"rank": 0, "step": 10})
     assert reader.state_dict() == {"rank": 0, "step": 10}
+
+
+@pytest.mark.parametrize("state", [{"rank": 0, "step": -3}, {"rank": 0, "step": True},
+                                   {"rank": 0, "step": 2, "bogus": 1}, {"rank": 1, "step": 2}])
+def test_a_bad_state_is_refused_when_loaded_not_at_iter(state: dict[str, Any]) -> None:
+    # the dataset kept such a state and gave it back from state_dict() (into a checkpoint);
+    # only the reader made at iter() refused it (a review)
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0)
+    with pytest.raises(ValueError):
+        ds.load_state_dict(state)
+    assert ds.state_dict() == {"rank": 0, "step": None}
