@@ -11,6 +11,7 @@ idle scheduler) and the same per client and heartbeat interval, the figure
 ``simulate.py --control-plane`` takes as ``--cp-client-beat``.
 
     python scripts/bench_idle_clients.py --clients 128,512
+    python scripts/bench_idle_clients.py --workers 24 --settle 20 --window 60   # workers instead
 """
 
 from __future__ import annotations
@@ -92,6 +93,62 @@ def measure(clients: int, procs: int, settle: float, window: float, port: int) -
             sched.kill()
 
 
+def measure_workers(workers: int, settle: float, window: float, port: int) -> dict[str, float]:
+    """One scheduler and ``workers`` idle ``dask worker`` processes (one thread, no nanny): the
+    scheduler's CPU per worker heartbeat, net of its idle load (``simulate.py
+    --control-plane`` takes it as ``--cp-worker-beat``).  A worker beats every
+    ``distributed.scheduler.heartbeat_interval(workers)`` s."""
+    import psutil
+    from distributed.scheduler import heartbeat_interval
+
+    sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--port",
+                              str(port), "--no-dashboard"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        sp = psutil.Process(sched.pid)
+
+        def cpu() -> float:
+            t = sp.cpu_times()
+            return t.user + t.system
+
+        time.sleep(3.0)
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(window / 2)
+        idle = (cpu() - c0) / (time.monotonic() - t0)
+        procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker",
+                                   f"tcp://127.0.0.1:{port}", "--nthreads", "1", "--no-nanny",
+                                   "--no-dashboard", "--memory-limit", "0"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for _ in range(workers)]
+        from distributed import Client
+
+        with Client(f"tcp://127.0.0.1:{port}", timeout=120) as client:
+            client.wait_for_workers(workers, timeout=300)
+        time.sleep(settle)
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(window)
+        busy = (cpu() - c0) / (time.monotonic() - t0)
+        interval = heartbeat_interval(workers)
+        per_worker = (busy - idle) / workers
+        return {"workers": workers, "idle_cores": idle, "busy_cores": busy,
+                "per_worker_ms_s": per_worker * 1e3, "interval_s": interval,
+                "per_beat_ms": per_worker * interval * 1e3}
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sched.terminate()
+        try:
+            sched.wait(10)
+        except subprocess.TimeoutExpired:
+            sched.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,10 +158,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds after connecting before the window (the intervals adjust)")
     p.add_argument("--window", type=float, default=90.0, help="seconds measured")
     p.add_argument("--port", type=int, default=8799)
+    p.add_argument("--workers", default="",
+                   help="comma-separated worker counts: measure idle workers' heartbeats instead "
+                        "of clients' (one dask worker process each)")
     p.add_argument("--smoke", action="store_true", help="8 clients, 2 processes, a few seconds (CI)")
     args = p.parse_args(argv)
     if args.smoke:
         args.clients, args.procs, args.settle, args.window = "8", 2, 1.0, 2.0
+    if args.workers:
+        print(f"{'workers':>8} {'idle cores':>10} {'busy cores':>10} {'ms/s per worker':>15} "
+              f"{'interval s':>10} {'ms per beat':>11}")
+        for n in (int(x) for x in args.workers.split(",")):
+            r = measure_workers(n, args.settle, args.window, args.port)
+            print(f"{n:>8} {r['idle_cores']:>10.4f} {r['busy_cores']:>10.4f} "
+                  f"{r['per_worker_ms_s']:>15.4f} {r['interval_s']:>10.1f} "
+                  f"{r['per_beat_ms']:>11.2f}", flush=True)
+        return 0
     print(f"{'clients':>8} {'connect ms':>10} {'idle cores':>10} {'busy cores':>10} "
           f"{'ms/s per client':>15} {'interval s':>10} {'ms per beat':>11}")
     for n in (int(x) for x in args.clients.split(",")):

@@ -491,6 +491,11 @@ class ControlPlaneCosts:
         client's interval with the number of clients (:func:`client_interval`), so the
         idle load of ``n`` clients is ``n × client_beat / client_interval(n)``: at most
         about 20 beats a second, whatever ``n``.
+    scheduler_idle : float
+        Cores a scheduler uses with nothing connected (its own periodic callbacks).
+    worker_beat : float
+        The scheduler's CPU per worker heartbeat; a worker beats every
+        ``heartbeat_interval(workers)`` s (Dask's rule: about 200 beats a second at most).
     """
 
     # bench_many_readers.py, queue design (commit 4c9bf24), 1,024 ranks, rounds of 3 steps
@@ -507,6 +512,10 @@ class ControlPlaneCosts:
     # bench_idle_clients.py: 0.137 ms/s per client with 128 clients (a 20 s interval),
     # 0.078 with 512 (35.6 s): 2.7-2.8 ms per client and interval
     client_beat: float = 2.75e-3
+    # bench_idle_clients.py: "idle cores" of a scheduler with nothing connected, 0.020-0.032
+    scheduler_idle: float = 0.025
+    # bench_idle_clients.py --workers 24 / 48: 0.29 / 0.31 ms per worker heartbeat
+    worker_beat: float = 0.30e-3
 
 
 def client_interval(clients: int) -> float:
@@ -525,11 +534,12 @@ class ControlPlaneRow:
     design: str
     ranks: int
     dp: int
-    scheduler: float          # from the per-message model (queue ops + idle clients)
-    scheduler_measured: float  # from the measured per-rank-step CPU (+ idle clients); nan: none
+    scheduler: float          # from the per-message model (queue ops, clients, Dask's own)
+    scheduler_measured: float  # from the measured per-rank-step CPU (+ the rest); nan: none
     planner: float
     constructor: float        # each of the constructors (the load is shared evenly)
     connect_s: float          # the scheduler's CPU seconds to connect every client
+    dask: float = 0.0         # of the scheduler's: Dask's own (idle, workers' heartbeats)
 
     @property
     def busiest(self) -> float:
@@ -540,8 +550,8 @@ class ControlPlaneRow:
 
 
 def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, round_steps: int = 3,
-                  tp: int = 8, constructors: int = 32, clients: int | None = None
-                  ) -> list[ControlPlaneRow]:
+                  tp: int = 8, constructors: int = 32, clients: int | None = None,
+                  workers: int = 0) -> list[ControlPlaneRow]:
     """Each role's utilisation (busy seconds per step / ``step_seconds``) at ``ranks`` ranks.
 
     ``queue``: every rank's reader takes one ticket per round of ``round_steps``
@@ -567,6 +577,10 @@ def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, rou
     constructors : int
     clients : int, optional
         Connected clients (default ``ranks``: one training process per rank).
+    workers : int
+        The cluster's workers: with them the scheduler carries Dask's own load, its idle
+        load and the workers' heartbeats (``0``: left out, the service's readers' part
+        alone).
 
     Returns
     -------
@@ -577,7 +591,11 @@ def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, rou
         raise ValueError("ranks, round_steps, tp and constructors must be >= 1, step_seconds > 0")
     clients = ranks if clients is None else clients
     dp = max(1, ranks // tp)
-    idle = clients * costs.client_beat / client_interval(clients)
+    from distributed.scheduler import heartbeat_interval
+
+    dask = (costs.scheduler_idle + workers * costs.worker_beat / heartbeat_interval(workers)
+            if workers else 0.0)
+    idle = clients * costs.client_beat / client_interval(clients) + dask
     planner = costs.plan_rank_step * dp / step_seconds
     packing = costs.constructor_rank_step * ranks / step_seconds / constructors
     per_round = ranks / round_steps / step_seconds   # rank-rounds per second
@@ -585,9 +603,9 @@ def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, rou
     return [
         ControlPlaneRow("queue", ranks, dp, idle + 2 * costs.queue_op * per_round,
                         idle + costs.sched_rank_step * ranks / step_seconds, planner, packing,
-                        connect),
+                        connect, dask),
         ControlPlaneRow("direct", ranks, dp, idle, idle, planner,
-                        packing + costs.queue_op * per_round / constructors, connect),
+                        packing + costs.queue_op * per_round / constructors, connect, dask),
     ]
 
 
@@ -595,25 +613,29 @@ def print_control_plane(args: argparse.Namespace) -> None:
     """The ``--control-plane`` table, with the costs it used."""
     c = ControlPlaneCosts(args.cp_sched_rank_step, args.cp_queue_op, args.cp_connect,
                           args.cp_plan_rank_step, args.cp_constructor_rank_step,
-                          args.cp_client_beat)
+                          args.cp_client_beat, args.cp_scheduler_idle, args.cp_worker_beat)
     print("# control plane: each role's busy fraction of a step (1.00: saturated)")
     print(f"step {args.cp_step_seconds:g} s, round_steps {args.cp_round_steps}, tp {args.cp_tp}, "
           f"{args.cp_constructors} constructors, one client per {args.cp_ranks_per_client} "
-          "rank(s)")
+          f"rank(s), {args.cp_workers} workers")
     print(f"costs: scheduler {c.sched_rank_step * 1e6:.1f} us per rank-step (measured), queue op "
           f"{c.queue_op * 1e3:.2f} ms, connect {c.connect * 1e3:.1f} ms per client, "
-          f"{c.client_beat * 1e3:.2f} ms per client heartbeat; planner {c.plan_rank_step * 1e6:.1f} us "
-          f"per DP rank-step; constructors {c.constructor_rank_step * 1e3:.3f} ms per rank-step")
+          f"{c.client_beat * 1e3:.2f} ms per client heartbeat, {c.worker_beat * 1e3:.2f} ms per "
+          f"worker heartbeat, {c.scheduler_idle:.3f} cores idle; planner "
+          f"{c.plan_rank_step * 1e6:.1f} us per DP rank-step; constructors "
+          f"{c.constructor_rank_step * 1e3:.3f} ms per rank-step")
     hdr = (f"{'ranks':>7} {'dp':>6} {'design':<8} {'scheduler':>9} {'(measured)':>10} "
-           f"{'planner':>8} {'constructor':>11} {'busiest':>8} {'connect s':>9}")
+           f"{'of it Dask':>10} {'planner':>8} {'constructor':>11} {'busiest':>8} "
+           f"{'connect s':>9}")
     print(hdr)
     print("-" * len(hdr))
     for n in args.cp_ranks:
         for r in control_plane(c, n, args.cp_step_seconds, args.cp_round_steps, args.cp_tp,
-                               args.cp_constructors, -(-n // args.cp_ranks_per_client)):
+                               args.cp_constructors, -(-n // args.cp_ranks_per_client),
+                               args.cp_workers):
             print(f"{r.ranks:>7} {r.dp:>6} {r.design:<8} {r.scheduler:>9.2f} "
-                  f"{r.scheduler_measured:>10.2f} {r.planner:>8.2f} {r.constructor:>11.2f} "
-                  f"{r.busiest:>8.2f} {r.connect_s:>9.0f}")
+                  f"{r.scheduler_measured:>10.2f} {r.dask:>10.2f} {r.planner:>8.2f} "
+                  f"{r.constructor:>11.2f} {r.busiest:>8.2f} {r.connect_s:>9.0f}")
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -690,12 +712,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     cp.add_argument("--cp-ranks-per-client", type=int, default=1,
                     help="ranks per Dask client: 1, one training process per rank (default); "
                          "8, one process per host of 8 GPUs")
+    cp.add_argument("--cp-workers", type=int, default=256,
+                    help="the cluster's workers, whose heartbeats the scheduler handles "
+                         "(default 256; 0: leave Dask's own load out)")
     for name, what in (("sched_rank_step", "scheduler CPU s per rank-step, queue design (measured)"),
                        ("queue_op", "s per distributed.Queue put or get on the scheduler"),
                        ("connect", "scheduler CPU s per client connect"),
                        ("plan_rank_step", "planner s per DP rank-step"),
                        ("constructor_rank_step", "constructor CPU s per rank-step (all of them)"),
-                       ("client_beat", "scheduler CPU s per client and heartbeat interval")):
+                       ("client_beat", "scheduler CPU s per client and heartbeat interval"),
+                       ("scheduler_idle", "cores of a scheduler with nothing connected"),
+                       ("worker_beat", "scheduler CPU s per worker heartbeat")):
         cp.add_argument("--cp-" + name.replace("_", "-"), type=float, default=getattr(d, name),
                         help=f"{what} (default {getattr(d, name):.3g})")
     args = ap.parse_args(argv)

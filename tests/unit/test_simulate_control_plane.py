@@ -84,3 +84,26 @@ def test_busiest_counts_the_measured_scheduler_where_there_is_one():
     none = sim.ControlPlaneRow("direct", 4096, 512, scheduler=0.05, scheduler_measured=math.nan,
                                planner=0.01, constructor=0.20, connect_s=37.0)
     assert none.busiest == 0.20
+
+
+def test_dasks_own_load_is_counted_with_the_workers():
+    """The scheduler's figure was its clients' heartbeats alone, which a review found left
+    out what every Dask scheduler carries: its idle load and its workers' heartbeats."""
+    from distributed.scheduler import heartbeat_interval
+
+    costs = sim.ControlPlaneCosts(client_beat=1e-3, scheduler_idle=0.02, worker_beat=0.3e-3)
+    alone = sim.control_plane(costs, 64, 1.0, clients=64)[1]
+    with_workers = sim.control_plane(costs, 64, 1.0, clients=64, workers=256)[1]
+    dask = 0.02 + 256 * 0.3e-3 / heartbeat_interval(256)   # 256 workers beat every 2.28 s
+    assert alone.dask == 0.0
+    assert math.isclose(with_workers.dask, dask)
+    assert math.isclose(with_workers.scheduler, alone.scheduler + dask)
+    assert math.isclose(with_workers.scheduler_measured, alone.scheduler_measured + dask)
+
+
+def test_cli_counts_256_workers_by_default(capsys):
+    assert sim.main(["--control-plane", "--cp-ranks", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "256 workers" in out and "of it Dask" in out
+    direct = next(line.split() for line in out.splitlines() if line.split()[1:3] == ["8", "direct"])
+    assert float(direct[5]) > 0.05  # (Dask's own: the idle scheduler and 112 beats a second)
