@@ -17,10 +17,12 @@ idle scheduler) and the same per client and heartbeat interval, the figure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -37,15 +39,52 @@ def _hold(address: str, n: int, ready: Any, stop: Any) -> None:
 
 def measure(clients: int, procs: int, settle: float, window: float, port: int) -> dict[str, float]:
     """One scheduler, ``clients`` idle clients in ``procs`` processes: the figures of the module."""
-    import psutil
     from distributed.scheduler import heartbeat_interval
+
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    holders: list[Any] = []
+    with _scheduler(port) as cpu:
+        try:
+            idle = _rate(cpu, window / 2)
+            ready = ctx.Queue()
+            per = [clients // procs + (i < clients % procs) for i in range(procs)]
+            holders = [ctx.Process(target=_hold, args=(f"tcp://127.0.0.1:{port}", n, ready, stop))
+                       for n in per if n]
+            c0 = cpu()
+            for p in holders:
+                p.start()
+            for _ in holders:
+                try:
+                    ready.get(timeout=300)
+                except Exception as e:  # noqa: BLE001 - one clear message
+                    raise TimeoutError(f"{clients} clients did not all connect to the scheduler "
+                                       f"on port {port} within 300 s") from e
+            connect = cpu() - c0
+            time.sleep(settle)
+            busy = _rate(cpu, window)
+        finally:
+            stop.set()
+            for p in holders:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+    interval = 10.0 * heartbeat_interval(clients)
+    per_client = (busy - idle) / clients
+    return {"clients": clients, "connect_ms": connect / clients * 1e3, "idle_cores": idle,
+            "busy_cores": busy, "per_client_ms_s": per_client * 1e3,
+            "interval_s": interval, "per_beat_ms": per_client * interval * 1e3}
+
+
+@contextlib.contextmanager
+def _scheduler(port: int) -> Iterator[Callable[[], float]]:
+    """A ``dask scheduler`` on ``port`` (no dashboard), up; yields its CPU seconds so far (a
+    function), and stops it."""
+    import psutil
 
     sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--port",
                               str(port), "--no-dashboard"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ctx = mp.get_context("fork")
-    stop = ctx.Event()
-    holders: list[Any] = []
     try:
         sp = psutil.Process(sched.pid)
 
@@ -54,43 +93,20 @@ def measure(clients: int, procs: int, settle: float, window: float, port: int) -
             return t.user + t.system
 
         time.sleep(3.0)  # the scheduler up
-        c0, t0 = cpu(), time.monotonic()
-        time.sleep(window / 2)
-        idle = (cpu() - c0) / (time.monotonic() - t0)
-        ready = ctx.Queue()
-        per = [clients // procs + (i < clients % procs) for i in range(procs)]
-        holders = [ctx.Process(target=_hold, args=(f"tcp://127.0.0.1:{port}", n, ready, stop))
-                   for n in per if n]
-        c0 = cpu()
-        for p in holders:
-            p.start()
-        for _ in holders:
-            try:
-                ready.get(timeout=300)
-            except Exception as e:  # noqa: BLE001 - one clear message
-                raise TimeoutError(f"{clients} clients did not all connect to the scheduler on "
-                                   f"port {port} within 300 s") from e
-        connect = cpu() - c0
-        time.sleep(settle)
-        c0, t0 = cpu(), time.monotonic()
-        time.sleep(window)
-        busy = (cpu() - c0) / (time.monotonic() - t0)
-        interval = 10.0 * heartbeat_interval(clients)
-        per_client = (busy - idle) / clients
-        return {"clients": clients, "connect_ms": connect / clients * 1e3, "idle_cores": idle,
-                "busy_cores": busy, "per_client_ms_s": per_client * 1e3,
-                "interval_s": interval, "per_beat_ms": per_client * interval * 1e3}
+        yield cpu
     finally:
-        stop.set()
-        for p in holders:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
         sched.terminate()
         try:
             sched.wait(10)
         except subprocess.TimeoutExpired:
             sched.kill()
+
+
+def _rate(cpu: Callable[[], float], seconds: float) -> float:
+    """Cores ``cpu`` says were used over the next ``seconds``."""
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(seconds)
+    return (cpu() - c0) / (time.monotonic() - t0)
 
 
 def measure_workers(workers: int, settle: float, window: float, port: int) -> dict[str, float]:
@@ -98,55 +114,35 @@ def measure_workers(workers: int, settle: float, window: float, port: int) -> di
     scheduler's CPU per worker heartbeat, net of its idle load (``simulate.py
     --control-plane`` takes it as ``--cp-worker-beat``).  A worker beats every
     ``distributed.scheduler.heartbeat_interval(workers)`` s."""
-    import psutil
+    from distributed import Client
     from distributed.scheduler import heartbeat_interval
 
-    sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--port",
-                              str(port), "--no-dashboard"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs: list[subprocess.Popen[bytes]] = []
-    try:
-        sp = psutil.Process(sched.pid)
-
-        def cpu() -> float:
-            t = sp.cpu_times()
-            return t.user + t.system
-
-        time.sleep(3.0)
-        c0, t0 = cpu(), time.monotonic()
-        time.sleep(window / 2)
-        idle = (cpu() - c0) / (time.monotonic() - t0)
-        procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker",
-                                   f"tcp://127.0.0.1:{port}", "--nthreads", "1", "--no-nanny",
-                                   "--no-dashboard", "--memory-limit", "0"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                 for _ in range(workers)]
-        from distributed import Client
-
-        with Client(f"tcp://127.0.0.1:{port}", timeout=120) as client:
-            client.wait_for_workers(workers, timeout=300)
-        time.sleep(settle)
-        c0, t0 = cpu(), time.monotonic()
-        time.sleep(window)
-        busy = (cpu() - c0) / (time.monotonic() - t0)
-        interval = heartbeat_interval(workers)
-        per_worker = (busy - idle) / workers
-        return {"workers": workers, "idle_cores": idle, "busy_cores": busy,
-                "per_worker_ms_s": per_worker * 1e3, "interval_s": interval,
-                "per_beat_ms": per_worker * interval * 1e3}
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        sched.terminate()
+    with _scheduler(port) as cpu:
         try:
-            sched.wait(10)
-        except subprocess.TimeoutExpired:
-            sched.kill()
+            idle = _rate(cpu, window / 2)
+            procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker",
+                                       f"tcp://127.0.0.1:{port}", "--nthreads", "1",
+                                       "--no-nanny", "--no-dashboard", "--memory-limit", "0"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for _ in range(workers)]
+            with Client(f"tcp://127.0.0.1:{port}", timeout=120) as client:
+                client.wait_for_workers(workers, timeout=300)
+            time.sleep(settle)
+            busy = _rate(cpu, window)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    interval = heartbeat_interval(workers)
+    per_worker = (busy - idle) / workers
+    return {"workers": workers, "idle_cores": idle, "busy_cores": busy,
+            "per_worker_ms_s": per_worker * 1e3, "interval_s": interval,
+            "per_beat_ms": per_worker * interval * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,8 @@ SMOKES: dict[str, tuple[str, ...]] = {
     "test_balance_smoke": ("bench_balance.py", "--steps", "1", "--micro-batches", "4",
                            "--scale-dp", "64", "--scale-steps", "2", "--small-steps", "20"),
     "test_idle_clients_smoke": ("bench_idle_clients.py", "--smoke"),
+    "test_idle_workers_smoke": ("bench_idle_clients.py", "--workers", "2", "--settle", "1",
+                                "--window", "2", "--port", "8797"),
     "test_outliers_quick": ("bench_outliers.py", "--quick", "--min-lengths", "1025"),
 }
 #: what the tests need beyond the demo corpus (they skip without it; the script is not run)
@@ -171,3 +173,10 @@ def test_idle_clients_smoke(smokes):
     row = [line.split() for line in out.splitlines() if line.split()[:1] == ["8"]]
     assert len(row) == 1 and len(row[0]) == 7, out
     assert float(row[0][1]) > 0 and float(row[0][5]) == 5.0, out  # 8 clients beat every 5 s
+
+
+def test_idle_workers_smoke(smokes):
+    out = _out(smokes, "test_idle_workers_smoke")
+    row = [line.split() for line in out.splitlines() if line.split()[:1] == ["2"]]
+    assert len(row) == 1 and len(row[0]) == 6, out
+    assert float(row[0][1]) > 0 and float(row[0][4]) == 0.5, out  # 2 workers beat every 0.5 s
