@@ -218,6 +218,34 @@ def fmt(r: Row) -> str:
 # ------------------------------------------------------------- the planner itself
 
 
+class HeldUnits:
+    """A ``lookup`` that holds each unit's lengths as the planner's actor does (its ``_meta``):
+    those of the units the planner still has pieces of, and of the units the last
+    ``prefetch`` steps used (kept until their steps are claimed)."""
+
+    def __init__(self, look: Any):
+        self.look = look
+        self.meta: dict[tuple[str, int, int], np.ndarray] = {}
+        self.used: list[set[tuple[str, int, int]]] = [set()]
+
+    def __call__(self, source: str, epoch: int, unit: int) -> np.ndarray:
+        key = (source, epoch, unit)
+        self.used[-1].add(key)
+        lengths = self.meta.get(key)
+        if lengths is None:
+            lengths = self.meta[key] = self.look(source, epoch, unit)
+        return lengths
+
+    def step_done(self, pending: set[tuple[str, int, int]], prefetch: int) -> None:
+        """After a step: drop the lengths of units neither ``pending`` nor of the last
+        ``prefetch`` steps."""
+        del self.used[:-prefetch]
+        keep = pending.union(*self.used)
+        for key in [k for k in self.meta if k not in keep]:
+            del self.meta[key]
+        self.used.append(set())
+
+
 class LognormalUnits:
     """The planner's ``lookup``: each unit's ``lognormal(7, 2)`` lengths, the same every epoch."""
 
@@ -358,17 +386,21 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
 
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
     """The planner's work per step at ``dp`` ranks, end to end, and its memory while it keeps
-    the work of the last ``prefetch`` steps for re-created constructors, as its actor does."""
+    what its actor keeps: the work of the last ``prefetch`` steps for re-created
+    constructors, the snapshots of its state for the last ``prefetch + 2 × round_steps + 16``
+    steps (from the first step on: copies of the newest) and the lengths of the units in use
+    (:class:`HeldUnits`)."""
     from msd_dask.core.row_placement import planner_threads, rank_blocks
     from msd_dask.sources.heap import cap_arenas
 
     cap_arenas()  # as the planner's actor does (its worker's C heap)
     cfg = default_config(dp, 8, seq_len)
     pl = planner_for(cfg, 1 << 16)
-    look = LognormalUnits(4096)
+    look = HeldUnits(LognormalUnits(4096))
     relpath = {s.name: [f"u{i:06d}.parquet" for i in range(1 << 16)] for s in cfg.sources}
     kept: list[list[bytes]] = []
     snapshots: list[bytes] = []  # the actor's: prefetch + 2 x round_steps + 16 steps
+    keep = cfg.prefetch + 2 * cfg.steps_per_round + 16
     parts, pieces = [], []
     for _ in range(steps):
         seconds, n, work, snapshot = planning_step(pl, look, min(constructors, dp), relpath)
@@ -376,8 +408,12 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
         snapshots.append(snapshot)
         parts.append(seconds)
         pieces.append(n)
-        del kept[:-cfg.prefetch], snapshots[:-(cfg.prefetch + 2 * cfg.steps_per_round + 16)]
+        del kept[:-cfg.prefetch], snapshots[:-keep]
         del work
+        # as many snapshots as the actor keeps from the first step on (copies of the newest,
+        # each its own memory), and the unit lengths it holds (look.step_done)
+        snapshots[:0] = [bytes(bytearray(snapshot)) for _ in range(keep - len(snapshots))]
+        look.step_done(pl.pending_units(), cfg.prefetch)
     now, peak = rss_mib()
     plan_s, split_s, pack_s = np.array(parts).T
     return {"dp": dp, "seq_len": seq_len, "pieces": float(np.mean(pieces)),
