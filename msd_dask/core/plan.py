@@ -392,6 +392,10 @@ class Planner:
         if not tuples:
             return _no_pieces()
         index = self._index
+        bad = next((t for t in tuples if len(t) != 8 or str(t[0]) not in index), None)
+        if bad is not None:
+            raise ValueError(f"a piece {list(bad)!r} is not (source, 7 integers) of a source of "
+                             f"{self._names}")
         return np.array([[index[str(t[0])], *(int(x) for x in t[1:])] for t in tuples],
                         dtype=np.int64).reshape(len(tuples), 8)
 
@@ -768,18 +772,30 @@ class Planner:
         """Take a state of :meth:`state_dict` (of a planner of the same config)."""
         state = copy.deepcopy(dict(state))
         self._refuse_sources(state.get("streams") or {})  # (before its pieces are read)
-        held = state.get("held", [])
-        cost = state.get("cost", [self.cost.linear, self.cost.quadratic])
-        self.load_snapshot(PlannerSnapshot(
-            step=int(state["step"]), sources=tuple(self._names), streams=state["streams"],
-            mixer=state["mixer"], carry=self._table(state["carry"]),
-            held=self._table([t for t, _ in held]),
-            held_step=np.array([int(s) for _, s in held], dtype=np.int64),
-            overrides=tuple((int(s), {k: float(v) for k, v in w.items()})
-                            for s, w in state["overrides"]),
-            tokens={k: int(v) for k, v in state["tokens"].items()},
-            pieces={k: int(v) for k, v in state["pieces"].items()},
-            cost=(float(cost[0]), float(cost[1]))))
+        try:
+            for key in ("tokens", "pieces"):
+                self._refuse_sources(state[key])
+            held = state.get("held", [])
+            cost = state.get("cost", [self.cost.linear, self.cost.quadratic])
+            snap = PlannerSnapshot(
+                step=int(state["step"]), sources=tuple(self._names), streams=state["streams"],
+                mixer=state["mixer"], carry=self._table(state["carry"]),
+                held=self._table([t for t, _ in held]),
+                held_step=np.array([int(s) for _, s in held], dtype=np.int64),
+                overrides=tuple((int(s), {k: float(v) for k, v in w.items()})
+                                for s, w in state["overrides"]),
+                tokens={k: int(v) for k, v in state["tokens"].items()},
+                pieces={k: int(v) for k, v in state["pieces"].items()},
+                cost=(float(cost[0]), float(cost[1])))
+            for name, stream in snap.streams.items():
+                missing = {"epoch", "window", "offset"} - set(stream)
+                if missing:
+                    raise ValueError(f"streams[{name!r}] lacks {sorted(missing)}")
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            what = f"lacks {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise ValueError(f"a planner state that is not whole ({what}): load a "
+                             "Planner.state_dict() as it was saved") from e
+        self.load_snapshot(snap)
 
 
 def _closest_group(lengths: np.ndarray, n: int, keep_first: bool) -> np.ndarray:

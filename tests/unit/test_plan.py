@@ -629,3 +629,21 @@ def test_a_state_of_other_sources_is_refused_by_name(names: list[str]) -> None:
     with pytest.raises(ValueError, match=r"a planner state of sources \['code', 'tiny', 'web'\] "
                                          r"does not fit this config's sources"):
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda s: s.pop("step"), r"lacks 'step'"),
+    (lambda s: s["streams"]["web"].pop("window"), r"streams\['web'\] lacks \['window'\]"),
+    (lambda s: s.update(carry=[[0, 1, 2]]), r"a piece \[0, 1, 2\] is not \(source, 7 integers\)"),
+    (lambda s: s.update(overrides=[[3, {"web": "x"}]]), r"could not convert string"),
+    (lambda s: s.update(tokens={}), r"a planner state of sources \[\] does not fit"),
+])
+def test_a_state_that_is_not_whole_is_one_clear_error(change: Any, says: str) -> None:
+    # each raised a bare KeyError or a numpy error, or (tokens {}) was taken and failed at
+    # the next step with KeyError 'web' (a review)
+    ref = planner(make_cfg(WEIGHTS_3))
+    run(ref, 3)
+    state = json.loads(json.dumps(ref.state_dict()))
+    change(state)
+    with pytest.raises(ValueError, match=says):
+        planner(make_cfg(WEIGHTS_3)).load_state_dict(state)
