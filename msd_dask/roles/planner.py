@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -204,6 +205,31 @@ def planner_state(cfg: Any, state: dict[str, Any],
                 "on it and a stream's position counts pieces of them, so it cannot continue "
                 "exactly (documents would be skipped or served twice)")
     return dict(state["planner"])
+
+
+def resume_notes(cfg: Any, state: Mapping[str, Any]) -> list[str]:
+    """What a resume from ``state`` (checked by :func:`planner_state`) keeps of the state
+    where the config says otherwise: the cost model it planned with, and its live weight
+    changes, which stay in force over the config's weights.  Both keep the resume exact;
+    a user who changed the config to change them is told (the service logs these)."""
+    notes = []
+    planner = state["planner"]
+    cost = planner.get("cost")
+    if cost is not None and not (math.isclose(float(cost[0]), cfg.cost.linear, rel_tol=1e-9)
+                                 and math.isclose(float(cost[1]), cfg.cost.quadratic,
+                                                  rel_tol=1e-9)):
+        notes.append(f"resume: the state's cost model (linear {float(cost[0]):g}, quadratic "
+                     f"{float(cost[1]):g}) plans on, not the config's (linear "
+                     f"{cfg.cost.linear:g}, quadratic {cfg.cost.quadratic:g}): the steps after "
+                     "the state are planned as they were (start without resume to plan with "
+                     "the config's)")
+    overrides = planner.get("overrides") or []
+    if overrides:
+        start, weights = overrides[-1]
+        notes.append(f"resume: the state's live weight change of step {start} ({weights}) stays "
+                     "in force over the config's weights; set_weights() changes the mix "
+                     "again")
+    return notes
 
 
 #: the keys of a planner's state_dict() a resume needs (Planner.load_state_dict)

@@ -306,7 +306,7 @@ class DataService:
                   timeout: float) -> DataService:
         """:meth:`start` once ``client`` is connected: list the units, place the planner,
         publish its registry and watch it."""
-        from msd_dask.roles.planner import planner_state
+        from msd_dask.roles.planner import planner_state, resume_notes
 
         key = REGISTRY_PREFIX + cfg.name
         if key in client.list_datasets():
@@ -331,6 +331,8 @@ class DataService:
         units, roots, quarantined = discover_remote(client, cfg, cfg.timeout)
         if resume is not None:  # (as listed now: the files may differ from the state's)
             planner_state(cfg, dict(resume), {k: len(v) for k, v in units.items()})
+            for note in resume_notes(cfg, dict(resume)):
+                _log.warning("service %r: %s", cfg.name, note)
         while True:
             registry = place_planner(client, cfg, units, roots, resume, loader_threads)
             try:

@@ -90,3 +90,18 @@ def test_another_way_of_reading_the_documents_is_refused_by_key(change: Any, nam
         planner_state(_cfg(**change), _state())
     # what does not change the documents' lengths is not refused
     assert planner_state(_cfg(timeout=60.0, prefetch=2), _state()) == _state()["planner"]
+
+
+def test_what_the_state_keeps_over_the_config_is_said() -> None:
+    """The state's cost model and its live weight changes win over a config that changed
+    them, silently (a review): both keep the resume exact, and are now said."""
+    from msd_dask.roles.planner import resume_notes
+
+    state = _state()
+    assert resume_notes(_cfg(), state) == []
+    costly = _cfg(cost={"linear": 1.0, "quadratic": 0.01})
+    (note,) = resume_notes(costly, state)
+    assert "the state's cost model" in note and "quadratic 0.01" in note
+    state["planner"]["overrides"] = [[3, {"a": 0.9, "b": 0.1}]]
+    (note,) = resume_notes(_cfg(), state)
+    assert "live weight change of step 3" in note and "stays in force" in note
