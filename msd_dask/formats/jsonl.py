@@ -24,7 +24,7 @@ from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
 from msd_dask.formats.registry import register_format
 
-__all__ = ["JsonlFormat", "compression_of", "file_lines"]
+__all__ = ["MAX_LINE_BYTES", "JsonlFormat", "LineTooLong", "compression_of", "file_lines"]
 
 _BUFFER_SIZE = 1 << 20
 
@@ -59,14 +59,29 @@ class _LineReader(Protocol):
     def readline(self, size: int = -1, /) -> bytes: ...
 
 
-def file_lines(fs: fsspec.AbstractFileSystem, path: str) -> Generator[bytes, None, None]:
+class LineTooLong(bytes):
+    """What :func:`file_lines` yields, empty, in place of a line longer than its
+    ``max_bytes``; ``size``: the line's bytes."""
+
+    size: int = 0
+
+
+#: the longest line the JSON-lines reader takes: a longer one is that row's bad input (a
+#: 400 MiB line took 1.2 GiB to refuse for not being an object; a few GiB would have ended
+#: the worker, and its re-created loader would read the same file again)
+MAX_LINE_BYTES = 256 * 2**20
+
+
+def file_lines(fs: fsspec.AbstractFileSystem, path: str,
+               max_bytes: int | None = None) -> Generator[bytes, None, None]:
     """Each line of file ``path`` (bytes, with its line break), decompressed as its name says
     (:func:`compression_of`; a file of several compressed streams read whole), without the
     UTF-8 byte-order mark that may start it.  The JSON-lines reader's lines, for a format
     of your own to reuse (``msd_dask.examples.text_lines``).
 
     The file is read a buffer at a time, and closed when the lines end or the iterator is
-    closed.
+    closed.  With ``max_bytes``, a longer line is read through without being kept and
+    yields a :class:`LineTooLong` (empty) in its place.
 
     Raises
     ------
@@ -78,9 +93,20 @@ def file_lines(fs: fsspec.AbstractFileSystem, path: str) -> Generator[bytes, Non
         raw = stack.enter_context(fs.open(path, "rb"))
         lines = _open_lines(stack, raw, compression)
         first = True
+        limit = -1 if max_bytes is None else max_bytes + len(codecs.BOM_UTF8) + 1
         while True:
             try:
-                line = lines.readline()
+                line = lines.readline(limit)
+                if limit > 0 and len(line) == limit and not line.endswith(b"\n"):
+                    size = len(line)
+                    while line and not line.endswith(b"\n"):  # (the rest of it, not kept)
+                        line = lines.readline(limit)
+                        size += len(line)
+                    too_long = LineTooLong()
+                    too_long.size = size
+                    first = False
+                    yield too_long
+                    continue
             except (_Corrupt, gzip.BadGzipFile, zlib.error, EOFError) as exc:
                 raise DataError(f"corrupt {compression} stream: {exc}", path=path) from exc
             if not line:
@@ -252,8 +278,16 @@ class JsonlFormat:
             the file).
         """
         path = unit.path
-        with closing(file_lines(fs, path)) as lines:
+        with closing(file_lines(fs, path, MAX_LINE_BYTES)) as lines:
             for row, line in enumerate(lines):
+                if isinstance(line, LineTooLong):
+                    too_long = DataError(f"line of {line.size} bytes: longer than "
+                                         f"{MAX_LINE_BYTES} (MAX_LINE_BYTES) bytes", path=path,
+                                         row=row)
+                    if errors != "yield":
+                        raise too_long
+                    yield row, too_long
+                    continue
                 if not line.strip():
                     continue
                 try:

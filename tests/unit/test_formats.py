@@ -1010,3 +1010,27 @@ def test_webdataset_a_compressed_shard_says_so(tmp_path: Any, compress: Callable
     with pytest.raises(DataError, match=rf"s\.tar\.x': cannot read tar: .* \(the shard is "
                                         rf"{says}-compressed"):
         list(get_format("webdataset").read(LOCAL, Unit(path), ["text"]))
+
+
+@pytest.mark.parametrize("name, compress", [("f.jsonl", lambda b: b), ("f.jsonl.gz", gzip.compress),
+                                            ("f.jsonl.zst", zstandard.ZstdCompressor().compress)])
+def test_jsonl_a_line_too_long_is_its_rows_bad_input(tmp_path: Any, name: str,
+                                                    compress: Callable[[bytes], bytes],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # a line had no bound: a 400 MiB line of a 13 KB .zst took 1.2 GiB before its error (a
+    # review); a longer one would end the worker. It is now that row's DataError, read
+    # through without being kept, and the rows after it still read
+    from msd_dask.formats import jsonl
+
+    monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", 100)
+    big = json.dumps({"text": "x" * 300}).encode()
+    content = b'{"text": "a"}\n' + big + b'\n{"text": "b"}'
+    path = _jsonl_file(tmp_path, compress(content), name)
+    rows = list(JSONL.read(LOCAL, Unit(path), ["text"], errors="yield"))
+    assert [r for r, _ in rows] == [0, 1, 2]
+    assert rows[0][1] == {"text": "a"} and rows[2][1] == {"text": "b"}
+    bad = rows[1][1]
+    assert isinstance(bad, DataError) and bad.row == 1
+    assert f"line of {len(big) + 1} bytes: longer than 100" in str(bad)
+    with pytest.raises(DataError, match=r"row 1: line of \d+ bytes: longer than 100"):
+        list(JSONL.read(LOCAL, Unit(path), ["text"]))
