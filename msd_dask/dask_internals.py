@@ -208,6 +208,20 @@ def keys_on(dask_scheduler: Any, workers: list[str], pattern: str) -> list[str]:
     return out
 
 
+def actors_on(dask_scheduler: Any, workers: list[str]) -> dict[str, list[str]]:
+    """The keys of the actors each of ``workers`` holds (runs on the scheduler): Dask does
+    not retire a worker holding one, whoever's it is.
+
+    Relies on ``Scheduler.workers`` and ``WorkerState.actors``.
+    """
+    out = {}
+    for w in workers:
+        ws = dask_scheduler.workers.get(w)
+        if ws is not None:
+            out[w] = sorted(str(ts.key) for ts in ws.actors)
+    return out
+
+
 def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
     """Whether the client ``client_id`` is connected (runs on the scheduler).
 

@@ -48,6 +48,12 @@ def role_pattern(service: str, sources: Iterable[str]) -> str:
     return f"msd-{re.escape(service)}-(?:constructor-[0-9]+{loader})-[0-9a-f]{{8}}"
 
 
+def planner_pattern(service: str) -> str:
+    """A regular expression (for :func:`is_role_of`) that matches the whole key of every
+    planner of ``service`` (each generation's, :func:`planner_key`) and no other key."""
+    return f"msd-{re.escape(service)}-planner(?:-g[0-9]+)?-[0-9a-f]{{8}}"
+
+
 def is_role_of(key: object, pattern: str) -> bool:
     """Whether ``key`` is the key of a role :func:`role_pattern` made ``pattern`` for."""
     return re.fullmatch(pattern, str(key)) is not None

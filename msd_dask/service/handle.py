@@ -27,7 +27,7 @@ from typing import Any, Literal, overload
 
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
-from msd_dask.dask_internals import bound_actor, keys_on
+from msd_dask.dask_internals import actors_on, bound_actor, keys_on
 from msd_dask.errors import (
     CLOSED_BY_OWNER,
     ServiceError,
@@ -544,9 +544,13 @@ class DataService:
         check, a second later, keeps it); elsewhere within a second, as for
         :meth:`set_weights`.
         """
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
             raise ValueError(f"scale_loaders({source!r}, n): n must be a number of loaders "
-                             f"(an integer), got {n!r}")
+                             f"(an integer >= 1), got {n!r}")
+        names = [s.name for s in self.config.sources]
+        if source not in names:
+            raise ValueError(f"scale_loaders: no source {source!r} (the service's sources: "
+                             f"{names})")
         return self._applied(lambda: int(self.link.call(lambda p: p.scale(source, int(n)))),
                              lambda got: f"{got} loaders of {source!r}")
 
@@ -559,7 +563,24 @@ class DataService:
         """
         import gc
 
+        from msd_dask.roles.keys import (  # (an operation: ranks import no role)
+            is_role_of,
+            planner_pattern,
+            role_pattern,
+        )
+
         workers = self._worker_addresses(workers)
+        pattern = role_pattern(self.name, [s.name for s in self.config.sources])
+        if close:
+            ours = (pattern, planner_pattern(self.name))  # (the planner's: evacuate says so)
+            others = {w: [k for k in keys if not any(is_role_of(k, p) for p in ours)]
+                      for w, keys in self._actors_on(workers).items()}
+            foreign = {w: keys for w, keys in others.items() if keys}
+            if foreign:  # (Dask would keep them, saying so only in the scheduler's log)
+                raise ValueError(
+                    f"retire_workers: Dask does not retire a worker holding an actor, and "
+                    f"{sorted(foreign)} hold actors not of service {self.name!r} (another "
+                    f"service's roles, or your own): {foreign}; nothing was moved")
         moved = dict(self.link.call(lambda p: p.evacuate(list(workers))))
         self.refresh()  # drop this client's handles of the moved roles ...
         if self.keeper is not None:
@@ -569,14 +590,10 @@ class DataService:
         # worker that still holds an actor
         deadline = time.monotonic() + self.config.timeout
 
-        from msd_dask.roles.keys import role_pattern  # (an operation: ranks import no role)
-
         def holding() -> list[str]:
             try:
                 return list(self.client.run_on_scheduler(
-                    keys_on, workers=list(workers),
-                    pattern=role_pattern(self.name, [s.name for s in self.config.sources]),
-                    callback_timeout=10))
+                    keys_on, workers=list(workers), pattern=pattern, callback_timeout=10))
             except TimeoutError:
                 raise ServiceTimeoutError(
                     f"retiring {list(workers)}: the scheduler did not say within 10s which "
@@ -589,20 +606,36 @@ class DataService:
             time.sleep(0.2)
         if close:
             try:
-                self.client.retire_workers(list(workers), close_workers=True,
-                                           callback_timeout=self.config.timeout)
+                retired = self.client.retire_workers(list(workers), close_workers=True,
+                                                     callback_timeout=self.config.timeout)
             except TimeoutError:
                 raise ServiceTimeoutError(
                     f"retiring {list(workers)}: Dask did not finish within "
                     f"{self.config.timeout:.0f}s (the roles moved off them)") from None
+            kept = [w for w in workers if w not in (retired or {})]
+            if kept:  # (an actor placed on them meanwhile, say: Dask only logs it)
+                raise ServiceError(
+                    f"retire_workers: Dask did not retire {kept} (service {self.name!r}'s "
+                    f"roles moved off them); the actors on them now: "
+                    f"{self._actors_on(kept)}")
         return moved
+
+    def _actors_on(self, workers: list[str]) -> dict[str, list[str]]:
+        """The keys of the actors on each of ``workers``, as the scheduler has them."""
+        try:
+            return dict(self.client.run_on_scheduler(actors_on, workers=list(workers),
+                                                     callback_timeout=10))
+        except TimeoutError:
+            raise ServiceTimeoutError(
+                f"retiring {list(workers)}: the scheduler did not say within 10s which "
+                "actors they hold") from None
 
     def _worker_addresses(self, workers: list[str]) -> list[str]:
         """The addresses of ``workers`` (addresses or Dask worker names); a
         :class:`ValueError` naming those the cluster does not have (nothing moves then:
         an address mistyped, or ``localhost`` for ``127.0.0.1``, moved no role and retired
         nothing, silently)."""
-        if isinstance(workers, str):
+        if isinstance(workers, str) or not isinstance(workers, list | tuple):
             raise ValueError(f"retire_workers: workers must be a list of addresses, got {workers!r}")
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         by_name = {str(w.get("name")): a for a, w in info.items()}
