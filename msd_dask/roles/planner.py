@@ -73,22 +73,27 @@ READING_KEYS = ("format", "text_field", "image_field", "image", "preprocess")
 
 def reading(cfg: Any) -> dict[str, Any]:
     """What decides the documents' lengths, and so where a stream's position points: the
-    tokenizer's settings and each source's :data:`READING_KEYS`, as the config says them
-    (a tokenizer file changed in place is not seen)."""
+    tokenizer's kind and ids and each source's :data:`READING_KEYS`, as the config says
+    them (another tokenizer file of the same kind, or one changed in place, is not seen)."""
     import json
 
     d = cfg.to_dict()
+    # the tokenizer's kind and ids: not where its file is, nor the credentials to read it
+    # (which rotate, and would be written into every state)
+    tokenizer = {k: v for k, v in d["tokenizer"].items() if k not in ("path", "storage_options")}
     # (as JSON has it: a state is compared after a round trip through JSON)
     return json.loads(json.dumps(
-        {"tokenizer": d["tokenizer"],
+        {"tokenizer": tokenizer,
          "sources": {s["name"]: {k: s.get(k) for k in READING_KEYS} for s in d["sources"]}}))
 
 
 def _reading_differs(was: Any, now: dict[str, Any]) -> str | None:
     """The first key whose setting differs between a state's ``reading`` and the config's,
     said as the config names it, with both values; None if none does."""
-    if not isinstance(was, dict):
-        return "reading: not a mapping"
+    if (not isinstance(was, dict) or not isinstance(was.get("tokenizer") or {}, dict)
+            or not isinstance(was.get("sources") or {}, dict)
+            or not all(isinstance(v, dict) for v in (was.get("sources") or {}).values())):
+        return f"a 'reading' that is not one of a state_dict() ({was!r})"
     for k in sorted(set(was.get("tokenizer") or {}) | set(now["tokenizer"])):
         a, b = (was.get("tokenizer") or {}).get(k), now["tokenizer"].get(k)
         if a != b:
@@ -215,9 +220,10 @@ def resume_notes(cfg: Any, state: Mapping[str, Any]) -> list[str]:
     notes = []
     planner = state["planner"]
     cost = planner.get("cost")
-    if cost is not None and not (math.isclose(float(cost[0]), cfg.cost.linear, rel_tol=1e-9)
-                                 and math.isclose(float(cost[1]), cfg.cost.quadratic,
-                                                  rel_tol=1e-9)):
+    # (with cost.fit the state's model is the fitted one, which the fitter refits anyway)
+    if cost is not None and not cfg.cost.fit and not (
+            math.isclose(float(cost[0]), cfg.cost.linear, rel_tol=1e-9)
+            and math.isclose(float(cost[1]), cfg.cost.quadratic, rel_tol=1e-9)):
         notes.append(f"resume: the state's cost model (linear {float(cost[0]):g}, quadratic "
                      f"{float(cost[1]):g}) plans on, not the config's (linear "
                      f"{cfg.cost.linear:g}, quadratic {cfg.cost.quadratic:g}): the steps after "

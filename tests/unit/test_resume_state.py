@@ -105,3 +105,35 @@ def test_what_the_state_keeps_over_the_config_is_said() -> None:
     state["planner"]["overrides"] = [[3, {"a": 0.9, "b": 0.1}]]
     (note,) = resume_notes(_cfg(), state)
     assert "live weight change of step 3" in note and "stays in force" in note
+
+
+def test_the_tokenizers_file_and_credentials_are_not_recorded() -> None:
+    """The state recorded the tokenizer's storage_options: credentials written into every
+    state, and a resume refused once they rotated (a review of this change)."""
+    hf = {"kind": "hf", "path": "tok.json", "storage_options": {"key": "AKIA_OLD"}}
+    cfg = _cfg(tokenizer=hf)
+    pl = Planner(cfg, {s.name: [Unit(f"{s.name}/u{i}.parquet") for i in range(10)]
+                       for s in cfg.sources})
+    state = make_state(cfg, -1, pl.state_dict(), {"a": 10, "b": 10})
+    assert "AKIA_OLD" not in str(state)
+    moved = dict(hf, path="elsewhere/tok.json", storage_options={"key": "AKIA_NEW"})
+    assert planner_state(_cfg(tokenizer=moved), state) == state["planner"]
+
+
+@pytest.mark.parametrize("reading", [[1], {"tokenizer": [1]}, {"sources": {"a": "x"}}])
+def test_a_malformed_reading_is_one_clear_error(reading: Any) -> None:
+    state = _state()
+    state["reading"] = reading
+    with pytest.raises(ServiceError, match=r"resume: the state was taken with a 'reading' "
+                                           r"that is not one of a state_dict\(\)"):
+        planner_state(_cfg(), state)
+
+
+def test_a_fitted_cost_model_is_not_said_to_override_the_configs() -> None:
+    # with cost.fit the state's model is the fitted one, which the fitter refits anyway
+    from msd_dask.roles.planner import resume_notes
+
+    state = _state()
+    state["planner"]["cost"] = [1.0, 0.5]
+    assert resume_notes(_cfg(cost={"fit": True}), state) == []
+    assert len(resume_notes(_cfg(), state)) == 1
