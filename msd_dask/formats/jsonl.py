@@ -93,8 +93,10 @@ def file_lines(fs: fsspec.AbstractFileSystem, path: str,
         raw = stack.enter_context(fs.open(path, "rb"))
         lines = _open_lines(stack, raw, compression)
         first = True
-        limit = -1 if max_bytes is None else max_bytes + len(codecs.BOM_UTF8) + 1
         while True:
+            # (one byte past the longest line taken, and the first line's byte-order mark)
+            limit = -1 if max_bytes is None else max_bytes + 1 + (
+                len(codecs.BOM_UTF8) if first else 0)
             try:
                 line = lines.readline(limit)
                 if limit > 0 and len(line) == limit and not line.endswith(b"\n"):

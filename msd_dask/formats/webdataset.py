@@ -154,7 +154,11 @@ class WebDatasetFormat:
             if twice is not None:
                 raise DataError(twice, path=path, row=row)
             rec = _record(sample, path, row)
-            missing = [name for name in fields if name not in rec and name not in _IMAGE_FIELDS]
+            # a sample without any image is a text document; one whose image is under
+            # another extension than the field asked for is the usual missing field
+            imageless = not any(k in rec for k in _IMAGE_FIELDS)
+            missing = [name for name in fields
+                       if name not in rec and not (imageless and name in _IMAGE_FIELDS)]
             if missing:
                 raise DataError(f"missing field '{missing[0]}' (the sample's fields: "
                                 f"{', '.join(sorted(rec)) or 'none'})", path=path, row=row)

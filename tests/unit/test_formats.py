@@ -988,6 +988,10 @@ def test_webdataset_a_sample_without_an_image_is_a_text_document(tmp_path: Any) 
     assert rows == [(0, {"text": "zero", "image": b"JPEG"}), (1, {"text": "one", "image": None})]
     assert list(wds.read(LOCAL, Unit(path), ["text", "jpg"]))[1] == (1, {"text": "one",
                                                                         "jpg": None})
+    # an image under another extension than the field asked for is a missing field still
+    # (a review of this change: image_field png over .jpg shards made every sample text)
+    with pytest.raises(DataError, match=r"row 0: missing field 'png'"):
+        list(wds.read(LOCAL, Unit(path), ["text", "png"]))
 
 
 def test_webdataset_a_missing_field_lists_the_samples_fields(tmp_path: Any) -> None:
@@ -1023,6 +1027,11 @@ def test_jsonl_a_line_too_long_is_its_rows_bad_input(tmp_path: Any, name: str,
     from msd_dask.formats import jsonl
 
     monkeypatch.setattr(jsonl, "MAX_LINE_BYTES", 100)
+    # (exactly: a line of 100 bytes and its break is taken, one of 101 is not)
+    edge = _jsonl_file(tmp_path, compress(b'{"text": "a"}\n{"text": "' + b"y" * 88 + b'"}\n'
+                                          + b'{"text": "' + b"z" * 89 + b'"}\n'), "edge" + name)
+    got = list(JSONL.read(LOCAL, Unit(edge), ["text"], errors="yield"))
+    assert got[1][1] == {"text": "y" * 88} and isinstance(got[2][1], DataError)
     big = json.dumps({"text": "x" * 300}).encode()
     content = b'{"text": "a"}\n' + big + b'\n{"text": "b"}'
     path = _jsonl_file(tmp_path, compress(content), name)

@@ -91,6 +91,20 @@ def test_a_16_bit_grayscale_image_is_scaled_not_clipped() -> None:
     assert len(np.unique(rgb)) == 256
 
 
+def test_a_32_bit_image_of_8_bit_values_is_not_scaled() -> None:
+    # (a review of the 16-bit scaling: a 32-bit TIFF of values 0-255 came out black)
+    import io
+
+    from PIL import Image
+
+    values = np.arange(256, dtype=np.int32).repeat(16).reshape(64, 64)
+    out = io.BytesIO()
+    Image.fromarray(values, "I").save(out, "TIFF")
+    rgb = np.asarray(decode_image(out.getvalue()))
+    assert rgb[..., 0].max() == 255
+    np.testing.assert_array_equal(rgb[..., 0], values.astype(np.uint8))
+
+
 def test_an_undecodable_image_is_said_the_same_in_every_run() -> None:
     # Pillow's message named its file object by address, other in every run
     with pytest.raises(ValueError) as info:
