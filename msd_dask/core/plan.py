@@ -771,14 +771,20 @@ class Planner:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take a state of :meth:`state_dict` (of a planner of the same config)."""
         state = copy.deepcopy(dict(state))
-        self._refuse_sources(state.get("streams") or {})  # (before its pieces are read)
         try:
+            self._refuse_sources(state["streams"])  # (before its pieces are read)
             for key in ("tokens", "pieces"):
                 self._refuse_sources(state[key])
+            streams = {}
+            for name, stream in state["streams"].items():
+                missing = {"epoch", "window", "offset"} - set(stream)
+                if missing:
+                    raise ValueError(f"streams[{name!r}] lacks {sorted(missing)}")
+                streams[name] = {k: int(stream[k]) for k in ("epoch", "window", "offset")}
             held = state.get("held", [])
             cost = state.get("cost", [self.cost.linear, self.cost.quadratic])
             snap = PlannerSnapshot(
-                step=int(state["step"]), sources=tuple(self._names), streams=state["streams"],
+                step=int(state["step"]), sources=tuple(self._names), streams=streams,
                 mixer=state["mixer"], carry=self._table(state["carry"]),
                 held=self._table([t for t, _ in held]),
                 held_step=np.array([int(s) for _, s in held], dtype=np.int64),
@@ -787,11 +793,9 @@ class Planner:
                 tokens={k: int(v) for k, v in state["tokens"].items()},
                 pieces={k: int(v) for k, v in state["pieces"].items()},
                 cost=(float(cost[0]), float(cost[1])))
-            for name, stream in snap.streams.items():
-                missing = {"epoch", "window", "offset"} - set(stream)
-                if missing:
-                    raise ValueError(f"streams[{name!r}] lacks {sorted(missing)}")
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            if isinstance(e, ValueError) and str(e).startswith("a planner state of sources"):
+                raise  # (said plainly already)
             what = f"lacks {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
             raise ValueError(f"a planner state that is not whole ({what}): load a "
                              "Planner.state_dict() as it was saved") from e
