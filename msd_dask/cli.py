@@ -344,7 +344,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from msd_dask.errors import ServiceError, ServiceTimeoutError
+    from msd_dask.errors import ServiceError
     from msd_dask.service import DataService
 
     resume = None
@@ -379,7 +379,21 @@ def _serve(args: argparse.Namespace) -> int:
           f"DataService.connect({args.scheduler!r}, {svc.name!r}). Ctrl-C stops.", flush=True)
     lost = ("msd-dask serve: lost the scheduler at {}; restart the service from the last "
             "DataService.state_dict() (msd-dask serve --resume STATE_JSON)")
-    failure = None  # said once the service is closed: its threads log nothing after it
+    failure: list[str] = []  # said once the service is closed: its threads log nothing then
+    try:
+        _watch_served(svc, args, stop, lost, failure)
+    finally:  # (a close that fails, or a second Ctrl-C during it, still says why)
+        if failure:
+            print(failure[0], file=sys.stderr, flush=True)
+    return 2 if failure else 0
+
+
+def _watch_served(svc: Any, args: argparse.Namespace, stop: dict[str, bool], lost: str,
+                  failure: list[str]) -> None:
+    """Watch the served ``svc`` until ``stop`` says so, the scheduler is lost or the planner
+    fails (its message appended to ``failure``); close it."""
+    from msd_dask.errors import ServiceTimeoutError
+
     with svc:
         try:
             while not stop["now"]:
@@ -401,17 +415,13 @@ def _serve(args: argparse.Namespace) -> int:
                     # Dask's client logs its reconnect attempts as errors: say it once, plainly
                     # (exit status 2, as every other error of msd-dask's)
                     logging.disable(logging.CRITICAL)
-                    failure = lost.format(args.scheduler)
+                    failure.append(lost.format(args.scheduler))
                     break
                 if err:
-                    failure = f"msd-dask serve: error: {err}"
+                    failure.append(f"msd-dask serve: error: {err}")
                     break
         except KeyboardInterrupt:
             pass
-    if failure is not None:
-        print(failure, file=sys.stderr, flush=True)
-        return 2
-    return 0
 
 
 def _scheduler_answers(client: Any) -> bool:
