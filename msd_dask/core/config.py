@@ -983,6 +983,11 @@ def _parse(d: Any) -> Config:
             k = "max_loaders" if src.max_loaders else "min_loaders"
             raise ConfigError(f"sources[{i}].{k}", f"the source's bounds are min {lo}, max {hi} "
                               f"(0 takes scaling's): max must be >= min")
+        if src.loaders > hi:
+            # (started with it, a planner re-created after a loss clamps it: the count would
+            # change on recovery, silently)
+            raise ConfigError(f"sources[{i}].loaders", f"must be at most the source's "
+                              f"max_loaders, {hi} (0 takes scaling's), got {src.loaders}")
     prefetch = _int(d, "prefetch", "", Config.prefetch)
     round_steps = _int(d, "round_steps", "", Config.round_steps, lo=0)
     if round_steps > prefetch:

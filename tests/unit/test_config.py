@@ -601,3 +601,14 @@ def test_read_ahead_tokens_may_be_a_large_count(data_dir: Path) -> None:
     d = base(data_dir)
     d["sources"][0]["read_ahead_tokens"] = 10**15
     assert load_config(d).sources[0].read_ahead_tokens == 10**15
+
+
+def test_more_loaders_than_the_sources_max_is_refused(data_dir: Path) -> None:
+    # loaders: 10 under the default max_loaders 8 started 10; a planner re-created after a
+    # loss clamped them to 8, silently (a review of the elastic paths)
+    d = base(data_dir)
+    d["sources"][0]["loaders"] = 10
+    err = refused(d, "sources[0].loaders")
+    assert "at most the source's max_loaders, 8" in str(err)
+    d["sources"][0]["max_loaders"] = 12
+    assert load_config(d).sources[0].loaders == 10
