@@ -554,8 +554,14 @@ class RoleSupervisor:
         keys = {str(h.key) for _, _, h in pairs}
         for key in [k for k in self._last_stats if k not in keys]:
             last = self._last_stats.pop(key)  # a loader replaced or retired: kept counted
-            gone = self._gone.setdefault(str(last["source"]), {}).setdefault(
-                int(last["slot"]), dict.fromkeys(LOADER_COUNTERS, 0))
+            source, slot = str(last["source"]), int(last["slot"])
+            current = sorted(self._slots.get(source, {}))
+            if current and slot not in current and slot not in self._alias.get(source, {}):
+                # a slot forget_retired forgot already: on a live one, or each such retired
+                # loader would stay an entry of its own (one per scale event, a review)
+                slot = current[0]
+            gone = self._gone.setdefault(source, {}).setdefault(
+                slot, dict.fromkeys(LOADER_COUNTERS, 0))
             for c in LOADER_COUNTERS:
                 gone[c] += last.get(c, 0)
         out: dict[str, list[dict[str, Any]]] = {source: [] for source in self._slots}

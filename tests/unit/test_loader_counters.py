@@ -67,3 +67,26 @@ def test_counters_go_on_from_a_lost_loader_and_a_retired_slot(monkeypatch: Any) 
     # and the counters keep counting
     sup._slots["a"][0][0].tokens = 40
     assert _tokens(sup) == (220, [140, 80])
+
+
+def test_a_retired_slot_forgotten_before_its_last_answer_is_counted_on_a_live_one(
+        monkeypatch: Any) -> None:
+    # forget_retired forgot slot 2 before a poll saw its loader gone: its last answer went
+    # to an entry of its own, kept for ever (one per scale event, a review of the elastic
+    # paths); it goes to a live slot's now, counted all the same
+    import msd_dask.roles.supervisor as module
+
+    monkeypatch.setattr(module, "STATS_WAIT", 0.5)
+    sup = _supervisor()
+    loaders = [_Loader(f"l-a-{i}-g0", "a", i, 10 * (i + 1)) for i in range(3)]
+    sup._slots = {"a": {i: (h, None) for i, h in enumerate(loaders)}}
+    sup._alias = {"a": {}}
+    assert _tokens(sup) == (60, [10, 20, 30])
+    newest = 2
+    for cycle in range(5):  # retire the newest slot (forgotten at once), add a new one
+        del sup._slots["a"][newest]
+        assert _tokens(sup)[0] == 60 + 30 * cycle
+        newest += 1
+        sup._slots["a"][newest] = (_Loader(f"l-a-{newest}-g0", "a", newest, 30), None)
+        assert _tokens(sup)[0] == 60 + 30 * (cycle + 1)
+    assert set(sup._gone["a"]) <= set(sup._slots["a"]), sup._gone
