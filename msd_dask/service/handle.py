@@ -581,7 +581,13 @@ class DataService:
                     f"retire_workers: Dask does not retire a worker holding an actor, and "
                     f"{sorted(foreign)} hold actors not of service {self.name!r} (another "
                     f"service's roles, or your own): {foreign}; nothing was moved")
-        moved = dict(self.link.call(lambda p: p.evacuate(list(workers))))
+        try:
+            moved = dict(self.link.call(lambda p: p.evacuate(list(workers))))
+        except ServiceTimeoutError as e:
+            raise ServiceTimeoutError(
+                f"retiring {list(workers)}: moving the roles of service {self.name!r} off them did "
+                f"not finish within {self.config.timeout:.0f}s ({e}); the planner goes on "
+                "moving them, and places no new role there") from e
         self.refresh()  # drop this client's handles of the moved roles ...
         if self.keeper is not None:
             self.keeper.keep_checkpoint()  # ... and stop holding their keys

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from msd_dask.core.config import parse_config
-from msd_dask.errors import ServiceError
+from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.service.handle import DataService
 
 W1, W2 = "tcp://198.18.0.2:4000", "tcp://198.18.0.3:4000"
@@ -119,3 +119,18 @@ def test_scale_loaders_refuses_what_is_no_count_or_no_source(source: str, n: int
     # 0 and -1 became 1 silently; an unknown source was KeyError('"no source \'nope\'"')
     with pytest.raises(ValueError, match=says):
         _service(_Client({W1: []})).scale_loaders(source, n)
+
+
+def test_a_move_that_times_out_says_it_was_retiring() -> None:
+    # the planner's timeout said only "the planner did not answer within 300s" (a review)
+    client = _Client({W1: ["msd-rw-loader-a-0-0123abcd"], W2: []})
+    svc = _service(client)
+
+    def slow(workers: list[str]) -> dict[str, int]:
+        raise ServiceTimeoutError("service 'rw': the planner did not answer within 300s")
+
+    svc.link.evacuate = slow  # type: ignore[attr-defined]
+    with pytest.raises(ServiceTimeoutError, match=r"retiring \['tcp://198.18.0.2:4000'\]: "
+                                                  r"moving the roles of service 'rw' off them"):
+        svc.retire_workers([W1])
+    assert client.retired is None
