@@ -772,11 +772,14 @@ class Planner:
         """Take a state of :meth:`state_dict` (of a planner of the same config)."""
         state = copy.deepcopy(dict(state))
         try:
-            self._refuse_sources(state["streams"])  # (before its pieces are read)
-            for key in ("tokens", "pieces"):
-                self._refuse_sources(state[key])
+            named = {key: dict(state[key]) for key in ("streams", "tokens", "pieces")}
+        except (KeyError, TypeError, ValueError) as e:
+            raise _not_whole(e) from e
+        for names in named.values():  # (before its pieces are read)
+            self._refuse_sources(names)
+        try:
             streams = {}
-            for name, stream in state["streams"].items():
+            for name, stream in named["streams"].items():
                 missing = {"epoch", "window", "offset"} - set(stream)
                 if missing:
                     raise ValueError(f"streams[{name!r}] lacks {sorted(missing)}")
@@ -790,16 +793,19 @@ class Planner:
                 held_step=np.array([int(s) for _, s in held], dtype=np.int64),
                 overrides=tuple((int(s), {k: float(v) for k, v in w.items()})
                                 for s, w in state["overrides"]),
-                tokens={k: int(v) for k, v in state["tokens"].items()},
-                pieces={k: int(v) for k, v in state["pieces"].items()},
+                tokens={k: int(v) for k, v in named["tokens"].items()},
+                pieces={k: int(v) for k, v in named["pieces"].items()},
                 cost=(float(cost[0]), float(cost[1])))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-            if isinstance(e, ValueError) and str(e).startswith("a planner state of sources"):
-                raise  # (said plainly already)
-            what = f"lacks {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
-            raise ValueError(f"a planner state that is not whole ({what}): load a "
-                             "Planner.state_dict() as it was saved") from e
+            raise _not_whole(e) from e
         self.load_snapshot(snap)
+
+
+def _not_whole(e: Exception) -> ValueError:
+    """The error of a planner state :meth:`Planner.load_state_dict` could not read: ``e``."""
+    what = f"lacks {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+    return ValueError(f"a planner state that is not whole ({what}): load a "
+                      "Planner.state_dict() as it was saved")
 
 
 def _closest_group(lengths: np.ndarray, n: int, keep_first: bool) -> np.ndarray:
