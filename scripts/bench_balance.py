@@ -391,6 +391,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
     steps (from the first step on: copies of the newest) and the lengths of the units in use
     (:class:`HeldUnits`)."""
     from msd_dask.core.row_placement import planner_threads, rank_blocks
+    from msd_dask.roles.planner import kept_states
     from msd_dask.sources.heap import cap_arenas
 
     cap_arenas()  # as the planner's actor does (its worker's C heap)
@@ -399,8 +400,8 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
     look = HeldUnits(LognormalUnits(4096))
     relpath = {s.name: [f"u{i:06d}.parquet" for i in range(1 << 16)] for s in cfg.sources}
     kept: list[list[bytes]] = []
-    snapshots: list[bytes] = []  # the actor's: prefetch + 2 x round_steps + 16 steps
-    keep = cfg.prefetch + 2 * cfg.steps_per_round + 16
+    snapshots: list[bytes] = []
+    keep = kept_states(cfg)  # (the actor's)
     parts, pieces = [], []
     for _ in range(steps):
         seconds, n, work, snapshot = planning_step(pl, look, min(constructors, dp), relpath)

@@ -67,6 +67,12 @@ def make_state(cfg: Any, step: int, planner: dict[str, Any],
     return state
 
 
+def kept_states(cfg: Any) -> int:
+    """How many of the last steps' states the planner's actor keeps (for ``state_dict(step)``
+    and its owner's checkpoints): ``prefetch + 2 × round_steps + 16``."""
+    return int(cfg.prefetch + 2 * cfg.steps_per_round + 16)
+
+
 #: each source's settings that decide its documents' lengths in tokens, besides its files
 READING_KEYS = ("format", "text_field", "image_field", "image", "preprocess")
 
@@ -90,17 +96,18 @@ def reading(cfg: Any) -> dict[str, Any]:
 def _reading_differs(was: Any, now: dict[str, Any]) -> str | None:
     """The first key whose setting differs between a state's ``reading`` and the config's,
     said as the config names it, with both values; None if none does."""
-    if (not isinstance(was, dict) or not isinstance(was.get("tokenizer") or {}, dict)
-            or not isinstance(was.get("sources") or {}, dict)
-            or not all(isinstance(v, dict) for v in (was.get("sources") or {}).values())):
+    tokenizer = (was.get("tokenizer") or {}) if isinstance(was, dict) else None
+    sources = (was.get("sources") or {}) if isinstance(was, dict) else None
+    if (not isinstance(tokenizer, dict) or not isinstance(sources, dict)
+            or not all(isinstance(v, dict) for v in sources.values())):
         return f"a 'reading' that is not one of a state_dict() ({was!r})"
-    for k in sorted(set(was.get("tokenizer") or {}) | set(now["tokenizer"])):
-        a, b = (was.get("tokenizer") or {}).get(k), now["tokenizer"].get(k)
+    for k in sorted(set(tokenizer) | set(now["tokenizer"])):
+        a, b = tokenizer.get(k), now["tokenizer"].get(k)
         if a != b:
             return f"tokenizer.{k} {a!r} but the config has {b!r}"
     index = {name: i for i, name in enumerate(now["sources"])}
     for name, settings in now["sources"].items():
-        had = (was.get("sources") or {}).get(name)
+        had = sources.get(name)
         if had is None:
             continue  # (the sources themselves are checked on their own)
         for k in READING_KEYS:
@@ -520,7 +527,7 @@ class PlannerActor:
         #: while a constructor does not answer goes back to its floor, ``prefetch +
         #: round_steps`` behind the last step submitted (:meth:`checkpoint`)
         self._snapshots: OrderedDict[int, bytes] = OrderedDict()
-        self._keep = self.cfg.prefetch + 2 * self.cfg.steps_per_round + 16
+        self._keep = kept_states(self.cfg)
         #: live weight changes made so far (each re-packs the kept states: see set_weights)
         self.weights_version = 0
         #: the last snapshot's step (the next to plan), tokens and pieces, for :meth:`stats`
