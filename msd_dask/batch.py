@@ -19,7 +19,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "loaded_step", "rank_number", "wait_seconds"]
+__all__ = ["Batch", "is_whole", "loaded_step", "rank_number", "wait_seconds"]
 
 
 @dataclass
@@ -137,16 +137,16 @@ def loaded_step(state: Any, rank: int) -> int | None:
     if unknown:
         raise ValueError(f"reader state: unknown key(s) {unknown} (a reader state has 'rank' "
                          "and 'step')")
-    if "rank" in state and (not _whole(state["rank"]) or state["rank"] != rank):
+    if "rank" in state and (not is_whole(state["rank"]) or state["rank"] != rank):
         raise ValueError(f"reader state of rank {state['rank']!r} loaded into rank {rank}")
     step = state.get("step")
-    if step is not None and (not _whole(step) or step < 0):
+    if step is not None and (not is_whole(step) or step < 0):
         raise ValueError(f"reader state of rank {rank}: 'step' is {step!r}, not a whole number "
                          ">= 0 or None")
     return None if step is None else int(step)
 
 
-def _whole(x: Any) -> bool:
+def is_whole(x: Any) -> bool:
     """An integer (numpy's too), not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -154,7 +154,7 @@ def _whole(x: Any) -> bool:
 def rank_number(rank: Any) -> int:
     """``rank`` as the ``int`` a reader is made for; a ``ValueError`` naming it if it is no
     integer (a rank read from ``os.environ["RANK"]`` is a str: ``int(...)`` it)."""
-    if not _whole(rank):
+    if not is_whole(rank):
         raise ValueError(f"rank must be an integer, got {rank!r}")
     return int(rank)
 

@@ -17,7 +17,6 @@ successor (docs/resume.md).
 from __future__ import annotations
 
 import logging
-import numbers
 import threading
 import time
 import weakref
@@ -25,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, overload
 
+from msd_dask.batch import is_whole
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import actors_on, bound_actor, keys_on
@@ -544,7 +544,7 @@ class DataService:
         check, a second later, keeps it); elsewhere within a second, as for
         :meth:`set_weights`.
         """
-        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        if not is_whole(n) or n < 1:
             raise ValueError(f"scale_loaders({source!r}, n): n must be a number of loaders "
                              f"(an integer >= 1), got {n!r}")
         names = [s.name for s in self.config.sources]
@@ -641,7 +641,7 @@ class DataService:
         :class:`ValueError` naming those the cluster does not have (nothing moves then:
         an address mistyped, or ``localhost`` for ``127.0.0.1``, moved no role and retired
         nothing, silently)."""
-        if isinstance(workers, str) or not isinstance(workers, list | tuple):
+        if not isinstance(workers, list | tuple):
             raise ValueError(f"retire_workers: workers must be a list of addresses, got {workers!r}")
         info = self.client.scheduler_info(n_workers=-1)["workers"]
         by_name = {str(w.get("name")): a for a, w in info.items()}
@@ -701,7 +701,7 @@ class DataService:
         """
         if step is None:
             step = self.consumed_step()
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        if not is_whole(step):
             raise ValueError(f"state_dict: step must be a step (an integer), got {step!r}")
         at = int(step)
         return dict(self.link.call(lambda p: p.state_at(at)))
