@@ -143,6 +143,7 @@ class ParquetFormat:
         _arrow_allocates_from_the_c_heap()
         path = unit.path
         columns = list(dict.fromkeys(fields))
+        where = ""  # (the row group once it is being read: a failure from there names it)
         with fs.open(path, "rb") as f:
             try:
                 pf = pq.ParquetFile(f)
@@ -172,12 +173,7 @@ class ParquetFormat:
                 num_rows = meta.row_group(unit.part).num_rows
                 where = (f"row group {unit.part} (rows {unit.row_offset}-"
                          f"{unit.row_offset + num_rows - 1})")
-                try:
-                    table = pf.read_row_group(unit.part, columns=columns)
-                except Exception as exc:  # noqa: BLE001 - named with its row group below
-                    if isinstance(exc, _STORAGE_ERRORS):
-                        raise
-                    raise _data_error(path, exc, where) from exc
+                table = pf.read_row_group(unit.part, columns=columns)
                 if table.num_rows != num_rows:
                     raise DataError(f"cannot read parquet: {where} holds {table.num_rows} "
                                     f"rows, the file's footer says {num_rows}", path=path)
@@ -187,7 +183,7 @@ class ParquetFormat:
             except Exception as exc:  # noqa: BLE001 - a corrupt file raises all kinds
                 if isinstance(exc, _STORAGE_ERRORS):
                     raise
-                raise _data_error(path, exc) from exc
+                raise _data_error(path, exc, where) from exc
         del table
         for i in range(num_rows):
             yield unit.row_offset + i, {c: values[c][i] for c in columns}

@@ -162,7 +162,6 @@ class WebDatasetFormat:
             if missing:
                 raise DataError(f"missing field '{missing[0]}' (the sample's fields: "
                                 f"{', '.join(sorted(rec)) or 'none'})", path=path, row=row)
-            # a sample without an image is a text document, as a row whose image is null
             return {name: rec.get(name) for name in fields}
         except DataError as exc:
             if errors == "yield":
