@@ -81,6 +81,7 @@ from msd_dask.core.config import Config, parse_config  # noqa: E402
 from msd_dask.core.cost import CostModel  # noqa: E402
 from msd_dask.core.plan import Planner  # noqa: E402
 from msd_dask.core.row_placement import place_step  # noqa: E402
+from msd_dask.core.stream import kept_lengths  # noqa: E402
 from msd_dask.core.units import Unit  # noqa: E402
 
 LONGEST_CONTEXT = 131072
@@ -233,7 +234,7 @@ class HeldUnits:
         self.used[-1].add(key)
         lengths = self.meta.get(key)
         if lengths is None:
-            lengths = self.meta[key] = self.look(source, epoch, unit)
+            lengths = self.meta[key] = kept_lengths(self.look(source, epoch, unit))
         return lengths
 
     def step_done(self, pending: set[tuple[str, int, int]], prefetch: int) -> None:
@@ -392,9 +393,10 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
     (:class:`HeldUnits`)."""
     from msd_dask.core.row_placement import planner_threads, rank_blocks
     from msd_dask.roles.planner import kept_states
-    from msd_dask.sources.heap import cap_arenas
+    from msd_dask.sources.heap import cap_arenas, map_large_blocks
 
     cap_arenas()  # as the planner's actor does (its worker's C heap)
+    map_large_blocks()
     cfg = default_config(dp, 8, seq_len)
     pl = planner_for(cfg, 1 << 16)
     look = HeldUnits(LognormalUnits(4096))

@@ -1144,7 +1144,7 @@ def _warm() -> None:
              np.zeros((1, 1), dtype=np.int64))
     for dtype in (np.int32, np.int64):  # (the planner's tables, either width)
         permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
-    row_order(np.array([0, -1], dtype=np.int64), i1.copy(), 1, 1)
+    row_order(np.array([0, -1], dtype=np.int32), np.zeros(2, dtype=np.int32), 1, 1)
 
 
 def compile_for(items: int) -> None:

@@ -28,7 +28,7 @@ from msd_dask.core.cost import CostModel
 from msd_dask.core.gcpause import gc_paused
 from msd_dask.core.mixing import Mixer
 from msd_dask.core.row_placement import place_step, spread_long
-from msd_dask.core.stream import MetaLookup, NeedMetadata, Piece, SourceStream, new_piece
+from msd_dask.core.stream import MetaLookup, NeedMetadata, Piece, SourceStream, fits_int32, new_piece
 from msd_dask.core.units import Unit
 
 #: pieces made at a time from a piece table (see Planner._pieces)
@@ -617,7 +617,7 @@ class Planner:
         self._draw_sizes = (n_taken + n_taken // 16, n_lens + n_lens // 16)
         new_held = _gather(held[:n_new_held], windows, win_src)
         del held, lens
-        narrow = all(_fits_int32(t) for t in (first, *windows))
+        narrow = all(fits_int32(t) for t in (first, *windows))
         return (_gather(taken[:n_taken], windows, win_src, first, drop=True,
                         dtype=np.int32 if narrow else np.int64), new_held)
 
@@ -912,9 +912,3 @@ def _gather(keys: np.ndarray, windows: list[np.ndarray | None], sources: list[in
             windows[i] = None
     return out
 
-
-def _fits_int32(table: np.ndarray | None) -> bool:
-    """Whether every value of ``table`` (None: no table) fits in int32."""
-    if table is None or table.size == 0 or np.can_cast(table.dtype, np.int32):
-        return True
-    return bool(table.min() >= np.iinfo(np.int32).min and table.max() <= np.iinfo(np.int32).max)

@@ -189,13 +189,15 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
 
     Returns
     -------
-    rank, micro : ndarray of int
+    rank, micro : ndarray of int32
+        (a config's ``dp`` and ``micro_batches`` are below 2³¹; a step at dp 16,384 × 128K
+        holds millions of pieces)
     """
     if strategy == "sequential":  # next fit over the rows: mesh-agnostic already
         a = assign(lengths, costs, dp, mb, seq_len, strategy)
         rank, micro = a.rank.copy(), a.micro.copy()
         _place_carried(n_carried, lengths, rank, micro, seq_len)
-        return rank, micro
+        return rank.astype(np.int32), micro.astype(np.int32)
     n = len(lengths)
     rows = kept_rows(lengths, n_carried, dp * mb, seq_len)
     # (what lives through the strategy is as narrow as it can be: a step at dp 16,384 x 128K
@@ -205,12 +207,16 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
     lengths_kept, costs_kept = lengths[idx], costs[idx]
     del lengths, costs  # (the caller may pass them for this call alone)
     kept_rank, kept_micro = _assign_blocks(lengths_kept, costs_kept, dp, mb, seq_len, strategy)
-    rank = np.full(n, -1, dtype=np.int64)  # (made after the strategy's peak)
-    micro = rank.copy()
     if (kept_rank >= 0).all():
-        rank[idx], micro[idx] = kept_rank, kept_micro
-        return rank, micro
+        # (the kept pieces' arrays go before the step's are made, one at a time: else these
+        # are the placement's peak)
+        del lengths_kept, costs_kept, rows
+        rank = _scattered(n, idx, kept_rank)
+        del kept_rank
+        return rank, _scattered(n, idx, kept_micro)
     del kept_rank, kept_micro
+    rank = np.full(n, -1, dtype=np.int64)
+    micro = rank.copy()
     row_cost = np.bincount(rows, weights=costs_kept, minlength=dp * mb)
     load = [(0.0, r) for r in range(dp)]
     slots = [0] * dp
@@ -227,7 +233,14 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         b = improve(build_assignment(rank[idx], micro[idx], lengths_kept, costs_kept, dp, mb),
                     lengths_kept, costs_kept, seq_len)
         rank[idx], micro[idx] = b.rank, b.micro
-    return rank, micro
+    return rank.astype(np.int32), micro.astype(np.int32)
+
+
+def _scattered(n: int, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``n`` int32 values, ``values`` at ``idx`` and ``-1`` elsewhere."""
+    out = np.full(n, -1, dtype=np.int32)
+    out[idx] = values
+    return out
 
 
 def rank_blocks(dp: int) -> int:
@@ -300,29 +313,21 @@ def _assign_blocks(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq
         return a.rank, a.micro
     order = stable_argsort(lengths, descending=True)
     per = dp // blocks
+    # each block writes its own pieces' places (no two blocks share one), so neither a
+    # merged copy nor every block's arrays at once (at dp 16,384 x 128K a step holds
+    # millions of pieces)
+    rank = np.empty(len(lengths), dtype=np.int32)
+    micro = np.empty_like(rank)
 
-    def block(b: int) -> tuple[np.ndarray, np.ndarray]:
+    def block(b: int) -> None:
         mine = order[b::blocks]  # every blocks-th piece from the b-th longest
         a = assign(lengths[mine], costs[mine], per, mb, seq_len, strategy)
-        # (narrow, and only these kept: at dp 16,384 x 128K a step holds millions of pieces)
-        return a.rank.astype(np.int32), a.micro.astype(np.int32)
-
-    # merged in the dealing order (each block's pieces every blocks-th: strided copies),
-    # then put in piece order with one scatter per array
-    dealt_rank = np.empty(len(lengths), dtype=np.int32)
-    dealt_micro = np.empty(len(lengths), dtype=np.int32)
-    results = _map(block, range(blocks), planner_threads())
-    for b in range(blocks):
-        r, m = results.pop(0)  # (each block's arrays go once merged)
+        r = a.rank.astype(np.int32)
         np.add(r, b * per, out=r, where=r >= 0)  # (-1, left out, stays)
-        dealt_rank[b::blocks] = r
-        dealt_micro[b::blocks] = m
-        del r, m
-    rank = np.empty_like(dealt_rank)
-    rank[order] = dealt_rank
-    del dealt_rank
-    micro = np.empty_like(dealt_micro)
-    micro[order] = dealt_micro
+        rank[mine] = r
+        micro[mine] = a.micro
+
+    _map(block, range(blocks), planner_threads())
     return rank, micro
 
 

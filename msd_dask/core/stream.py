@@ -28,7 +28,7 @@ import numpy as np
 from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
 
-__all__ = ["Piece", "SourceStream", "NeedMetadata", "MetaLookup", "Window"]
+__all__ = ["Piece", "SourceStream", "NeedMetadata", "MetaLookup", "Window", "fits_int32", "kept_lengths"]
 
 
 class Piece(NamedTuple):
@@ -103,6 +103,28 @@ class NeedMetadata(LookupError):
 #: (``row_offset + i`` has length ``lengths[i]``; a negative length marks a
 #: row that was skipped as bad input).  Raises :class:`NeedMetadata`.
 MetaLookup = Callable[[str, int, int], np.ndarray]
+
+
+def kept_lengths(lengths: Any) -> np.ndarray:
+    """A unit's row lengths as a planner keeps them for its :data:`MetaLookup`: a copy of
+    its own, int32 where every value fits (a planner at dp 16,384 × 128K holds those of
+    thousands of units).
+
+    Parameters
+    ----------
+    lengths : array_like of int
+        Each row's length in tokens (negative: a row skipped as bad input).
+    """
+    out = np.array(lengths).reshape(-1)
+    return out.astype(np.int32) if fits_int32(out) else out.astype(np.int64, copy=False)
+
+
+def fits_int32(table: np.ndarray | None) -> bool:
+    """Whether every value of ``table`` (None: no table) fits in int32: the rule of every
+    piece table and list of lengths a planner narrows to int32 (:class:`Window`)."""
+    if table is None or table.size == 0 or np.can_cast(table.dtype, np.int32):
+        return True
+    return bool(table.min() >= np.iinfo(np.int32).min and table.max() <= np.iinfo(np.int32).max)
 
 
 def _rng(*key: int) -> np.random.Generator:

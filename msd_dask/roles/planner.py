@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 # costs each of them memory (tests/unit/test_imports.py).
 
 __all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "pack_snapshot",
-           "planner_state"]
+           "planner_state", "unpack_snapshot"]
 
 _log = logging.getLogger("msd_dask.roles.planner")
 
@@ -382,28 +382,47 @@ def _gathered(src: np.ndarray, ends: np.ndarray, delta: np.ndarray, index: np.nd
 
 def pack_snapshot(snap: PlannerSnapshot) -> bytes:
     """The planner's state after a step, packed as its actor keeps one per recent step
-    (:meth:`PlannerActor.state_at`, :meth:`PlannerActor.checkpoint`): 2-7 MiB at dp
-    16,384 × 128K, where its JSON form holds a list per carried and held piece."""
-    return _packed(snap)
+    (:meth:`PlannerActor.state_at`, :meth:`PlannerActor.checkpoint`); :func:`unpack_snapshot`
+    gives it back.
 
-
-def _packed(obj: Any) -> bytes:
-    """``obj`` pickled and compressed (zstd level 1), in bytes of their own size."""
+    Its piece tables column by column, int32 where every value fits (a column of one
+    source or epoch, or of chunk 0, compresses to almost nothing), pickled into a zstd
+    stream (level 3; no pickled copy of the tables on the way): 4-5 MiB at dp 16,384 ×
+    128K, where its JSON form holds a list per carried and held piece and its tables row
+    by row took 7.
+    """
+    import dataclasses
+    import io
     import pickle
 
     import zstandard
 
-    out = zstandard.ZstdCompressor(level=1).compress(pickle.dumps(obj, protocol=5))
-    return bytes(memoryview(out))
+    snap = dataclasses.replace(snap, carry=_by_column(snap.carry), held=_by_column(snap.held))
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor(level=3).stream_writer(out, closefd=False) as stream:
+        pickle.dump(snap, stream, protocol=5)
+    return out.getvalue()
 
 
-def _unpacked(packed: bytes) -> Any:
-    """What :func:`_packed` packed."""
+def _by_column(table: np.ndarray) -> np.ndarray:
+    """A piece table column by column (Fortran order), int32 where every value fits."""
+    from msd_dask.core.stream import fits_int32
+
+    return np.asfortranarray(table, dtype=np.int32 if fits_int32(table) else table.dtype)
+
+
+def unpack_snapshot(packed: bytes) -> PlannerSnapshot:
+    """What :func:`pack_snapshot` packed, its tables row by row again."""
+    import dataclasses
+    import io
     import pickle
 
     import zstandard
 
-    return pickle.loads(zstandard.ZstdDecompressor().decompress(packed))
+    with zstandard.ZstdDecompressor().stream_reader(packed) as stream:
+        snap: PlannerSnapshot = pickle.load(io.BufferedReader(stream))
+    return dataclasses.replace(snap, carry=np.ascontiguousarray(snap.carry),
+                               held=np.ascontiguousarray(snap.held))
 
 
 def _with_overrides(packed: bytes, overrides: tuple[tuple[int, dict[str, float]], ...]) -> bytes:
@@ -411,7 +430,7 @@ def _with_overrides(packed: bytes, overrides: tuple[tuple[int, dict[str, float]]
     weight changes) in place of its own."""
     import dataclasses
 
-    return pack_snapshot(dataclasses.replace(_unpacked(packed), overrides=overrides))
+    return pack_snapshot(dataclasses.replace(unpack_snapshot(packed), overrides=overrides))
 
 
 async def _assign(units: list[tuple[int, int]], loader: Any) -> None:
@@ -426,7 +445,7 @@ async def _release(units: list[tuple[int, int]], loader: Any) -> None:
 
 def _state_of(packed: bytes) -> dict[str, Any]:
     """The JSON form of a packed :class:`~msd_dask.core.plan.PlannerSnapshot`."""
-    state: dict[str, Any] = _unpacked(packed).to_state()
+    state: dict[str, Any] = unpack_snapshot(packed).to_state()
     return state
 
 
@@ -498,12 +517,14 @@ class PlannerActor:
         from msd_dask.core.row_placement import planner_threads
         from msd_dask.core.units import Unit
         from msd_dask.roles.supervisor import RoleSupervisor
-        from msd_dask.sources.heap import cap_arenas
+        from msd_dask.sources.heap import cap_arenas, map_large_blocks
         from msd_dask.sources.storage import SourceFiles
 
         # before the threads placing a large step's blocks of ranks allocate (their arenas
-        # would hold what each frees: see row_placement.planner_threads)
+        # would hold what each frees: see row_placement.planner_threads), and a large step's
+        # arrays given back when freed (msd_dask.sources.heap)
         cap_arenas()
+        map_large_blocks()
         planner_threads()  # (a bad MSD_DASK_PLANNER_THREADS is refused here, at the start)
         self.cfg = parse_config(config)
         self.generation = int(generation)
@@ -514,7 +535,7 @@ class PlannerActor:
         self._relpath = {k: [files[k].relpath(u.path) for u in v] for k, v in self.units.items()}
         self.planner = Planner(self.cfg, self.units)
         if isinstance(state, bytes):  # the checkpoint of the planner this one replaces
-            self.planner.load_snapshot(_unpacked(state))
+            self.planner.load_snapshot(unpack_snapshot(state))
         elif state is not None:
             self.planner.load_state_dict(
                 planner_state(self.cfg, state, {k: len(v) for k, v in self.units.items()})
@@ -852,6 +873,8 @@ class PlannerActor:
         return out
 
     async def _await_meta(self, source: str, units: list[tuple[int, int]]) -> None:
+        from msd_dask.core.stream import kept_lengths
+
         for e, u in units:
             k = (source, e, u)
             if k in self._meta:
@@ -891,7 +914,8 @@ class PlannerActor:
                 self._meta_wait[source] += time.monotonic() - t0
                 self._meta_waiting = None
             self._meta_tasks.pop(k, None)
-            self._meta[k] = np.array(lengths)  # a copy: a loader on this worker hands its own
+            # (a copy: a loader on this worker hands its own)
+            self._meta[k] = kept_lengths(lengths)
             self.waiting = None
 
     # ------------------------------------------------------- the planning thread

@@ -9,6 +9,13 @@ heap's arenas; the embedded cluster does), which also merges the arenas of Dask'
 threads.  Where it did not, :func:`cap_arenas` caps the arenas a process creates from
 its first loader on at one per core it may run on (at least two), so the loaders'
 threads share them.  A C library other than glibc is left alone.
+
+glibc also raises its threshold for taking a block straight from the operating system
+(``mmap``) to the size of each such block freed, up to 32 MiB: after the first large
+array goes, the next ones of that size come from an arena, and what they leave there
+when freed stays in the process.  :func:`map_large_blocks` fixes the threshold at
+:data:`MMAP_THRESHOLD` in the planner's process, whose steps at dp 16,384 × 128K make
+and free arrays of tens of MiB each (its peak 90 MiB lower there).
 """
 
 from __future__ import annotations
@@ -19,14 +26,23 @@ import os
 import platform
 import threading
 
-__all__ = ["cap_arenas"]
+__all__ = ["cap_arenas", "map_large_blocks", "MMAP_THRESHOLD"]
 
 _log = logging.getLogger("msd_dask.heap")
 
 #: glibc's ``mallopt`` parameter for the most arenas (``M_ARENA_MAX`` of ``malloc.h``)
 _M_ARENA_MAX = -8
+#: glibc's ``mallopt`` parameter for the size from which a block is mapped on its own
+#: (``M_MMAP_THRESHOLD``); setting it stops glibc raising it
+_M_MMAP_THRESHOLD = -3
+#: the size from which :func:`map_large_blocks` has blocks mapped on their own, and so
+#: given back to the operating system when freed: above a 4K step's arrays at dp 16,384
+#: (a few MiB, made and freed each step, which mapping anew would slow down)
+MMAP_THRESHOLD = 16 * 2**20
 #: the cap this process set, ``None`` until :func:`cap_arenas` set one
 _cap: int | None = None
+#: the threshold this process set, ``None`` until :func:`map_large_blocks` set one
+_threshold: int | None = None
 _lock = threading.Lock()
 
 
@@ -53,18 +69,53 @@ def cap_arenas(arenas: int | None = None) -> int | None:
     with _lock:
         if _cap is not None:
             return _cap
-        if os.environ.get("MALLOC_ARENA_MAX") or platform.libc_ver()[0] != "glibc":
-            return None
         n = max(2, len(os.sched_getaffinity(0))) if arenas is None else int(arenas)
         if n < 1:
             raise ValueError(f"arenas must be >= 1, got {arenas}")
-        try:
-            libc = ctypes.CDLL(None)
-            ok = libc.mallopt(ctypes.c_int(_M_ARENA_MAX), ctypes.c_int(n))
-        except (OSError, AttributeError) as e:
-            _log.debug("msd_dask: C heap's arenas left alone (%s)", e)
-            return None
-        if not ok:
+        if not _mallopt("MALLOC_ARENA_MAX", _M_ARENA_MAX, n):
             return None
         _cap = n
         return n
+
+
+def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> int | None:
+    """Have blocks of ``threshold`` bytes and more mapped on their own (glibc
+    ``mallopt(M_MMAP_THRESHOLD)``), so that freeing one gives its memory back, once.
+
+    Idempotent: a second call returns the first threshold and changes nothing.
+
+    Parameters
+    ----------
+    threshold : int
+        Bytes; glibc takes at most 32 MiB.
+
+    Returns
+    -------
+    int or None
+        The threshold in force, ``None`` where it was left alone:
+        ``MALLOC_MMAP_THRESHOLD_`` set in the environment (the deployment's choice), a C
+        library other than glibc, or ``mallopt`` refused it.
+    """
+    global _threshold
+    if not 0 < threshold <= 32 * 2**20:
+        raise ValueError(f"threshold must be in (0, 32 MiB], got {threshold}")
+    with _lock:
+        if _threshold is not None:
+            return _threshold
+        if not _mallopt("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD, threshold):
+            return None
+        _threshold = threshold
+        return threshold
+
+
+def _mallopt(env: str, param: int, value: int) -> bool:
+    """glibc's ``mallopt(param, value)``; whether it took it.  Not where the environment
+    variable ``env`` sets the same (the deployment's choice) or the C library is not glibc."""
+    if os.environ.get(env) or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)))
+    except (OSError, AttributeError) as e:
+        _log.debug("msd_dask: C heap's %s left alone (%s)", env, e)
+        return False

@@ -63,3 +63,56 @@ def test_the_deployments_setting_is_left_alone() -> None:
     printed, arenas = _arenas("cap", MALLOC_ARENA_MAX="4")
     assert printed == "None None"
     assert arenas == 4
+
+
+#: a process that (with argv[1] == "map") fixes glibc's mmap threshold, frees a 24 MiB block
+#: (which raises glibc's own threshold to 24 MiB), then makes and frees a 20 MiB block below
+#: a small one: prints the MiB its memory stayed above what it was before the 20 MiB block
+LARGE = """
+import ctypes, sys
+if sys.argv[1] == "map":
+    from msd_dask.sources.heap import map_large_blocks
+    print(map_large_blocks(), map_large_blocks(2**20), flush=True)
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+big = libc.malloc(24 * 2**20)
+ctypes.memset(big, 1, 24 * 2**20)
+libc.free(big)
+before = rss()
+block = libc.malloc(20 * 2**20)
+ctypes.memset(block, 1, 20 * 2**20)
+guard = libc.malloc(64)  # (the block is not the heap's top, which glibc would trim)
+libc.free(block)
+print(round(rss() - before), flush=True)
+"""
+
+
+def _kept_mib(mode: str, **env: str) -> list[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    res = subprocess.run([sys.executable, "-c", LARGE, mode], capture_output=True, text=True,
+                         timeout=60, env={**base, **env})
+    assert res.returncode == 0, res.stderr
+    return res.stdout.split("\n")
+
+
+def test_a_large_block_freed_goes_back_once_the_threshold_is_fixed() -> None:
+    """glibc raised its mmap threshold to a freed block's size: a 20 MiB array made and
+    freed after it stays in the process; with the planner's fixed threshold it goes back."""
+    from msd_dask.sources.heap import MMAP_THRESHOLD
+
+    assert MMAP_THRESHOLD <= 20 * 2**20
+    kept = _kept_mib("plain")
+    assert int(kept[0]) >= 19, kept
+    printed, kept_mapped, _ = _kept_mib("map")
+    assert printed == f"{MMAP_THRESHOLD} {MMAP_THRESHOLD}"  # the second call keeps the first
+    assert int(kept_mapped) <= 1, kept_mapped
+
+
+def test_the_deployments_mmap_threshold_is_left_alone() -> None:
+    printed, kept, _ = _kept_mib("map", MALLOC_MMAP_THRESHOLD_=str(2**20))
+    assert printed == "None None"
+    assert int(kept) <= 1  # (its threshold, 1 MiB, maps the 20 MiB block)

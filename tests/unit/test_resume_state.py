@@ -137,3 +137,41 @@ def test_a_fitted_cost_model_is_not_said_to_override_the_configs() -> None:
     state["planner"]["cost"] = [1.0, 0.5]
     assert resume_notes(_cfg(cost={"fit": True}), state) == []
     assert len(resume_notes(_cfg(), state)) == 1
+
+
+def test_a_packed_snapshot_unpacks_to_the_same_state_row_by_row() -> None:
+    """The planner's actor keeps a packed snapshot per recent step (its tables column by
+    column and narrowed); unpacked, it is the same state, its tables row by row, and a
+    planner loading it plans the same next steps as the one it was taken from."""
+    import dataclasses
+
+    import numpy as np
+
+    from msd_dask.roles.planner import pack_snapshot, unpack_snapshot
+
+    cfg = _cfg(outliers={"min_length": 0.25, "group": 2})
+    units = {s.name: [Unit(f"{s.name}/u{i}.parquet") for i in range(10)] for s in cfg.sources}
+
+    def lookup(source: str, epoch: int, unit: int) -> list[int]:
+        return [40, 30, 100, 64, 17, 9, 63][unit % 3:]
+
+    pl = Planner(cfg, units)
+    for _ in range(3):
+        pl.plan_step(lookup)
+    snap = pl.snapshot()
+    assert len(snap.held)
+    # a wide table as the planner may hold it (int64), and one int32 cannot hold
+    wide = dataclasses.replace(snap, held=snap.held.astype(np.int64))
+    rows = snap.held.astype(np.int64)
+    rows[:, 3] += 2**40
+    huge = dataclasses.replace(snap, carry=rows[:3], held=rows)
+    for original in (snap, wide, huge):
+        back = unpack_snapshot(pack_snapshot(original))
+        for name in ("carry", "held", "held_step"):
+            a, b = getattr(original, name), getattr(back, name)
+            assert b.flags.c_contiguous and b.tolist() == a.tolist(), name
+        assert back.to_state() == original.to_state()
+    other = Planner(cfg, units)
+    other.load_snapshot(unpack_snapshot(pack_snapshot(wide)))
+    for _ in range(3):
+        np.testing.assert_array_equal(other.plan_step(lookup).table, pl.plan_step(lookup).table)

@@ -348,3 +348,25 @@ def test_window_of_matches_the_unit_order():
     for e in range(3):
         order = [int(u) for u in s.unit_order(e)]
         assert [s.window_of(e, u) for u in range(23)] == [order.index(u) // 4 for u in range(23)]
+
+
+def test_kept_lengths_are_an_int32_copy_where_every_length_fits() -> None:
+    """A planner keeps the lengths of thousands of units (dp 16,384 × 128K): int32 halves
+    them; a value int32 cannot hold keeps them int64, and the copy is the planner's own."""
+    from msd_dask.core.stream import kept_lengths
+
+    given = np.array([5, -1, 2**31 - 1, 0], dtype=np.int64)
+    kept = kept_lengths(given)
+    assert kept.dtype == np.int32 and kept.tolist() == given.tolist()
+    given[0] = 7
+    assert kept[0] == 5  # (a loader on the planner's worker hands its own array)
+    wide = kept_lengths([2**31, 3])
+    assert wide.dtype == np.int64 and wide.tolist() == [2**31, 3]
+    assert kept_lengths([-2**31 - 1]).dtype == np.int64
+    assert kept_lengths(np.zeros(0, dtype=np.int64)).dtype == np.int32
+    # a stream reads the same pieces from either
+    a, b = SourceStream(NAME, UNITS, 3, 2, SEQ_LEN), SourceStream(NAME, UNITS, 3, 2, SEQ_LEN)
+    lengths = make_lengths()
+    narrow = {u: kept_lengths(v) for u, v in lengths.items()}
+    np.testing.assert_array_equal(a.current(lambda s, e, u: lengths[u]).table,
+                                  b.current(lambda s, e, u: narrow[u]).table)

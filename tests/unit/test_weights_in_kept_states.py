@@ -13,7 +13,7 @@ from test_planner_recreated import _plan
 
 from msd_dask import load_config
 from msd_dask.core.plan import Planner
-from msd_dask.roles.planner import PlannerActor, _unpacked
+from msd_dask.roles.planner import PlannerActor, unpack_snapshot
 from msd_dask.sources.discover import discover_units
 from msd_dask.sources.documents import read_unit
 from msd_dask.sources.storage import open_source
@@ -97,7 +97,7 @@ def test_a_weight_change_reaches_the_kept_states(corpus: Any) -> None:
         # the owner's next checkpoint of the same step comes with the changed state
         ck = await actor.checkpoint(have=before["step"], have_version=before["version"])
         assert ck["step"] == before["step"] and ck["version"] == before["version"] + 1
-        assert ck["state"] is not None and _unpacked(ck["state"]).overrides[-1][0] == 10
+        assert ck["state"] is not None and unpack_snapshot(ck["state"]).overrides[-1][0] == 10
         same = await actor.checkpoint(have=ck["step"], have_version=ck["version"])
         assert same["state"] is None
 
