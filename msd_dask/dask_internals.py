@@ -17,7 +17,8 @@ from typing import Any
 
 __all__ = ["CREATE_CHECK", "actor_address", "bound_actor", "call_actor", "call_remote_actor",
            "has_client", "keys_on", "local_actor", "published_datasets", "release_actor",
-           "scheduler_workers", "task_worker", "worker_actors", "wrap_scheduler_call"]
+           "scheduler_workers", "stop_identity_refresh", "task_worker", "worker_actors",
+           "wrap_scheduler_call"]
 
 #: what msgpack carries as it is (tuples arrive as tuples, lists too: Dask reads
 #: msgpack arrays as tuples)
@@ -299,6 +300,23 @@ def scheduler_workers(client: Any, timeout: float, *, running: bool = False) -> 
     rpc = client.scheduler.ncores_running if running else client.scheduler.ncores
     threads = client.sync(rpc, callback_timeout=timeout)
     return set(threads)
+
+
+def stop_identity_refresh(client: Any) -> None:
+    """Stop ``client``'s periodic ``identity`` call to the scheduler; its heartbeat goes on.
+
+    Relies on ``Client._periodic_callbacks["scheduler-info"]``, the periodic callback
+    that refreshes the client's copy of the scheduler's identity as often as the client
+    heartbeats (the scheduler stretches both with the number of clients).  That call is
+    about half of what an idle client costs the scheduler (``bench_idle_clients.py``),
+    and a service's client (a training process's, a host agent's) never reads the copy:
+    a synchronous client's ``scheduler_info()`` and ``dashboard_link`` ask the scheduler
+    when called.  Stopped on the client's own event loop (a periodic callback is not
+    thread-safe); nothing if Dask has no such callback.
+    """
+    callback = getattr(client, "_periodic_callbacks", {}).get("scheduler-info")
+    if callback is not None:
+        client.loop.add_callback(callback.stop)
 
 
 def published_datasets(scheduler: Any) -> dict[Any, Any] | None:

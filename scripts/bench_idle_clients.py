@@ -8,7 +8,9 @@ had ``--settle`` seconds to take the heartbeat interval the scheduler gives it (
 distributed.scheduler.heartbeat_interval(N)``: 20 s for 50-199 clients, ``10 × (N / 200 + 1)``
 s from 200).  Reported per ``N``: the CPU per connect, the load per client (cores, net of the
 idle scheduler) and the same per client and heartbeat interval, the figure
-``simulate.py --control-plane`` takes as ``--cp-client-beat``.
+``simulate.py --control-plane`` takes as ``--cp-client-beat``; each for clients as Dask makes
+them and as msd_dask's handle does (without their periodic ``identity`` call,
+``msd_dask.dask_internals.stop_identity_refresh``), one after the other.
 
     python scripts/bench_idle_clients.py --clients 128,512
     python scripts/bench_idle_clients.py --workers 24 --settle 20 --window 60   # workers instead
@@ -26,19 +28,27 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 
-def _hold(address: str, n: int, ready: Any, stop: Any) -> None:
-    """Connect ``n`` clients, say so, and keep them until ``stop`` is set."""
+def _hold(address: str, n: int, ready: Any, stop: Any, service: bool) -> None:
+    """Connect ``n`` clients, say so, and keep them until ``stop`` is set; ``service``: as
+    msd_dask's handle makes them (without the periodic ``identity`` call)."""
     from distributed import Client
 
+    from msd_dask.dask_internals import stop_identity_refresh
+
     clients = [Client(address, timeout=120) for _ in range(n)]
+    if service:
+        for c in clients:
+            stop_identity_refresh(c)
     ready.put(len(clients))
     stop.wait()
     for c in clients:
         c.close()
 
 
-def measure(clients: int, procs: int, settle: float, window: float, port: int) -> dict[str, float]:
-    """One scheduler, ``clients`` idle clients in ``procs`` processes: the figures of the module."""
+def measure(clients: int, procs: int, settle: float, window: float, port: int,
+            service: bool = True) -> dict[str, float]:
+    """One scheduler, ``clients`` idle clients in ``procs`` processes: the figures of the module;
+    ``service``: clients as msd_dask makes them, else as Dask does."""
     from distributed.scheduler import heartbeat_interval
 
     ctx = mp.get_context("fork")
@@ -49,7 +59,8 @@ def measure(clients: int, procs: int, settle: float, window: float, port: int) -
             idle = _rate(cpu, window / 2)
             ready = ctx.Queue()
             per = [clients // procs + (i < clients % procs) for i in range(procs)]
-            holders = [ctx.Process(target=_hold, args=(f"tcp://127.0.0.1:{port}", n, ready, stop))
+            holders = [ctx.Process(target=_hold, args=(f"tcp://127.0.0.1:{port}", n, ready, stop,
+                                                             service))
                        for n in per if n]
             c0 = cpu()
             for p in holders:
@@ -170,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['per_worker_ms_s']:>15.4f} {r['interval_s']:>10.1f} "
                   f"{r['per_beat_ms']:>11.2f}", flush=True)
         return 0
-    print(f"{'clients':>8} {'connect ms':>10} {'idle cores':>10} {'busy cores':>10} "
-          f"{'ms/s per client':>15} {'interval s':>10} {'ms per beat':>11}")
+    print(f"{'clients':>8} {'made by':>8} {'connect ms':>10} {'idle cores':>10} "
+          f"{'busy cores':>10} {'ms/s per client':>15} {'interval s':>10} {'ms per beat':>11}")
     for n in (int(x) for x in args.clients.split(",")):
-        r = measure(n, min(args.procs, n), args.settle, args.window, args.port)
-        print(f"{n:>8} {r['connect_ms']:>10.1f} {r['idle_cores']:>10.4f} {r['busy_cores']:>10.4f} "
-              f"{r['per_client_ms_s']:>15.4f} {r['interval_s']:>10.1f} {r['per_beat_ms']:>11.2f}")
+        for service in (False, True):  # (side by side: the machine's load drifts)
+            r = measure(n, min(args.procs, n), args.settle, args.window, args.port, service)
+            print(f"{n:>8} {'msd_dask' if service else 'Dask':>8} {r['connect_ms']:>10.1f} "
+                  f"{r['idle_cores']:>10.4f} {r['busy_cores']:>10.4f} "
+                  f"{r['per_client_ms_s']:>15.4f} {r['interval_s']:>10.1f} "
+                  f"{r['per_beat_ms']:>11.2f}", flush=True)
     return 0
 
 

@@ -487,7 +487,8 @@ class ControlPlaneCosts:
         Constructor CPU per rank and step (packing, hand-over), summed over constructors.
     client_beat : float
         The scheduler's CPU per connected client and heartbeat interval (the client's
-        heartbeat and its ``identity`` call), in both designs.  Dask stretches a
+        heartbeat; a Dask client's ``identity`` call too, which msd_dask's clients stop),
+        in both designs.  Dask stretches a
         client's interval with the number of clients (:func:`client_interval`), so the
         idle load of ``n`` clients is ``n × client_beat / client_interval(n)``: at most
         about 20 beats a second, whatever ``n``.
@@ -509,9 +510,10 @@ class ControlPlaneCosts:
     plan_rank_step: float = 0.261 / 16384
     # bench_many_readers.py, every role of the workers net of their idle load, 1,024 ranks
     constructor_rank_step: float = 1.5e-3
-    # bench_idle_clients.py: 0.137 ms/s per client with 128 clients (a 20 s interval),
-    # 0.078 with 512 (35.6 s): 2.7-2.8 ms per client and interval
-    client_beat: float = 2.75e-3
+    # bench_idle_clients.py, clients as msd_dask makes them (no periodic identity call):
+    # 0.40-0.81 ms per client and interval with 128 and 512 clients (Dask's own clients
+    # 0.82-1.16 in the same runs), rounded up
+    client_beat: float = 1.0e-3
     # bench_idle_clients.py: "idle cores" of a scheduler with nothing connected, 0.020-0.032
     scheduler_idle: float = 0.025
     # bench_idle_clients.py --workers 24 / 48: 0.29 / 0.31 ms per worker heartbeat

@@ -76,3 +76,35 @@ async def test_a_call_from_a_thread_gets_the_values_it_sends(c, s, a):
     got = await asyncio.get_running_loop().run_in_executor(None, from_thread)
     assert got["args"] == [5, (0, 1, 0, 1)]
     assert got["kwargs"]["report_after"] == 1.0 and list(got["kwargs"]["ranks"]) == [5, 6]
+
+
+@gen_cluster(client=False, nthreads=[],
+             config={"distributed.client.scheduler-info-interval": "20ms",
+                     "distributed.client.heartbeat": "60s"})
+async def test_a_client_whose_identity_refresh_stopped_makes_no_identity_calls(s):
+    """Every Dask client asks the scheduler for its identity periodically (here every 20 ms);
+    a service's client stops that (msd_dask.service.handle)."""
+    from distributed import Client
+
+    from msd_dask.dask_internals import stop_identity_refresh
+
+    calls = []
+    identity = s.handlers["identity"]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return identity(*args, **kwargs)
+
+    s.handlers["identity"] = counted
+    for stop in (False, True):
+        async with Client(s.address, asynchronous=True) as c:
+            if stop:
+                stop_identity_refresh(c)
+            await asyncio.sleep(0.1)  # (a call under way when it stopped is answered)
+            calls.clear()
+            await asyncio.sleep(0.5)
+            made = len(calls)
+        if stop:
+            assert made == 0
+        else:
+            assert made >= 5  # ~25 in 0.5 s: the refresh a service's client does without
