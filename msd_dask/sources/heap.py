@@ -15,7 +15,7 @@ glibc also raises its threshold for taking a block straight from the operating s
 array goes, the next ones of that size come from an arena, and what they leave there
 when freed stays in the process.  :func:`map_large_blocks` fixes the threshold at
 :data:`MMAP_THRESHOLD` in the planner's process, whose steps at dp 16,384 × 128K make
-and free arrays of tens of MiB each (its peak 90 MiB lower there).
+and free arrays of tens of MiB each (its peak about 80 MiB lower there).
 """
 
 from __future__ import annotations
