@@ -385,6 +385,18 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
     return [t1 - t0 - looking, t2 - t1, t3 - t2], len(plan.table), kept, snapshot
 
 
+def workers_environ() -> Any:
+    """``os.environ`` as a nanny gives it to the service's workers, while the block runs (a
+    context manager; the processes it starts take it): ``distributed.nanny.pre-spawn-environ``
+    under the service's Dask settings (Dask's ``MALLOC_TRIM_THRESHOLD_``, msd_dask's
+    ``MALLOC_ARENA_MAX``), which decide how the planner's worker's C heap gives memory back."""
+    from bench_scheduler_bytes import dask_environ, environ
+
+    from msd_dask.service import EMBEDDED_DASK_CONFIG
+
+    return environ(dask_environ(EMBEDDED_DASK_CONFIG)[1])
+
+
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
     """The planner's work per step at ``dp`` ranks, end to end, and its memory while it keeps
     what its actor keeps: the work of the last ``prefetch`` steps for re-created
@@ -568,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ctx = multiprocessing.get_context("spawn")  # each its own peak RSS
         for seq_len in (4096, 131072):
-            with ctx.Pool(1) as pool:
+            with workers_environ(), ctx.Pool(1) as pool:
                 r = pool.apply(scale_config, (args.scale_dp, seq_len, args.scale_steps))
             line = fmt_scale(r)
             print(line, flush=True)

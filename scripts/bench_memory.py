@@ -82,7 +82,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -341,13 +340,13 @@ def start_cluster(tmp: str, workers: int, env: dict[str, str]
 
     Returns the scheduler's address and the processes (scheduler first).
     """
-    from bench_scheduler_bytes import _start_cluster
+    from bench_scheduler_bytes import _start_cluster, environ
 
     from msd_dask.service import EMBEDDED_DASK_CONFIG
 
     # a variable of --cluster-env wins over the same one of the settings' nanny environment
     config = {k: v for k, v in EMBEDDED_DASK_CONFIG.items() if k.rsplit(".", 1)[-1] not in env}
-    with _environ(env):
+    with environ(env):
         return _start_cluster(tmp, workers, count=False, nthreads=_DASK_THREADS, config=config)
 
 
@@ -501,21 +500,6 @@ def _cluster_env(pairs: list[str]) -> dict[str, str]:
             raise SystemExit(f"--cluster-env wants KEY=VALUE, got {pair!r}")
         env[key] = value
     return env
-
-
-@contextlib.contextmanager
-def _environ(extra: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``extra`` set while the block runs (for the processes it starts)."""
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _compiled_copy(root: str) -> str:

@@ -26,6 +26,7 @@ long against the plugin's one-second polls (``--steps 200``: several seconds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 # ---------------------------------------------------------------- scheduler side (preload)
@@ -110,6 +111,21 @@ def dask_environ(config: Mapping[str, Any] | None = None) -> tuple[dict[str, str
     dask_env = {"DASK_" + "__".join(p.upper().replace("-", "_") for p in k.split(".")): str(v)
                 for k, v in (config or {}).items() if not k.startswith(_NANNY_ENVIRON)}
     return dask_env, spawn_env
+
+
+@contextlib.contextmanager
+def environ(extra: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``extra`` set while the block runs (for the processes it starts)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _start_cluster(tmp: str, workers: int, count: bool = True, nthreads: int = 2,

@@ -387,9 +387,9 @@ def pack_snapshot(snap: PlannerSnapshot) -> bytes:
 
     Its piece tables column by column, int32 where every value fits (a column of one
     source or epoch, or of chunk 0, compresses to almost nothing), pickled into a zstd
-    stream (level 3; no pickled copy of the tables on the way): 4-5 MiB at dp 16,384 ×
-    128K, where its JSON form holds a list per carried and held piece and its tables row
-    by row took 7.
+    stream (level 3; no pickled copy of the tables on the way): 1-5 MiB at dp 16,384 ×
+    128K (4.2 where its tables row by row took 7.2), where its JSON form holds a list per
+    carried and held piece.
     """
     import dataclasses
     import io

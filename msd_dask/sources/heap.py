@@ -13,9 +13,13 @@ threads share them.  A C library other than glibc is left alone.
 glibc also raises its threshold for taking a block straight from the operating system
 (``mmap``) to the size of each such block freed, up to 32 MiB: after the first large
 array goes, the next ones of that size come from an arena, and what they leave there
-when freed stays in the process.  :func:`map_large_blocks` fixes the threshold at
-:data:`MMAP_THRESHOLD` in the planner's process, whose steps at dp 16,384 × 128K make
-and free arrays of tens of MiB each (its peak about 80 MiB lower there).
+when freed stays in the process.  It stops raising it once the process sets any of its
+thresholds, and Dask's nanny starts every worker with ``MALLOC_TRIM_THRESHOLD_``: there it
+stays at 128 KiB, and every array above that is mapped anew and its pages faulted in each
+time (a planner's step at dp 16,384 × 4K makes hundreds of arrays of a few MiB: 1.4× the
+time).  :func:`map_large_blocks` fixes it at :data:`MMAP_THRESHOLD` in the planner's
+process, either way: a step's arrays of a few MiB are reused from the arenas, and those of
+tens of MiB (dp 16,384 × 128K) go back when freed.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ _M_ARENA_MAX = -8
 _M_MMAP_THRESHOLD = -3
 #: the size from which :func:`map_large_blocks` has blocks mapped on their own, and so
 #: given back to the operating system when freed: above a 4K step's arrays at dp 16,384
-#: (a few MiB, made and freed each step, which mapping anew would slow down)
+#: (a few MiB, made and freed each step, which mapping anew slows down)
 MMAP_THRESHOLD = 16 * 2**20
 #: the cap this process set, ``None`` until :func:`cap_arenas` set one
 _cap: int | None = None
@@ -92,9 +96,9 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> int | None:
     Returns
     -------
     int or None
-        The threshold in force, ``None`` where it was left alone:
-        ``MALLOC_MMAP_THRESHOLD_`` set in the environment (the deployment's choice), a C
-        library other than glibc, or ``mallopt`` refused it.
+        The threshold set, ``None`` where it was left alone: ``MALLOC_MMAP_THRESHOLD_``
+        set in the environment (the deployment's choice), a C library other than glibc, or
+        ``mallopt`` refused it.
     """
     global _threshold
     if not 0 < threshold <= 32 * 2**20:

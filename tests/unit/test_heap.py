@@ -66,8 +66,10 @@ def test_the_deployments_setting_is_left_alone() -> None:
 
 
 #: a process that (with argv[1] == "map") fixes glibc's mmap threshold, frees a 24 MiB block
-#: (which raises glibc's own threshold to 24 MiB), then makes and frees a 20 MiB block below
-#: a small one: prints the MiB its memory stayed above what it was before the 20 MiB block
+#: (which raises glibc's own mmap threshold to 24 MiB, and its trim threshold to twice that),
+#: then makes and frees a 20 MiB block: prints what ``map_large_blocks`` returned, and the MiB
+#: its memory stayed above what it was before the 20 MiB block (from the heap's top, and not
+#: trimmed under 48 MiB, unless mapped on its own)
 LARGE = """
 import ctypes, sys
 if sys.argv[1] == "map":
@@ -85,7 +87,6 @@ libc.free(big)
 before = rss()
 block = libc.malloc(20 * 2**20)
 ctypes.memset(block, 1, 20 * 2**20)
-guard = libc.malloc(64)  # (the block is not the heap's top, which glibc would trim)
 libc.free(block)
 print(round(rss() - before), flush=True)
 """
@@ -110,6 +111,17 @@ def test_a_large_block_freed_goes_back_once_the_threshold_is_fixed() -> None:
     printed, kept_mapped, _ = _kept_mib("map")
     assert printed == f"{MMAP_THRESHOLD} {MMAP_THRESHOLD}"  # the second call keeps the first
     assert int(kept_mapped) <= 1, kept_mapped
+
+
+def test_the_threshold_is_fixed_in_a_nannys_worker_too() -> None:
+    """Dask's nanny starts every worker with ``MALLOC_TRIM_THRESHOLD_``, which fixes glibc's
+    mmap threshold at 128 KiB: every array of a planner's 4K step above that was mapped anew
+    (1.4× the step's time); the planner's process fixes it at its own threshold there too."""
+    from msd_dask.sources.heap import MMAP_THRESHOLD
+
+    printed, kept, _ = _kept_mib("map", MALLOC_TRIM_THRESHOLD_="65536")
+    assert printed == f"{MMAP_THRESHOLD} {MMAP_THRESHOLD}"
+    assert int(kept) <= 1
 
 
 def test_the_deployments_mmap_threshold_is_left_alone() -> None:
