@@ -307,12 +307,14 @@ def stop_identity_refresh(client: Any) -> None:
 
     Relies on ``Client._periodic_callbacks["scheduler-info"]``, the periodic callback
     that refreshes the client's copy of the scheduler's identity as often as the client
-    heartbeats (the scheduler stretches both with the number of clients).  That call is
-    about half of what an idle client costs the scheduler (``bench_idle_clients.py``),
-    and a service's client (a training process's, a host agent's) never reads the copy:
-    a synchronous client's ``scheduler_info()`` and ``dashboard_link`` ask the scheduler
+    heartbeats (the scheduler stretches both with the number of clients).  Without it an
+    idle client cost the scheduler 15-53% less (``bench_idle_clients.py``), and a
+    service's client (a training process's, a host agent's) never reads the copy: a
+    synchronous client's ``scheduler_info()`` and ``dashboard_link`` ask the scheduler
     when called.  Stopped on the client's own event loop (a periodic callback is not
-    thread-safe); nothing if Dask has no such callback.
+    thread-safe); nothing if Dask has no such callback.  For a client already started (a
+    synchronous one is once made): an asynchronous client not awaited yet starts its
+    callbacks when awaited.
     """
     callback = getattr(client, "_periodic_callbacks", {}).get("scheduler-info")
     if callback is not None:

@@ -116,7 +116,7 @@ def _planner_within(name: str, what: str, timeout: float) -> Iterator[None]:
 def _client(address: str, timeout: float, security: Any) -> Any:
     """A service's client of the scheduler at ``address`` (each training process, or each
     host's agent, has one): talking to the workers directly, without the periodic
-    ``identity`` call of every Dask client, about half of its idle cost to the scheduler
+    ``identity`` call of every Dask client, 15-53% of its idle cost to the scheduler
     (:func:`~msd_dask.dask_internals.stop_identity_refresh`)."""
     from distributed import Client
 
