@@ -1126,7 +1126,7 @@ def _warm() -> None:
     compiles them (or loads them from its cache) now, not in the middle of a step."""
     i1, f1 = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64)
     best_fit_rows(np.ones(1, dtype=np.int64), 1, 4)
-    in_piece_order(i1.copy(), i1.copy(), i1.copy(), i1.copy())
+    in_piece_order(np.zeros(1, dtype=np.int32), i1.copy(), i1.copy(), np.zeros(1, dtype=np.int32))
     greedy_fill(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
                 np.zeros((1, 1)), f1.copy(), np.full(1, 4, dtype=np.int64), i1.copy(), i1.copy(), True)
     fill_rounds(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
@@ -1135,7 +1135,8 @@ def _warm() -> None:
     mix_draw(f1.copy(), np.ones(1), np.ones(1, dtype=np.bool_), np.ones(1, dtype=np.int64), i1.copy(),
              i1.copy(), np.ones(1, dtype=np.int64), np.full(1, 9, dtype=np.int64), 4, i1.copy(), 0,
              i1.copy(), -1, 0, i1.copy(), 0, 0)
-    for a in (np.arange(4096, dtype=np.int64), np.arange(4096, dtype=np.float64)):
+    for a in (np.arange(4096, dtype=np.int64), np.arange(4096, dtype=np.float64),
+              np.arange(4096, dtype=np.int32)):  # (int32: the placement's kept lengths)
         stable_argsort(a)
         stable_argsort(a, True, np.arange(4096, dtype=np.int64))
         stable_argsort(a, True)

@@ -60,7 +60,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) -> np.ndarray:
-    """Which pieces a step places, decided without the mesh: a row of each, ``-1`` if carried.
+    """Which pieces a step places, decided without the mesh: a row of each (int32), ``-1`` if
+    carried.
 
     Best-fit decreasing over ``n_rows`` rows of ``seq_len`` tokens: the pieces
     carried from the last step first (in order), then the new ones by
@@ -81,16 +82,18 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     which places runs of pieces of one length a row at a time.
     """
     n = len(lengths)
-    row = np.full(n, -1, dtype=np.int64)
+    row = np.full(n, -1, dtype=np.int32)
     if n == 0 or n_rows <= 0:
         return row
     lengths = np.asarray(lengths, dtype=np.int64)
     # the lengths in best-fit order: the carried pieces', then each length as often as it
     # comes, longest first (a counting sort: no gather or order array of millions of pieces)
+    # (int32, as the rows they get: a step at dp 16,384 x 128K holds millions of pieces, and
+    # this is the placement's peak)
     count = np.bincount(lengths[n_carried:])
-    ls = np.empty(n, dtype=np.int64)
+    ls = np.empty(n, dtype=np.int32)
     ls[:n_carried] = lengths[:n_carried]
-    ls[n_carried:] = np.repeat(np.arange(len(count) - 1, -1, -1), count[::-1])
+    ls[n_carried:] = np.repeat(np.arange(len(count) - 1, -1, -1, dtype=np.int32), count[::-1])
     fit = _best_fit_blocks(ls, n_rows, seq_len)
     del ls
     row[:n_carried] = fit[:n_carried]
@@ -110,20 +113,22 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
 
 def _best_fit_blocks(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     """The best fit of the pieces ``ls`` (lengths, in placement order) over ``n_rows`` rows,
-    block by block of :func:`row_blocks` (see :func:`kept_rows`): each piece's row."""
+    block by block of :func:`row_blocks` (see :func:`kept_rows`): each piece's row, int32
+    (``n_rows`` is a config's ``dp × micro_batches``)."""
     blocks = row_blocks(n_rows)
     if blocks == 1:
-        return best_fit_rows(ls, n_rows, seq_len)
+        return best_fit_rows(ls.astype(np.int64), n_rows, seq_len).astype(np.int32)
     per = n_rows // blocks
+    # each block writes its own pieces' rows (every blocks-th), so not every block's result
+    # at once besides the whole
+    fit = np.empty(len(ls), dtype=np.int32)
 
-    def block(b: int) -> np.ndarray:
-        rows = best_fit_rows(np.ascontiguousarray(ls[b::blocks]), per, seq_len)
+    def block(b: int) -> None:
+        rows = best_fit_rows(ls[b::blocks].astype(np.int64), per, seq_len)
         np.add(rows, b * per, out=rows, where=rows >= 0)  # (-1, carried, stays)
-        return rows
-
-    fit = np.empty(len(ls), dtype=np.int64)
-    for b, rows in enumerate(_map(block, range(blocks), planner_threads())):
         fit[b::blocks] = rows
+
+    _map(block, range(blocks), planner_threads())
     return fit
 
 
@@ -203,8 +208,9 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
     # (what lives through the strategy is as narrow as it can be: a step at dp 16,384 x 128K
     # holds millions of pieces, and the planner's peak is the sum of their arrays)
     idx = np.flatnonzero(rows >= 0).astype(np.int32 if n < 2**31 else np.int64)
-    rows = rows[idx].astype(np.int32 if dp * mb < 2**31 else np.int64)  # the kept pieces' rows
-    lengths_kept, costs_kept = lengths[idx], costs[idx]
+    rows = rows[idx]  # the kept pieces' rows
+    # (the kept lengths in int32: a piece is at most seq_len tokens, a config's int)
+    lengths_kept, costs_kept = lengths[idx].astype(np.int32), costs[idx]
     del lengths, costs  # (the caller may pass them for this call alone)
     kept_rank, kept_micro = _assign_blocks(lengths_kept, costs_kept, dp, mb, seq_len, strategy)
     if (kept_rank >= 0).all():
@@ -215,6 +221,7 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         del kept_rank
         return rank, _scattered(n, idx, kept_micro)
     del kept_rank, kept_micro
+    lengths_kept = lengths_kept.astype(np.int64)
     rank = np.full(n, -1, dtype=np.int64)
     micro = rank.copy()
     row_cost = np.bincount(rows, weights=costs_kept, minlength=dp * mb)
@@ -311,7 +318,8 @@ def _assign_blocks(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq
     if blocks == 1:
         a = assign(lengths, costs, dp, mb, seq_len, strategy)
         return a.rank, a.micro
-    order = stable_argsort(lengths, descending=True)
+    # (int32: the step's pieces' order lives through the blocks, the placement's peak)
+    order = stable_argsort(lengths, descending=True).astype(np.int32)
     per = dp // blocks
     # each block writes its own pieces' places (no two blocks share one), so neither a
     # merged copy nor every block's arrays at once (at dp 16,384 x 128K a step holds
