@@ -529,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compose", action="store_true", help="skip the default planner's composition table")
     p.add_argument("--scale-dp", type=int, default=16384,
                    help="DP ranks of the end-to-end planner table (0: skip it; default 16384)")
-    p.add_argument("--scale-steps", type=int, default=3, help="steps of the end-to-end table (default 3)")
+    p.add_argument("--scale-steps", type=int, default=16,
+                   help="steps of the end-to-end table (default 16: at 128K the steps' sizes vary "
+                        "4-fold, and the peak comes at the largest)")
     p.add_argument("--small-steps", type=int, default=500,
                    help="steps of the small-step table (bench_scaling's step, the demo corpus; "
                         "0: skip it)")
