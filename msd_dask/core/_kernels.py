@@ -1067,8 +1067,8 @@ def compile_kernels(in_child: bool = True) -> None:
     in_child : bool
         Compile in a child process first (:func:`_fill_cache`), which writes numba's
         cache, so that this process only loads the compiled code from it.  The process
-        that compiles keeps numba's compiler state: about 200 MiB (the planner's peak at
-        dp 16,384 × 128K was 1,047 MiB with an empty cache, 840 MiB with a full one).
+        that compiles keeps numba's compiler state: about 200 MiB, which the planner's
+        process at dp 16,384 × 128K has no room for under its 1 GiB.
         Where the child fails, this process compiles.
     """
     global _compiled
@@ -1126,7 +1126,8 @@ def _warm() -> None:
     compiles them (or loads them from its cache) now, not in the middle of a step."""
     i1, f1 = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64)
     best_fit_rows(np.ones(1, dtype=np.int64), 1, 4)
-    in_piece_order(np.zeros(1, dtype=np.int32), i1.copy(), i1.copy(), np.zeros(1, dtype=np.int32))
+    for rows in (np.int32, np.int64):  # (kept_rows' rows: int32 where the step's rows fit)
+        in_piece_order(np.zeros(1, dtype=rows), i1.copy(), i1.copy(), np.zeros(1, dtype=rows))
     greedy_fill(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
                 np.zeros((1, 1)), f1.copy(), np.full(1, 4, dtype=np.int64), i1.copy(), i1.copy(), True)
     fill_rounds(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
@@ -1145,7 +1146,8 @@ def _warm() -> None:
              np.zeros((1, 1), dtype=np.int64))
     for dtype in (np.int32, np.int64):  # (the planner's tables, either width)
         permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
-    row_order(np.array([0, -1], dtype=np.int32), np.zeros(2, dtype=np.int32), 1, 1)
+    for ranks in (np.int32, np.int64):  # (place_step's: int32 where dp and mb fit)
+        row_order(np.array([0, -1], dtype=ranks), np.zeros(2, dtype=ranks), 1, 1)
 
 
 def compile_for(items: int) -> None:

@@ -17,12 +17,13 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from heapq import heappop, heappush
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from msd_dask.core._kernels import best_fit_rows, in_piece_order, stable_argsort
 from msd_dask.core.balance import assign, build_assignment, improve
+from msd_dask.core.stream import fits_int32
 
 __all__ = ["kept_rows", "place_step", "planner_threads", "rank_blocks", "row_blocks",
            "spread_long", "BLOCK_RANKS", "BLOCK_ROWS", "KEPT_SLACK", "THREADS_ENV"]
@@ -60,8 +61,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) -> np.ndarray:
-    """Which pieces a step places, decided without the mesh: a row of each (int32), ``-1`` if
-    carried.
+    """Which pieces a step places, decided without the mesh: a row of each (int32 where
+    ``n_rows`` fits), ``-1`` if carried.
 
     Best-fit decreasing over ``n_rows`` rows of ``seq_len`` tokens: the pieces
     carried from the last step first (in order), then the new ones by
@@ -82,7 +83,7 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     which places runs of pieces of one length a row at a time.
     """
     n = len(lengths)
-    row = np.full(n, -1, dtype=np.int32)
+    row = np.full(n, -1, dtype=_int_type(n_rows))
     if n == 0 or n_rows <= 0:
         return row
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -91,9 +92,9 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     # (int32, as the rows they get: a step at dp 16,384 x 128K holds millions of pieces, and
     # this is the placement's peak)
     count = np.bincount(lengths[n_carried:])
-    ls = np.empty(n, dtype=np.int32)
+    ls = np.empty(n, dtype=np.int32 if fits_int32(lengths) else np.int64)
     ls[:n_carried] = lengths[:n_carried]
-    ls[n_carried:] = np.repeat(np.arange(len(count) - 1, -1, -1, dtype=np.int32), count[::-1])
+    ls[n_carried:] = np.repeat(np.arange(len(count) - 1, -1, -1, dtype=ls.dtype), count[::-1])
     fit = _best_fit_blocks(ls, n_rows, seq_len)
     del ls
     row[:n_carried] = fit[:n_carried]
@@ -113,15 +114,15 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
 
 def _best_fit_blocks(ls: np.ndarray, n_rows: int, seq_len: int) -> np.ndarray:
     """The best fit of the pieces ``ls`` (lengths, in placement order) over ``n_rows`` rows,
-    block by block of :func:`row_blocks` (see :func:`kept_rows`): each piece's row, int32
-    (``n_rows`` is a config's ``dp × micro_batches``)."""
+    block by block of :func:`row_blocks` (see :func:`kept_rows`): each piece's row (int32
+    where ``n_rows`` fits)."""
     blocks = row_blocks(n_rows)
     if blocks == 1:
-        return best_fit_rows(ls.astype(np.int64), n_rows, seq_len).astype(np.int32)
+        return best_fit_rows(ls.astype(np.int64), n_rows, seq_len).astype(_int_type(n_rows))
     per = n_rows // blocks
     # each block writes its own pieces' rows (every blocks-th), so not every block's result
     # at once besides the whole
-    fit = np.empty(len(ls), dtype=np.int32)
+    fit = np.empty(len(ls), dtype=_int_type(n_rows))
 
     def block(b: int) -> None:
         rows = best_fit_rows(ls[b::blocks].astype(np.int64), per, seq_len)
@@ -194,32 +195,32 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
 
     Returns
     -------
-    rank, micro : ndarray of int32
-        (a config's ``dp`` and ``micro_batches`` are below 2³¹; a step at dp 16,384 × 128K
-        holds millions of pieces)
+    rank, micro : ndarray of int
+        int32 where ``dp`` and ``mb`` fit (a config's always do; a step at dp 16,384 ×
+        128K holds millions of pieces)
     """
     if strategy == "sequential":  # next fit over the rows: mesh-agnostic already
         a = assign(lengths, costs, dp, mb, seq_len, strategy)
         rank, micro = a.rank.copy(), a.micro.copy()
         _place_carried(n_carried, lengths, rank, micro, seq_len)
-        return rank.astype(np.int32), micro.astype(np.int32)
+        return rank.astype(_int_type(dp)), micro.astype(_int_type(mb))
     n = len(lengths)
     rows = kept_rows(lengths, n_carried, dp * mb, seq_len)
     # (what lives through the strategy is as narrow as it can be: a step at dp 16,384 x 128K
     # holds millions of pieces, and the planner's peak is the sum of their arrays)
-    idx = np.flatnonzero(rows >= 0).astype(np.int32 if n < 2**31 else np.int64)
+    idx = np.flatnonzero(rows >= 0).astype(_int_type(n))
     rows = rows[idx]  # the kept pieces' rows
     # (the kept lengths in int32: a piece is at most seq_len tokens, a config's int)
-    lengths_kept, costs_kept = lengths[idx].astype(np.int32), costs[idx]
+    lengths_kept, costs_kept = lengths[idx].astype(_int_type(seq_len + 1)), costs[idx]
     del lengths, costs  # (the caller may pass them for this call alone)
     kept_rank, kept_micro = _assign_blocks(lengths_kept, costs_kept, dp, mb, seq_len, strategy)
     if (kept_rank >= 0).all():
         # (the kept pieces' arrays go before the step's are made, one at a time: else these
         # are the placement's peak)
         del lengths_kept, costs_kept, rows
-        rank = _scattered(n, idx, kept_rank)
+        rank = _scattered(n, idx, kept_rank, dp)
         del kept_rank
-        return rank, _scattered(n, idx, kept_micro)
+        return rank, _scattered(n, idx, kept_micro, mb)
     del kept_rank, kept_micro
     lengths_kept = lengths_kept.astype(np.int64)
     rank = np.full(n, -1, dtype=np.int64)
@@ -240,12 +241,19 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         b = improve(build_assignment(rank[idx], micro[idx], lengths_kept, costs_kept, dp, mb),
                     lengths_kept, costs_kept, seq_len)
         rank[idx], micro[idx] = b.rank, b.micro
-    return rank.astype(np.int32), micro.astype(np.int32)
+    return rank.astype(_int_type(dp)), micro.astype(_int_type(mb))
 
 
-def _scattered(n: int, idx: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``n`` int32 values, ``values`` at ``idx`` and ``-1`` elsewhere."""
-    out = np.full(n, -1, dtype=np.int32)
+def _int_type(top: int) -> type[np.signedinteger[Any]]:
+    """int32 for values below ``top`` where it fits them (the step's arrays are narrow: at dp
+    16,384 × 128K they hold millions of pieces), else int64."""
+    return np.int32 if top <= 2**31 else np.int64
+
+
+def _scattered(n: int, idx: np.ndarray, values: np.ndarray, top: int) -> np.ndarray:
+    """``n`` values below ``top`` (:func:`_int_type`), ``values`` at ``idx`` and ``-1``
+    elsewhere."""
+    out = np.full(n, -1, dtype=_int_type(top))
     out[idx] = values
     return out
 
@@ -319,18 +327,18 @@ def _assign_blocks(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq
         a = assign(lengths, costs, dp, mb, seq_len, strategy)
         return a.rank, a.micro
     # (int32: the step's pieces' order lives through the blocks, the placement's peak)
-    order = stable_argsort(lengths, descending=True).astype(np.int32)
+    order = stable_argsort(lengths, descending=True).astype(_int_type(len(lengths)))
     per = dp // blocks
     # each block writes its own pieces' places (no two blocks share one), so neither a
     # merged copy nor every block's arrays at once (at dp 16,384 x 128K a step holds
     # millions of pieces)
-    rank = np.empty(len(lengths), dtype=np.int32)
-    micro = np.empty_like(rank)
+    rank = np.empty(len(lengths), dtype=_int_type(dp))
+    micro = np.empty(len(lengths), dtype=_int_type(mb))
 
     def block(b: int) -> None:
         mine = order[b::blocks]  # every blocks-th piece from the b-th longest
         a = assign(lengths[mine], costs[mine], per, mb, seq_len, strategy)
-        r = a.rank.astype(np.int32)
+        r = a.rank.astype(rank.dtype)
         np.add(r, b * per, out=r, where=r >= 0)  # (-1, left out, stays)
         rank[mine] = r
         micro[mine] = a.micro

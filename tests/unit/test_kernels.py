@@ -440,3 +440,38 @@ def test_kernels_are_compiled_in_a_child_and_loaded_from_its_cache(tmp_path) -> 
     misses, hits, which = res.stdout.split(maxsplit=2)
     assert (int(misses), which.strip()) == (0, "[]"), res.stdout
     assert int(hits) > 0 and any(tmp_path.rglob("*.nbi")), res.stdout
+
+
+def test_a_step_of_blocks_compiles_nothing_the_warm_up_did_not() -> None:
+    """The warm-up (``_warm``) compiles every kernel for the types the planner passes, so a
+    step never stops to compile one (seconds, and numba's compiler state kept in the
+    process): planning steps whose rows and ranks are placed in blocks (int32 rows, ranks
+    and lengths) adds no signature to any kernel."""
+    from msd_dask.core import _kernels
+    from msd_dask.core.config import parse_config
+    from msd_dask.core.plan import Planner
+    from msd_dask.core.row_placement import BLOCK_RANKS, BLOCK_ROWS
+    from msd_dask.core.units import Unit
+
+    _kernels.compile_kernels()
+    dp = 2 * BLOCK_RANKS
+    mb = max(1, 2 * BLOCK_ROWS // dp)
+    cfg = parse_config({
+        "name": "k", "seed": 1, "batch": {"seq_len": 64, "micro_batches": mb},
+        "parallel": {"dp": dp},
+        "sources": [{"name": n, "uri": f"memory://{n}/*.parquet", "format": "parquet",
+                     "weight": 0.5} for n in ("web", "books")]})
+    pl = Planner(cfg, {s.name: [Unit(f"{s.name}/u{i}.parquet") for i in range(64)]
+                       for s in cfg.sources})
+    rng = np.random.default_rng(0)
+    lengths = {u: rng.integers(1, 200, size=4096) for u in range(64)}
+
+    def signatures() -> dict[str, list]:
+        return {f.__name__: list(getattr(_kernels, f.__name__).signatures)
+                for f in _kernels._KERNELS}
+
+    before = signatures()
+    for _ in range(2):
+        plan = pl.plan_step(lambda source, epoch, unit: lengths[unit])
+        assert len(plan.table) > dp * mb  # (a step of blocks of ranks and of rows)
+    assert signatures() == before
