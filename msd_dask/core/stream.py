@@ -115,8 +115,8 @@ def kept_lengths(lengths: Any) -> np.ndarray:
     lengths : array_like of int
         Each row's length in tokens (negative: a row skipped as bad input).
     """
-    out = np.array(lengths).reshape(-1)
-    return out.astype(np.int32) if fits_int32(out) else out.astype(np.int64, copy=False)
+    given = np.asarray(lengths).reshape(-1)
+    return given.astype(np.int32 if fits_int32(given) else np.int64)  # (astype: a copy)
 
 
 def fits_int32(table: np.ndarray | None) -> bool:
