@@ -353,7 +353,8 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
                   clock: Any = time.perf_counter) -> tuple[list[float], int, list[bytes], bytes]:
     """One step of what the planner's actor does in its planning thread: ``plan_step`` with
     what it takes from the plan (its units, tokens per source), the plan split into
-    ``constructors``' work, that work packed and the planner's state after the step packed.
+    ``constructors``' work, that work packed and the planner's state after the step packed;
+    the plan and the unpacked work go as soon as they are used, as the actor lets them go.
 
     Returns the seconds of the three parts by ``clock``, the step's pieces, the packed work
     and the packed state.  The plan's seconds leave out ``look``'s own: it makes each
@@ -376,13 +377,16 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
     t0 = clock()
     plan = pl.plan_step(lookup)
     plan.units(), plan.tokens_by_source()
+    pieces = len(plan.table)
     t1 = clock()
     work = split_plan(plan, constructors, Owner(), relpath, names)
+    del plan  # (as the actor lets it go)
     t2 = clock()
     kept = pack_works(work, planner_threads())
+    del work
     snapshot = pack_snapshot(pl.snapshot())
     t3 = clock()
-    return [t1 - t0 - looking, t2 - t1, t3 - t2], len(plan.table), kept, snapshot
+    return [t1 - t0 - looking, t2 - t1, t3 - t2], pieces, kept, snapshot
 
 
 def workers_environ() -> Any:

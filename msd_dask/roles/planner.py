@@ -11,6 +11,7 @@ step it returned).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -47,6 +48,25 @@ _T = TypeVar("_T")
 
 #: Version tag of :meth:`DataService.state_dict`'s output.
 STATE_FORMAT = "msd_dask.state/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """A step as the planning loop keeps it from its planning until the round is handed
+    over (:meth:`PlannerActor._plan_next`): no plan and no unpacked work, which are each
+    up to 160 MiB at dp 16,384 x 128K."""
+
+    step: int
+    #: the units it reads
+    used: set[tuple[str, int, int]]
+    #: its history record
+    record: dict[str, Any]
+    #: each DP rank's (ΣL, ΣL²), for the cost fitter (None: not fitted)
+    features: np.ndarray | None
+    #: the planner's state after it: (snapshot, packed)
+    after: tuple[PlannerSnapshot, bytes]
+    #: each constructor's work, packed (:func:`~msd_dask.roles.constructor.pack_works`)
+    work: list[bytes]
 
 
 #: seconds :meth:`PlannerActor.state_at` waits for a step of the next round to be planned
@@ -391,7 +411,6 @@ def pack_snapshot(snap: PlannerSnapshot) -> bytes:
     128K (4.2 where its tables row by row took 7.2), where its JSON form holds a list per
     carried and held piece.
     """
-    import dataclasses
     import io
     import pickle
 
@@ -413,7 +432,6 @@ def _by_column(table: np.ndarray) -> np.ndarray:
 
 def unpack_snapshot(packed: bytes) -> PlannerSnapshot:
     """What :func:`pack_snapshot` packed, its tables row by row again."""
-    import dataclasses
     import io
     import pickle
 
@@ -428,8 +446,6 @@ def unpack_snapshot(packed: bytes) -> PlannerSnapshot:
 def _with_overrides(packed: bytes, overrides: tuple[tuple[int, dict[str, float]], ...]) -> bytes:
     """A packed :class:`~msd_dask.core.plan.PlannerSnapshot` with ``overrides`` (the live
     weight changes) in place of its own."""
-    import dataclasses
-
     return pack_snapshot(dataclasses.replace(unpack_snapshot(packed), overrides=overrides))
 
 
@@ -962,12 +978,20 @@ class PlannerActor:
         job.add_done_callback(done)
         return await asyncio.shield(job)
 
-    def _plan_next(self) -> tuple[StepPlan, set[tuple[str, int, int]], dict[str, Any],
-                                  np.ndarray | None, tuple[PlannerSnapshot, bytes]]:
+    def _plan_next(self) -> _Planned:
         """In the planning thread: plan the next step (:meth:`Planner.plan_step`, which may
-        raise ``NeedMetadata``), and what the loop keeps of it that takes a pass over its
-        pieces: the units it uses, its history record, each DP rank's (ΣL, ΣL²) (for
-        the cost fitter), and the planner's state after it (snapshot, packed)."""
+        raise ``NeedMetadata``) and what the loop keeps of it (:class:`_Planned`), each of
+        which takes a pass over its pieces: the units it uses, its history record, each DP
+        rank's (ΣL, ΣL²) (for the cost fitter), the planner's state after it (snapshot,
+        packed) and each constructor's work, packed (:func:`split_plan`,
+        :func:`~msd_dask.roles.constructor.pack_works`).
+
+        The step's plan and its constructors' work go before the next step is planned:
+        only the packed work lives through the round (at dp 16,384 x 128K a plan's table
+        and its work are each up to 160 MiB, and a round's three of each were most of the
+        process's memory)."""
+        from msd_dask.core.row_placement import planner_threads
+
         t0 = time.monotonic()
         plan = self.planner.plan_step(self._lookup)
         self.plan_seconds = time.monotonic() - t0
@@ -982,18 +1006,21 @@ class PlannerActor:
         }
         features = None if self.fitter is None else plan.rank_features()
         snap = self.planner.snapshot()
-        return plan, used, record, features, (snap, pack_snapshot(snap))
-
-    def _split(self, plan: StepPlan) -> list[StepPieces]:
-        """In the planning thread: each constructor's work of ``plan``."""
-        return split_plan(plan, len(self.constructors), self._owner, self._relpath,
+        after = (snap, pack_snapshot(snap))
+        step = plan.step
+        # (the units it reads are read in its owners, which hand_over and spread_units
+        # change only under the planning lock, held meanwhile)
+        work = split_plan(plan, len(self.constructors), self._owner, self._relpath,
                           [s.name for s in self.cfg.sources])
+        del plan  # (its table: as large as the work's)
+        packed = pack_works(work, planner_threads())  # (zstd's threads, as place_step's)
+        return _Planned(step, used, record, features, after, packed)
 
     async def _loop(self) -> None:
         from msd_dask.core.stream import NeedMetadata
 
         k = self.cfg.steps_per_round
-        handing: list[StepPlan] = []  # the round being handed over (for an error's message)
+        handing: list[_Planned] = []  # the round being handed over (for an error's message)
         try:
             async with self._plan_lock:  # a step of a cancelled loop still planning ends first
                 pass
@@ -1008,29 +1035,28 @@ class PlannerActor:
                 if self.fitter is not None:
                     self.planner.cost = self.fitter.model()
                 # a round: up to k steps, cut short where a unit's lengths are not known yet
-                plans: list[StepPlan] = []
+                planned: list[_Planned] = []
                 need: NeedMetadata | None = None
-                while len(plans) < k:
+                while len(planned) < k:
                     async with self._planning():
                         try:
-                            plan, used, record, features, after = await self._off_loop(
-                                self._plan_next)
+                            step = await self._off_loop(self._plan_next)
                         except NeedMetadata as nm:
                             need = nm
                             break
-                        plans.append(plan)
-                        self._snapshot(plan.step, *after)
-                        for key in used:  # its units stay until the step is claimed
-                            self._last_use[key] = plan.step
+                        planned.append(step)
+                        self._snapshot(step.step, *step.after)
+                        for key in step.used:  # its units stay until the step is claimed
+                            self._last_use[key] = step.step
                         # kept before any reader can have the step: its step time may come
                         # back while the planner still waits for room after the round
-                        self._record(record)
-                        self._keep_features(plan.step, features)
-                    if len(plans) < k:
+                        self._record(step.record)
+                        self._keep_features(step.step, step.features)
+                    if len(planned) < k:
                         await self._assign_ahead()  # the next step's units and read-ahead
-                if plans:
-                    handing = plans
-                    await self._submit(plans, k)
+                if planned:
+                    handing = planned
+                    await self._submit(planned, k)
                     handing = []
                 if need is not None:
                     await self._await_meta(need.source, need.units)
@@ -1044,26 +1070,17 @@ class PlannerActor:
             self.error = f"planner failed at {at}: {e}"
             await self.roles.notify(self.error)
 
-    async def _submit(self, plans: list[StepPlan], room: int) -> None:
+    async def _submit(self, planned: list[_Planned], room: int) -> None:
         """Hand a round to the constructors; return once each has room for ``room`` more
         steps (the next round: one message per constructor and round)."""
-        from msd_dask.core.row_placement import planner_threads
-
-        steps = []
-        async with self._planning():  # hand_over may not move units meanwhile
-            works = await self._off_loop(lambda: [self._split(plan) for plan in plans])
-            threads = planner_threads()  # (zstd's threads, as place_step's)
-            packed = await self._off_loop(
-                lambda: [pack_works(work, threads) for work in works])
-        for plan, work, kept in zip(plans, works, packed, strict=True):
-            self._recent[plan.step] = kept
-            steps.append((plan.step, work, kept))
-        last = plans[-1].step
-        span = f"{plans[0].step}" if len(plans) == 1 else f"{plans[0].step}-{last}"
+        for step in planned:
+            self._recent[step.step] = step.work
+        first, last = planned[0].step, planned[-1].step
+        span = f"{first}" if first == last else f"{first}-{last}"
         self.waiting = (f"constructors to make room for step {last + 1} (handing over step "
                         f"{span}; each holds at most prefetch={self.cfg.prefetch} unclaimed "
                         "steps)")
-        await self.roles.submit(steps, room)
+        await self.roles.submit([(step.step, step.work) for step in planned], room)
         self._last_submitted = last
         # every rank has claimed the steps up to _claimed_by_all(): never sent again
         safe = self._claimed_by_all()

@@ -55,7 +55,7 @@ from msd_dask.dask_internals import (
 from msd_dask.errors import DataError, ServiceTimeoutError, WorkerLeft, first_of, unanswered
 from msd_dask.roles import constructor as constructor_role
 from msd_dask.roles import loader as loader_role
-from msd_dask.roles.constructor import DataConstructor, StepPieces, unpack_work
+from msd_dask.roles.constructor import DataConstructor, unpack_work
 from msd_dask.roles.direct import direct
 from msd_dask.roles.keys import constructor_key, is_role_of, loader_key, role_pattern
 from msd_dask.roles.loader import SourceLoader
@@ -70,30 +70,28 @@ _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: One planned step as the planner hands it over: ``(step, [work of each constructor],
-#: [the same packed as the planner keeps it])`` (:func:`~msd_dask.roles.constructor.pack_work`)
-StepRound = tuple[int, list[StepPieces], list[bytes]]
+#: One planned step as the planner hands it over: ``(step, [each constructor's work, packed
+#: as the planner keeps it])`` (:func:`~msd_dask.roles.constructor.pack_works`)
+StepRound = tuple[int, list[bytes]]
 
 
-async def _hand_round(constructor: Any, steps: list[tuple[int, StepPieces | None, bytes]],
-                      room: int, force: bool = False) -> None:
+async def _hand_round(constructor: Any, steps: list[tuple[int, bytes]], room: int,
+                      force: bool = False) -> None:
     """The one way a round reaches a constructor (:meth:`DataConstructor.submit`).
 
-    ``steps``: ``(step, work, packed)``, the constructor's work of each step and the same
-    packed as the planner keeps it (``work`` ``None``: a re-send, from what the planner
-    kept).  A constructor on another worker gets the packed bytes, pickled together (see
-    its ``submit``); one on this worker (:func:`~msd_dask.roles.direct.direct`) the
-    objects, unpacked from the kept bytes where ``work`` is ``None``.
+    ``steps``: ``(step, work)``, the constructor's work of each step packed as the planner
+    keeps it.  A constructor on another worker gets the packed bytes, pickled together
+    (see its ``submit``); one on this worker (:func:`~msd_dask.roles.direct.direct`) the
+    work unpacked, arrays of its own: a view of the step's whole work would keep that
+    alive, up to 160 MiB at dp 16,384 x 128K, as long as the constructor holds the step.
     """
     from distributed.actor import Actor
 
     if isinstance(constructor, Actor):
-        await call_remote_actor(constructor, DataConstructor.submit, pickle.dumps(
-            [(s, packed) for s, _, packed in steps], protocol=5), room, force)
+        await call_remote_actor(constructor, DataConstructor.submit,
+                                pickle.dumps(steps, protocol=5), room, force)
     else:
-        await constructor.submit(
-            [(s, unpack_work(packed) if work is None else work) for s, work, packed in steps],
-            room, force)
+        await constructor.submit([(s, unpack_work(packed)) for s, packed in steps], room, force)
 
 
 class PlannerSide(Protocol):
@@ -670,8 +668,7 @@ class RoleSupervisor:
         steps it still holds for claimed by every rank, and not keep them for its
         successor)."""
         async def submit(i: int, constructor: Any) -> None:
-            await _hand_round(constructor, [(s, w[i], packed[i]) for s, w, packed in steps],
-                              room)
+            await _hand_round(constructor, [(s, packed[i]) for s, packed in steps], room)
 
         await self._on_constructors(submit, again=lambda i, c: c.wait_room(room))
 
@@ -798,8 +795,7 @@ class RoleSupervisor:
                 # it meanwhile waits for them, see DataConstructor.submit); watched, as a
                 # call to an actor whose worker left waits for good, and so would heal,
                 # holding the roles' lock
-                resent: list[tuple[int, StepPieces | None, bytes]] = [
-                    (s, None, packed) for s, packed in self.planner.unclaimed_steps(i)]
+                resent = self.planner.unclaimed_steps(i)
                 if await self._watched(handle, f"re-created constructor {i}",
                                        f"take the {len(resent)} steps not claimed by every "
                                        "rank yet", partial(_hand_round, steps=resent, room=0,

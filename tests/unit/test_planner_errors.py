@@ -71,7 +71,7 @@ def test_a_round_that_cannot_be_handed_over_is_named(corpus: Any, monkeypatch: A
                 for epoch in range(3):
                     actor._meta[(s.name, epoch, i)] = lengths
         actor.roles = Roles()  # type: ignore[assignment]
-        monkeypatch.setattr(actor, "_split", lambda plan: [None])
+        monkeypatch.setattr(planner_module, "split_plan", lambda plan, *args: [None])
         monkeypatch.setattr(planner_module, "pack_works", lambda works, threads=1: [b""])
         await actor._loop()
 

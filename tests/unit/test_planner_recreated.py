@@ -1,12 +1,16 @@
-"""A planner re-created from the owner's checkpoint re-plans steps some ranks had from the
-lost one (``had``): a weight change then starts after them, the state of such a step is
-waited for, not refused; and a checkpoint taken while a constructor does not answer finds
-its floor's state kept, whatever the prefetch (each found by a review of the planner)."""
+"""The planner's actor without Dask.  A planner re-created from the owner's checkpoint
+re-plans steps some ranks had from the lost one (``had``): a weight change then starts
+after them, the state of such a step is waited for, not refused; a checkpoint taken while a
+constructor does not answer finds its floor's state kept, whatever the prefetch (each found
+by a review of the planner); and a planned step keeps only its packed work."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -38,8 +42,16 @@ def _actor(cfg: Any, units: Any, roots: Any, state: Any = None,
                                                                              ByteTokenizer())])
     known = lengths
     actor._lookup = lambda source, epoch, unit: known[(source, unit)]  # type: ignore[method-assign]
-    actor.roles.own_address = lambda: "tcp://198.18.0.2:0"  # type: ignore[method-assign]
+    without_dask(actor)
     return actor, lengths
+
+
+def without_dask(actor: PlannerActor) -> None:
+    """Stand-ins for what a planner's actor has of Dask: its worker's address, two
+    constructors to split the steps for, and every unit read by loader slot 0."""
+    actor.roles.own_address = lambda: "tcp://198.18.0.2:0"  # type: ignore[method-assign]
+    actor.roles.constructors = [SimpleNamespace(key=f"constructor-{i}") for i in range(2)]
+    actor._owner = defaultdict(int)
 
 
 async def _plan(actor: PlannerActor, n: int) -> list[Any]:
@@ -47,8 +59,8 @@ async def _plan(actor: PlannerActor, n: int) -> list[Any]:
     plans = []
     for _ in range(n):
         async with actor._planning():
-            p, _used, _record, _features, after = await actor._off_loop(actor._plan_next)
-        actor._snapshot(p.step, *after)
+            p = await actor._off_loop(actor._plan_next)
+        actor._snapshot(p.step, *p.after)
         plans.append(p)
     return plans
 
@@ -69,8 +81,8 @@ def test_a_weight_change_on_a_re_created_planner_starts_after_what_ranks_had(cor
         assert await new.set_weights(NEW) == 9
         now = {p.step: p for p in await _plan(new, 8)}
         for step in range(4, 9):  # re-planned as the lost planner planned them
-            np.testing.assert_array_equal(now[step].table, was[step].table)
-        assert now[9].weights["prose"] == pytest.approx(0.95)
+            assert now[step].work == was[step].work
+        assert now[9].record["weights"]["prose"] == pytest.approx(0.95)
 
     asyncio.run(run())
 
@@ -131,3 +143,38 @@ def test_a_checkpoint_while_a_constructor_does_not_answer_finds_its_state(
         assert ck["step"] == (5 * k - 1) - prefetch - k and ck["state"] is not None
 
     asyncio.run(run())
+
+
+def test_a_planned_step_keeps_neither_its_plan_nor_its_unpacked_work(corpus: Any) -> None:
+    """The planning loop holds a round of steps until the constructors have room for it: it
+    held each step's plan and, handing the round over, every step's unpacked work too (at
+    dp 16,384 x 128K each up to 160 MiB, and a round of three was most of the planner's
+    memory).  A planned step now keeps its work packed alone, and a constructor on the
+    planner's worker gets it unpacked, in arrays of its own."""
+    from msd_dask.core.plan import StepPlan
+    from msd_dask.roles.constructor import StepPieces, unpack_work
+
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    units, roots = discover_units(cfg)
+
+    def alive() -> list[Any]:
+        gc.collect()
+        return [o for o in gc.get_objects() if type(o) in (StepPlan, StepPieces)]
+
+    before = {id(o) for o in alive()}  # (what other tests of this process may hold)
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        actor, _ = _actor(cfg, units, roots)
+        planned = await _plan(actor, cfg.steps_per_round)
+        # (while the actor lives)
+        return planned, [o for o in alive() if id(o) not in before]
+
+    planned, alive = asyncio.run(run())
+    assert not alive, alive
+    assert [p.step for p in planned] == list(range(cfg.steps_per_round))
+    # each constructor's packed work is a whole work: its ranks' rows, and nothing shared
+    works = [unpack_work(w) for w in planned[0].work]
+    assert [list(w.dps) for w in works] == [[0], [1]]
+    assert all(len(w.pieces) for w in works)
+    assert not np.shares_memory(works[0].pieces, works[1].pieces)

@@ -603,7 +603,7 @@ def test_a_constructor_re_created_during_a_round_is_waited_for_until_it_has_room
     async def run() -> Any:
         await sup.setup()
         old = sup.constructors[0]
-        await asyncio.wait_for(sup.submit([(7, [None], [b""])], room=3), 30)
+        await asyncio.wait_for(sup.submit([(7, [b""])], room=3), 30)
         return old
 
     old = asyncio.run(run())

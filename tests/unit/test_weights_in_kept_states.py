@@ -9,10 +9,10 @@ import asyncio
 from typing import Any
 
 import numpy as np
-from test_planner_recreated import _plan
+from test_planner_recreated import _plan, without_dask
 
 from msd_dask import load_config
-from msd_dask.core.plan import Planner
+from msd_dask.core.plan import Planner, StepPlan
 from msd_dask.roles.planner import PlannerActor, unpack_snapshot
 from msd_dask.sources.discover import discover_units
 from msd_dask.sources.documents import read_unit
@@ -41,9 +41,22 @@ def _actor(corpus: Any) -> tuple[Any, PlannerActor, Any]:
         return lengths[(source, unit)]
 
     actor._lookup = lookup  # type: ignore[method-assign]
-    # (no Dask worker holds this actor here: its checkpoint names none)
-    actor.roles.own_address = lambda: "tcp://198.18.0.2:0"  # type: ignore[method-assign]
+    without_dask(actor)  # (no Dask worker holds this actor here: its checkpoint names none)
     return cfg, actor, lookup
+
+
+def _plans(actor: PlannerActor) -> dict[int, StepPlan]:
+    """Every plan the actor's planner makes from now on, by step (the actor keeps none)."""
+    plans: dict[int, StepPlan] = {}
+    plan_step = actor.planner.plan_step
+
+    def keeping(lookup: Any) -> StepPlan:
+        plan = plan_step(lookup)
+        plans[plan.step] = plan
+        return plan
+
+    actor.planner.plan_step = keeping  # type: ignore[method-assign]
+    return plans
 
 
 def test_weight_changes_every_step_keep_the_planner_bounded(corpus: Any) -> None:
@@ -53,13 +66,13 @@ def test_weight_changes_every_step_keep_the_planner_bounded(corpus: Any) -> None
     cfg, actor, lookup = _actor(corpus)
 
     async def run() -> None:
-        live = {}
+        live = _plans(actor)
         for k in range(60):
             await actor.set_weights({"code": 1.0 + k % 5, "prose": 1.0 + k % 3})
             if k % 7 == 0:  # made ahead, then replaced by the next steps' changes
                 await actor.set_weights({"code": 9.0, "prose": 1.0},
                                         from_step=actor.planner.step + 2)
-            live.update((p.step, p) for p in await _plan(actor, 1))
+            await _plan(actor, 1)
             assert len(actor.planner.overrides) <= actor._keep + 3, actor.planner.overrides
         # every kept state, each resumed, plans the steps after it as the live planner did
         # (a review: the oldest alone did not tell a threshold one step too early)
@@ -82,7 +95,8 @@ def test_a_weight_change_reaches_the_kept_states(corpus: Any) -> None:
         before = await actor.checkpoint()
         start = await actor.set_weights(NEW)
         assert start == 10
-        live = {p.step: p for p in await _plan(actor, 10)}
+        live = _plans(actor)
+        await _plan(actor, 10)
         # the readers are at step 7: a resume from its state changes the mix at step 10
         resumed = Planner(cfg, actor.units)
         resumed.load_state_dict((await actor.state_at(7))["planner"])
