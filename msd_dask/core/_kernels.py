@@ -1127,7 +1127,9 @@ def _warm() -> None:
     i1, f1 = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64)
     best_fit_rows(np.ones(1, dtype=np.int64), 1, 4)
     for rows in (np.int32, np.int64):  # (kept_rows' rows: int32 where the step's rows fit)
-        in_piece_order(np.zeros(1, dtype=rows), i1.copy(), i1.copy(), np.zeros(1, dtype=rows))
+        for lengths in (np.int32, np.int64):  # (and the pieces' lengths, as the table's)
+            in_piece_order(np.zeros(1, dtype=rows), np.zeros(1, dtype=lengths), i1.copy(),
+                           np.zeros(1, dtype=rows))
     greedy_fill(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),
                 np.zeros((1, 1)), f1.copy(), np.full(1, 4, dtype=np.int64), i1.copy(), i1.copy(), True)
     fill_rounds(i1.copy(), np.ones(1, dtype=np.int64), np.ones(1), np.full((1, 1), 4, dtype=np.int64),

@@ -30,6 +30,9 @@ from msd_dask.core.flops import transformer_coefficients
 
 __all__ = ["CostModel", "CostFitter", "transformer_coefficients"]
 
+#: pieces :class:`CostModel` prices at a time
+_COST_SLICE = 1 << 16
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -53,15 +56,20 @@ class CostModel:
         return cls(*transformer_coefficients(hidden_size, layers))
 
     def __call__(self, lengths: np.ndarray | int) -> np.ndarray:
-        # linear·L + (quadratic·L)·L, bit for bit, in two arrays where the plain expression
-        # makes four (a step at dp 16,384 x 128K has millions of pieces)
-        # (the caller's float64 array as it is, never scaled; anything else a copy of its own)
-        own = not (isinstance(lengths, np.ndarray) and lengths.dtype == np.float64)
-        L = np.array(lengths, dtype=np.float64) if own else np.asarray(lengths)
-        out = np.multiply(L, self.quadratic)
-        out *= L
-        out += np.multiply(L, self.linear, out=L if own else None)
-        return out
+        # linear·L + (quadratic·L)·L, bit for bit, in the result alone and a slice's
+        # temporaries, where the plain expression makes four arrays of the pieces' size (a
+        # step at dp 16,384 x 128K has millions of pieces: this is the planner's peak)
+        given = np.asarray(lengths)
+        flat = given.reshape(-1)
+        out = np.empty(flat.shape, dtype=np.float64)
+        for a in range(0, len(flat), _COST_SLICE):
+            L = flat[a:a + _COST_SLICE].astype(np.float64)  # (a copy: never the caller's)
+            part = out[a:a + _COST_SLICE]
+            np.multiply(L, self.quadratic, out=part)
+            part *= L
+            L *= self.linear
+            part += L
+        return out[0] if given.ndim == 0 else out.reshape(given.shape)  # (a scalar's: a scalar)
 
     def total(self, lengths: np.ndarray | Sequence[np.ndarray]) -> float:
         """Cost of a rank holding these pieces (one array, or one per micro-batch)."""

@@ -112,7 +112,7 @@ class StepPlan:
     @property
     def lengths(self) -> np.ndarray:
         """Tokens of each piece (int64), in the order of :attr:`table`."""
-        return _lengths(self.table)
+        return _lengths(self.table).astype(np.int64, copy=False)
 
     def rank_features(self) -> np.ndarray:
         """Each DP rank's ``(ΣL, ΣL²)`` over its pieces' lengths ``L``, shape (dp, 2): what
@@ -836,8 +836,9 @@ def _closest_group(lengths: np.ndarray, n: int, keep_first: bool) -> np.ndarray:
 
 
 def _lengths(table: np.ndarray) -> np.ndarray:
-    """The tokens of each piece of a piece table, int64."""
-    return np.subtract(table[:, 6], table[:, 5], dtype=np.int64)
+    """The tokens of each piece of a piece table, in the table's int type (a piece of an
+    int32 table is shorter than 2**31 tokens; a step at dp 16,384 x 128K holds millions)."""
+    return np.subtract(table[:, 6], table[:, 5])
 
 
 def _no_pieces() -> np.ndarray:

@@ -86,7 +86,9 @@ def kept_rows(lengths: np.ndarray, n_carried: int, n_rows: int, seq_len: int) ->
     row = np.full(n, -1, dtype=_int_type(n_rows))
     if n == 0 or n_rows <= 0:
         return row
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = np.asarray(lengths)
+    if lengths.dtype != np.int32:  # (int32 as the planner passes them, else int64)
+        lengths = lengths.astype(np.int64, copy=False)
     # the lengths in best-fit order: the carried pieces', then each length as often as it
     # comes, longest first (a counting sort: no gather or order array of millions of pieces)
     # (int32, as the rows they get: a step at dp 16,384 x 128K holds millions of pieces, and
