@@ -510,16 +510,67 @@ def fmt_scale(r: dict[str, float]) -> str:
 
 
 def write_section(path: str, text: str) -> None:
-    """Replace (or append) the ``## Balance`` section of ``path``."""
+    """Put this run's ``## Balance`` section ``text`` in ``path``.
+
+    A file without the section gets ``text`` whole.  A section there already keeps its
+    prose, which people edit: each of its tables whose title (the bold text before it,
+    its numbers aside) is one of this run's becomes this run's, and its ``Command:`` line
+    names this run's command; this run's other tables are printed as not written.  Where
+    none of its tables is this run's, nothing is written.
+    """
     old = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
-    section = "## Balance\n\n" + text.strip() + "\n"
     m = re.search(r"^## Balance\n.*?(?=^## |\Z)", old, flags=re.M | re.S)
-    if m:
-        new = old[:m.start()] + section + ("\n" if old[m.end():] else "") + old[m.end():]
-    else:
+    if not m:
+        section = "## Balance\n\n" + text.strip() + "\n"
         new = old.rstrip("\n") + "\n\n" + section
+    else:
+        new = old[:m.start()] + _tables_replaced(m.group(0), text, path) + old[m.end():]
     with open(path, "w", encoding="utf-8") as f:
         f.write(new)
+
+
+def _titled_tables(lines: list[str]) -> dict[str, tuple[int, int]]:
+    """Each table of ``lines`` (a run of lines starting with ``|``) by its title: the bold
+    text of the paragraph before it, its whitespace and numbers aside (``8 steps`` and
+    ``2 steps`` are one title); its first and past-last line."""
+    out: dict[str, tuple[int, int]] = {}
+    start = None
+    for i, line in enumerate([*lines, ""]):
+        if line.startswith("|") and start is None:
+            start = i
+        elif not line.startswith("|") and start is not None:
+            above = start - 1
+            while above >= 0 and not lines[above].strip():
+                above -= 1
+            first = above
+            while first > 0 and lines[first - 1].strip() and not lines[first - 1].startswith("|"):
+                first -= 1
+            bold = re.search(r"\*\*(.+?)\*\*", " ".join(lines[first:above + 1]), flags=re.S)
+            if bold:
+                out[re.sub(r"\d[\d,.]*", "#", " ".join(bold.group(1).split()))] = (start, i)
+            start = None
+    return out
+
+
+def _tables_replaced(section: str, text: str, path: str) -> str:
+    """``section`` with its tables that ``text`` has (by title) and its ``Command:`` line
+    taken from ``text``."""
+    have, made = section.split("\n"), text.split("\n")
+    old, new = _titled_tables(have), _titled_tables(made)
+    if not old.keys() & new.keys():
+        raise SystemExit(f"{path}: none of the tables of its '## Balance' section is one of "
+                         f"this run's ({', '.join(new)}): write to another file and merge")
+    for title, (a, b) in sorted(old.items(), key=lambda kv: -kv[1][0]):
+        if title in new:
+            c, d = new[title]
+            have[a:b] = made[c:d]
+    for title in new.keys() - old.keys():
+        print(f"not written (no such table in {path}): {title}")
+    command = re.compile(r"^Command: `[^`]*`")
+    run = next((command.match(line) for line in made if command.match(line)), None)
+    if run is not None:
+        have = [command.sub(lambda _: run.group(0), line, count=1) for line in have]
+    return "\n".join(have)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 1])
     p.add_argument("--root", default="data/demo", help="demo corpus (skipped if absent)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--write", metavar="MD", help="put the tables under '## Balance' in MD")
+    p.add_argument("--write", metavar="MD",
+                   help="put the tables under '## Balance' in MD (a section there already "
+                        "keeps its prose: only its tables and command change)")
     p.add_argument("--no-compose", action="store_true", help="skip the default planner's composition table")
     p.add_argument("--scale-dp", type=int, default=16384,
                    help="DP ranks of the end-to-end planner table (0: skip it; default 16384)")

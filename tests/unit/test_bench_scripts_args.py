@@ -33,6 +33,37 @@ def test_write_records_the_command_run(tmp_path: Any) -> None:
     assert "**End to end**" not in text  # (no such table was made)
 
 
+def test_write_keeps_the_sections_prose_and_takes_the_runs_tables(tmp_path: Any) -> None:
+    """``--write`` into a Balance section there already replaced the whole section with the
+    script's own short prose: the prose people had written there, what the figures mean,
+    was lost (found rewriting docs/benchmarks.md).  Now only the tables (by title) and the
+    command change; a run with none of the section's tables writes nothing."""
+    import pytest
+
+    out = tmp_path / "bench.md"
+    out.write_text("# Benchmarks\n\n## Other\n\nkept\n")
+    args = ["--quick", "--micro-batches", "1", "--no-compose", "--scale-dp", "0",
+            "--small-steps", "0", "--root", str(tmp_path / "none")]
+    assert bench_balance.main(["--write", str(out), *args]) == 0
+    first = out.read_text()
+    edited = first.replace("**Reading it.**", "**Reading it.** Written by hand.")
+    table = next(line for line in first.split("\n") if line.startswith("| 8 |"))
+    edited = edited.replace(table, "| 8 | stale |")
+    edited = edited.replace("--scale-dp 0", "--scale-dp 0 --old")
+    out.write_text(edited)
+    assert bench_balance.main(["--write", str(out), *args[:1], "--steps", "1", *args[1:]]) == 0
+    again = out.read_text()
+    assert "Written by hand." in again and "| 8 | stale |" not in again
+    assert "Command: `python scripts/bench_balance.py --quick --steps 1 --micro-batches 1" in again
+    assert "--old" not in again and again.count("## Balance") == 1 and "kept" in again
+    # a section with none of the run's tables: refused, the file as it was
+    other = again.replace("**lognormal, 1 micro-batch", "**lognormal, one micro-batch")
+    out.write_text(other)
+    with pytest.raises(SystemExit, match="none of the tables"):
+        bench_balance.main(["--write", str(out), *args])
+    assert out.read_text() == other
+
+
 def _scripts() -> list[str]:
     return sorted(f for f in os.listdir(SCRIPTS) if f.endswith(".py"))
 
