@@ -657,9 +657,10 @@ class Planner:
                                               np.full(len(held), self.step, dtype=np.int64)])
         del held
         # the pieces' lengths and costs are kept for spread_long; else place_step alone holds
-        # them (the placement is the step's peak), and the placed pieces' are made again after
-        if long_budget is None:  # (as temporaries, which place_step lets go)
-            rank, micro = place_step(_lengths(table), self.cost(_lengths(table)), n_first, dp, mb,
+        # the lengths and prices the pieces itself, a block at a time (the placement is the
+        # step's peak), and the placed pieces' are made again after
+        if long_budget is None:  # (a temporary, which place_step lets go)
+            rank, micro = place_step(_lengths(table), self.cost, n_first, dp, mb,
                                      seq_len, cfg.balance)
             costs = None
         else:

@@ -44,6 +44,9 @@ BLOCK_ROWS = 16384
 THREADS_ENV = "MSD_DASK_PLANNER_THREADS"
 
 _T = TypeVar("_T")
+
+#: prices pieces: their costs, given their lengths (a :class:`~msd_dask.core.cost.CostModel`)
+Pricing = Callable[[np.ndarray], np.ndarray]
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 _pool_lock = threading.Lock()
@@ -162,8 +165,8 @@ def _carry_shortest(row: np.ndarray, lengths: np.ndarray, over: int) -> None:
     row[at_cut] = -1
 
 
-def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, mb: int,
-               seq_len: int, strategy: str) -> tuple[np.ndarray, np.ndarray]:
+def place_step(lengths: np.ndarray, costs: np.ndarray | Pricing, n_carried: int, dp: int,
+               mb: int, seq_len: int, strategy: str) -> tuple[np.ndarray, np.ndarray]:
     """Rank and micro-batch of each of a step's pieces (``-1``: carried to the next step).
 
     The planner's placement, reusable by benchmarks and the simulator.  With
@@ -187,8 +190,14 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
 
     Parameters
     ----------
-    lengths, costs : ndarray
-        Tokens and cost of each piece, the ``n_carried`` carried pieces first.
+    lengths : ndarray
+        Tokens of each piece, the ``n_carried`` carried pieces first.
+    costs : ndarray or callable
+        Cost of each piece, or the function that prices pieces of given lengths (a
+        :class:`~msd_dask.core.cost.CostModel`, as the planner passes it): then each
+        block prices its own pieces, and no array of the step's costs is made (at dp
+        16,384 × 128K a step holds millions of pieces, and the placement is the
+        planner's peak).
     n_carried : int
     dp, mb, seq_len : int
         ``dp × mb`` rows of ``seq_len`` tokens.
@@ -202,6 +211,7 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         128K holds millions of pieces)
     """
     if strategy == "sequential":  # next fit over the rows: mesh-agnostic already
+        costs = _priced(lengths, costs)
         a = assign(lengths, costs, dp, mb, seq_len, strategy)
         rank, micro = a.rank.copy(), a.micro.copy()
         _place_carried(n_carried, lengths, rank, micro, seq_len)
@@ -213,7 +223,8 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
     idx = np.flatnonzero(rows >= 0).astype(_int_type(n))
     rows = rows[idx]  # the kept pieces' rows
     # (the kept lengths in int32: a piece is at most seq_len tokens, a config's int)
-    lengths_kept, costs_kept = lengths[idx].astype(_int_type(seq_len + 1)), costs[idx]
+    lengths_kept = lengths[idx].astype(_int_type(seq_len + 1))
+    costs_kept = costs[idx] if isinstance(costs, np.ndarray) else costs
     del lengths, costs  # (the caller may pass them for this call alone)
     kept_rank, kept_micro = _assign_blocks(lengths_kept, costs_kept, dp, mb, seq_len, strategy)
     if (kept_rank >= 0).all():
@@ -225,6 +236,7 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
         return rank, _scattered(n, idx, kept_micro, mb)
     del kept_rank, kept_micro
     lengths_kept = lengths_kept.astype(np.int64)
+    costs_kept = _priced(lengths_kept, costs_kept)
     rank = np.full(n, -1, dtype=np.int64)
     micro = rank.copy()
     row_cost = np.bincount(rows, weights=costs_kept, minlength=dp * mb)
@@ -244,6 +256,11 @@ def place_step(lengths: np.ndarray, costs: np.ndarray, n_carried: int, dp: int, 
                     lengths_kept, costs_kept, seq_len)
         rank[idx], micro[idx] = b.rank, b.micro
     return rank.astype(_int_type(dp)), micro.astype(_int_type(mb))
+
+
+def _priced(lengths: np.ndarray, costs: np.ndarray | Pricing) -> np.ndarray:
+    """The pieces' costs: ``costs`` as given, or as it prices ``lengths``."""
+    return costs if isinstance(costs, np.ndarray) else costs(lengths)
 
 
 def _int_type(top: int) -> type[np.signedinteger[Any]]:
@@ -320,13 +337,14 @@ def _map(fn: Callable[[int], _T], items: Iterable[int], threads: int) -> list[_T
     return [job.result() for job in jobs]
 
 
-def _assign_blocks(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq_len: int,
-                   strategy: str) -> tuple[np.ndarray, np.ndarray]:
+def _assign_blocks(lengths: np.ndarray, costs: np.ndarray | Pricing, dp: int, mb: int,
+                   seq_len: int, strategy: str) -> tuple[np.ndarray, np.ndarray]:
     """The strategy's rank and micro-batch of each kept piece (``-1``: it left the piece
-    out), block by block of :func:`rank_blocks` (see :func:`place_step`)."""
+    out), block by block of :func:`rank_blocks` (see :func:`place_step`; ``costs`` a
+    function: each block prices its own)."""
     blocks = rank_blocks(dp)
     if blocks == 1:
-        a = assign(lengths, costs, dp, mb, seq_len, strategy)
+        a = assign(lengths, _priced(lengths, costs), dp, mb, seq_len, strategy)
         return a.rank, a.micro
     # (int32: the step's pieces' order lives through the blocks, the placement's peak)
     order = stable_argsort(lengths, descending=True).astype(_int_type(len(lengths)))
@@ -339,7 +357,10 @@ def _assign_blocks(lengths: np.ndarray, costs: np.ndarray, dp: int, mb: int, seq
 
     def block(b: int) -> None:
         mine = order[b::blocks]  # every blocks-th piece from the b-th longest
-        a = assign(lengths[mine], costs[mine], per, mb, seq_len, strategy)
+        ls = lengths[mine]
+        a = assign(ls, costs[mine] if isinstance(costs, np.ndarray) else costs(ls), per, mb,
+                   seq_len, strategy)
+        del ls
         r = a.rank.astype(rank.dtype)
         np.add(r, b * per, out=r, where=r >= 0)  # (-1, left out, stays)
         rank[mine] = r

@@ -181,3 +181,22 @@ def test_a_forked_child_places_blocks_on_threads_of_its_own(small_blocks: None,
         if child.is_alive():
             child.kill()
     assert got == here.tolist()
+
+
+@pytest.mark.parametrize("dp, mb, strategy", [(32, 2, "balanced"), (6, 4, "balanced"),
+                                              (32, 2, "sequential"), (32, 2, "lpt")])
+def test_a_cost_model_in_place_of_costs_places_the_same(small_blocks: None, dp: int, mb: int,
+                                                        strategy: str) -> None:
+    """The planner passes its cost model, not an array of the step's costs (at dp 16,384 ×
+    128K one of millions of pieces, at the placement's peak): each block prices its own
+    pieces, to the same places as the costs given (blocks of ranks, one block, the
+    other strategies; int32 lengths, as the planner's table gives them)."""
+    model = CostModel(1.0, 1 / (12 * 512))
+    for seed in range(3):
+        lengths, costs = _step(20 + seed, 1600, 512)
+        n_carried = 7 * seed
+        given = place_step(lengths, costs, n_carried, dp, mb, 512, strategy)
+        priced = place_step(lengths.astype(np.int32), model, n_carried, dp, mb, 512, strategy)
+        for a, b in zip(given, priced, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert (given[0] >= 0).any()
