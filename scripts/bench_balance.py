@@ -363,6 +363,7 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
     from msd_dask.core.row_placement import planner_threads
     from msd_dask.roles.constructor import pack_works
     from msd_dask.roles.planner import pack_snapshot, split_plan
+    from msd_dask.sources.heap import trim_after
 
     names = [s.name for s in pl.cfg.sources]
     looking = 0.0
@@ -377,14 +378,16 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
     t0 = clock()
     plan = pl.plan_step(lookup)
     plan.units(), plan.tokens_by_source()
-    pieces = len(plan.table)
+    pieces, size = len(plan.table), plan.table.nbytes
     t1 = clock()
+    trim_after(size)  # (as the actor gives the heap's free pages back)
     work = split_plan(plan, constructors, Owner(), relpath, names)
     del plan  # (as the actor lets it go)
     t2 = clock()
     kept = pack_works(work, planner_threads())
     del work
     snapshot = pack_snapshot(pl.snapshot())
+    trim_after(size)
     t3 = clock()
     return [t1 - t0 - looking, t2 - t1, t3 - t2], pieces, kept, snapshot
 

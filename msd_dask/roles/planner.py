@@ -991,6 +991,7 @@ class PlannerActor:
         and its work are each up to 160 MiB, and a round's three of each were most of the
         process's memory)."""
         from msd_dask.core.row_placement import planner_threads
+        from msd_dask.sources.heap import trim_after
 
         t0 = time.monotonic()
         plan = self.planner.plan_step(self._lookup)
@@ -1007,13 +1008,18 @@ class PlannerActor:
         features = None if self.fitter is None else plan.rank_features()
         snap = self.planner.snapshot()
         after = (snap, pack_snapshot(snap))
-        step = plan.step
+        step, size = plan.step, plan.table.nbytes
+        # what the placement freed goes back before the split, and the split's after the
+        # packing, where the step is large (heap.trim_after)
+        trim_after(size)
         # (the units it reads are read in its owners, which hand_over and spread_units
         # change only under the planning lock, held meanwhile)
         work = split_plan(plan, len(self.constructors), self._owner, self._relpath,
                           [s.name for s in self.cfg.sources])
         del plan  # (its table: as large as the work's)
         packed = pack_works(work, planner_threads())  # (zstd's threads, as place_step's)
+        del work
+        trim_after(size)
         return _Planned(step, used, record, features, after, packed)
 
     async def _loop(self) -> None:

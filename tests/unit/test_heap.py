@@ -65,22 +65,26 @@ def test_the_deployments_setting_is_left_alone() -> None:
     assert arenas == 4
 
 
-#: a process that (with argv[1] == "map") fixes glibc's mmap threshold, frees a 24 MiB block
-#: (which raises glibc's own mmap threshold to 24 MiB, and its trim threshold to twice that),
-#: then makes and frees a 20 MiB block: prints what ``map_large_blocks`` returned, and the MiB
-#: its memory stayed above what it was before the 20 MiB block (from the heap's top, and not
-#: trimmed under 48 MiB, unless mapped on its own)
-LARGE = """
+#: what the processes below share: glibc's malloc and free, and the process's RSS in MiB
+LIBC = """
 import ctypes, sys
-if sys.argv[1] == "map":
-    from msd_dask.sources.heap import map_large_blocks
-    print(map_large_blocks(), map_large_blocks(2**20), flush=True)
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+"""
+
+#: a process that (with argv[1] == "map") fixes glibc's mmap threshold, frees a 24 MiB block
+#: (which raises glibc's own mmap threshold to 24 MiB, and its trim threshold to twice that),
+#: then makes and frees a 20 MiB block: prints what ``map_large_blocks`` returned, and the MiB
+#: its memory stayed above what it was before the 20 MiB block (from the heap's top, and not
+#: trimmed under 48 MiB, unless mapped on its own)
+LARGE = LIBC + """
+if sys.argv[1] == "map":
+    from msd_dask.sources.heap import map_large_blocks
+    print(map_large_blocks(), map_large_blocks(2**20), flush=True)
 big = libc.malloc(24 * 2**20)
 ctypes.memset(big, 1, 24 * 2**20)
 libc.free(big)
@@ -128,3 +132,42 @@ def test_the_deployments_mmap_threshold_is_left_alone() -> None:
     printed, kept, _ = _kept_mib("map", MALLOC_MMAP_THRESHOLD_=str(2**20))
     assert printed == "None None"
     assert int(kept) <= 1  # (its threshold, 1 MiB, maps the 20 MiB block)
+
+
+#: a process that, as a planner in a nanny's worker (Dask's MALLOC_TRIM_THRESHOLD_ set), fixes
+#: the mmap threshold, makes 2,000 blocks of 64 KiB with a small one between each two
+#: (kept: the freed blocks are holes, not the heap's top), frees the 64 KiB ones, then calls
+#: trim_after(argv[1]): prints what it returned and the MiB the process gave back
+TRIM = LIBC + """
+from msd_dask.sources.heap import map_large_blocks, trim_after
+map_large_blocks()
+blocks, keep = [], []
+for _ in range(2000):
+    b = libc.malloc(64 * 1024)
+    ctypes.memset(b, 1, 64 * 1024)
+    blocks.append(b)
+    keep.append(libc.malloc(64))
+for b in blocks:
+    libc.free(b)
+before = rss()
+print(trim_after(int(sys.argv[1])), round(before - rss()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("nbytes, gives_back", [(2**20, False), (16 * 2**20, True),
+                                                (200 * 2**20, True)])
+def test_a_large_steps_free_heap_pages_go_back(nbytes: int, gives_back: bool) -> None:
+    """After a planner's step at dp 16,384 × 128K the heap kept about 200 MiB of the step's
+    arrays of a few MiB, which the next step's peak added to; after a step whose table
+    takes the mmap threshold or more, their pages go back.  After a smaller step they
+    stay, to be reused (at 4K, giving them back cost 5-7% of each step)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    res = subprocess.run([sys.executable, "-c", TRIM, str(nbytes)], capture_output=True,
+                         text=True, timeout=60, env={**base, "MALLOC_TRIM_THRESHOLD_": "65536"})
+    assert res.returncode == 0, res.stderr
+    returned, mib = res.stdout.split()
+    assert returned == str(gives_back)
+    if gives_back:
+        assert int(mib) >= 100, mib  # (of the 125 MiB of freed blocks)
+    else:
+        assert int(mib) <= 5, mib
