@@ -690,10 +690,11 @@ def main(argv: list[str] | None = None) -> int:
             + ("  **End to end**:\n"
                f"the planner at dp = {args.scale_dp:,} × 8 rows: `plan_step` with what the actor "
                "takes from each plan\n"
-               "(its units and tokens per source), `split_plan` into 256 constructors, and `pack_work`\n"
+               "(its units and tokens per source), `split_plan` into 256 constructors, and `pack_works`\n"
                "(what it sends to constructors and keeps for re-created ones) with the planner's state\n"
-               "after the step (packed, as the actor keeps it for checkpoints), with the process's RSS\n"
-               "after the steps and at its peak (each context in a fresh process)." if args.scale_dp
+               "after the step (packed, as the actor keeps it for checkpoints), one step at a time as\n"
+               "the actor holds them, with the process's RSS after the steps and at its peak (each\n"
+               "context in a fresh process)." if args.scale_dp
                else "") + "\n\n"
             "**Reading it.** Placement: with 4 micro-batches `balanced` is within a fraction of a\n"
             "percent of the capacity bound where naive packing is up to 2.2× the mean; with one\n"

@@ -224,7 +224,7 @@ def place_step(lengths: np.ndarray, costs: np.ndarray | Pricing, n_carried: int,
     rows = rows[idx]  # the kept pieces' rows
     # (the kept lengths in int32: a piece is at most seq_len tokens, a config's int)
     lengths_kept = lengths[idx].astype(_int_type(seq_len + 1))
-    costs_kept = costs[idx] if isinstance(costs, np.ndarray) else costs
+    costs_kept = costs if callable(costs) else np.asarray(costs, dtype=np.float64)[idx]
     del lengths, costs  # (the caller may pass them for this call alone)
     kept_rank, kept_micro = _assign_blocks(lengths_kept, costs_kept, dp, mb, seq_len, strategy)
     if (kept_rank >= 0).all():
@@ -259,8 +259,8 @@ def place_step(lengths: np.ndarray, costs: np.ndarray | Pricing, n_carried: int,
 
 
 def _priced(lengths: np.ndarray, costs: np.ndarray | Pricing) -> np.ndarray:
-    """The pieces' costs: ``costs`` as given, or as it prices ``lengths``."""
-    return costs if isinstance(costs, np.ndarray) else costs(lengths)
+    """The pieces' costs: ``costs`` as given (array-like), or as it prices ``lengths``."""
+    return costs(lengths) if callable(costs) else np.asarray(costs, dtype=np.float64)
 
 
 def _int_type(top: int) -> type[np.signedinteger[Any]]:
@@ -358,8 +358,8 @@ def _assign_blocks(lengths: np.ndarray, costs: np.ndarray | Pricing, dp: int, mb
     def block(b: int) -> None:
         mine = order[b::blocks]  # every blocks-th piece from the b-th longest
         ls = lengths[mine]
-        a = assign(ls, costs[mine] if isinstance(costs, np.ndarray) else costs(ls), per, mb,
-                   seq_len, strategy)
+        a = assign(ls, costs(ls) if callable(costs) else costs[mine], per, mb, seq_len,
+                   strategy)
         del ls
         r = a.rank.astype(rank.dtype)
         np.add(r, b * per, out=r, where=r >= 0)  # (-1, left out, stays)

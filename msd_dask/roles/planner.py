@@ -50,6 +50,10 @@ _T = TypeVar("_T")
 STATE_FORMAT = "msd_dask.state/1"
 
 
+#: the planner's counts after a step: the next step, tokens and pieces of each source
+Counts = tuple[int, dict[str, int], dict[str, int]]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Planned:
     """A step as the planning loop keeps it from its planning until the round is handed
@@ -63,8 +67,10 @@ class _Planned:
     record: dict[str, Any]
     #: each DP rank's (ΣL, ΣL²), for the cost fitter (None: not fitted)
     features: np.ndarray | None
-    #: the planner's state after it: (snapshot, packed)
-    after: tuple[PlannerSnapshot, bytes]
+    #: the planner's state after it: its counts (next step, tokens, pieces: what
+    #: :meth:`PlannerActor.stats` shows) and the whole state packed (:func:`pack_snapshot`;
+    #: no snapshot, which holds the step's carried and held pieces)
+    after: tuple[Counts, bytes]
     #: each constructor's work, packed (:func:`~msd_dask.roles.constructor.pack_works`)
     work: list[bytes]
 
@@ -498,7 +504,7 @@ class PlannerActor:
 
     Notes
     -----
-    A step is planned, and a round split into the constructors' work, in a
+    A step is planned, split into the constructors' work and packed in a
     thread of this worker (:meth:`_off_loop`), not on its event loop: the loop
     answers this actor's other calls (stats, snapshot, checkpoint, set_weights,
     report_step_time, the loaders' metadata...) and those of the roles the worker
@@ -568,9 +574,10 @@ class PlannerActor:
         #: live weight changes made so far (each re-packs the kept states: see set_weights)
         self.weights_version = 0
         #: the last snapshot's step (the next to plan), tokens and pieces, for :meth:`stats`
-        self._counts: tuple[int, dict[str, int], dict[str, int]] = (0, {}, {})
+        self._counts: Counts = (0, {}, {})
         first = self.planner.snapshot()
-        self._snapshot(self.planner.step - 1, first, pack_snapshot(first))
+        self._snapshot(self.planner.step - 1, (first.step, first.tokens, first.pieces),
+                       pack_snapshot(first))
         #: role placement and recovery (see :class:`~msd_dask.roles.supervisor.RoleSupervisor`)
         self.roles = RoleSupervisor(self, members or [dict(enumerate(self.cfg.parallel.dp_groups()))],
                                     pad_id, loader_threads, source_payloads or {}, tokenizer or {})
@@ -1007,7 +1014,8 @@ class PlannerActor:
         }
         features = None if self.fitter is None else plan.rank_features()
         snap = self.planner.snapshot()
-        after = (snap, pack_snapshot(snap))
+        after = ((snap.step, snap.tokens, snap.pieces), pack_snapshot(snap))
+        del snap
         step, size = plan.step, plan.table.nbytes
         # what the placement freed goes back before the split, and the split's after the
         # packing, where the step is large (heap.trim_after)
@@ -1027,6 +1035,7 @@ class PlannerActor:
 
         k = self.cfg.steps_per_round
         handing: list[_Planned] = []  # the round being handed over (for an error's message)
+        planning = self.planner.step  # the step being planned, split and packed (the same)
         try:
             async with self._plan_lock:  # a step of a cancelled loop still planning ends first
                 pass
@@ -1045,6 +1054,7 @@ class PlannerActor:
                 need: NeedMetadata | None = None
                 while len(planned) < k:
                     async with self._planning():
+                        planning = self.planner.step
                         try:
                             step = await self._off_loop(self._plan_next)
                         except NeedMetadata as nm:
@@ -1071,7 +1081,7 @@ class PlannerActor:
         except Exception as e:  # noqa: BLE001 - reported to every reader
             _log.exception("msd_dask %s: planner failed", self.cfg.name)
             # (planning the next step, or handing over a round planned already)
-            at = (f"step {self.planner.step}" if not handing else
+            at = (f"step {planning}" if not handing else
                   f"handing over steps {handing[0].step}-{handing[-1].step}")
             self.error = f"planner failed at {at}: {e}"
             await self.roles.notify(self.error)
@@ -1127,10 +1137,11 @@ class PlannerActor:
             self.weights_version += 1
             return start
 
-    def _snapshot(self, step: int, snap: PlannerSnapshot, packed: bytes) -> None:
-        """Keep the state after ``step``: ``snap``, packed (:func:`pack_snapshot`)."""
+    def _snapshot(self, step: int, counts: Counts, packed: bytes) -> None:
+        """Keep the state after ``step``: its counts and the whole state ``packed``
+        (:func:`pack_snapshot`)."""
         self._snapshots[step] = packed
-        self._counts = (snap.step, snap.tokens, snap.pieces)
+        self._counts = counts
         while len(self._snapshots) > self._keep:
             self._snapshots.popitem(last=False)
         # the oldest kept state resumes after its step: no one asks for older weights (a
@@ -1234,7 +1245,7 @@ class PlannerActor:
         for st in cons:
             had.update({int(r): int(s) for r, s in st.get("shown", {}).items()})
             returned.update({int(r): int(s) for r, s in st.get("returned", {}).items()})
-        async with self._plan_lock:  # not while a step is planned (or a round split)
+        async with self._plan_lock:  # not while a step is planned (and split)
             # the state after the last step every rank *returned*, not claimed: a planner
             # re-created from it still holds the state of every step a rank may be at
             # (DataService.state_dict() asks for it), and re-plans the few steps after,
@@ -1327,7 +1338,7 @@ class PlannerActor:
 
         Answered while a step is planned (in the planning thread): the counters are
         those after the last planned step; ``planning``: whether the planning thread
-        works now (a step, or splitting a round for the constructors), ``planning_for``
+        works now (planning a step, splitting and packing it), ``planning_for``
         for how many seconds; ``plan_seconds``: how long the last step took to plan.
         """
         n = max(self.steps_planned, 1)

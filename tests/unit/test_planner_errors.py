@@ -18,7 +18,9 @@ from msd_dask.sources.tokenizer import ByteTokenizer
 from corpus import config
 
 
-def test_a_round_that_cannot_be_handed_over_is_named(corpus: Any, monkeypatch: Any) -> None:
+def _told(corpus: Any, monkeypatch: Any, split: Any) -> list[str]:
+    """What the readers of a planner are told whose constructors refuse every round, its
+    steps split by ``split`` (in place of ``split_plan``)."""
     import msd_dask.roles.planner as planner_module
 
     root, _ = corpus
@@ -71,13 +73,28 @@ def test_a_round_that_cannot_be_handed_over_is_named(corpus: Any, monkeypatch: A
                 for epoch in range(3):
                     actor._meta[(s.name, epoch, i)] = lengths
         actor.roles = Roles()  # type: ignore[assignment]
-        monkeypatch.setattr(planner_module, "split_plan", lambda plan, *args: [None])
+        monkeypatch.setattr(planner_module, "split_plan", split)
         monkeypatch.setattr(planner_module, "pack_works", lambda works, threads=1: [b""])
         await actor._loop()
 
     asyncio.run(run())
-    assert told == ["planner failed at handing over steps 0-2: "
-                    "constructor 0 refused steps [0, 1, 2]"]
+    return told
+
+
+def test_a_round_that_cannot_be_handed_over_is_named(corpus: Any, monkeypatch: Any) -> None:
+    assert _told(corpus, monkeypatch, lambda plan, *args: [None]) == [
+        "planner failed at handing over steps 0-2: constructor 0 refused steps [0, 1, 2]"]
+
+
+def test_a_step_that_cannot_be_split_is_named(corpus: Any, monkeypatch: Any) -> None:
+    """A step is split for the constructors as it is planned, after the planner moved on
+    to the next: a failed split named that next step (a review)."""
+    def split(plan: Any, *args: Any) -> list[Any]:
+        if plan.step == 1:
+            raise KeyError(("code", 0, 7))
+        return [None]
+
+    assert _told(corpus, monkeypatch, split) == ["planner failed at step 1: ('code', 0, 7)"]
 
 
 def test_a_wait_for_a_source_under_way_counts_as_starved_as_it_goes() -> None:

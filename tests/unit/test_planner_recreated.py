@@ -150,8 +150,10 @@ def test_a_planned_step_keeps_neither_its_plan_nor_its_unpacked_work(corpus: Any
     held each step's plan and, handing the round over, every step's unpacked work too (at
     dp 16,384 x 128K each up to 160 MiB, and a round of three was most of the planner's
     memory).  A planned step now keeps its work packed alone, and a constructor on the
-    planner's worker gets it unpacked, in arrays of its own."""
-    from msd_dask.core.plan import StepPlan
+    planner's worker gets it unpacked, in arrays of its own; nor the snapshot of the
+    planner's state, which holds the step's carried and held pieces (a review), only its
+    counts and the state packed."""
+    from msd_dask.core.plan import PlannerSnapshot, StepPlan
     from msd_dask.roles.constructor import StepPieces, unpack_work
 
     root, _ = corpus
@@ -160,7 +162,7 @@ def test_a_planned_step_keeps_neither_its_plan_nor_its_unpacked_work(corpus: Any
 
     def alive() -> list[Any]:
         gc.collect()
-        return [o for o in gc.get_objects() if type(o) in (StepPlan, StepPieces)]
+        return [o for o in gc.get_objects() if type(o) in (StepPlan, StepPieces, PlannerSnapshot)]
 
     before = {id(o) for o in alive()}  # (what other tests of this process may hold)
 

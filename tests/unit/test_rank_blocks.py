@@ -197,6 +197,9 @@ def test_a_cost_model_in_place_of_costs_places_the_same(small_blocks: None, dp: 
         n_carried = 7 * seed
         given = place_step(lengths, costs, n_carried, dp, mb, 512, strategy)
         priced = place_step(lengths.astype(np.int32), model, n_carried, dp, mb, 512, strategy)
-        for a, b in zip(given, priced, strict=True):
+        # (costs as a list still work: a review found a list taken for a pricing function)
+        listed = place_step(lengths, costs.tolist(), n_carried, dp, mb, 512, strategy)
+        for a, b, c in zip(given, priced, listed, strict=True):
             np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a, c)
         assert (given[0] >= 0).any()
