@@ -89,7 +89,12 @@ def test_status_page_and_metrics(tmp_path):
             # service whose polls fail says its figures are the last answered poll's
             def errors_with_markup(dask_scheduler):  # (nested: pickled by value)
                 plugin = dask_scheduler.plugins["msd_dask"]
-                plugin._task.cancel()  # no poll replaces what follows
+                # no poll replaces what follows: neither the next nor one under way (each
+                # service's poll is a task of its own, which a loaded machine's CI run found
+                # finishing after this and putting the service's answer back)
+                plugin._task.cancel()
+                for poll in list(plugin._polling.values()):
+                    poll.cancel()
                 plugin.services["dash"]["planner"]["error"] = "DataError('<i>row 3</i> & more')"
                 plugin.poll_errors["dash"] = "OSError('<b>lost</b>')"
 
