@@ -351,21 +351,19 @@ class Owner(dict):
 
 def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, list[str]],
                   clock: Any = time.perf_counter) -> tuple[list[float], int, list[bytes], bytes]:
-    """One step of what the planner's actor does in its planning thread: ``plan_step`` with
-    what it takes from the plan (its units, tokens per source), the plan split into
-    ``constructors``' work, that work packed and the planner's state after the step packed;
-    the plan and the unpacked work go as soon as they are used, as the actor lets them go.
+    """One step of what the planner's actor does in its planning thread: its own function,
+    :func:`~msd_dask.roles.planner.plan_for_constructors` (``plan_step`` with what the actor
+    takes from the plan, the plan split into ``constructors``' work, that work and the
+    planner's state after the step packed, the plan and the unpacked work let go as soon
+    as they are used), on the planner's threads.
 
-    Returns the seconds of the three parts by ``clock``, the step's pieces, the packed work
-    and the packed state.  The plan's seconds leave out ``look``'s own: it makes each
-    unit's lengths, which in the service the loaders read and the actor keeps, so its
-    ``lookup`` is a dict's (``PlannerActor._lookup``)."""
+    Returns the seconds of the three parts (planning, splitting, packing), the step's
+    pieces, the packed work and the packed state.  The plan's seconds leave out ``look``'s
+    own (by ``clock``): it makes each unit's lengths, which in the service the loaders read
+    and the actor keeps, so its ``lookup`` is a dict's (``PlannerActor._lookup``)."""
     from msd_dask.core.row_placement import planner_threads
-    from msd_dask.roles.constructor import pack_works
-    from msd_dask.roles.planner import pack_snapshot, split_plan
-    from msd_dask.sources.heap import trim_after
+    from msd_dask.roles.planner import plan_for_constructors
 
-    names = [s.name for s in pl.cfg.sources]
     looking = 0.0
 
     def lookup(source: str, epoch: int, unit: int) -> np.ndarray:
@@ -375,21 +373,11 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
         looking += clock() - t
         return lengths
 
-    t0 = clock()
-    plan = pl.plan_step(lookup)
-    plan.units(), plan.tokens_by_source()
-    pieces, size = len(plan.table), plan.table.nbytes
-    t1 = clock()
-    trim_after(size)  # (as the actor gives the heap's free pages back)
-    work = split_plan(plan, constructors, Owner(), relpath, names)
-    del plan  # (as the actor lets it go)
-    t2 = clock()
-    kept = pack_works(work, planner_threads())
-    del work
-    snapshot = pack_snapshot(pl.snapshot())
-    trim_after(size)
-    t3 = clock()
-    return [t1 - t0 - looking, t2 - t1, t3 - t2], pieces, kept, snapshot
+    times: list[float] = []
+    step = plan_for_constructors(pl, lookup, constructors, Owner(), relpath,
+                                 threads=planner_threads(), times=times)
+    times[0] -= looking
+    return times, step.pieces, step.work, step.after[1]
 
 
 def workers_environ() -> Any:

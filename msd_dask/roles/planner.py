@@ -32,15 +32,16 @@ from msd_dask.roles.constructor import StepPieces, pack_works
 from msd_dask.roles.direct import direct
 
 if TYPE_CHECKING:
-    from msd_dask.core.plan import PlannerSnapshot, StepPlan
+    from msd_dask.core.plan import Planner, PlannerSnapshot, StepPlan
+    from msd_dask.core.stream import MetaLookup
 
 # The planner's own modules (plan, stream, the role supervisor and the loader module it
 # imports, storage: fsspec, zstandard) are imported where the actor runs, not here: a
 # training process unpickling this actor's handle imports this module, and every module
 # costs each of them memory (tests/unit/test_imports.py).
 
-__all__ = ["PlannerActor", "STATE_FORMAT", "ahead_within", "make_state", "pack_snapshot",
-           "planner_state", "unpack_snapshot"]
+__all__ = ["PlannedStep", "PlannerActor", "STATE_FORMAT", "ahead_within", "make_state",
+           "pack_snapshot", "plan_for_constructors", "planner_state", "unpack_snapshot"]
 
 _log = logging.getLogger("msd_dask.roles.planner")
 
@@ -55,12 +56,14 @@ Counts = tuple[int, dict[str, int], dict[str, int]]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Planned:
-    """A step as the planning loop keeps it from its planning until the round is handed
-    over (:meth:`PlannerActor._plan_next`): no plan and no unpacked work, which are each
-    up to 160 MiB at dp 16,384 x 128K."""
+class PlannedStep:
+    """A step as the planner's actor keeps it from its planning until the round is handed
+    over (:func:`plan_for_constructors`): no plan, no unpacked work and no snapshot, which
+    are each up to 160 MiB at dp 16,384 x 128K."""
 
     step: int
+    #: its pieces
+    pieces: int
     #: the units it reads
     used: set[tuple[str, int, int]]
     #: its history record
@@ -404,6 +407,64 @@ def _gathered(src: np.ndarray, ends: np.ndarray, delta: np.ndarray, index: np.nd
         for col, plan_col in ((2, 1), (3, 2), (4, 3), (5, 5), (6, 6), (7, 4)):
             part[:, col] = rows[:, plan_col]
     return table
+
+
+def plan_for_constructors(planner: Planner, lookup: MetaLookup, constructors: int,
+                          owner: Mapping[tuple[str, int, int], int],
+                          relpath: Mapping[str, Sequence[str]], features: bool = False,
+                          threads: int = 1, times: list[float] | None = None) -> PlannedStep:
+    """The next step of ``planner`` as the planner's actor plans it in its planning thread:
+    planned (``plan_step``, which may raise ``NeedMetadata``), split into ``constructors``'
+    work (:func:`split_plan`) and packed (:func:`~msd_dask.roles.constructor.pack_works`
+    on ``threads`` of zstd's threads), with what the actor keeps of it
+    (:class:`PlannedStep`), each of which takes a pass over its pieces: the units it
+    uses, its history record, each DP rank's (ΣL, ΣL²) where ``features`` (for the cost
+    fitter), and the planner's state after it (its counts, and the whole state packed).
+
+    The step's plan, its unpacked work and the snapshot of the state go before this
+    returns (at dp 16,384 x 128K a plan's table and its work are each up to 160 MiB);
+    where the step is large, the C heap's free pages go back before the split and after
+    the packing (:func:`~msd_dask.sources.heap.trim_after`).  ``scripts/bench_balance.py``
+    measures this function.
+
+    Parameters
+    ----------
+    owner, relpath
+        As :func:`split_plan` takes them.
+    times : list, optional
+        Appended the seconds of its three parts: planning (with its units and record),
+        splitting, packing the work and the state.
+    """
+    from msd_dask.sources.heap import trim_after
+
+    t0 = time.perf_counter()
+    plan = planner.plan_step(lookup)
+    used = plan.units()
+    record = {
+        "step": plan.step,
+        "imbalance": plan.imbalance,
+        "lower_bound": plan.lower_bound,
+        "max_cost": max(plan.rank_cost),
+        "tokens": plan.tokens_by_source(),
+        "weights": plan.weights,
+    }
+    fitted = plan.rank_features() if features else None
+    step, pieces, size = plan.step, len(plan.table), plan.table.nbytes
+    t1 = time.perf_counter()
+    # what the placement freed goes back before the split, and the split's after the packing
+    trim_after(size)
+    work = split_plan(plan, constructors, owner, relpath, [x.name for x in planner.cfg.sources])
+    del plan  # (its table: as large as the work's)
+    t2 = time.perf_counter()
+    packed = pack_works(work, threads)
+    del work
+    snap = planner.snapshot()  # (split and packing change nothing of the planner's)
+    after = ((snap.step, snap.tokens, snap.pieces), pack_snapshot(snap))
+    del snap
+    trim_after(size)
+    if times is not None:
+        times += [t1 - t0, t2 - t1, time.perf_counter() - t2]
+    return PlannedStep(step, pieces, used, record, fitted, after, packed)
 
 
 def pack_snapshot(snap: PlannerSnapshot) -> bytes:
@@ -985,56 +1046,25 @@ class PlannerActor:
         job.add_done_callback(done)
         return await asyncio.shield(job)
 
-    def _plan_next(self) -> _Planned:
-        """In the planning thread: plan the next step (:meth:`Planner.plan_step`, which may
-        raise ``NeedMetadata``) and what the loop keeps of it (:class:`_Planned`), each of
-        which takes a pass over its pieces: the units it uses, its history record, each DP
-        rank's (ΣL, ΣL²) (for the cost fitter), the planner's state after it (snapshot,
-        packed) and each constructor's work, packed (:func:`split_plan`,
-        :func:`~msd_dask.roles.constructor.pack_works`).
-
-        The step's plan and its constructors' work go before the next step is planned:
-        only the packed work lives through the round (at dp 16,384 x 128K a plan's table
-        and its work are each up to 160 MiB, and a round's three of each were most of the
-        process's memory)."""
+    def _plan_next(self) -> PlannedStep:
+        """In the planning thread: the next step, planned, split and packed
+        (:func:`plan_for_constructors`, which may raise ``NeedMetadata``)."""
         from msd_dask.core.row_placement import planner_threads
-        from msd_dask.sources.heap import trim_after
 
-        t0 = time.monotonic()
-        plan = self.planner.plan_step(self._lookup)
-        self.plan_seconds = time.monotonic() - t0
-        used = plan.units()
-        record = {
-            "step": plan.step,
-            "imbalance": plan.imbalance,
-            "lower_bound": plan.lower_bound,
-            "max_cost": max(plan.rank_cost),
-            "tokens": plan.tokens_by_source(),
-            "weights": plan.weights,
-        }
-        features = None if self.fitter is None else plan.rank_features()
-        snap = self.planner.snapshot()
-        after = ((snap.step, snap.tokens, snap.pieces), pack_snapshot(snap))
-        del snap
-        step, size = plan.step, plan.table.nbytes
-        # what the placement freed goes back before the split, and the split's after the
-        # packing, where the step is large (heap.trim_after)
-        trim_after(size)
+        times: list[float] = []
         # (the units it reads are read in its owners, which hand_over and spread_units
         # change only under the planning lock, held meanwhile)
-        work = split_plan(plan, len(self.constructors), self._owner, self._relpath,
-                          [s.name for s in self.cfg.sources])
-        del plan  # (its table: as large as the work's)
-        packed = pack_works(work, planner_threads())  # (zstd's threads, as place_step's)
-        del work
-        trim_after(size)
-        return _Planned(step, used, record, features, after, packed)
+        step = plan_for_constructors(self.planner, self._lookup, len(self.constructors),
+                                     self._owner, self._relpath, self.fitter is not None,
+                                     planner_threads(), times)
+        self.plan_seconds = times[0]
+        return step
 
     async def _loop(self) -> None:
         from msd_dask.core.stream import NeedMetadata
 
         k = self.cfg.steps_per_round
-        handing: list[_Planned] = []  # the round being handed over (for an error's message)
+        handing: list[PlannedStep] = []  # the round being handed over (for an error's message)
         planning = self.planner.step  # the step being planned, split and packed (the same)
         try:
             async with self._plan_lock:  # a step of a cancelled loop still planning ends first
@@ -1050,7 +1080,7 @@ class PlannerActor:
                 if self.fitter is not None:
                     self.planner.cost = self.fitter.model()
                 # a round: up to k steps, cut short where a unit's lengths are not known yet
-                planned: list[_Planned] = []
+                planned: list[PlannedStep] = []
                 need: NeedMetadata | None = None
                 while len(planned) < k:
                     async with self._planning():
@@ -1086,7 +1116,7 @@ class PlannerActor:
             self.error = f"planner failed at {at}: {e}"
             await self.roles.notify(self.error)
 
-    async def _submit(self, planned: list[_Planned], room: int) -> None:
+    async def _submit(self, planned: list[PlannedStep], room: int) -> None:
         """Hand a round to the constructors; return once each has room for ``room`` more
         steps (the next round: one message per constructor and round)."""
         for step in planned:
