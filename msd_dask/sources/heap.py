@@ -30,6 +30,7 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Callable
 
 __all__ = ["cap_arenas", "map_large_blocks", "trim_after", "MMAP_THRESHOLD"]
 
@@ -125,24 +126,29 @@ def trim_after(nbytes: int) -> bool:
     them back every step cost 5-7 ms of a 110 ms step in page faults).  Not on a C library
     other than glibc.
     """
-    if nbytes < MMAP_THRESHOLD or platform.libc_ver()[0] != "glibc":
+    if nbytes < MMAP_THRESHOLD:
         return False
-    try:
-        ctypes.CDLL(None).malloc_trim(ctypes.c_size_t(0))
-    except (OSError, AttributeError) as e:
-        _log.debug("msd_dask: C heap not trimmed (%s)", e)
-        return False
-    return True
+    trimmed = _glibc_call("C heap not trimmed",
+                          lambda libc: libc.malloc_trim(ctypes.c_size_t(0)))
+    return trimmed is not None
 
 
 def _mallopt(env: str, param: int, value: int) -> bool:
     """glibc's ``mallopt(param, value)``; whether it took it.  Not where the environment
     variable ``env`` sets the same (the deployment's choice) or the C library is not glibc."""
-    if os.environ.get(env) or platform.libc_ver()[0] != "glibc":
+    if os.environ.get(env):
         return False
+    return bool(_glibc_call(f"C heap's {env} left alone",
+                            lambda libc: libc.mallopt(ctypes.c_int(param), ctypes.c_int(value))))
+
+
+def _glibc_call(failed: str, call: Callable[[ctypes.CDLL], int]) -> int | None:
+    """What ``call(glibc)`` returned; None on a C library other than glibc, or where the call
+    cannot be made (logged at debug level as ``failed``)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
     try:
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)))
+        return int(call(ctypes.CDLL(None)))
     except (OSError, AttributeError) as e:
-        _log.debug("msd_dask: C heap's %s left alone (%s)", env, e)
-        return False
+        _log.debug("msd_dask: %s (%s)", failed, e)
+        return None
