@@ -70,9 +70,7 @@ class PlannedStep:
     record: dict[str, Any]
     #: each DP rank's (ΣL, ΣL²), for the cost fitter (None: not fitted)
     features: np.ndarray | None
-    #: the planner's state after it: its counts (next step, tokens, pieces: what
-    #: :meth:`PlannerActor.stats` shows) and the whole state packed (:func:`pack_snapshot`;
-    #: no snapshot, which holds the step's carried and held pieces)
+    #: the planner's state after it (:func:`_packed_state`)
     after: tuple[Counts, bytes]
     #: each constructor's work, packed (:func:`~msd_dask.roles.constructor.pack_works`)
     work: list[bytes]
@@ -458,13 +456,20 @@ def plan_for_constructors(planner: Planner, lookup: MetaLookup, constructors: in
     t2 = time.perf_counter()
     packed = pack_works(work, threads)
     del work
-    snap = planner.snapshot()  # (split and packing change nothing of the planner's)
-    after = ((snap.step, snap.tokens, snap.pieces), pack_snapshot(snap))
-    del snap
+    # (split and packing change nothing of the planner's)
+    after = _packed_state(planner.snapshot())
     trim_after(size)
     if times is not None:
         times += [t1 - t0, t2 - t1, time.perf_counter() - t2]
     return PlannedStep(step, pieces, used, record, fitted, after, packed)
+
+
+def _packed_state(snap: PlannerSnapshot) -> tuple[Counts, bytes]:
+    """What the planner's actor keeps of its state after a step: the counts
+    :meth:`PlannerActor.stats` shows (next step, tokens, pieces) and the whole state packed
+    (:func:`pack_snapshot`), not the snapshot, which holds the step's carried and held
+    pieces."""
+    return (snap.step, snap.tokens, snap.pieces), pack_snapshot(snap)
 
 
 def pack_snapshot(snap: PlannerSnapshot) -> bytes:
@@ -636,9 +641,7 @@ class PlannerActor:
         self.weights_version = 0
         #: the last snapshot's step (the next to plan), tokens and pieces, for :meth:`stats`
         self._counts: Counts = (0, {}, {})
-        first = self.planner.snapshot()
-        self._snapshot(self.planner.step - 1, (first.step, first.tokens, first.pieces),
-                       pack_snapshot(first))
+        self._snapshot(self.planner.step - 1, *_packed_state(self.planner.snapshot()))
         #: role placement and recovery (see :class:`~msd_dask.roles.supervisor.RoleSupervisor`)
         self.roles = RoleSupervisor(self, members or [dict(enumerate(self.cfg.parallel.dp_groups()))],
                                     pad_id, loader_threads, source_payloads or {}, tokenizer or {})
