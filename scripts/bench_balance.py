@@ -558,7 +558,7 @@ def _tables_replaced(section: str, text: str, path: str) -> str:
     for title in new.keys() - old.keys():
         print(f"not written (no such table in {path}): {title}")
     command = re.compile(r"^Command: `[^`]*`")
-    run = next((command.match(line) for line in made if command.match(line)), None)
+    run = next(filter(None, map(command.match, made)), None)
     if run is not None:
         have = [command.sub(lambda _: run.group(0), line, count=1) for line in have]
     return "\n".join(have)
