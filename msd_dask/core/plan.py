@@ -695,13 +695,8 @@ class Planner:
         # the rows, each in step order: the placed pieces sorted (stably) by row
         perm, row_sizes = row_order(rank, micro, dp, mb)
         del rank, micro
-        permute_rows(table, perm)  # (in place: no second table of the step's pieces)
-        m = len(perm)
+        table = _in_order(table, perm)
         del perm
-        try:  # the rows past the placed pieces go back (in place, where no view holds them)
-            table.resize((m, 8))
-        except ValueError:
-            table = table[:m]
         plan = StepPlan(self.step, table, row_sizes, tuple(self._names),
                         rank_cost.tolist(), bound, weights, step_tokens)
         self.step += 1
@@ -840,6 +835,27 @@ def _lengths(table: np.ndarray) -> np.ndarray:
     """The tokens of each piece of a piece table, in the table's int type (a piece of an
     int32 table is shorter than 2**31 tokens; a step at dp 16,384 x 128K holds millions)."""
     return np.subtract(table[:, 6], table[:, 5])
+
+
+def _in_order(table: np.ndarray, perm: np.ndarray) -> np.ndarray:
+    """``table[perm]`` (``perm``: distinct rows of ``table``), which may take over ``table``'s
+    memory: a table of :data:`_PERMUTE_IN_PLACE_FROM` bytes or more is permuted in place
+    (:func:`~msd_dask.core._kernels.permute_rows`; no second table of the step's pieces, at
+    dp 16,384 x 128K the planner's peak), a smaller one gathered into a new table (about
+    twice as fast: in place, each row is read and written at a random place)."""
+    if table.nbytes < _PERMUTE_IN_PLACE_FROM:
+        return np.take(table, perm, axis=0)
+    permute_rows(table, perm)
+    try:  # the rows past the placed pieces go back (in place, where no view holds them)
+        table.resize((len(perm), 8))
+    except ValueError:
+        table = table[:len(perm)]
+    return table
+
+
+#: bytes of a step's piece table from which :func:`_in_order` permutes it in place (at dp
+#: 16,384: a 4K step's table takes about 6 MiB, a 128K step's about 100 MiB)
+_PERMUTE_IN_PLACE_FROM = 32 * 2**20
 
 
 def _no_pieces() -> np.ndarray:

@@ -654,3 +654,30 @@ def test_a_state_that_is_not_whole_is_one_clear_error(change: Any, says: str) ->
     with pytest.raises(ValueError, match=says):
         fresh.load_state_dict(state)
     assert json.dumps(fresh.state_dict()) == before  # (nothing of it taken)
+
+
+def test_a_plan_is_the_same_permuted_in_place_or_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's table goes in row order in place from a size on, else by a gather into a
+    new table: the same plans either way, compiled (the in-place kernel) and interpreted."""
+    from msd_dask.core import _kernels
+    from msd_dask.core import plan as plan_mod
+
+    _kernels.compile_kernels()
+    in_place = []
+    real = plan_mod.permute_rows
+
+    def counted(table: np.ndarray, perm: np.ndarray) -> None:
+        in_place.append(len(perm))
+        real(table, perm)
+
+    monkeypatch.setattr(plan_mod, "permute_rows", counted)
+    results = []
+    for start in (0, 1 << 62):  # every table in place; every table gathered
+        monkeypatch.setattr(plan_mod, "_PERMUTE_IN_PLACE_FROM", start)
+        plans = run(planner(make_cfg(WEIGHTS_3)), 30)
+        results.append(([plan_key(p) for p in plans], [p.table.tolist() for p in plans]))
+        if start == 0:
+            assert len(in_place) == 30 and sum(in_place) > 0
+            in_place.clear()
+    assert not in_place  # (the second run gathered every step)
+    assert results[0] == results[1]
