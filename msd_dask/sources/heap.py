@@ -115,9 +115,10 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> int | None:
 
 
 def trim_after(nbytes: int) -> bool:
-    """After work whose largest array took ``nbytes``: from :data:`MMAP_THRESHOLD` on, give
-    the free pages of the C heap back to the operating system (glibc ``malloc_trim(0)``);
-    whether it did.
+    """After work whose largest array took ``nbytes``: from the mmap threshold in force on
+    (:func:`map_large_blocks`'s, else the deployment's ``MALLOC_MMAP_THRESHOLD_``, else
+    :data:`MMAP_THRESHOLD`), give the free pages of the C heap back to the operating system
+    (glibc ``malloc_trim(0)``); whether it did.
 
     Such work (a planner's step at dp 16,384 × 128K, millions of pieces) also made arrays
     of a few MiB, below the threshold, which the heap keeps when freed: about 200 MiB
@@ -126,11 +127,23 @@ def trim_after(nbytes: int) -> bool:
     them back every step cost 5-7 ms of a 110 ms step in page faults).  Not on a C library
     other than glibc.
     """
-    if nbytes < MMAP_THRESHOLD:
+    if nbytes < _threshold_in_force():
         return False
     trimmed = _glibc_call("C heap not trimmed",
                           lambda libc: libc.malloc_trim(ctypes.c_size_t(0)))
     return trimmed is not None
+
+
+def _threshold_in_force() -> int:
+    """The size from which this process maps blocks on their own: the one
+    :func:`map_large_blocks` set, else the environment's ``MALLOC_MMAP_THRESHOLD_`` (the
+    deployment's, which that function leaves alone), else :data:`MMAP_THRESHOLD`."""
+    if _threshold is not None:
+        return _threshold
+    try:
+        return int(os.environ.get("MALLOC_MMAP_THRESHOLD_", ""))
+    except ValueError:  # (unset, or not a number glibc would take either)
+        return MMAP_THRESHOLD
 
 
 def _mallopt(env: str, param: int, value: int) -> bool:

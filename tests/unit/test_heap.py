@@ -171,3 +171,20 @@ def test_a_large_steps_free_heap_pages_go_back(nbytes: int, gives_back: bool) ->
         assert int(mib) >= 100, mib  # (of the 125 MiB of freed blocks)
     else:
         assert int(mib) <= 5, mib
+
+
+@pytest.mark.parametrize("nbytes, gives_back", [(2**20, False), (4 * 2**20, True)])
+def test_a_step_is_large_from_the_deployments_mmap_threshold(nbytes: int,
+                                                            gives_back: bool) -> None:
+    """Where the deployment sets ``MALLOC_MMAP_THRESHOLD_`` (which map_large_blocks leaves
+    alone), a step is large from that threshold on, not from msd_dask's own 16 MiB."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    res = subprocess.run([sys.executable, "-c", TRIM, str(nbytes)], capture_output=True,
+                         text=True, timeout=60,
+                         env={**base, "MALLOC_TRIM_THRESHOLD_": "65536",
+                              "MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)})
+    assert res.returncode == 0, res.stderr
+    returned, mib = res.stdout.split()
+    assert returned == str(gives_back)
+    if gives_back:
+        assert int(mib) >= 100, mib  # (of the 125 MiB of freed blocks)
