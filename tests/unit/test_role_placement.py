@@ -11,6 +11,7 @@ import types
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import pytest
 
 from msd_dask.roles.supervisor import pick_workers
@@ -577,6 +578,16 @@ def test_a_moved_constructor_whose_new_worker_dies_in_setup_is_placed_again(
     assert [e["why"] for e in sup.events] == ["moved"], sup.events
 
 
+def _packed_work() -> bytes:
+    """A constructor's work of a step as the planner hands it over: packed (a DP rank of one
+    row holding no piece)."""
+    from msd_dask.roles.constructor import StepPieces, pack_work
+
+    return pack_work(StepPieces(dps=np.array([0]), rows=np.array([1]), lengths=np.array([0]),
+                                pieces=np.zeros((0, 9), dtype=np.int32), sources=("a",), paths=(),
+                                costs=np.array([0.0])))
+
+
 def test_a_constructor_re_created_during_a_round_is_waited_for_until_it_has_room(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A constructor lost while a round was handed over is re-created and sent the recent
@@ -603,7 +614,7 @@ def test_a_constructor_re_created_during_a_round_is_waited_for_until_it_has_room
     async def run() -> Any:
         await sup.setup()
         old = sup.constructors[0]
-        await asyncio.wait_for(sup.submit([(7, [b""])], room=3), 30)
+        await asyncio.wait_for(sup.submit([(7, [_packed_work()])], room=3), 30)
         return old
 
     old = asyncio.run(run())
