@@ -19,7 +19,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "is_whole", "loaded_step", "rank_number", "wait_seconds"]
+__all__ = ["Batch", "is_whole", "loaded_step", "no_going_back", "rank_number", "wait_seconds"]
 
 
 @dataclass
@@ -144,6 +144,38 @@ def loaded_step(state: Any, rank: int) -> int | None:
         raise ValueError(f"reader state of rank {rank}: 'step' is {step!r}, not a whole number "
                          ">= 0 or None")
     return None if step is None else int(step)
+
+
+def no_going_back(step: int | None, at: int, rank: int, service: str, who: str,
+                  first: str) -> None:
+    """Refuse a saved state of ``step`` (``None``: of no step) loaded into ``who`` (a reader,
+    or what wraps one) of rank ``rank``, which has returned batches and is at step ``at``,
+    where ``step`` lies before ``at``: service ``service`` serves each step to each rank
+    once, so it cannot go back; a state of ``at`` or later is taken (the steps up to it
+    are skipped).  ``first``: when any state is taken (its first ``next()``...).
+
+    Raises
+    ------
+    ServiceError
+        Naming both steps and what to do instead.
+    """
+    from msd_dask.errors import ServiceError
+
+    if step is not None and step >= at:
+        return
+    if step is None:
+        what, again = ("a state of no step (step None)",
+                       "to read from the first step again, start the whole job anew")
+    else:
+        what, again = (f"the state of step {step}",
+                       f"to read step {step + 1} and after again, restart the whole job from "
+                       f"its checkpoint of step {step}: the service from "
+                       f"DataService.state_dict({step}), each rank from its own state")
+    raise ServiceError(
+        f"rank {rank}: {who} at step {at} cannot load {what}: it returned batches already and "
+        f"does not go back, since service {service!r} serves each step once; load a state "
+        f"before {first} (or one of step {at} or later, to skip ahead), or, {again} "
+        "(docs/resume.md)")
 
 
 def is_whole(x: Any) -> bool:

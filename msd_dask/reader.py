@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from msd_dask.batch import Batch, loaded_step, rank_number, wait_seconds
+from msd_dask.batch import Batch, loaded_step, no_going_back, rank_number, wait_seconds
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import (
@@ -396,11 +396,36 @@ class Reader:
         return {"rank": self.rank, "step": last if last >= 0 else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
+        """Go on after the step of ``state``: skip every step up to ``state["step"]``.
+
+        Before this reader returns its first batch, any state of its rank is taken as its
+        position (``step`` ``None`` included: no step returned): the steps up to it are
+        released without being transferred, so a restarted rank gets no step twice.  (A
+        service that handed this rank later steps already refuses the next ``next()``,
+        naming them: it serves each step once.)  Once the reader has returned a batch, it
+        takes only a state of the step it is at (:meth:`state_dict`: nothing changes) or
+        of a later one (the steps up to it are skipped): it cannot go back.
+
+        Parameters
+        ----------
+        state : Mapping
+            ``{"rank", "step"}``, as :meth:`state_dict` returns it.
+
+        Raises
+        ------
+        ValueError
+            ``state`` is no reader state, or another rank's
+            (:func:`~msd_dask.batch.loaded_step`).
+        ServiceError
+            The reader has returned a batch and ``state`` is of an earlier step than the
+            one it is at, or of no step: the message names both steps.
+        """
         step = loaded_step(state, self.rank)
-        if step is not None:
-            self._skip_through = step
-            self._keep_ledger()
+        if self.step is not None:
+            no_going_back(step, self._progress.last(), self.rank, self.link.name, "a reader",
+                          "its first next()")
+        self._skip_through = -1 if step is None else step
+        self._keep_ledger()
 
     def _keep_ledger(self) -> None:
         if self._ledger is not None:

@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from msd_dask.batch import Batch, loaded_step
+from msd_dask.batch import Batch, loaded_step, no_going_back
 
 __all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
 
@@ -338,14 +338,29 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         return dict(self._reader.state_dict())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Skip every step up to ``state["step"]`` (see :meth:`msd_dask.Reader.load_state_dict`).
+        """Go on after the step of ``state`` (see :meth:`msd_dask.Reader.load_state_dict`).
+
+        Any state of the rank is taken while the dataset is not connected: before the
+        first ``iter()``, after :meth:`close`, in a pickled copy (the reader made at the
+        next ``iter()`` loads it).  Once its reader has returned a batch, only a state of
+        the step the dataset is at (:meth:`state_dict`: nothing changes) or of a later one
+        (the steps up to it are skipped) is: the service serves each step once.
+
+        Parameters
+        ----------
+        state : Mapping
+            ``{"rank", "step"}``, as :meth:`state_dict` returns it.
 
         Raises
         ------
         ValueError
-            If ``state`` belongs to another rank.
+            If ``state`` is no reader state, or belongs to another rank.
         RuntimeError
             If batches were already prefetched (load the state before iterating).
+        ServiceError
+            If the dataset's reader has returned a batch and ``state`` is of an earlier
+            step than the one the dataset is at, or of no step (a ``RuntimeError`` too):
+            the message names both steps.
         """
         if self._prefetcher is not None:
             raise RuntimeError("load_state_dict after prefetching started: batches were already "
@@ -365,6 +380,10 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             else:
                 self._pending_state = dict(state)
         else:
+            # (checked here too: the reader of a host agent takes it whatever its position)
+            if self._reader.step is not None:
+                no_going_back(loaded_step(state, self.rank), self._reader.state_dict()["step"],
+                              self.rank, self.name, "MsdIterableDataset", "its first iter()")
             self._reader.load_state_dict(state)
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.batch import Batch, loaded_step, rank_number, wait_seconds
+from msd_dask.batch import Batch, loaded_step, no_going_back, rank_number, wait_seconds
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 
@@ -274,9 +274,15 @@ class AgentReader:
         return {"rank": self.rank, "step": max(steps) if steps else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Skip every step up to ``state["step"]``: a restarted rank gets no step twice."""
+        """Go on after the step of ``state``, as :meth:`msd_dask.Reader.load_state_dict`: any
+        state of the rank before the first batch, once one was returned a state of the
+        step it is at or a later one (skipping the steps up to it), else a
+        :class:`~msd_dask.errors.ServiceError` naming both steps."""
         step = loaded_step(state, self.rank)
-        self._loaded = self._loaded if step is None else step
+        if self.step is not None:
+            no_going_back(step, self.state_dict()["step"], self.rank, self.name, "a reader",
+                          "its first next()")
+        self._loaded = step
         self._keep_ledger()
 
     def _keep_ledger(self) -> None:

@@ -500,6 +500,33 @@ def test_load_state_dict_skips_and_the_group_reader_skips_too(tmp_path: Any) -> 
         handle.close()
 
 
+def test_an_agents_reader_refuses_an_older_state_once_it_returned_batches(
+        tmp_path: Any) -> None:
+    """A reader behind the agent that returned step 8 kept a state of step 3 loaded then
+    without a word and read on from 8: the rank believed it went back.  It now refuses it,
+    naming both steps, and reads on; its own step or a later one it takes."""
+    from msd_dask.errors import ServiceError
+
+    with running_agent(tmp_path, [0, 1]) as (agent, readers):
+        handle, r0, r1 = _pair(agent)
+        got: dict[int, list[int]] = {}
+        t = threading.Thread(target=lambda: got.update({1: [next(r1).step for _ in range(4)]}))
+        t.start()
+        got[0] = [next(r0).step for _ in range(2)]
+        for state in ({"rank": 0, "step": 0}, {"rank": 0, "step": None}):
+            with pytest.raises(ServiceError, match=r"rank 0: a reader at step 1 cannot load "
+                               r"(the state of step 0|a state of no step)"):
+                r0.load_state_dict(state)
+        assert r0.state_dict() == {"rank": 0, "step": 1}
+        r0.load_state_dict({"rank": 0, "step": 1})  # its own: nothing changes
+        got[0] += [next(r0).step]
+        r0.load_state_dict({"rank": 0, "step": 3})  # a later one: step 3 is skipped
+        got[0] += [next(r0).step]
+        t.join(10)
+        assert got == {0: [0, 1, 2, 4], 1: [0, 1, 2, 3]}
+        handle.close()
+
+
 def test_step_times_are_forwarded(tmp_path: Any) -> None:
     with running_agent(tmp_path, [0, 1]) as (agent, readers):
         handle, r0, r1 = _pair(agent)

@@ -171,11 +171,7 @@ def test_a_dataset_dropped_without_close_lets_go_of_its_reader(service: _Service
 def test_a_reader_that_loads_a_state_after_reading_reports_it() -> None:
     """A reader that read steps 0-3 and then loaded the state of step 10 said step 3 until
     its next batch: a checkpoint then would resume at 4, not 11."""
-    from msd_dask.reader import Reader, _Progress
-
-    reader = Reader.__new__(Reader)  # (its state alone: no service behind it)
-    reader._progress = _Progress()
-    reader.rank, reader.step, reader._skip_through = 0, 3, -1
+    reader = _reader_at(3)
     reader.load_state_dict({"rank": 0, "step": 10})
     assert reader.state_dict() == {"rank": 0, "step": 10}
 
@@ -189,3 +185,103 @@ def test_a_bad_state_is_refused_when_loaded_not_at_iter(state: dict[str, Any]) -
     with pytest.raises(ValueError):
         ds.load_state_dict(state)
     assert ds.state_dict() == {"rank": 0, "step": None}
+
+
+def _reader_at(step: int | None, skip: int = -1) -> Any:
+    """A reader that returned the steps up to ``step`` and loaded ``skip`` (its state alone:
+    no service behind it)."""
+    from types import SimpleNamespace
+
+    from msd_dask.reader import Reader, _Progress
+
+    reader = Reader.__new__(Reader)
+    reader._progress = _Progress()
+    reader.link = SimpleNamespace(name="demo")  # type: ignore[assignment]
+    reader.rank, reader.step, reader._skip_through = 0, step, skip
+    return reader
+
+
+def test_a_reader_that_returned_batches_refuses_an_older_state_naming_both_steps() -> None:
+    """A reader that returned steps 0-3 and then loaded the state of step 1 kept going from
+    step 4 and still said step 3, with no error: the loop believed it had gone back (a
+    review).  The service serves each step once, so the reader cannot go back: it refuses,
+    naming both steps and what to do, and stays where it was."""
+    reader = _reader_at(3)
+    with pytest.raises(ServiceError, match=r"rank 0: a reader at step 3 cannot load the state "
+                       r"of step 1: .* service 'demo' serves each step once; load a state "
+                       r"before its first next\(\) .* DataService.state_dict\(1\)"):
+        reader.load_state_dict({"rank": 0, "step": 1})
+    assert reader.state_dict() == {"rank": 0, "step": 3}
+    with pytest.raises(ServiceError, match=r"at step 3 cannot load a state of no step"):
+        reader.load_state_dict({"rank": 0, "step": None})
+    reader.load_state_dict({"rank": 0, "step": 3})  # its own state: nothing changes
+    assert reader.state_dict() == {"rank": 0, "step": 3}
+    reader.load_state_dict({"rank": 0, "step": 10})  # later: skips ahead, as documented
+    assert reader.state_dict() == {"rank": 0, "step": 10}
+    with pytest.raises(ServiceError, match=r"a reader at step 10 cannot load the state of "
+                                           r"step 5"):
+        reader.load_state_dict({"rank": 0, "step": 5})
+    assert reader.state_dict() == {"rank": 0, "step": 10}
+
+
+def test_a_reader_takes_any_state_before_its_first_batch() -> None:
+    """Before its first ``next()`` a reader's position is the state loaded last, earlier
+    ones included (e.g. after the state of the rank's earlier reader in this process): the
+    service refuses the next read if it handed those steps already.  A state of no step
+    left the earlier state in force."""
+    reader = _reader_at(None, skip=9)
+    reader.load_state_dict({"rank": 0, "step": 4})
+    assert reader.state_dict() == {"rank": 0, "step": 4}
+    reader.load_state_dict({"rank": 0, "step": None})
+    assert reader.state_dict() == {"rank": 0, "step": None}
+
+
+def test_an_older_state_is_refused_and_the_reader_reads_on() -> None:
+    """Over a real constructor: rank 0 read steps 0-2; the state of step 0 is refused at
+    once (nothing sent) and the reader still reads step 3 next, once."""
+    import asyncio
+
+    from test_constructor_bookkeeping import _toy_round
+    from test_lost_answer import MEMBERS, _serving_on_a_loop
+
+    from msd_dask.reader import Reader
+
+    with _serving_on_a_loop() as link:
+        link.claims = 2  # (no answer lost here)
+        reader = Reader(link, 0, timeout=10.0)  # type: ignore[arg-type]
+        assert [next(reader).step for _ in range(3)] == [0, 1, 2]
+        with pytest.raises(ServiceError, match=r"rank 0: a reader at step 2 cannot load the "
+                                               r"state of step 0"):
+            reader.load_state_dict({"rank": 0, "step": 0})
+        asyncio.run_coroutine_threadsafe(link.constructors[0].obj.submit(
+            _toy_round(MEMBERS, [3])), link.loop).result(10)
+        batch = next(reader)
+        assert batch.step == 3 and int(batch.input_ids[0, 0]) == 30
+        reader.close()
+
+
+def test_a_dataset_that_handed_out_batches_refuses_an_older_state(service: _Service) -> None:
+    """The dataset's reader returned steps 0-2: the state of step 0 was passed on to it and
+    ignored (behind a host agent, whose reader takes any state, as the stand-in here does,
+    too).  The dataset refuses it, naming both steps; its own state and later ones are
+    taken; before the first ``iter()`` any state is."""
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0)
+    it = iter(ds)
+    assert [next(it)["step"] for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ServiceError, match=r"rank 0: MsdIterableDataset at step 2 cannot load "
+                       r"the state of step 0: .* service 'demo' serves each step once; load "
+                       r"a state before its first iter\(\) .* DataService.state_dict\(0\)"):
+        ds.load_state_dict({"rank": 0, "step": 0})
+    with pytest.raises(ServiceError, match="at step 2 cannot load a state of no step"):
+        ds.load_state_dict({"rank": 0, "step": None})
+    assert ds.state_dict() == {"rank": 0, "step": 2}
+    ds.load_state_dict(ds.state_dict())
+    assert next(it)["step"] == 3
+    ds.load_state_dict({"rank": 0, "step": 5})
+    assert ds.state_dict() == {"rank": 0, "step": 5} and next(it)["step"] == 6
+    ds.close()
+    fresh = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0)
+    fresh.load_state_dict({"rank": 0, "step": 8})
+    fresh.load_state_dict({"rank": 0, "step": 7})  # (not connected: the last one counts)
+    assert fresh.state_dict() == {"rank": 0, "step": 7} and next(iter(fresh))["step"] == 8
+    fresh.close()
