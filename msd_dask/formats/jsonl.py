@@ -225,14 +225,32 @@ class _Streams(io.RawIOBase):
                 return out
 
 
+_PACKED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
+
+#: the names of JSON-lines files, plain or compressed (:func:`compression_of`); ``.json``
+#: only compressed, as some corpora name theirs (C4's ``.json.gz``): a plain ``.json`` in a
+#: folder is more often its metadata (``dataset_info.json``)
+_SUFFIXES = (*(name + packed for name in (".jsonl", ".ndjson") for packed in ("", *_PACKED)),
+             *(".json" + packed for packed in _PACKED))
+
+
 class JsonlFormat:
     """JSON lines: one JSON object per line; blank lines are skipped.
 
     Rows are 0-based line indices in the (decompressed) file, blank lines included, so a
     row's index is its line number whether or not blank lines precede it.
+
+    Attributes
+    ----------
+    suffixes : tuple of str
+        The names a source whose ``uri`` is a folder reads (case-insensitive):
+        ``.jsonl`` and ``.ndjson``, each plain, ``.gz``, ``.zst``, ``.zstd``, ``.bz2`` or
+        ``.xz``, and ``.json`` compressed so (a plain ``.json`` beside the data is most
+        often metadata: name JSON-lines files so with a glob).
     """
 
     name = "jsonl"
+    suffixes = _SUFFIXES
 
     def units(self, fs: fsspec.AbstractFileSystem, path: str) -> list[Unit]:
         """The whole file as a single unit.

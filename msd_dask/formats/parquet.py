@@ -67,9 +67,15 @@ class ParquetFormat:
     Each row group is one :class:`~msd_dask.formats.Unit`; reading a unit loads only that
     row group and only the requested columns.  Values come back as Python objects
     (``string`` columns as ``str``, ``binary`` columns as ``bytes``).
+
+    Attributes
+    ----------
+    suffixes : tuple of str
+        The names a source whose ``uri`` is a folder reads (case-insensitive).
     """
 
     name = "parquet"
+    suffixes = (".parquet", ".parq", ".pq")
 
     def units(self, fs: fsspec.AbstractFileSystem, path: str) -> list[Unit]:
         """Split ``path`` into one unit per row group, in file order.

@@ -19,7 +19,13 @@ __all__ = ["Format", "FORMATS", "get_format", "register_format"]
 
 
 class Format(Protocol):
-    """What a source format provides."""
+    """What a source format provides.
+
+    A format may also have ``suffixes``, a tuple of the file names' endings it reads
+    (``(".parquet",)``; compared case-insensitively): where a source's ``uri`` is a
+    folder, only those files are its data, the others are left out (logged).  A format
+    without it reads every file of a folder.
+    """
 
     name: str
 

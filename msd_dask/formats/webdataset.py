@@ -87,9 +87,17 @@ def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
 
 
 class WebDatasetFormat:
-    """Tar shards of samples (WebDataset layout); a shard is one unit."""
+    """Tar shards of samples (WebDataset layout); a shard is one unit.
+
+    Attributes
+    ----------
+    suffixes : tuple of str
+        The names a source whose ``uri`` is a folder reads (case-insensitive): plain
+        tar shards, as WebDataset writes them.
+    """
 
     name = "webdataset"
+    suffixes = (".tar",)
 
     def units(self, fs: fsspec.AbstractFileSystem, path: str) -> list[Unit]:
         """The whole shard as a single unit (the file is not opened)."""

@@ -151,24 +151,30 @@ def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
     Returns
     -------
     list of (list of str, bool)
-        Each source's files (the first is the one read), in the config's order, and
+        Each source's files (the first is the one read; a folder's, those its format
+        reads), in the config's order, and
         whether the first has a record (a file without one says nothing of the fields).
 
     Raises
     ------
     ConfigError
         A source's ``uri`` cannot be listed or matches no file (as :func:`check_storage`),
-        or its ``format`` cannot be imported.
+        is a folder without a file its format reads
+        (:func:`~msd_dask.sources.storage.format_paths`), or its ``format`` cannot be
+        imported.
     DataError
         Naming the source, the file and the row, and the fields the record has.
     """
     from msd_dask.sources.documents import source_fields, source_format, with_source
+    from msd_dask.sources.storage import format_paths
 
     firsts = []
     for i, src in enumerate(cfg.sources):
         files = _source_files(i, src)
-        path = files.paths[0]
         fmt = source_format(src, i)
+        # (a folder's files its format reads, as discovery takes them)
+        paths = format_paths(files, fmt, src, i)[0]
+        path = paths[0]
         found = False
         try:
             for unit in fmt.units(files.fs, path):
@@ -180,5 +186,5 @@ def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
             if err is e:
                 raise
             raise err from e
-        firsts.append((files.paths, found))
+        firsts.append((paths, found))
     return firsts

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from msd_dask.core.config import Config
 from msd_dask.dask_internals import task_worker
-from msd_dask.errors import ConfigError, DataError, ServiceTimeoutError
+from msd_dask.errors import ConfigError, DataError, ServiceTimeoutError, first_of
 from msd_dask.sources.check import anchored, load_config
 
 __all__ = ["anchored_config", "discover_on_worker", "discover_remote", "discover_units"]
@@ -27,14 +28,38 @@ _log = logging.getLogger("msd_dask.service")
 Units = dict[str, list[tuple[str, int, int]]]
 
 
+def _log_skipped(name: str, uri: str, fmt: str, read: int, others: Sequence[str]) -> None:
+    """Say once that source ``name``'s folder ``uri`` had ``others`` left out."""
+    _log.warning("source %r: read the %d file(s) of folder %r that format %r reads; left out "
+                 "%d other(s): %s (name them with a glob to read them)", name, read, uri, fmt,
+                 len(others), first_of(others, 5))
+
+
 def discover_units(cfg: Config, threads: int = 8,
-                   quarantined: dict[str, list[str]] | None = None
+                   quarantined: dict[str, list[str]] | None = None,
+                   skipped: dict[str, dict[str, Any]] | None = None
                    ) -> tuple[Units, dict[str, str]]:
     """List every source's units (parquet footers are read here, in parallel).
 
-    A file whose units cannot be listed raises :class:`DataError`, unless its
+    A source's ``uri`` that names a folder reads only the files its format reads
+    (:func:`~msd_dask.sources.storage.format_paths`); the others are left out, logged
+    once per source here, or recorded in ``skipped`` when it is given (for the caller to
+    log).  A file whose units cannot be listed raises :class:`DataError`, unless its
     source has ``on_error: skip``: then it is left out and its error appended to
     ``quarantined[source]``.
+
+    Parameters
+    ----------
+    cfg : Config
+        The service's config (its sources' ``uri`` absolute where local).
+    threads : int
+        Files listed at once.
+    quarantined : dict, optional
+        Filled with ``{source: [error, ...]}`` for the files quarantined.
+    skipped : dict, optional
+        Filled with ``{source: {"uri", "format", "read", "others"}}`` for each source whose
+        folder had files left out: its ``uri`` and ``format``, the number of files read
+        and the others' names relative to the folder; not logged here then.
 
     Returns
     -------
@@ -42,11 +67,20 @@ def discover_units(cfg: Config, threads: int = 8,
         ``{source: [(path, part, row_offset), ...]}``, sorted.
     roots : dict
         ``{source: root}`` for document keys.
+
+    Raises
+    ------
+    ConfigError
+        A source's ``uri`` is a folder without a file its format reads
+        (:func:`~msd_dask.sources.storage.format_paths`), or its format cannot be had.
+    DataError
+        A file cannot be listed (its source does not skip bad input), or a source has
+        no readable unit.
     """
     # imported where units are listed (DataService.start: a worker, see
     # discover_on_worker), never by a reader or the process that starts the service
     from msd_dask.sources.documents import source_format, with_source
-    from msd_dask.sources.storage import open_source
+    from msd_dask.sources.storage import format_paths, open_source
 
     units: Units = {}
     roots: dict[str, str] = {}
@@ -54,6 +88,13 @@ def discover_units(cfg: Config, threads: int = 8,
         for i, s in enumerate(cfg.sources):
             files = open_source(s.uri, s.storage_options)
             fmt = source_format(s, i)
+            paths, others = format_paths(files, fmt, s, i)
+            if others:
+                if skipped is None:
+                    _log_skipped(s.name, s.uri, s.format, len(paths), others)
+                else:
+                    skipped[s.name] = {"uri": s.uri, "format": s.format, "read": len(paths),
+                                       "others": others}
 
             def listing(p: str, fs: Any = files.fs, fmt: Any = fmt, name: str = s.name) -> Any:
                 try:
@@ -62,7 +103,7 @@ def discover_units(cfg: Config, threads: int = 8,
                     return with_source(e, name, p)
 
             found, refused = [], []
-            for got in ex.map(listing, files.paths):
+            for got in ex.map(listing, paths):
                 if isinstance(got, DataError):
                     if s.on_error != "skip":
                         raise got
@@ -75,7 +116,7 @@ def discover_units(cfg: Config, threads: int = 8,
             units[s.name] = [(u.path, u.part, u.row_offset) for u in itertools.chain(*found)]
             roots[s.name] = files.root
             if not units[s.name]:
-                n = len(files.paths)
+                n = len(paths)
                 why = (f"all {n} were quarantined (the first: {refused[0]}): is its format "
                        f"{s.format!r} right?" if len(refused) == n else
                        f"{len(refused)} quarantined, the rest empty" if refused else
@@ -107,17 +148,20 @@ def discover_on_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     Returns
     -------
     dict
-        ``{"units", "roots", "quarantined"}`` as :func:`discover_units` gives them.
+        ``{"units", "roots", "quarantined", "skipped"}`` as :func:`discover_units` gives
+        them.
     """
     quarantined: dict[str, list[str]] = {}
+    skipped: dict[str, dict[str, Any]] = {}
     try:
-        units, roots = discover_units(load_config(cfg), quarantined=quarantined)
+        units, roots = discover_units(load_config(cfg), quarantined=quarantined,
+                                      skipped=skipped)
     except (ConfigError, DataError) as e:
         # the library's own exception (its message is in e's) stays here: Dask sends the
         # causes too, and unpickling e.g. pyarrow's would import pyarrow in the starter
         e.__cause__ = e.__context__ = None
         raise
-    return {"units": units, "roots": roots, "quarantined": quarantined}
+    return {"units": units, "roots": roots, "quarantined": quarantined, "skipped": skipped}
 
 
 def discover_remote(client: Any, cfg: Config, timeout: float
@@ -132,7 +176,8 @@ def discover_remote(client: Any, cfg: Config, timeout: float
     Raises
     ------
     ConfigError
-        A source's ``uri`` matches no file or cannot be listed.
+        A source's ``uri`` matches no file or cannot be listed, or is a folder without a
+        file its format reads.
     DataError
         A file cannot be listed (its source does not skip bad input).
     ServiceTimeoutError
@@ -158,4 +203,6 @@ def discover_remote(client: Any, cfg: Config, timeout: float
     for name, entries in got["quarantined"].items():
         for entry in entries:
             _log.warning("source %r quarantined %s", name, entry)
+    for name, left in got.get("skipped", {}).items():  # (logged here, where the user looks)
+        _log_skipped(name, left["uri"], left["format"], left["read"], left["others"])
     return got["units"], got["roots"], got["quarantined"]

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.core import url_to_fs
 
-__all__ = ["IGNORED_PREFIXES", "SourceFiles", "expand_braces", "list_files", "open_source",
-           "source_filesystem"]
+from msd_dask.errors import ConfigError, first_of
+
+if TYPE_CHECKING:
+    from msd_dask.core.config import SourceConfig
+
+__all__ = ["IGNORED_PREFIXES", "SourceFiles", "expand_braces", "format_paths",
+           "list_files", "open_source", "source_filesystem"]
 
 _GLOB_CHARS = "*?["
 
@@ -17,6 +22,9 @@ _GLOB_CHARS = "*?["
 #: a glob is expanded: Spark's and Hadoop's markers (``_SUCCESS``, ``_committed_*``,
 #: ``_temporary/``), checksums (``.part-0.crc``), hidden files; pyarrow's datasets skip them too
 IGNORED_PREFIXES = (".", "_")
+
+#: how many of a folder's files a message about them names
+SHOWN = 5
 
 
 class SourceFiles:
@@ -30,12 +38,18 @@ class SourceFiles:
         The longest directory prefix of the glob; keys are relative to it.
     paths : list of str
         Matching files, sorted, as ``fs`` names them (without protocol).
+    folder : bool
+        Whether the ``uri`` named a folder (neither a glob nor a file): discovery then
+        keeps only the files the source's format reads
+        (:func:`format_paths`).
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, paths: list[str]):
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, paths: list[str],
+                 folder: bool = False):
         self.fs = fs
         self.root = root.rstrip("/")
         self.paths = paths
+        self.folder = folder
 
     def relpath(self, path: str) -> str:
         """The key of ``path``: its name relative to the source root."""
@@ -58,7 +72,8 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
     A glob may hold alternatives in braces (``data/{code,math}/*.parquet``, nested too).
     Where a folder or a glob is expanded, a file is left out if its name, or a folder's
     on its way from the root, starts with one of :data:`IGNORED_PREFIXES`; a file named
-    alone is always read.
+    alone is always read.  A folder's files are all listed here (``folder=True``):
+    discovery keeps those its source's format reads.
     """
     fs, path = url_to_fs(uri, **dict(storage_options or {}))
     starts = [path.find(c) for c in _GLOB_CHARS if c in path]
@@ -73,6 +88,7 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
     elif fs.isdir(path):
         root = path
         paths = sorted(p for p in fs.find(path) if not _ignored(p, root) and not fs.isdir(p))
+        return SourceFiles(fs, root, paths, folder=True)
     else:
         root = path.rsplit("/", 1)[0] if "/" in path else ""
         paths = [path] if fs.exists(path) else []
@@ -155,3 +171,59 @@ def _class_end(pattern: str, start: int) -> int:
 def list_files(uri: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """The files a source's ``uri`` matches, sorted."""
     return open_source(uri, storage_options).paths
+
+
+def format_paths(files: SourceFiles, fmt: Any, src: SourceConfig, index: int
+                 ) -> tuple[list[str], list[str]]:
+    """The files of source ``src`` that its format ``fmt`` reads, and those left out.
+
+    Where the source's ``uri`` names a folder (``files.folder``), only the files whose
+    names end in one of the format's ``suffixes`` (compared case-insensitively) are its
+    data: a ``README.md``, ``LICENSE`` or ``dataset_info.json`` beside the shards is not.
+    A glob or a single file is read as named, and so is every file of a folder when the
+    format has no ``suffixes`` (a format of your own may not).
+
+    Parameters
+    ----------
+    files : SourceFiles
+        The source's files, as :func:`open_source` lists them.
+    fmt : Format
+        The source's format.
+    src : SourceConfig
+        The source.
+    index : int
+        The source's place in the config (for the error's key).
+
+    Returns
+    -------
+    paths : list of str
+        The files to list units of, in ``files.paths``'s order.
+    skipped : list of str
+        The folder's other files, relative to its root, in the same order.
+
+    Raises
+    ------
+    ConfigError
+        The folder holds files, none of which the format reads: naming
+        ``sources[index].uri``, the source, the format and a few of the files.
+    """
+    suffixes = getattr(fmt, "suffixes", None) or ()
+    if isinstance(suffixes, str):
+        suffixes = (suffixes,)
+    if not files.folder or not suffixes:
+        return list(files.paths), []
+    ends = tuple(x.lower() for x in suffixes)
+    paths: list[str] = []
+    skipped: list[str] = []
+    for p in files.paths:
+        (paths if p.rsplit("/", 1)[-1].lower().endswith(ends) else skipped).append(p)
+    others = [files.relpath(p) for p in skipped]
+    if skipped and not paths:
+        glob = src.uri.rstrip("/") + "/*"
+        raise ConfigError(
+            f"sources[{index}].uri",
+            f"folder {src.uri!r} of source {src.name!r} holds no file that format "
+            f"{src.format!r} reads (names ending in {', '.join(suffixes)}), only "
+            f"{len(others)} other(s): {first_of(others, SHOWN)}; to read those as {src.format!r}, "
+            f"name them with a glob (e.g. {glob!r})")
+    return paths, others

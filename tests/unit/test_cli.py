@@ -231,6 +231,21 @@ def test_validate_reads_the_fields_of_each_sources_first_record(
             assert f"'text' read from the first record of {tmp_path}/data/a.{fmt}" in out, out
 
 
+def test_validate_reads_a_folders_first_file_of_its_format(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder uri beside a README.md: validate read the README (the first file, sorted)
+    as parquet and failed, where the service reads only the parquet files."""
+    _one_file_source(tmp_path, "parquet")
+    (tmp_path / "data" / "README.md").write_text("# a dataset card\n")
+    (tmp_path / "c.yaml").write_text(
+        f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: "
+        f"'{tmp_path}/data', format: parquet}}\n")
+    code = main(["validate", str(tmp_path / "c.yaml")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"'text' read from the first record of {tmp_path}/data/a.parquet" in out, out
+
+
 def test_validate_says_when_the_first_file_has_no_record(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An empty first file says nothing of the fields: validate said it read them from

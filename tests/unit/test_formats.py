@@ -941,6 +941,166 @@ def test_a_source_whose_every_file_is_quarantined_asks_about_its_format(tmp_path
         discover_units(cfg)
 
 
+#: what users keep beside their shards: a Hugging Face dataset repo's card, attributes and
+#: info, a licence, Spark's marker
+_NOT_DATA = ("README.md", ".gitattributes", "_SUCCESS", "LICENSE", "dataset_info.json")
+
+
+def _folder(root: Any, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+
+
+def _folder_units(uri: str, fmt: str, **kw: Any) -> list[tuple[str, int, int]]:
+    from msd_dask.core.config import parse_config
+    from msd_dask.sources.discover import discover_units
+
+    cfg = parse_config({"name": "f", "batch": {"seq_len": 64},
+                        "sources": [{"name": "s", "uri": uri, "format": fmt}]})
+    return discover_units(cfg, **kw)[0]["s"]
+
+
+def test_a_folder_reads_its_parquet_shards_not_the_files_beside_them(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A folder uri listed every file in it: the README.md or LICENSE beside the shards was
+    a parquet file whose footer could not be read, and the start failed (review).  Only the
+    format's files are read, in the order a glob of them gives, and the others are named
+    once in the log."""
+    import logging
+
+    root = tmp_path / "ds"
+    _folder(root, {name: b"# not data\n" for name in _NOT_DATA})
+    (root / "data").mkdir()
+    for stem in ("data/train-00000", "data/train-00001", "top"):
+        write_parquet(LOCAL, (root / stem).as_posix(), RECORDS)
+    with caplog.at_level(logging.INFO, logger="msd_dask.service"):
+        units = _folder_units(root.as_posix(), "parquet")
+    shards = [(root / f"{stem}.parquet").as_posix()
+              for stem in ("data/train-00000", "data/train-00001", "top")]
+    assert units == [(p, i, 3 * i) for p in shards for i in range(4)]
+    assert units == _folder_units(f"{root.as_posix()}/**/*.parquet", "parquet")
+    said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(said) == 1 and said[0].count("left out") == 1
+    assert "left out 3 other(s): LICENSE, README.md, dataset_info.json" in said[0]
+    assert "'parquet'" in said[0] and "read the 3 file(s)" in said[0]
+
+
+def test_a_folder_reads_its_json_lines_files_plain_and_compressed(tmp_path: Any) -> None:
+    """The same for JSON lines: every suffix the format reads, compressed too (C4's
+    ``.json.gz`` as well), and in any case; nothing else of the folder."""
+    root = tmp_path / "ds"
+    line = b'{"text": "x"}\n'
+    data = {"a.jsonl": line, "b.jsonl.gz": gzip.compress(line),
+            "c.jsonl.zst": zstandard.ZstdCompressor().compress(line),
+            "d.json.gz": gzip.compress(line), "e.ndjson.xz": lzma.compress(line),
+            "F.JSONL.BZ2": bz2.compress(line)}
+    _folder(root, {**data, **{name: b"# not data\n" for name in _NOT_DATA},
+                   "notes.txt": b"hi\n", "old.jsonl.bak": line})
+    units = _folder_units(root.as_posix(), "jsonl")
+    assert units == [((root / n).as_posix(), 0, 0) for n in sorted(data)]
+    fs = fsspec.filesystem("file")
+    assert [rec for p, _, _ in units for _, rec in JSONL.read(fs, Unit(p), ["text"])] == \
+        [{"text": "x"}] * len(data)
+
+
+def test_a_folder_reads_its_tar_shards(tmp_path: Any) -> None:
+    root = tmp_path / "ds"
+    _folder(root, {name: b"# not data\n" for name in _NOT_DATA})
+    for i in range(2):
+        _write_tar((root / f"shard-{i}.tar").as_posix(), [(f"{i}.txt", b"text")])
+    assert _folder_units(root.as_posix(), "webdataset") == [
+        ((root / f"shard-{i}.tar").as_posix(), 0, 0) for i in range(2)]
+
+
+def test_a_folder_without_a_file_of_its_format_is_one_clear_error(tmp_path: Any) -> None:
+    """Files left out, none read: not an empty source, but a config error naming the key,
+    the source, the folder, the format and what the folder holds."""
+    from msd_dask.errors import ConfigError
+
+    root = tmp_path / "ds"
+    _folder(root, {name: b"# not data\n" for name in (*_NOT_DATA, "a.csv", "b.csv", "c.csv")})
+    with pytest.raises(ConfigError) as info:
+        _folder_units(root.as_posix(), "parquet")
+    err = info.value
+    assert err.key == "sources[0].uri"
+    assert f"folder {root.as_posix()!r} of source 's' holds no file that format 'parquet' " \
+           "reads (names ending in .parquet" in str(err)
+    assert "only 6 other(s): LICENSE, README.md, a.csv, b.csv, c.csv and 1 more" in str(err)
+    assert f"name them with a glob (e.g. '{root.as_posix()}/*')" in str(err)
+
+
+def test_a_glob_or_a_file_is_read_as_named(tmp_path: Any) -> None:
+    """The user said what to read: a glob reads every file it matches and a file named
+    alone is read, whatever their names (one that is not the format's data fails as
+    before)."""
+    root = tmp_path / "ds"
+    _folder(root, {"a.jsonl": b'{"text": "x"}\n', "notes.txt": b'{"text": "y"}\n',
+                   "README.md": b"# not data\n"})
+    posix = root.as_posix()
+    assert _folder_units(f"{posix}/*", "jsonl") == [
+        (f"{posix}/{n}", 0, 0) for n in ("README.md", "a.jsonl", "notes.txt")]
+    assert _folder_units(f"{posix}/*.txt", "jsonl") == [(f"{posix}/notes.txt", 0, 0)]
+    assert _folder_units(f"{posix}/notes.txt", "jsonl") == [(f"{posix}/notes.txt", 0, 0)]
+    with pytest.raises(DataError, match=r"README\.md': cannot read parquet"):
+        _folder_units(f"{posix}/*", "parquet")
+
+
+def test_a_format_without_suffixes_reads_every_file_of_a_folder(tmp_path: Any) -> None:
+    root = tmp_path / "ds"
+    _folder(root, {"a.txt": b"x\n", "b.lines": b"y\n"})
+    assert _folder_units(root.as_posix(), "msd_dask.examples.text_lines:TextLinesFormat") == [
+        ((root / n).as_posix(), 0, 0) for n in ("a.txt", "b.lines")]
+
+
+def test_every_built_in_format_reads_its_writers_files_from_a_folder() -> None:
+    """Each built-in format says what its files are named, and its writers' files are."""
+    for name, variants in WRITERS.items():
+        suffixes = FORMATS[name].suffixes  # type: ignore[attr-defined]
+        assert suffixes and all(x.startswith(".") for x in suffixes), name
+        for variant, write in variants.items():
+            path = write(fsspec.filesystem("memory"), f"/suffixes/{uuid.uuid4().hex}", RECORDS)
+            assert path.lower().endswith(suffixes), (name, variant, path)
+    for suffix in FORMATS["jsonl"].suffixes:  # type: ignore[attr-defined]
+        assert (compression_of("f" + suffix) is None) == suffix.endswith(("l", "json")), suffix
+
+
+def test_the_starter_logs_the_files_a_folder_left_out_once(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """The units are listed on a worker, whose log the user may never see: the files left
+    out travel back and are logged where the service is started, once."""
+    import logging
+
+    from msd_dask.core.config import parse_config
+    from msd_dask.sources.discover import discover_remote
+
+    class Done:
+        def __init__(self, value: Any):
+            self.value = value
+
+        def result(self, timeout: float) -> Any:
+            return self.value
+
+        def release(self) -> None:
+            pass
+
+    class Client:
+        def submit(self, fn: Any, *args: Any, pure: bool) -> Done:
+            return Done(fn(*args))
+
+    root = tmp_path / "ds"
+    _folder(root, {"a.jsonl": b'{"text": "x"}\n', "README.md": b"# not data\n"})
+    cfg = parse_config({"name": "f", "batch": {"seq_len": 64},
+                        "sources": [{"name": "s", "uri": root.as_posix(), "format": "jsonl"}]})
+    with caplog.at_level(logging.INFO, logger="msd_dask.service"):
+        units, _, _ = discover_remote(Client(), cfg, timeout=10)
+    assert units == {"s": [((root / "a.jsonl").as_posix(), 0, 0)]}
+    said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert said == [f"source 's': read the 1 file(s) of folder {root.as_posix()!r} that format "
+                    "'jsonl' reads; left out 1 other(s): README.md (name them with a glob to "
+                    "read them)"]
+
+
 def test_a_format_that_yields_rows_out_of_order_is_named(tmp_path: Any,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A format of your own whose ``read`` gives row 1 before row 0 is bad input naming the
