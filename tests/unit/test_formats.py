@@ -525,6 +525,133 @@ def test_parquet_a_file_rewritten_after_listing_is_not_read_shifted(tmp_path: An
         list(PARQUET.read(LOCAL, second, ["text"]))
 
 
+@pytest.mark.parametrize("groups", [2, 1, 4])
+def test_parquet_a_file_rewritten_between_reads_of_its_units_is_caught(
+        where: tuple[fsspec.AbstractFileSystem, str], groups: int) -> None:
+    # the first read keeps the file's footer: the next one must not trust it once the file
+    # was rewritten (another layout: 3 row groups of 2 rows, 6 of 1, 1 of 4)
+    fs, root = where
+    path = f"{root}/kept.parquet"
+    with fs.open(path, "wb") as f:
+        pq.write_table(pa.table({"text": [f"old{i}" for i in range(6)]}), f, row_group_size=3)
+    first, second = PARQUET.units(fs, path)
+    assert [rec["text"] for _, rec in PARQUET.read(fs, first, ["text"])] == ["old0", "old1", "old2"]
+    with fs.open(path, "wb") as f:
+        pq.write_table(pa.table({"text": [f"new{i}" for i in range(6 if groups < 4 else 4)]}), f,
+                       row_group_size=groups)
+    with pytest.raises(DataError, match=r"kept\.parquet.*changed since its units were listed"):
+        list(PARQUET.read(fs, second, ["text"]))
+    # (the footer read again is the new one: the first row group now ends sooner)
+    assert list(PARQUET.read(fs, first, ["text"])) == [(i, {"text": f"new{i}"})
+                                                       for i in range(groups)]
+
+
+class _CountingHandle(_Handle):
+    """A :class:`_Handle` that adds up the bytes read through it."""
+
+    def __init__(self, f: Any, counts: dict[str, int]):
+        super().__init__(f)
+        self._counts = counts
+
+    def read(self, *args: Any) -> bytes:
+        data = self._f.read(*args)
+        self._counts["bytes"] += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._f.readinto(buffer)
+        self._counts["bytes"] += n or 0
+        return n
+
+
+class CountingFS(TrackingFS):
+    """A :class:`TrackingFS` that counts the bytes read from the files it opened."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem):
+        super().__init__(fs)
+        self.counts = {"bytes": 0}
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> _Handle:
+        handle = _CountingHandle(self._fs.open(path, mode, **kwargs), self.counts)
+        self.opened.append(handle)
+        return handle
+
+
+def test_parquet_reading_every_row_group_reads_the_footer_once(tmp_path: Any) -> None:
+    # every unit read and parsed the whole footer (and summed the row counts before its
+    # group): the 2,000 row groups of a 370 KB file, a footer of 200 KB, read 540 MB
+    path = (tmp_path / "many.parquet").as_posix()
+    rows = 2000
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(rows)]}), path, row_group_size=1)
+    size = LOCAL.size(path)
+    footer = pq.ParquetFile(path).metadata.serialized_size
+    assert footer > size / 2  # (the footer is most of the file: reading it per unit is O(G²))
+    fs = CountingFS(LOCAL)
+    units = PARQUET.units(fs, path)
+    assert len(units) == rows
+    fs.counts["bytes"] = 0
+    got = [item for unit in units for item in PARQUET.read(fs, unit, ["text"])]
+    assert got == [(i, {"text": f"doc {i}"}) for i in range(rows)]
+    # every column chunk and the footer once (pyarrow 26 read the file and 64 KiB more)
+    assert size - footer <= fs.counts["bytes"] <= 2 * size
+    assert len(fs.opened) == rows + 1 and fs.all_closed()
+
+
+def test_parquet_reads_from_many_threads_share_the_footer(tmp_path: Any) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = (tmp_path / "threads.parquet").as_posix()
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(400)]}), path, row_group_size=2)
+    units = PARQUET.units(LOCAL, path)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda u: list(PARQUET.read(LOCAL, u, ["text"])), units))
+    assert [item for part in got for item in part] == [(i, {"text": f"doc {i}"})
+                                                       for i in range(400)]
+
+
+def test_parquet_errors_are_the_same_from_a_kept_footer(tmp_path: Any) -> None:
+    path = _parquet_file(tmp_path)
+    units = PARQUET.units(LOCAL, path)
+    for _ in range(2):  # (the first read parses the footer, the second finds it kept)
+        with pytest.raises(DataError, match=r"p\.parquet', row 6: missing field 'title'"):
+            list(PARQUET.read(LOCAL, units[2], ["text", "title"]))
+    dup = (tmp_path / "dup.parquet").as_posix()
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])],
+                                        names=["text", "text"]), dup)
+    (unit,) = PARQUET.units(LOCAL, dup)
+    for _ in range(2):
+        with pytest.raises(DataError, match=r"dup\.parquet.*row 0.*column 'text' appears 2"):
+            list(PARQUET.read(LOCAL, unit, ["text"]))
+    with pytest.raises(DataError, match=r"p\.parquet.*changed since.*has 4 row group\(s\)"):
+        list(PARQUET.read(LOCAL, Unit(path, 4, 10), ["text"]))
+
+
+def test_parquet_keeps_a_few_footers_least_recently_used_first(tmp_path: Any) -> None:
+    from msd_dask.formats import parquet
+
+    kept = parquet._FOOTERS
+    for i in range(3 * kept.files):  # (a loader reads thousands of files over an epoch)
+        path = write_parquet(LOCAL, (tmp_path / f"f{i}").as_posix(), RECORDS)
+        list(PARQUET.read(LOCAL, PARQUET.units(LOCAL, path)[0], ["id"]))
+        assert len(kept) <= kept.files
+
+    def footer(nbytes: int) -> Any:
+        return parquet._Footer("id", None, None, (0,), nbytes)
+
+    cache = parquet._FooterCache(files=2, nbytes=100)
+    cache.put(LOCAL, "a", footer(10))
+    cache.put(LOCAL, "b", footer(10))
+    assert cache.get(LOCAL, "a", "id") is not None  # (now the most recently used)
+    cache.put(LOCAL, "c", footer(10))
+    assert cache.get(LOCAL, "b", "id") is None and cache.get(LOCAL, "a", "id") is not None
+    assert cache.get(LOCAL, "a", "another id") is None  # (rewritten: dropped)
+    assert cache.get(LOCAL, "a", "id") is None and len(cache) == 1
+    cache.put(LOCAL, "big", footer(150))  # (over the bytes: kept alone, as the last used)
+    assert len(cache) == 1 and cache.get(LOCAL, "big", "id") is not None
+    cache.put(LOCAL, "d", footer(10))
+    assert len(cache) == 1 and cache.get(LOCAL, "d", "id") is not None
+
+
 def test_parquet_a_corrupt_footer_is_always_a_data_error(tmp_path: Any) -> None:
     # bytes changed at random in the footer: some made pyarrow raise an IndexError or a
     # UnicodeDecodeError, which passed on_error: skip and named no file
