@@ -96,6 +96,12 @@ def check_content(records: list[dict[str, Any]], texts: dict[tuple[str, str], st
     return dict(tokens)
 
 
+def _chunks(n_tokens: int, seq_len: int) -> int:
+    """The pieces of a document of ``n_tokens`` (its end-of-document id included): none for
+    a text of no tokens, which the loaders drop."""
+    return 0 if n_tokens <= 1 else -(-n_tokens // seq_len)
+
+
 def check_exactly_once(records: list[dict[str, Any]], texts: dict[tuple[str, str], str],
                        seq_len: int, carry_steps: int = 3, min_complete: int = 1) -> dict[str, int]:
     """Every piece of a source is delivered exactly once per source epoch.
@@ -126,8 +132,9 @@ def check_exactly_once(records: list[dict[str, Any]], texts: dict[tuple[str, str
                 first[(src, e)] = min(first.get((src, e), step), step)
     complete = {}
     for src in {s for s, _ in counts}:
+        # (a text of no tokens, the empty string, is dropped: its end-of-document id alone)
         expected = Counter({(k, ch): 1 for (s, k), t in texts.items() if s == src
-                            for ch in range(-(-len(tok.encode(t)) // seq_len))})
+                            for ch in range(_chunks(len(tok.encode(t)), seq_len))})
         epochs = sorted(e for s, e in counts if s == src)
         assert epochs == list(range(len(epochs))), f"{src}: epochs {epochs} are not contiguous"
         complete[src] = 0

@@ -135,8 +135,8 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     With ``src.preprocess`` set, ``fn(text, record)`` runs on every document
     first: a string replaces the text, ``None`` drops the document (its row
     keeps an empty placeholder array, so its length is 0 and the stream skips
-    it; row indexes do not move).  Rows the format skips (blank JSON lines)
-    get the same empty placeholder.
+    it; row indexes do not move).  Rows the format skips (blank JSON lines), and
+    texts of no tokens (an empty string), get the same empty placeholder.
 
     Bad input follows ``src.on_error``: ``"fail"`` raises a :class:`DataError`
     naming the source, file and row; ``"skip"`` quarantines it instead: a bad
@@ -292,14 +292,22 @@ def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | 
     """Preprocess and tokenize ``(row, record)`` items of file ``path``, in order.
 
     Returns one result per item: the tokens, an :class:`ImageDoc`, or the
-    :class:`DataError` of a bad document, as a value (:func:`_cpu_timed` times it).
+    :class:`DataError` of a bad document, as a value (:func:`_cpu_timed` times it).  A
+    text of no tokens (an empty string) gets the empty placeholder: it is never
+    delivered, as a document a preprocess drops.
     """
     compact = _compacts(tokenizer)
     out: list[np.ndarray | ImageDoc | DataError] = []
     for row, rec in items:
         try:
             tokens = _tokenize(src, rec, prep, tokenizer, path, row)
-            out.append(_compact(_with_image(src, rec, tokens, tokenizer, path, row), compact))
+            doc = _with_image(src, rec, tokens, tokenizer, path, row)
+            if not isinstance(doc, ImageDoc) and len(doc) == 1:
+                # a text of no tokens (an empty string): its end-of-document id alone, a
+                # piece of the plan's and a separator in a row for nothing; dropped, as a
+                # preprocess returning None drops one
+                doc = _EMPTY
+            out.append(_compact(doc, compact))
         except DataError as e:
             out.append(e)
     return out

@@ -207,3 +207,29 @@ def test_train_demo_tokenizer_script(corpus, tmp_path):
     assert tok.vocab_size == 320 and tok.eod_id == 0 and tok.pad_id == 1
     text = texts[("prose", "part-0.jsonl.zst:3")]
     assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("pool", ["none", "process"])
+def test_a_text_of_no_tokens_is_dropped_not_a_one_token_document(corpus, tmp_path, pool):
+    """An empty text became a document of its end-of-document token alone: a piece of the
+    plan's and a separator in a row, for nothing.  It is dropped now, as a document a
+    preprocess drops (length 0, its row kept), by the thread and the process pool alike."""
+    import json
+
+    from msd_dask.sources.documents import DocPool
+
+    root, _ = corpus
+    with open(tmp_path / "x.jsonl", "w") as f:
+        for text in ("", "ab", "", " "):
+            f.write(json.dumps({"text": text}) + "\n")
+    src = load_config(_src_cfg(root, uri=f"{tmp_path}/*.jsonl")).sources[1]
+    fs, units = source_units(src)
+    tok = ByteTokenizer()
+    docs_pool = DocPool(src, {"kind": "bytes"}, 1, "process") if pool == "process" else None
+    try:
+        docs = read_unit(src, fs, units[0], tok, pool=docs_pool)
+    finally:
+        if docs_pool is not None:
+            docs_pool.close()
+    assert [len(d) for d in docs] == [0, 3, 0, 2]
+    np.testing.assert_array_equal(docs[1], tok.encode("ab"))
