@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["COMPILE_AT", "best_fit_rows", "compile_for", "compile_kernels", "compiled", "fill_rounds",
-           "greedy_fill", "in_piece_order", "mix_draw", "permute_rows", "row_order", "row_sums",
-           "sorted_sums", "stable_argsort"]
+__all__ = ["COMPILE_AT", "best_fit_rows", "chunk_rows", "compile_for", "compile_kernels", "compiled",
+           "fill_rounds", "greedy_fill", "in_piece_order", "mix_draw", "permute_rows", "row_order",
+           "row_sums", "sorted_sums", "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
@@ -650,6 +650,35 @@ def _mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, len
     return src, room, out, n_out, held, n_held
 
 
+# ----------------------------------------------------------------------------- chunking
+
+
+def _chunk_rows(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray,
+                seq_len: int, table: np.ndarray) -> None:
+    """:func:`msd_dask.core.stream._chunked`'s piece table, in one pass: document ``d``
+    (``unit[d]``, ``row[d]``, ``length[d] > 0`` tokens), in order, becomes its
+    ``ceil(length / seq_len)`` chunks, each a row ``epoch, unit, row, chunk, start, end,
+    doc_len`` of ``table`` (as many rows as the chunks)."""
+    j = 0
+    for d in range(len(length)):
+        n = length[d]
+        u = unit[d]
+        r = row[d]
+        start = 0
+        c = 0
+        while start < n:
+            table[j, 0] = epoch
+            table[j, 1] = u
+            table[j, 2] = r
+            table[j, 3] = c
+            table[j, 4] = start
+            table[j, 5] = min(start + seq_len, n)
+            table[j, 6] = n
+            j += 1
+            c += 1
+            start += seq_len
+
+
 # ----------------------------------------------------------------------------- permuting rows
 
 
@@ -949,6 +978,19 @@ def stable_argsort(a: np.ndarray, descending: bool = False, like: np.ndarray | N
     return order.astype(np.int64, copy=False)
 
 
+def chunk_rows(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray,
+               seq_len: int, table: np.ndarray) -> bool:
+    """Fill ``table`` with the chunks of documents ``unit, row, length`` (see
+    :func:`_chunk_rows`) where the kernels run compiled in this process already; whether it
+    did.  Interpreted, numpy's passes over the documents (the caller's) take its place: a
+    Python loop a chunk at a time costs microseconds a chunk, and a window of a small
+    service, which never compiles the kernels, holds thousands."""
+    if not _compiled:
+        return False
+    _chunk_rows(epoch, unit, row, length, seq_len, table)
+    return True
+
+
 def permute_rows(table: np.ndarray, perm: np.ndarray) -> None:
     """Put ``table[perm]`` in the first ``len(perm)`` rows of the 2-d C-contiguous ``table``,
     in place: see :func:`_permute_rows` (``perm``: distinct rows of ``table``).
@@ -1044,7 +1086,8 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: functions above call the kernels by their names)
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _in_piece_order, _before, _sift_down,
             _push, _pop_top, _replay, _take, _build,
-            _greedy_fill, _fill_rounds, _appended, _mix_draw, _copy_row, _permute_rows, _row_order,
+            _greedy_fill, _fill_rounds, _appended, _mix_draw, _chunk_rows, _copy_row, _permute_rows,
+            _row_order,
             _int_order, _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums, _row_sums)
 #: kernels compiled into their callers (numba's ``inline="always"``): a call per piece of
 #: :func:`_greedy_fill` to :func:`_take` cost it a fifth of its time
@@ -1148,6 +1191,8 @@ def _warm() -> None:
              np.zeros((1, 1), dtype=np.int64))
     for dtype in (np.int32, np.int64):  # (the planner's tables, either width)
         permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
+        chunk_rows(0, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                   np.ones(1, dtype=np.int64), 4, np.zeros((1, 7), dtype=dtype))
     for ranks in (np.int32, np.int64):  # (place_step's: int32 where dp and mb fit)
         row_order(np.array([0, -1], dtype=ranks), np.zeros(2, dtype=ranks), 1, 1)
 

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from msd_dask.core._kernels import chunk_rows
 from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
 
@@ -135,8 +136,13 @@ def _chunked(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray, 
              longest: int, dtype: type[np.integer[Any]]) -> np.ndarray:
     """The piece table (:attr:`Window.table`) of documents in order: each in ``seq_len``
     chunks, consecutively (``longest``: the longest document)."""
-    if longest <= seq_len:  # a piece per document: chunk 0, from token 0, the whole document
-        table = np.empty((len(length), 7), dtype=dtype)
+    k = (length + (seq_len - 1)) // seq_len if longest > seq_len else None
+    table = np.empty((len(length) if k is None else int(k.sum()), 7), dtype=dtype)
+    # one pass over the documents where the planner compiled its kernels (a large step's),
+    # else numpy's passes, a column at a time
+    if chunk_rows(epoch, unit, row, length, seq_len, table):
+        return table
+    if k is None:  # a piece per document: chunk 0, from token 0, the whole document
         table[:, 0] = epoch
         table[:, 1] = unit
         table[:, 2] = row
@@ -144,10 +150,8 @@ def _chunked(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray, 
         table[:, 5] = length
         table[:, 6] = length
         return table
-    k = (length + (seq_len - 1)) // seq_len
     first = np.cumsum(k)
     first -= k
-    table = np.empty((int(first[-1] + k[-1]), 7), dtype=dtype)
     chunk = np.arange(len(table), dtype=np.int64)
     chunk -= np.repeat(first, k)
     length = np.repeat(length, k)

@@ -475,3 +475,37 @@ def test_a_step_of_blocks_compiles_nothing_the_warm_up_did_not() -> None:
         plan = pl.plan_step(lambda source, epoch, unit: lengths[unit])
         assert len(plan.table) > dp * mb  # (a step of blocks of ranks and of rows)
     assert signatures() == before
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_chunk_rows_is_the_numpy_chunking(dtype: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window's piece table from the kernel (compiled, and as plain Python) is numpy's,
+    documents shorter, as long as and longer than a row, one token, none."""
+    from msd_dask.core import _kernels, stream
+
+    _kernels.compile_kernels()
+    rng = np.random.default_rng(3)
+    cases = []
+    for n, seq_len, top in [(0, 8, 5), (1, 8, 5), (500, 8, 40), (500, 16, 16), (300, 7, 7),
+                            (2000, 4096, 20000), (64, 5, 1)]:
+        length = rng.integers(1, top + 1, n).astype(np.int64)
+        unit = rng.integers(0, 50, n).astype(np.int64)
+        row = rng.integers(0, 10**6, n).astype(np.int64)
+        cases.append((length, unit, row, seq_len))
+
+    def tables() -> list[np.ndarray]:
+        return [stream._chunked(3, u, r, ln, s, int(ln.max(initial=0)), dtype)
+                for ln, u, r, s in cases]
+
+    compiled = tables()
+    as_python = []
+    for (length, unit, row, seq_len), t in zip(cases, compiled, strict=True):
+        out = np.full_like(t, -1)
+        _kernels._chunk_rows.py_func(3, unit, row, length, seq_len, out)
+        as_python.append(out)
+    monkeypatch.setattr(_kernels, "_compiled", False)  # (numpy's passes)
+    by_numpy = tables()
+    for a, b, c in zip(compiled, as_python, by_numpy, strict=True):
+        assert a.dtype == c.dtype == dtype
+        assert np.array_equal(a, c) and np.array_equal(b, c)
+    assert sum(len(t) for t in by_numpy) > sum(len(ln) for ln, *_ in cases)  # (chunks made)
