@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["COMPILE_AT", "best_fit_rows", "chunk_rows", "compile_for", "compile_kernels", "compiled",
-           "fill_rounds", "greedy_fill", "in_piece_order", "mix_draw", "permute_rows", "row_order",
+           "fill_rounds", "gather_rows", "greedy_fill", "in_piece_order", "mix_draw", "permute_rows",
+           "row_order",
            "row_sums", "sorted_sums", "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
@@ -679,6 +680,20 @@ def _chunk_rows(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarra
             start += seq_len
 
 
+def _gather_rows(out: np.ndarray, h: int, at: np.ndarray, keys: np.ndarray, win: np.ndarray,
+                 source: int) -> None:
+    """:func:`msd_dask.core.plan._gather`'s copy of one window's pieces, in one pass: piece
+    ``keys[at[i]] & 0xFFFFFFFF`` of the window table ``win`` (7 columns) becomes row
+    ``h + at[i]`` of ``out`` (8 columns), ``source`` first."""
+    for i in range(len(at)):
+        p = at[i]
+        s = keys[p] & 0xFFFFFFFF
+        o = h + p
+        out[o, 0] = source
+        for c in range(7):
+            out[o, c + 1] = win[s, c]
+
+
 # ----------------------------------------------------------------------------- permuting rows
 
 
@@ -991,6 +1006,17 @@ def chunk_rows(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray
     return True
 
 
+def gather_rows(out: np.ndarray, h: int, at: np.ndarray, keys: np.ndarray, win: np.ndarray,
+                source: int) -> bool:
+    """Copy one window's pieces into a step's table (see :func:`_gather_rows`) where the
+    kernels run compiled in this process already; whether it did.  Interpreted, numpy's
+    gather and scatter (the caller's) take its place (see :func:`chunk_rows`)."""
+    if not _compiled:
+        return False
+    _gather_rows(out, h, at, keys, win, source)
+    return True
+
+
 def permute_rows(table: np.ndarray, perm: np.ndarray) -> None:
     """Put ``table[perm]`` in the first ``len(perm)`` rows of the 2-d C-contiguous ``table``,
     in place: see :func:`_permute_rows` (``perm``: distinct rows of ``table``).
@@ -1086,8 +1112,8 @@ def mix_draw(credit: np.ndarray, weights: np.ndarray, eligible: np.ndarray, leng
 #: functions above call the kernels by their names)
 _KERNELS = (_meld, _pop, _mark, _first_at_least, _best_fit_rows, _in_piece_order, _before, _sift_down,
             _push, _pop_top, _replay, _take, _build,
-            _greedy_fill, _fill_rounds, _appended, _mix_draw, _chunk_rows, _copy_row, _permute_rows,
-            _row_order,
+            _greedy_fill, _fill_rounds, _appended, _mix_draw, _chunk_rows, _gather_rows, _copy_row,
+            _permute_rows, _row_order,
             _int_order, _float_order, _radix_argsort, _follows, _counting_argsort, _sorted_sums, _row_sums)
 #: kernels compiled into their callers (numba's ``inline="always"``): a call per piece of
 #: :func:`_greedy_fill` to :func:`_take` cost it a fifth of its time
@@ -1193,6 +1219,9 @@ def _warm() -> None:
         permute_rows(np.zeros((2, 8), dtype=dtype), np.array([1, 0], dtype=np.int64))
         chunk_rows(0, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
                    np.ones(1, dtype=np.int64), 4, np.zeros((1, 7), dtype=dtype))
+        for win in (np.int32, np.int64):  # (a window's table, into the step's)
+            gather_rows(np.zeros((1, 8), dtype=dtype), 0, i1.copy(), i1.copy(),
+                        np.zeros((1, 7), dtype=win), 0)
     for ranks in (np.int32, np.int64):  # (place_step's: int32 where dp and mb fit)
         row_order(np.array([0, -1], dtype=ranks), np.zeros(2, dtype=ranks), 1, 1)
 

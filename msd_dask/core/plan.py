@@ -21,7 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.core._kernels import compile_for, permute_rows, row_order, stable_argsort
+from msd_dask.core._kernels import (
+    compile_for,
+    compiled,
+    gather_rows,
+    permute_rows,
+    row_order,
+    stable_argsort,
+)
 from msd_dask.core.balance import lower_bound
 from msd_dask.core.config import Config
 from msd_dask.core.cost import CostModel
@@ -913,10 +920,12 @@ def _gather(keys: np.ndarray, windows: list[np.ndarray | None], sources: list[in
     src = np.asarray(sources, dtype=np.min_scalar_type(-n_src))[slot]
     per_window = np.bincount(slot, minlength=len(windows)).tolist()
     del slot
-    out[h:, 0] = src
-    # each row's fields after its source as one item (a copy each): numpy copies a row of
-    # a 2-d array to rows it selects field by field, several times slower
-    fields = out[:, 1:].view(np.dtype((np.void, 7 * out.itemsize)))[:, 0]
+    one_pass = compiled()  # (each window's rows copied by a kernel, its source with them)
+    if not one_pass:
+        out[h:, 0] = src
+        # each row's fields after its source as one item (a copy each): numpy copies a row
+        # of a 2-d array to rows it selects field by field, several times slower
+        fields = out[:, 1:].view(np.dtype((np.void, 7 * out.itemsize)))[:, 0]
     # each source's keys where they go in the table, in increasing order, so that a
     # window's keys are a run of its source's (no sort of the keys by window)
     if n_src <= 8:  # (a pass over the keys per source)
@@ -932,9 +941,13 @@ def _gather(keys: np.ndarray, windows: list[np.ndarray | None], sources: list[in
             assert win is not None
             mine = at[j][done[j]:done[j] + c]
             done[j] += c
-            rows = np.take(win, np.take(k, mine) & 0xFFFFFFFF, axis=0).astype(out.dtype, copy=False)
-            mine += h
-            fields[mine] = rows.view(fields.dtype)[:, 0]
+            if one_pass:
+                gather_rows(out, h, mine, k, win, j)
+            else:
+                rows = np.take(win, np.take(k, mine) & 0xFFFFFFFF, axis=0).astype(out.dtype,
+                                                                                   copy=False)
+                mine += h
+                fields[mine] = rows.view(fields.dtype)[:, 0]
         if drop:
             windows[i] = None
     return out

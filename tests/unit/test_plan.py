@@ -553,9 +553,17 @@ def test_rows_past_int32_plan_the_same_in_int64() -> None:
         assert narrow_plan.rank_cost == wide_plan.rank_cost
 
 
+@pytest.mark.parametrize("one_pass", [False, True])  # numpy's copies; the compiled kernel's
 @pytest.mark.parametrize("n_sources", [2, 12])  # a pass per source; a sort by source
-def test_gather_copies_each_key_s_piece_in_order(n_sources: int) -> None:
+def test_gather_copies_each_key_s_piece_in_order(n_sources: int, one_pass: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from msd_dask.core import _kernels
     from msd_dask.core.plan import _gather
+
+    if one_pass:
+        _kernels.compile_kernels()
+    else:
+        monkeypatch.setattr(_kernels, "_compiled", False)
 
     rng = np.random.default_rng(n_sources)
     windows: list[np.ndarray | None] = []
