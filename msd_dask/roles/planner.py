@@ -81,17 +81,37 @@ STATE_WAIT = 30.0
 
 
 def make_state(cfg: Any, step: int, planner: dict[str, Any],
-               units: Mapping[str, int] | None = None) -> dict[str, Any]:
+               units: Mapping[str, int] | None = None,
+               tokenizer: str | None = None) -> dict[str, Any]:
     """The service state after ``step``: a versioned, JSON-able wrapper of a planner state,
     with what the stream order depends on besides the seed: each source's ``units`` (how
-    many) and ``shuffle_window`` (:func:`planner_state` checks them)."""
+    many), ``shuffle_window``, how its documents are read and the tokenizer file's
+    SHA-256 (``tokenizer``, :func:`~msd_dask.sources.tokenizer.tokenizer_digest`, where
+    the caller read it) (:func:`planner_state` checks them)."""
     state = {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
              "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
              "shuffle_window": {s.name: s.shuffle_window for s in cfg.sources},
              "reading": reading(cfg), "step": int(step), "planner": planner}
     if units is not None:
         state["units"] = {k: int(v) for k, v in units.items()}
+    if tokenizer is not None:
+        state["tokenizer_sha256"] = tokenizer
     return state
+
+
+def _tokenizer_sha256(cfg: Any) -> str | None:
+    """:func:`~msd_dask.sources.tokenizer.tokenizer_digest` of the config's tokenizer;
+    ``None`` where its file cannot be read here (logged: the loaders, which read it too,
+    say why; the states then record none, and a resume is not checked for it)."""
+    from msd_dask.sources.tokenizer import tokenizer_digest
+
+    try:
+        return tokenizer_digest(cfg.tokenizer)
+    except (OSError, ValueError) as e:
+        _log.warning("msd_dask: the tokenizer file %r could not be read for its SHA-256 (%s: "
+                     "%s); the service's states record none", cfg.tokenizer.path,
+                     type(e).__name__, e)
+        return None
 
 
 def kept_states(cfg: Any) -> int:
@@ -174,17 +194,19 @@ def ahead_within(tokens: list[float | None], cap: float) -> int:
 
 
 def planner_state(cfg: Any, state: dict[str, Any],
-                  units: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """Check a resume ``state`` against ``cfg`` (and each source's ``units``, how many, where
-    the caller has listed them) and return its planner state.
+                  units: Mapping[str, int] | None = None,
+                  tokenizer: str | None = None) -> dict[str, Any]:
+    """Check a resume ``state`` against ``cfg`` (and each source's ``units``, how many, and
+    the tokenizer file's SHA-256, ``tokenizer``, where the caller has them: the planner's
+    actor does) and return its planner state.
 
     Raises
     ------
     ServiceError
         For an unknown format, a malformed state, a different seed, ``seq_len``, set of
-        sources, ``shuffle_window``, number of units of a source, or tokenizer or source
-        setting that decides the documents' lengths (:func:`reading`; a state of a version
-        that did not record the last three is not checked for them).
+        sources, ``shuffle_window``, number of units of a source, tokenizer or source
+        setting that decides the documents' lengths (:func:`reading`), or tokenizer file
+        (a state of a version that did not record the last four is not checked for them).
     """
     if not isinstance(state, dict) or "planner" not in state or "format" not in state:
         raise ServiceError("resume: not a DataService.state_dict() (no 'format'/'planner' key)")
@@ -243,6 +265,14 @@ def planner_state(cfg: Any, state: dict[str, Any],
                 f"resume: the state was taken with {differs}; the documents' lengths depend "
                 "on it and a stream's position counts pieces of them, so it cannot continue "
                 "exactly (documents would be skipped or served twice)")
+    had = state.get("tokenizer_sha256")
+    if had is not None and tokenizer is not None and had != tokenizer:
+        raise ServiceError(
+            f"resume: the state was taken with a tokenizer file of SHA-256 {str(had)[:12]}…, "
+            f"but tokenizer.path {cfg.tokenizer.path!r} now holds one of {tokenizer[:12]}… "
+            "(changed in place?); the documents' lengths depend on it and a stream's "
+            "position counts pieces of them, so it cannot continue exactly: resume with the "
+            "tokenizer file the state was taken with")
     return dict(state["planner"])
 
 
@@ -622,11 +652,14 @@ class PlannerActor:
         files = {k: SourceFiles(None, roots[k], []) for k in units}
         self._relpath = {k: [files[k].relpath(u.path) for u in v] for k, v in self.units.items()}
         self.planner = Planner(self.cfg, self.units)
+        #: the tokenizer file's SHA-256, which the states record (None: the byte tokenizer)
+        self.tokenizer_sha256 = _tokenizer_sha256(self.cfg)
         if isinstance(state, bytes):  # the checkpoint of the planner this one replaces
             self.planner.load_snapshot(unpack_snapshot(state))
         elif state is not None:
             self.planner.load_state_dict(
-                planner_state(self.cfg, state, {k: len(v) for k, v in self.units.items()})
+                planner_state(self.cfg, state, {k: len(v) for k, v in self.units.items()},
+                              self.tokenizer_sha256)
                 if "format" in state else state)
         #: step the service started at (resumed services do not start at 0)
         self.first_step = self.planner.step
@@ -1218,7 +1251,7 @@ class PlannerActor:
             packed = self._packed_at(step)
         # (a list per carried and held piece: seconds at dp 16,384 x 128K, off the loop)
         return make_state(self.cfg, step, await asyncio.to_thread(_state_of, packed),
-                          {k: len(v) for k, v in self.units.items()})
+                          {k: len(v) for k, v in self.units.items()}, self.tokenizer_sha256)
 
     def _packed_at(self, step: int) -> bytes:
         """The kept snapshot of the state after ``step``, packed."""

@@ -19,8 +19,8 @@ import numpy as np
 from msd_dask.core.config import TokenizerConfig
 from msd_dask.errors import ConfigError
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer", "EOD", "PAD",
-           "EOD_TOKENS", "PAD_TOKENS", "IMG"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer", "tokenizer_digest", "EOD",
+           "PAD", "EOD_TOKENS", "PAD_TOKENS", "IMG"]
 
 EOD = 256
 PAD = 257
@@ -154,3 +154,31 @@ def make_tokenizer(cfg: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
         return HFTokenizer(cfg.path, cfg.eod_id, cfg.pad_id, dict(cfg.storage_options),
                            cfg.image_token_id)
     raise ValueError(f"unknown tokenizer kind {cfg.kind!r}")
+
+
+def tokenizer_digest(cfg: TokenizerConfig) -> str | None:
+    """The SHA-256 of the tokenizer file a config names (``hf``), ``None`` for the byte
+    tokenizer, which has none.
+
+    A resume state records it (:func:`msd_dask.roles.planner.make_state`) so that a
+    ``tokenizer.json`` changed in place under the same path, which gives documents other
+    lengths, is refused at the resume instead of silently moving every stream's position
+    (the config's ``path`` and ``storage_options`` are not recorded: a file moved, or
+    credentials rotated, still resume).
+
+    Raises
+    ------
+    OSError
+        The file cannot be read (as the loaders would fail to).
+    """
+    if cfg.kind != "hf" or not cfg.path:
+        return None
+    import hashlib
+
+    import fsspec
+
+    digest = hashlib.sha256()
+    with fsspec.open(cfg.path, "rb", **dict(cfg.storage_options)) as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -175,3 +175,48 @@ def test_a_packed_snapshot_unpacks_to_the_same_state_row_by_row() -> None:
     other.load_snapshot(unpack_snapshot(pack_snapshot(wide)))
     for _ in range(3):
         np.testing.assert_array_equal(other.plan_step(lookup).table, pl.plan_step(lookup).table)
+
+
+def test_a_tokenizer_file_changed_in_place_is_refused(corpus: Any, tmp_path: Any) -> None:
+    """A tokenizer.json changed in place under the same path gives documents other lengths,
+    so every stream's position points elsewhere: the resume went on, skipping and repeating
+    documents without a word.  The planner records the file's SHA-256 in its states and
+    refuses a resume over another file's; the same file moved (another path) resumes."""
+    import asyncio
+    import hashlib
+    import shutil
+
+    from msd_dask import load_config
+    from msd_dask.roles.planner import PlannerActor
+    from msd_dask.sources.discover import discover_units
+
+    from corpus import config, train_bpe
+
+    root, texts = corpus
+    path = train_bpe(list(texts.values()), str(tmp_path / "tok.json"))
+    cfg = load_config(config(root, tokenizer={"kind": "hf", "path": path}))
+    units, roots = discover_units(cfg)
+
+    def actor(c: Any, state: Any = None) -> PlannerActor:
+        async def make() -> PlannerActor:
+            return PlannerActor(c.to_dict(), units, roots, state)
+        return asyncio.run(make())
+
+    first = actor(cfg)
+    with open(path, "rb") as f:
+        assert first.tokenizer_sha256 == hashlib.sha256(f.read()).hexdigest()
+    state = make_state(cfg, -1, first.planner.state_dict(),
+                       {k: len(v) for k, v in units.items()}, first.tokenizer_sha256)
+    assert state["tokenizer_sha256"] == first.tokenizer_sha256
+    actor(cfg, state)  # the same file: resumes
+    moved = shutil.copy(path, tmp_path / "moved.json")
+    actor(load_config(config(root, tokenizer={"kind": "hf", "path": str(moved)})), state)
+    train_bpe(list(texts.values())[:20], path, vocab=300)  # changed in place
+    with pytest.raises(ServiceError, match=r"resume: the state was taken with a tokenizer file "
+                       r"of SHA-256 .* but tokenizer\.path '.*tok\.json' now holds one of "
+                       r".*changed in place"):
+        actor(cfg, state)
+    # a state of a version that did not record it, or the byte tokenizer's: not checked
+    old = {k: v for k, v in state.items() if k != "tokenizer_sha256"}
+    actor(cfg, old)
+    assert actor(load_config(config(root))).tokenizer_sha256 is None
