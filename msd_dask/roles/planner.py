@@ -86,8 +86,8 @@ def make_state(cfg: Any, step: int, planner: dict[str, Any],
     """The service state after ``step``: a versioned, JSON-able wrapper of a planner state,
     with what the stream order depends on besides the seed: each source's ``units`` (how
     many), ``shuffle_window``, how its documents are read and the tokenizer file's
-    SHA-256 (``tokenizer``, :func:`~msd_dask.sources.tokenizer.tokenizer_digest`, where
-    the caller read it) (:func:`planner_state` checks them)."""
+    SHA-256 (``tokenizer``, :attr:`~msd_dask.sources.tokenizer.Tokenizer.sha256`, where
+    the caller has it) (:func:`planner_state` checks them)."""
     state = {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
              "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
              "shuffle_window": {s.name: s.shuffle_window for s in cfg.sources},
@@ -97,21 +97,6 @@ def make_state(cfg: Any, step: int, planner: dict[str, Any],
     if tokenizer is not None:
         state["tokenizer_sha256"] = tokenizer
     return state
-
-
-def _tokenizer_sha256(cfg: Any) -> str | None:
-    """:func:`~msd_dask.sources.tokenizer.tokenizer_digest` of the config's tokenizer;
-    ``None`` where its file cannot be read here (logged: the loaders, which read it too,
-    say why; the states then record none, and a resume is not checked for it)."""
-    from msd_dask.sources.tokenizer import tokenizer_digest
-
-    try:
-        return tokenizer_digest(cfg.tokenizer)
-    except (OSError, ValueError) as e:
-        _log.warning("msd_dask: the tokenizer file %r could not be read for its SHA-256 (%s: "
-                     "%s); the service's states record none", cfg.tokenizer.path,
-                     type(e).__name__, e)
-        return None
 
 
 def kept_states(cfg: Any) -> int:
@@ -597,6 +582,10 @@ class PlannerActor:
         "recovered": {...}, "events": [...], "loaders": {source: n}}`` (the lost
         planner's recovery counters, continued here, and its loaders per source,
         which this one starts with).
+    tokenizer_sha256 : str, optional
+        The tokenizer file's SHA-256 (:attr:`~msd_dask.sources.tokenizer.Tokenizer.sha256`,
+        read where the service is placed, not on this worker): recorded in the states,
+        and a resume ``state`` of another file's refused (:func:`planner_state`).
 
     Notes
     -----
@@ -630,7 +619,8 @@ class PlannerActor:
                  members: list[dict[int, list[int]]] | None = None, pad_id: int = 257,
                  loader_threads: int = 1, source_payloads: dict[str, dict[str, Any]] | None = None,
                  tokenizer: dict[str, Any] | None = None, generation: int = 0,
-                 had: dict[int, int] | None = None, lost: dict[str, Any] | None = None):
+                 had: dict[int, int] | None = None, lost: dict[str, Any] | None = None,
+                 tokenizer_sha256: str | None = None):
         from msd_dask.core.plan import Planner
         from msd_dask.core.row_placement import planner_threads
         from msd_dask.core.units import Unit
@@ -652,8 +642,9 @@ class PlannerActor:
         files = {k: SourceFiles(None, roots[k], []) for k in units}
         self._relpath = {k: [files[k].relpath(u.path) for u in v] for k, v in self.units.items()}
         self.planner = Planner(self.cfg, self.units)
-        #: the tokenizer file's SHA-256, which the states record (None: the byte tokenizer)
-        self.tokenizer_sha256 = _tokenizer_sha256(self.cfg)
+        #: the tokenizer file's SHA-256, which the states record (None: the byte tokenizer,
+        #: or not given)
+        self.tokenizer_sha256 = tokenizer_sha256
         if isinstance(state, bytes):  # the checkpoint of the planner this one replaces
             self.planner.load_snapshot(unpack_snapshot(state))
         elif state is not None:

@@ -97,14 +97,16 @@ def place_planner(client: Any, cfg: Config,
     # find the old planner's key still held (by the plugin's cached registry) and
     # attach to that planner
     key = planner_key(cfg.name, generation)
+    tokenizer = make_tokenizer(cfg.tokenizer)
     planner = client.submit(
         PlannerActor, cfg.to_dict(), units, roots,
         resume if isinstance(resume, bytes) else dict(resume) if resume else None,
-        members=members, pad_id=make_tokenizer(cfg.tokenizer).pad_id,
+        members=members, pad_id=tokenizer.pad_id,
         loader_threads=loader_threads,
         source_payloads={s.name: source_payload(cfg, s.name) for s in cfg.sources},
         tokenizer=dataclasses.asdict(cfg.tokenizer), generation=generation, had=had,
-        lost=lost, actor=True, workers=[workers[0]], pure=False, key=key)
+        lost=lost, tokenizer_sha256=tokenizer.sha256, actor=True, workers=[workers[0]],
+        pure=False, key=key)
     return {"config": cfg.to_dict(), "planner": planner, "constructors": n_c,
             "generation": generation, "planner_worker": workers[0]}
 

@@ -19,8 +19,8 @@ import numpy as np
 from msd_dask.core.config import TokenizerConfig
 from msd_dask.errors import ConfigError
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer", "tokenizer_digest", "EOD",
-           "PAD", "EOD_TOKENS", "PAD_TOKENS", "IMG"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "make_tokenizer", "EOD", "PAD",
+           "EOD_TOKENS", "PAD_TOKENS", "IMG"]
 
 EOD = 256
 PAD = 257
@@ -38,6 +38,9 @@ class Tokenizer(Protocol):
     eod_id: int
     pad_id: int
     image_id: int | None
+    #: the SHA-256 of the file it was loaded from (None: it has none), which a resume
+    #: state records (a file changed in place gives documents other lengths)
+    sha256: str | None
 
     def encode(self, text: str) -> np.ndarray: ...
 
@@ -51,6 +54,7 @@ class ByteTokenizer:
     eod_id = EOD
     pad_id = PAD
     image_id: int | None = IMG
+    sha256: str | None = None
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of ``text`` followed by the end-of-document id, as int32."""
@@ -91,11 +95,16 @@ class HFTokenizer:
     def __init__(self, path: str, eod_id: int | None = None, pad_id: int | None = None,
                  storage_options: dict[str, Any] | None = None,
                  image_token_id: int | None = None):
+        import hashlib
+
         import fsspec
         from tokenizers import Tokenizer as _HF
 
-        with fsspec.open(path, "r", encoding="utf-8", **dict(storage_options or {})) as f:
-            self._tok = _HF.from_str(f.read())
+        with fsspec.open(path, "rb", **dict(storage_options or {})) as f:
+            raw = f.read()
+        #: the file's SHA-256 (see :class:`Tokenizer`)
+        self.sha256: str | None = hashlib.sha256(raw).hexdigest()
+        self._tok = _HF.from_str(raw.decode("utf-8"))
         # a special token's text inside a document ("<|endoftext|>" in a page about GPT-2)
         # is text: its pieces, not the special id (a false end of document, dropped on decode)
         self._tok.encode_special_tokens = True
@@ -154,31 +163,3 @@ def make_tokenizer(cfg: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
         return HFTokenizer(cfg.path, cfg.eod_id, cfg.pad_id, dict(cfg.storage_options),
                            cfg.image_token_id)
     raise ValueError(f"unknown tokenizer kind {cfg.kind!r}")
-
-
-def tokenizer_digest(cfg: TokenizerConfig) -> str | None:
-    """The SHA-256 of the tokenizer file a config names (``hf``), ``None`` for the byte
-    tokenizer, which has none.
-
-    A resume state records it (:func:`msd_dask.roles.planner.make_state`) so that a
-    ``tokenizer.json`` changed in place under the same path, which gives documents other
-    lengths, is refused at the resume instead of silently moving every stream's position
-    (the config's ``path`` and ``storage_options`` are not recorded: a file moved, or
-    credentials rotated, still resume).
-
-    Raises
-    ------
-    OSError
-        The file cannot be read (as the loaders would fail to).
-    """
-    if cfg.kind != "hf" or not cfg.path:
-        return None
-    import hashlib
-
-    import fsspec
-
-    digest = hashlib.sha256()
-    with fsspec.open(cfg.path, "rb", **dict(cfg.storage_options)) as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()

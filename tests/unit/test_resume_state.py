@@ -180,7 +180,8 @@ def test_a_packed_snapshot_unpacks_to_the_same_state_row_by_row() -> None:
 def test_a_tokenizer_file_changed_in_place_is_refused(corpus: Any, tmp_path: Any) -> None:
     """A tokenizer.json changed in place under the same path gives documents other lengths,
     so every stream's position points elsewhere: the resume went on, skipping and repeating
-    documents without a word.  The planner records the file's SHA-256 in its states and
+    documents without a word.  The planner records the file's SHA-256 (read where the
+    service is placed, as it reads the tokenizer for its padding id) in its states and
     refuses a resume over another file's; the same file moved (another path) resumes."""
     import asyncio
     import hashlib
@@ -189,6 +190,7 @@ def test_a_tokenizer_file_changed_in_place_is_refused(corpus: Any, tmp_path: Any
     from msd_dask import load_config
     from msd_dask.roles.planner import PlannerActor
     from msd_dask.sources.discover import discover_units
+    from msd_dask.sources.tokenizer import make_tokenizer
 
     from corpus import config, train_bpe
 
@@ -198,8 +200,9 @@ def test_a_tokenizer_file_changed_in_place_is_refused(corpus: Any, tmp_path: Any
     units, roots = discover_units(cfg)
 
     def actor(c: Any, state: Any = None) -> PlannerActor:
-        async def make() -> PlannerActor:
-            return PlannerActor(c.to_dict(), units, roots, state)
+        async def make() -> PlannerActor:  # (the file read as place_planner reads it)
+            return PlannerActor(c.to_dict(), units, roots, state,
+                                tokenizer_sha256=make_tokenizer(c.tokenizer).sha256)
         return asyncio.run(make())
 
     first = actor(cfg)
