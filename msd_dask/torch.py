@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from msd_dask.batch import Batch, loaded_step, no_going_back
+from msd_dask.batch import Batch, loaded_step
 
 __all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
 
@@ -379,11 +379,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
                 self.last_step = step if step >= 0 else None
             else:
                 self._pending_state = dict(state)
-        else:
-            # (checked here too: the reader of a host agent takes it whatever its position)
-            if self._reader.step is not None:
-                no_going_back(loaded_step(state, self.rank), self._reader.state_dict()["step"],
-                              self.rank, self.name, "MsdIterableDataset", "its first iter()")
+        else:  # (its reader, direct or a host agent's, refuses a state it cannot honour)
             self._reader.load_state_dict(state)
 
     def close(self) -> None:

@@ -286,9 +286,11 @@ class AgentReader:
         self._keep_ledger()
 
     def _keep_ledger(self) -> None:
+        # (-1: no step, as a Reader's; a state of no step loaded before the first batch
+        # clears what an earlier reader of the rank had)
         last = self.state_dict()["step"]
-        if self._ledger is not None and last is not None:
-            self._ledger[self.rank] = int(last)
+        if self._ledger is not None:
+            self._ledger[self.rank] = -1 if last is None else int(last)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -420,8 +422,9 @@ class AgentHandle:
         """An iterator over the batches of global ``rank`` (one of the agent's ranks)."""
         reader = AgentReader(self.path, self.name, rank, ledger=self._returned,
                              timeout=self.timeout if timeout is None else timeout)
-        if rank in self._returned:  # (as DataService.reader: after its earlier reader's step)
-            reader.load_state_dict({"rank": rank, "step": self._returned[rank]})
+        last = self._returned.get(rank, -1)
+        if last >= 0:  # (as DataService.reader: after its earlier reader's step)
+            reader.load_state_dict({"rank": rank, "step": last})
         self._readers.add(reader)
         return reader
 

@@ -524,6 +524,13 @@ def test_an_agents_reader_refuses_an_older_state_once_it_returned_batches(
         got[0] += [next(r0).step]
         t.join(10)
         assert got == {0: [0, 1, 2, 4], 1: [0, 1, 2, 3]}
+        # the handle's next reader of rank 0 starts after step 4; a state of no step loaded
+        # into it before its first batch is its position, and the one after it starts there
+        # too (a direct reader's ledger did so, the agent's kept step 4)
+        again = handle.reader(0)
+        assert again.state_dict() == {"rank": 0, "step": 4}
+        again.load_state_dict({"rank": 0, "step": None})
+        assert handle.reader(0).state_dict() == {"rank": 0, "step": None}
         handle.close()
 
 

@@ -53,6 +53,11 @@ class _Service:
                 return {"rank": rank, "step": step if step >= 0 else None}
 
             def load_state_dict(self, state: dict[str, Any]) -> None:
+                from msd_dask.batch import no_going_back
+
+                if self.step is not None:  # (the readers' rule, as a real one's)
+                    no_going_back(state.get("step"), self.state_dict()["step"], rank, "demo",
+                                  "a reader", "its first next()")
                 if state.get("step") is not None:
                     self.skip = int(state["step"])
 
@@ -227,8 +232,8 @@ def test_a_reader_that_returned_batches_refuses_an_older_state_naming_both_steps
 def test_a_reader_takes_any_state_before_its_first_batch() -> None:
     """Before its first ``next()`` a reader's position is the state loaded last, earlier
     ones included (e.g. after the state of the rank's earlier reader in this process): the
-    service refuses the next read if it handed those steps already.  A state of no step
-    left the earlier state in force."""
+    service refuses the next read if it handed those steps already; a state of no step
+    too."""
     reader = _reader_at(None, skip=9)
     reader.load_state_dict({"rank": 0, "step": 4})
     assert reader.state_dict() == {"rank": 0, "step": 4}
@@ -262,15 +267,15 @@ def test_an_older_state_is_refused_and_the_reader_reads_on() -> None:
 
 def test_a_dataset_that_handed_out_batches_refuses_an_older_state(service: _Service) -> None:
     """The dataset's reader returned steps 0-2: the state of step 0 was passed on to it and
-    ignored (behind a host agent, whose reader takes any state, as the stand-in here does,
-    too).  The dataset refuses it, naming both steps; its own state and later ones are
-    taken; before the first ``iter()`` any state is."""
+    ignored.  The reader's refusal (the stand-in follows the readers' rule) reaches the
+    caller, naming both steps, and the dataset stays where it was; its own state and later
+    ones are taken; before the first ``iter()`` any state is."""
     ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0)
     it = iter(ds)
     assert [next(it)["step"] for _ in range(3)] == [0, 1, 2]
-    with pytest.raises(ServiceError, match=r"rank 0: MsdIterableDataset at step 2 cannot load "
+    with pytest.raises(ServiceError, match=r"rank 0: a reader at step 2 cannot load "
                        r"the state of step 0: .* service 'demo' serves each step once; load "
-                       r"a state before its first iter\(\) .* DataService.state_dict\(0\)"):
+                       r"a state before its first next\(\) .* DataService.state_dict\(0\)"):
         ds.load_state_dict({"rank": 0, "step": 0})
     with pytest.raises(ServiceError, match="at step 2 cannot load a state of no step"):
         ds.load_state_dict({"rank": 0, "step": None})
