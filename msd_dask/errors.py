@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ConfigError", "DataError", "ServiceError", "ServiceTimeoutError", "WorkerLeft",
-           "first_of", "unanswered"]
+__all__ = ["ConfigError", "DataError", "SHOWN", "ServiceError", "ServiceTimeoutError",
+           "WorkerLeft", "first_of", "unanswered"]
 
 
 class ConfigError(ValueError):
@@ -87,6 +87,11 @@ class WorkerLeft(ServiceError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.service, self.role, self.worker))
+
+
+#: how many names a message lists before saying how many more (:func:`first_of`), where
+#: the list may be long (the files a folder left out, say)
+SHOWN = 5
 
 
 def first_of(items: Sequence[object], most: int) -> str:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from msd_dask.core.config import Config
 from msd_dask.dask_internals import task_worker
-from msd_dask.errors import ConfigError, DataError, ServiceTimeoutError, first_of
+from msd_dask.errors import SHOWN, ConfigError, DataError, ServiceTimeoutError, first_of
 from msd_dask.sources.check import anchored, load_config
 
 __all__ = ["anchored_config", "discover_on_worker", "discover_remote", "discover_units"]
@@ -28,11 +27,12 @@ _log = logging.getLogger("msd_dask.service")
 Units = dict[str, list[tuple[str, int, int]]]
 
 
-def _log_skipped(name: str, uri: str, fmt: str, read: int, others: Sequence[str]) -> None:
-    """Say once that source ``name``'s folder ``uri`` had ``others`` left out."""
+def _log_skipped(name: str, uri: str, fmt: str, read: int, left: int, named: str) -> None:
+    """Say once that source ``name``'s folder ``uri`` had ``left`` files left out (``named``:
+    the first few, :func:`~msd_dask.errors.first_of`)."""
     _log.warning("source %r: read the %d file(s) of folder %r that format %r reads; left out "
                  "%d other(s): %s (name them with a glob to read them)", name, read, uri, fmt,
-                 len(others), first_of(others, 5))
+                 left, named)
 
 
 def discover_units(cfg: Config, threads: int = 8,
@@ -57,9 +57,10 @@ def discover_units(cfg: Config, threads: int = 8,
     quarantined : dict, optional
         Filled with ``{source: [error, ...]}`` for the files quarantined.
     skipped : dict, optional
-        Filled with ``{source: {"uri", "format", "read", "others"}}`` for each source whose
-        folder had files left out: its ``uri`` and ``format``, the number of files read
-        and the others' names relative to the folder; not logged here then.
+        Filled with ``{source: {"uri", "format", "read", "left", "named"}}`` for each source
+        whose folder had files left out: its ``uri`` and ``format``, the number of files
+        read and of those left out, and the first few of these (relative to the folder);
+        not logged here then.
 
     Returns
     -------
@@ -90,11 +91,12 @@ def discover_units(cfg: Config, threads: int = 8,
             fmt = source_format(s, i)
             paths, others = format_paths(files, fmt, s, i)
             if others:
+                named = first_of(others, SHOWN)
                 if skipped is None:
-                    _log_skipped(s.name, s.uri, s.format, len(paths), others)
-                else:
+                    _log_skipped(s.name, s.uri, s.format, len(paths), len(others), named)
+                else:  # (a count and a few names, not every name, to the starting process)
                     skipped[s.name] = {"uri": s.uri, "format": s.format, "read": len(paths),
-                                       "others": others}
+                                       "left": len(others), "named": named}
 
             def listing(p: str, fs: Any = files.fs, fmt: Any = fmt, name: str = s.name) -> Any:
                 try:
@@ -204,5 +206,6 @@ def discover_remote(client: Any, cfg: Config, timeout: float
         for entry in entries:
             _log.warning("source %r quarantined %s", name, entry)
     for name, left in got.get("skipped", {}).items():  # (logged here, where the user looks)
-        _log_skipped(name, left["uri"], left["format"], left["read"], left["others"])
+        _log_skipped(name, left["uri"], left["format"], left["read"], left["left"],
+                     left["named"])
     return got["units"], got["roots"], got["quarantined"]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from msd_dask.errors import ConfigError, first_of
+from msd_dask.errors import SHOWN, ConfigError, first_of
 
 if TYPE_CHECKING:
     from msd_dask.core.config import SourceConfig
@@ -22,9 +22,6 @@ _GLOB_CHARS = "*?["
 #: a glob is expanded: Spark's and Hadoop's markers (``_SUCCESS``, ``_committed_*``,
 #: ``_temporary/``), checksums (``.part-0.crc``), hidden files; pyarrow's datasets skip them too
 IGNORED_PREFIXES = (".", "_")
-
-#: how many of a folder's files a message about them names
-SHOWN = 5
 
 
 class SourceFiles:
@@ -219,7 +216,7 @@ def format_paths(files: SourceFiles, fmt: Any, src: SourceConfig, index: int
         (paths if p.rsplit("/", 1)[-1].lower().endswith(ends) else skipped).append(p)
     others = [files.relpath(p) for p in skipped]
     if skipped and not paths:
-        glob = src.uri.rstrip("/") + "/*"
+        glob = src.uri.rstrip("/") + "/**"  # (its subfolders too, as the folder was listed)
         raise ConfigError(
             f"sources[{index}].uri",
             f"folder {src.uri!r} of source {src.name!r} holds no file that format "

@@ -1154,7 +1154,7 @@ def test_a_folder_without_a_file_of_its_format_is_one_clear_error(tmp_path: Any)
     assert f"folder {root.as_posix()!r} of source 's' holds no file that format 'parquet' " \
            "reads (names ending in .parquet" in str(err)
     assert "only 6 other(s): LICENSE, README.md, a.csv, b.csv, c.csv and 1 more" in str(err)
-    assert f"name them with a glob (e.g. '{root.as_posix()}/*')" in str(err)
+    assert f"name them with a glob (e.g. '{root.as_posix()}/**')" in str(err)
 
 
 def test_a_glob_or_a_file_is_read_as_named(tmp_path: Any) -> None:
