@@ -137,13 +137,16 @@ def trim_after(nbytes: int) -> bool:
 def _threshold_in_force() -> int:
     """The size from which this process maps blocks on their own: the one
     :func:`map_large_blocks` set, else the environment's ``MALLOC_MMAP_THRESHOLD_`` (the
-    deployment's, which that function leaves alone), else :data:`MMAP_THRESHOLD`."""
+    deployment's, which that function leaves alone) where glibc takes it (at most 32
+    MiB), else :data:`MMAP_THRESHOLD`."""
     if _threshold is not None:
         return _threshold
-    try:
-        return int(os.environ.get("MALLOC_MMAP_THRESHOLD_", ""))
+    try:  # (read as glibc reads it: decimal, 0x hex or 0 octal)
+        given = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", ""), 0)
     except ValueError:  # (unset, or not a number glibc would take either)
         return MMAP_THRESHOLD
+    # glibc ignores a threshold above 32 MiB (and keeps raising its own)
+    return given if 0 <= given <= 32 * 2**20 else MMAP_THRESHOLD
 
 
 def _mallopt(env: str, param: int, value: int) -> bool:

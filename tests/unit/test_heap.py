@@ -188,3 +188,16 @@ def test_a_step_is_large_from_the_deployments_mmap_threshold(nbytes: int,
     assert returned == str(gives_back)
     if gives_back:
         assert int(mib) >= 100, mib  # (of the 125 MiB of freed blocks)
+
+
+@pytest.mark.parametrize("value, threshold", [("4194304", 4 << 20), ("0x400000", 4 << 20),
+                                              (str(64 << 20), 16 << 20), ("junk", 16 << 20)])
+def test_the_deployments_threshold_is_read_as_glibc_reads_it(
+        value: str, threshold: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc takes the variable in hex too, and ignores one above 32 MiB: so does the
+    threshold that decides which steps are large (a review)."""
+    from msd_dask.sources import heap
+
+    monkeypatch.setattr(heap, "_threshold", None)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", value)
+    assert heap._threshold_in_force() == threshold
