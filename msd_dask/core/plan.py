@@ -942,7 +942,8 @@ def _gather(keys: np.ndarray, windows: list[np.ndarray | None], sources: list[in
             mine = at[j][done[j]:done[j] + c]
             done[j] += c
             if one_pass:
-                gather_rows(out, h, mine, k, win, j)
+                copied = gather_rows(out, h, mine, k, win, j)
+                assert copied  # (compiled: the kernel ran)
             else:
                 rows = np.take(win, np.take(k, mine) & 0xFFFFFFFF, axis=0).astype(out.dtype,
                                                                                    copy=False)

@@ -135,7 +135,8 @@ def _rng(*key: int) -> np.random.Generator:
 def _chunked(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray, seq_len: int,
              longest: int, dtype: type[np.integer[Any]]) -> np.ndarray:
     """The piece table (:attr:`Window.table`) of documents in order: each in ``seq_len``
-    chunks, consecutively (``longest``: the longest document)."""
+    chunks, consecutively (``longest``: the longest document; every ``length`` > 0, as
+    :meth:`SourceStream._window` keeps them)."""
     k = (length + (seq_len - 1)) // seq_len if longest > seq_len else None
     table = np.empty((len(length) if k is None else int(k.sum()), 7), dtype=dtype)
     # one pass over the documents where the planner compiled its kernels (a large step's),

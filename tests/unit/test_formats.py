@@ -602,11 +602,16 @@ def test_parquet_reads_from_many_threads_share_the_footer(tmp_path: Any) -> None
 
     path = (tmp_path / "threads.parquet").as_posix()
     pq.write_table(pa.table({"text": [f"doc {i}" for i in range(400)]}), path, row_group_size=2)
-    units = PARQUET.units(LOCAL, path)
+    size = LOCAL.size(path)
+    fs = CountingFS(LOCAL)
+    units = PARQUET.units(fs, path)
+    fs.counts["bytes"] = 0
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda u: list(PARQUET.read(LOCAL, u, ["text"])), units))
+        got = list(pool.map(lambda u: list(PARQUET.read(fs, u, ["text"])), units))
     assert [item for part in got for item in part] == [(i, {"text": f"doc {i}"})
                                                        for i in range(400)]
+    # the footer shared: a few threads may parse it at once, not each of the 200 units
+    assert fs.counts["bytes"] <= 8 * size, (fs.counts["bytes"], size)
 
 
 def test_parquet_errors_are_the_same_from_a_kept_footer(tmp_path: Any) -> None:
