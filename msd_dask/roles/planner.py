@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
@@ -1098,7 +1098,7 @@ class PlannerActor:
                 pass
             self.waiting = (f"constructors to make room for step {self.planner.step} (each "
                             f"holds at most prefetch={self.cfg.prefetch} unclaimed steps)")
-            await self.roles.wait_room(k)
+            await self._room(self.roles.wait_room(k))
             while True:
                 await self.roles.heal()
                 await self.roles.apply_scaling()
@@ -1153,7 +1153,7 @@ class PlannerActor:
         self.waiting = (f"constructors to make room for step {last + 1} (handing over step "
                         f"{span}; each holds at most prefetch={self.cfg.prefetch} unclaimed "
                         "steps)")
-        await self.roles.submit([(step.step, step.work) for step in planned], room)
+        await self._room(self.roles.submit([(step.step, step.work) for step in planned], room))
         self._last_submitted = last
         # every rank has claimed the steps up to _claimed_by_all(): never sent again
         safe = self._claimed_by_all()
@@ -1161,6 +1161,26 @@ class PlannerActor:
             self._recent.popitem(last=False)
         self.roles.forget_retired(safe)
         self.waiting = None
+
+    async def _room(self, wait: Awaitable[None]) -> None:
+        """Await ``wait``, the constructors' room for the next round (the readers' pace:
+        for as long as training is paused), applying each scale change asked for
+        meanwhile (:meth:`RoleSupervisor.scale_asked`), here in the loop, as between two
+        rounds: a scale-down frees its workers while training is paused."""
+        task = asyncio.ensure_future(wait)
+        asked: asyncio.Future[None] | None = None
+        try:
+            while True:
+                asked = asyncio.ensure_future(self.roles.scale_asked())
+                await asyncio.wait({task, asked}, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
+                await self.roles.apply_scaling()
+        finally:
+            if asked is not None:
+                asked.cancel()
+            if not task.done():  # (the loop cancelled: its wait with it)
+                task.cancel()
 
     def _record(self, record: dict[str, Any]) -> None:
         """Count a planned step (its history record, see :meth:`_plan_next`)."""

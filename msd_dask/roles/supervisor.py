@@ -171,6 +171,8 @@ class RoleSupervisor:
         self._rr: dict[str, itertools.count[int]] = {}
         self._seq: dict[str, itertools.count[int]] = {}
         self._targets: dict[str, int] = {}
+        #: set by :meth:`scale`, cleared by :meth:`apply_scaling` (see :meth:`scale_asked`)
+        self._scale_asked = asyncio.Event()
         #: the count apply_scaling is reaching, per source (taken out of _targets)
         self._applying: dict[str, int] = {}
         #: loaders per source :meth:`setup` creates where not the config's count: a
@@ -881,18 +883,29 @@ class RoleSupervisor:
         return ScalingPolicy.from_config(self.cfg).bounds(source)
 
     async def scale(self, source: str, n: int) -> int:
-        """Ask for ``n`` loaders on ``source``; applied before the next step is planned."""
+        """Ask for ``n`` loaders on ``source``; applied before the next step is planned, or
+        at once where the planning loop waits for the constructors' room (training paused:
+        see :meth:`scale_asked`)."""
         if source not in self._slots:
             raise KeyError(f"no source {source!r}")
         lo, hi = self.bounds(source)
         target = self._targets[source] = max(lo, min(hi, n))
+        self._scale_asked.set()
         if not self.planner.is_planning():  # not planning: apply now (which clears it)
             await self.apply_scaling()
         return target
 
+    async def scale_asked(self) -> None:
+        """Return once :meth:`scale` asked for a change not applied yet: the planning loop
+        applies it while it waits for the constructors' room (training paused, a
+        scale-down frees its workers then, not once training goes on), in its own
+        coroutine, as between two rounds."""
+        await self._scale_asked.wait()
+
     async def apply_scaling(self) -> None:
         """Add or retire loader slots to reach the counts :meth:`scale` asked for."""
         async with self._lock:
+            self._scale_asked.clear()
             changed = False
             while self._targets:
                 # taken out before it is applied: a scale() of the source while this one

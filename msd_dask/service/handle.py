@@ -544,7 +544,9 @@ class DataService:
     def scale_loaders(self, source: str, n: int) -> int:
         """Serve ``source`` with ``n`` loaders (within its bounds); returns the count.
 
-        Applied before the next step is planned.  Which loader reads a unit never
+        Applied before the next step is planned, or at once while the planner waits for
+        the constructors' room (training paused: a scale-down frees its loaders then).
+        Which loader reads a unit never
         changes the documents of a step: the stream does not depend on it.  A planner
         re-created after a loss starts with as many loaders: in the process that started
         the service, its kept checkpoint has the count once this returns, unless the

@@ -236,3 +236,41 @@ def test_new_roles_skip_a_paused_worker(corpus):
     assert sorted(placed) == [0, 1, 2, 3], placed
     assert placed[2] == placed[3] == planner_at, placed  # the only running worker
     check_content(recs, texts, 512)
+
+
+def test_a_scale_change_while_training_pauses_is_applied_at_once(corpus):
+    """Training paused (no rank takes a step: the planner waits for the constructors' room):
+    a scale change waited for the next round, so a scale-down freed no loader until
+    training went on (an elastic review).  It is applied while the planner waits now; the
+    steps read after are those of a run never scaled."""
+    from checks import wait_until
+
+    root, texts = corpus
+    with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
+        fixed = read_steps(svc, 30)
+    with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
+        readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
+        before = read_steps(svc, 10, readers=readers)
+
+        def loaders() -> dict[str, int]:
+            return svc.stats()["planner"]["loaders"]
+
+        def paused() -> bool:
+            return "make room" in (svc.stats()["planner"].get("waiting") or "")
+
+        assert wait_until(paused, timeout=30), svc.stats()["planner"].get("waiting")
+        start = loaders()["code"]
+        assert start < 3
+        assert svc.scale_loaders("code", 3) == 3
+        assert wait_until(lambda: loaders()["code"] == 3, timeout=20), loaders()
+        assert svc.scale_loaders("code", 1) == 1
+        assert wait_until(lambda: loaders()["code"] == 1, timeout=20), loaders()
+        assert paused()  # (applied while training stays paused)
+        after = read_steps(svc, 20, readers=readers)
+        events = svc.stats()["planner"]["role_events"]
+    assert sum(e["why"] == "added" for e in events) == 3 - start
+    assert sum(e["why"] == "retired" for e in events) == 2
+    scaled = before + after
+    assert _docs(scaled) == _docs(fixed)
+    check_content(scaled, texts, 512)
+    check_exactly_once(scaled, texts, 512, min_complete=0)  # (no piece twice, none unknown)

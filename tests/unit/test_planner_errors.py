@@ -55,6 +55,9 @@ def _told(corpus: Any, monkeypatch: Any, split: Any) -> list[str]:
         async def apply_scaling(self) -> None:
             pass
 
+        async def scale_asked(self) -> None:
+            await asyncio.Event().wait()  # (no scale change is asked for)
+
         def next_slot(self, source: str, owner: Any = None) -> int:
             return 0
 
