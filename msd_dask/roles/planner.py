@@ -1181,6 +1181,8 @@ class PlannerActor:
                 asked.cancel()
             if not task.done():  # (the loop cancelled: its wait with it)
                 task.cancel()
+            elif not task.cancelled():  # (a scale change failed after the wait did: that
+                task.exception()        # one is raised, the wait's marked as seen)
 
     def _record(self, record: dict[str, Any]) -> None:
         """Count a planned step (its history record, see :meth:`_plan_next`)."""
