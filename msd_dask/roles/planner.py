@@ -364,7 +364,7 @@ def split_plan(plan: StepPlan, n: int, owner: Mapping[tuple[str, int, int], int]
         p0, p1 = piece_bound[i], piece_bound[i + 1]
         mine = pair[p0:p1]
         seen[mine] = True
-        used = np.flatnonzero(seen)
+        used = seen.nonzero()[0]  # (once per constructor: flatnonzero's wrapper costs 4x more)
         seen[used] = False
         number[used] = np.arange(len(used))
         table[p0:p1, 8] = number[mine]
