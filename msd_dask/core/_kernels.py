@@ -28,8 +28,7 @@ import numpy as np
 
 __all__ = ["COMPILE_AT", "best_fit_rows", "chunk_rows", "compile_for", "compile_kernels", "compiled",
            "fill_rounds", "gather_rows", "greedy_fill", "in_piece_order", "mix_draw", "permute_rows",
-           "row_order",
-           "row_sums", "sorted_sums", "stable_argsort"]
+           "row_order", "row_sums", "sorted_sums", "stable_argsort"]
 
 #: a kernel call with this many items (pieces) compiles the kernels
 COMPILE_AT = 1024
@@ -994,27 +993,20 @@ def stable_argsort(a: np.ndarray, descending: bool = False, like: np.ndarray | N
 
 
 def chunk_rows(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray,
-               seq_len: int, table: np.ndarray) -> bool:
-    """Fill ``table`` with the chunks of documents ``unit, row, length`` (see
-    :func:`_chunk_rows`) where the kernels run compiled in this process already; whether it
-    did.  Interpreted, numpy's passes over the documents (the caller's) take its place: a
+               seq_len: int, table: np.ndarray) -> None:
+    """Fill ``table`` with the chunks of documents ``unit, row, length``: see
+    :func:`_chunk_rows`.  Called where the kernels run compiled (:func:`compiled`) only:
+    interpreted, numpy's passes over the documents (the caller's) take its place, as a
     Python loop a chunk at a time costs microseconds a chunk, and a window of a small
     service, which never compiles the kernels, holds thousands."""
-    if not _compiled:
-        return False
     _chunk_rows(epoch, unit, row, length, seq_len, table)
-    return True
 
 
 def gather_rows(out: np.ndarray, h: int, at: np.ndarray, keys: np.ndarray, win: np.ndarray,
-                source: int) -> bool:
-    """Copy one window's pieces into a step's table (see :func:`_gather_rows`) where the
-    kernels run compiled in this process already; whether it did.  Interpreted, numpy's
-    gather and scatter (the caller's) take its place (see :func:`chunk_rows`)."""
-    if not _compiled:
-        return False
+                source: int) -> None:
+    """Copy one window's pieces into a step's table: see :func:`_gather_rows`.  Called
+    where the kernels run compiled only, as :func:`chunk_rows`."""
     _gather_rows(out, h, at, keys, win, source)
-    return True
 
 
 def permute_rows(table: np.ndarray, perm: np.ndarray) -> None:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from msd_dask.core._kernels import chunk_rows
+from msd_dask.core._kernels import chunk_rows, compiled
 from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
 
@@ -141,7 +141,8 @@ def _chunked(epoch: int, unit: np.ndarray, row: np.ndarray, length: np.ndarray, 
     table = np.empty((len(length) if k is None else int(k.sum()), 7), dtype=dtype)
     # one pass over the documents where the planner compiled its kernels (a large step's),
     # else numpy's passes, a column at a time
-    if chunk_rows(epoch, unit, row, length, seq_len, table):
+    if compiled():
+        chunk_rows(epoch, unit, row, length, seq_len, table)
         return table
     if k is None:  # a piece per document: chunk 0, from token 0, the whole document
         table[:, 0] = epoch
