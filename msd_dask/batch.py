@@ -146,13 +146,12 @@ def loaded_step(state: Any, rank: int) -> int | None:
     return None if step is None else int(step)
 
 
-def no_going_back(step: int | None, at: int, rank: int, service: str, who: str,
-                  first: str) -> None:
-    """Refuse a saved state of ``step`` (``None``: of no step) loaded into ``who`` (a reader,
-    or what wraps one) of rank ``rank``, which has returned batches and is at step ``at``,
+def no_going_back(step: int | None, at: int, rank: int, service: str) -> None:
+    """Refuse a saved state of ``step`` (``None``: of no step) loaded into a reader of rank
+    ``rank`` (direct or a host agent's) which has returned batches and is at step ``at``,
     where ``step`` lies before ``at``: service ``service`` serves each step to each rank
     once, so it cannot go back; a state of ``at`` or later is taken (the steps up to it
-    are skipped).  ``first``: when any state is taken (its first ``next()``...).
+    are skipped).  Before its first ``next()`` a reader takes any state.
 
     Raises
     ------
@@ -172,9 +171,9 @@ def no_going_back(step: int | None, at: int, rank: int, service: str, who: str,
                        f"its checkpoint of step {step}: the service from "
                        f"DataService.state_dict({step}), each rank from its own state")
     raise ServiceError(
-        f"rank {rank}: {who} at step {at} cannot load {what}: it returned batches already and "
-        f"does not go back, since service {service!r} serves each step once; load a state "
-        f"before {first} (or one of step {at} or later, to skip ahead), or, {again} "
+        f"rank {rank}: a reader at step {at} cannot load {what}: it returned batches already "
+        f"and does not go back, since service {service!r} serves each step once; load a state "
+        f"before its first next() (or one of step {at} or later, to skip ahead), or, {again} "
         "(docs/resume.md)")
 
 

@@ -422,8 +422,7 @@ class Reader:
         """
         step = loaded_step(state, self.rank)
         if self.step is not None:
-            no_going_back(step, self._progress.last(), self.rank, self.link.name, "a reader",
-                          "its first next()")
+            no_going_back(step, self._progress.last(), self.rank, self.link.name)
         self._skip_through = -1 if step is None else step
         self._keep_ledger()
 

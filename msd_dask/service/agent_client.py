@@ -280,8 +280,7 @@ class AgentReader:
         :class:`~msd_dask.errors.ServiceError` naming both steps."""
         step = loaded_step(state, self.rank)
         if self.step is not None:
-            no_going_back(step, self.state_dict()["step"], self.rank, self.name, "a reader",
-                          "its first next()")
+            no_going_back(step, self.state_dict()["step"], self.rank, self.name)
         self._loaded = step
         self._keep_ledger()
 

@@ -56,8 +56,7 @@ class _Service:
                 from msd_dask.batch import no_going_back
 
                 if self.step is not None:  # (the readers' rule, as a real one's)
-                    no_going_back(state.get("step"), self.state_dict()["step"], rank, "demo",
-                                  "a reader", "its first next()")
+                    no_going_back(state.get("step"), self.state_dict()["step"], rank, "demo")
                 if state.get("step") is not None:
                     self.skip = int(state["step"])
 
