@@ -44,15 +44,12 @@ def compression_of(path: str) -> str | None:
         ``.bz2``, ``"xz"`` for ``.xz``, ``None`` otherwise.
     """
     lower = path.lower()
-    if lower.endswith(".gz"):
-        return "gzip"
-    if lower.endswith((".zst", ".zstd")):
-        return "zstd"
-    if lower.endswith(".bz2"):
-        return "bzip2"
-    if lower.endswith(".xz"):
-        return "xz"
-    return None
+    return next((kind for suffix, kind in _COMPRESSIONS.items() if lower.endswith(suffix)),
+                None)
+
+
+#: each compressed file's suffix, and its compression (:func:`compression_of`)
+_COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bzip2", ".xz": "xz"}
 
 
 class _LineReader(Protocol):
@@ -225,13 +222,11 @@ class _Streams(io.RawIOBase):
                 return out
 
 
-_PACKED = (".gz", ".zst", ".zstd", ".bz2", ".xz")
-
 #: the names of JSON-lines files, plain or compressed (:func:`compression_of`); ``.json``
 #: only compressed, as some corpora name theirs (C4's ``.json.gz``): a plain ``.json`` in a
 #: folder is more often its metadata (``dataset_info.json``)
-_SUFFIXES = (*(name + packed for name in (".jsonl", ".ndjson") for packed in ("", *_PACKED)),
-             *(".json" + packed for packed in _PACKED))
+_SUFFIXES = (*(name + packed for name in (".jsonl", ".ndjson") for packed in ("", *_COMPRESSIONS)),
+             *(".json" + packed for packed in _COMPRESSIONS))
 
 
 class JsonlFormat:
