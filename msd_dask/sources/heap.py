@@ -45,6 +45,8 @@ _M_MMAP_THRESHOLD = -3
 #: given back to the operating system when freed: above a 4K step's arrays at dp 16,384
 #: (a few MiB, made and freed each step, which mapping anew slows down)
 MMAP_THRESHOLD = 16 * 2**20
+#: the most glibc takes as that size (``DEFAULT_MMAP_THRESHOLD_MAX`` on 64-bit)
+_MMAP_MAX = 32 * 2**20
 #: the cap this process set, ``None`` until :func:`cap_arenas` set one
 _cap: int | None = None
 #: the threshold this process set, ``None`` until :func:`map_large_blocks` set one
@@ -103,7 +105,7 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> int | None:
         ``mallopt`` refused it.
     """
     global _threshold
-    if not 0 < threshold <= 32 * 2**20:
+    if not 0 < threshold <= _MMAP_MAX:
         raise ValueError(f"threshold must be in (0, 32 MiB], got {threshold}")
     with _lock:
         if _threshold is not None:
@@ -145,8 +147,8 @@ def _threshold_in_force() -> int:
         given = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", ""), 0)
     except ValueError:  # (unset, or not a number glibc would take either)
         return MMAP_THRESHOLD
-    # glibc ignores a threshold above 32 MiB (and keeps raising its own)
-    return given if 0 <= given <= 32 * 2**20 else MMAP_THRESHOLD
+    # glibc ignores a threshold above its most (and keeps raising its own)
+    return given if 0 <= given <= _MMAP_MAX else MMAP_THRESHOLD
 
 
 def _mallopt(env: str, param: int, value: int) -> bool:
