@@ -13,8 +13,10 @@ planner therefore creates the roles itself and keeps them alive:
   scheduler's live workers; a lost loader is re-created in its slot and
   re-reads the slot's live units; a lost constructor is re-created and the
   recent steps are sent to it again (it skips the steps a reader says it has).
-* **scaling** — :meth:`RoleSupervisor.scale` adds slots or retires them; a retired
-  slot's units move to a remaining slot, which re-reads them on demand.
+* **scaling** — :meth:`RoleSupervisor.scale` adds slots (each on the worker holding
+  the fewest roles) or retires them (the slot on such a worker first, so that a
+  worker left with none can go); a retired slot's units move to a remaining slot,
+  which re-reads them on demand.
 * **the planner itself** cannot heal itself: the process that started the
   service re-creates it (:class:`~msd_dask.service.DataService`), after
   closing the roles it leaves behind (:func:`close_service_roles`).
@@ -38,7 +40,7 @@ import logging
 import pickle
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -64,7 +66,8 @@ if TYPE_CHECKING:
     from msd_dask.core.config import Config
     from msd_dask.core.units import Unit
 
-__all__ = ["PlannerSide", "RoleSupervisor", "close_service_roles", "pick_workers"]
+__all__ = ["PlannerSide", "RoleSupervisor", "close_service_roles", "pick_retiring",
+           "pick_workers"]
 
 _log = logging.getLogger(__name__)
 
@@ -265,9 +268,13 @@ class RoleSupervisor:
         worker holding the fewest roles (the planner's own counts as one): one look at the
         scheduler's workers (:func:`pick_workers`)."""
         workers = [w for w in await self._workers(placeable=True) if w not in self._evacuating]
+        return pick_workers(workers, self._role_load(), n)
+
+    def _role_load(self) -> Counter[str]:
+        """This service's roles per worker (the planner's own counts as one)."""
         load = Counter(a for a in map(actor_address, self._all_role_handles()) if a is not None)
         load[self.own_address()] += 1
-        return pick_workers(workers, load, n)
+        return load
 
     def _all_role_handles(self) -> list[Any]:
         return [h for h, _ in self._all_loaders()] + list(self.constructors)
@@ -932,7 +939,9 @@ class RoleSupervisor:
             await self.planner.spread_units(source)
         shrank = len(act) > n
         while len(act) > n:
-            slot = act.pop()
+            slot = pick_retiring(act, {s: actor_address(self._slots[source][s][0])
+                                       for s in act}, self._role_load())
+            act.remove(slot)
             await self._retire_slot(source, slot, act[0])
         return grew or shrank
 
@@ -1066,6 +1075,30 @@ def pick_workers(workers: Iterable[str], load: Mapping[str, int], n: int) -> lis
         out.append(w)
         heapq.heapreplace(heap, (count + 1, w))
     return out
+
+
+def pick_retiring(slots: Sequence[int], where: Mapping[int, str | None],
+                  load: Mapping[str, int]) -> int:
+    """The loader slot of ``slots`` (active, oldest first) a scale-down retires: the one on
+    the worker holding the fewest roles, ties to the newest slot.
+
+    A worker left with no role is one ``Adaptive`` may retire (it never retires a role
+    holder), so a scale-down empties the least used worker first, where retiring the newest
+    slot alone left every worker one role each after loaders had been spread over them.
+
+    Parameters
+    ----------
+    slots : sequence of int
+        The source's active slots, oldest first.
+    where : mapping
+        Slot -> address of the worker holding its loader (``None``: unknown, counted as a
+        worker of no other role).
+    load : mapping
+        Address -> roles of the service on that worker (missing: none).
+    """
+    if not slots:
+        raise ValueError("no active loader slot to retire")
+    return min(reversed(slots), key=lambda s: load.get(where.get(s) or "", 0))
 
 
 def _observe(task: asyncio.Future[Any]) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from msd_dask.roles.supervisor import pick_workers
+from msd_dask.roles.supervisor import pick_retiring, pick_workers
 
 
 def one_at_a_time(workers: list[str], before: list[str], own: str, n: int) -> list[str]:
@@ -74,6 +74,78 @@ def test_no_worker() -> None:
     with pytest.raises(RuntimeError, match="no worker left"):
         pick_workers([], Counter(), 1)
     assert pick_workers([], Counter(), 0) == []
+
+
+class _Cluster:
+    """Loader slots placed by :func:`pick_workers` and retired by a rule, as the supervisor
+    does: which workers still hold a role after a scale-down (``Adaptive`` may retire the
+    others)."""
+
+    def __init__(self, workers: list[str], own: str, fixed: list[str]):
+        self.workers, self.own, self.fixed = workers, own, fixed  # fixed: constructors
+        self.slots: dict[str, dict[int, str]] = {}  # source -> slot -> worker
+
+    def load(self) -> Counter[str]:
+        load = Counter(self.fixed + [w for v in self.slots.values() for w in v.values()])
+        load[self.own] += 1
+        return load
+
+    def add(self, source: str) -> None:
+        (w,) = pick_workers(self.workers, self.load(), 1)
+        slots = self.slots.setdefault(source, {})
+        slots[max(slots, default=-1) + 1] = w
+
+    def retire(self, source: str, rule: Any) -> None:
+        slots = self.slots[source]
+        del slots[rule(list(slots), dict(slots), self.load())]
+
+    def holders(self) -> set[str]:
+        return set(self.load())
+
+
+def _newest(slots: list[int], where: Any, load: Any) -> int:
+    return slots[-1]  # the rule before pick_retiring
+
+
+def test_a_scale_down_frees_the_least_used_worker() -> None:
+    """Loaders added and retired over time left code's newest loader beside prose's on c
+    and an older one alone on b: retiring the newest slot (the old rule) kept all three
+    workers; the fewest roles frees b."""
+    a, b, c = "tcp://a:1", "tcp://b:1", "tcp://c:1"
+    held = {}
+    for rule in (_newest, pick_retiring):
+        cl = _Cluster([a, b, c], own=a, fixed=[a])  # the planner and a constructor on a
+        cl.slots = {"code": {0: a, 1: b, 2: c}, "prose": {0: a, 1: c}}
+        cl.retire("code", rule)
+        held[rule] = cl.holders()
+    assert held[_newest] == {a, b, c}
+    assert held[pick_retiring] == {a, c}
+
+
+@pytest.mark.parametrize("sources", [["code"] * 4, ["code", "prose", "code", "prose"]])
+def test_retiring_what_was_added_frees_the_added_workers(sources: list[str]) -> None:
+    """Loaders added onto new workers and retired again (any order of sources): only the
+    start's worker holds roles after, as with the old rule."""
+    a, b, c = "tcp://a:1", "tcp://b:1", "tcp://c:1"
+    cl = _Cluster([a, b, c], own=a, fixed=[a])
+    cl.slots = {"code": {0: a}, "prose": {0: a}}
+    for source in sources:
+        cl.add(source)
+    assert cl.holders() == {a, b, c}
+    for source in reversed(sources):
+        cl.retire(source, pick_retiring)
+    assert cl.holders() == {a}
+    assert cl.slots == {"code": {0: a}, "prose": {0: a}}
+
+
+def test_pick_retiring_ties_and_unknown_workers() -> None:
+    a, b = "tcp://a:1", "tcp://b:1"
+    load = Counter({a: 3, b: 1})
+    assert pick_retiring([0, 1, 2], {0: a, 1: b, 2: a}, load) == 1
+    assert pick_retiring([0, 1, 2], {0: b, 1: a, 2: b}, load) == 2  # ties: the newest
+    assert pick_retiring([4, 7], {4: a, 7: None}, load) == 7  # a worker not known: no roles
+    with pytest.raises(ValueError, match="no active loader slot"):
+        pick_retiring([], {}, load)
 
 
 # ------------------------------------------------ setup against a stand-in client
