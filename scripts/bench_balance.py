@@ -561,7 +561,16 @@ def _tables_replaced(section: str, text: str, path: str) -> str:
     run = next(filter(None, map(command.match, made)), None)
     if run is not None:
         have = [command.sub(lambda _: run.group(0), line, count=1) for line in have]
+    # a figure printed under a table (``interpreted / compiled: 1.49``): its number, the
+    # prose after it kept
+    for m in filter(None, map(_FIGURE.match, made)):
+        label = re.compile(rf"^{re.escape(m.group(1))}: {_NUMBER}")
+        have = [label.sub(lambda _, m=m: m.group(0), line, count=1) for line in have]
     return "\n".join(have)
+
+
+_NUMBER = r"\d[\d,]*(?:\.\d+)?"
+_FIGURE = re.compile(rf"^([a-z][a-z /]*): {_NUMBER}$")
 
 
 def main(argv: list[str] | None = None) -> int:

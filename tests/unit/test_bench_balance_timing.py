@@ -41,3 +41,18 @@ def test_the_plans_seconds_leave_out_the_lookups() -> None:
     assert look.calls >= 2 and n > 0 and len(work) == 2
     assert wall >= 0.2 * look.calls
     assert 0 <= plan_s < 0.1 * look.calls, (plan_s, look.calls)
+
+
+def test_write_replaces_a_tables_figure_line_and_keeps_the_prose_after_it(tmp_path) -> None:
+    """``--write``: the figure under a table (``interpreted / compiled: x``) is this run's,
+    the text people wrote after it stays, and so does every other section."""
+    path = tmp_path / "b.md"
+    path.write_text("# B\n\n## Balance\n\nCommand: `old`\n\n**the small step (500 steps)**\n\n"
+                    "| a |\n|---|\n| 1 |\n\ninterpreted / compiled: 1.49.  Against the "
+                    "version before, 0.9.\n\n## Next\n\ninterpreted / compiled: 7.0\n")
+    bench_balance.write_section(str(path), "Command: `new`\n\n**the small step (20 steps)**"
+                                "\n\n| a |\n|---|\n| 2 |\n\ninterpreted / compiled: 1.62")
+    assert path.read_text() == (
+        "# B\n\n## Balance\n\nCommand: `new`\n\n**the small step (500 steps)**\n\n"
+        "| a |\n|---|\n| 2 |\n\ninterpreted / compiled: 1.62.  Against the "
+        "version before, 0.9.\n\n## Next\n\ninterpreted / compiled: 7.0\n")
