@@ -726,7 +726,8 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
     Raises
     ------
     ConfigError
-        Naming the offending key and the reason.
+        Naming the offending key and the reason; where the config file is missing,
+        unreadable or empty, naming the file (its ``key`` is ``"<root>"``).
     """
     if isinstance(cfg, Config):
         return cfg
@@ -738,11 +739,12 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
                 with open(cfg, encoding="utf-8") as f:
                     text = f.read()
             except OSError as e:  # a Path that is missing, a folder, unreadable
-                raise ConfigError("<root>", f"cannot read config file {text!r}: "
-                                  f"{e.strerror or e}") from None
+                raise _ConfigFileError("<root>", f"cannot read config file {text!r}: "
+                                       f"{e.strerror or e}") from None
             except UnicodeDecodeError as e:  # (a data file given for the config, say)
-                raise ConfigError("<root>", f"config file {text!r} is not UTF-8 text (byte "
-                                  f"{e.start}: {e.reason}); a config is a YAML file") from None
+                raise _ConfigFileError("<root>", f"config file {text!r} is not UTF-8 text "
+                                       f"(byte {e.start}: {e.reason}); a config is a YAML "
+                                       "file") from None
         path = str(cfg) if from_file else None
         try:
             data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader
@@ -750,14 +752,24 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
             said = str(e) if path is None else str(e).replace('"<unicode string>"', repr(path))
             raise ConfigError("<root>", f"not valid YAML: {said}") from e
         if path is not None and data is None:
-            raise ConfigError("<root>", f"config file {path!r} is empty")
+            raise _ConfigFileError("<root>", f"config file {path!r} is empty")
         if not from_file and "\n" not in text and not isinstance(data, dict):
             # one line that is no file and no mapping: a path with a typo, most likely
-            raise ConfigError("<root>", f"no config file {text!r} (a config is the path of a "
-                              "YAML file, or YAML text)")
+            raise _ConfigFileError("<root>", f"no config file {text!r} (a config is the path "
+                                   "of a YAML file, or YAML text)")
     else:
         data = cfg
     return _parse(data)
+
+
+class _ConfigFileError(ConfigError):
+    """A :class:`~msd_dask.errors.ConfigError` about the config file itself (missing,
+    unreadable, empty): its message is the reason alone, naming the file, not ``key``
+    (``"<root>"``: no key of the config to name)."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(key, reason)
+        self.args = (reason,)
 
 
 class _YamlLoader(yaml.SafeLoader):

@@ -121,7 +121,7 @@ def anchored(uri: str) -> str:
 def _source_files(i: int, src: SourceConfig) -> SourceFiles:
     """The :class:`~msd_dask.sources.storage.SourceFiles` of ``cfg.sources[i]``, ``src``; a
     :class:`ConfigError` naming ``sources[i].uri`` if it cannot be listed or matches no file."""
-    from msd_dask.sources.storage import IGNORED_PREFIXES, open_source
+    from msd_dask.sources.storage import IGNORED_PREFIXES, is_glob, open_source
 
     key = f"sources[{i}].uri"
     try:
@@ -131,7 +131,8 @@ def _source_files(i: int, src: SourceConfig) -> SourceFiles:
     if not files.paths:
         where = anchored(src.uri)  # (a local relative path: say where it was looked for)
         looked = f" (as {where!r}, from this process's directory)" if where != src.uri else ""
-        raise ConfigError(key, f"glob {src.uri!r} matches no file{looked} (names starting "
+        what = "glob" if is_glob(src.uri) else "path"  # (a file or a folder named alone)
+        raise ConfigError(key, f"{what} {src.uri!r} matches no file{looked} (names starting "
                                f"with {' or '.join(map(repr, IGNORED_PREFIXES))} are left out)")
     return files
 
@@ -160,8 +161,9 @@ def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
     ConfigError
         A source's ``uri`` cannot be listed or matches no file (as :func:`check_storage`),
         is a folder without a file its format reads
-        (:func:`~msd_dask.sources.storage.format_paths`), or its ``format`` cannot be
-        imported.
+        (:func:`~msd_dask.sources.storage.format_paths`), its files are all another
+        built-in format's (:func:`~msd_dask.sources.storage.check_format_suffixes`), or its
+        ``format`` cannot be imported.
     DataError
         Naming the source, the file and the row, and the fields the record has.
     """

@@ -73,7 +73,9 @@ def discover_units(cfg: Config, threads: int = 8,
     ------
     ConfigError
         A source's ``uri`` is a folder without a file its format reads
-        (:func:`~msd_dask.sources.storage.format_paths`), or its format cannot be had.
+        (:func:`~msd_dask.sources.storage.format_paths`), its files are all another
+        built-in format's (:func:`~msd_dask.sources.storage.check_format_suffixes`), or its
+        format cannot be had.
     DataError
         A file cannot be listed (its source does not skip bad input), or a source has
         no readable unit.
@@ -179,7 +181,7 @@ def discover_remote(client: Any, cfg: Config, timeout: float
     ------
     ConfigError
         A source's ``uri`` matches no file or cannot be listed, or is a folder without a
-        file its format reads.
+        file its format reads; or its files are all another built-in format's.
     DataError
         A file cannot be listed (its source does not skip bad input).
     ServiceTimeoutError

@@ -13,8 +13,8 @@ from msd_dask.errors import SHOWN, ConfigError, first_of
 if TYPE_CHECKING:
     from msd_dask.core.config import SourceConfig
 
-__all__ = ["IGNORED_PREFIXES", "SourceFiles", "expand_braces", "format_paths",
-           "list_files", "open_source", "source_filesystem"]
+__all__ = ["IGNORED_PREFIXES", "SourceFiles", "check_format_suffixes", "expand_braces",
+           "format_paths", "is_glob", "list_files", "open_source", "source_filesystem"]
 
 _GLOB_CHARS = "*?["
 
@@ -90,6 +90,12 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
         root = path.rsplit("/", 1)[0] if "/" in path else ""
         paths = [path] if fs.exists(path) else []
     return SourceFiles(fs, root, paths)
+
+
+def is_glob(uri: str) -> bool:
+    """Whether ``uri`` is a glob (holds ``*``, ``?`` or ``[``, or alternatives in braces),
+    not the path of one file or folder."""
+    return any(c in uri for c in _GLOB_CHARS) or _first_alternatives(uri) is not None
 
 
 def _ignored(path: str, root: str) -> bool:
@@ -202,11 +208,11 @@ def format_paths(files: SourceFiles, fmt: Any, src: SourceConfig, index: int
     ------
     ConfigError
         The folder holds files, none of which the format reads: naming
-        ``sources[index].uri``, the source, the format and a few of the files.
+        ``sources[index].uri``, the source, the format and a few of the files; or every
+        file is another built-in format's (:func:`check_format_suffixes`).
     """
-    suffixes = getattr(fmt, "suffixes", None) or ()
-    if isinstance(suffixes, str):
-        suffixes = (suffixes,)
+    check_format_suffixes(files, fmt, src, index)
+    suffixes = _suffixes(fmt)
     if not files.folder or not suffixes:
         return list(files.paths), []
     ends = tuple(x.lower() for x in suffixes)
@@ -224,3 +230,64 @@ def format_paths(files: SourceFiles, fmt: Any, src: SourceConfig, index: int
             f"{len(others)} other(s): {first_of(others, SHOWN)}; to read those as {src.format!r}, "
             f"name them with a glob (e.g. {glob!r})")
     return paths, others
+
+
+def check_format_suffixes(files: SourceFiles, fmt: Any, src: SourceConfig, index: int) -> None:
+    """Refuse a source whose files are all another built-in format's.
+
+    Where none of the source's files ends in one of its format's ``suffixes`` and every
+    one ends in a suffix of a built-in format
+    (:data:`~msd_dask.core.config.KNOWN_FORMATS`), the source's ``format`` is wrong
+    (``format: jsonl`` over ``*.parquet``), and reading would fail on the first file with
+    an error of its bytes (``invalid UTF-8``) that says nothing of the format.  A format
+    without ``suffixes`` (one of your own may have none), a file that ends in one of the
+    format's, and a file no built-in format claims (``data.bin``) are let through as before.
+
+    Parameters
+    ----------
+    files : SourceFiles
+        The source's files, as :func:`open_source` lists them.
+    fmt : Format
+        The source's format.
+    src : SourceConfig
+        The source.
+    index : int
+        The source's place in the config (for the error's key).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``sources[index].format``, the source, its format, the first file's suffix
+        and name, and the built-in format that reads such files.
+    """
+    from msd_dask.core.config import KNOWN_FORMATS
+    from msd_dask.formats import FORMATS
+
+    own = tuple(x.lower() for x in _suffixes(fmt))
+    if not own or not files.paths:
+        return
+    others = [(name, tuple(x.lower() for x in _suffixes(FORMATS[name])))
+              for name in KNOWN_FORMATS if name in FORMATS]
+    first: tuple[str, str, str] | None = None  # (the first file, its suffix, its format)
+    for p in files.paths:
+        base = p.rsplit("/", 1)[-1]
+        lower = base.lower()
+        if lower.endswith(own):
+            return
+        claim = next(((name, x) for name, ends in others for x in ends if lower.endswith(x)),
+                     None)
+        if claim is None:  # (a file no built-in format names: perhaps the format's data)
+            return
+        if first is None:
+            first = (files.relpath(p), base[len(base) - len(claim[1]):], claim[0])
+    assert first is not None  # (files.paths is not empty)
+    example, suffix, reader = first
+    raise ConfigError(f"sources[{index}].format",
+                      f"source {src.name!r} has format {src.format!r}, but its files end in "
+                      f"{suffix} (e.g. {example!r}), which format {reader!r} reads")
+
+
+def _suffixes(fmt: Any) -> tuple[str, ...]:
+    """The ``suffixes`` of format ``fmt`` (one given as a string too); ``()`` where it has none."""
+    suffixes = getattr(fmt, "suffixes", None) or ()
+    return (suffixes,) if isinstance(suffixes, str) else tuple(suffixes)

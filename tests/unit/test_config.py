@@ -448,6 +448,29 @@ def test_a_mistyped_config_path_is_named(tmp_path: Path) -> None:
         load_config(str(binary))
 
 
+def test_a_config_file_error_names_the_file_not_a_key(tmp_path: Path) -> None:
+    """A missing config file was "config key '<root>': no config file ...", naming a key
+    the config does not have (a review); a ConfigError still, whole through a pickle."""
+    import pickle
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    for cfg, said in (("configs/tyop.yaml", "no config file 'configs/tyop.yaml' (a config is "
+                       "the path of a YAML file, or YAML text)"),
+                      (Path("configs/tyop.yaml"), "cannot read config file 'configs/tyop.yaml': "
+                       "No such file or directory"),
+                      (str(empty), f"config file '{empty}' is empty")):
+        with pytest.raises(ConfigError) as info:
+            load_config(cfg)
+        err = info.value
+        assert str(err) == said and err.reason == said and err.key == "<root>"
+        again = pickle.loads(pickle.dumps(err))
+        assert isinstance(again, ConfigError) and str(again) == said
+    # (a key of the config is still named)
+    with pytest.raises(ConfigError, match=r"^config key '<root>': not valid YAML"):
+        load_config("a: [1\nb: 2\n")
+
+
 def test_a_source_max_loaders_below_its_min_is_refused(data_dir: Path) -> None:
     """The rule ``min <= max`` holds per source, with scaling's bound where the source has
     none (the policy used to raise the max to the min silently)."""

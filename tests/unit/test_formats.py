@@ -1064,10 +1064,12 @@ def test_a_source_whose_every_file_is_quarantined_asks_about_its_format(tmp_path
     from msd_dask.core.config import parse_config
     from msd_dask.sources.discover import discover_units
 
+    # (named .txt: ``.jsonl`` files read as parquet are refused before, by their names,
+    # test_a_format_that_does_not_read_the_files_is_one_clear_error)
     for name in ("a", "b"):
-        (tmp_path / f"{name}.jsonl").write_text('{"text": "hello world"}\n')
+        (tmp_path / f"{name}.txt").write_text('{"text": "hello world"}\n')
     cfg = parse_config({"name": "q", "batch": {"seq_len": 64},
-                        "sources": [{"name": "s", "uri": str(tmp_path / "*.jsonl"),
+                        "sources": [{"name": "s", "uri": str(tmp_path / "*.txt"),
                                      "format": "parquet", "on_error": "skip"}]})
     with pytest.raises(DataError, match=r"all 2 were quarantined .*is its format 'parquet' right"):
         discover_units(cfg)
@@ -1183,6 +1185,54 @@ def test_a_format_without_suffixes_reads_every_file_of_a_folder(tmp_path: Any) -
     _folder(root, {"a.txt": b"x\n", "b.lines": b"y\n"})
     assert _folder_units(root.as_posix(), "msd_dask.examples.text_lines:TextLinesFormat") == [
         ((root / n).as_posix(), 0, 0) for n in ("a.txt", "b.lines")]
+
+
+def test_a_format_that_does_not_read_the_files_is_one_clear_error(tmp_path: Any) -> None:
+    """``format: jsonl`` over parquet files failed on the first file's bytes ("row 0:
+    invalid UTF-8: invalid start byte at byte 7", a review): where every file is another
+    built-in format's and none the source's, the listing refuses ``sources[i].format``,
+    whether the uri is a glob, a file or a folder."""
+    from msd_dask.errors import ConfigError
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    for stem in ("part-00000", "part-00001"):
+        write_parquet(LOCAL, (root / stem).as_posix(), RECORDS)
+    posix = root.as_posix()
+    for uri in (f"{posix}/*.parquet", f"{posix}/part-00000.parquet", posix):
+        with pytest.raises(ConfigError) as info:
+            _folder_units(uri, "jsonl")
+        assert info.value.key == "sources[0].format"
+        assert str(info.value) == (
+            "config key 'sources[0].format': source 's' has format 'jsonl', but its files end "
+            "in .parquet (e.g. 'part-00000.parquet'), which format 'parquet' reads"), uri
+    # the other way round, with the file's own spelling of the suffix
+    (root / "A.JSONL.GZ").write_bytes(gzip.compress(b'{"text": "x"}\n'))
+    with pytest.raises(ConfigError, match=r"source 's' has format 'parquet', but its files end "
+                                          r"in \.JSONL\.GZ \(e\.g\. 'A\.JSONL\.GZ'\), which format "
+                                          r"'jsonl' reads$"):
+        _folder_units(f"{posix}/*.JSONL.GZ", "parquet")
+
+
+def test_files_of_the_format_or_of_no_built_in_format_are_read_as_before(tmp_path: Any) -> None:
+    """Only a source whose every file is another built-in format's is refused: one file of
+    its own format, a file no built-in format names, or a format without ``suffixes``
+    (one of your own) and it is listed as before (a file it cannot read fails as before)."""
+    root = tmp_path / "ds"
+    root.mkdir()
+    write_parquet(LOCAL, (root / "b").as_posix(), RECORDS)
+    write_parquet(LOCAL, (root / "c").as_posix(), RECORDS)
+    (root / "a.jsonl").write_bytes(b'{"text": "x"}\n')
+    posix = root.as_posix()
+    # (a JSON-lines file is one unit, listed unread: its bytes fail where they are read)
+    assert _folder_units(f"{posix}/*", "jsonl") == [  # (mixed: one file is the format's)
+        (f"{posix}/{n}", 0, 0) for n in ("a.jsonl", "b.parquet", "c.parquet")]
+    (root / "b.bin").write_bytes((root / "b.parquet").read_bytes())
+    assert _folder_units(f"{posix}/*.{{bin,parquet}}", "jsonl") == [  # (.bin: no format's)
+        (f"{posix}/{n}", 0, 0) for n in ("b.bin", "b.parquet", "c.parquet")]
+    (root / "d.jsonl").write_bytes(b"one line\n")
+    assert _folder_units(f"{posix}/*.jsonl", "msd_dask.examples.text_lines:TextLinesFormat") == [
+        (f"{posix}/{n}", 0, 0) for n in ("a.jsonl", "d.jsonl")]
 
 
 def test_every_built_in_format_reads_its_writers_files_from_a_folder() -> None:
