@@ -27,6 +27,9 @@ EPILOG = """examples:
   msd-dask serve configs/demo.yaml --scheduler tcp://head:8786
                                               serve until interrupted; training jobs connect
   msd-dask set-weights demo code=0.5 prose=0.5 --scheduler tcp://head:8786
+  msd-dask stop demo --scheduler tcp://head:8786
+                                              free a service whose serving process was
+                                              killed (it closes with that process otherwise)
   msd-dask agent --scheduler tcp://head:8786 --name demo --ranks 0-7
                                               on each training host: one Dask client for
                                               its ranks (export MSD_DASK_AGENT=<socket>)
@@ -192,6 +195,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds the agent waits for a step of the service, and its ranks' default "
                    "wait (default: the service's timeout)")
     _tls_options(a)
+
+    so = sub.add_parser(
+        "stop", help="stop a service whose starting process is gone (killed, its node "
+        "lost): close its roles, free its workers and its name")
+    so.add_argument("name", help="service name")
+    so.add_argument("--scheduler", metavar="ADDR", required=True,
+                    help="address of the Dask scheduler")
+    _tls_options(so)
 
     st = sub.add_parser("stats", help="print the counters of a running service as JSON")
     st.add_argument("name", help="service name")
@@ -447,7 +458,18 @@ def _set_weights(args: argparse.Namespace) -> int:
     svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
     with svc:
         step = svc.set_weights(weights, args.from_step)
-    print(f"weights {weights} take effect at step {step}")
+        unnamed = [s.name for s in svc.config.sources if s.name not in weights]
+        mix = {s.name: weights.get(s.name, 0.0) for s in svc.config.sources}
+    print(f"weights {mix} take effect at step {step}"
+          + (f" ({', '.join(unnamed)} not named: weight 0, no longer drawn)" if unnamed else ""))
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from msd_dask.service import DataService
+
+    DataService.stop(args.scheduler, args.name, security=_security(args))
+    print(f"stopped service {args.name!r} on {args.scheduler}")
     return 0
 
 
@@ -498,6 +520,7 @@ _COMMANDS = {
     "demo-corpus": _demo_corpus,
     "set-weights": _set_weights,
     "stats": _stats,
+    "stop": _stop,
 }
 
 if __name__ == "__main__":  # pragma: no cover

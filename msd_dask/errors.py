@@ -103,6 +103,9 @@ def first_of(items: Sequence[object], most: int) -> str:
 #: what to do about a planner that cannot be re-created
 #: what readers of a service its owner closed are told (:class:`ServiceError`)
 CLOSED_BY_OWNER = "closed by its owner"
+#: what a refused new reader after a trial run (a smoke test's readers) does
+TRIAL_HINT = ("after a trial run against the service, start the service again (or another "
+              "'name') so that training reads from step 0")
 RESTART_HINT = ("restart the service from the last DataService.state_dict() (msd-dask serve "
                  "CONFIG --resume STATE_JSON, or DataService.start(cfg, resume=state)); ranks "
                  "reload their Reader.state_dict() so no step is read twice")

@@ -44,6 +44,7 @@ from msd_dask.core.packing import from_wire
 from msd_dask.errors import (
     CLOSED_BY_OWNER,
     RESTART_HINT,
+    TRIAL_HINT,
     ServiceError,
     ServiceTimeoutError,
     first_of,
@@ -596,10 +597,12 @@ class Reader:
             return ServiceError(
                 f"rank {self.rank}: a new reader with no state asked service "
                 f"{self.link.name!r} for its first step, but the service had handed this rank "
-                f"the steps up to {handed} already (to an earlier reader) and serves each step "
+                f"the steps up to {handed} already (to an earlier reader, a round of steps at "
+                "a time: possibly past the last one it returned) and serves each step "
                 "once: load the state of the last step this rank returned "
                 "(reader.load_state_dict(state), the state_dict() saved with its checkpoint), "
-                "or resume the whole job from DataService.state_dict(step) (docs/resume.md)")
+                "or resume the whole job from DataService.state_dict(step) (docs/resume.md); "
+                f"{TRIAL_HINT}")
         return ServiceError(
             f"rank {self.rank} asked service {self.link.name!r} for step {done + 1}, but the "
             f"service had handed this rank the steps up to {handed} already and serves each "

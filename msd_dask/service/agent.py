@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from msd_dask.core.config import Config
-from msd_dask.errors import ServiceError, ServiceTimeoutError
+from msd_dask.errors import TRIAL_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
 from msd_dask.service.agent_client import AGENT_SOCKET, BLOCK_PREFIX, HEADER, SHM_DIR, frame
 
@@ -960,10 +960,11 @@ class HostAgent:
             return head + (
                 f"a new reader with no state asked the agent at {self.path} for its first "
                 f"step, but this rank took the steps up to {had} from it already (an earlier "
-                "reader) and the service serves each step once: load the state of the last "
-                "step this rank returned (reader.load_state_dict(state), the state_dict() "
+                "reader; the agent reads ahead of its readers: possibly past the last step "
+                "one returned) and the service serves each step once: load the state of the "
+                "last step this rank returned (reader.load_state_dict(state), the state_dict() "
                 "saved with its checkpoint), or resume the whole job from "
-                "DataService.state_dict(step) (docs/resume.md)")
+                f"DataService.state_dict(step) (docs/resume.md); {TRIAL_HINT}")
         return head + (
             f"asked the agent at {self.path} for step {after + 1}, but this rank took the "
             f"steps up to {had} from it already and the service serves each step once: "

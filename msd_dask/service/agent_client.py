@@ -377,7 +377,7 @@ class AgentReader:
 #: has not: operations on the service, for its owner or a process connected directly
 DIRECT_ONLY = frozenset({"address", "client", "planner", "generation", "constructors", "refresh",
                          "set_weights", "scale_loaders", "retire_workers", "stats",
-                         "consumed_step", "dashboard_link", "start"})
+                         "consumed_step", "dashboard_link", "start", "stop"})
 
 
 class AgentHandle:

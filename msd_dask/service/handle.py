@@ -16,7 +16,9 @@ successor (docs/resume.md).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -88,6 +90,57 @@ def _install_plugin(client: Any) -> None:
 
 #: seconds :meth:`DataService.close` waits for the scheduler to unpublish the service
 CLOSE_WAIT = 10.0
+
+
+def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
+                   pinned: list[Any] | None, sources: list[str] | None = None) -> None:
+    """Close service ``name``'s roles, unpublish it and make Dask forget its keys: the
+    owner's close (:meth:`DataService.close`) and :meth:`DataService.stop`.
+
+    ``planner``: its planner's actor handle (None: not reachable), which closes the roles
+    it knows; ``pinned``: the role keys the owner's keeper published (None: none
+    published); ``sources``: where given, the roles of the service left on any worker are
+    closed by name as well (:func:`~msd_dask.roles.supervisor.close_service_roles`: a
+    planner lost with its worker closes nothing).
+    """
+    keys: list[Any] = [*(pinned or ()), planner_key]
+    if planner is not None:
+        try:
+            keys += planner.role_keys().result(timeout=10)
+        except Exception:  # noqa: BLE001 - best effort: the pinned keys still go
+            pass
+        try:
+            planner.close_roles(CLOSED_BY_OWNER).result(timeout=30)
+        except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
+            pass
+    if sources is not None:
+        from msd_dask.roles.supervisor import close_service_roles
+
+        try:
+            client.run(close_service_roles, name, sources, on_error="return",
+                       callback_timeout=60)
+        except Exception as e:  # noqa: BLE001 - the name still goes: said, not raised
+            _log.warning("msd_dask %s: could not look for its roles on every worker: %r",
+                         name, e)
+
+    def on_scheduler() -> None:
+        published_event(client, name).clear()
+        client.unpublish_dataset(REGISTRY_PREFIX + name)
+        if pinned is not None:
+            client.unpublish_dataset(ROLES_PREFIX + name)
+        forget_keys(client, name, keys)
+
+    # a scheduler that does not answer (frozen, its event loop blocked) keeps its TCP
+    # connection, so these calls would wait for ever: in a thread, waited for a while
+    failed: list[BaseException] = []
+    done = threading.Thread(target=_catching(on_scheduler, failed), daemon=True,
+                            name=f"msd-dask close {name}")
+    done.start()
+    done.join(CLOSE_WAIT)
+    if done.is_alive() or failed:
+        why = f"did not answer within {CLOSE_WAIT:g}s" if not failed else f"failed: {failed[0]!r}"
+        _log.warning("msd_dask %s: the scheduler %s while the service closed: its name may "
+                     "stay published until the scheduler restarts", name, why)
 
 
 def _catching(fn: Callable[[], None], failed: list[BaseException]) -> Callable[[], None]:
@@ -208,6 +261,8 @@ class DataService:
         self._readers: weakref.WeakSet[Reader] = weakref.WeakSet()
         #: rank -> the last step this handle's readers of it returned (or loaded)
         self._returned: dict[int, int] = {}
+        #: the owner's process, whose exit closes the service (:meth:`_close_at_exit`)
+        self._exit_pid: int | None = None
         self.refresh()
         _OPEN.add(self)
 
@@ -321,7 +376,9 @@ class DataService:
         key = REGISTRY_PREFIX + cfg.name
         if key in client.list_datasets():
             raise ServiceError(f"a service named {cfg.name!r} is already running on "
-                               f"{address}; pick another 'name' or close it first")
+                               f"{address}; pick another 'name' or close it first (from the "
+                               "process that started it; if that process is gone: msd-dask "
+                               f"stop {cfg.name} --scheduler {address})")
         try:
             try:
                 client.wait_for_workers(1, timeout=min(2.0, timeout))
@@ -370,6 +427,10 @@ class DataService:
             with _planner_within(cfg.name, "start planning", timeout):
                 svc.planner.start().result(timeout=timeout)
             svc.keeper.start()
+            # (after the client: atexit runs the last registered first, so the roles close
+            # while the client still runs)
+            svc._exit_pid = os.getpid()
+            atexit.register(svc._close_at_exit)
         except BaseException:
             if svc is not None:
                 svc.close()  # (the roles closed, the service unpublished)
@@ -444,6 +505,69 @@ class DataService:
         except BaseException:  # (a planner lost with its owner, say): no client left open
             client.close()
             raise
+
+    @classmethod
+    def stop(cls, address: str, name: str, *, timeout: float = 30.0,
+             security: Any = None) -> None:
+        """Stop service ``name`` whose starting process is gone: close its roles, free its
+        workers and its name.
+
+        A service lives as long as the process that started it (:meth:`start`, ``msd-dask
+        serve``), which closes it when it closes or exits.  One killed (``SIGKILL``, its
+        node lost) leaves the service published, its roles on their workers and its name
+        taken; this stops it (``msd-dask stop NAME --scheduler ADDRESS``).  Its readers
+        then raise :class:`~msd_dask.errors.ServiceError`.
+
+        Parameters
+        ----------
+        address : str
+            The Dask scheduler the service runs on.
+        name : str
+            The service's ``name``.
+        timeout : float
+            Seconds to wait for the scheduler and the planner.
+        security : distributed.security.Security, optional
+            TLS settings of the cluster.
+
+        Raises
+        ------
+        ServiceError
+            No service ``name`` on the scheduler, or the process that started it is still
+            connected (close it there: it would re-create what this closes).
+        """
+        from msd_dask.dask_internals import bind_actor, has_client
+
+        _check_tls(address, security)
+        client = _client(address, timeout, security)
+        try:
+            registry = client.get_dataset(REGISTRY_PREFIX + name, default=None,
+                                          callback_timeout=timeout)
+            if registry is None:
+                running = sorted(str(d)[len(REGISTRY_PREFIX):] for d in client.list_datasets()
+                                 if str(d).startswith(REGISTRY_PREFIX))
+                raise ServiceError(f"no service named {name!r} on {address} (running: "
+                                   f"{', '.join(map(repr, running)) or 'none'})")
+            owner = registry.get("owner")
+            if owner is not None and client.run_on_scheduler(has_client, owner,
+                                                             callback_timeout=timeout):
+                raise ServiceError(
+                    f"service {name!r}: the process that started it is still connected to "
+                    f"{address} (client {owner}); close it there (DataService.close(), or "
+                    "stop its msd-dask serve with Ctrl-C): its keeper would re-create what "
+                    "a stop from elsewhere closes")
+            cfg = parse_config(registry["config"])
+            pinned = client.get_dataset(ROLES_PREFIX + name, default=None,
+                                        callback_timeout=timeout)
+            try:
+                planner = bind_actor(registry["planner"].result(timeout=timeout), client)
+            except Exception:  # noqa: BLE001 - lost with its worker: its roles by name
+                planner = None
+            _close_service(client, name, planner, registry["planner"].key,
+                           None if pinned is None else [f.key for f in pinned],
+                           [s.name for s in cfg.sources])
+            _log.warning("msd_dask %s: stopped on %s", name, address)
+        finally:
+            client.close()
 
     @staticmethod
     def _published_registry(client: Any, address: str, name: str,
@@ -880,6 +1004,8 @@ class DataService:
         """
         if self._closed:
             return
+        if self._exit_pid is not None:
+            atexit.unregister(self._close_at_exit)
         if self._cluster is not None:
             # this process's other handles on the embedded cluster cannot outlive it (their
             # clients would try to reach its scheduler until the process exits, and log each
@@ -903,6 +1029,22 @@ class DataService:
             if self._cluster is not None:
                 self._cluster.close()
 
+    def _close_at_exit(self) -> None:
+        """At the exit of the process that started the service without closing it: close
+        it.  Nothing else could (its readers' processes may not; :meth:`stop` only once
+        this process is gone) and its roles would hold their workers until the scheduler
+        restarts.  A process forked from the owner's that exits closes nothing."""
+        if self._closed or os.getpid() != self._exit_pid:
+            return
+        _log.warning("msd_dask %s: the process that started the service exits without "
+                     "closing it: closing it now (a service lives as long as the process "
+                     "that started it; keep that process running, e.g. msd-dask serve)",
+                     self.name)
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - at exit: said, not raised
+            _log.warning("msd_dask %s: closing at exit failed: %r", self.name, e)
+
     def _report_readers(self, timeout: float) -> None:
         """Tell the constructors the last step each reader of this handle returned, and
         wait (up to ``timeout`` in all) until they know it."""
@@ -917,34 +1059,8 @@ class DataService:
     def _close_roles(self) -> None:
         """Owner: close the roles, unpublish the service and make Dask forget its keys."""
         pinned = self.keeper.pinned if self.keeper is not None else None
-        keys: list[Any] = [*(pinned or ()), self.link.registry["planner"].key]
-        try:
-            keys += self.planner.role_keys().result(timeout=10)
-        except Exception:  # noqa: BLE001 - best effort: the pinned keys still go
-            pass
-        try:
-            self.planner.close_roles(CLOSED_BY_OWNER).result(timeout=30)
-        except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
-            pass
-
-        def on_scheduler() -> None:
-            published_event(self.client, self.name).clear()
-            self.client.unpublish_dataset(REGISTRY_PREFIX + self.name)
-            if pinned is not None:
-                self.client.unpublish_dataset(ROLES_PREFIX + self.name)
-            forget_keys(self.client, self.name, keys)
-
-        # a scheduler that does not answer (frozen, its event loop blocked) keeps its TCP
-        # connection, so these calls would wait for ever: in a thread, waited for a while
-        failed: list[BaseException] = []
-        done = threading.Thread(target=_catching(on_scheduler, failed), daemon=True,
-                                name=f"msd-dask close {self.name}")
-        done.start()
-        done.join(CLOSE_WAIT)
-        if done.is_alive() or failed:
-            why = f"did not answer within {CLOSE_WAIT:g}s" if not failed else f"failed: {failed[0]!r}"
-            _log.warning("msd_dask %s: the scheduler %s while the service closed: its name may "
-                         "stay published until the scheduler restarts", self.name, why)
+        _close_service(self.client, self.name, self.planner, self.link.registry["planner"].key,
+                       pinned)
 
     def __enter__(self) -> DataService:
         return self

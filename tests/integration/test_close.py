@@ -8,6 +8,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from msd_dask import DataService, ServiceError
+from msd_dask.service.placement import REGISTRY_PREFIX
 
 from checks import check_content, record
 from corpus import config
@@ -223,3 +224,102 @@ def test_closing_an_embedded_cluster_closes_the_processs_other_handles_on_it(cor
     assert done.returncode == 0, done.stderr
     assert "reader:" in done.stdout and "closed" in done.stdout, done.stdout
     assert "ERROR" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+_EXITS_WITHOUT_CLOSE = """
+import json, sys
+from msd_dask import DataService
+svc = DataService.start(json.loads(sys.argv[1]), sys.argv[2])
+print("read step", next(svc.reader(0)).step, flush=True)
+# no svc.close(): the interpreter exits
+"""
+
+
+def _until_gone(client: Client, name: str, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while (left := _left(client, f"msd-{name}-")) != ([], []) or \
+            REGISTRY_PREFIX + name in map(str, client.list_datasets()):
+        assert time.monotonic() < deadline, f"{what}; still held (actors, keys): {left}"
+        time.sleep(0.25)
+
+
+def _starts_again(cfg: dict, address: str) -> None:
+    with DataService.start(cfg, address) as svc:
+        assert next(svc.reader(0)).step == 0
+
+
+def test_a_process_exiting_without_closing_its_service_closes_it(corpus, tmp_path):
+    """A script that starts a service and ends without close() used to leave it published,
+    its roles on their workers and its name taken until the scheduler restarted."""
+    import json
+    import subprocess
+    import sys
+
+    root, _ = corpus
+    cfg = config(root, name="exits")
+    with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address=":0") as cl, \
+            Client(cl) as client:
+        out = subprocess.run([sys.executable, "-c", _EXITS_WITHOUT_CLOSE, json.dumps(cfg),
+                              cl.scheduler_address], capture_output=True, text=True,
+                             timeout=180)
+        assert out.returncode == 0 and "read step 0" in out.stdout, out.stdout + out.stderr
+        assert "exits without closing it: closing it now" in out.stderr, out.stderr
+        _until_gone(client, "exits", "the owner exited")
+        _starts_again(cfg, cl.scheduler_address)
+
+
+def test_stop_frees_a_service_whose_starting_process_was_killed(corpus, tmp_path):
+    """``msd-dask stop``: refused while the serving process lives, then (it killed -9, so
+    nothing closed the service) the roles go, the readers hear it and the name starts again."""
+    import signal
+    import subprocess
+    import sys
+
+    from cluster import start_serve
+
+    root, _ = corpus
+    cfg = config(root, name="killed")
+    with LocalCluster(n_workers=2, threads_per_worker=2, dashboard_address=":0") as cl, \
+            Client(cl) as client:
+        addr = cl.scheduler_address
+
+        def stop(name: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "msd_dask.cli", "stop", name,
+                                   "--scheduler", addr], capture_output=True, text=True,
+                                  timeout=120)
+
+        serve = start_serve(cfg, str(tmp_path), addr)
+        try:
+            other = DataService.connect(addr, "killed")
+            reader = other.reader(0)
+            assert next(reader).step == 0
+            alive = stop("killed")
+            assert alive.returncode == 2 and "still connected" in alive.stderr, alive.stderr
+            assert "close it there" in alive.stderr, alive.stderr
+            assert next(reader).step == 1  # refused: it still serves
+            # set-weights says what a source left out gets
+            mixed = subprocess.run([sys.executable, "-m", "msd_dask.cli", "set-weights",
+                                    "killed", "code=1", "--scheduler", addr],
+                                   capture_output=True, text=True, timeout=120)
+            assert mixed.returncode == 0, mixed.stderr
+            assert "weights {'code': 1.0, 'prose': 0.0} take effect at step" in mixed.stdout
+            assert "(prose not named: weight 0, no longer drawn)" in mixed.stdout, mixed.stdout
+            serve.send_signal(signal.SIGKILL)
+            serve.wait(30)
+        finally:
+            if serve.poll() is None:
+                serve.kill()
+        assert REGISTRY_PREFIX + "killed" in map(str, client.list_datasets())  # left published
+        with pytest.raises(ServiceError, match="already running.*msd-dask stop killed"):
+            DataService.start(cfg, addr)
+        done = stop("killed")
+        assert done.returncode == 0 and "stopped service 'killed'" in done.stdout, \
+            done.stdout + done.stderr
+        _until_gone(client, "killed", "stopped")
+        with pytest.raises(ServiceError):  # its readers hear it (no silent wait)
+            for _ in range(10):
+                next(reader)
+        other.close()
+        unknown = stop("killed")
+        assert unknown.returncode == 2 and "no service named 'killed'" in unknown.stderr
+        _starts_again(cfg, addr)

@@ -93,8 +93,10 @@ def test_a_tls_file_that_is_not_there_is_named(tmp_path: Path,
 
 
 def test_a_mistyped_config_path_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """One line naming the file (it began "config key '<root>'", a key there is not)."""
     assert main(["validate", "configs/tyop.yaml"]) == 2
-    assert "no config file 'configs/tyop.yaml'" in capsys.readouterr().err
+    assert capsys.readouterr().err == "msd-dask validate: error: no config file " \
+        "'configs/tyop.yaml' (a config is the path of a YAML file, or YAML text)\n"
 
 
 def test_help_keeps_the_tls_example_on_two_lines(capsys: pytest.CaptureFixture[str]) -> None:
@@ -172,7 +174,7 @@ def test_serve_keeps_serving_while_the_planner_does_not_answer(
 
 
 @pytest.mark.parametrize("command", ["validate", "demo-corpus", "run", "serve", "set-weights",
-                                     "agent", "stats"])
+                                     "agent", "stats", "stop"])
 def test_every_argument_has_help(command: str) -> None:
     """``set-weights``' SOURCE=WEIGHT and --scheduler, and ``stats --scheduler`` had no help
     text (review)."""
@@ -290,3 +292,43 @@ def test_a_relative_glob_that_matches_nothing_says_where_it_looked(
     assert main(["validate", "c.yaml"]) == 2
     err = capsys.readouterr().err
     assert "'sources[0].uri'" in err and f"as '{tmp_path}/data/web/*.jsonl'" in err, err
+
+
+@pytest.mark.parametrize("uri, what", [("data/web/nope", "path"), ("data/web", "path"),
+                                       ("data/web/*.jsonl", "glob"),
+                                       ("data/web/part-0[01].jsonl", "glob"),
+                                       ("data/{web,code}.jsonl", "glob")])
+def test_a_uri_that_matches_nothing_is_called_a_path_or_a_glob(
+        uri: str, what: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A plain path (no ``*``, ``?``, ``[`` nor braces) that matches nothing was called a
+    glob too (a review)."""
+    (tmp_path / "data" / "web").mkdir(parents=True)  # (an empty folder: no file either)
+    (tmp_path / "c.yaml").write_text("name: v\nbatch: {seq_len: 8}\nsources:\n  - {name: web, "
+                                     f"uri: '{uri}', format: jsonl}}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "c.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert f"config key 'sources[0].uri': {what} '{uri}' matches no file" in err, err
+
+
+def test_validate_names_a_format_that_does_not_read_the_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``format: jsonl`` over parquet files said only "row 0: invalid UTF-8: invalid start
+    byte at byte 7" (a review): one line naming the key, the format, a file and the format
+    that reads it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "code").mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"text": ["x"]}), tmp_path / "code" / f"part-0000{i}.parquet")
+    (tmp_path / "c.yaml").write_text("name: v\nbatch: {seq_len: 8}\nsources:\n  - {name: code, "
+                                     "uri: 'code/*.parquet', format: jsonl}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "c.yaml"]) == 2
+    assert capsys.readouterr().err == (
+        "msd-dask validate: error: config key 'sources[0].format': source 'code' has format "
+        "'jsonl', but its files end in .parquet (e.g. 'part-00000.parquet'), which format "
+        "'parquet' reads\n")
