@@ -388,6 +388,10 @@ def _serve(args: argparse.Namespace) -> int:
                f"{int(resume['step'])})")
     print(f"serving {svc.name!r} on {args.scheduler}{resumed}; connect with "
           f"DataService.connect({args.scheduler!r}, {svc.name!r}). Ctrl-C stops.", flush=True)
+    try:  # (the scheduler's dashboard: the service's page and its Prometheus metrics)
+        print(f"status page: {svc.dashboard_link}", flush=True)
+    except Exception:  # noqa: BLE001 - a scheduler without a dashboard: no page to name
+        pass
     lost = ("msd-dask serve: lost the scheduler at {}; restart the service from the last "
             "DataService.state_dict() (msd-dask serve --resume STATE_JSON)")
     failure: list[str] = []  # said once the service is closed: its threads log nothing then
@@ -447,6 +451,11 @@ def _scheduler_answers(client: Any) -> bool:
     return True
 
 
+#: seconds ``stats`` and ``set-weights`` wait for the service to be published (a name
+#: with a typo is said at once, not after connect's default 30 s)
+_LOOKUP_WAIT = 5.0
+
+
 def _set_weights(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
@@ -455,7 +464,8 @@ def _set_weights(args: argparse.Namespace) -> int:
     if twice:  # (as a config refuses a key given twice)
         raise ValueError(f"source(s) {twice} given twice: give each source once")
     weights = dict(args.weights)
-    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
+    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False,
+                              timeout=_LOOKUP_WAIT)
     with svc:
         step = svc.set_weights(weights, args.from_step)
         unnamed = [s.name for s in svc.config.sources if s.name not in weights]
@@ -477,7 +487,7 @@ def _stats(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
     with DataService.connect(args.scheduler, args.name, security=_security(args),
-                             agent=False) as svc:
+                             agent=False, timeout=_LOOKUP_WAIT) as svc:
         print(json.dumps(svc.stats(), indent=2, default=str))
     return 0
 

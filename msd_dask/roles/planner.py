@@ -27,7 +27,7 @@ import numpy as np
 from msd_dask.core.config import parse_config
 from msd_dask.core.figures import RANKS_LISTED, rank_columns, rank_figures, rank_summary
 from msd_dask.dask_internals import STATS_SHARED
-from msd_dask.errors import ServiceError, ServiceTimeoutError
+from msd_dask.errors import ConfigError, DataError, ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, pack_works
 from msd_dask.roles.direct import direct
 
@@ -1136,7 +1136,10 @@ class PlannerActor:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to every reader
-            _log.exception("msd_dask %s: planner failed", self.cfg.name)
+            if isinstance(e, (DataError, ConfigError)):  # bad input: its message says it all
+                _log.error("msd_dask %s: planner stopped: %s", self.cfg.name, e)
+            else:
+                _log.exception("msd_dask %s: planner failed", self.cfg.name)
             # (planning the next step, or handing over a round planned already)
             at = (f"step {planning}" if not handing else
                   f"handing over steps {handing[0].step}-{handing[-1].step}")

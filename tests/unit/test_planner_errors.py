@@ -113,3 +113,31 @@ def test_a_wait_for_a_source_under_way_counts_as_starved_as_it_goes() -> None:
     assert got["a"] == 1.5 and 2.0 <= got["b"] < 3.0
     planner._meta_waiting = None
     assert planner._starved_seconds() == {"a": 1.5, "b": 0.0}
+
+
+def test_bad_input_is_logged_as_its_message_and_a_bug_with_its_traceback(
+        corpus: Any, monkeypatch: Any, caplog: Any) -> None:
+    """``msd-dask run`` over a corrupt file printed 55 lines of the planner's traceback
+    before the one-line error naming the file (a newcomer's review): a DataError is its
+    message alone; anything else keeps its traceback for the bug report."""
+    import logging
+
+    from msd_dask.errors import DataError
+
+    def bad(plan: Any, *args: Any) -> list[Any]:
+        raise DataError("source 'code', file 'x.parquet', row 3: no field 'text'")
+
+    with caplog.at_level(logging.ERROR, logger="msd_dask.roles.planner"):
+        assert _told(corpus, monkeypatch, bad) == [
+            "planner failed at step 0: source 'code', file 'x.parquet', row 3: no field 'text'"]
+    (rec,) = [r for r in caplog.records if r.name == "msd_dask.roles.planner"]
+    assert rec.exc_info is None and "row 3: no field 'text'" in rec.getMessage()
+    caplog.clear()
+
+    def bug(plan: Any, *args: Any) -> list[Any]:
+        raise KeyError(("code", 0, 7))
+
+    with caplog.at_level(logging.ERROR, logger="msd_dask.roles.planner"):
+        _told(corpus, monkeypatch, bug)
+    (rec,) = [r for r in caplog.records if r.name == "msd_dask.roles.planner"]
+    assert rec.exc_info is not None
