@@ -451,11 +451,6 @@ def _scheduler_answers(client: Any) -> bool:
     return True
 
 
-#: seconds ``stats`` and ``set-weights`` wait for the service to be published (a name
-#: with a typo is said at once, not after connect's default 30 s)
-_LOOKUP_WAIT = 5.0
-
-
 def _set_weights(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
@@ -464,8 +459,7 @@ def _set_weights(args: argparse.Namespace) -> int:
     if twice:  # (as a config refuses a key given twice)
         raise ValueError(f"source(s) {twice} given twice: give each source once")
     weights = dict(args.weights)
-    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False,
-                              timeout=_LOOKUP_WAIT)
+    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
     with svc:
         step = svc.set_weights(weights, args.from_step)
         unnamed = [s.name for s in svc.config.sources if s.name not in weights]
@@ -487,7 +481,7 @@ def _stats(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
     with DataService.connect(args.scheduler, args.name, security=_security(args),
-                             agent=False, timeout=_LOOKUP_WAIT) as svc:
+                             agent=False) as svc:
         print(json.dumps(svc.stats(), indent=2, default=str))
     return 0
 

@@ -135,8 +135,12 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
     failed: list[BaseException] = []
     done = threading.Thread(target=_catching(on_scheduler, failed), daemon=True,
                             name=f"msd-dask close {name}")
-    done.start()
-    done.join(CLOSE_WAIT)
+    try:
+        done.start()
+    except RuntimeError:  # (Python 3.12.0-1 start no thread at exit: the close at exit)
+        _catching(on_scheduler, failed)()
+    else:
+        done.join(CLOSE_WAIT)
     if done.is_alive() or failed:
         why = f"did not answer within {CLOSE_WAIT:g}s" if not failed else f"failed: {failed[0]!r}"
         _log.warning("msd_dask %s: the scheduler %s while the service closed: its name may "
@@ -513,10 +517,13 @@ class DataService:
         workers and its name.
 
         A service lives as long as the process that started it (:meth:`start`, ``msd-dask
-        serve``), which closes it when it closes or exits.  One killed (``SIGKILL``, its
-        node lost) leaves the service published, its roles on their workers and its name
-        taken; this stops it (``msd-dask stop NAME --scheduler ADDRESS``).  Its readers
-        then raise :class:`~msd_dask.errors.ServiceError`.
+        serve``), which closes it when it closes or exits.  One killed (``SIGKILL``, a
+        ``SIGTERM`` nothing handles, its node lost) leaves the service published, its
+        roles on their workers and its name taken; this stops it (``msd-dask stop NAME
+        --scheduler ADDRESS``).  Its readers then raise
+        :class:`~msd_dask.errors.ServiceError`.  A process of the owner that was only out
+        of reach and comes back does not re-create it (its keeper finds the service no
+        longer published as its own).
 
         Parameters
         ----------
@@ -558,8 +565,9 @@ class DataService:
             cfg = parse_config(registry["config"])
             pinned = client.get_dataset(ROLES_PREFIX + name, default=None,
                                         callback_timeout=timeout)
-            try:
-                planner = bind_actor(registry["planner"].result(timeout=timeout), client)
+            try:  # (a planner lost with its worker: not waited for long)
+                planner = bind_actor(registry["planner"].result(timeout=min(timeout, 10.0)),
+                                     client)
             except Exception:  # noqa: BLE001 - lost with its worker: its roles by name
                 planner = None
             _close_service(client, name, planner, registry["planner"].key,
@@ -1004,8 +1012,6 @@ class DataService:
         """
         if self._closed:
             return
-        if self._exit_pid is not None:
-            atexit.unregister(self._close_at_exit)
         if self._cluster is not None:
             # this process's other handles on the embedded cluster cannot outlive it (their
             # clients would try to reach its scheduler until the process exits, and log each
@@ -1018,6 +1024,8 @@ class DataService:
         # before the roles are closed and released: this process's readers send nothing
         # more (a call reaching a released actor fails, and its worker logs it)
         self._closed = True
+        if self._exit_pid is not None:  # (closed from here on: nothing more to do at exit)
+            atexit.unregister(self._close_at_exit)
         self.link.close(CLOSED_BY_OWNER if self.link.owner else HANDLE_CLOSED)
         if self.keeper is not None:
             self.keeper.stop(self.config.timeout)
@@ -1042,7 +1050,7 @@ class DataService:
                      self.name)
         try:
             self.close()
-        except Exception as e:  # noqa: BLE001 - at exit: said, not raised
+        except BaseException as e:  # noqa: BLE001 - at exit (a second Ctrl-C too): said
             _log.warning("msd_dask %s: closing at exit failed: %r", self.name, e)
 
     def _report_readers(self, timeout: float) -> None:

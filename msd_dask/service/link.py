@@ -302,6 +302,18 @@ class PlannerLink:
                 f"the planner of service {self.name!r} did not answer within "
                 f"{round(within, 1):g}s (its worker may be lost): {cause!r}")
 
+    def published_as_mine(self) -> bool:
+        """Whether the service's registry is still the one this owner published (``True``
+        if the scheduler does not answer): ``False`` once the service was stopped from
+        elsewhere (``msd-dask stop`` while this process was out of reach) or another
+        service took its name since."""
+        try:
+            reg = self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
+                                          callback_timeout=5)
+        except Exception:  # noqa: BLE001 - unknown: not known to be taken
+            return True
+        return reg is not None and reg.get("owner") == self.client.id
+
     def _unpublished(self) -> bool:
         """Whether the service's registry is gone: its owner closed it (one that crashed
         leaves it published); ``False`` if the scheduler does not answer."""

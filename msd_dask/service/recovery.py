@@ -151,6 +151,15 @@ class PlannerKeeper:
         """Re-create the lost planner from the last checkpoint."""
         link = self.link
         with self._lock:
+            if not link.published_as_mine():
+                # stopped from elsewhere while this process was out of reach (msd-dask stop
+                # saw it gone), perhaps started again by another: re-created, it would take
+                # the name back
+                _log.warning("msd_dask %s: the service was stopped from elsewhere (or its name "
+                             "taken) while this process was out of reach: not re-creating "
+                             "its planner; this process no longer serves it", link.name)
+                self._stop.set()
+                return
             # without a checkpoint (lost before the first one), from where this service
             # started: readers skip what they have, the plans are the same
             resume = self.recipe.get("resume")

@@ -358,3 +358,46 @@ def test_a_look_waits_the_callers_timeout_not_the_configs() -> None:
     # a reader's remaining time is any float: said to a tenth of a second
     with pytest.raises(ServiceTimeoutError, match=r"did not answer within 0.5s \(its worker"):
         link.refresh(timeout=0.54321)
+
+
+class _Datasets:
+    """A client whose scheduler holds ``registry`` under the service's name (None: none)."""
+
+    def __init__(self, registry: Any, cid: str = "owner-1"):
+        self.registry, self.id = registry, cid
+
+    def get_dataset(self, name: str, default: Any = None, callback_timeout: Any = None) -> Any:
+        return default if self.registry is None else self.registry
+
+
+def test_a_service_stopped_elsewhere_is_not_re_created_by_its_owner(monkeypatch: Any) -> None:
+    """``msd-dask stop`` checks the owner is gone; an owner only out of reach a while (a
+    partition) came back, found its planner cancelled and re-created it, taking the name
+    back from whoever started it since (review).  Its keeper now re-creates only a
+    service whose registry is still its own."""
+    import types
+
+    from msd_dask.service import recovery
+
+    placed: list[Any] = []
+    monkeypatch.setattr(recovery, "place_planner", lambda *a, **k: placed.append(a))
+    for registry in (None, {"owner": "someone-else"}):
+        link = _link(_Planner(0.0))
+        link.client = _Datasets(registry)  # type: ignore[assignment]
+        keeper = recovery.PlannerKeeper(link, {})
+        keeper._close_lost_roles = types.MethodType(  # type: ignore[method-assign]
+            lambda self, ck: ({}, {}), keeper)
+        keeper.recover()
+        assert placed == [] and keeper._stop.is_set()
+    # its own registry still published: it goes on to re-create the planner
+    link = _link(_Planner(0.0))
+    link.client = _Datasets({"owner": "owner-1"})  # type: ignore[assignment]
+    keeper = recovery.PlannerKeeper(link, {"units": {}, "roots": {}, "loader_threads": 1})
+    keeper._close_lost_roles = types.MethodType(  # type: ignore[method-assign]
+        lambda self, ck: ({}, {}), keeper)
+    monkeypatch.setattr(recovery, "place_planner", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("placing")))
+    import pytest
+
+    with pytest.raises(RuntimeError, match="placing"):
+        keeper.recover()
