@@ -938,18 +938,19 @@ class RoleSupervisor:
         if grew:  # the units not read yet: added loaders help at once
             await self.planner.spread_units(source)
         shrank = len(act) > n
-        # every slot to retire chosen first (each counted off its worker for the next), so
-        # that their units go to a slot that stays, not to one retired next
-        where = {s: actor_address(self._slots[source][s][0]) for s in act}
-        load = self._role_load()
-        going = []
-        while len(act) > n:
-            slot = pick_retiring(act, where, load)
-            act.remove(slot)
-            going.append(slot)
-            load[where[slot] or ""] -= 1
-        for slot in going:
-            await self._retire_slot(source, slot, act[0])
+        if shrank:
+            # every slot to retire chosen first (each counted off its worker for the next),
+            # so that their units go to a slot that stays, not to one retired next
+            where = {s: actor_address(self._slots[source][s][0]) for s in act}
+            load = self._role_load()
+            going = []
+            while len(act) > n:
+                slot = pick_retiring(act, where, load)
+                act.remove(slot)
+                going.append(slot)
+                load[where[slot] or ""] -= 1
+            for slot in going:
+                await self._retire_slot(source, slot, act[0])
         return grew or shrank
 
     async def _retire_slot(self, source: str, slot: int, heir: int) -> None:

@@ -47,7 +47,7 @@ from msd_dask.service.placement import (
     place_planner,
     published_event,
 )
-from msd_dask.service.recovery import PlannerKeeper
+from msd_dask.service.recovery import PlannerKeeper, close_roles_everywhere
 from msd_dask.sources.discover import anchored_config, discover_remote
 
 __all__ = ["DataService"]
@@ -100,8 +100,8 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
     ``planner``: its planner's actor handle (None: not reachable), which closes the roles
     it knows; ``pinned``: the role keys the owner's keeper published (None: none
     published); ``sources``: where given, the roles of the service left on any worker are
-    closed by name as well (:func:`~msd_dask.roles.supervisor.close_service_roles`: a
-    planner lost with its worker closes nothing).
+    closed by name as well (:func:`~msd_dask.service.recovery.close_roles_everywhere`:
+    a planner lost with its worker closes nothing).
     """
     keys: list[Any] = [*(pinned or ()), planner_key]
     if planner is not None:
@@ -114,11 +114,8 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
         except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
             pass
     if sources is not None:
-        from msd_dask.roles.supervisor import close_service_roles
-
         try:
-            client.run(close_service_roles, name, sources, on_error="return",
-                       callback_timeout=60)
+            close_roles_everywhere(client, name, sources)
         except Exception as e:  # noqa: BLE001 - the name still goes: said, not raised
             _log.warning("msd_dask %s: could not look for its roles on every worker: %r",
                          name, e)
@@ -145,6 +142,12 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
         why = f"did not answer within {CLOSE_WAIT:g}s" if not failed else f"failed: {failed[0]!r}"
         _log.warning("msd_dask %s: the scheduler %s while the service closed: its name may "
                      "stay published until the scheduler restarts", name, why)
+
+
+def _running_services(client: Any) -> list[str]:
+    """The names of the services published on ``client``'s scheduler."""
+    return [str(d)[len(REGISTRY_PREFIX):] for d in client.list_datasets()
+            if str(d).startswith(REGISTRY_PREFIX)]
 
 
 def _catching(fn: Callable[[], None], failed: list[BaseException]) -> Callable[[], None]:
@@ -550,10 +553,8 @@ class DataService:
             registry = client.get_dataset(REGISTRY_PREFIX + name, default=None,
                                           callback_timeout=timeout)
             if registry is None:
-                running = sorted(str(d)[len(REGISTRY_PREFIX):] for d in client.list_datasets()
-                                 if str(d).startswith(REGISTRY_PREFIX))
                 raise ServiceError(f"no service named {name!r} on {address} (running: "
-                                   f"{', '.join(map(repr, running)) or 'none'})")
+                                   f"{_running_services(client) or 'none'})")
             owner = registry.get("owner")
             if owner is not None and client.run_on_scheduler(has_client, owner,
                                                              callback_timeout=timeout):
@@ -589,10 +590,8 @@ class DataService:
         while (registry := client.get_dataset(key, default=None)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                running = [d[len(REGISTRY_PREFIX):] for d in client.list_datasets()
-                           if str(d).startswith(REGISTRY_PREFIX)]
                 raise ServiceError(f"no service named {name!r} on {address} after "
-                                   f"{timeout:.0f}s (running: {running or 'none'})")
+                                   f"{timeout:.0f}s (running: {_running_services(client) or 'none'})")
             # one call the scheduler answers when the service is published (or at the
             # deadline); set twice in a row and still not published: the service is
             # closing, look again in a second

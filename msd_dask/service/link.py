@@ -308,8 +308,7 @@ class PlannerLink:
         elsewhere (``msd-dask stop`` while this process was out of reach) or another
         service took its name since."""
         try:
-            reg = self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
-                                          callback_timeout=5)
+            reg = self._registry_now()
         except Exception:  # noqa: BLE001 - unknown: not known to be taken
             return True
         return reg is not None and reg.get("owner") == self.client.id
@@ -318,10 +317,15 @@ class PlannerLink:
         """Whether the service's registry is gone: its owner closed it (one that crashed
         leaves it published); ``False`` if the scheduler does not answer."""
         try:
-            return self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
-                                           callback_timeout=5) is None
+            return self._registry_now() is None
         except Exception:  # noqa: BLE001 - unknown: not known to be closed
             return False
+
+    def _registry_now(self) -> dict[str, Any] | None:
+        """The registry the service's name holds on the scheduler now (None: none); raises
+        where the scheduler does not answer within 5 s."""
+        return self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
+                                       callback_timeout=5)
 
     # ------------------------------------------------------------- readers
     def on_new_generation(self, listener: Callable[[], None]) -> None:

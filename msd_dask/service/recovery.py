@@ -29,6 +29,19 @@ _log = logging.getLogger("msd_dask.service")
 CHECKPOINT_WAIT = 10.0
 
 
+def close_roles_everywhere(client: Any, name: str, sources: list[str]) -> dict[str, Any]:
+    """Close every role of service ``name`` (of ``sources``' loaders) on every worker, by
+    its key (:func:`~msd_dask.roles.supervisor.close_service_roles`): what a planner lost
+    with its worker leaves behind.  Returns each worker's answer (an exception where one
+    failed)."""
+    from msd_dask.roles.supervisor import (
+        close_service_roles,  # the owner only: readers never import roles
+    )
+
+    return dict(client.run(close_service_roles, name, sources, on_error="return",
+                           callback_timeout=60))
+
+
 class PlannerKeeper:
     """Watches the planner of the service ``link`` reads from (owner only).
 
@@ -196,13 +209,8 @@ class PlannerKeeper:
         showed it has (from the checkpoint and the closed constructors): not the last
         step handed to it, whose answer may not have reached it (the new constructors
         would then never send it the steps re-planned up to there)."""
-        from msd_dask.roles.supervisor import (
-            close_service_roles,  # the owner only: readers never import roles
-        )
-
-        sources = [s.name for s in self.link.config.sources]
-        closed = self.link.client.run(close_service_roles, self.link.name, sources,
-                                      on_error="return", callback_timeout=60)
+        closed = close_roles_everywhere(self.link.client, self.link.name,
+                                        [s.name for s in self.link.config.sources])
         had = {int(r): int(s) for r, s in ck["had"].items()}
         for res in closed.values():
             if isinstance(res, dict):

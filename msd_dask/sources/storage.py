@@ -73,13 +73,9 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
     discovery keeps those its source's format reads.
     """
     fs, path = url_to_fs(uri, **dict(storage_options or {}))
-    starts = [path.find(c) for c in _GLOB_CHARS if c in path]
-    alternatives = _first_alternatives(path)
-    if alternatives is not None:
-        starts.append(alternatives[0])
-    if starts and not fs.isfile(path):  # (a file named "a[0].jsonl")
-        first = min(starts)
-        root = path[:first].rsplit("/", 1)[0] if "/" in path[:first] else ""
+    start = _glob_start(path)
+    if start is not None and not fs.isfile(path):  # (a file named "a[0].jsonl")
+        root = path[:start].rsplit("/", 1)[0] if "/" in path[:start] else ""
         found = {p for pattern in expand_braces(path) for p in fs.glob(pattern)}
         paths = sorted(p for p in found if not _ignored(p, root) and not fs.isdir(p))
     elif fs.isdir(path):
@@ -95,7 +91,16 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
 def is_glob(uri: str) -> bool:
     """Whether ``uri`` is a glob (holds ``*``, ``?`` or ``[``, or alternatives in braces),
     not the path of one file or folder."""
-    return any(c in uri for c in _GLOB_CHARS) or _first_alternatives(uri) is not None
+    return _glob_start(uri) is not None
+
+
+def _glob_start(path: str) -> int | None:
+    """Where the first glob character or brace alternative of ``path`` is (None: none)."""
+    starts = [path.find(c) for c in _GLOB_CHARS if c in path]
+    alternatives = _first_alternatives(path)
+    if alternatives is not None:
+        starts.append(alternatives[0])
+    return min(starts) if starts else None
 
 
 def _ignored(path: str, root: str) -> bool:
