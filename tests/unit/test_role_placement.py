@@ -713,7 +713,7 @@ def test_retired_loader_slots_are_forgotten_once_no_step_names_them(
 
     async def run() -> None:
         await sup.setup()
-        for cycle in range(40):
+        for cycle in range(12):  # (each retires two slots: 24, against a bound of 2 × lag)
             await sup._reach("a", 3)
             await sup._reach("a", 1)
             if cycle == 0:  # the first two retired slots' counters, as loader_stats keeps them
