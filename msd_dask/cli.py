@@ -98,15 +98,26 @@ def _at_least(lo: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds ``> 0``."""
+def _seconds(text: str, *, zero: bool) -> float:
+    """A finite number of seconds ``> 0`` (``>= 0`` if ``zero``), for argparse."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds {'>=' if zero else '>'} 0, got {text}")
     return value
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds ``> 0``."""
+    return _seconds(text, zero=False)
+
+
+def _non_negative(text: str) -> float:
+    """An argparse type: a finite number of seconds ``>= 0``."""
+    return _seconds(text, zero=True)
 
 
 def _source_weight(text: str) -> tuple[str, float]:
@@ -171,6 +182,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="first step of the new mix (default: the first unplanned step; a step "
                         "already planned takes the first unplanned one: the command prints the "
                         "step the change takes effect at)")
+    _wait_option(w)
     _tls_options(w)
 
     a = sub.add_parser(
@@ -208,8 +220,16 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("name", help="service name")
     st.add_argument("--scheduler", metavar="ADDR", required=True,
                     help="address of the Dask scheduler")
+    _wait_option(st)
     _tls_options(st)
     return p
+
+
+def _wait_option(p: argparse.ArgumentParser) -> None:
+    """``--wait``: how long a command for a running service waits for it to appear."""
+    p.add_argument("--wait", metavar="SECONDS", type=_non_negative, default=0.0,
+                   help="seconds to wait for the service to start (default 0: it must be "
+                        "running; else the error names the services that are)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -459,7 +479,8 @@ def _set_weights(args: argparse.Namespace) -> int:
     if twice:  # (as a config refuses a key given twice)
         raise ValueError(f"source(s) {twice} given twice: give each source once")
     weights = dict(args.weights)
-    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
+    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False,
+                              wait=args.wait)
     with svc:
         step = svc.set_weights(weights, args.from_step)
         unnamed = [s.name for s in svc.config.sources if s.name not in weights]
@@ -481,7 +502,7 @@ def _stats(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
     with DataService.connect(args.scheduler, args.name, security=_security(args),
-                             agent=False) as svc:
+                             agent=False, wait=args.wait) as svc:
         print(json.dumps(svc.stats(), indent=2, default=str))
     return 0
 

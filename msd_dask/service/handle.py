@@ -450,18 +450,19 @@ class DataService:
     @overload
     @classmethod
     def connect(cls, address: str, name: str, *, timeout: float = 30.0,
-                security: Any = None, agent: Literal[False]) -> DataService: ...
+                security: Any = None, agent: Literal[False],
+                wait: float | None = None) -> DataService: ...
 
     @overload
     @classmethod
     def connect(cls, address: str, name: str, *, timeout: float = 30.0,
-                security: Any = None, agent: str | bool | None = None
-                ) -> DataService | AgentHandle: ...
+                security: Any = None, agent: str | bool | None = None,
+                wait: float | None = None) -> DataService | AgentHandle: ...
 
     @classmethod
     def connect(cls, address: str, name: str, *, timeout: float = 30.0,
-                security: Any = None, agent: str | bool | None = None
-                ) -> DataService | AgentHandle:
+                security: Any = None, agent: str | bool | None = None,
+                wait: float | None = None) -> DataService | AgentHandle:
         """Attach to the running service ``name`` on the scheduler at ``address``.
 
         Parameters
@@ -480,6 +481,11 @@ class DataService:
             (:data:`~msd_dask.service.agent_client.AGENT_SOCKET`), ``False`` to connect
             directly whatever the environment says.  Default: the agent whose socket the
             environment variable ``MSD_DASK_AGENT`` names, if set; else directly.
+        wait : float, optional
+            Directly: seconds to wait for service ``name`` once connected to the
+            scheduler (readers started before their service wait for it); ``0``: it must
+            be running already, else the error names the services that are (what
+            ``msd-dask stats`` and ``set-weights`` do).  Default: ``timeout``.
 
         Returns
         -------
@@ -492,7 +498,7 @@ class DataService:
         Raises
         ------
         ServiceError
-            No service ``name`` within ``timeout``; through an agent, no agent answers
+            No service ``name`` within ``wait``; through an agent, no agent answers
             at its socket, or it serves another service.
         ValueError
             No ``address`` (directly).
@@ -507,7 +513,8 @@ class DataService:
         _check_tls(address, security)
         client = _client(address, timeout, security)
         try:
-            registry = cls._published_registry(client, address, name, timeout)
+            registry = cls._published_registry(client, address, name,
+                                               timeout if wait is None else wait)
             return cls(client, parse_config(registry["config"]), registry)
         except BaseException:  # (a planner lost with its owner, say): no client left open
             client.close()
@@ -590,8 +597,9 @@ class DataService:
         while (registry := client.get_dataset(key, default=None)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ServiceError(f"no service named {name!r} on {address} after "
-                                   f"{timeout:.0f}s (running: {_running_services(client) or 'none'})")
+                after = f" after {timeout:.0f}s" if timeout > 0 else ""
+                raise ServiceError(f"no service named {name!r} on {address}{after} "
+                                   f"(running: {_running_services(client) or 'none'})")
             # one call the scheduler answers when the service is published (or at the
             # deadline); set twice in a row and still not published: the service is
             # closing, look again in a second

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from msd_dask import DataService, ServiceError, ServiceTimeoutError
@@ -180,6 +184,17 @@ def test_connect_by_name_and_errors(corpus):
         addr = svc.client.scheduler.address
         with pytest.raises(ServiceError, match="no service named 'nope'"):
             DataService.connect(addr, "nope", timeout=1)
+        # an operator's command for a mistyped name: told at once, with the running names
+        # (it waited its 30 s connect timeout first)
+        t0 = time.monotonic()
+        with pytest.raises(ServiceError, match=r"no service named 'nope' on .* \(running: "
+                                               r"\['named'\]\)"):
+            DataService.connect(addr, "nope", wait=0)
+        stats = subprocess.run([sys.executable, "-m", "msd_dask.cli", "stats", "nope",
+                                "--scheduler", addr], capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - t0 < 20, "waited for a service that is not running"
+        assert stats.returncode == 2 and "no service named 'nope'" in stats.stderr \
+            and "'named'" in stats.stderr, stats.stderr
         with pytest.raises(ServiceError, match="already running"):
             DataService.start(config(root, name="named"), addr)
         with DataService.connect(addr, "named") as other:

@@ -19,6 +19,10 @@ from msd_dask.cli import main
     (["run", "c.yaml", "--steps", "ten"], "argument --steps: must be an integer, got 'ten'"),
     (["agent", "--scheduler", "tcp://198.18.0.1:8786", "--name", "x", "--ranks", "0-7",
       "--timeout", "0"], "argument --timeout: must be a number of seconds > 0, got 0"),
+    (["stats", "s", "--scheduler", "tcp://198.18.0.1:8786", "--wait", "-1"],
+     "argument --wait: must be a number of seconds >= 0, got -1"),
+    (["set-weights", "s", "code=1", "--scheduler", "tcp://198.18.0.1:8786", "--wait", "inf"],
+     "argument --wait: must be a number of seconds >= 0, got inf"),
     # (these exited 1 with another format: review)
     (["set-weights", "s", "code", "--scheduler", "tcp://198.18.0.1:8786"],
      "argument SOURCE=WEIGHT: expected SOURCE=WEIGHT, got 'code'"),
