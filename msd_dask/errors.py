@@ -100,9 +100,12 @@ def first_of(items: Sequence[object], most: int) -> str:
     return ", ".join(map(str, items[:most])) + more
 
 
-#: what to do about a planner that cannot be re-created
 #: what readers of a service its owner closed are told (:class:`ServiceError`)
 CLOSED_BY_OWNER = "closed by its owner"
+#: what readers of a service stopped from elsewhere are told (:class:`ServiceError`)
+STOPPED = "stopped with msd-dask stop (DataService.stop): its starting process was gone"
+#: the notices of a service closed for good: a reader told one tells its process's others
+CLOSED_NOTICES = (CLOSED_BY_OWNER, STOPPED)
 #: what a refused new reader after a trial run (a smoke test's readers) does
 TRIAL_HINT = ("after a trial run against the service, start the service again (or another "
               "'name') so that training reads from step 0")

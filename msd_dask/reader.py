@@ -42,7 +42,7 @@ from msd_dask.batch import Batch, loaded_step, no_going_back, rank_number, wait_
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import (
-    CLOSED_BY_OWNER,
+    CLOSED_NOTICES,
     RESTART_HINT,
     TRIAL_HINT,
     ServiceError,
@@ -567,8 +567,8 @@ class Reader:
                 call = None
                 if answer is not None:
                     if "error" in answer:
-                        if answer["error"] == CLOSED_BY_OWNER:  # the process's other readers
-                            self.link.close(CLOSED_BY_OWNER)  # then call no released role
+                        if answer["error"] in CLOSED_NOTICES:  # the process's other readers
+                            self.link.close(answer["error"])  # then call no released role
                         raise ServiceError(f"service {self.link.name!r}: {answer['error']}")
                     if "handed" in answer:  # the constructor says so: nothing was sent
                         raise self._gone(done, int(answer["handed"]))

@@ -32,6 +32,7 @@ from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import actors_on, bound_actor, keys_on, stop_identity_refresh
 from msd_dask.errors import (
     CLOSED_BY_OWNER,
+    STOPPED,
     ServiceError,
     ServiceTimeoutError,
     WorkerLeft,
@@ -93,9 +94,11 @@ CLOSE_WAIT = 10.0
 
 
 def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
-                   pinned: list[Any] | None, sources: list[str] | None = None) -> None:
+                   pinned: list[Any] | None, sources: list[str] | None = None,
+                   notice: str = CLOSED_BY_OWNER) -> None:
     """Close service ``name``'s roles, unpublish it and make Dask forget its keys: the
-    owner's close (:meth:`DataService.close`) and :meth:`DataService.stop`.
+    owner's close (:meth:`DataService.close`) and :meth:`DataService.stop`.  ``notice``:
+    what its readers are told (:data:`~msd_dask.errors.CLOSED_NOTICES`).
 
     ``planner``: its planner's actor handle (None: not reachable), which closes the roles
     it knows; ``pinned``: the role keys the owner's keeper published (None: none
@@ -110,7 +113,7 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
         except Exception:  # noqa: BLE001 - best effort: the pinned keys still go
             pass
         try:
-            planner.close_roles(CLOSED_BY_OWNER).result(timeout=30)
+            planner.close_roles(notice).result(timeout=30)
         except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
             pass
     if sources is not None:
@@ -580,7 +583,7 @@ class DataService:
                 planner = None
             _close_service(client, name, planner, registry["planner"].key,
                            None if pinned is None else [f.key for f in pinned],
-                           [s.name for s in cfg.sources])
+                           [s.name for s in cfg.sources], STOPPED)
             _log.warning("msd_dask %s: stopped on %s", name, address)
         finally:
             client.close()

@@ -27,7 +27,13 @@ from msd_dask.dask_internals import (
     has_client,
     scheduler_workers,
 )
-from msd_dask.errors import CLOSED_BY_OWNER, RESTART_HINT, ServiceError, ServiceTimeoutError
+from msd_dask.errors import (
+    CLOSED_BY_OWNER,
+    RESTART_HINT,
+    STOPPED,
+    ServiceError,
+    ServiceTimeoutError,
+)
 from msd_dask.service.placement import REGISTRY_PREFIX
 
 __all__ = ["PlannerLink"]
@@ -285,9 +291,10 @@ class PlannerLink:
         lost = self.planner_lost()
         where = actor_address(self.planner) or "?"
         if lost and not self.owner_alive():
-            if self._unpublished():
-                self.close(CLOSED_BY_OWNER)  # this process's other readers call no role
-                raise ServiceError(f"service {self.name!r}: {CLOSED_BY_OWNER}")
+            if self._unpublished():  # (its owner gone: closed at its exit, or stopped)
+                notice = f"{CLOSED_BY_OWNER}, or {STOPPED}"
+                self.close(notice)  # this process's other readers call no role
+                raise ServiceError(f"service {self.name!r}: {notice}")
             raise ServiceError(
                 f"the planner of service {self.name!r} was lost with its worker {where}, and "
                 f"the process that started the service is gone, so nothing can re-create it; "

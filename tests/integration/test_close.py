@@ -318,7 +318,9 @@ def test_stop_frees_a_service_whose_starting_process_was_killed(corpus, tmp_path
         assert done.returncode == 0 and "stopped service 'killed'" in done.stdout, \
             done.stdout + done.stderr
         _until_gone(client, "killed", "stopped")
-        with pytest.raises(ServiceError):  # its readers hear it (no silent wait)
+        # its readers hear it (no silent wait), and that it was stopped: it was not closed
+        # by the owner, which was killed (they were told so)
+        with pytest.raises(ServiceError, match="stopped with msd-dask stop"):
             for _ in range(10):
                 next(reader)
         other.close()
