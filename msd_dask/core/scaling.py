@@ -85,6 +85,10 @@ MIN_EFFICIENCY = 0.5
 #: fraction of a loader above the cores still shares them (e.g. 2 cores at a CPU
 #: fraction of 0.9: 2.2 -> 2 loaders).
 CPU_ROUND = 0.5
+#: a source's CPU cap moves off its last value only once that count is this many
+#: loaders' worth past the rounding edge (a share near an edge, e.g. 5.5 loaders' worth,
+#: whose demand wobbles by 2%, moved the cap 5 -> 6 -> 5 every few seconds: a review)
+CAP_BAND = 0.25
 
 #: Windows with a CPU measurement before the cap may exceed what fully CPU-bound loaders
 #: need (``cores / threads``).
@@ -212,7 +216,8 @@ def proactive_target(load: SourceLoad, headroom: float) -> int:
 
 
 def cpu_caps(loads: Mapping[str, SourceLoad], fractions: Mapping[str, float],
-             windows: Mapping[str, int] | None = None) -> dict[str, int]:
+             windows: Mapping[str, int] | None = None,
+             previous: Mapping[str, int] | None = None) -> dict[str, int]:
     """Loaders each CPU-measured source can keep busy on the cluster's cores.
 
     Parameters
@@ -229,6 +234,9 @@ def cpu_caps(loads: Mapping[str, SourceLoad], fractions: Mapping[str, float],
         confirmed stops the source from growing past what fully CPU-bound loaders
         need, but does not remove loaders (a pool larger than the cores, e.g. 8
         threads waiting on a store on 2 cores, would go to 1 loader and back).
+    previous : mapping, optional
+        Per source, its cap of the last call: kept until the share is :data:`CAP_BAND`
+        of a loader past the edge of rounding to it.
 
     Returns
     -------
@@ -251,7 +259,11 @@ def cpu_caps(loads: Mapping[str, SourceLoad], fractions: Mapping[str, float],
         # limit gain and lose loaders with the noise of its demand, a review)
         share = cores * need[s] / total if total > cores else need[s] + (cores - total)
         threads = max(1, ld.threads)
-        cap = max(1, math.floor(share / (threads * f) + CPU_ROUND))
+        worth = share / (threads * f)  # loaders' worth of the share
+        cap = max(1, math.floor(worth + CPU_ROUND))
+        last = None if previous is None else previous.get(s)
+        if last is not None and last - CPU_ROUND - CAP_BAND <= worth < last + CPU_ROUND + CAP_BAND:
+            cap = last
         if windows is not None and windows.get(s, 0) < MIN_CPU_WINDOWS:
             cap = min(cap, max(1, math.floor(cores / threads), ld.loaders))
         out[s] = cap
@@ -326,6 +338,8 @@ class Scaler:
         self.policy = policy
         self._changed: dict[str, float] = {}
         self._low_since: dict[str, float] = {}
+        #: source -> since when its loaders are over its CPU cap (and not saturated)
+        self._over_cap_since: dict[str, float] = {}
         self._down_at: dict[str, float] = {}   # last scale-down of a source
         #: source -> (loaders, demand): no scale-down below it while demand holds
         self.floors: dict[str, tuple[int, float]] = {}
@@ -398,7 +412,7 @@ class Scaler:
                 del self.saturated[source]
                 self._saturated_cores.pop(source, None)
                 self.capacity.pop(source, None)
-        self.cpu_caps = cpu_caps(loads, self.cpu_fraction, self.cpu_windows)
+        self.cpu_caps = cpu_caps(loads, self.cpu_fraction, self.cpu_windows, self.cpu_caps)
 
     def decide(self, now: float, loads: Mapping[str, SourceLoad]) -> dict[str, int]:
         """Loader counts to apply at time ``now`` (only sources that change)."""
@@ -417,12 +431,21 @@ class Scaler:
             if floor is not None:
                 want = max(want, int(min(floor[0], p.bounds(source)[1], limit)))
             if load.loaders > max(limit, p.bounds(source)[0]):
-                if now - last >= p.scaling.cooldown:  # loaders that add nothing: remove them at once
+                # loaders that add nothing (saturated): removed at once; over the CPU cap
+                # alone, once they stayed over it scale_down_after (a cap that dips for a
+                # poll, a worker paused or the demand's noise, took loaders off and put
+                # them back each time: a review)
+                over = self._over_cap_since.setdefault(source, now)
+                waits = self.saturated.get(source, math.inf) >= load.loaders and \
+                    now - over < p.scaling.scale_down_after
+                if not waits and now - last >= p.scaling.cooldown:
                     out[source] = max(int(limit), p.bounds(source)[0])
                     self._changed[source] = now
                     self._down_at[source] = now
                     self._low_since.pop(source, None)
+                    self._over_cap_since.pop(source, None)
                 continue
+            self._over_cap_since.pop(source, None)
             if want > load.loaders:
                 self._low_since.pop(source, None)
                 if now - last >= p.scaling.cooldown:

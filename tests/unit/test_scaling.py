@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from msd_dask.core.config import ScalingConfig
@@ -379,6 +381,55 @@ def test_sources_needing_about_the_cores_do_not_flap() -> None:
             loaders[s] = n
     assert len(changes) <= 2, changes  # (each source once, to what the cores allow)
     assert loaders == {"a": 4, "b": 4}
+
+
+def _run_cpu_bound(loaders: dict[str, int], cpu_per_token: dict[str, float],
+                   consumption: Any, cores: Any, seconds: int = 600,
+                   bounds: tuple[int, int] = (1, 16)) -> list[tuple[int, str, int, int]]:
+    """Drive a Scaler one decision a second over CPU-bound sources (``consumption`` and
+    ``cores``: functions of the second); the changes ``(t, source, from, to)``."""
+    scaler = Scaler(ScalingPolicy(ScalingConfig(policy="adaptive"),
+                                  dict.fromkeys(loaders, bounds)))
+    changes = []
+    for t in range(seconds):
+        loads = {s: SourceLoad(loaders=n, weight_ahead=1 / len(loaders), consumption=consumption(t),
+                               seconds_per_token=cpu_per_token[s], threads=1,
+                               cpu_per_token=cpu_per_token[s], cpu_fraction=1.0, cores=cores(t))
+                 for s, n in loaders.items()}
+        for s, n in scaler.decide(float(t), loads).items():
+            changes.append((t, s, loaders[s], n))
+            loaders[s] = n
+    return changes
+
+
+def test_a_share_at_a_rounding_edge_does_not_flap() -> None:
+    """A source whose share of the cores is 5.5 loaders' worth (8 cores, the other source
+    needing 2.5), its demand wobbling by 2%: its cap went 5, 6, 5... and the loaders with
+    it every cooldown, 98 changes in 600 s (a review of the plugin).  The cap keeps its
+    value within a quarter of a loader past the edge."""
+    import random
+
+    rng = random.Random(0)
+    changes = _run_cpu_bound({"a": 5, "b": 3}, {"a": 1e-4, "b": 5e-5},
+                             lambda t: 100_000 * (1 + rng.gauss(0, 0.02)), lambda t: 8.0)
+    assert len(changes) <= 1, changes
+
+
+def test_a_worker_paused_for_a_poll_takes_no_loader_off() -> None:
+    """One of 4 workers of 2 threads paused (memory) for a single poll every minute: the
+    cores counted fell 8 -> 6 for that window and loaders over the new cap were removed
+    at once, then added back: 20 changes in 600 s (a review).  Over the cap alone, they go
+    once they stayed over it ``scale_down_after``; a lasting loss of cores still takes them
+    off, then."""
+    loaders = {"a": 8}
+    changes = _run_cpu_bound(loaders, {"a": 1e-4}, lambda t: 100_000,
+                             lambda t: 6.0 if t % 60 == 30 else 8.0)
+    assert changes == [] and loaders == {"a": 8}
+    scale_down_after = ScalingConfig(policy="adaptive").scale_down_after
+    changes = _run_cpu_bound({"a": 8}, {"a": 1e-4}, lambda t: 100_000,
+                             lambda t: 8.0 if t < 100 else 4.0, seconds=200)
+    assert [c[2:] for c in changes] == [(8, 4)], changes
+    assert 100 + scale_down_after <= changes[0][0] <= 100 + scale_down_after + 2, changes
 
 
 def test_read_costs_are_those_at_the_current_count():
