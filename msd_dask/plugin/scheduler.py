@@ -528,8 +528,12 @@ class MsdSchedulerPlugin(SchedulerPlugin):
                          "scaling": list(self.decisions.get(name, []))[-20:],
                          "error": snap["planner"].get("error"),
                          # the last polls failed: these figures are the last answered one's
-                         "poll_error": self.poll_errors.get(name)}
-        return {"services": out, "time": time.time()}
+                         "poll_error": self.poll_errors.get(name),
+                         "answered_at": snap["time"]}
+        # services whose polls failed from the first (a planner out of reach, or busy past
+        # POLL_WAIT with its first step at scale): named, with why, not left off the page
+        unanswered = {name: err for name, err in self.poll_errors.items() if name not in out}
+        return {"services": out, "unanswered": unanswered, "time": time.time()}
 
 
 def _as_client(security: Any) -> Any:
@@ -655,8 +659,24 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
     class _Collector:
         def collect(self) -> Any:
             st: dict[str, Any] = {}
+            unanswered: dict[str, str] = {}
             for p in list(_LIVE_PLUGINS):
-                st.update(p.status()["services"])
+                status = p.status()
+                st.update(status["services"])
+                unanswered.update(status["unanswered"])
+            # whether the figures are current: a service whose polls fail keeps its last
+            # answered figures (its tokens/s among them), so alert on these, not on a rate
+            ok = GaugeMetricFamily("msd_poll_ok", "1 if the service answered the plugin's last "
+                                   "poll; 0 if it failed (its other figures are those of the "
+                                   "last poll it answered, if any)", labels=["service"])
+            at = GaugeMetricFamily("msd_poll_answered_timestamp_seconds", "Unix time of the "
+                                   "last poll the service answered", labels=["service"])
+            for svc, d in st.items():
+                ok.add_metric([svc], 0.0 if d["poll_error"] else 1.0)
+                at.add_metric([svc], float(d["answered_at"]))
+            for svc in unanswered:
+                ok.add_metric([svc], 0.0)
+            yield from (ok, at)
             per_source = {
                 "weight": "Configured token share of the source (normalised)",
                 "share": "Delivered (planned) token share of the source",

@@ -5,6 +5,7 @@ a loader is retired or re-created (found by a review, each by running it)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -375,3 +376,59 @@ def test_the_next_polls_do_not_wait_for_a_service_that_does_not_answer(
         assert all(t.cancelled() for t in under_way)
 
     asyncio.run(run())
+
+
+class _Hangs(_Planner):
+    """Answers its first ``answers`` polls, then never."""
+
+    def __init__(self, answers: int) -> None:
+        super().__init__()
+        self.answers = answers
+
+    async def snapshot(self, since: int, lookahead: int | None) -> dict[str, Any]:
+        self.answers -= 1
+        if self.answers < 0:
+            await asyncio.Event().wait()
+        return await super().snapshot(since, lookahead)
+
+
+def test_figures_of_a_service_that_stopped_answering_say_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planner answers two polls, then hangs; another never answered one.  /metrics kept
+    the first's last tokens/s with nothing to say they were stale (an alert on the rate
+    never fired), and the second was on neither the page nor /metrics (a review):
+    ``msd_poll_ok`` says which answered their last poll, ``msd_poll_answered_timestamp_seconds``
+    when, and the status names the service that never answered, with its error."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    from msd_dask.plugin import scheduler as module
+
+    monkeypatch.setattr(module, "POLL_WAIT", 0.05)
+    plugin = _plugin({"hangs": _Hangs(answers=2), "lost": _Lost()})
+
+    def metrics() -> dict[str, float]:
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in generate_latest(REGISTRY).decode().splitlines()
+                if line.startswith("msd_poll_")}
+
+    async def run() -> list[dict[str, float]]:
+        module._register_collector(plugin)
+        seen = []
+        for _ in range(3):
+            await plugin.poll()
+            seen.append(metrics())
+        plugin._client = None  # (a fake: nothing to close)
+        await plugin.close()
+        return seen
+
+    t0 = time.time()
+    _, answered, failed = asyncio.run(run())  # (its second poll answered, its third not)
+    assert answered['msd_poll_ok{service="hangs"}'] == 1.0
+    assert failed['msd_poll_ok{service="hangs"}'] == 0.0
+    at = 'msd_poll_answered_timestamp_seconds{service="hangs"}'
+    assert t0 <= failed[at] == answered[at] <= time.time()  # when it last answered
+    assert failed['msd_poll_ok{service="lost"}'] == 0.0
+    assert 'msd_poll_answered_timestamp_seconds{service="lost"}' not in failed
+    status = plugin.status()
+    assert "lost" not in status["services"] and "OSError" in status["unanswered"]["lost"]
+    assert "did not answer its stats" in status["services"]["hangs"]["poll_error"]
