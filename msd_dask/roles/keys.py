@@ -16,7 +16,8 @@ import re
 import uuid
 from collections.abc import Iterable
 
-__all__ = ["constructor_key", "is_role_of", "loader_key", "planner_key", "role_pattern"]
+__all__ = ["constructor_key", "is_role_of", "loader_key", "planner_key", "planner_pattern",
+           "role_pattern"]
 
 
 def _tail() -> str:

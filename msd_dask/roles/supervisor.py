@@ -59,7 +59,13 @@ from msd_dask.roles import constructor as constructor_role
 from msd_dask.roles import loader as loader_role
 from msd_dask.roles.constructor import DataConstructor, unpack_work
 from msd_dask.roles.direct import direct
-from msd_dask.roles.keys import constructor_key, is_role_of, loader_key, role_pattern
+from msd_dask.roles.keys import (
+    constructor_key,
+    is_role_of,
+    loader_key,
+    planner_pattern,
+    role_pattern,
+)
 from msd_dask.roles.loader import SourceLoader
 
 if TYPE_CHECKING:
@@ -268,12 +274,32 @@ class RoleSupervisor:
         worker holding the fewest roles (the planner's own counts as one): one look at the
         scheduler's workers (:func:`pick_workers`)."""
         workers = [w for w in await self._workers(placeable=True) if w not in self._evacuating]
-        return pick_workers(workers, self._role_load(), n)
+        return pick_workers(workers, await self._role_load(workers), n)
 
-    def _role_load(self) -> Counter[str]:
-        """This service's roles per worker (the planner's own counts as one)."""
+    async def _role_load(self, workers: list[str]) -> Counter[str]:
+        """Roles per worker: this service's (the planner's own counts as one), and on
+        ``workers`` every other actor the scheduler lists (another service's roles on a
+        shared cluster: a worker holding any actor is one ``Adaptive`` cannot retire, and
+        counting this service's alone spread its roles onto another's busiest workers).
+
+        The others are best effort: a scheduler that does not answer within the config's
+        ``timeout`` leaves this service's count alone (said in the log).
+        """
         load = Counter(a for a in map(actor_address, self._all_role_handles()) if a is not None)
         load[self.own_address()] += 1
+        try:
+            actors = await asyncio.wait_for(
+                self._client.run_on_scheduler(dask_internals.actors_on, workers=workers,
+                                              asynchronous=True),
+                self.cfg.timeout)
+        except Exception as e:  # noqa: BLE001 - its own roles still place
+            _log.warning("msd_dask %s: could not count the other actors on the workers (%r); "
+                         "placing by this service's roles alone", self.cfg.name, e)
+            return load
+        mine = (role_pattern(self.cfg.name, [s.name for s in self.cfg.sources]),
+                planner_pattern(self.cfg.name))
+        for w, keys in actors.items():
+            load[w] += sum(not any(is_role_of(k, p) for p in mine) for k in keys)
         return load
 
     def _all_role_handles(self) -> list[Any]:
@@ -942,7 +968,7 @@ class RoleSupervisor:
             # every slot to retire chosen first (each counted off its worker for the next),
             # so that their units go to a slot that stays, not to one retired next
             where = {s: actor_address(self._slots[source][s][0]) for s in act}
-            load = self._role_load()
+            load = await self._role_load(sorted({w for w in where.values() if w}))
             going = []
             while len(act) > n:
                 slot = pick_retiring(act, where, load)

@@ -238,6 +238,19 @@ class _Client:
         self.gathers = 0
         self.handles: list[_Handle] = []
         self.stuck = {w for w in (leaving, stuck) if w}  # roles there never start
+        #: worker -> keys of actors the scheduler lists there besides the handles made here
+        #: (another service's roles)
+        self.other_actors: dict[str, list[str]] = {}
+
+    async def run_on_scheduler(self, fn: Any, workers: list[str],
+                               asynchronous: bool) -> dict[str, list[str]]:
+        from msd_dask.dask_internals import actors_on
+
+        assert fn is actors_on
+        mine: dict[str, list[str]] = {}
+        for h in self.handles:
+            mine.setdefault(h._address, []).append(h.key)
+        return {w: sorted(mine.get(w, []) + self.other_actors.get(w, [])) for w in workers}
 
     def submit(self, cls: type, *args: object, workers: list[str], key: str,
                **kw: object) -> _Future:
@@ -317,6 +330,36 @@ def test_setup_asks_for_the_workers_once(monkeypatch: pytest.MonkeyPatch) -> Non
         == where[10:]
     # a role placed later (heal, scale) counts the ones setup placed
     assert asyncio.run(sup._place()) == one_at_a_time(sorted(workers), where, workers[2], 1)
+
+
+def test_another_services_roles_count_where_roles_are_placed_and_retired(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a cluster shared by two services, the other's roles (actors the scheduler lists)
+    were not counted: a new role went to a worker holding them beside one holding nothing
+    of either, and a scale-down retired the loader on a worker they keep held (which
+    Adaptive can never retire) rather than the one it leaves empty."""
+    a, b, c, d, e = (f"tcp://h:{i}" for i in range(1, 6))
+    client = _Client([a, b, c, d, e])
+    sup = _supervisor(monkeypatch, client, a, 1, 1)
+    other = ["msd-other-planner-0123abcd", "msd-other-loader-a-0-0123abcd",
+             "msd-p2-constructor-0-0123abcd"]  # (another service's, whatever its name)
+
+    async def run() -> tuple[list[str], dict[int, str]]:
+        await sup.setup()
+        layout = ([x._address for x in sup.constructors], sup.loader("a", 0)._address,
+                  sup.loader("b", 0)._address)
+        assert layout == ([b], c, d), layout  # (the planner on a; e holds nothing)
+        client.other_actors = {e: other}
+        placed = await sup._place(1)
+        client.other_actors = {}
+        await sup._reach("a", 2)  # its second loader on e
+        client.other_actors = {e: other}
+        await sup._reach("a", 1)
+        return placed, {s: sup.loader("a", s)._address for s in sup.active["a"]}
+
+    placed, left = asyncio.run(run())
+    assert placed == [a]  # one role each of this service on a-d, and e holds three
+    assert left == {1: e}  # c left empty; e stays held by the other service anyway
 
 
 def test_a_role_that_fails_is_named_and_the_others_closed(monkeypatch: pytest.MonkeyPatch) -> None:
