@@ -863,10 +863,17 @@ class PlannerActor:
         # (the planner's tables are replaced, never written to, and only this loop starts a
         # step: read in a thread, as at dp 16,384 x 128K they hold 10^6 pieces, 40-90 ms)
         keep = await asyncio.to_thread(self.planner.pending_units)
+        # the units of carried and held pieces first: a live planner gave them out while they
+        # were upcoming and keeps them, but a resumed or re-created one starts with no owner
+        # for units behind its streams' windows (an outlier held for steps, a piece carried
+        # from the last window), and splitting its first step found none (a review)
+        pending: dict[str, list[tuple[int, int]]] = {}
+        for source, e, u in sorted(keep):
+            pending.setdefault(source, []).append((e, u))
         for s in self.cfg.sources:
             keys = self._upcoming(s.name, s.read_ahead)
             keep.update((s.name, e, u) for e, u in keys)
-            await self._ensure(s.name, keys)
+            await self._ensure(s.name, [*pending.get(s.name, ()), *keys])
         # release units the stream has moved past once every step that used them was
         # claimed by all ranks
         safe = self._claimed_by_all()
