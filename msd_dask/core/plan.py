@@ -13,6 +13,7 @@ or a :class:`PlannerSnapshot` taken without a pass over its pieces.
 from __future__ import annotations
 
 import copy
+import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -449,30 +450,39 @@ class Planner:
         if from_step is not None and (isinstance(from_step, bool)
                                       or not isinstance(from_step, numbers.Integral)):
             raise ValueError(f"set_weights: from_step must be a step (an integer), got {from_step!r}")
-        if not isinstance(weights, Mapping):
-            raise ValueError(f"set_weights: weights must map source names to numbers, got {weights!r}")
+        w = self._checked_weights(weights, "set_weights")
         start = self.step if from_step is None else max(int(from_step), self.step)
+        self.overrides.append((start, w))
+        return start
+
+    def _checked_weights(self, weights: Any, what: str) -> dict[str, float]:
+        """``weights`` as a change of the mix takes them: every source of the config, in its
+        order (a source not named: 0), each a finite number >= 0, summing to more than 0;
+        else a ``ValueError`` that starts with ``what`` (:meth:`set_weights`, or the
+        change of a state being loaded)."""
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"{what}: weights must map source names to numbers, got {weights!r}")
         # the config's order, not a set's: the mixer sums the weights in this order, and a
         # set's order depends on the process's hash seed (the same seed and the same
         # set_weights call must give the same steps in every process)
         names = [s.name for s in self.cfg.sources]
         unknown = set(weights) - set(names)
         if unknown:
-            raise ValueError(f"set_weights: unknown source(s) {sorted(unknown)} (known: "
+            raise ValueError(f"{what}: unknown source(s) {sorted(unknown)} (known: "
                              f"{', '.join(names)})")
         w: dict[str, float] = {}
         for n in names:
             v = weights.get(n, 0.0)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v) or v < 0:
-                raise ValueError(f"set_weights: the weight of source {n!r} must be a finite "
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+                    or v < 0:
+                raise ValueError(f"{what}: the weight of source {n!r} must be a finite "
                                  f"number >= 0, got {v!r}")
             w[n] = float(v)
         total = sum(w.values())
         if not 0 < total < np.inf:
-            raise ValueError(f"set_weights: the weights must sum to more than 0 and less than "
+            raise ValueError(f"{what}: the weights must sum to more than 0 and less than "
                              f"infinity (only their ratios matter), got {dict(weights)}")
-        self.overrides.append((start, w))
-        return start
+        return w
 
     # ---------------------------------------------------------------- planning
     def plan_step(self, lookup: MetaLookup) -> StepPlan:
@@ -798,13 +808,21 @@ class Planner:
                 streams[name] = {k: int(stream[k]) for k in ("epoch", "window", "offset")}
             held = state.get("held", [])
             cost = state.get("cost", [self.cost.linear, self.cost.quadratic])
+            # the mixer's credit and the weight changes checked before anything is taken (a
+            # bad one was taken halfway, a credit of other names read as 0, a change to
+            # unknown sources or weights summing to 0 failed steps later: a review)
+            mixer = {str(k): float(v) for k, v in dict(state["mixer"]).items()}
+            if sorted(mixer) != sorted(self._names) or not all(map(np.isfinite, mixer.values())):
+                raise ValueError(f"mixer: the credit of each of the sources {self._names}, "
+                                 f"finite numbers; got {state['mixer']!r}")
+            overrides = tuple((int(s), self._checked_weights(w, f"overrides[{i}]"))
+                              for i, (s, w) in enumerate(state["overrides"]))
             snap = PlannerSnapshot(
                 step=int(state["step"]), sources=tuple(self._names), streams=streams,
-                mixer=state["mixer"], carry=self._table(state["carry"]),
+                mixer=mixer, carry=self._table(state["carry"]),
                 held=self._table([t for t, _ in held]),
                 held_step=np.array([int(s) for _, s in held], dtype=np.int64),
-                overrides=tuple((int(s), {k: float(v) for k, v in w.items()})
-                                for s, w in state["overrides"]),
+                overrides=overrides,
                 tokens={k: int(v) for k, v in named["tokens"].items()},
                 pieces={k: int(v) for k, v in named["pieces"].items()},
                 cost=(float(cost[0]), float(cost[1])))
