@@ -21,6 +21,7 @@ rank's measured compute time to the planner (``cost: {fit: true}``).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import weakref
@@ -249,20 +250,35 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         self.last_step: int | None = None
 
     def _connect(self) -> Any:
+        """The dataset's reader, connected at the first call (and after :meth:`close`).
+
+        The handle is the dataset's only once its reader is made and has loaded the
+        pending state: where ``reader()`` or ``load_state_dict`` raises (a rank outside
+        the world, one the agent does not serve, a bad state) the handle is closed (else
+        each failed ``iter()`` left a Dask client open) and neither is kept (a reader that
+        refused the state would be read from without it); the next ``iter()`` connects
+        again.
+        """
         if self._reader is None:
             from msd_dask.service.agent_client import connect_agent
 
             # behind a host agent, without importing the service's handle (nor Dask)
-            self._service = connect_agent(self.name, timeout=self.connect_timeout)
-            if self._service is None:
+            service: Any = connect_agent(self.name, timeout=self.connect_timeout)
+            if service is None:
                 from msd_dask.service import DataService
 
-                self._service = DataService.connect(self.address, self.name,
-                                                    timeout=self.connect_timeout, agent=False)
-            self._reader = self._service.reader(self.rank, timeout=self.timeout)
-            if self._pending_state is not None:
-                self._reader.load_state_dict(self._pending_state)
-                self._pending_state = None
+                service = DataService.connect(self.address, self.name,
+                                              timeout=self.connect_timeout, agent=False)
+            try:
+                reader = service.reader(self.rank, timeout=self.timeout)
+                if self._pending_state is not None:
+                    reader.load_state_dict(self._pending_state)
+            except BaseException:
+                # (best effort: the reader's error is the one to tell, not the close's)
+                with contextlib.suppress(Exception):
+                    service.close()
+                raise
+            self._service, self._reader, self._pending_state = service, reader, None
         return self._reader
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

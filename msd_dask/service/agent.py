@@ -39,6 +39,7 @@ import mmap
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -84,6 +85,11 @@ STOP_WRITES_WAIT = 10.0
 #: seconds an agent starting waits for another agent on its socket path to bind it or
 #: leave (the lock on ``<path>.lock``), and for an agent found there to answer
 BIND_WAIT = 30.0
+#: tries of one step's block (the first, then one at each request of a rank after each
+#: failure) before a failed write is the group's error: ``/dev/shm`` full for a moment
+#: costs the ranks waiting then an error and no step; one that stays full ends the
+#: group's reading, as a failed read does
+WRITE_TRIES = 3
 #: bytes each array of a block is aligned to
 _ALIGN = 64
 #: the watcher of a process's blocks (:func:`_watch_blocks`): a POSIX shell that waits for
@@ -465,6 +471,11 @@ class AgentGroupReader(Reader):
         return -1 if self.taken is None else self.taken
 
 
+class _WriteFailed(Exception):
+    """The block of a step could not be written :data:`WRITE_TRIES` times: the group's
+    error, its message as the ranks are told it."""
+
+
 @dataclass
 class _Block:
     """One step of a group held in shared memory."""
@@ -506,10 +517,11 @@ class _Group:
     #: for a step after the last one read (a rank that asks from past that, having
     #: loaded a later state, has the group read again)
     error: tuple[str, str] | None = None
-    #: the group reader's timeouts so far, and the last one's message: told to the ranks
-    #: waiting when it came, as a direct reader's; the agent then reads on
-    timeouts: int = 0
-    timeout_error: str = ""
+    #: the passing failures of the group's reading so far (a timeout of its reader, a
+    #: block it could not write yet), and the last one's ``(message, kind)``: told to the
+    #: ranks waiting when it came, as a direct reader's; the agent then reads on
+    notices: int = 0
+    notice: tuple[str, str] = ("", "error")
     #: requests for a step its ranks made so far (after a timeout the reader waits for one)
     requests: int = 0
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -520,6 +532,26 @@ class _Group:
     def first_after(self, rank: int) -> _Block | None:
         have = self.has.get(rank, -1)
         return next((b for s, b in self.blocks.items() if s > have), None)
+
+
+async def _wait_until(changed: asyncio.Condition, predicate: Callable[[], bool],
+                      deadline: float) -> bool:
+    """Wait on ``changed`` (held) until ``predicate()`` holds, at most until ``deadline``
+    (:func:`time.monotonic`); whether it holds.
+
+    A predicate that holds already is true at once, with no time left too (``wait_for``
+    of no time left cancels even a wait that would not have waited, in Python 3.11).
+    """
+    if predicate():
+        return True
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        await asyncio.wait_for(changed.wait_for(predicate), left)
+    except TimeoutError:
+        return predicate()
+    return True
 
 
 def _in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -756,9 +788,17 @@ class HostAgent:
         return sock
 
     def _remove_stale_socket(self) -> None:
-        """Remove a socket left by an agent that is gone; refuse one that answers."""
-        if not os.path.exists(self.path):
+        """Remove a socket left by an agent that is gone; refuse one that answers, and a
+        path that is no socket (a typo naming a file, the agent's own log, say, which
+        would be deleted as a stale socket)."""
+        try:
+            mode = os.lstat(self.path).st_mode
+        except FileNotFoundError:
             return
+        if not stat.S_ISSOCK(mode):
+            raise ServiceError(f"the agent's socket path {self.path} names an existing file "
+                               "that is not a socket; pass another --socket (the agent "
+                               "removes only a stale socket there)")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(BIND_WAIT)
         try:
@@ -884,8 +924,14 @@ class HostAgent:
 
     async def _next(self, g: _Group, rank: int, after: int, timeout: float) -> dict[str, Any]:
         """The message of ``rank``'s first step after ``after`` it lacks, once read, or an
-        error after ``timeout`` seconds, saying what it waited for."""
+        error after ``timeout`` seconds, saying what it waited for.
+
+        ``timeout`` bounds the whole answer, one deadline for every wait in it (a rank past
+        a failure waits for its peers, then for its step): the rank's socket waits only
+        ``timeout`` and :data:`~msd_dask.service.agent_client.ANSWER_MARGIN`, and a
+        rank that gave up first would blame an agent that is running."""
         assert self._stopped is not None
+        deadline = time.monotonic() + timeout
         async with g.changed:
             if g.error is not None and after > g.last_read:
                 # a rank past every step read before the failure loaded a later state (as
@@ -897,11 +943,9 @@ class HostAgent:
                     return [r for r in g.ranks if r != rank and r in g.asked
                             and r not in g.assumed and g.has.get(r, -1) < g.last_read]
 
-                try:
-                    await asyncio.wait_for(g.changed.wait_for(
-                        lambda: not behind() or g.error is None
-                        or self._stopped is not None and self._stopped.is_set()), timeout)
-                except TimeoutError:
+                if not await _wait_until(g.changed, lambda: (
+                        not behind() or g.error is None
+                        or self._stopped is not None and self._stopped.is_set()), deadline):
                     return {"error": f"rank {rank} asked the agent at {self.path} for step "
                             f"{after + 1} (a later state than the steps up to {g.last_read} "
                             f"read before the group's reader failed), and waited {timeout:.0f}s "
@@ -931,24 +975,23 @@ class HostAgent:
                 self._start(g)
             g.requests += 1
             g.changed.notify_all()
-            seen = g.timeouts
+            seen = g.notices
 
             def ready() -> bool:
                 return (g.first_after(rank) is not None or g.error is not None
-                        or g.timeouts > seen
+                        or g.notices > seen
                         or self._stopped is not None and self._stopped.is_set())
 
-            try:
-                await asyncio.wait_for(g.changed.wait_for(ready), timeout)
-            except TimeoutError:
+            # (only the time left: the wait for the peers above took its share)
+            if not await _wait_until(g.changed, ready, deadline):
                 return {"error": self._why_waiting(g, rank, timeout), "kind": "timeout"}
             block = g.first_after(rank)
             if block is not None:
                 return block.message
             if g.error is not None:
                 return {"error": g.error[0], "kind": g.error[1]}
-            if g.timeouts > seen:
-                return {"error": g.timeout_error, "kind": "timeout"}
+            if g.notices > seen:
+                return {"error": g.notice[0], "kind": g.notice[1]}
             return {"error": f"the agent at {self.path} is closing (rank {rank} waited for step "
                     f"{g.has.get(rank, -1) + 1})", "kind": "closed"}
 
@@ -1048,31 +1091,56 @@ class HostAgent:
                 reader.load_state_dict({"rank": first, "step": start})
                 reader.mark_taken(start)
             g.reader, g.last_read = reader, max(g.last_read, start)
+            #: a step read whose block is not written yet (its write failed), and the
+            #: tries of that write so far: written at the next request, not read again
+            batch: WireBatch | None = None
+            tries = 0
             while not self._stopped.is_set():
-                async with g.changed:
-                    await g.changed.wait_for(
-                        lambda: g.last_read - g.slowest() < self.prefetch
-                        or self._stopped is not None and self._stopped.is_set())
-                if self._stopped.is_set():
-                    return
-                try:
-                    batch = await _in_thread(next, reader)
-                except (ServiceTimeoutError, TimeoutError) as e:
-                    # the service was slow: the ranks waiting now are told, as a direct
-                    # reader's caller would be, and the group reader (its state intact)
-                    # reads on at the next request of a rank, as a direct reader would
-                    _log.warning("msd-dask agent: reading ranks %s timed out: %s", g.ranks, e)
+                if batch is None:
                     async with g.changed:
-                        g.timeouts += 1
-                        g.timeout_error = (f"the agent at {self.path} could not read ranks "
-                                           f"{g.ranks}: {type(e).__name__}: {e}")
-                        g.changed.notify_all()
-                        await g.changed.wait_for(functools.partial(
-                            self._asked_since, g, g.requests))
-                    continue
+                        await g.changed.wait_for(
+                            lambda: g.last_read - g.slowest() < self.prefetch
+                            or self._stopped is not None and self._stopped.is_set())
+                        self._skip_read(g, reader)
+                    if self._stopped.is_set():
+                        return
+                    try:
+                        batch = await _in_thread(reader.__next__)
+                    except (ServiceTimeoutError, TimeoutError) as e:
+                        # the service was slow: the ranks waiting now are told, as a direct
+                        # reader's caller would be, and the group reader (its state intact)
+                        # reads on at the next request of a rank, as a direct reader would
+                        _log.warning("msd-dask agent: reading ranks %s timed out: %s",
+                                     g.ranks, e)
+                        await self._tell_and_wait(g, (
+                            f"the agent at {self.path} could not read ranks {g.ranks}: "
+                            f"{type(e).__name__}: {e}", "timeout"))
+                        continue
+                    tries = 0
                 block = None
                 if batch.step > g.slowest():  # some rank lacks it: into shared memory
-                    written = await _in_thread(self._write_block, batch, new_block_name())
+                    try:
+                        written = await _in_thread(self._write_block, batch, new_block_name())
+                    except OSError as e:
+                        # /dev/shm full for a moment, say: the step, taken from the service
+                        # already, is kept and written at the next request (dropped, it
+                        # would be lost to every rank); a failure that persists is the
+                        # group's
+                        tries += 1
+                        what = (f"the agent at {self.path} could not write step {batch.step} "
+                                f"of ranks {g.ranks} into shared memory "
+                                f"({type(e).__name__}: {e})")
+                        if tries >= WRITE_TRIES:
+                            raise _WriteFailed(
+                                f"{what}, at each of {tries} tries (the last {tries - 1} at "
+                                "the ranks' requests after it failed); the step is lost: load "
+                                f"the state of step {batch.step} on every rank of the group to "
+                                "go on after it (or restart the agent)") from None
+                        _log.warning("msd-dask agent: %s; trying again at the next request",
+                                     what)
+                        await self._tell_and_wait(
+                            g, (f"{what}; it tries again at the next request", "error"))
+                        continue
                     if written is None:  # the agent stopped meanwhile (and unlinked it)
                         return
                     block = _Block(batch.step, *written)
@@ -1084,15 +1152,39 @@ class HostAgent:
                         g.blocks[batch.step] = block
                         self._free(g)  # every rank may have skipped it meanwhile
                     g.changed.notify_all()
+                batch = None
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - told to every rank of the group that asks
             kind = "timeout" if isinstance(e, ServiceTimeoutError | TimeoutError) else "error"
             _log.error("msd-dask agent: reading ranks %s failed: %s", g.ranks, e)
             async with g.changed:
-                g.error = (f"the agent at {self.path} could not read ranks {g.ranks}: "
+                g.error = (str(e) if isinstance(e, _WriteFailed) else
+                           f"the agent at {self.path} could not read ranks {g.ranks}: "
                            f"{type(e).__name__}: {e}", kind)
                 g.changed.notify_all()
+
+    def _skip_read(self, g: _Group, reader: GroupReader) -> None:
+        """Have ``reader`` go on after the slowest rank of ``g`` if every rank is past what it
+        read (each loaded a later state mid-stream): it claims from there, so the
+        constructor releases the steps skipped without sending them, as for a direct
+        reader's state (else it would read each from the service, to drop it)."""
+        skip = g.slowest()
+        if skip > g.last_read:
+            _log.info("msd-dask agent: ranks %s skip to step %d; their reader goes on after it "
+                      "(it read the steps up to %d)", g.ranks, skip, g.last_read)
+            reader.load_state_dict({"rank": g.ranks[0], "step": skip})
+            g.last_read = skip
+
+    async def _tell_and_wait(self, g: _Group, notice: tuple[str, str]) -> None:
+        """Tell the ranks of ``g`` waiting now ``notice`` (a passing failure, ``(message,
+        kind)``), then wait for the next request of a rank (or the stop): the agent reads
+        on then, as a direct reader's caller would by asking again."""
+        async with g.changed:
+            g.notices += 1
+            g.notice = notice
+            g.changed.notify_all()
+            await g.changed.wait_for(functools.partial(self._asked_since, g, g.requests))
 
     def _asked_since(self, g: _Group, requests: int) -> bool:
         """Whether a rank of ``g`` asked for a step after its ``requests``-th request, or

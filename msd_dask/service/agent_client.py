@@ -75,7 +75,8 @@ BLOCK_PREFIX = "msd-agent-"
 #: where POSIX shared memory blocks are files (Linux)
 SHM_DIR = "/dev/shm"
 #: seconds a rank waits for the agent's answer beyond its own ``timeout`` (the agent
-#: answers a wait that timed out itself, saying why)
+#: answers a wait that timed out itself, saying why, within that ``timeout``: one deadline
+#: for all it waits for, so the margin is only the answer's way back)
 ANSWER_MARGIN = 10.0
 
 

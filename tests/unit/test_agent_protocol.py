@@ -650,6 +650,39 @@ def test_a_rank_past_a_failure_is_told_which_peers_it_waited_for(tmp_path: Any) 
         handle.close()
 
 
+def test_a_rank_past_a_failure_is_answered_by_the_agent_within_its_timeout(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, rank 1 taking the steps read before the failure after 1.2 s of rank 0's
+    2 s: the agent waited up to the rank's ``timeout`` for the peer, then up to the
+    ``timeout`` again for the step, while the rank's socket waits the ``timeout`` and
+    ANSWER_MARGIN only, so the rank gave up first and blamed the agent ("got no answer;
+    is `msd-dask agent` running?") while it ran and waited (a review of the agent).  One
+    deadline bounds the agent's whole answer: the rank hears, within its ``timeout``, the
+    agent's own account of what it waited for."""
+    from msd_dask.service import agent as agent_module
+    from msd_dask.service import agent_client
+
+    monkeypatch.setattr(agent_client, "ANSWER_MARGIN", 0.5)
+    # (rank 1 does not ask again, so the group read again waits for it this long)
+    monkeypatch.setattr(agent_module, "START_GRACE", 5.0)
+    with running_agent(tmp_path, [0, 1], error_at=3) as (agent, readers):
+        handle, r0, r1 = _past_the_failure(agent, 2)
+
+        def peer() -> None:
+            time.sleep(1.2)  # (it computes)
+            assert [next(r1).step, next(r1).step] == [1, 2]
+
+        t = threading.Thread(target=peer)
+        t.start()
+        t0 = time.monotonic()
+        with pytest.raises(ServiceTimeoutError, match=r"rank 0 waited 2s for step 6 from the "
+                                                       r"agent at .*rank\(s\) \[1\] did not ask"):
+            next(r0)
+        assert time.monotonic() - t0 < 2.4  # (before the rank's own 2.5 s)
+        t.join(10)
+        handle.close()
+
+
 def test_a_group_readers_timeout_is_told_once_and_the_agent_reads_on(tmp_path: Any) -> None:
     """The service is slow once (the group's reader times out at step 2): the ranks waiting
     get the timeout, as a direct reader's would, and their next requests get steps 2, 3, 4
@@ -742,6 +775,26 @@ def test_a_stale_socket_is_replaced(tmp_path: Any) -> None:
         with pytest.raises(ServiceError, match="already serves"):
             HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
                       agent.path).run()
+
+
+def test_a_socket_path_naming_a_file_is_refused_and_the_file_kept(tmp_path: Any) -> None:
+    """``--socket`` naming an existing file that is no socket (a typo: the agent's own log,
+    say): it was taken for a stale socket and deleted (a review of the agent).  The agent
+    refuses it, naming the path, and leaves the file as it was."""
+    victim = tmp_path / "agent.log"
+    victim.write_text("important log lines\n")
+    agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
+                      str(victim))
+    stopper = threading.Timer(5, agent.stop)  # (one that serves there is stopped)
+    stopper.start()
+    try:
+        with pytest.raises(ServiceError, match=rf"socket path {re.escape(str(victim))} names "
+                                               r"an existing file that is not a socket; pass "
+                                               r"another --socket"):
+            agent.run()
+    finally:
+        stopper.cancel()
+    assert victim.read_text() == "important log lines\n"
 
 
 def test_a_socket_path_locked_by_a_stuck_process_is_an_error_naming_it(
@@ -1382,3 +1435,102 @@ def test_a_block_written_as_the_agent_stops_is_unlinked(tmp_path: Any,
         thread.join(10)
         for name in left():  # (a failure leaves nothing behind)
             os.unlink(os.path.join("/dev/shm", name))
+
+
+def _shm_full_at_step_2(monkeypatch: pytest.MonkeyPatch, agent: list[HostAgent],
+                        times: int) -> list[str]:
+    """Have the agent's writes of step 2's block fail ``times`` times (ENOSPC: /dev/shm
+    full), the first once rank 0 of ``agent[0]`` asked for step 2 (its third request), so
+    that it waits when it fails; the names of the blocks refused."""
+    import errno
+
+    from msd_dask.service import agent as agent_module
+
+    write = agent_module.write_block
+    refused: list[str] = []
+
+    def full(batch: WireBatch, name: str) -> Any:
+        if batch.step == 2 and len(refused) < times:
+            if not refused:
+                assert wait_until(lambda: agent[0].groups[0].requests >= 3, 10)
+            refused.append(name)
+            raise OSError(errno.ENOSPC, "no room in /dev/shm for a block (for now)")
+        return write(batch, name)
+
+    monkeypatch.setattr(agent_module, "write_block", full)
+    return refused
+
+
+def test_a_block_that_could_not_be_written_is_written_at_the_next_request(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm full for a moment: the write of step 2's block failed once, and the step,
+    taken from the service already, was dropped; the group's reading ended, every later
+    request got the same error though /dev/shm had room again, and only a later state
+    (skipping step 2) or a restart of the agent went on (a review of the agent).  The
+    rank waiting then is told; the step is kept and written at its next request: every
+    step once, in order, none read from the service twice, no block left."""
+    agent: list[HostAgent] = []
+    refused = _shm_full_at_step_2(monkeypatch, agent, times=1)
+    with running_agent(tmp_path, [0], cfg=_config(dp=2), prefetch=1) as (served, readers):
+        agent.append(served)
+        handle = AgentHandle.connect(served.path, "agentunit")
+        reader = handle.reader(0, timeout=10)
+        got = [next(reader).step for _ in range(2)]
+        with pytest.raises(ServiceError, match=r"could not write step 2 of ranks \[0\] into "
+                                               r"shared memory \(OSError: .*no room in "
+                                               r"/dev/shm.*\); it tries again at the next "
+                                               r"request"):
+            next(reader)
+        got += [next(reader).step for _ in range(3)]
+        assert got == [0, 1, 2, 3, 4] and len(refused) == 1
+        assert readers[0].reads <= 5 + served.prefetch  # (steps 0-4, and what it reads ahead)
+        assert served.groups[0].error is None
+        handle.close()
+
+
+def test_a_block_that_stays_unwritable_is_the_groups_error(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, /dev/shm staying full: each request is told and tries again, and after
+    WRITE_TRIES tries the failure is the group's error, naming the step lost and the
+    state that goes on after it (a failure that persists ends the reading, as a failed
+    read does; a passing one does not)."""
+    from msd_dask.service.agent import WRITE_TRIES
+
+    agent: list[HostAgent] = []
+    refused = _shm_full_at_step_2(monkeypatch, agent, times=100)
+    with running_agent(tmp_path, [0], cfg=_config(dp=2), prefetch=1) as (served, readers):
+        agent.append(served)
+        handle = AgentHandle.connect(served.path, "agentunit")
+        reader = handle.reader(0, timeout=10)
+        assert [next(reader).step for _ in range(2)] == [0, 1]
+        for _ in range(WRITE_TRIES - 1):
+            with pytest.raises(ServiceError, match="it tries again at the next request"):
+                next(reader)
+        for _ in range(2):  # (the group's error now, told to every request)
+            with pytest.raises(ServiceError, match=rf"could not write step 2 of ranks \[0\] "
+                                                   rf"into shared memory .*at each of "
+                                                   rf"{WRITE_TRIES} tries .*the step is lost: "
+                                                   r"load the state of step 2 on every rank"):
+                next(reader)
+        assert len(refused) == WRITE_TRIES and readers[0].reads == 3  # (step 2 read once)
+        reader.load_state_dict({"rank": 0, "step": 2})  # as the error says
+        assert next(reader).step == 3
+        handle.close()
+
+
+def test_ranks_that_skip_ahead_mid_stream_have_their_reader_skip_too(tmp_path: Any) -> None:
+    """Every rank of a group loads a later state mid-stream (step 40 after step 1): the
+    group's reader was not told (only a state loaded before its start was), so it read
+    every step skipped from the service, 43 reads, each dropped as no rank lacked it (a
+    review of the agent).  It now loads the state too and claims from there, as a direct
+    reader does, so the constructor releases the steps skipped without sending them."""
+    with running_agent(tmp_path, [0], cfg=_config(dp=2), prefetch=2) as (agent, readers):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        reader = handle.reader(0)
+        assert [next(reader).step for _ in range(2)] == [0, 1]
+        reader.load_state_dict({"rank": 0, "step": 40})
+        assert [next(reader).step for _ in range(2)] == [41, 42]
+        assert readers[0].loaded == [{"rank": 0, "step": 40}]
+        # steps 0-3 (1 and 2 ahead of step 1), then 41-44 (2 ahead of step 42)
+        assert readers[0].reads <= 8, readers[0].reads
+        handle.close()

@@ -289,3 +289,50 @@ def test_a_dataset_that_handed_out_batches_refuses_an_older_state(service: _Serv
     fresh.load_state_dict({"rank": 0, "step": 7})  # (not connected: the last one counts)
     assert fresh.state_dict() == {"rank": 0, "step": 7} and next(iter(fresh))["step"] == 8
     fresh.close()
+
+
+@pytest.mark.parametrize("refused", ["reader", "state"])
+def test_an_iter_whose_reader_is_refused_closes_the_handle_it_opened(
+        monkeypatch: pytest.MonkeyPatch, refused: str) -> None:
+    """``iter()`` whose reader the service refused (a rank outside the world, one the agent
+    does not serve), or whose reader refused the state loaded before: the handle just
+    opened (a ``DataService`` with a Dask client of its own) was kept and replaced, never
+    closed, by the next ``iter()``'s, a client leaked per failed ``iter()`` (a review of
+    the torch adapter); a reader that refused the state was kept too, and the next
+    ``iter()`` read from it without the state.  Each handle is closed, each ``iter()``
+    tries again, and the state loaded stays the dataset's."""
+    import msd_dask.service.agent_client as agent_client
+
+    opened: list[_Service] = []
+    closed: list[_Service] = []
+
+    class _Refusing(_Service):
+        def reader(self, rank: int, timeout: float | None = None) -> Any:
+            if refused == "reader":
+                raise ValueError(f"rank {rank} is outside [0, 4) for parallel dp=4")
+            reader = super().reader(rank, timeout)
+
+            def load_state_dict(state: dict[str, Any]) -> None:
+                raise ServiceError(f"rank {rank}: the service refuses the state of step "
+                                   f"{state['step']}")
+
+            reader.load_state_dict = load_state_dict
+            return reader
+
+        def close(self) -> None:
+            closed.append(self)
+
+    def connect(name: str, agent: Any = None, timeout: float = 30.0) -> _Service:
+        opened.append(_Refusing())
+        return opened[-1]
+
+    monkeypatch.setattr(agent_client, "connect_agent", connect)
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0)
+    ds.load_state_dict({"rank": 0, "step": 3})
+    for _ in range(3):
+        with pytest.raises(ValueError if refused == "reader" else ServiceError):
+            next(iter(ds))
+    assert len(opened) == 3 and closed == opened
+    assert ds.state_dict() == {"rank": 0, "step": 3}
+    ds.close()  # (nothing of its own left to close)
+    assert closed == opened
