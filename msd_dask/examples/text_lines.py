@@ -14,7 +14,9 @@ format the first time it does.  The readers and the process that starts the serv
 never import it.  What a format must do is what the built-in ones pass in
 ``tests/unit/test_formats.py``: every row once, in file order, in units that split the
 file; a record of exactly the fields asked for; one :class:`~msd_dask.errors.DataError`
-naming the file and row for bad input; every file it opens closed.
+naming the file and row for bad input (or, with ``errors="yield"``, that row's error
+yielded in its place and the rows after it read on: a source under ``on_error: skip``
+then loses only the bad row); every file it opens closed.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class TextLinesFormat:
         """
         return [Unit(path, 0, 0)]
 
-    def read(self, fs: fsspec.AbstractFileSystem, unit: Unit,
-             fields: Sequence[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    def read(self, fs: fsspec.AbstractFileSystem, unit: Unit, fields: Sequence[str],
+             errors: str = "raise") -> Iterator[tuple[int, dict[str, Any] | DataError]]:
         """Yield ``(row, {"text": line})`` for every line of ``unit.path`` that is not blank.
 
         Parameters
@@ -73,6 +75,9 @@ class TextLinesFormat:
             The file to read.
         fields : sequence of str
             The fields to return: ``text`` or none.
+        errors : {"raise", "yield"}
+            ``"yield"``: a line that is not valid UTF-8 yields ``(row, DataError)`` and the
+            lines after it are read on (a corrupt compressed file still raises).
 
         Raises
         ------
@@ -90,7 +95,11 @@ class TextLinesFormat:
                 try:
                     text = line.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise DataError(f"invalid UTF-8: {e.reason} at byte {e.start}",
-                                    path=unit.path, row=row) from None
+                    bad = DataError(f"invalid UTF-8: {e.reason} at byte {e.start}",
+                                    path=unit.path, row=row)
+                    if errors != "yield":
+                        raise bad from None
+                    yield row, bad
+                    continue
                 if text.strip():
                     yield row, {"text": text.rstrip("\r\n")} if fields else {}

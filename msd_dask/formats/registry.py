@@ -25,6 +25,12 @@ class Format(Protocol):
     (``(".parquet",)``; compared case-insensitively): where a source's ``uri`` is a
     folder, only those files are its data, the others are left out (logged).  A format
     without it reads every file of a folder.
+
+    Its ``read`` may also take ``errors="raise"`` (the default) or ``"yield"``: with
+    ``"yield"``, a bad row yields ``(row, DataError)`` and the rows after it are read on,
+    so that a source under ``on_error: skip`` loses that row alone.  A ``read`` without
+    the parameter ends the file at its first bad row, which ``skip`` then sets aside
+    whole.
     """
 
     name: str

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from msd_dask.core.config import Config, SourceConfig, parse_config
-from msd_dask.errors import ConfigError, DataError
+from msd_dask.errors import ConfigError
 
 if TYPE_CHECKING:
     from msd_dask.sources.storage import SourceFiles
@@ -183,8 +183,8 @@ def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
                 found = next(iter(fmt.read(files.fs, unit, source_fields(src))), None) is not None
                 if found:
                     break  # (a unit without rows: the next one's first)
-        except (DataError, OSError) as e:
-            err = with_source(e, src.name, path)
+        except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
+            err = with_source(e, src.name, path)  # (named by source and file, as a read is)
             if err is e:
                 raise
             raise err from e

@@ -103,7 +103,9 @@ def discover_units(cfg: Config, threads: int = 8,
             def listing(p: str, fs: Any = files.fs, fmt: Any = fmt, name: str = s.name) -> Any:
                 try:
                     return fmt.units(fs, p)
-                except (DataError, OSError) as e:
+                except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
+                    # (named by source and file, as a read does; under on_error: skip, the
+                    # file is set aside)
                     return with_source(e, name, p)
 
             found, refused = [], []
@@ -146,14 +148,16 @@ def discover_on_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     Runs there so that the process that starts the service never imports the file
     formats' libraries.  A :class:`DataError` or :class:`ConfigError` (a ``uri``
-    that matches no file) travels back as it is (both pickle with their fields).
-    The starting process waits for it (see :func:`discover_remote`).
+    that matches no file) travels back as a value (both pickle with their fields), which
+    :func:`discover_remote` raises in the starting process: raised in the task, the
+    worker logged "Compute Failed" and its traceback, on the terminal of ``msd-dask run``
+    (whose workers share it) before the command's one-line error.
 
     Returns
     -------
     dict
         ``{"units", "roots", "quarantined", "skipped"}`` as :func:`discover_units` gives
-        them.
+        them, or ``{"error": e}``.
     """
     quarantined: dict[str, list[str]] = {}
     skipped: dict[str, dict[str, Any]] = {}
@@ -161,10 +165,10 @@ def discover_on_worker(cfg: dict[str, Any]) -> dict[str, Any]:
         units, roots = discover_units(load_config(cfg), quarantined=quarantined,
                                       skipped=skipped)
     except (ConfigError, DataError) as e:
-        # the library's own exception (its message is in e's) stays here: Dask sends the
-        # causes too, and unpickling e.g. pyarrow's would import pyarrow in the starter
-        e.__cause__ = e.__context__ = None
-        raise
+        # the library's own exception (its message is in e's) stays here: unpickling e.g.
+        # pyarrow's would import pyarrow in the starter
+        e.__cause__ = e.__context__ = e.__traceback__ = None
+        return {"error": e}
     return {"units": units, "roots": roots, "quarantined": quarantined, "skipped": skipped}
 
 
@@ -204,6 +208,8 @@ def discover_remote(client: Any, cfg: Config, timeout: float
             "sources' storage") from None
     finally:
         fut.release()
+    if "error" in got:
+        raise got["error"]
     for name, entries in got["quarantined"].items():
         for entry in entries:
             _log.warning("source %r quarantined %s", name, entry)

@@ -253,3 +253,27 @@ def test_empty_source_is_refused_at_start(tmp_path, address):
         DataService.start(cfg, address)
     with pytest.raises(ConfigError, match="sources\\[0\\].on_error"):
         DataService.start(dict(cfg, sources=[dict(cfg["sources"][0], on_error="ignore")]), address)
+
+
+def test_run_says_a_start_check_in_one_line(tmp_path):
+    """``msd-dask run`` of a config whose source matches no file printed the worker's
+    "Compute Failed" and a traceback (the listing task raised on the embedded cluster's
+    worker, which shares the command's terminal) before its one-line error (a review of
+    bad input): the check's error comes back as a value, and the command says one line."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    good = str(tmp_path / "good")
+    _jsonl(good, files=1, rows=5)
+    cfg = _cfg(good, "jsonl", "fail", "*.jsonl.zst")
+    cfg["sources"].append(dict(cfg["sources"][0], name="gone", uri=str(tmp_path / "nope.jsonl")))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "msd_dask.cli", "run", str(path), "--steps", "2",
+                           "--workers", "1"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr
+    assert "Compute Failed" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "msd-dask run: error: config key 'sources[1].uri': path "), proc.stderr

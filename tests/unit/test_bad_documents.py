@@ -142,3 +142,62 @@ def test_a_storage_failure_that_lasts_is_the_files(tmp_path: Path, error: type[O
     skip = dataclasses.replace(src, on_error="skip")
     assert read_unit(skip, _FlakyFS(100, error), unit, ByteTokenizer(), quarantine) == []
     assert len(quarantine) == 1 and quarantine[0].row is None
+
+
+def test_a_bad_line_of_the_example_format_loses_that_line_alone(tmp_path: Path) -> None:
+    """The example format of your own (``TextLinesFormat``) ended the file at a line that
+    was not UTF-8: under ``on_error: skip`` the whole file was set aside, every good line of
+    it lost, where a JSON-lines file loses the bad line alone (a review of bad input).  Its
+    ``read`` takes ``errors="yield"``, as the built-in formats' do."""
+    (tmp_path / "x.txt").write_bytes(b"fine 0\nbad \xff\nfine 2\n")
+    fmt = "msd_dask.examples.text_lines:TextLinesFormat"
+    with pytest.raises(DataError, match=r"source 's', file '.*x\.txt', row 1: invalid UTF-8"):
+        _read(tmp_path, "x.txt", fmt, "fail")
+    docs, quarantine = _read(tmp_path, "x.txt", fmt, "skip")
+    assert [ByteTokenizer().decode(d) for d in docs] == ["fine 0", "", "fine 2"]
+    assert [q.row for q in quarantine] == [1]
+
+
+#: a format of the user's whose listing raises what it raises (no DataError)
+_LISTS_BADLY = '''
+from msd_dask.core.units import Unit
+from msd_dask.examples.text_lines import TextLinesFormat
+
+class Indexed(TextLinesFormat):
+    def units(self, fs, path):
+        if path.endswith("b.txt"):
+            return {}["rows"]  # (a header it could not parse, say)
+        return [Unit(path, 0, 0)]
+'''
+
+
+def test_a_users_format_that_raises_while_listing_names_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A format of your own whose ``units()`` raised anything but a DataError or OSError
+    stopped the start with that bare error (a KeyError's traceback, exit 1 from the CLI),
+    naming no source or file, and ``on_error: skip`` did not set the file aside (a review of
+    bad input): the listing names the source and the file, as a read does."""
+    from msd_dask.sources.check import check_fields
+    from msd_dask.sources.discover import discover_units
+
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "lists_badly.py").write_text(_LISTS_BADLY)
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    (tmp_path / "data").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "data" / name).write_text("one\ntwo\n")
+
+    def cfg(on_error: str, pattern: str = "*.txt") -> Any:
+        return load_config({"name": "own", "batch": {"seq_len": 64}, "sources": [
+            {"name": "s", "uri": str(tmp_path / "data" / pattern),
+             "format": "lists_badly:Indexed", "on_error": on_error}]})
+
+    says = r"source 's', file '.*b\.txt': cannot read: KeyError\('rows'\)"
+    with pytest.raises(DataError, match=says):
+        discover_units(cfg("fail"))
+    with pytest.raises(DataError, match=says):  # (msd-dask validate reads the first file)
+        check_fields(cfg("fail", "b.txt"))
+    quarantined: dict[str, list[str]] = {}
+    units, _ = discover_units(cfg("skip"), quarantined=quarantined)
+    assert [u[0].rsplit("/", 1)[1] for u in units["s"]] == ["a.txt"]
+    assert len(quarantined["s"]) == 1 and "b.txt" in quarantined["s"][0]
