@@ -779,8 +779,10 @@ class HostAgent:
                     raise
                 self._remove_stale_socket()
                 sock.bind(self.path)
+            # the host's ranks run as the agent's user; set before it listens (no other
+            # user's connect is taken while the mode is still the umask's)
+            os.chmod(self.path, 0o600)
             sock.listen(100)
-            os.chmod(self.path, 0o600)  # the host's ranks run as the agent's user
             self._socket_inode = os.stat(self.path).st_ino
         except BaseException:
             sock.close()

@@ -1534,3 +1534,34 @@ def test_ranks_that_skip_ahead_mid_stream_have_their_reader_skip_too(tmp_path: A
         # steps 0-3 (1 and 2 ahead of step 1), then 41-44 (2 ahead of step 42)
         assert readers[0].reads <= 8, readers[0].reads
         handle.close()
+
+
+def test_the_agents_socket_is_private_before_it_listens(tmp_path: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket was made 0600 after ``listen()``: meanwhile another user of the host could
+    connect with the umask's mode and take a rank's steps (a review of the agent).  Its mode
+    is the owner's alone by the time it listens."""
+    import socket as socket_module
+    import stat
+    import types
+
+    from msd_dask.service import agent as agent_module
+
+    path = str(tmp_path / "a.sock")
+    modes: list[int] = []
+
+    class Recording(socket_module.socket):
+        def listen(self, *args: Any) -> None:
+            modes.append(stat.S_IMODE(os.stat(path).st_mode))
+            super().listen(*args)
+
+    monkeypatch.setattr(agent_module, "socket", types.SimpleNamespace(
+        socket=Recording, AF_UNIX=socket_module.AF_UNIX, SOCK_STREAM=socket_module.SOCK_STREAM))
+    old = os.umask(0o022)
+    try:
+        agent = HostAgent.__new__(HostAgent)
+        agent.path = path
+        agent._bind_locked().close()
+    finally:
+        os.umask(old)
+    assert modes == [0o600]
