@@ -273,13 +273,16 @@ def _validate(args: argparse.Namespace) -> int:
     print(f"config {args.config}: OK (service {cfg.name!r}, {cfg.parallel.world_size} ranks, "
           f"seq_len {cfg.batch.seq_len} x {cfg.batch.micro_batches} micro-batches)")
     w = cfg.weights_at(0)
-    for s, (files, found) in zip(cfg.sources, listed, strict=True):
+    for s, first in zip(cfg.sources, listed, strict=True):
         fields = ", ".join(map(repr, source_fields(s)))
-        read = (f"{fields} read from the first record of {files[0]}" if found else
-                f"no record in its first file {files[0]}: {fields} not checked")
+        which = "its first file" if first.path == first.files[0] else "its first readable file"
+        read = (f"{fields} read from the first record of {first.path}" if first.found else
+                f"no record in {which} {first.path}: {fields} not checked")
         print(f"\nsource {s.name!r} ({s.format}, weight {w[s.name]:.3f} at step 0, "
-              f"{s.loaders} loader(s)): {len(files)} file(s); {read}")
-        for f in files:
+              f"{s.loaders} loader(s)): {len(first.files)} file(s); {read}")
+        for err in first.set_aside:  # (on_error: skip: the service sets them aside)
+            print(f"  warning: set aside (on_error: skip): {err}")
+        for f in first.files:
             print(f"  {f}")
     return 0
 

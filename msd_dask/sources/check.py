@@ -11,15 +11,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from msd_dask.core.config import Config, SourceConfig, parse_config
-from msd_dask.errors import ConfigError
+from msd_dask.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from msd_dask.sources.storage import SourceFiles
 
-__all__ = ["anchored", "check_fields", "check_preprocessors", "check_storage", "load_config"]
+__all__ = ["FirstRecord", "anchored", "check_fields", "check_preprocessors", "check_storage",
+           "load_config"]
 
 
 def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
@@ -137,13 +138,35 @@ def _source_files(i: int, src: SourceConfig) -> SourceFiles:
     return files
 
 
-def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
+#: files :func:`check_fields` tries, one after the other, for a source that skips bad
+#: input (``on_error: skip``) and whose first files are bad
+SKIP_LOOK = 8
+
+
+class FirstRecord(NamedTuple):
+    """What :func:`check_fields` found of one source."""
+
+    #: the source's files (a folder's, those its format reads)
+    files: list[str]
+    #: the file whose first record was read
+    path: str
+    #: whether it has a record (a file without one says nothing of the fields)
+    found: bool
+    #: the files before it that could not be read, each one's error (``on_error: skip``
+    #: only: the service sets them aside)
+    set_aside: list[DataError]
+
+
+def check_fields(cfg: Config) -> list[FirstRecord]:
     """Read the first record of each source's first file with the fields the source reads
     (``text_field``, ``image_field``): a misspelt field shows before the service starts,
     not when a loader first reads the file.
 
     Only the first record of the first file is read (a Parquet file's first row group, of
-    those columns): a file further on that lacks the field is found when it is read.
+    those columns): a file further on that lacks the field is found when it is read.  A
+    source that skips bad input (``on_error: skip``) whose first file cannot be read has
+    the next one read, up to :data:`SKIP_LOOK` files, as the service sets such a file
+    aside.
 
     Parameters
     ----------
@@ -151,10 +174,8 @@ def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
 
     Returns
     -------
-    list of (list of str, bool)
-        Each source's files (the first is the one read; a folder's, those its format
-        reads), in the config's order, and
-        whether the first has a record (a file without one says nothing of the fields).
+    list of FirstRecord
+        Each source's, in the config's order.
 
     Raises
     ------
@@ -165,7 +186,8 @@ def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
         built-in format's (:func:`~msd_dask.sources.storage.check_format_suffixes`), or its
         ``format`` cannot be imported.
     DataError
-        Naming the source, the file and the row, and the fields the record has.
+        Naming the source, the file and the row, and the fields the record has (under
+        ``on_error: skip``, the last of the files tried).
     """
     from msd_dask.sources.documents import source_fields, source_format, with_source
     from msd_dask.sources.storage import format_paths
@@ -176,17 +198,24 @@ def check_fields(cfg: Config) -> list[tuple[list[str], bool]]:
         fmt = source_format(src, i)
         # (a folder's files its format reads, as discovery takes them)
         paths = format_paths(files, fmt, src, i)[0]
-        path = paths[0]
-        found = False
-        try:
-            for unit in fmt.units(files.fs, path):
-                found = next(iter(fmt.read(files.fs, unit, source_fields(src))), None) is not None
-                if found:
-                    break  # (a unit without rows: the next one's first)
-        except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
-            err = with_source(e, src.name, path)  # (named by source and file, as a read is)
-            if err is e:
-                raise
-            raise err from e
-        firsts.append((paths, found))
+        tries = paths[:SKIP_LOOK] if src.on_error == "skip" else paths[:1]
+        set_aside: list[DataError] = []
+        for path in tries:
+            found = False
+            try:
+                for unit in fmt.units(files.fs, path):
+                    found = next(iter(fmt.read(files.fs, unit, source_fields(src))),
+                                 None) is not None
+                    if found:
+                        break  # (a unit without rows: the next one's first)
+            except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
+                err = with_source(e, src.name, path)  # (named by source and file, as a read is)
+                if path != tries[-1]:
+                    set_aside.append(err)
+                    continue
+                if err is e:
+                    raise
+                raise err from e
+            firsts.append(FirstRecord(paths, path, found, set_aside))
+            break
     return firsts
