@@ -186,15 +186,24 @@ class SourceLoader:
             self._reading[key] = time.monotonic()
             task = asyncio.create_task(self._read(key))
 
-            def done(_t: asyncio.Task[None], key: tuple[int, int] = key) -> None:
-                self._reading.pop(key, None)
-                slots.release()
-
-            task.add_done_callback(done)
+            task.add_done_callback(lambda _t: slots.release())
 
     async def _read(self, key: tuple[int, int]) -> None:
         """Read unit ``key`` and settle its future: the one assigned when the read ends (a
-        unit released while it was read and assigned again takes this read)."""
+        unit released while it was read and assigned again takes this read).
+
+        ``key`` leaves :attr:`_reading` in the same step as that future is looked at: left
+        to the task's done callback, one step of the loop later, a fetch that assigned
+        the released unit again in between had it skipped by :meth:`_reader` as still
+        being read, and waited for it until its timeout.
+        """
+        try:
+            await self._read_unit(key)
+        finally:
+            self._reading.pop(key, None)
+
+    async def _read_unit(self, key: tuple[int, int]) -> None:
+        """:meth:`_read` but for :attr:`_reading`."""
         loop = asyncio.get_running_loop()
         quarantine: list[DataError] = []
         busy: list[float] = []

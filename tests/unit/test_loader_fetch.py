@@ -316,3 +316,66 @@ def test_a_read_whose_work_was_cancelled_under_it_fails_its_unit(
             await loader.close()
 
     asyncio.run(run())
+
+
+class _HeldReads:
+    """A read pool whose reads run only when the test says so (:meth:`complete`)."""
+
+    def __init__(self) -> None:
+        import concurrent.futures
+
+        self._future = concurrent.futures.Future
+        self.pending: dict[tuple[int, str], Any] = {}
+
+    def submit(self, fn: Any, *args: Any) -> Any:
+        f = self._future()
+        unit = args[2]  # read_unit(src, fs, unit, ...)
+        self.pending[unit.row_offset, unit.path] = (f, fn, args)
+        return f
+
+    def complete(self, unit: Any) -> None:
+        f, fn, args = self.pending.pop((unit.row_offset, unit.path))
+        f.set_result(fn(*args))
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
+
+
+def test_a_unit_released_while_read_and_fetched_as_the_read_ends_is_read_again(corpus) -> None:
+    """Unit K is released while it is read; a fetch asks for it again, and K's read ends one
+    step of the loop after another read freed a slot: the read loop took K's new request
+    for the read still going on (K left ``_reading`` only in the task's done callback) and
+    skipped it, so nothing read K and the fetch waited until its timeout (a review of the
+    data path).  K is read again and the fetch answered."""
+    root, _ = corpus
+
+    async def run() -> tuple[bool, Any]:
+        source, units = _loader_inputs(config(root), 0)
+        loader = SourceLoader(source, units, {"kind": "bytes"}, threads=2)
+        reads = loader._pool = _HeldReads()  # type: ignore[assignment]
+        k, l_, m = (0, 0), (0, 1), (0, 2)
+        await loader.assign([k, l_, m])  # K and L read (2 slots), M waits for a slot
+        await asyncio.sleep(0.05)
+        assert set(loader._reading) == {k, l_}
+        await loader.release([k])  # (not pinned: released while it is read)
+        uk, ul = loader.units[0], loader.units[1]
+        fetch = asyncio.ensure_future(loader.fetch(
+            [(0, 1, ul.row_offset, 0, 1), (0, 0, uk.row_offset, 0, 1)]))
+        await asyncio.sleep(0.05)
+        reads.complete(ul)  # L's read ends, M takes its slot ...
+        await asyncio.sleep(0)
+        reads.complete(uk)  # ... and K's read ends a step of the loop later
+        await asyncio.sleep(0.2)
+        again = (uk.row_offset, uk.path) in reads.pending
+        if again:
+            reads.complete(uk)
+        try:
+            answer = await asyncio.wait_for(fetch, 5)
+        finally:
+            fetch.cancel()
+            await loader.close()
+        return again, answer
+
+    again, answer = asyncio.run(run())
+    assert again  # K is read again for the fetch
+    assert len(split_pieces(answer)) == 2
