@@ -51,6 +51,10 @@ __all__ = ["POLL", "DataConstructor", "StepPieces", "StepWork", "constructor_of"
 #: seconds :meth:`DataConstructor.next_round` waits for a round before it answers
 #: ``None`` (the reader then looks after a lost planner and asks again)
 POLL = 5.0
+#: pieces of a step from which its batches are packed in a thread, not on the actor's
+#: event loop (a smaller step packs in a few milliseconds; the thread costs each step a
+#: hop there and back)
+THREAD_PACK_FROM = 4096
 
 
 def unanswered_stats(index: int, error: str) -> dict[str, Any]:
@@ -656,20 +660,19 @@ class DataConstructor:
                 tokens[pos] = arr
         posts: dict[int, list[int]] = defaultdict(list)  # rank -> steps
         for (step, pieces), work in zip(steps, works, strict=True):
-            cost_of = dict(zip(pieces.dps.tolist(), pieces.costs.tolist(), strict=True))
-            for dp, rows in work.items():
-                packed_rows = []
-                docs = []
-                epochs = []
-                for m, row in enumerate(rows):
-                    packed_rows.append([(tokens[(step, dp, m, j)], it[6] - it[5])
-                                        for j, it in enumerate(row)])
-                    docs.append([(it[0], it[8], it[7]) for it in row])
-                    epochs.append([it[2] for it in row])
-                packed = pack_rows(packed_rows, self.seq_len, self.pad_id)
-                self.tokens_built += sum(n for row in packed_rows for _, n in row)
-                packed.update(step=step, dp=dp, documents=docs, epochs=epochs,
-                              cost=cost_of[dp])
+            # a large step packed in a thread: on this loop, a round of 64 DP ranks x 8 rows
+            # x 128K held the worker (claims, the planner's submits, heartbeats, loaders on
+            # it) for seconds (a review of the data path)
+            n = sum(len(row) for rows in work.values() for row in rows)
+            if n >= THREAD_PACK_FROM:
+                batches, built = await asyncio.to_thread(self._pack_step, step, pieces, work,
+                                                         tokens)
+                if self._closed:  # (meanwhile: what it holds was dropped, nothing to post)
+                    return
+            else:
+                batches, built = self._pack_step(step, pieces, work, tokens)
+            self.tokens_built += built
+            for dp, packed in batches:
                 # ranks that already have this step (they read it from a replaced planner's
                 # constructors) are not sent it and not waited for
                 waiting = {r for r in self.members[dp] if step > self._had.get(r, -1)}
@@ -692,6 +695,30 @@ class DataConstructor:
             event = self._posted.get(r)
             if event is not None:
                 event.set()
+
+    def _pack_step(self, step: int, pieces: StepPieces, work: dict[int, Any],
+                   tokens: dict[tuple[int, int, int, int], np.ndarray]
+                   ) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+        """The batches of ``step``'s DP ranks (``work``: dp -> rows of pieces), packed from
+        the fetched ``tokens``: ``([(dp, batch)], tokens built)``.  Reads the actor's
+        fixed settings alone, so it may run in a thread."""
+        cost_of = dict(zip(pieces.dps.tolist(), pieces.costs.tolist(), strict=True))
+        out = []
+        built = 0
+        for dp, rows in work.items():
+            packed_rows = []
+            docs = []
+            epochs = []
+            for m, row in enumerate(rows):
+                packed_rows.append([(tokens[(step, dp, m, j)], it[6] - it[5])
+                                    for j, it in enumerate(row)])
+                docs.append([(it[0], it[8], it[7]) for it in row])
+                epochs.append([it[2] for it in row])
+            packed = pack_rows(packed_rows, self.seq_len, self.pad_id)
+            built += sum(n for row in packed_rows for _, n in row)
+            packed.update(step=step, dp=dp, documents=docs, epochs=epochs, cost=cost_of[dp])
+            out.append((dp, packed))
+        return out, built
 
     async def _fetch(self, source: str, slot: int, requests: np.ndarray) -> list[np.ndarray]:
         """Fetch from a loader slot; if its loader is lost or retired, retry on the actor

@@ -433,3 +433,40 @@ def test_a_round_whose_answer_was_lost_is_sent_again_by_the_next_generation() ->
         new._task.cancel()
 
     asyncio.run(run())
+
+
+def test_a_large_step_is_packed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole round was packed on the constructor's event loop: at 64 DP ranks x 8 rows x
+    128K the worker answered nothing (claims, the planner's submits, heartbeats) for
+    seconds (a review of the data path).  A step of THREAD_PACK_FROM pieces or more is
+    packed in a thread; a small one on the loop, sparing it the hop."""
+    import threading
+
+    from msd_dask.roles import constructor as constructor_module
+
+    where: list[bool] = []  # per pack_rows call: on the event loop's thread
+    real = constructor_module.pack_rows
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        where.append(threading.current_thread() is threading.main_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(constructor_module, "pack_rows", watched)
+    monkeypatch.setattr(constructor_module, "THREAD_PACK_FROM", 3)  # (a toy step: 2 pieces a rank)
+    members = {0: [0], 1: [1]}
+
+    async def run(steps: list[int], pieces_per_rank: int) -> list[int]:
+        con = await _serving(members, 0)
+        rnd = [(step, step_pieces({d: [[("toy", 0, 0, 0, 10 * step + d, 4 * j, 4 * j + 3, j,
+                                         f"f:{10 * step + d}")
+                                        for j in range(pieces_per_rank)]] for d in members}))
+               for step in steps]
+        await con.submit(rnd)
+        await _built(con, 1)
+        got = await con.next_round(0, -1)
+        con._task.cancel()
+        return got["steps"]
+
+    assert asyncio.run(run([0, 1], 1)) == [0, 1] and where == [True] * 4  # 2 pieces a step
+    where.clear()
+    assert asyncio.run(run([0, 1], 2)) == [0, 1] and where == [False] * 4  # 4 pieces a step
