@@ -54,7 +54,14 @@ from msd_dask.dask_internals import (
     release_actor,
     worker_actors,
 )
-from msd_dask.errors import DataError, ServiceTimeoutError, WorkerLeft, first_of, unanswered
+from msd_dask.errors import (
+    DataError,
+    ServiceError,
+    ServiceTimeoutError,
+    WorkerLeft,
+    first_of,
+    unanswered,
+)
 from msd_dask.roles import constructor as constructor_role
 from msd_dask.roles import loader as loader_role
 from msd_dask.roles.constructor import DataConstructor, unpack_work
@@ -184,6 +191,8 @@ class RoleSupervisor:
         self._scale_asked = asyncio.Event()
         #: the count apply_scaling is reaching, per source (taken out of _targets)
         self._applying: dict[str, int] = {}
+        #: source -> why its last scale-up stopped short (a loader that could not be added)
+        self.add_failed: dict[str, str] = {}
         #: loaders per source :meth:`setup` creates where not the config's count: a
         #: re-created planner's are the lost one's (:meth:`loader_counts`), so what
         #: ``scale_loaders`` or the adaptive policy chose outlives the planner
@@ -926,6 +935,9 @@ class RoleSupervisor:
         self._scale_asked.set()
         if not self.planner.is_planning():  # not planning: apply now (which clears it)
             await self.apply_scaling()
+            failed = self.add_failed.get(source)
+            if failed is not None and len(self.active[source]) < target:
+                raise ServiceError(failed)  # (the caller asked for these loaders now)
         return target
 
     async def scale_asked(self) -> None:
@@ -956,11 +968,23 @@ class RoleSupervisor:
     async def _reach(self, source: str, n: int) -> bool:
         """Add or retire ``source``'s loader slots until it has ``n``; whether any changed."""
         act = self.active[source]
-        grew = len(act) < n
+        before = len(act)
+        self.add_failed.pop(source, None)
         while len(act) < n:
-            slot = await self._add_slot(source)
+            try:
+                slot = await self._add_slot(source)
+            except Exception as e:  # noqa: BLE001 - loaders beyond its own are extra capacity
+                # (its worker paused for memory, no worker placeable, its creation timed
+                # out): the source keeps the loaders it has, and the service goes on;
+                # raised, it ended the planning loop and every reader with it
+                self.add_failed[source] = (
+                    f"msd_dask {self.cfg.name}: could not add a loader to source {source!r} "
+                    f"({type(e).__name__}: {e}); it keeps its {len(act)}")
+                _log.warning("%s", self.add_failed[source])
+                break
             self.record_event("loader", f"{source}#{slot}", "added", "-",
                               actor_address(self._slots[source][slot][0]))
+        grew = len(act) > before
         if grew:  # the units not read yet: added loaders help at once
             await self.planner.spread_units(source)
         shrank = len(act) > n

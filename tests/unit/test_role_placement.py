@@ -974,3 +974,34 @@ def test_a_loader_that_does_not_take_its_units_times_out_naming_it(
                 await asyncio.wait_for(call("a", 0, [(0, 1)]), 10)
 
     asyncio.run(run())
+
+
+def test_a_loader_that_cannot_be_added_leaves_the_source_as_it_was(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker paused (memory): a scale-up's new loader never starts.  Its timeout
+    raised out of apply_scaling, which the planning loop calls, and ended the planner and
+    every reader with it, for capacity the service did not need (a review of the roles'
+    lifecycle).  The source keeps its loaders and the loop goes on; a scale asked for
+    directly (training paused, an operator) still raises, naming the source."""
+    from msd_dask.errors import ServiceError
+
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 1, 1, timeout=0.3)
+
+    async def run() -> str:
+        await sup.setup()
+        client.stuck.update(workers)  # (roles placed from now on never start)
+        monkeypatch.setattr(sup.planner, "is_planning", lambda: True)
+        await sup.scale("a", 2)  # asked; the planning loop applies it
+        await sup.apply_scaling()  # (raised here, in the loop)
+        assert sup.active["a"] == [0] and "could not add a loader to source 'a'" in \
+            sup.add_failed["a"]
+        monkeypatch.setattr(sup.planner, "is_planning", lambda: False)
+        with pytest.raises(ServiceError, match="could not add a loader to source 'a'.*"
+                                               "keeps its 1") as info:
+            await sup.scale("a", 2)
+        return str(info.value)
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    assert sup.active["a"] == [0]
