@@ -86,6 +86,10 @@ _log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+#: seconds :meth:`RoleSupervisor.close` waits for a change of the roles going on (a scale,
+#: a heal) to end, so that the roles it made are closed with the others
+CLOSE_WAIT = 10.0
+
 #: One planned step as the planner hands it over: ``(step, [each constructor's work, packed
 #: as the planner keeps it])`` (:func:`~msd_dask.roles.constructor.pack_works`)
 StepRound = tuple[int, list[bytes]]
@@ -200,6 +204,8 @@ class RoleSupervisor:
         self._evacuating: set[str] = set()
         self._client: Any = None
         self._lock = asyncio.Lock()
+        #: set by :meth:`close`: no role is made from then on (one being made is closed)
+        self._closed = False
         self._last_check = 0.0
         self.recovered = Counter[str]()
         self.events: list[dict[str, Any]] = []
@@ -362,29 +368,36 @@ class RoleSupervisor:
                 workers = set(await self._workers())
                 pending = [(n, w) for n, w, f in submitted if f.status == "pending"]
                 gone = [(n, w) for n, w in pending if w not in workers]
-                late = time.monotonic() >= deadline
-                if gone or late:
-                    await self._abandon(submitted)
-                    if gone:
-                        raise WorkerLeft(self.cfg.name, *gone[0])
+                if gone:
+                    raise WorkerLeft(self.cfg.name, *gone[0])
+                if time.monotonic() >= deadline:
                     raise ServiceTimeoutError(
                         f"msd_dask {self.cfg.name}: waited {self.cfg.timeout:g}s (the config's "
                         f"timeout) for {first_of([f'{n} on {w}' for n, w in pending], 4)} to be "
                         "created; the workers are alive but did not start them "
                         "(paused for memory, or busy)")
+            made = [f for f in futs if f.status == "finished"]
+            try:  # (a handle of an actor whose worker left a moment ago may never come)
+                handles = await asyncio.wait_for(self._client.gather(made, asynchronous=True),
+                                                 self.cfg.timeout) if made else []
+            except TimeoutError:
+                raise ServiceTimeoutError(
+                    f"msd_dask {self.cfg.name}: the handles of "
+                    f"{first_of([n for n, _, f in submitted if f in made], 4)}, created, did "
+                    f"not come from the scheduler within {self.cfg.timeout:g}s (the config's "
+                    "timeout)") from None
+            if self._closed:  # (closed while they were made: no role outlives the close)
+                raise ServiceError(f"msd_dask {self.cfg.name}: closed while "
+                                   f"{first_of([n for n, _, _ in submitted], 4)} were created")
+        except BaseException:
+            # every way out but the roles' own failure (below): a worker left, a timeout,
+            # the scheduler not answering, the planning loop cancelled (the service closed)
+            # closes and releases what was made, else it stays on its worker for good
+            await asyncio.shield(self._abandon(submitted))
+            raise
         finally:
             waiting.cancel()
             waiting.add_done_callback(_observe)
-        made = [f for f in futs if f.status == "finished"]
-        try:  # (a handle of an actor whose worker left a moment ago may never come)
-            handles = await asyncio.wait_for(self._client.gather(made, asynchronous=True),
-                                             self.cfg.timeout) if made else []
-        except TimeoutError:
-            raise ServiceTimeoutError(
-                f"msd_dask {self.cfg.name}: the handles of "
-                f"{first_of([n for n, _, f in submitted if f in made], 4)}, created, did not "
-                f"come from the scheduler within {self.cfg.timeout:g}s (the config's timeout)"
-            ) from None
         if len(made) == len(futs):
             return list(zip(handles, futs, strict=True))
         await _close_made(made, handles)
@@ -780,7 +793,7 @@ class RoleSupervisor:
             return False
         self._last_check = now
         async with self._lock:
-            return await self._heal(wait)
+            return False if self._closed else await self._heal(wait)
 
     async def _heal(self, wait: bool, gone_only: bool = False) -> bool:
         """:meth:`heal`'s work, under the lock.  ``gone_only``: only the roles of workers
@@ -808,10 +821,12 @@ class RoleSupervisor:
             await self._push_loaders()
         return bool(lost_l or lost_c)
 
-    async def _replace_loader(self, source: str, slot: int, why: str) -> tuple[Any, Any]:
-        """Put a new loader in ``source``'s ``slot`` and hand it the slot's units; returns
-        the old one's handle and future: dropped here if it was lost, else the caller
-        closes it once the constructors fetch from the new one (:meth:`_move_off`)."""
+    async def _replace_loader(self, source: str, slot: int, why: str,
+                              replaced: list[tuple[Any, Any]] | None = None) -> None:
+        """Put a new loader in ``source``'s ``slot`` and hand it the slot's units.  The old
+        one is dropped here if it was lost, else appended to ``replaced`` (its handle and
+        future) as soon as the new one holds the slot, even if the hand-over fails: the
+        caller closes it once the constructors fetch from the new one (:meth:`_move_off`)."""
         old_h, old_f = self._slots[source][slot]
         self._slots[source][slot] = await self._new_loader(source, slot)
         new = self._slots[source][slot][0]
@@ -819,8 +834,9 @@ class RoleSupervisor:
                           actor_address(new))
         if why == "lost":
             _drop((old_h, old_f))
+        elif replaced is not None:
+            replaced.append((old_h, old_f))
         await self.planner.hand_over(source, [slot], slot)
-        return old_h, old_f
 
     async def _replace_constructor(self, i: int, why: str) -> None:
         old, old_f = self.constructors[i], self._cfuts[i]
@@ -930,11 +946,15 @@ class RoleSupervisor:
         see :meth:`scale_asked`)."""
         if source not in self._slots:
             raise KeyError(f"no source {source!r}")
+        if self._closed:  # (the plugin's policy may ask a closed service's planner)
+            return len(self.active[source])
         lo, hi = self.bounds(source)
         target = self._targets[source] = max(lo, min(hi, n))
         self._scale_asked.set()
         if not self.planner.is_planning():  # not planning: apply now (which clears it)
             await self.apply_scaling()
+            if self._closed:
+                return len(self.active[source])
             failed = self.add_failed.get(source)
             if failed is not None and len(self.active[source]) < target:
                 raise ServiceError(failed)  # (the caller asked for these loaders now)
@@ -951,6 +971,9 @@ class RoleSupervisor:
         """Add or retire loader slots to reach the counts :meth:`scale` asked for."""
         async with self._lock:
             self._scale_asked.clear()
+            if self._closed:
+                self._targets.clear()
+                return
             changed = False
             while self._targets:
                 # taken out before it is applied: a scale() of the source while this one
@@ -977,6 +1000,8 @@ class RoleSupervisor:
                 # (its worker paused for memory, no worker placeable, its creation timed
                 # out): the source keeps the loaders it has, and the service goes on;
                 # raised, it ended the planning loop and every reader with it
+                if self._closed:
+                    break  # (closed meanwhile: nothing to say)
                 self.add_failed[source] = (
                     f"msd_dask {self.cfg.name}: could not add a loader to source {source!r} "
                     f"({type(e).__name__}: {e}); it keeps its {len(act)}")
@@ -1025,6 +1050,8 @@ class RoleSupervisor:
             raise ValueError(f"the planner itself runs on {self.own_address()}; it cannot "
                              "move (restart the service from a state_dict instead)")
         async with self._lock:
+            if self._closed:
+                raise ServiceError(f"msd_dask {self.cfg.name}: closed; no role moves")
             self._evacuating.update(workers)
             moved = Counter[str](
                 loaders=sum(actor_address(h) in workers for h, _ in self._all_loaders()),
@@ -1045,16 +1072,25 @@ class RoleSupervisor:
 
     async def _move_off(self, workers: list[str]) -> None:
         """Re-create the loaders and constructors on ``workers`` elsewhere (under the lock)."""
-        moved = []
-        for source, slots in self._slots.items():
-            for slot, (h, _) in list(slots.items()):
-                if actor_address(h) in workers:
-                    moved.append(await self._replace_loader(source, slot, "moved"))
-        await self._push_loaders()
-        for old in moved:  # (alive: it stops reading and frees its units, threads, pool)
-            with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
-                await asyncio.wait_for(direct(old[0]).close(), 30)
-            _drop(old)
+        moved: list[tuple[Any, Any]] = []  # the old loaders, replaced in their slots
+        pushed = False
+        try:
+            for source, slots in self._slots.items():
+                for slot, (h, _) in list(slots.items()):
+                    if actor_address(h) in workers:
+                        await self._replace_loader(source, slot, "moved", moved)
+            await self._push_loaders()
+            pushed = True
+        finally:
+            # (also where a move failed halfway: the loaders replaced so far are closed,
+            # not left on the worker being retired, which a retry finds empty of them)
+            if not pushed and moved:
+                with contextlib.suppress(Exception):
+                    await self._push_loaders()
+            for old in moved:  # (alive: it stops reading and frees its units, threads, pool)
+                with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
+                    await asyncio.wait_for(direct(old[0]).close(), 30)
+                _drop(old)
         for i, c in enumerate(list(self.constructors)):
             if actor_address(c) in workers:
                 await self._replace_constructor(i, "moved")
@@ -1067,7 +1103,17 @@ class RoleSupervisor:
 
     async def close(self, notice: str | None = None) -> None:
         """Close every constructor and loader and let Dask forget their actors; ``notice``:
-        what the constructors tell readers that ask them afterwards."""
+        what the constructors tell readers that ask them afterwards.
+
+        No role is made from then on (:meth:`scale`, :meth:`heal` and :meth:`evacuate` do
+        nothing; a role being made is closed as it comes): a change going on is waited
+        for up to :data:`CLOSE_WAIT` seconds, so that the roles it made are among those
+        closed.
+        """
+        self._closed = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._lock.acquire(), CLOSE_WAIT)
+            self._lock.release()  # (nothing takes it again: every change checks _closed)
         for c in self.constructors:
             try:
                 await asyncio.wait_for(c.close(notice), 5)

@@ -6,6 +6,7 @@ the workers) picks exactly what placing the roles one at a time picked (the old
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import types
 from collections import Counter
@@ -1005,3 +1006,143 @@ def test_a_loader_that_cannot_be_added_leaves_the_source_as_it_was(
 
     asyncio.run(asyncio.wait_for(run(), 30))
     assert sup.active["a"] == [0]
+
+
+class _SlowFuture(_Future):
+    """A role that starts ``after`` seconds after it is submitted."""
+
+    def __init__(self, key: str, where: str, after: float = 0.2):
+        super().__init__(key, where, None, hang=True)
+        asyncio.get_running_loop().call_later(after, self._start)
+
+    def _start(self) -> None:
+        self.status = "finished"
+
+    async def exception(self, asynchronous: bool = False) -> BaseException | None:
+        while self.status == "pending":
+            await asyncio.sleep(0.01)
+        return None
+
+
+class _SlowClient(_Client):
+    """Roles start at once, or (``slow``) a moment after they are submitted."""
+
+    slow = False
+
+    def submit(self, cls: type, *args: object, workers: list[str], key: str,
+               **kw: object) -> _Future:
+        if not self.slow:
+            return super().submit(cls, *args, workers=workers, key=key, **kw)
+        fut = _SlowFuture(key, workers[0])
+        self.submitted.append(fut)
+        return fut
+
+
+def _left_open(client: _Client) -> list[str]:
+    """Roles neither closed nor released (left on their workers for good)."""
+    futs = {f.key: f for f in client.submitted}
+    made = {h.key for h in client.handles}
+    return sorted([h.key for h in client.handles if not h.closed and not futs[h.key].released]
+                  + [f.key for f in client.submitted if f.key not in made and not f.released])
+
+
+@pytest.mark.parametrize("during", ["scale", "heal"])
+def test_roles_made_while_the_service_closes_are_closed_with_it(
+        monkeypatch: pytest.MonkeyPatch, during: str) -> None:
+    """close() took no lock and stopped nothing: a scale (an operator's, or the plugin's
+    policy asking a closed service's planner) or a heal going on, or asked after, made roles
+    that outlived the close; a heal cancelled with the planning loop left the role it was
+    making (a review of the roles' lifecycle).  Every role made is closed or released."""
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3"]
+    client = _SlowClient(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 1)
+
+    async def run() -> None:
+        await sup.setup()
+        client.slow = True
+        if during == "scale":
+            change = asyncio.ensure_future(sup.scale("a", 3))
+        else:
+            client.scheduler.workers.remove(sup.loader("a", 0)._address)  # a#0's worker dies
+            change = asyncio.ensure_future(sup.heal())
+        await asyncio.sleep(0.05)  # its role is being made
+        if during == "heal":  # (close_roles stops the planning loop first)
+            change.cancel()
+        await sup.close("closed by its owner")
+        with contextlib.suppress(asyncio.CancelledError):
+            await change
+        assert await sup.scale("a", 3) == len(sup.active["a"])  # asked after: nothing made
+        await asyncio.sleep(0.3)  # (what was submitted has started by now)
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    assert _left_open(client) == []
+
+
+@pytest.mark.parametrize("stuck", ["gather", "scheduler"])
+def test_roles_whose_creation_times_out_any_way_are_closed(
+        monkeypatch: pytest.MonkeyPatch, stuck: str) -> None:
+    """_created promised to close and release the roles of a call that failed, but not where
+    the handles of created roles did not come within the timeout, nor where the scheduler
+    stopped answering the look at its workers (a review of the roles' lifecycle)."""
+    from msd_dask.errors import ServiceTimeoutError
+
+    workers = ["tcp://h:1", "tcp://h:2"]
+    client = _Client(workers, stuck="tcp://h:2" if stuck == "scheduler" else None)
+    if stuck == "gather":
+        async def gather(futs: list[_Future], asynchronous: bool = False) -> list[_Handle]:
+            await asyncio.Event().wait()
+            return []
+
+        client.gather = gather  # type: ignore[method-assign]
+    else:
+        answered = client.scheduler.ncores
+        client.scheduler.ncores_running = answered  # type: ignore[method-assign]
+        looks = [0]
+
+        async def ncores() -> dict[str, int]:
+            looks[0] += 1
+            if looks[0] > 1:
+                await asyncio.Event().wait()
+            return await answered()
+
+        client.scheduler.ncores = ncores  # type: ignore[method-assign]
+    sup = _supervisor(monkeypatch, client, workers[0], 2 if stuck == "gather" else 1, 1,
+                      timeout=0.5)
+    with pytest.raises(ServiceTimeoutError):
+        asyncio.run(asyncio.wait_for(sup.setup(), 10))
+    assert client.submitted and all(f.released for f in client.submitted)
+
+
+def test_a_loader_moved_off_a_worker_is_closed_even_if_its_hand_over_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """evacuate(): the new loader took the slot, then the hand-over of its units failed (the
+    heir's worker lost): the old loader, alive on the worker being retired, was neither
+    closed nor released, and the retry found no loader of that slot there (a review of the
+    roles' lifecycle)."""
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 2, timeout=0.3)
+    heirs: list[str] = []
+
+    async def hand_over(source: str, slots: list[int], heir: int) -> None:
+        heirs.append(sup.loader(source, heir)._address)
+        if len(heirs) == 1:
+            client.scheduler.workers.remove(heirs[0])
+            raise OSError("Unable to contact Actor's worker")
+
+    monkeypatch.setattr(sup.planner, "hand_over", hand_over)
+
+    async def run() -> tuple[str, list[Any]]:
+        await sup.setup()
+        retire = next(w for w in workers[1:]
+                      if w in {c._address for c in sup.constructors}
+                      and w in {h._address for h, _ in sup._all_loaders()})
+        olds = [(h, f) for h, f in sup._all_loaders() if h._address == retire]
+        await asyncio.wait_for(sup.evacuate([retire]), 30)
+        return retire, olds
+
+    retire, olds = asyncio.run(run())
+    assert olds and all(h.closed and f.released for h, f in olds)
+    futs = {f.key: f for f in client.submitted}
+    assert [h.key for h in client.handles if h._address == retire
+            and not h.closed and not futs[h.key].released] == []
