@@ -176,6 +176,26 @@ def _planner_within(name: str, what: str, timeout: float) -> Iterator[None]:
             "worker's log)") from e
 
 
+#: seconds a start that failed waits for its planner to close the roles it made
+UNSTARTED_CLOSE_WAIT = 30.0
+
+
+def _close_unstarted(name: str, planner: Any, future: Any) -> None:
+    """Close the roles of service ``name``'s new ``planner``, whose setup failed, and
+    release its ``future`` (best effort: a failure is logged, the caller raises its own)."""
+    try:
+        planner.close_roles().result(timeout=UNSTARTED_CLOSE_WAIT)
+    except TimeoutError:
+        _log.warning("msd_dask %s: the planner whose setup failed did not close its roles "
+                     "within %.0fs: those it made may stay open on their workers", name,
+                     UNSTARTED_CLOSE_WAIT)
+    except Exception as e:  # noqa: BLE001 - its worker may be the trouble: said, not raised
+        _log.warning("msd_dask %s: the planner whose setup failed could not close its "
+                     "roles: %r", name, e)
+    finally:
+        future.release()
+
+
 def _client(address: str, timeout: float, security: Any) -> Any:
     """A service's client of the scheduler at ``address`` (each training process, or each
     host's agent, has one): talking to the workers directly, without the periodic
@@ -422,9 +442,15 @@ class DataService:
                 _log.warning("%s; placing it again", e)
         registry["quarantined"] = quarantined
         registry["owner"] = client.id
-        with _planner_within(cfg.name, "set up", timeout):
-            planner.setup().result(timeout=timeout)
-        client.publish_dataset(registry, name=key)
+        try:
+            with _planner_within(cfg.name, "set up", timeout):
+                planner.setup().result(timeout=timeout)
+            client.publish_dataset(registry, name=key)
+        except BaseException:
+            # a setup that failed part-way (a worker that left, a timeout) leaves the roles
+            # it made open on their workers: nothing else knows them
+            _close_unstarted(cfg.name, planner, registry["planner"])
+            raise
         svc = None
         try:  # from here, a failure (or Ctrl-C) leaves nothing published or running
             published_event(client, cfg.name).set()

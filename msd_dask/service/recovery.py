@@ -66,6 +66,8 @@ class PlannerKeeper:
         self.pinned: list[str] | None = None
         #: the highest planner generation this keeper published
         self._published = int(link.generation)
+        #: the generations whose re-created planner failed to start (their roles closed)
+        self._failed: set[int] = set()
         #: held while a checkpoint is kept or the planner re-created
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -147,7 +149,7 @@ class PlannerKeeper:
         said = None  # the failure logged last (a failure that stays is logged once)
         while not self._stop.wait(self.interval):
             try:
-                if self.link.planner_lost(confirm=True):
+                if self.planner_lost():
                     self.recover()
                 else:
                     self.keep_checkpoint(stats_age=STATS_SHARED)
@@ -159,6 +161,13 @@ class PlannerKeeper:
                     said = repr(e)
                     _log.warning("msd_dask %s: watching the planner: %s (said once while it "
                                  "lasts)", self.link.name, said)
+
+    def planner_lost(self) -> bool:
+        """Whether the link's planner is to be re-created: lost with its worker, or one
+        whose start failed (it answers, its roles closed): a reader of this process may
+        have switched the link to it, published until the failure."""
+        return (self.link.generation in self._failed
+                or self.link.planner_lost(confirm=True))
 
     def recover(self) -> None:
         """Re-create the lost planner from the last checkpoint."""
@@ -219,8 +228,14 @@ class PlannerKeeper:
         return closed, had
 
     def _start_generation(self, registry: dict[str, Any]) -> None:
-        """Set up the new planner of ``registry``, publish it and switch the link to it."""
-        client, cfg = self.link.client, self.link.config
+        """Set up the new planner of ``registry``, publish it and switch the link to it.
+
+        If it fails, the registry and the link are the lost planner's again
+        (:meth:`_fall_back`): the next watch round re-creates it.
+        """
+        link = self.link
+        client, cfg = link.client, link.config
+        was: tuple[Any, ...] | None = None  # the link before the publish (the lost planner)
         try:  # (a worker that left first fails this attempt at once: the next places again)
             planner = bound_actor(client, registry["planner"], registry["planner_worker"],
                                   cfg.name, "the re-created planner", cfg.timeout)
@@ -234,6 +249,8 @@ class PlannerKeeper:
                 raise ServiceError(f"msd_dask {cfg.name}: closed while its planner was "
                                    "re-created: the new one is not published")
             doing = "publish its registry on the scheduler"
+            # (a publish that timed out may still be done: from here, a failure falls back)
+            was = (link.registry, link.planner, link.constructors)
             client.publish_dataset(registry, name=REGISTRY_PREFIX + self.link.name,
                                    override=True, callback_timeout=cfg.timeout)
             self._published = max(self._published, int(registry["generation"]))
@@ -249,6 +266,9 @@ class PlannerKeeper:
                 pass
             finally:
                 registry["planner"].release()
+            if was is not None:
+                self._failed.add(int(registry["generation"]))
+                self._fall_back(was)
             if isinstance(e, TimeoutError) and not isinstance(e, ServiceTimeoutError):
                 # (Dask's says only 'timed out after 300 s.'; one of ours names its role)
                 raise ServiceTimeoutError(
@@ -256,3 +276,25 @@ class PlannerKeeper:
                     f"{registry['generation']}) did not {doing} within {cfg.timeout:g}s (the "
                     "config's timeout)") from e
             raise
+
+    def _fall_back(self, was: tuple[Any, ...]) -> None:
+        """Publish the lost planner's registry again and switch the link back to it, after
+        a re-created planner failed once its own registry may be published (``was``: the
+        link's ``registry``, ``planner`` and ``constructors`` before).  The failed planner
+        answers, its roles closed: left on it, the link would not find it lost, and
+        nothing would re-create it.  Readers elsewhere that switched to it switch again to
+        the next one, published with a higher generation."""
+        link, cfg = self.link, self.link.config
+        if not self._stop.is_set():  # (a close unpublishes the service)
+            try:  # (first: a look at the published registry switches to it no more)
+                link.client.publish_dataset(was[0], name=REGISTRY_PREFIX + link.name,
+                                            override=True, callback_timeout=cfg.timeout)
+            except Exception as e:  # noqa: BLE001 - said; the link goes back all the same
+                _log.warning("msd_dask %s: could not publish the lost planner's registry "
+                             "again after its re-creation failed (waited up to %gs, the "
+                             "config's timeout): %r", link.name, cfg.timeout, e)
+        registry, planner, constructors = was
+        # (a reader's look may switch it to the failed one again meanwhile: the watcher
+        # still re-creates it, see planner_lost)
+        if link.generation in self._failed and planner is not None:
+            link.adopt(registry, planner, constructors)

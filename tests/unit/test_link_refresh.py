@@ -401,3 +401,98 @@ def test_a_service_stopped_elsewhere_is_not_re_created_by_its_owner(monkeypatch:
 
     with pytest.raises(RuntimeError, match="placing"):
         keeper.recover()
+
+
+class _Owner:
+    """The owner's client: a scheduler with ``workers`` holding the published datasets."""
+
+    id, status = "owner-1", "running"
+
+    def __init__(self, workers: list[str]):
+        import types
+
+        self.workers = workers
+        self.datasets: dict[str, Any] = {}
+        self.scheduler = types.SimpleNamespace(ncores=None, ncores_running=None)
+
+    def sync(self, rpc: Any, callback_timeout: Any = None) -> dict[str, int]:
+        return {w: 1 for w in self.workers}  # (the scheduler's ``ncores``)
+
+    def publish_dataset(self, data: Any, name: str, override: bool = False,
+                        callback_timeout: Any = None) -> None:
+        self.datasets[name] = data
+
+    def get_dataset(self, name: str, default: Any = None, callback_timeout: Any = None) -> Any:
+        return self.datasets.get(name, default)
+
+
+class _Generation:
+    """A planner's actor handle, bound to ``client``, on the worker ``address``."""
+
+    def __init__(self, client: Any, address: str, starts: bool = True):
+        self._client, self._address = client, address
+        self.starts, self.closed = starts, False
+
+    def setup(self) -> _Done:
+        return _Done(None)
+
+    def handles(self, _with_loaders: bool) -> _Done:
+        return _Done({"constructors": []})
+
+    def start(self) -> Any:
+        if self.starts:
+            return _Done(None)
+        return _LostFuture()  # (its start is not answered in time)
+
+    def close_roles(self) -> _Done:
+        self.closed = True
+        return _Done(None)
+
+    def checkpoint(self, **_: Any) -> _Done:
+        return _Done({"state": None, "had": {}, "recovered": {}, "events": [], "step": 5})
+
+
+class _Key(_Published):
+    """A registry's planner future, its handle's key held (``release``: let go)."""
+
+    def release(self) -> None:
+        pass
+
+
+def test_a_re_created_planner_that_does_not_start_is_re_created_again(monkeypatch: Any) -> None:
+    """A re-created planner whose start failed had its roles closed, but the owner's link
+    and the published registry stayed on it: it answers, its worker alive, so the watcher
+    kept its checkpoint and never re-created it (review).  The lost planner's registry is
+    published again and the link goes back to it; the next round re-creates it."""
+    import pytest
+
+    from msd_dask.service import recovery
+    from msd_dask.service.placement import REGISTRY_PREFIX
+
+    cfg = parse_config({"name": "rct", "batch": {"seq_len": 64}, "timeout": 1, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    client = _Owner(["tcp://w:2"])
+    lost = _Generation(client, "tcp://w:1")  # (its worker is gone)
+    was = {"planner": _Key(lost), "generation": 0, "owner": client.id, "constructors": 1}
+    client.datasets[REGISTRY_PREFIX + "rct"] = was
+    link = PlannerLink(client, cfg, was, owner=True)
+    keeper = recovery.PlannerKeeper(link, {"units": {}, "roots": {}, "loader_threads": 1})
+    planners = [_Generation(client, "tcp://w:2", starts=False), _Generation(client, "tcp://w:2")]
+    monkeypatch.setattr(recovery, "close_roles_everywhere", lambda *a: {})
+    monkeypatch.setattr(recovery, "place_planner", lambda *a, generation, **k: {
+        "planner": _Key(planners.pop(0)), "planner_worker": "tcp://w:2", "constructors": 1,
+        "generation": generation})
+    monkeypatch.setattr(recovery, "bound_actor", lambda client, future, *a: future.result())
+    assert keeper.planner_lost()
+    failed = planners[0]
+    with pytest.raises(ServiceTimeoutError, match=r"generation 1\) did not start planning"):
+        keeper.recover()
+    assert failed.closed
+    assert link.generation == 0 and link.planner is lost and client.datasets[REGISTRY_PREFIX + "rct"] is was
+    assert keeper.planner_lost()  # (the next watch round re-creates it)
+    # a reader's look that switched the link to the failed one before it went back
+    link.adopt({"planner": _Key(failed), "generation": 1, "owner": client.id}, failed, [])
+    assert keeper.planner_lost()
+    keeper.recover()
+    assert link.generation == 2 and client.datasets[REGISTRY_PREFIX + "rct"]["generation"] == 2
+    assert not keeper.planner_lost()
