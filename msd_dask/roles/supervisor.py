@@ -206,6 +206,8 @@ class RoleSupervisor:
         self._lock = asyncio.Lock()
         #: set by :meth:`close`: no role is made from then on (one being made is closed)
         self._closed = False
+        #: constructors that did not take the loaders' last view (:meth:`_push_loaders`)
+        self._untold: set[int] = set()
         self._last_check = 0.0
         self.recovered = Counter[str]()
         self.events: list[dict[str, Any]] = []
@@ -793,7 +795,12 @@ class RoleSupervisor:
             return False
         self._last_check = now
         async with self._lock:
-            return False if self._closed else await self._heal(wait)
+            if self._closed:
+                return False
+            healed = await self._heal(wait)
+            if self._untold:  # (a re-created constructor took the view at its setup)
+                await self._push_loaders(self._untold)
+            return healed
 
     async def _heal(self, wait: bool, gone_only: bool = False) -> bool:
         """:meth:`heal`'s work, under the lock.  ``gone_only``: only the roles of workers
@@ -846,6 +853,7 @@ class RoleSupervisor:
                 handle, fut = await self._set_up_constructor(i)
                 was, was_f = self.constructors[i], self._cfuts[i]
                 self.constructors[i], self._cfuts[i] = handle, fut
+                self._untold.discard(i)  # (set up with the loaders' current view)
                 if was is not old:  # one placed here before, whose worker left
                     _drop((was, was_f))
                 self.record_event("constructor", str(i), why, actor_address(was),
@@ -919,15 +927,30 @@ class RoleSupervisor:
                 "retired": f"retired from {old}; its units went to the loader on {new}"}[why]
         _log.warning("msd_dask %s: %s %s %s%s", self.cfg.name, role, name, what, detail)
 
-    async def _push_loaders(self) -> None:
+    async def _push_loaders(self, only: Iterable[int] | None = None) -> None:
+        """Tell the constructors (``only`` these indices) the loaders' current view.  One
+        that does not take it is named in the log and told again at the next :meth:`heal`
+        (a constructor missing it fetches from a retired loader's closed actor until its
+        timeout, and names that loader, not itself)."""
         view = self.view()
+        which = range(len(self.constructors)) if only is None else sorted(only)
 
         async def push(c: Any) -> None:
             # a lost constructor raises, heal re-creates it; one on a frozen worker is not
             # waited for under the lock for ever (heal re-creates it once Dask drops the worker)
             await asyncio.wait_for(c.set_loaders(view), self.cfg.timeout)
 
-        await asyncio.gather(*(push(c) for c in self.constructors), return_exceptions=True)
+        told = await asyncio.gather(*(push(self.constructors[i]) for i in which),
+                                    return_exceptions=True)
+        for i, got in zip(which, told, strict=True):
+            if isinstance(got, BaseException):
+                if i not in self._untold:
+                    _log.warning("msd_dask %s: constructor %d on %s did not take the loaders' "
+                                 "new view (%r); told again at the next round", self.cfg.name,
+                                 i, actor_address(self.constructors[i]), got)
+                self._untold.add(i)
+            else:
+                self._untold.discard(i)
 
     # -------------------------------------------------------------- scaling
     def loader_counts(self) -> dict[str, int]:

@@ -1146,3 +1146,36 @@ def test_a_loader_moved_off_a_worker_is_closed_even_if_its_hand_over_fails(
     futs = {f.key: f for f in client.submitted}
     assert [h.key for h in client.handles if h._address == retire
             and not h.closed and not futs[h.key].released] == []
+
+
+def test_a_constructor_that_misses_the_loaders_view_is_named_and_told_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A push of the loaders' view that failed for one constructor was dropped without a
+    word: after a scale-down it fetched from the retired loader's closed actor until its
+    timeout, and the error named that loader (a review of the roles' lifecycle).  The
+    failure names the constructor, and the next heal tells it again."""
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3"]
+    client = _Client(workers)
+    sup = _supervisor(monkeypatch, client, workers[0], 2, 1)
+    views: list[object] = []
+    fails = [1]
+
+    async def set_loaders(view: object) -> None:
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError("Timed out trying to connect")
+        views.append(view)
+
+    async def run() -> None:
+        await sup.setup()
+        monkeypatch.setattr(sup.constructors[1], "set_loaders", set_loaders)
+        await sup._reach("a", 2)
+        await sup._push_loaders()  # (as apply_scaling does after a change)
+        assert sup._untold == {1} and views == []
+        await sup.heal(wait=False)
+        assert sup._untold == set() and views == [sup.view()]
+
+    with caplog.at_level("WARNING", logger="msd_dask.roles.supervisor"):
+        asyncio.run(asyncio.wait_for(run(), 30))
+    assert any("constructor 1 on " in r.getMessage() and "did not take the loaders' new view"
+               in r.getMessage() for r in caplog.records)
