@@ -89,6 +89,9 @@ _T = TypeVar("_T")
 #: seconds :meth:`RoleSupervisor.close` waits for a change of the roles going on (a scale,
 #: a heal) to end, so that the roles it made are closed with the others
 CLOSE_WAIT = 10.0
+#: seconds a failed creation waits for the handles of the roles it made, to close them
+#: (best effort: their futures are released all the same)
+ABANDON_WAIT = 5.0
 
 #: One planned step as the planner hands it over: ``(step, [each constructor's work, packed
 #: as the planner keeps it])`` (:func:`~msd_dask.roles.constructor.pack_works`)
@@ -423,7 +426,7 @@ class RoleSupervisor:
         if made:
             with contextlib.suppress(Exception):
                 handles = await asyncio.wait_for(
-                    self._client.gather(made, asynchronous=True), 5)
+                    self._client.gather(made, asynchronous=True), ABANDON_WAIT)
         await _close_made(made, handles)
         for f in futs:  # (those not created; a second release does nothing)
             f.release()

@@ -746,8 +746,13 @@ def test_retired_loader_slots_are_forgotten_once_no_step_names_them(
     retiring loaders all run long, without bound (a review of the recovery path).  A slot
     is forgotten once every step planned before it retired was claimed by every rank;
     until then it still names its heir, and its counters go to the heir's."""
+    import gc
+
     from msd_dask.core.figures import LOADER_COUNTERS
 
+    # (each retirement's drop collects the whole heap: a second or more a cycle in the suite,
+    # and nothing here depends on it)
+    monkeypatch.setattr(gc, "collect", lambda *args: 0)
     workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
     client = _Client(workers)
     sup = _supervisor(monkeypatch, client, workers[0], 1, 1)
@@ -868,7 +873,9 @@ def test_handles_that_do_not_come_are_a_timeout_naming_the_roles(
     import asyncio
 
     from msd_dask.errors import ServiceTimeoutError
+    from msd_dask.roles import supervisor as supervisor_module
 
+    monkeypatch.setattr(supervisor_module, "ABANDON_WAIT", 0.1)  # (closing them: as stuck)
     workers = ["tcp://h:1", "tcp://h:2"]
     client = _Client(workers)
 
@@ -1085,7 +1092,9 @@ def test_roles_whose_creation_times_out_any_way_are_closed(
     the handles of created roles did not come within the timeout, nor where the scheduler
     stopped answering the look at its workers (a review of the roles' lifecycle)."""
     from msd_dask.errors import ServiceTimeoutError
+    from msd_dask.roles import supervisor as supervisor_module
 
+    monkeypatch.setattr(supervisor_module, "ABANDON_WAIT", 0.1)  # (closing them: as stuck)
     workers = ["tcp://h:1", "tcp://h:2"]
     client = _Client(workers, stuck="tcp://h:2" if stuck == "scheduler" else None)
     if stuck == "gather":
