@@ -16,8 +16,8 @@ import re
 import uuid
 from collections.abc import Iterable
 
-__all__ = ["constructor_key", "is_role_of", "loader_key", "planner_key", "planner_pattern",
-           "role_pattern"]
+__all__ = ["constructor_key", "is_role_of", "loader_key", "not_its_roles", "planner_key",
+           "planner_pattern", "role_pattern"]
 
 
 def _tail() -> str:
@@ -58,3 +58,11 @@ def planner_pattern(service: str) -> str:
 def is_role_of(key: object, pattern: str) -> bool:
     """Whether ``key`` is the key of a role :func:`role_pattern` made ``pattern`` for."""
     return re.fullmatch(pattern, str(key)) is not None
+
+
+def not_its_roles(keys: Iterable[object], service: str, sources: Iterable[str]) -> list[str]:
+    """The keys of ``keys`` that are no role of ``service`` (whose sources are ``sources``):
+    neither a loader's or constructor's (:func:`role_pattern`) nor a planner's
+    (:func:`planner_pattern`), e.g. another service's actors on a worker."""
+    ours = (role_pattern(service, sources), planner_pattern(service))
+    return [str(k) for k in keys if not any(is_role_of(k, p) for p in ours)]

@@ -70,7 +70,7 @@ from msd_dask.roles.keys import (
     constructor_key,
     is_role_of,
     loader_key,
-    planner_pattern,
+    not_its_roles,
     role_pattern,
 )
 from msd_dask.roles.loader import SourceLoader
@@ -316,10 +316,9 @@ class RoleSupervisor:
             _log.warning("msd_dask %s: could not count the other actors on the workers (%r); "
                          "placing by this service's roles alone", self.cfg.name, e)
             return load
-        mine = (role_pattern(self.cfg.name, [s.name for s in self.cfg.sources]),
-                planner_pattern(self.cfg.name))
+        sources = [s.name for s in self.cfg.sources]
         for w, keys in actors.items():
-            load[w] += sum(not any(is_role_of(k, p) for p in mine) for k in keys)
+            load[w] += len(not_its_roles(keys, self.cfg.name, sources))
         return load
 
     def _all_role_handles(self) -> list[Any]:
@@ -1099,20 +1098,15 @@ class RoleSupervisor:
     async def _move_off(self, workers: list[str]) -> None:
         """Re-create the loaders and constructors on ``workers`` elsewhere (under the lock)."""
         moved: list[tuple[Any, Any]] = []  # the old loaders, replaced in their slots
-        pushed = False
         try:
             for source, slots in self._slots.items():
                 for slot, (h, _) in list(slots.items()):
                     if actor_address(h) in workers:
                         await self._replace_loader(source, slot, "moved", moved)
-            await self._push_loaders()
-            pushed = True
         finally:
             # (also where a move failed halfway: the loaders replaced so far are closed,
             # not left on the worker being retired, which a retry finds empty of them)
-            if not pushed and moved:
-                with contextlib.suppress(Exception):
-                    await self._push_loaders()
+            await self._push_loaders()
             for old in moved:  # (alive: it stops reading and frees its units, threads, pool)
                 with contextlib.suppress(Exception):  # (its worker may be frozen, or gone)
                     await asyncio.wait_for(direct(old[0]).close(), 30)

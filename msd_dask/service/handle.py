@@ -501,7 +501,8 @@ class DataService:
         name : str
             The service's ``name``.
         timeout : float
-            Seconds to wait for the service to appear (or for the agent to answer).
+            Seconds to wait for the scheduler and, unless ``wait`` says otherwise, for the
+            service to appear (through an agent: for the agent to answer).
         security : distributed.security.Security, optional
             TLS settings of the cluster.
         agent : str or bool, optional
@@ -742,16 +743,16 @@ class DataService:
         import gc
 
         from msd_dask.roles.keys import (  # (an operation: ranks import no role)
-            is_role_of,
-            planner_pattern,
+            not_its_roles,
             role_pattern,
         )
 
         workers = self._worker_addresses(workers)
-        pattern = role_pattern(self.name, [s.name for s in self.config.sources])
+        sources = [s.name for s in self.config.sources]
+        pattern = role_pattern(self.name, sources)
         if close:
-            ours = (pattern, planner_pattern(self.name))  # (the planner's: evacuate says so)
-            others = {w: [k for k in keys if not any(is_role_of(k, p) for p in ours)]
+            # (the planner's are its own: evacuate says so)
+            others = {w: not_its_roles(keys, self.name, sources)
                       for w, keys in self._actors_on(workers).items()}
             foreign = {w: keys for w, keys in others.items() if keys}
             if foreign:  # (Dask would keep them, saying so only in the scheduler's log)
