@@ -794,7 +794,7 @@ class PlannerActor:
     def unclaimed_steps(self, constructor: int) -> list[tuple[int, bytes]]:
         """``(step, constructor i's work packed as kept)`` of the recent steps not every
         rank may have claimed yet, in order (a re-created constructor gets them again)."""
-        safe = self._claimed_by_all()
+        safe = self._received_by_all()
         return [(step, work[constructor]) for step, work in self._recent.items() if step > safe]
 
     async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
@@ -846,9 +846,15 @@ class PlannerActor:
                                              partial(_release, ks))
 
     # ------------------------------------------------------------- internals
-    def _claimed_by_all(self) -> int:
-        """The last step every rank has claimed for sure: a constructor holds at most
-        ``prefetch`` unclaimed steps (see :class:`~msd_dask.roles.constructor.DataConstructor`)."""
+    def _received_by_all(self) -> int:
+        """The last step every rank has received for sure (claimed, and had the answer).
+
+        Once a round's submission returns, every constructor has room for another round: it
+        holds at most ``prefetch - round_steps`` unclaimed steps (see
+        :class:`~msd_dask.roles.constructor.DataConstructor`), so every rank claimed the
+        steps up to ``round_steps`` after this one; of them a rank may lack its last round,
+        whose answer was lost on its way (its reader asks again, of a re-created
+        constructor too: :meth:`unclaimed_steps` keeps it)."""
         return self._last_submitted - self.cfg.prefetch
 
     def _lookup(self, source: str, epoch: int, unit: int) -> np.ndarray:
@@ -876,7 +882,7 @@ class PlannerActor:
             await self._ensure(s.name, [*pending.get(s.name, ()), *keys])
         # release units the stream has moved past once every step that used them was
         # claimed by all ranks
-        safe = self._claimed_by_all()
+        safe = self._received_by_all()
         done: dict[tuple[str, int], list[tuple[int, int]]] = {}
         for k in [k for k in self._owner if k not in keep and self._behind(*k)]:
             if self._last_use.get(k, -1) <= safe:
@@ -1165,8 +1171,8 @@ class PlannerActor:
                         "steps)")
         await self._room(self.roles.submit([(step.step, step.work) for step in planned], room))
         self._last_submitted = last
-        # every rank has claimed the steps up to _claimed_by_all(): never sent again
-        safe = self._claimed_by_all()
+        # every rank has claimed the steps up to _received_by_all(): never sent again
+        safe = self._received_by_all()
         while self._recent and next(iter(self._recent)) <= safe:
             self._recent.popitem(last=False)
         self.roles.forget_retired(safe)
@@ -1340,7 +1346,7 @@ class PlannerActor:
             # (DataService.state_dict() asks for it), and re-plans the few steps after,
             # which readers that have them already skip
             floor = max(self.first_step - 1,
-                        self._claimed_by_all() - self.cfg.steps_per_round)
+                        self._received_by_all() - self.cfg.steps_per_round)
             world = range(self.cfg.parallel.world_size)
             step = min(returned.get(r, self.first_step - 1) for r in world) if complete else floor
             # ranks may have read past what this planner planned (a re-created planner

@@ -251,3 +251,73 @@ def test_a_resumed_planner_gives_out_the_units_of_its_carried_pieces(corpus: Any
             assert (await _loop_step(again)).work == after
 
     asyncio.run(run())
+
+
+def test_a_round_lost_on_its_way_with_its_constructor_reaches_the_re_created_one(
+        corpus: Any) -> None:
+    """Rank 0 is handed its first round and the answer is lost on its way (its constructor's
+    worker went down, taking the connection with it) while rank 1, of the same DP group,
+    reads on.  The planner goes as far as the constructor's room lets it, then the service
+    re-creates the constructor with the steps the planner keeps
+    (:meth:`PlannerActor.unclaimed_steps`): rank 0, asking again for its first step, gets
+    the lost round, the same batches, then the steps rank 1 read meanwhile.  The planner
+    keeps the steps after ``last submitted - prefetch``: a rank claimed every step up to
+    ``prefetch - round_steps`` behind, and may lack its last round of them."""
+    from test_constructor_bookkeeping import ToyLoader
+
+    from msd_dask.core.packing import from_wire
+    from msd_dask.roles.constructor import DataConstructor, unpack_work
+
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    units, roots = discover_units(cfg)
+    k = cfg.steps_per_round
+
+    async def constructor() -> DataConstructor:
+        """Constructor 0 of the two (DP rank 0: ranks 0 and 1), its loaders answering at once."""
+        con = DataConstructor("lost", 0, {0: [0, 1]}, cfg.batch.seq_len, 0,
+                              prefetch=cfg.prefetch, timeout=30.0)
+        con._room, con._work = asyncio.Condition(), asyncio.Queue()
+        con.loaders = {s.name: {0: ToyLoader()} for s in cfg.sources}
+        con._task = asyncio.create_task(con._builder())
+        return con
+
+    async def run() -> None:
+        actor, _ = _actor(cfg, units, roots)
+        old = await constructor()
+
+        async def submit(steps: list[tuple[int, list[bytes]]], room: int) -> None:
+            await old.submit([(s, unpack_work(work[0])) for s, work in steps], room)
+
+        actor.roles.submit = submit  # type: ignore[method-assign]
+        lost: dict[str, Any] = {}
+        read = -1  # rank 1's last step
+        for _ in range(4):  # rounds, each handed over as the planning loop does
+            submitted = asyncio.ensure_future(actor._submit(await _plan(actor, k), k))
+            if not lost:
+                lost = await old.next_round(0, -1, wait=30)  # never reaches rank 0
+            got = await old.next_round(1, read, wait=5)
+            if got is not None:
+                read = got["steps"][-1]
+            await asyncio.sleep(0.2)
+            if not submitted.done():  # the constructor is full: rank 0 holds it back
+                submitted.cancel()
+                break
+        assert lost["steps"] == list(range(k)) and read >= k
+        # the worker is lost: the old constructor with it, and the round it handed rank 0
+        new = await constructor()
+        await new.submit([(s, unpack_work(w)) for s, w in actor.unclaimed_steps(0)], 0,
+                         force=True)
+        again = await new.next_round(0, -1, wait=30)
+        assert again["steps"][:k] == lost["steps"]
+        for a, b in zip(lost["payloads"], again["payloads"], strict=False):
+            assert (from_wire(a)["input_ids"] == from_wire(b)["input_ids"]).all()
+        # and then the steps rank 1 read meanwhile, which rank 1 is not handed again
+        assert (await new.next_round(0, k - 1, wait=30))["steps"] == list(range(k, read + 1))
+        assert await new.next_round(1, read, wait=0.2) is None
+        for con in (old, new):
+            task = con._task
+            await con.close()
+            task.cancel()
+
+    asyncio.run(run())
