@@ -969,8 +969,13 @@ class PlannerActor:
 
     def _request_meta(self, k: tuple[str, int, int]) -> None:
         loader = self.roles.loader(k[0], self._owner[k])
-        task = self._meta_tasks[k] = asyncio.ensure_future(
-            direct(loader).metadata(k[1], k[2]))
+
+        async def ask() -> Any:
+            # (inside the task: a lost actor's handle raises on the method's lookup, and the
+            # wait for the lengths heals the loader and asks again, see _await_meta)
+            return await direct(loader).metadata(k[1], k[2])
+
+        task = self._meta_tasks[k] = asyncio.ensure_future(ask())
         task.add_done_callback(lambda t: self._note_tokens(k, t))
 
     def _ask_again(self, k: tuple[str, int, int]) -> None:

@@ -321,3 +321,32 @@ def test_a_round_lost_on_its_way_with_its_constructor_reaches_the_re_created_one
             task.cancel()
 
     asyncio.run(run())
+
+
+def test_a_loader_lost_as_its_lengths_are_asked_for_fails_the_ask_not_the_planner(
+        corpus: Any) -> None:
+    """A lost actor's handle raises as soon as a method is looked up: asking a loader whose
+    worker had just died for a unit's lengths raised in the planning loop itself, and the
+    planner failed for good ("planner failed at step 0: Worker holding Actor was lost"),
+    where a lost loader is re-created and asked again (found by crashing workers
+    with a preprocess).  The ask fails instead, as a call to a lost worker does."""
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    units, roots = discover_units(cfg)
+
+    class Lost:
+        key = "loader-lost"
+
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError("Worker holding Actor was lost.  Status: error")
+
+    async def run() -> None:
+        actor, lengths = _actor(cfg, units, roots)
+        _with_roles(actor, lengths)
+        del actor._request_meta  # (the actor's own)
+        actor.roles.loader = lambda source, slot: Lost()  # type: ignore[method-assign]
+        await actor._ensure("code", [(0, 0)])
+        with pytest.raises(RuntimeError, match="Actor was lost"):
+            await actor._meta_tasks[("code", 0, 0)]
+
+    asyncio.run(run())
