@@ -436,8 +436,8 @@ def _watch_served(svc: Any, args: argparse.Namespace, stop: dict[str, bool], los
         try:
             while not stop["now"]:
                 time.sleep(1.0)
-                err, gone = None, svc.client.status != "running"
-                if not gone:
+                err, gone = svc.link.failed, svc.client.status != "running"
+                if not (gone or err):  # (failed: the planner is lost, not re-created)
                     try:  # the planner's own figures: svc.stats() also asks every loader and
                         # constructor, and one on a worker cut off but not yet dropped by the
                         # scheduler hangs or raises until its role is re-created elsewhere

@@ -24,7 +24,8 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["drop_short", "normalize_whitespace", "clean", "fail_on_marker", "slow_store",
+__all__ = ["drop_short", "normalize_whitespace", "clean", "fail_on_marker", "exit_on_marker",
+           "crash_on_marker", "slow_store",
            "store_1x", "store_20x", "cpu_heavy", "cpu_bound", "cpu_bound_py", "MIN_CHARS",
            "SLOW_SECONDS_PER_KB", "STORE_SECONDS_PER_KB", "CPU_ROUNDS", "CPU_HASH_BYTES",
            "CPU_PY_ROUNDS"]
@@ -63,6 +64,18 @@ def exit_on_marker(text: str, record: dict[str, Any]) -> str | None:
     BaseException: to test that it still names the document)."""
     if "EXIT-ME" in text:
         sys.exit("found the EXIT-ME marker")
+    return text
+
+
+def crash_on_marker(text: str, record: dict[str, Any]) -> str | None:
+    """Kill the process (``SIGKILL``) on documents containing ``"CRASH-ME"``: a native
+    decoder's segfault, or the kernel's out-of-memory kill, as the service sees it (to
+    test that it stops re-creating its roles on worker after worker)."""
+    if "CRASH-ME" in text:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
     return text
 
 

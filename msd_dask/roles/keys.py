@@ -16,12 +16,20 @@ import re
 import uuid
 from collections.abc import Iterable
 
-__all__ = ["constructor_key", "is_role_of", "loader_key", "not_its_roles", "planner_key",
-           "planner_pattern", "role_pattern"]
+__all__ = ["constructor_key", "is_role_of", "loader_key", "lost_reading_key", "not_its_roles",
+           "planner_key", "planner_pattern", "role_pattern"]
 
 
 def _tail() -> str:
     return uuid.uuid4().hex[:8]
+
+
+def lost_reading_key(service: str) -> list[str]:
+    """The scheduler's metadata key under which the planner of ``service`` leaves the files
+    its lost loaders were reading (:meth:`RoleSupervisor.heal
+    <msd_dask.roles.supervisor.RoleSupervisor.heal>`), for the owner to name if the
+    service's workers keep dying (:class:`~msd_dask.service.recovery.PlannerKeeper`)."""
+    return ["msd_dask", service, "lost_reading"]
 
 
 def planner_key(service: str, generation: int) -> str:

@@ -1335,7 +1335,9 @@ class PlannerActor:
             loaders per source (:meth:`RoleSupervisor.loader_counts`);
             ``recovered``, ``events``: this planner's recovery counters;
             ``address``: its worker; ``keys``: the Dask keys of its roles;
-            ``version``: the live weight changes made so far.
+            ``version``: the live weight changes made so far; ``planned``: the next step
+            it plans; ``reading``: the files whose lengths it waits for from its loaders
+            (:meth:`files_awaited`).
         """
         had: dict[int, int] = {}
         returned: dict[int, int] = {}
@@ -1362,7 +1364,31 @@ class PlannerActor:
             return {"state": state, "step": step, "version": self.weights_version,
                     "had": had, "loaders": self.roles.loader_counts(),
                     "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
-                    "address": self.roles.own_address(), "keys": self.roles.keys()}
+                    "address": self.roles.own_address(), "keys": self.roles.keys(),
+                    "planned": self.planner.step, "reading": self.files_awaited()}
+
+    def files_awaited(self, most: int = 8,
+                      slots: set[tuple[str, int]] | None = None) -> list[str]:
+        """The files of the units whose lengths this planner asked its loaders for and has
+        not had (``source: path``, at most ``most``; ``slots``: only of these loader slots,
+        ``(source, slot)``): first those whose ask failed (their loader was lost
+        meanwhile), then those being read, oldest ask first.  The owner names them if the
+        service's workers keep dying (:class:`~msd_dask.service.recovery.PlannerKeeper`)."""
+        failed: list[str] = []
+        waiting: list[str] = []
+        for (source, epoch, unit), task in self._meta_tasks.items():
+            if slots is not None and (source, self._owner.get((source, epoch, unit))) not in slots:
+                continue
+            if not task.done():
+                into = waiting
+            elif not task.cancelled() and task.exception() is not None:
+                into = failed
+            else:
+                continue
+            where = f"{source}: {self.units[source][unit].path}"
+            if where not in into:
+                into.append(where)
+        return list(dict.fromkeys(failed + waiting))[:most]
 
     async def snapshot(self, since: int = 0, lookahead: int | None = None) -> dict[str, Any]:
         """What the scheduler plugin polls, in one call (each call costs both ends CPU).

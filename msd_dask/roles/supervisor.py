@@ -70,6 +70,7 @@ from msd_dask.roles.keys import (
     constructor_key,
     is_role_of,
     loader_key,
+    lost_reading_key,
     not_its_roles,
     role_pattern,
 )
@@ -157,6 +158,12 @@ class PlannerSide(Protocol):
     async def spread_units(self, source: str) -> None:
         """Re-split the units of ``source`` assigned but not read yet over its active
         slots (after slots were added, so they help at once)."""
+        ...
+
+    def files_awaited(self, most: int = 8,
+                      slots: set[tuple[str, int]] | None = None) -> list[str]:
+        """The files whose lengths the planner asked loader ``slots`` for and has not had
+        (``source: path``)."""
         ...
 
 
@@ -822,6 +829,8 @@ class RoleSupervisor:
             if lost_l or lost_c or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.25)
+        if lost_l:
+            await self._tell_lost_reading(lost_l)
         for source, slot in lost_l:
             await self._replace_loader(source, slot, "lost")
         for i in lost_c:  # re-created constructors get the current loaders in setup
@@ -829,6 +838,18 @@ class RoleSupervisor:
         if lost_l:
             await self._push_loaders()
         return bool(lost_l or lost_c)
+
+    async def _tell_lost_reading(self, lost: list[tuple[str, int]]) -> None:
+        """Leave on the scheduler the files the ``lost`` loader slots were reading
+        (:func:`~msd_dask.roles.keys.lost_reading_key`): if what killed their worker was
+        one of them, the re-created loader takes it to another worker, this one perhaps,
+        and the owner names them once it stops re-creating the planner."""
+        files = self.planner.files_awaited(slots=set(lost))
+        if files:
+            with contextlib.suppress(Exception):  # (best effort: a hint for an error message)
+                await asyncio.wait_for(self._client.scheduler.set_metadata(
+                    keys=lost_reading_key(self.cfg.name),
+                    value={"generation": self.planner.generation, "files": files}), 5)
 
     async def _replace_loader(self, source: str, slot: int, why: str,
                               replaced: list[tuple[Any, Any]] | None = None) -> None:

@@ -71,6 +71,9 @@ class PlannerLink:
         self.closed = False
         #: why it closed: what a reader raises then (``None`` while open)
         self.notice: str | None = None
+        #: why the owner stopped re-creating the lost planner (published with its
+        #: registry; ``None``: it re-creates it)
+        self.failed: str | None = registry.get("failed")
         #: held while a reader's call is sent (:meth:`send`) or the link closes
         self._sending = threading.Lock()
         self.registry = registry
@@ -260,6 +263,8 @@ class PlannerLink:
         try:
             reg = self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
                                           callback_timeout=5)
+            if reg is not None and reg.get("failed"):
+                self.failed = str(reg["failed"])
             if reg is None or int(reg.get("generation", 0)) <= self.generation:
                 return False
             planner = bind_actor(reg["planner"].result(timeout=HANDLE_WAIT), self.client)
@@ -290,6 +295,8 @@ class PlannerLink:
         within = self.config.timeout if within is None else within
         lost = self.planner_lost()
         where = actor_address(self.planner) or "?"
+        if lost and self.failed is not None:  # its owner gave up re-creating it
+            raise ServiceError(self.failed)
         if lost and not self.owner_alive():
             if self._unpublished():  # (its owner gone: closed at its exit, or stopped)
                 notice = f"{CLOSED_BY_OWNER}, or {STOPPED}"

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from msd_dask.dask_internals import STATS_SHARED, actor_address, bound_actor
-from msd_dask.errors import ServiceError, ServiceTimeoutError
+from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
 
@@ -27,6 +27,16 @@ _log = logging.getLogger("msd_dask.service")
 
 #: seconds the owner waits for the planner's checkpoint
 CHECKPOINT_WAIT = 10.0
+
+#: planners lost in a row, each within :data:`SHORT_LIVED` seconds of its start and before it
+#: planned past the furthest step planned before, after which the owner stops re-creating
+#: them: something kills the workers the service's roles start on (a preprocess, decoder or
+#: tokenizer that crashes its process on a document), and each re-creation takes it to
+#: another worker
+FUTILE_LIMIT = 5
+
+#: seconds within which a re-created planner lost again counts towards :data:`FUTILE_LIMIT`
+SHORT_LIVED = 120.0
 
 
 def close_roles_everywhere(client: Any, name: str, sources: list[str]) -> dict[str, Any]:
@@ -72,6 +82,22 @@ class PlannerKeeper:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        #: why the keeper stopped re-creating the planner (None: it has not)
+        self.gave_up: str | None = None
+        #: planners lost in a row short-lived and without progress (:data:`FUTILE_LIMIT`)
+        self._futile = 0
+        #: files the short-lived planners waited for from their loaders, how often
+        self._suspects: dict[str, int] = {}
+        #: when the current generation started, the generation last counted as lost
+        self._started = time.monotonic()
+        self._counted = -1
+        #: the furthest step any generation planned (by its checkpoints), before the
+        #: current one started; whether the current one planned past it
+        self._furthest = -1
+        self._before = -1
+        self._progressed = False
+        #: the files the current generation last said it waits for
+        self._reading: list[str] = []
 
     def start(self) -> None:
         """Keep a first checkpoint and watch the planner in a thread."""
@@ -123,7 +149,86 @@ class PlannerKeeper:
                 ck["state"] = last["state"]
             ck["generation"] = generation
             self.checkpoint = ck
+            self._note_progress(ck)
             self.pin(ck.get("keys", []))
+
+    def _note_progress(self, ck: dict[str, Any]) -> None:
+        """Take in what the current generation's checkpoint ``ck`` says it planned and reads."""
+        planned = int(ck.get("planned", -1)) - 1  # (its last planned step)
+        if planned > self._before:
+            self._progressed = True
+        self._furthest = max(self._furthest, planned)
+        self._reading = list(ck.get("reading", []))
+
+    def _generation_started(self) -> None:
+        """A re-created planner started: its progress is counted from here."""
+        self._started, self._before, self._progressed = time.monotonic(), self._furthest, False
+        self._reading = []
+
+    def _count_loss(self) -> None:
+        """Count the current generation lost (once, whatever the tries to re-create it): a
+        short-lived one that planned nothing past what the ones before it planned adds to
+        :attr:`_futile`, any other starts the count again."""
+        generation = self.link.generation
+        if generation == self._counted:
+            return
+        self._counted = generation
+        short = time.monotonic() - self._started < SHORT_LIVED
+        if short and not self._progressed:
+            self._futile += 1
+            for where in dict.fromkeys(self._reading + self._lost_reading(generation)):
+                self._suspects[where] = self._suspects.get(where, 0) + 1
+        else:
+            self._futile, self._suspects = 0, {}
+
+    def _lost_reading(self, generation: int) -> list[str]:
+        """The files generation ``generation``'s lost loaders were reading, as its planner
+        left them on the scheduler (:func:`~msd_dask.roles.keys.lost_reading_key`)."""
+        from msd_dask.roles.keys import lost_reading_key  # (the owner only)
+
+        client = self.link.client
+        try:  # (Client.get_metadata, with a timeout)
+            left = client.sync(client.scheduler.get_metadata, callback_timeout=5,
+                               keys=lost_reading_key(self.link.name), default=None)
+        except Exception:  # noqa: BLE001 - a hint for an error message
+            return []
+        if not isinstance(left, dict) or left.get("generation") != generation:
+            return []
+        return [str(f) for f in left.get("files", [])]
+
+    def _give_up(self) -> None:
+        """Stop re-creating the planner, and say why to every reader (published with the
+        registry: a reader of the service raises it, see
+        :meth:`~msd_dask.service.link.PlannerLink.raise_if_lost`)."""
+        link = self.link
+        lost: dict[str, int] = {}  # the roles lost meanwhile, by name
+        for e in (self.checkpoint or {}).get("events", []):
+            if e.get("why") == "lost" and e.get("role") != "planner":
+                what = f"{e.get('role')} {e.get('name')}"
+                lost[what] = lost.get(what, 0) + 1
+        suspects = sorted(self._suspects, key=lambda w: -self._suspects[w])[:6]
+        self.gave_up = (
+            f"service {link.name!r}: its planner was lost with its worker {self._futile} times "
+            f"in a row, each within {SHORT_LIVED:g}s of its start and before it planned past "
+            f"step {self._furthest}: something kills the workers the service's roles start "
+            "on, and re-creating them takes it to other workers; the owner stopped "
+            "re-creating the planner. A preprocess, decoder or tokenizer that crashes its "
+            "process on a document (a segfault, os._exit, running out of memory) does this: "
+            "the workers' logs say how they exited"
+            + (f"; its lost loaders were reading (most often first) {', '.join(suspects)}"
+               if suspects else "")
+            + (f"; the roles lost with their workers: "
+               f"{', '.join(f'{w} ({n}x)' for w, n in lost.items())}" if lost else "")
+            + f". Once the cause is fixed, {RESTART_HINT}")
+        _log.error("msd_dask %s", self.gave_up)
+        link.failed = self.gave_up
+        try:
+            registry = dict(link.registry, failed=self.gave_up)
+            link.client.publish_dataset(registry, name=REGISTRY_PREFIX + link.name,
+                                        override=True, callback_timeout=link.config.timeout)
+        except Exception as e:  # noqa: BLE001 - this process's readers know it all the same
+            _log.warning("msd_dask %s: could not tell the readers why the planner is not "
+                         "re-created: %r", link.name, e)
 
     def pin(self, keys: list[str]) -> None:
         """Hold the roles' keys from a published dataset.
@@ -148,6 +253,8 @@ class PlannerKeeper:
         """Keep the planner's last checkpoint; re-create the planner if it is lost."""
         said = None  # the failure logged last (a failure that stays is logged once)
         while not self._stop.wait(self.interval):
+            if self.gave_up is not None:
+                return
             try:
                 if self.planner_lost():
                     self.recover()
@@ -182,6 +289,10 @@ class PlannerKeeper:
                              "its planner; this process no longer serves it", link.name)
                 self._stop.set()
                 return
+            self._count_loss()
+            if self._futile >= FUTILE_LIMIT:
+                self._give_up()
+                return
             # without a checkpoint (lost before the first one), from where this service
             # started: readers skip what they have, the plans are the same
             resume = self.recipe.get("resume")
@@ -205,6 +316,7 @@ class PlannerKeeper:
             registry["quarantined"] = old.get("quarantined", {})
             registry["owner"] = link.client.id
             self._start_generation(registry)
+            self._generation_started()
             old["planner"].release()
             link.announce_generation()
             _log.warning("msd_dask %s: planner re-created (generation %d) in %.1fs; closed "

@@ -420,3 +420,36 @@ def test_a_re_creation_that_fails_after_publishing_is_retried_with_a_new_generat
             assert other.link.generation == 2
             assert next(other.reader(1, timeout=30)).step == 0
             assert next(svc.reader(0, timeout=30)).step == 0
+
+
+def test_workers_killed_by_a_document_stop_the_re_creations_with_a_clear_error(tmp_path):
+    """A preprocess that ends its process on one document (as a native decoder's segfault
+    or an out-of-memory kill would): its worker dies, the loader is re-created on another
+    worker, which dies too, and so on, the planner with them (its worker takes the
+    re-created loaders).  The owner re-created the planner for as long as it ran (56
+    times in 60 s here), and every rank waited out its timeout to be told "the planner was
+    lost with its worker and not re-created".  The owner stops after a few planners lost
+    in a row without progress, every rank is told why at once, naming the file, and
+    the workers stop dying."""
+    root = str(tmp_path / "data")
+    write_corpus(root)
+    with open(f"{root}/crash.jsonl", "w") as f:
+        for i in range(10):
+            text = "CRASH-ME" if i == 4 else "fine " * 30
+            f.write(json.dumps({"text": f"doc {i} {text}"}) + "\n")
+    cfg = config(root, name="crash", timeout=120)
+    cfg["sources"][1].update(uri=f"{root}/crash.jsonl",
+                             preprocess="msd_dask.examples.preprocess:crash_on_marker")
+    t0 = time.monotonic()
+    with DataService.start(cfg, n_workers=2, threads_per_worker=1) as svc:
+        with pytest.raises(ServiceError) as info:
+            for _ in svc.reader(0):
+                pass
+        took = time.monotonic() - t0
+        message = str(info.value)
+        workers = set(svc.client.scheduler_info()["workers"])
+        time.sleep(3)  # nothing is re-created any more: the workers stay
+        assert set(svc.client.scheduler_info()["workers"]) == workers
+    assert "was lost with its worker 5 times in a row" in message, message
+    assert f"prose: {root}/crash.jsonl" in message, message
+    assert took < 60, took  # (not the rank's timeout, 120 s)

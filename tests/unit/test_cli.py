@@ -119,6 +119,7 @@ class _ServeLink:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.failed = None  # (the owner re-creates a lost planner)
 
     def call(self, request: Any) -> dict[str, Any]:
         import os

@@ -294,6 +294,9 @@ class _Planner:
     def unclaimed_steps(self, constructor: int) -> list[tuple[int, bytes]]:
         return []  # (nothing planned yet)
 
+    def files_awaited(self, most: int = 8, slots: Any = None) -> list[str]:
+        return []  # (no lengths asked for)
+
 
 def _supervisor(monkeypatch: pytest.MonkeyPatch, client: _Client, own: str,
                 n_constructors: int, loaders: int,
