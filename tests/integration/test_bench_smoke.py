@@ -4,9 +4,9 @@ They check that the scripts work, not the figures (those come from the
 ``--quick`` and full modes, see docs/benchmarks.md).  Skipped when the demo
 corpus or Hugging Face ``datasets`` is missing.
 
-The selected scripts start together, two at a time (:func:`smokes`): each spends much of
-its minute starting and stopping clusters, so two share this machine's two cores well
-and the module takes about half as long.  Each test then checks its own script's output.
+The selected scripts start together, three at a time (:func:`smokes`): each spends much
+of its time starting and stopping clusters or measuring idle processes, so three share
+this machine's two cores well.  Each test then checks its own script's output.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _importable(module: str) -> bool:
 @pytest.fixture(scope="module")
 def smokes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[dict[str, tuple[Future[str], str]]]:
-    """The selected tests' scripts, started two at a time: test name -> (its stdout, as a
+    """The selected tests' scripts, started three at a time: test name -> (its stdout, as a
     future; its directory, ``{tmp}``)."""
     if not (os.path.isdir(os.path.join(DEMO, "code")) and os.path.isdir(os.path.join(DEMO, "prose"))):
         # the benchmarks read configs/demo.yaml, i.e. data/demo: write it if it is missing
@@ -76,7 +76,7 @@ def smokes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         write_demo_corpus(DEMO)
     selected = {item.name for item in request.session.items
                 if getattr(item, "module", None) is request.module}
-    pool = ThreadPoolExecutor(2, thread_name_prefix="smoke")
+    pool = ThreadPoolExecutor(3, thread_name_prefix="smoke")
     futures: dict[str, tuple[Future[str], str]] = {}
     for name, (script, *args) in SMOKES.items():
         if name not in selected or not all(_importable(m) for m in NEEDS.get(name, ())):
