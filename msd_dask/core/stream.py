@@ -315,6 +315,11 @@ class SourceStream:
             win = self._window(lookup)
             if self.offset < len(win.table):
                 return win
+            if self.offset > len(win.table):  # (a loaded state's: the draw stops at its end)
+                raise ValueError(
+                    f"the stream of source {self.name!r}: offset {self.offset} is past the "
+                    f"{len(win.table)} pieces of window {self.window} of epoch {self.epoch}: "
+                    "a state of another config or corpus?")
             if not len(win.table):
                 empty += 1
                 if empty > self.n_windows:
@@ -343,7 +348,28 @@ class SourceStream:
         return {"epoch": self.epoch, "window": self.window, "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self.window = int(state["window"])
-        self.offset = int(state["offset"])
+        """Take a position of :meth:`state_dict`.
+
+        Raises
+        ------
+        ValueError
+            A position this stream cannot be at (a state of another corpus or config),
+            naming the field: a negative epoch or offset, a window past this source's
+            windows.  (Taken, a window past them skipped to the next epoch and a negative
+            one read a window counted from the end: documents skipped or served twice,
+            with nothing said.)  An offset past its window's pieces is refused once the
+            window's lengths are known (:meth:`current`).
+        """
+        epoch, window, offset = (int(state["epoch"]), int(state["window"]),
+                                 int(state["offset"]))
+        where = f"the stream of source {self.name!r}"
+        if epoch < 0:
+            raise ValueError(f"{where}: epoch must be >= 0, got {epoch}")
+        if not 0 <= window < self.n_windows:
+            raise ValueError(f"{where}: window {window} is not one of its {self.n_windows} "
+                             f"windows (0-{self.n_windows - 1}): a state of another config "
+                             "or corpus?")
+        if offset < 0:
+            raise ValueError(f"{where}: offset must be >= 0, got {offset}")
+        self.epoch, self.window, self.offset = epoch, window, offset
         self._window_cache = None

@@ -370,3 +370,33 @@ def test_kept_lengths_are_an_int32_copy_where_every_length_fits() -> None:
     narrow = {u: kept_lengths(v) for u, v in lengths.items()}
     np.testing.assert_array_equal(a.current(lambda s, e, u: lengths[u]).table,
                                   b.current(lambda s, e, u: narrow[u]).table)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"window": 3}, r"window 3 is not one of its 3 windows \(0-2\)"),
+    ({"window": -1}, r"window -1 is not one of its 3 windows"),
+    ({"epoch": -1}, r"epoch must be >= 0, got -1"),
+    ({"offset": -2}, r"offset must be >= 0, got -2"),
+])
+def test_a_position_the_stream_cannot_be_at_is_refused_naming_it(change, message) -> None:
+    """A state of another corpus or config: a window past the source's windows was taken
+    as the next epoch's first, a negative one as a window counted from the end (documents
+    skipped, or served twice, with nothing said); a negative offset failed planning with
+    an IndexError."""
+    s = stream()
+    take(s, fake_lookup(LENGTHS), 4)
+    state = dict(s.state_dict(), **change)
+    with pytest.raises(ValueError, match=rf"source 'web': {message}"):
+        stream().load_state_dict(state)
+
+
+def test_an_offset_past_its_windows_pieces_is_refused_once_they_are_known() -> None:
+    lookup = fake_lookup(LENGTHS)
+    s = stream()
+    whole = len(s.current(lookup).table)
+    s.load_state_dict({"epoch": 0, "window": 0, "offset": whole})  # (its window read whole)
+    assert s.peek(lookup).epoch == 0  # the next window's first piece
+    s.load_state_dict({"epoch": 0, "window": 0, "offset": whole + 1})
+    with pytest.raises(ValueError, match=rf"offset {whole + 1} is past the {whole} pieces "
+                                         "of window 0 of epoch 0"):
+        s.peek(lookup)
