@@ -93,8 +93,8 @@ class PlannerKeeper:
         self._counted = -1
         #: the furthest step any generation planned (by its checkpoints), before the
         #: current one started; whether the current one planned past it
-        self._furthest = -1
-        self._before = -1
+        start = recipe.get("resume")  # (a service resumed from a state plans after its step)
+        self._furthest = self._before = int(start.get("step", -1)) if isinstance(start, dict) else -1
         self._progressed = False
         #: the files the current generation last said it waits for
         self._reading: list[str] = []
@@ -209,8 +209,9 @@ class PlannerKeeper:
         suspects = sorted(self._suspects, key=lambda w: -self._suspects[w])[:6]
         self.gave_up = (
             f"service {link.name!r}: its planner was lost with its worker {self._futile} times "
-            f"in a row, each within {SHORT_LIVED:g}s of its start and before it planned past "
-            f"step {self._furthest}: something kills the workers the service's roles start "
+            f"in a row, each within {SHORT_LIVED:g}s of its start and before it planned "
+            + ("a step" if self._furthest < 0 else f"past step {self._furthest}")
+            + ": something kills the workers the service's roles start "
             "on, and re-creating them takes it to other workers; the owner stopped "
             "re-creating the planner. A preprocess, decoder or tokenizer that crashes its "
             "process on a document (a segfault, os._exit, running out of memory) does this: "

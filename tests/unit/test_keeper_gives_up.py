@@ -76,3 +76,11 @@ def test_giving_up_tells_the_readers_why() -> None:
     assert keeper.gave_up is not None and "prose: crash.jsonl" in keeper.gave_up
     assert f"lost with its worker {FUTILE_LIMIT} times in a row" in keeper.gave_up
     assert link.failed == keeper.gave_up == published[0]["failed"]
+
+
+def test_a_resumed_service_counts_progress_from_its_state() -> None:
+    """A service resumed after step 40 whose first planner is lost before planning step 41
+    made no progress (it counted as if it had, from step -1)."""
+    keeper = PlannerKeeper(_Link(), {"resume": {"step": 40}})  # type: ignore[arg-type]
+    _lost(keeper, planned=41)  # its next step: 41, nothing planned yet
+    assert keeper._futile == 1
