@@ -109,16 +109,22 @@ def kept_states(cfg: Any) -> int:
 READING_KEYS = ("format", "text_field", "image_field", "image", "preprocess")
 
 
+#: the tokenizer's settings that do not decide the documents' lengths (:func:`reading`)
+_NOT_READING = ("path", "storage_options", "pad_id")
+
+
 def reading(cfg: Any) -> dict[str, Any]:
     """What decides the documents' lengths, and so where a stream's position points: the
-    tokenizer's kind and ids and each source's :data:`READING_KEYS`, as the config says
+    tokenizer's kind and ids (but the padding id) and each source's :data:`READING_KEYS`,
+    as the config says
     them (another tokenizer file of the same kind, or one changed in place, is not seen)."""
     import json
 
     d = cfg.to_dict()
     # the tokenizer's kind and ids: not where its file is, nor the credentials to read it
-    # (which rotate, and would be written into every state)
-    tokenizer = {k: v for k, v in d["tokenizer"].items() if k not in ("path", "storage_options")}
+    # (which rotate, and would be written into every state), nor the padding id (it fills
+    # the rows' free tokens and counts in no document)
+    tokenizer = {k: v for k, v in d["tokenizer"].items() if k not in _NOT_READING}
     # (as JSON has it: a state is compared after a round trip through JSON)
     return json.loads(json.dumps(
         {"tokenizer": tokenizer,
@@ -133,7 +139,8 @@ def _reading_differs(was: Any, now: dict[str, Any]) -> str | None:
     if (not isinstance(tokenizer, dict) or not isinstance(sources, dict)
             or not all(isinstance(v, dict) for v in sources.values())):
         return f"a 'reading' that is not one of a state_dict() ({was!r})"
-    for k in sorted(set(tokenizer) | set(now["tokenizer"])):
+    # (a state of a version that recorded the padding id too: not compared)
+    for k in sorted((set(tokenizer) | set(now["tokenizer"])) - set(_NOT_READING)):
         a, b = tokenizer.get(k), now["tokenizer"].get(k)
         if a != b:
             return f"tokenizer.{k} {a!r} but the config has {b!r}"

@@ -27,8 +27,8 @@ def _cfg(window: int = 4, **change: Any) -> Any:
     return parse_config(d)
 
 
-def _state(units: int = 10) -> dict[str, Any]:
-    cfg = _cfg()
+def _state(units: int = 10, cfg: Any = None) -> dict[str, Any]:
+    cfg = cfg or _cfg()
     pl = Planner(cfg, {s.name: [Unit(f"{s.name}/u{i}.parquet") for i in range(units)]
                        for s in cfg.sources})
     pl.plan_step(lambda source, epoch, unit: [40, 30, 100])
@@ -88,8 +88,14 @@ def test_another_way_of_reading_the_documents_is_refused_by_key(change: Any, nam
     epoch were never served (a review)."""
     with pytest.raises(ServiceError, match=names):
         planner_state(_cfg(**change), _state())
-    # what does not change the documents' lengths is not refused
+    # what does not change the documents' lengths is not refused: nor the padding id (it
+    # was, saying the lengths depend on it: a review)
     assert planner_state(_cfg(timeout=60.0, prefetch=2), _state()) == _state()["planner"]
+    hf = {"kind": "hf", "path": "tok.json", "pad_id": 0}
+    state = _state(cfg=_cfg(tokenizer=hf))
+    assert planner_state(_cfg(tokenizer=dict(hf, pad_id=1)), state) == state["planner"]
+    state["reading"]["tokenizer"]["pad_id"] = 0  # (as a state of an earlier version has it)
+    assert planner_state(_cfg(tokenizer=dict(hf, pad_id=1)), state) == state["planner"]
 
 
 def test_what_the_state_keeps_over_the_config_is_said() -> None:
