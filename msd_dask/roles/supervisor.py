@@ -93,6 +93,8 @@ CLOSE_WAIT = 10.0
 #: seconds a failed creation waits for the handles of the roles it made, to close them
 #: (best effort: their futures are released all the same)
 ABANDON_WAIT = 5.0
+#: seconds :meth:`RoleSupervisor.close` waits for each role to close (all at once)
+ROLE_CLOSE_WAIT = 5.0
 
 #: One planned step as the planner hands it over: ``(step, [each constructor's work, packed
 #: as the planner keeps it])`` (:func:`~msd_dask.roles.constructor.pack_works`)
@@ -1155,16 +1157,16 @@ class RoleSupervisor:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._lock.acquire(), CLOSE_WAIT)
             self._lock.release()  # (nothing takes it again: every change checks _closed)
-        for c in self.constructors:
-            try:
-                await asyncio.wait_for(c.close(notice), 5)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-        for h, _ in self._all_loaders():
-            try:
-                await asyncio.wait_for(h.close(), 5)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
+        async def closed(role: Any, *args: Any) -> None:
+            with contextlib.suppress(Exception):  # best effort (its worker may be gone)
+                # (looked up here: a lost actor's handle raises on the method's lookup)
+                await asyncio.wait_for(role.close(*args), ROLE_CLOSE_WAIT)
+
+        # all at once, the constructors first (they stop fetching from the loaders): one
+        # after the other, the roles of a frozen worker took ROLE_CLOSE_WAIT each, and the
+        # owner's close gave up waiting before the last of them (a review)
+        await asyncio.gather(*(closed(c, notice) for c in self.constructors))
+        await asyncio.gather(*(closed(h) for h, _ in self._all_loaders()))
         # the handles' own futures too: released only through the submit futures, the
         # roles' keys stayed on the scheduler and their actors on the workers after close
         _drop(*zip(self.constructors, self._cfuts, strict=True), *self._all_loaders())
