@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections import defaultdict
@@ -81,7 +82,8 @@ AGENT_EPILOG = """example, on each node of a torchrun job with 8 GPUs per node:
 
 With MSD_DASK_AGENT set, DataService.connect(address, name).reader(rank) reads
 from the agent (no Dask client in the training process).  SIGTERM or Ctrl-C
-stops the agent: it frees its shared memory and removes its socket.
+stops the agent: it frees its shared memory and removes its socket.  Its socket
+is --socket, or by default /tmp/msd-dask-agent-NAME.sock (NAME: --name).
 """
 
 
@@ -99,7 +101,10 @@ def _at_least(lo: int) -> Callable[[str], int]:
 
 
 def _seconds(text: str, *, zero: bool) -> float:
-    """A finite number of seconds ``> 0`` (``>= 0`` if ``zero``), for argparse."""
+    """A finite number of seconds ``> 0`` (``>= 0`` if ``zero``), at most a year (as a
+    config's ``timeout``: a socket's or a message's wait takes no more), for argparse."""
+    from msd_dask.core.config import MAX_TIMEOUT
+
     try:
         value = float(text)
     except ValueError:
@@ -107,6 +112,9 @@ def _seconds(text: str, *, zero: bool) -> float:
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
         raise argparse.ArgumentTypeError(
             f"must be a number of seconds {'>=' if zero else '>'} 0, got {text}")
+    if value > MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_TIMEOUT:.0f} seconds (a year), got {text}")
     return value
 
 
@@ -122,7 +130,7 @@ def _non_negative(text: str) -> float:
 
 def _source_weight(text: str) -> tuple[str, float]:
     """An argparse type: ``SOURCE=WEIGHT``, a finite weight ``>= 0``."""
-    name, sep, value = text.partition("=")
+    name, sep, value = text.rpartition("=")  # (a weight has no '=', a source's name may)
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected SOURCE=WEIGHT, got {text!r}")
     try:
@@ -149,8 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--scheduler", metavar="ADDR",
                    help="address of a running Dask scheduler (default: an embedded LocalCluster)")
     r.add_argument("--steps", type=_at_least(1), default=50, help="steps to consume (default: 50)")
-    r.add_argument("--workers", type=_at_least(1), default=2,
-                   help="workers of the embedded cluster (default: 2)")
+    r.add_argument("--workers", type=_at_least(1), default=None,
+                   help="workers of the embedded cluster (default: 2; not with --scheduler)")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     _tls_options(r)
 
@@ -188,10 +196,11 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser(
         "agent", help="serve this host's ranks from one connection to the service",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="One process per training host: connects to the service once (the "
-        "host's one Dask client), reads each group of its ranks that receive the same "
-        "tensors (tensor-parallel peers) once, and serves the host's training processes "
-        "over a Unix socket, the tensors in shared memory.",
+        description=textwrap.fill(
+            "One process per training host: connects to the service once (the host's one "
+            "Dask client), reads each group of its ranks that receive the same tensors "
+            "(tensor-parallel peers) once, and serves the host's training processes over a "
+            "Unix socket, the tensors in shared memory.", 79),
         epilog=AGENT_EPILOG)
     a.add_argument("--scheduler", metavar="ADDR", required=True,
                    help="address of the Dask scheduler")
@@ -199,7 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--ranks", required=True, metavar="A-B",
                    help="the global ranks of this host: A-B (both included), A,B,C or a mix")
     a.add_argument("--socket", metavar="PATH",
-                   help="the Unix socket to serve on (default: /tmp/msd-dask-agent-NAME.sock)")
+                   help="the Unix socket to serve on (default: below)")
     a.add_argument("--prefetch", type=_at_least(1), default=None, metavar="N",
                    help="steps read ahead of a group's slowest rank (default: the "
                    "service's prefetch)")
@@ -268,7 +277,7 @@ def _validate(args: argparse.Namespace) -> int:
     from msd_dask.sources.check import check_fields, load_config
     from msd_dask.sources.documents import source_fields
 
-    cfg = load_config(args.config)
+    cfg = load_config(_config_file(args.config))
     listed = check_fields(cfg)
     print(f"config {args.config}: OK (service {cfg.name!r}, {cfg.parallel.world_size} ranks, "
           f"seq_len {cfg.batch.seq_len} x {cfg.batch.micro_batches} micro-batches)")
@@ -287,6 +296,15 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_file(path: str) -> str:
+    """The config argument of a command, a file that exists: the API also takes YAML text,
+    and a path that does not exist (``*.yaml`` left unexpanded by the shell, say) was parsed
+    as YAML and refused in the YAML parser's words."""
+    if not os.path.exists(path):
+        raise ValueError(f"cannot read config file {path!r}: no such file")
+    return path
+
+
 def _demo_corpus(args: argparse.Namespace) -> int:
     from msd_dask.examples.demo import write_demo_corpus
 
@@ -302,9 +320,12 @@ def _run(args: argparse.Namespace) -> int:
 
     from msd_dask.service import DataService
 
+    if args.scheduler and args.workers is not None:
+        raise ValueError("--workers sizes the embedded cluster; with --scheduler the "
+                         "scheduler's workers serve (size that cluster instead)")
     t_start = time.perf_counter()
-    svc = DataService.start(args.config, args.scheduler, n_workers=args.workers,
-                            security=_security(args))
+    svc = DataService.start(_config_file(args.config), args.scheduler,
+                            n_workers=args.workers or 2, security=_security(args))
     with svc:
         cfg = svc.config
         world = cfg.parallel.world_size
@@ -382,14 +403,19 @@ def _serve(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
     resume = None
-    if args.resume:
+    if args.resume is not None:  # (an empty path, --resume "$STATE" unset, is no state)
+        if not args.resume:
+            raise ValueError("--resume: an empty path (a shell variable not set?); leave "
+                             "--resume out to start from the first step")
         with open(args.resume, encoding="utf-8") as f:
             try:
                 resume = json.load(f)
             except ValueError as e:  # (JSONDecodeError, or bytes that are not UTF-8)
                 raise ValueError(f"--resume {args.resume}: not a JSON state_dict: {e}") from None
+        if resume is None:  # (null: DataService.start would start from the first step)
+            raise ValueError(f"--resume {args.resume}: not a JSON state_dict: it holds null")
     try:
-        svc = DataService.start(args.config, args.scheduler, resume=resume,
+        svc = DataService.start(_config_file(args.config), args.scheduler, resume=resume,
                                 security=_security(args))
     except ServiceError as e:  # (the state refused: named with its file, as a bad JSON is)
         if args.resume and str(e).startswith("resume: "):

@@ -524,10 +524,21 @@ def _int(d: Mapping[str, Any], k: str, key: str, default: int | None = None, lo:
     return v
 
 
+def _finite(v: Any) -> bool:
+    """Whether ``v`` is a number (not a bool) a float holds, and finite: an integer too
+    long for a float (a YAML literal of hundreds of digits) is not."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _num(d: Mapping[str, Any], k: str, key: str, default: float | None = None, lo: float = 0.0,
          hi: float = math.inf) -> float:
     v = d.get(k, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if not _finite(v):
         raise ConfigError(f"{key}.{k}" if key else k, f"must be a finite number, got {v!r}")
     if v < lo:
         raise ConfigError(f"{key}.{k}" if key else k, f"must be >= {lo}, got {v}")
@@ -548,7 +559,7 @@ def parse_weight(v: Any, key: str) -> WeightSchedule:
     if isinstance(v, bool):
         raise ConfigError(key, f"must be a number or a schedule, got {v!r}")
     if isinstance(v, int | float):
-        if not math.isfinite(v) or v < 0:
+        if not _finite(v) or v < 0:
             raise ConfigError(key, f"must be a finite number >= 0, got {v!r}")
         return WeightSchedule.constant(v)
     if not isinstance(v, list) or not v:
@@ -837,6 +848,11 @@ _YamlLoader.add_implicit_resolver(
 def _parse(d: Any) -> Config:
     _check_keys(d, "", _names(Config), {"name", "sources", "batch"})
     name = _str(d, "name", "")
+    if "/" in name or "\0" in name or name != name.strip():
+        # (it names files: the host agent's socket, /tmp/msd-dask-agent-NAME.sock; and a
+        # name with spaces around it is not the one `msd-dask stats NAME` is given)
+        raise ConfigError("name", "must hold no '/' and no NUL, nor start or end with "
+                          f"blanks, got {name!r}")
     par = d.get("parallel", {})
     _check_keys(par, "parallel", _names(ParallelConfig))
     order = par.get("order", ParallelConfig.order)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -635,3 +636,36 @@ def test_more_loaders_than_the_sources_max_is_refused(data_dir: Path) -> None:
     assert "at most the source's max_loaders, 8" in str(err)
     d["sources"][0]["max_loaders"] = 12
     assert load_config(d).sources[0].loaders == 10
+
+
+@pytest.mark.parametrize("where", ["weight", "timeout", "schedule", "cost"])
+def test_an_integer_too_long_for_a_float_is_a_config_error(data_dir: Path, where: str) -> None:
+    """A YAML literal of hundreds of digits raised OverflowError from math.isfinite, a
+    traceback from ``msd-dask validate`` (a review)."""
+    big = 10**400
+    cfg = base(data_dir)
+    key = {"weight": "sources[0].weight", "timeout": "timeout",
+           "schedule": "sources[0].weight[0].weight", "cost": "cost.quadratic"}[where]
+    if where == "weight":
+        cfg["sources"][0]["weight"] = big
+    elif where == "schedule":
+        cfg["sources"][0]["weight"] = [{"until": 5, "weight": big}, {"weight": 1}]
+    elif where == "cost":
+        cfg["cost"] = {"quadratic": big}
+    else:
+        cfg["timeout"] = big
+    with pytest.raises(ConfigError, match=rf"config key '{re.escape(key)}': must be a finite "):
+        parse_config(cfg)
+
+
+@pytest.mark.parametrize("name", ["team/demo", " demo", "demo ", "a\0b"])
+def test_a_service_name_that_cannot_name_a_file_is_refused(data_dir: Path, name: str) -> None:
+    """A name holding '/' was taken, then ``msd-dask agent`` failed on its socket's path
+    (/tmp/msd-dask-agent-NAME.sock); one with blanks around it is not the name
+    ``msd-dask stats NAME`` is given (a review)."""
+    cfg = base(data_dir)
+    cfg["name"] = name
+    with pytest.raises(ConfigError, match=r"config key 'name': must hold no '/'"):
+        parse_config(cfg)
+    cfg["name"] = "train eval-1.x"  # (anything else goes)
+    assert parse_config(cfg).name == "train eval-1.x"
