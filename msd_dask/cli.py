@@ -291,6 +291,8 @@ def _validate(args: argparse.Namespace) -> int:
               f"{s.loaders} loader(s)): {len(first.files)} file(s); {read}")
         for err in first.set_aside:  # (on_error: skip: the service sets them aside)
             print(f"  warning: set aside (on_error: skip): {err}")
+        for err in first.skipped:  # (the service quarantines each row alone)
+            print(f"  warning: row skipped (on_error: skip): {err}")
         for f in first.files:
             print(f"  {f}")
     return 0

@@ -8,6 +8,8 @@ user gave it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 from collections.abc import Mapping
@@ -19,9 +21,8 @@ from msd_dask.errors import ConfigError, DataError
 if TYPE_CHECKING:
     from msd_dask.sources.storage import SourceFiles
 
-__all__ = ["FirstRecord", "anchored", "check_fields", "check_preprocessors", "check_storage",
-           "load_config"]
-
+__all__ = ["FirstRecord", "SKIP_LOOK", "SKIP_ROWS", "anchored", "check_fields",
+           "check_preprocessors", "check_storage", "load_config"]
 
 def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
                 check_files: bool = True) -> Config:
@@ -142,6 +143,11 @@ def _source_files(i: int, src: SourceConfig) -> SourceFiles:
 #: input (``on_error: skip``) and whose first files are bad
 SKIP_LOOK = 8
 
+#: bad rows of one file :func:`check_fields` passes over, for a source that skips bad input
+#: and whose format reads on past a bad row (``errors="yield"``), before it takes the file's
+#: rows for all bad (a misspelt ``text_field`` makes every row bad: not read to the end)
+SKIP_ROWS = 8
+
 
 class FirstRecord(NamedTuple):
     """What :func:`check_fields` found of one source."""
@@ -155,6 +161,10 @@ class FirstRecord(NamedTuple):
     #: the files before it that could not be read, each one's error (``on_error: skip``
     #: only: the service sets them aside)
     set_aside: list[DataError]
+    #: the bad rows passed over before that record, each one's error naming its file and
+    #: row (``on_error: skip``, a format that reads on past a bad row, as JSON lines:
+    #: the service quarantines such a row alone and reads the rest of its file)
+    skipped: list[DataError]
 
 
 def check_fields(cfg: Config) -> list[FirstRecord]:
@@ -166,7 +176,12 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
     those columns): a file further on that lacks the field is found when it is read.  A
     source that skips bad input (``on_error: skip``) whose first file cannot be read has
     the next one read, up to :data:`SKIP_LOOK` files, as the service sets such a file
-    aside.
+    aside.  Where its format reads on past a bad row (``errors="yield"``, as JSON lines
+    do), a bad row is that row's alone, as it is to the service: it is recorded
+    (:attr:`FirstRecord.skipped`), and the next row is read, up to
+    :data:`SKIP_ROWS` bad rows a file; a file of only bad rows has the next file read.
+    A file whose storage fails for a moment is read again
+    (:func:`~msd_dask.sources.documents.again_after_a_blip`).
 
     Parameters
     ----------
@@ -187,27 +202,33 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
         ``format`` cannot be imported.
     DataError
         Naming the source, the file and the row, and the fields the record has (under
-        ``on_error: skip``, the last of the files tried).
+        ``on_error: skip``, the last of the files tried, where none of them had a record
+        to read: a file that cannot be read, or whose rows were all bad, its first bad
+        row's).
     """
-    from msd_dask.sources.documents import source_fields, source_format, with_source
+    from msd_dask.sources.documents import again_after_a_blip, source_fields, source_format, with_source
     from msd_dask.sources.storage import format_paths
 
     firsts = []
     for i, src in enumerate(cfg.sources):
         files = _source_files(i, src)
         fmt = source_format(src, i)
+        fields = source_fields(src)
         # (a folder's files its format reads, as discovery takes them)
         paths = format_paths(files, fmt, src, i)[0]
-        tries = paths[:SKIP_LOOK] if src.on_error == "skip" else paths[:1]
+        skip = src.on_error == "skip"
+        tries = paths[:SKIP_LOOK] if skip else paths[:1]
+        # a format that reads on past a bad row is read so here too: the service quarantines
+        # such a row alone, and the file's next record is its first
+        tolerant = skip and "errors" in inspect.signature(fmt.read).parameters
         set_aside: list[DataError] = []
+        skipped: list[DataError] = []
         for path in tries:
-            found = False
+            bad: list[DataError] = []
+            read = functools.partial(_first_record, fmt, files.fs, path, fields, src.name,
+                                     tolerant, bad)
             try:
-                for unit in fmt.units(files.fs, path):
-                    found = next(iter(fmt.read(files.fs, unit, source_fields(src))),
-                                 None) is not None
-                    if found:
-                        break  # (a unit without rows: the next one's first)
+                found = again_after_a_blip(read, src.name, path, "reading its first record")
             except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
                 err = with_source(e, src.name, path)  # (named by source and file, as a read is)
                 if path != tries[-1]:
@@ -216,6 +237,33 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
                 if err is e:
                     raise
                 raise err from e
-            firsts.append(FirstRecord(paths, path, found, set_aside))
+            skipped.extend(bad)  # (msd-dask validate warns of each)
+            if not found and bad:  # (rows, all bad: they say nothing of the fields)
+                if path != tries[-1]:
+                    continue
+                raise bad[0]
+            firsts.append(FirstRecord(paths, path, found, set_aside, skipped))
             break
     return firsts
+
+
+def _first_record(fmt: Any, fs: Any, path: str, fields: list[str], source: str, tolerant: bool,
+                  bad: list[DataError]) -> bool:
+    """Whether file ``path`` has a record (read with ``fields``, by format ``fmt``).
+
+    ``tolerant``: read with ``errors="yield"``, each bad row before the record appended to
+    ``bad`` (named by ``source``), up to :data:`SKIP_ROWS` of them (then False).
+    """
+    from msd_dask.sources.documents import with_source
+
+    bad.clear()  # (a read cut short by a blip: its rows are read again)
+    for unit in fmt.units(fs, path):
+        rows = fmt.read(fs, unit, fields, errors="yield") if tolerant else fmt.read(fs, unit, fields)
+        for _row, rec in rows:
+            if not isinstance(rec, DataError):
+                return True
+            bad.append(with_source(rec, source, path))
+            if len(bad) >= SKIP_ROWS:
+                return False
+        # (a unit without rows, or of bad rows alone: the next one's)
+    return False

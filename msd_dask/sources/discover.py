@@ -46,7 +46,9 @@ def discover_units(cfg: Config, threads: int = 8,
     once per source here, or recorded in ``skipped`` when it is given (for the caller to
     log).  A file whose units cannot be listed raises :class:`DataError`, unless its
     source has ``on_error: skip``: then it is left out and its error appended to
-    ``quarantined[source]``.
+    ``quarantined[source]``.  A file whose storage fails for a moment is listed again, as
+    a read is (:func:`~msd_dask.sources.documents.again_after_a_blip`): only the third
+    failure is the file's.
 
     Parameters
     ----------
@@ -82,7 +84,7 @@ def discover_units(cfg: Config, threads: int = 8,
     """
     # imported where units are listed (DataService.start: a worker, see
     # discover_on_worker), never by a reader or the process that starts the service
-    from msd_dask.sources.documents import source_format, with_source
+    from msd_dask.sources.documents import again_after_a_blip, source_format, with_source
     from msd_dask.sources.storage import format_paths, open_source
 
     units: Units = {}
@@ -102,7 +104,10 @@ def discover_units(cfg: Config, threads: int = 8,
 
             def listing(p: str, fs: Any = files.fs, fmt: Any = fmt, name: str = s.name) -> Any:
                 try:
-                    return fmt.units(fs, p)
+                    # (a storage blip is listed again, as a read is: set aside, the file
+                    # would be out of the whole run)
+                    return again_after_a_blip(lambda: fmt.units(fs, p), name, p,
+                                              "listing its units")
                 except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
                     # (named by source and file, as a read does; under on_error: skip, the
                     # file is set aside)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -38,13 +38,16 @@ if TYPE_CHECKING:
 # loader's actor handle, and every module costs each training process memory
 # (tests/unit/test_imports.py)
 
-__all__ = ["DocPool", "ImageDoc", "preprocessor", "process_docs", "read_unit", "source_config",
-           "source_fields", "source_format", "with_source"]
+__all__ = ["BLIPS", "BLIP_RETRIES", "DocPool", "ImageDoc", "again_after_a_blip", "preprocessor",
+           "process_docs", "read_unit", "source_config", "source_fields", "source_format",
+           "with_source"]
 
 
 _log = logging.getLogger(__name__)
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+
+_T = TypeVar("_T")
 
 
 @functools.lru_cache(maxsize=32)
@@ -147,9 +150,9 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     """
     if getattr(src, "on_error", "fail") != "skip":
         try:
-            return _again_after_a_blip(
-                src, unit, lambda: _read_rows(src, fs, unit, tokenizer, [], None, pool,
-                                              timing, cpu))
+            return again_after_a_blip(
+                lambda: _read_rows(src, fs, unit, tokenizer, [], None, pool, timing, cpu),
+                src.name, unit.path)
         except (DataError, OSError) as e:
             err = with_source(e, src.name, unit.path)
             if err is e:  # (already named: 'raise e from e' would make e its own cause, a
@@ -162,7 +165,7 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
         return _read_rows(src, fs, unit, tokenizer, [], bad, pool, timing, cpu)
 
     try:
-        out = _again_after_a_blip(src, unit, read)
+        out = again_after_a_blip(read, src.name, unit.path)
     except (DataError, OSError) as e:
         if quarantine is not None:
             quarantine.append(with_source(e, src.name, unit.path, whole_file=True))
@@ -172,8 +175,8 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
     return out
 
 
-#: seconds :func:`read_unit` waits before each new read of a unit whose storage failed
-#: for a moment (:data:`BLIPS`); the last failure is the unit's
+#: seconds :func:`again_after_a_blip` waits before each new read of a file whose storage
+#: failed for a moment (:data:`BLIPS`); the last failure is the file's
 BLIP_RETRIES = (0.5, 2.0)
 
 #: storage errors that may pass: a connection dropped, a read that timed out (fsspec's
@@ -181,21 +184,43 @@ BLIP_RETRIES = (0.5, 2.0)
 BLIPS: tuple[type[OSError], ...] = (ConnectionError, TimeoutError)
 
 
-def _again_after_a_blip(src: SourceConfig, unit: Unit,
-                        read: Callable[[], list[np.ndarray | ImageDoc]]
-                        ) -> list[np.ndarray | ImageDoc]:
-    """``read()``, again after each of :data:`BLIP_RETRIES` where the storage failed for a
+def again_after_a_blip(fn: Callable[[], _T], source: str, path: str,
+                       doing: str = "reading it") -> _T:
+    """``fn()``, again after each of :data:`BLIP_RETRIES` where the storage failed for a
     moment (:data:`BLIPS`): a brief failure of the store is not bad input, which
-    ``on_error: skip`` would quarantine (the whole unit, for the epoch) and ``fail``
-    would stop the service on."""
+    ``on_error: skip`` would quarantine (a unit for the epoch, a file listed at start for
+    the run) and ``fail`` would stop the service on.  The rule of every read of a source's
+    files: :func:`read_unit`, the listing of a file's units when a service starts
+    (:func:`~msd_dask.sources.discover.discover_units`) and ``msd-dask validate``'s first
+    record (:func:`~msd_dask.sources.check.check_fields`).
+
+    Parameters
+    ----------
+    fn : callable
+        The whole read, done again from its start after a blip.
+    source, path : str
+        The source and the file, named by the warning of each blip.
+    doing : str
+        What ``fn`` does, for that warning (``"listing its units"``).
+
+    Returns
+    -------
+    object
+        What ``fn`` returned.
+
+    Raises
+    ------
+    Exception
+        What the last try of ``fn`` raised (a blip too: the third failure counts).
+    """
     for delay in BLIP_RETRIES:
         try:
-            return read()
+            return fn()
         except BLIPS as e:
-            _log.warning("source %r, file %r: reading it failed (%s: %s); reading it again "
-                         "in %.1fs", src.name, unit.path, type(e).__name__, e, delay)
+            _log.warning("source %r, file %r: %s failed (%s: %s); %s again in %.1fs",
+                         source, path, doing, type(e).__name__, e, doing, delay)
             time.sleep(delay)
-    return read()
+    return fn()
 
 
 def source_format(src: SourceConfig, index: int) -> Format:

@@ -76,16 +76,38 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
     start = _glob_start(path)
     if start is not None and not fs.isfile(path):  # (a file named "a[0].jsonl")
         root = path[:start].rsplit("/", 1)[0] if "/" in path[:start] else ""
-        found = {p for pattern in expand_braces(path) for p in fs.glob(pattern)}
-        paths = sorted(p for p in found if not _ignored(p, root) and not fs.isdir(p))
+        found: dict[str, Any] = {}
+        for pattern in expand_braces(path):
+            found.update(fs.glob(pattern, detail=True))
+        paths = sorted(p for p, info in found.items() if not _ignored(p, root)
+                       and _is_file(fs, p, info))
     elif fs.isdir(path):
         root = path
-        paths = sorted(p for p in fs.find(path) if not _ignored(p, root) and not fs.isdir(p))
+        paths = sorted(p for p, info in fs.find(path, detail=True).items()
+                       if not _ignored(p, root) and _is_file(fs, p, info))
         return SourceFiles(fs, root, paths, folder=True)
     else:
         root = path.rsplit("/", 1)[0] if "/" in path else ""
         paths = [path] if fs.exists(path) else []
     return SourceFiles(fs, root, paths)
+
+
+def _is_file(fs: fsspec.AbstractFileSystem, path: str, info: Mapping[str, Any]) -> bool:
+    """Whether ``path``, as a listing's detail ``info`` gives it, is a file of data.
+
+    Decided from the listing itself: on S3, once a glob has filled s3fs's listing cache,
+    ``fs.isdir`` is False for a folder (a key prefix), and the zero-byte ``prefix/`` key
+    that the S3 console's "Create folder" makes is listed as a file; read as data, either
+    fails the source (a parquet reader: "Parquet file size is 0 bytes").  An entry of
+    another type than file or directory (a local symbolic link, listed as ``"other"``)
+    is asked about, following the link as before.
+    """
+    kind = info.get("type")
+    if kind == "directory":
+        return False
+    if kind == "file":
+        return not path.endswith("/")
+    return not fs.isdir(path)
 
 
 def is_glob(uri: str) -> bool:

@@ -82,3 +82,37 @@ def test_s3_glob_over_many_small_keys(s3_server, s3_corpus):
     check_content(recs, both, SEQ)
     epochs = check_exactly_once(recs, both, SEQ, min_complete=0)
     assert epochs["many"] >= 1, epochs  # (30 steps: whole epochs of the small source)
+
+
+def test_s3_folder_keys_and_console_folder_markers_are_no_data_files(s3_server):
+    """A glob or a folder over S3 listed a folder (a key prefix) and the zero-byte
+    ``prefix/`` key the S3 console's "Create folder" makes as data files: once the glob
+    had filled s3fs's listing cache, ``isdir`` was False for both, and a parquet source
+    failed to start ("Parquet file size is 0 bytes").  The listing's own detail decides."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import s3fs
+
+    from msd_dask.sources.discover import discover_units
+    from msd_dask.sources.storage import open_source
+
+    so = s3_server["storage_options"]
+    fs = s3fs.S3FileSystem(**so)
+    fs.mkdir("msd-folders")
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": ["x", "y"]}), buf)
+    fs.pipe("msd-folders/shards/a.parquet", buf.getvalue())
+    fs.pipe("msd-folders/shards/sub/b.parquet", buf.getvalue())
+    fs.pipe("msd-folders/shards/empty/", b"")  # (the console's "Create folder")
+    fs.invalidate_cache()
+    top, both = ["msd-folders/shards/a.parquet"], ["msd-folders/shards/a.parquet",
+                                                   "msd-folders/shards/sub/b.parquet"]
+    for uri, paths in [("s3://msd-folders/shards/*", top), ("s3://msd-folders/shards/**", both),
+                       ("s3://msd-folders/shards", both), ("s3://msd-folders/shards/", both)]:
+        assert open_source(uri, so).paths == paths, uri
+        cfg = load_config({"name": "f", "batch": {"seq_len": 64}, "sources": [
+            {"name": "s", "uri": uri, "format": "parquet", "storage_options": so}]})
+        units, _ = discover_units(cfg)
+        assert sorted({path for path, _, _ in units["s"]}) == paths, uri

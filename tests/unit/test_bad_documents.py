@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from msd_dask import DataError, load_config
 from msd_dask.sources import documents
@@ -201,3 +203,145 @@ def test_a_users_format_that_raises_while_listing_names_the_file(
     units, _ = discover_units(cfg("skip"), quarantined=quarantined)
     assert [u[0].rsplit("/", 1)[1] for u in units["s"]] == ["a.txt"]
     assert len(quarantined["s"]) == 1 and "b.txt" in quarantined["s"][0]
+
+
+class _BlipsFS(MemoryFileSystem):
+    """An in-memory store whose file opens fail for a moment: ``fails[path]`` opens of
+    ``path`` raise ConnectionError (a dropped connection), the later ones succeed."""
+
+    protocol = "msd-test-blips"
+    store: dict[str, Any] = {}
+    pseudo_dirs = [""]
+    fails: dict[str, int] = {}
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return MemoryFileSystem._strip_protocol(path.removeprefix(f"{cls.protocol}://"))
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "r" in mode and self.fails.get(path, 0) > 0:
+            self.fails[path] -= 1
+            raise ConnectionError(f"connection reset while opening {path}")
+        return super()._open(path, mode, **kwargs)
+
+
+@pytest.fixture
+def blips(monkeypatch: pytest.MonkeyPatch) -> type[_BlipsFS]:
+    """:class:`_BlipsFS`, empty, with a parquet file ``/d/a.parquet`` and ``/d/b.parquet``
+    of two row groups each, and blips waited for 10 ms."""
+    import io
+
+    import fsspec
+
+    monkeypatch.setattr(documents, "BLIP_RETRIES", (0.01, 0.01))
+    monkeypatch.setattr(_BlipsFS, "store", {})
+    monkeypatch.setattr(_BlipsFS, "fails", {})
+    fsspec.register_implementation(_BlipsFS.protocol, _BlipsFS, clobber=True)
+    fs = _BlipsFS()
+    for name in ("a", "b"):
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"text": [f"{name}{i}" for i in range(4)]}), buf,
+                       row_group_size=2)
+        fs.pipe(f"/d/{name}.parquet", buf.getvalue())
+    return _BlipsFS
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+@pytest.mark.parametrize("fails", [1, 2, 3])
+def test_a_storage_blip_while_listing_a_file_is_listed_again(
+        blips: type[_BlipsFS], on_error: str, fails: int) -> None:
+    """A file whose storage failed for a moment when the service listed its units (its
+    parquet footer) was quarantined for the whole run (``skip``) or refused the start
+    (``fail``), and ``msd-dask validate`` set it aside or failed (a review): the listing
+    and the first record are read again as a unit is (``BLIP_RETRIES``), and only the
+    third failure is the file's."""
+    from msd_dask.sources.check import check_fields
+    from msd_dask.sources.discover import discover_units
+
+    cfg = load_config({"name": "b", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": f"{blips.protocol}://d/*.parquet", "format": "parquet",
+         "on_error": on_error}]})
+    says = r"source 's', file '/d/a\.parquet': cannot read: ConnectionError"
+    blips.fails["/d/a.parquet"] = fails
+    quarantined: dict[str, list[str]] = {}
+    if fails == 3 and on_error == "fail":
+        with pytest.raises(DataError, match=says):
+            discover_units(cfg, quarantined=quarantined)
+    else:
+        units, _ = discover_units(cfg, quarantined=quarantined)
+        listed = sorted({path for path, _, _ in units["s"]})
+        if fails == 3:  # (the third failure: the file's, set aside under skip)
+            assert listed == ["/d/b.parquet"] and len(quarantined["s"]) == 1
+            assert re.match(says, quarantined["s"][0]), quarantined
+        else:
+            assert listed == ["/d/a.parquet", "/d/b.parquet"] and quarantined == {}
+    blips.fails["/d/a.parquet"] = fails
+    if fails == 3 and on_error == "fail":
+        with pytest.raises(DataError, match=says):
+            check_fields(cfg)
+        return
+    (first,) = check_fields(cfg)
+    if fails == 3:
+        assert first.path == "/d/b.parquet" and len(first.set_aside) == 1
+    else:
+        assert (first.path, first.found, first.set_aside) == ("/d/a.parquet", True, [])
+
+
+def _skip_source(tmp_path: Path, pattern: str = "*.jsonl*", text_field: str = "text",
+                 on_error: str = "skip") -> Any:
+    return load_config({"name": "v", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": str(tmp_path / pattern), "format": "jsonl",
+         "text_field": text_field, "on_error": on_error}]})
+
+
+def test_validate_under_skip_passes_over_a_bad_row_not_its_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``msd-dask validate`` (check_fields) read a source's first record with errors raised:
+    under ``on_error: skip`` a first line cut off set its whole file aside, where the
+    service quarantines that row alone and reads the rest (a review).  The row is now
+    noted as skipped, named by its row, and the file's first good record is read; a
+    file that cannot be read at all is still set aside."""
+    from msd_dask.sources.check import check_fields
+
+    (tmp_path / "a.jsonl").write_text('{"text": "cut off\n{"text": "good 1"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "good"}\n')
+    (first,) = check_fields(_skip_source(tmp_path))
+    assert (first.path, first.found, first.set_aside) == (str(tmp_path / "a.jsonl"), True, [])
+    assert [(e.source, e.path, e.row) for e in first.skipped] == [
+        ("s", str(tmp_path / "a.jsonl"), 0)]
+    # (validate warns of it)
+    from msd_dask.cli import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: s, uri: "
+                      f"'{tmp_path}/*.jsonl', format: jsonl, on_error: skip}}\n")
+    assert main(["validate", str(config)]) == 0
+    assert re.search(r"warning: row skipped \(on_error: skip\): source 's', file "
+                     r"'.*a\.jsonl', row 0: invalid JSON", capsys.readouterr().out)
+    # (the service reads the file so: the row quarantined alone)
+    src = _skip_source(tmp_path, "a.jsonl").sources[0]
+    fs, units = source_units(src)
+    quarantine: list[DataError] = []
+    assert [len(d) for d in read_unit(src, fs, units[0], ByteTokenizer(), quarantine)] == [0, 7]
+    assert [q.row for q in quarantine] == [0]
+
+    # a corrupt file is the file's: set aside, the next file read
+    (tmp_path / "0.jsonl.gz").write_bytes(b"not gzip\n")
+    (first,) = check_fields(_skip_source(tmp_path))
+    assert first.path == str(tmp_path / "a.jsonl") and len(first.skipped) == 1
+    assert [(e.path, e.row) for e in first.set_aside] == [(str(tmp_path / "0.jsonl.gz"), None)]
+    assert "corrupt gzip stream" in str(first.set_aside[0])
+
+    # a misspelt field makes every row bad: still an error naming the row
+    with pytest.raises(DataError, match=r"source 's', file '.*b\.jsonl', row 0: missing "
+                                        r"field 'txt' \(the line's keys: text\)"):
+        check_fields(_skip_source(tmp_path, "b.jsonl", text_field="txt"))
+    # (nor is a file read to its end for its first record: SKIP_ROWS bad rows are all bad)
+    from msd_dask.sources.check import SKIP_ROWS
+
+    (tmp_path / "c.jsonl").write_text("not json\n" * SKIP_ROWS + '{"text": "late"}\n')
+    with pytest.raises(DataError, match=r"file '.*c\.jsonl', row 0: invalid JSON"):
+        check_fields(_skip_source(tmp_path, "c.jsonl"))
+    # under fail, the first bad row stands, as the service stops on it
+    with pytest.raises(DataError, match=r"file '.*a\.jsonl', row 0: invalid JSON"):
+        check_fields(_skip_source(tmp_path, "a.jsonl", on_error="fail"))

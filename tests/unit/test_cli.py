@@ -312,21 +312,22 @@ def test_validate_reads_on_past_a_bad_first_file_of_a_source_that_skips(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], on_error: str) -> None:
     """A corrupt first file: validate refused a source under ``on_error: skip``, which the
     service starts, setting that file aside (a review of bad input).  It now reads the next
-    file and warns of the one set aside; under ``fail`` the first file's error stands."""
+    file and warns of the one set aside; under ``fail`` the first file's error stands.  (A
+    file whose first row alone is bad is not set aside: tests/unit/test_bad_documents.py.)"""
     _one_file_source(tmp_path, "jsonl")
-    (tmp_path / "data" / "0.jsonl").write_bytes(b"not json\n")  # (sorted first)
+    (tmp_path / "data" / "0.jsonl.gz").write_bytes(b"not gzip\n")  # (sorted first)
     (tmp_path / "c.yaml").write_text(
         f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: "
-        f"'{tmp_path}/data/*.jsonl', format: jsonl, on_error: {on_error}}}\n")
+        f"'{tmp_path}/data/*.jsonl*', format: jsonl, on_error: {on_error}}}\n")
     code = main(["validate", str(tmp_path / "c.yaml")])
     out, err = capsys.readouterr()
     if on_error == "fail":
-        assert code == 2 and "0.jsonl" in err and "row 0" in err, err
+        assert code == 2 and "0.jsonl.gz" in err and "corrupt gzip stream" in err, err
         return
     assert code == 0, err
     assert f"'text' read from the first record of {tmp_path}/data/a.jsonl" in out, out
-    assert f"warning: set aside (on_error: skip): source 'web', file '{tmp_path}/data/0.jsonl'" \
-        in out, out
+    assert (f"warning: set aside (on_error: skip): source 'web', file '{tmp_path}/data/"
+            "0.jsonl.gz'") in out, out
 
 
 def test_validate_says_when_the_first_file_has_no_record(
