@@ -19,7 +19,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "is_whole", "loaded_step", "no_going_back", "rank_number", "wait_seconds"]
+__all__ = ["Batch", "is_whole", "loaded_step", "no_going_back", "rank_number", "reader_state",
+           "wait_seconds"]
 
 
 @dataclass
@@ -120,23 +121,49 @@ def _tensor(a: Any) -> torch.Tensor | None:
     return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).long()
 
 
-def loaded_step(state: Any, rank: int) -> int | None:
-    """The step of a reader's saved ``state`` (``{"rank", "step"}``, its ``state_dict()``)
-    that rank ``rank`` loads: the last step it returned, ``None`` if none.
+def reader_state(rank: int, step: int | None, service: str) -> dict[str, Any]:
+    """A reader's saved state, as every reader's ``state_dict()`` returns it:
+    ``{"service", "rank", "step"}``, the service's name, the rank and the last step it
+    returned (``None``: none).  :func:`loaded_step` reads it back."""
+    return {"service": service, "rank": int(rank), "step": None if step is None else int(step)}
+
+
+def loaded_step(state: Any, rank: int, service: str) -> int | None:
+    """The step of a reader's saved ``state`` (:func:`reader_state`, its ``state_dict()``)
+    that rank ``rank`` of service ``service`` loads: the last step it returned, ``None`` if
+    none.
+
+    A state names its service: the steps of another service are other batches, and a
+    reader that took one's step would skip as many steps of its own without a word.  A
+    state without ``"service"`` (saved by a version that did not record it) is not
+    checked for it.
 
     Raises
     ------
     ValueError
         ``state`` is not such a mapping (an unknown key, a step that is not a whole number
-        >= 0 or None), or is another rank's.
+        >= 0 or None, a service name with no rank), or is another service's or another
+        rank's.
     """
     if not isinstance(state, Mapping):
-        raise ValueError(f"a reader state is a mapping {{'rank', 'step'}}, got "
+        raise ValueError(f"a reader state is a mapping {{'service', 'rank', 'step'}}, got "
                          f"{type(state).__name__}")
-    unknown = sorted(map(str, set(state) - {"rank", "step"}))
+    unknown = sorted(map(str, set(state) - {"service", "rank", "step"}))
     if unknown:
-        raise ValueError(f"reader state: unknown key(s) {unknown} (a reader state has 'rank' "
-                         "and 'step')")
+        raise ValueError(f"reader state: unknown key(s) {unknown} (a reader state has "
+                         "'service', 'rank' and 'step')")
+    if "service" in state:
+        if state["service"] != service:
+            raise ValueError(
+                f"reader state of service {state['service']!r} loaded into a reader of "
+                f"service {service!r} (rank {rank}): a reader state holds the position of "
+                f"the service it was saved from, and {service!r} serves other batches; "
+                f"load the state rank {rank} saved while reading {service!r}, or none to "
+                f"read {service!r} from its first step")
+        if "rank" not in state:
+            raise ValueError(f"reader state of service {service!r} without a 'rank' (loaded "
+                             f"into rank {rank}): a state that names its service names its "
+                             "rank too; pass the state as state_dict() returned it")
     if "rank" in state and (not is_whole(state["rank"]) or state["rank"] != rank):
         raise ValueError(f"reader state of rank {state['rank']!r} loaded into rank {rank}")
     step = state.get("step")

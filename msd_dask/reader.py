@@ -38,7 +38,14 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from msd_dask.batch import Batch, loaded_step, no_going_back, rank_number, wait_seconds
+from msd_dask.batch import (
+    Batch,
+    loaded_step,
+    no_going_back,
+    rank_number,
+    reader_state,
+    wait_seconds,
+)
 from msd_dask.core.config import Config
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import (
@@ -295,12 +302,17 @@ def _report(link: ServiceLink, c: int, rank: int, ranks: list[int], step: int | 
 
 
 def _report_dropped(link: ServiceLink, c: int, rank: int, ranks: list[int],
-                    progress: _Progress) -> None:
+                    progress: _Progress, reports: list[Any] | None = None) -> None:
     """A reader was dropped (garbage-collected) without :meth:`Reader.close`, e.g. after a
     ``for batch in svc.reader(rank)`` loop that ended with ``break``: report its last step,
-    as close() would (:meth:`DataService.state_dict` counts it)."""
+    as close() would (:meth:`DataService.state_dict` counts it).  The call goes to
+    ``reports`` (its handle's), which a handle dropped with its readers waits for before
+    it closes its client."""
     last = progress.last()
-    _report(link, c, rank, ranks, last if last >= 0 else None, progress)
+    call = _report(link, c, rank, ranks, last if last >= 0 else None, progress)
+    if call is not None and reports is not None:
+        reports[:] = [f for f in reports if not f.done()]  # (the ones still on their way)
+        reports.append(call)
 
 
 class Reader:
@@ -310,11 +322,13 @@ class Reader:
     peers) this reader reads for: their constructor sends each batch once, for all of
     them (a host agent serving the ranks of its host reads so).  ``ledger``: a record,
     rank -> the last step returned (or the state loaded), this reader keeps up to date
-    (:meth:`DataService.reader` starts a rank's next reader after it).
+    (:meth:`DataService.reader` starts a rank's next reader after it).  ``reports``: a
+    list the report of a reader dropped without :meth:`close` goes to (its handle's).
     """
 
     def __init__(self, link: ServiceLink, rank: int, *, timeout: float,
-                 also: Sequence[int] = (), ledger: dict[int, int] | None = None):
+                 also: Sequence[int] = (), ledger: dict[int, int] | None = None,
+                 reports: list[Any] | None = None):
         from msd_dask.roles.constructor import constructor_of
 
         cfg = link.config
@@ -358,12 +372,15 @@ class Reader:
         if self.REPORT_WHEN_DROPPED:
             # (at garbage collection only: at interpreter exit the client may be gone)
             weakref.finalize(self, _report_dropped, link, self._c, rank, self.ranks,
-                             self._progress).atexit = False
+                             self._progress, reports).atexit = False
 
     #: whether a reader dropped without :meth:`close` reports the last step it returned
     REPORT_WHEN_DROPPED = True
     #: the record of the last steps returned this reader keeps up to date (see ``ledger``)
     _ledger: dict[int, int] | None = None
+    #: what this reader reads through and keeps alive: the handle that made it (a handle
+    #: dropped without close() closes its client, see ``DataService.connect``)
+    handle: Any = None
 
     @property
     def step(self) -> int | None:
@@ -391,15 +408,16 @@ class Reader:
         self._progress.known = value
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"rank", "step"}``: the later of the last step this reader returned and of a
-        state it loaded (``None``: neither)."""
+        """``{"service", "rank", "step"}``: the service's name, the rank, and the later of
+        the last step this reader returned and of a state it loaded (``None``: neither)."""
         last = self._progress.last()
-        return {"rank": self.rank, "step": last if last >= 0 else None}
+        return reader_state(self.rank, last if last >= 0 else None, self.link.name)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Go on after the step of ``state``: skip every step up to ``state["step"]``.
 
-        Before this reader returns its first batch, any state of its rank is taken as its
+        Before this reader returns its first batch, any state of its rank (of its service) is
+        taken as its
         position (``step`` ``None`` included: no step returned): the steps up to it are
         released without being transferred, so a restarted rank gets no step twice.  (A
         service that handed this rank later steps already refuses the next ``next()``,
@@ -410,18 +428,19 @@ class Reader:
         Parameters
         ----------
         state : Mapping
-            ``{"rank", "step"}``, as :meth:`state_dict` returns it.
+            ``{"service", "rank", "step"}``, as :meth:`state_dict` returns it (a state
+            without ``"service"``, of an earlier version, is not checked for it).
 
         Raises
         ------
         ValueError
-            ``state`` is no reader state, or another rank's
+            ``state`` is no reader state, or another service's or another rank's
             (:func:`~msd_dask.batch.loaded_step`).
         ServiceError
             The reader has returned a batch and ``state`` is of an earlier step than the
             one it is at, or of no step: the message names both steps.
         """
-        step = loaded_step(state, self.rank)
+        step = loaded_step(state, self.rank, self.link.name)
         if self.step is not None:
             no_going_back(step, self._progress.last(), self.rank, self.link.name)
         self._skip_through = -1 if step is None else step

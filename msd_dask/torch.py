@@ -30,7 +30,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from msd_dask.batch import Batch, loaded_step
+from msd_dask.batch import Batch, loaded_step, reader_state
 
 __all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
 
@@ -223,6 +223,9 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
     :meth:`state_dict` / :meth:`load_state_dict` carry the position of the
     last batch handed out (not of a batch only prefetched), so a restarted
     rank skips the steps it has already trained on.
+
+    :meth:`close` ends the dataset's iterators made before it, and disconnects; a
+    dataset dropped without it lets go of its prefetch thread, reader and connection.
     """
 
     def __init__(self, address: str, name: str, rank: int, *, steps: int | None = None,
@@ -246,6 +249,9 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         #: batches prefetched and not handed out when the dataset was closed: the next
         #: iter() hands them out first (its new reader goes on after them)
         self._carried: list[Batch] = []
+        #: bumped by close(): an iterator made before it ends instead of handing out one
+        #: more batch (a batch of the closed reader, or a step the next iter() hands out)
+        self._generation = 0
         #: the step of the last batch handed out
         self.last_step: int | None = None
 
@@ -286,13 +292,19 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             raise RuntimeError("MsdIterableDataset must be read with DataLoader(num_workers=0): "
                                "each loader worker would be another reader of rank "
                                f"{self.rank}")
+        # an iterator ends once the dataset is closed (checked before each batch it takes):
+        # what it would take next belongs to the dataset's next iter(), which goes on after
+        # the last batch handed out
+        generation = self._generation
         n = 0
         while self._carried and (self.steps is None or n < self.steps):
+            if self._generation != generation:
+                return
             batch = self._carried.pop(0)
             self.last_step = batch.step
             yield batch_to_dict(batch)
             n += 1
-        if self.steps is not None and n >= self.steps:
+        if (self.steps is not None and n >= self.steps) or self._generation != generation:
             return
         reader = self._connect()
         if self.prefetch and self._prefetcher is None:
@@ -300,6 +312,8 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             self._prefetcher = Prefetcher(reader, self.prefetch,
                                           name=f"msd-prefetch-{self.name}-rank{self.rank}")
         while self.steps is None or n < self.steps:
+            if self._generation != generation:
+                return
             if self._prefetcher is None:
                 batch = next(reader)
             else:
@@ -340,18 +354,30 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         self._reader.report_step_time(float(seconds), step=step)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"rank", "step"}``: the last step handed out (``None`` before the first)."""
+        """``{"service", "rank", "step"}``: the service's name, the rank and the last step
+        handed out (``None`` before the first), as a reader's
+        (:meth:`msd_dask.Reader.state_dict`)."""
+        return reader_state(self.rank, self._step(), self.name)
+
+    def _step(self) -> int | None:
+        """The step of :meth:`state_dict`."""
         if self._carried and self.last_step is not None:
-            return {"rank": self.rank, "step": self.last_step}
+            return self.last_step
         if self._carried:
-            return dict(self._start_state or {"rank": self.rank, "step": None})
+            return self._start_step()
         if self._reader is None:
-            return dict(self._pending_state or {"rank": self.rank, "step": None})
+            if self._pending_state is None:
+                return None
+            return loaded_step(self._pending_state, self.rank, self.name)
         if self._prefetcher is not None:  # the reader is ahead by the prefetched batches
-            if self.last_step is not None:
-                return {"rank": self.rank, "step": self.last_step}
-            return dict(self._start_state or {"rank": self.rank, "step": None})
-        return dict(self._reader.state_dict())
+            return self.last_step if self.last_step is not None else self._start_step()
+        step = self._reader.state_dict()["step"]
+        return None if step is None else int(step)
+
+    def _start_step(self) -> int | None:
+        """The step the reader was at when prefetching started."""
+        step = (self._start_state or {}).get("step")
+        return None if step is None else int(step)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Go on after the step of ``state`` (see :meth:`msd_dask.Reader.load_state_dict`).
@@ -365,12 +391,13 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         Parameters
         ----------
         state : Mapping
-            ``{"rank", "step"}``, as :meth:`state_dict` returns it.
+            ``{"service", "rank", "step"}``, as :meth:`state_dict` returns it (a state
+            without ``"service"``, of an earlier version, is not checked for it).
 
         Raises
         ------
         ValueError
-            If ``state`` is no reader state, or belongs to another rank.
+            If ``state`` is no reader state, or belongs to another service or rank.
         RuntimeError
             If batches were already prefetched (load the state before iterating).
         ServiceError
@@ -384,7 +411,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         if self._reader is None:
             # (checked now, as a reader checks it: else a bad state came back from
             # state_dict() into a checkpoint, and failed only at iter())
-            loaded = loaded_step(state, self.rank)
+            loaded = loaded_step(state, self.rank, self.name)
             step = -1 if loaded is None else loaded
             # batches carried from before a close stay where the state goes on right before
             # them; else the state's reader decides (they are dropped)
@@ -401,19 +428,30 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
     def close(self) -> None:
         """Stop prefetching and disconnect from the service (the service keeps running).
 
+        An iterator of the dataset made before ends (``StopIteration``) instead of handing
+        out another batch: a later ``iter()`` goes on after the last batch handed out.
         Batches prefetched and not handed out stay with the dataset: a later ``iter()``
         hands them out first, then reads on after them (:meth:`state_dict` stays the
         last batch handed out).
         """
+        self._generation += 1
         if self._prefetcher is not None:
+            # (its thread stops first: it reads the reader closed below)
             self._carried += self._prefetcher.close()
             self._prefetcher = None
         position = self._resume_at()  # (kept: a later iter() goes on after it)
-        if self._service is not None:
-            self._service.close()
+        reader, service = self._reader, self._service
         self._service = None
         self._reader = None
         self._pending_state = position
+        try:
+            if reader is not None:
+                # (its constructor learns the last step it returned; the batches it held
+                # and did not return are not handed out: the next reader gets them again)
+                reader.close()
+        finally:
+            if service is not None:
+                service.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -428,11 +466,11 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         """The state a reader connected later loads: after the batches carried from a close
         (its reader took them), else :meth:`_position`."""
         if self._carried:
-            return {"rank": self.rank, "step": self._carried[-1].step}
+            return reader_state(self.rank, self._carried[-1].step, self.name)
         return self._position()
 
     def _position(self) -> dict[str, Any] | None:
         """The state a reader connected later loads: :meth:`state_dict`, if any step was
         handed out or loaded."""
         state = self.state_dict()
-        return state if state.get("step") is not None else None
+        return state if state["step"] is not None else None

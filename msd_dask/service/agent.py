@@ -49,6 +49,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from msd_dask.batch import reader_state
 from msd_dask.core.config import Config
 from msd_dask.errors import TRIAL_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
@@ -461,8 +462,8 @@ class AgentGroupReader(Reader):
             self._report_when_idle()
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"rank", "step"}``: the last step every rank of the group took."""
-        return {"rank": self.rank, "step": self.taken}
+        """``{"service", "rank", "step"}``: the last step every rank of the group took."""
+        return reader_state(self.rank, self.taken, self.link.name)
 
     def _returned_through(self) -> int:
         """The last step every rank of the group took (``-1``: none), sent with each claim:
@@ -1090,7 +1091,7 @@ class HostAgent:
             reader = await _in_thread(self._open_reader, first, others)
             start = g.slowest()
             if start >= 0:
-                reader.load_state_dict({"rank": first, "step": start})
+                reader.load_state_dict(reader_state(first, start, self.name))
                 reader.mark_taken(start)
             g.reader, g.last_read = reader, max(g.last_read, start)
             #: a step read whose block is not written yet (its write failed), and the
@@ -1175,7 +1176,7 @@ class HostAgent:
         if skip > g.last_read:
             _log.info("msd-dask agent: ranks %s skip to step %d; their reader goes on after it "
                       "(it read the steps up to %d)", g.ranks, skip, g.last_read)
-            reader.load_state_dict({"rank": g.ranks[0], "step": skip})
+            reader.load_state_dict(reader_state(g.ranks[0], skip, self.name))
             g.last_read = skip
 
     async def _tell_and_wait(self, g: _Group, notice: tuple[str, str]) -> None:

@@ -44,7 +44,14 @@ from typing import Any
 
 import numpy as np
 
-from msd_dask.batch import Batch, loaded_step, no_going_back, rank_number, wait_seconds
+from msd_dask.batch import (
+    Batch,
+    loaded_step,
+    no_going_back,
+    rank_number,
+    reader_state,
+    wait_seconds,
+)
 from msd_dask.core.packing import from_wire
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 
@@ -269,17 +276,19 @@ class AgentReader:
             sock.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"rank", "step"}``: the later of the last step returned and of the state loaded,
-        ``None`` if neither."""
+        """``{"service", "rank", "step"}``: the service's name, the rank, and the later of the
+        last step returned and of the state loaded, ``None`` if neither (as a direct
+        reader's: a state saved behind the agent loads into a direct reader, and back)."""
         steps = [s for s in (self.step, self._loaded) if s is not None]
-        return {"rank": self.rank, "step": max(steps) if steps else None}
+        return reader_state(self.rank, max(steps) if steps else None, self.name)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Go on after the step of ``state``, as :meth:`msd_dask.Reader.load_state_dict`: any
-        state of the rank before the first batch, once one was returned a state of the
-        step it is at or a later one (skipping the steps up to it), else a
-        :class:`~msd_dask.errors.ServiceError` naming both steps."""
-        step = loaded_step(state, self.rank)
+        state of the rank (of its service) before the first batch, once one was returned a
+        state of the step it is at or a later one (skipping the steps up to it), else a
+        :class:`~msd_dask.errors.ServiceError` naming both steps; a state of another service
+        or rank is a ``ValueError`` (:func:`~msd_dask.batch.loaded_step`)."""
+        step = loaded_step(state, self.rank, self.name)
         if self.step is not None:
             no_going_back(step, self.state_dict()["step"], self.rank, self.name)
         self._loaded = step
@@ -424,7 +433,7 @@ class AgentHandle:
                              timeout=self.timeout if timeout is None else timeout)
         last = self._returned.get(rank, -1)
         if last >= 0:  # (as DataService.reader: after its earlier reader's step)
-            reader.load_state_dict({"rank": rank, "step": last})
+            reader.load_state_dict(reader_state(rank, last, self.name))
         self._readers.add(reader)
         return reader
 

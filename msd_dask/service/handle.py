@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, overload
 
-from msd_dask.batch import is_whole
+from msd_dask.batch import is_whole, reader_state
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import actors_on, bound_actor, keys_on, stop_identity_refresh
@@ -208,6 +208,38 @@ def _client(address: str, timeout: float, security: Any) -> Any:
     return client
 
 
+#: seconds a handle dropped without close() waits for its dropped readers' reports, then
+#: for its client to close (:func:`_close_dropped`)
+DROPPED_CLOSE_TIMEOUT = 5.0
+
+
+def _close_dropped(client: Any, name: str, reports: list[Any]) -> None:
+    """Close the client of a handle of service ``name`` garbage-collected without
+    :meth:`DataService.close`, in a thread of its own: a finalizer runs on whatever thread
+    dropped the handle, holding whatever locks it held, and that may be the client's own
+    IO loop thread, where a synchronous close would wait on the loop it blocks.  Best
+    effort, each wait bounded by :data:`DROPPED_CLOSE_TIMEOUT`."""
+    try:
+        threading.Thread(target=_close_client, args=(client, name, reports),
+                         name=f"msd-{name}-close-dropped", daemon=True).start()
+    except RuntimeError:  # (no new thread at interpreter shutdown: Dask closes its clients)
+        pass
+
+
+def _close_client(client: Any, name: str, reports: list[Any]) -> None:
+    import concurrent.futures
+
+    # the last steps of the readers dropped with the handle (Reader.REPORT_WHEN_DROPPED)
+    # are on their way through this client: let them arrive first
+    pending = [f for f in list(reports) if isinstance(f, concurrent.futures.Future)]
+    if pending:
+        concurrent.futures.wait(pending, timeout=DROPPED_CLOSE_TIMEOUT)
+    try:
+        client.close(timeout=DROPPED_CLOSE_TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - best effort: said, not raised
+        _log.debug("msd_dask %s: closing the client of a dropped handle failed: %r", name, e)
+
+
 def _check_tls(address: str | None, security: Any) -> None:
     """Refuse a ``tls://`` address without TLS credentials, with a message that says where to put them."""
     if not address or not str(address).startswith("tls://") or security is not None:
@@ -293,6 +325,12 @@ class DataService:
         self._returned: dict[int, int] = {}
         #: the owner's process, whose exit closes the service (:meth:`_close_at_exit`)
         self._exit_pid: int | None = None
+        #: the reports of this handle's readers dropped without close(), which a handle
+        #: dropped with them waits for before closing its client (:func:`_close_dropped`)
+        self._dropped_reports: list[Any] = []
+        #: closes the client once this handle is garbage-collected without close(), for a
+        #: handle that owns its client but not the service (:meth:`connect`)
+        self._finalizer: weakref.finalize | None = None
         self.refresh()
         _OPEN.add(self)
 
@@ -520,7 +558,10 @@ class DataService:
         Returns
         -------
         DataService or AgentHandle
-            Directly: a handle with its own Dask client.  Through an agent: an
+            Directly: a handle with its own Dask client, which :meth:`close` closes; a
+            handle garbage-collected without it (a training loop that raised, say) closes
+            it too, once its readers are gone as well (each keeps its handle alive).
+            Through an agent: an
             :class:`~msd_dask.service.agent_client.AgentHandle` (no Dask client in this
             process) whose :meth:`~msd_dask.service.agent_client.AgentHandle.reader` gives
             readers with the API of :class:`~msd_dask.reader.Reader`.
@@ -545,10 +586,18 @@ class DataService:
         try:
             registry = cls._published_registry(client, address, name,
                                                timeout if wait is None else wait)
-            return cls(client, parse_config(registry["config"]), registry)
+            svc = cls(client, parse_config(registry["config"]), registry)
         except BaseException:  # (a planner lost with its owner, say): no client left open
             client.close()
             raise
+        # a handle dropped without close() (the training loop raised, say) would leave its
+        # client connected until the process exits: the scheduler's per-client cost, a
+        # socket, heartbeats, an IO thread.  (The finalizer holds the client, not the
+        # handle, which it would keep alive; close() detaches it.)
+        svc._finalizer = weakref.finalize(svc, _close_dropped, client, name,
+                                          svc._dropped_reports)
+        svc._finalizer.atexit = False  # (at exit Dask closes its clients itself)
+        return svc
 
     @classmethod
     def stop(cls, address: str, name: str, *, timeout: float = 30.0,
@@ -650,11 +699,14 @@ class DataService:
         refused: load the state of the last step the rank returned
         (:meth:`~msd_dask.reader.Reader.load_state_dict`, docs/resume.md).
         """
-        reader = Reader(self.link, rank, ledger=self._returned,
+        reader = Reader(self.link, rank, ledger=self._returned, reports=self._dropped_reports,
                         timeout=self.config.timeout if timeout is None else timeout)
+        # (the reader keeps this handle, and so its client, alive: a handle dropped with a
+        # reader in use, `DataService.connect(...).reader(rank)`, is not closed under it)
+        reader.handle = self
         last = self._returned.get(rank, -1)
         if last >= 0:
-            reader.load_state_dict({"rank": rank, "step": last})
+            reader.load_state_dict(reader_state(rank, last, self.name))
         self._readers.add(reader)
         return reader
 
@@ -1049,6 +1101,8 @@ class DataService:
         """
         if self._closed:
             return
+        if self._finalizer is not None:  # (closed here, not when garbage-collected)
+            self._finalizer.detach()
         if self._cluster is not None:
             # this process's other handles on the embedded cluster cannot outlive it (their
             # clients would try to reach its scheduler until the process exits, and log each

@@ -89,7 +89,7 @@ def test_refuses_another_seed_and_reader_skips_consumed_steps(baseline):
         r0, r1 = svc.reader(0), svc.reader(1)
         # rank 0 restarted from its own checkpoint after step K + 2
         r0.load_state_dict({"rank": 0, "step": K + 2})
-        assert r0.state_dict() == {"rank": 0, "step": K + 2}
+        assert r0.state_dict() == {"service": "resume", "rank": 0, "step": K + 2}
         with ThreadPoolExecutor(1) as ex:  # the ranks read concurrently, as in training
             rank0 = ex.submit(lambda: [record(next(r0)) for _ in range(3)])
             for step in range(K, K + 6):
@@ -99,6 +99,6 @@ def test_refuses_another_seed_and_reader_skips_consumed_steps(baseline):
             got0 = rank0.result(timeout=60)
         assert [b["step"] for b in got0] == [K + 3, K + 4, K + 5]
         assert [b["documents"] for b in got0] == [full[s][0]["documents"] for s in range(K + 3, K + 6)]
-        assert r0.state_dict() == {"rank": 0, "step": K + 5}
+        assert r0.state_dict() == {"service": "resume", "rank": 0, "step": K + 5}
         with pytest.raises(ValueError, match="rank 1"):
             r0.load_state_dict({"rank": 1, "step": 3})

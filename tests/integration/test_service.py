@@ -10,7 +10,7 @@ import pytest
 
 from msd_dask import DataService, ServiceError, ServiceTimeoutError
 
-from checks import check_content, check_exactly_once, read_steps, shares
+from checks import check_content, check_exactly_once, read_steps, shares, wait_until
 from corpus import config
 
 
@@ -295,6 +295,93 @@ def test_two_handles_in_one_process_are_independent(corpus):
         reader = a.reader(0)
         assert [next(reader).step for _ in range(3)] == [0, 1, 2]
         a.close()
+
+
+def test_a_reader_state_of_another_service_is_refused(corpus):
+    """Rank 0's state of service 'statea' after step 4, loaded into rank 0 of service
+    'stateb' (another seed), was taken: 'stateb''s reader skipped its steps 0-4 without a
+    word (a review).  A state names its service; another service's is refused, naming
+    both, by the direct reader and the torch dataset, and the reader reads its own first
+    step; a state without the service's name (an earlier version's) is still taken."""
+    from msd_dask.torch import MsdIterableDataset
+
+    root, _ = corpus
+    one = {"parallel": {"dp": 1}, "timeout": 20}
+    with DataService.start(config(root, name="statea", **one), n_workers=1,
+                           threads_per_worker=2) as a, \
+            DataService.start(config(root, name="stateb", seed=99, **one), a.address) as b:
+        ra = a.reader(0)
+        assert [next(ra).step for _ in range(5)] == [0, 1, 2, 3, 4]
+        state = ra.state_dict()
+        refused = (r"reader state of service 'statea' loaded into a reader of service "
+                   r"'stateb' \(rank 0\): .* load the state rank 0 saved while reading "
+                   r"'stateb', or none")
+        rb = b.reader(0)
+        with pytest.raises(ValueError, match=refused):
+            rb.load_state_dict(state)
+        assert next(rb).step == 0  # nothing of 'stateb' was skipped
+        ds = MsdIterableDataset(b.address, "stateb", 0)
+        with pytest.raises(ValueError, match=refused):
+            ds.load_state_dict(state)
+        assert state == {"service": "statea", "rank": 0, "step": 4}
+        assert rb.state_dict() == {"service": "stateb", "rank": 0, "step": 0}
+        rb.load_state_dict({"rank": 0, "step": 2})  # (saved without the name: not checked)
+        assert next(rb).step == 3
+        rb.close()
+
+
+def _user_clients(dask_scheduler) -> list[str]:  # type: ignore[no-untyped-def]
+    """The scheduler's clients of user processes (not the workers' own)."""
+    return sorted(c for c in dask_scheduler.clients
+                  if c.startswith("Client-") and not c.startswith(("Client-worker",
+                                                                   "Client-msd-plugin")))
+
+
+def test_a_handle_dropped_without_close_closes_its_client(corpus):
+    """A ``DataService.connect`` handle (or a torch dataset) dropped without ``close()`` --
+    the training loop raised -- left its Dask client connected until the process exited:
+    the scheduler's cost per client, a socket, heartbeats, an IO thread (a review).  Its
+    client closes once the handle is garbage-collected, after the dropped reader's report
+    of its last step; a handle dropped while its reader is in use is not closed under it;
+    and the close does not wait on the client's own IO loop when it runs there."""
+    import gc
+
+    from msd_dask.torch import MsdIterableDataset
+
+    root, _ = corpus
+    with DataService.start(config(root, name="dropped", parallel={"dp": 1}, timeout=20),
+                           n_workers=1, threads_per_worker=2) as svc:
+        mine = set(svc.client.run_on_scheduler(_user_clients))
+
+        def others() -> set[str]:
+            gc.collect()
+            return set(svc.client.run_on_scheduler(_user_clients)) - mine
+
+        def train() -> None:
+            reader = DataService.connect(svc.address, "dropped").reader(0)
+            for batch in reader:  # (the handle dropped at once: the reader keeps it)
+                gc.collect()
+                if batch.step == 2:
+                    raise RuntimeError("loss is nan")
+
+        with pytest.raises(RuntimeError, match="loss is nan"):
+            train()
+        assert wait_until(lambda: not others(), 10), others()
+        assert svc.consumed_step() == 2  # (the dropped reader's report arrived first)
+
+        for prefetch in (0, 2):
+            ds = MsdIterableDataset(svc.address, "dropped", 0, prefetch=prefetch)
+            ds.load_state_dict({"rank": 0, "step": svc.consumed_step()})
+            it = iter(ds)
+            next(it)
+            assert len(others()) == 1
+            del it, ds
+            assert wait_until(lambda: not others(), 10), others()
+
+        handle = DataService.connect(svc.address, "dropped")
+        handle.client.loop.add_callback(handle._finalizer)  # (run on the client's IO loop)
+        assert wait_until(lambda: handle.client.status == "closed", 10)
+        handle.close()
 
 
 def test_run_summary_compares_the_mix_with_the_weights_of_the_steps_served(corpus, tmp_path,

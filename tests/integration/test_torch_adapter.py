@@ -66,7 +66,7 @@ def test_dataloader_yields_the_readers_batches(service):
             with pytest.raises(StopIteration):
                 next(it)
         # a second iteration continues where the first stopped, and state_dict says where
-        assert datasets[0].state_dict() == {"rank": 0, "step": 2}
+        assert datasets[0].state_dict() == {"service": "torchtest", "rank": 0, "step": 2}
         assert next(iter(datasets[1]))["step"] == 3
         assert next(iter(datasets[0]))["step"] == 3
     finally:
@@ -76,9 +76,9 @@ def test_dataloader_yields_the_readers_batches(service):
 def test_pickles_unconnected_and_refuses_loader_workers(service):
     addr = service.client.scheduler.address
     ds = pickle.loads(pickle.dumps(MsdIterableDataset(addr, "torchtest", 0, steps=1)))
-    assert ds.state_dict() == {"rank": 0, "step": None}
+    assert ds.state_dict() == {"service": "torchtest", "rank": 0, "step": None}
     ds.load_state_dict({"rank": 0, "step": 7})
-    assert ds.state_dict() == {"rank": 0, "step": 7}
+    assert ds.state_dict() == {"service": "torchtest", "rank": 0, "step": 7}
     with pytest.raises(ValueError, match="rank 1"):
         MsdIterableDataset(addr, "torchtest", 0).load_state_dict({"rank": 1, "step": 0})
     with pytest.raises(RuntimeError, match="num_workers=0"):
@@ -97,7 +97,7 @@ def test_prefetch_claims_ahead_and_reports_step_times(service):
         for ds in datasets:
             assert ds.ahead == 2 and ds._reader.step == first[0] + 2
             # the position is the last batch handed out, not the last one claimed
-            assert ds.state_dict() == {"rank": ds.rank, "step": first[0]}
+            assert ds.state_dict() == {"service": "torchtest", "rank": ds.rank, "step": first[0]}
         for k in range(1, 5):
             for rank, it in enumerate(loaders):
                 b = next(it)

@@ -486,15 +486,16 @@ def test_load_state_dict_skips_and_the_group_reader_skips_too(tmp_path: Any) -> 
         handle, r0, r1 = _pair(agent)
         r0.load_state_dict({"rank": 0, "step": 4})
         r1.load_state_dict({"rank": 1, "step": 6})
-        assert r0.state_dict() == {"rank": 0, "step": 4}
+        assert r0.state_dict() == {"service": "agentunit", "rank": 0, "step": 4}
         got: dict[int, list[int]] = {}
         t = threading.Thread(target=lambda: got.update({1: [next(r1).step for _ in range(2)]}))
         t.start()
         got[0] = [next(r0).step for _ in range(4)]
         t.join(10)
         assert got == {0: [5, 6, 7, 8], 1: [7, 8]}
-        assert readers[0].loaded == [{"rank": 0, "step": 4}]  # the lowest step both have
-        assert r0.state_dict() == {"rank": 0, "step": 8}
+        # the lowest step both have
+        assert readers[0].loaded == [{"service": "agentunit", "rank": 0, "step": 4}]
+        assert r0.state_dict() == {"service": "agentunit", "rank": 0, "step": 8}
         with pytest.raises(ValueError, match="rank 1 loaded into rank 0"):
             r0.load_state_dict({"rank": 1, "step": 3})
         handle.close()
@@ -517,7 +518,7 @@ def test_an_agents_reader_refuses_an_older_state_once_it_returned_batches(
             with pytest.raises(ServiceError, match=r"rank 0: a reader at step 1 cannot load "
                                r"(the state of step 0|a state of no step)"):
                 r0.load_state_dict(state)
-        assert r0.state_dict() == {"rank": 0, "step": 1}
+        assert r0.state_dict() == {"service": "agentunit", "rank": 0, "step": 1}
         r0.load_state_dict({"rank": 0, "step": 1})  # its own: nothing changes
         got[0] += [next(r0).step]
         r0.load_state_dict({"rank": 0, "step": 3})  # a later one: step 3 is skipped
@@ -528,9 +529,9 @@ def test_an_agents_reader_refuses_an_older_state_once_it_returned_batches(
         # into it before its first batch is its position, and the one after it starts there
         # too (a direct reader's ledger did so, the agent's kept step 4)
         again = handle.reader(0)
-        assert again.state_dict() == {"rank": 0, "step": 4}
+        assert again.state_dict() == {"service": "agentunit", "rank": 0, "step": 4}
         again.load_state_dict({"rank": 0, "step": None})
-        assert handle.reader(0).state_dict() == {"rank": 0, "step": None}
+        assert handle.reader(0).state_dict() == {"service": "agentunit", "rank": 0, "step": None}
         handle.close()
 
 
@@ -594,7 +595,7 @@ def test_a_failed_group_reader_still_serves_the_steps_it_read_before(tmp_path: A
         assert next(r0).step == 6
         t.join(10)
         assert got == [6] and readers[0] is not first and readers[0].loaded == [
-            {"rank": 0, "step": 5}]
+            {"service": "agentunit", "rank": 0, "step": 5}]
         handle.close()
 
 
@@ -891,7 +892,7 @@ def test_the_torch_adapter_reads_through_the_agent(tmp_path: Any,
         t.join(10)
         assert got == {0: [0, 1, 2], 1: [1, 2, 3]}
         sets[0].report_step_time(0.5)
-        assert sets[1].state_dict() == {"rank": 1, "step": 3}
+        assert sets[1].state_dict() == {"service": "agentunit", "rank": 1, "step": 3}
         for ds in sets:
             ds.close()
         assert wait_until(lambda: readers[0].step_times == [(0.5, 2)], 5)
@@ -1530,7 +1531,7 @@ def test_ranks_that_skip_ahead_mid_stream_have_their_reader_skip_too(tmp_path: A
         assert [next(reader).step for _ in range(2)] == [0, 1]
         reader.load_state_dict({"rank": 0, "step": 40})
         assert [next(reader).step for _ in range(2)] == [41, 42]
-        assert readers[0].loaded == [{"rank": 0, "step": 40}]
+        assert readers[0].loaded == [{"service": "agentunit", "rank": 0, "step": 40}]
         # steps 0-3 (1 and 2 ahead of step 1), then 41-44 (2 ahead of step 42)
         assert readers[0].reads <= 8, readers[0].reads
         handle.close()

@@ -8,18 +8,32 @@ from typing import Any
 import numpy as np
 import pytest
 
-from msd_dask.batch import loaded_step, rank_number, wait_seconds
+from msd_dask.batch import loaded_step, rank_number, reader_state, wait_seconds
 
 
 def test_a_reader_state_is_its_step() -> None:
-    assert loaded_step({"rank": 2, "step": 7}, 2) == 7
-    assert loaded_step({"step": None}, 2) is None
-    assert loaded_step({"rank": np.int64(2), "step": np.int64(7)}, 2) == 7  # numpy's ints
-    assert type(loaded_step({"rank": 2, "step": np.int64(7)}, 2)) is int
+    assert loaded_step({"service": "svc", "rank": 2, "step": 7}, 2, "svc") == 7
+    assert loaded_step(reader_state(2, 7, "svc"), 2, "svc") == 7
+    assert loaded_step({"rank": 2, "step": 7}, 2, "svc") == 7  # (of an earlier version)
+    assert loaded_step({"step": None}, 2, "svc") is None
+    assert loaded_step({"rank": np.int64(2), "step": np.int64(7)}, 2, "svc") == 7  # numpy's
+    assert type(loaded_step({"rank": 2, "step": np.int64(7)}, 2, "svc")) is int
+
+
+def test_a_state_of_another_service_is_refused_naming_both() -> None:
+    """The state of rank 0 of service 'itest' after step 4, loaded into rank 0 of service
+    'other', was taken: 'other''s reader silently skipped its own steps 0-4 (a review)."""
+    state = reader_state(0, 4, "itest")
+    with pytest.raises(ValueError, match=r"reader state of service 'itest' loaded into a "
+                       r"reader of service 'other' \(rank 0\): .* load the state rank 0 saved "
+                       r"while reading 'other', or none to read 'other' from its first step"):
+        loaded_step(state, 0, "other")
+    with pytest.raises(ValueError, match=r"reader state of service 'other' without a 'rank'"):
+        loaded_step({"service": "other", "step": 4}, 0, "other")
 
 
 @pytest.mark.parametrize("state, message", [
-    ([0, 3], "a reader state is a mapping {'rank', 'step'}, got list"),
+    ([0, 3], "a reader state is a mapping {'service', 'rank', 'step'}, got list"),
     ({"stp": 5}, r"unknown key\(s\) \['stp'\]"),
     ({"rank": "2", "step": 3}, "reader state of rank '2' loaded into rank 2"),
     ({"rank": 1, "step": 3}, "reader state of rank 1 loaded into rank 2"),
@@ -30,7 +44,7 @@ def test_a_reader_state_is_its_step() -> None:
 ])
 def test_a_wrong_reader_state_is_named(state: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        loaded_step(state, 2)
+        loaded_step(state, 2, "svc")
 
 
 @pytest.mark.parametrize("rank", ["0", 1.5, None, True])
@@ -41,20 +55,31 @@ def test_a_rank_that_is_no_integer_is_named(rank: Any) -> None:
 
 
 def test_both_readers_take_the_same_rule() -> None:
-    """The direct reader and the agent's reader load states through loaded_step."""
+    """The direct reader, the agent's reader and the torch dataset load states through
+    loaded_step: each names its service in its state and refuses another service's."""
+    from types import SimpleNamespace
+
     from msd_dask.reader import Reader, _Progress
     from msd_dask.service.agent_client import AgentReader
+    from msd_dask.torch import MsdIterableDataset
 
     direct = Reader.__new__(Reader)  # (their state alone: no service behind them)
     direct._progress = _Progress()
+    direct.link = SimpleNamespace(name="svc")  # type: ignore[assignment]
     direct.rank, direct.step, direct._skip_through = 2, None, -1
     agent = AgentReader.__new__(AgentReader)
-    agent.rank, agent.step, agent._loaded = 2, None, None
-    for reader in (direct, agent):
+    agent.rank, agent.step, agent._loaded, agent.name = 2, None, None, "svc"
+    dataset = MsdIterableDataset("tcp://198.18.0.1:8786", "svc", 2)  # (not connected)
+    for reader in (direct, agent, dataset):
         with pytest.raises(ValueError, match=r"unknown key\(s\) \['stp'\]"):
             reader.load_state_dict({"stp": 5})
+        with pytest.raises(ValueError, match=r"reader state of service 'itest' loaded into a "
+                                             r"reader of service 'svc' \(rank 2\)"):
+            reader.load_state_dict(reader_state(2, 9, "itest"))
         reader.load_state_dict({"rank": 2, "step": 9})
-        assert reader.state_dict() == {"rank": 2, "step": 9}
+        assert reader.state_dict() == {"service": "svc", "rank": 2, "step": 9}
+        reader.load_state_dict(reader.state_dict())  # (its own state: taken)
+        assert reader.state_dict() == {"service": "svc", "rank": 2, "step": 9}
     with pytest.raises(ValueError, match="rank must be an integer, got '2'"):
         AgentReader("/nowhere", "svc", "2", timeout=1.0)  # type: ignore[arg-type]
 

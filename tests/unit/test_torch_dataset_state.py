@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from msd_dask.batch import Batch
 from msd_dask.errors import ServiceError, ServiceTimeoutError
@@ -47,6 +48,7 @@ class _Service:
             def __init__(self) -> None:
                 self.step: int | None = None
                 self.skip = -1
+                self.closed = False
 
             def state_dict(self) -> dict[str, Any]:
                 step = max(-1 if self.step is None else self.step, self.skip)
@@ -77,6 +79,9 @@ class _Service:
             def report_step_time(self, *args: Any, **kwargs: Any) -> None:
                 pass
 
+            def close(self) -> None:
+                self.closed = True
+
         reader = _Reader()
         self.readers.append(weakref.ref(reader))
         return reader
@@ -102,8 +107,9 @@ def test_the_position_survives_close_and_pickling(service: _Service, prefetch: i
     it = iter(ds)
     assert [next(it)["step"] for _ in range(3)] == [0, 1, 2]
     ds.close()
-    assert ds.state_dict() == {"rank": 0, "step": 2}
-    assert pickle.loads(pickle.dumps(ds)).state_dict() == {"rank": 0, "step": 2}
+    assert ds.state_dict() == {"service": "demo", "rank": 0, "step": 2}
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.state_dict() == {"service": "demo", "rank": 0, "step": 2}
     service.served = -1  # (what a new service resumed from that state would serve after it)
     assert next(iter(ds))["step"] == 3
     ds.close()
@@ -123,19 +129,46 @@ def test_batches_prefetched_before_a_close_are_handed_out_by_the_next_iter(
     while ds.ahead < 2 and time.monotonic() < deadline:
         time.sleep(0.01)  # (the prefetch thread takes steps 3 and 4)
     ds.close()
-    assert service.served == 4 and ds.state_dict() == {"rank": 0, "step": 2}
+    assert service.served == 4 and ds.state_dict() == {"service": "demo", "rank": 0, "step": 2}
     copy = pickle.loads(pickle.dumps(ds))
-    assert copy.state_dict() == {"rank": 0, "step": 2}
+    assert copy.state_dict() == {"service": "demo", "rank": 0, "step": 2}
     assert [b["step"] for _, b in zip(range(4), ds, strict=False)] == [3, 4, 5, 6]
-    assert ds.state_dict() == {"rank": 0, "step": 6}
+    assert ds.state_dict() == {"service": "demo", "rank": 0, "step": 6}
     ds.close()
     # a state loaded into the copy (it carries the batches too): the carried batches right
     # after it stay, others go
     copy.load_state_dict({"rank": 0, "step": 3})
-    assert copy.state_dict() == {"rank": 0, "step": 3}
+    assert copy.state_dict() == {"service": "demo", "rank": 0, "step": 3}
     assert [b.step for b in copy._carried] == [4]
     copy.load_state_dict({"rank": 0, "step": 1})
-    assert copy._carried == [] and copy.state_dict() == {"rank": 0, "step": 1}
+    assert copy._carried == [] and copy.state_dict() == {"service": "demo", "rank": 0, "step": 1}
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_iterator_made_before_a_close_ends_without_another_batch(
+        service: _Service, prefetch: int) -> None:
+    """An iterator alive across ``close()`` (an evaluation or checkpoint hook closes the
+    dataset) went on reading the closed reader: it handed out steps the next ``iter()``
+    handed out again (prefetch 0: the first iterator saw 0, 1, 2 and the second 2, 3, ...),
+    or past the batches the close kept (prefetch 2: 0, 1, 4, 5, then 2, 3, 4, ...), and
+    ``state_dict()`` was not what was handed out (a review).  It ends instead; each step is
+    handed out once and in order, and the closed reader is closed."""
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=prefetch)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=0))
+    seen = [next(it)["step"] for _ in range(2)]
+    first = service.readers[0]()
+    ds.close()
+    with pytest.raises(StopIteration):
+        next(it)
+    with pytest.raises(StopIteration):  # (and stays ended)
+        next(it)
+    assert seen == [0, 1] and ds.state_dict() == {"service": "demo", "rank": 0, "step": 1}
+    again = DataLoader(ds, batch_size=None, num_workers=0)
+    seen += [b["step"] for _, b in zip(range(5), again, strict=False)]
+    assert seen == [0, 1, 2, 3, 4, 5, 6]
+    assert ds.state_dict() == {"service": "demo", "rank": 0, "step": 6}
+    assert first is not None and first.closed
+    ds.close()
 
 
 def test_one_timeout_does_not_end_prefetching(service: _Service) -> None:
@@ -177,7 +210,7 @@ def test_a_reader_that_loads_a_state_after_reading_reports_it() -> None:
     its next batch: a checkpoint then would resume at 4, not 11."""
     reader = _reader_at(3)
     reader.load_state_dict({"rank": 0, "step": 10})
-    assert reader.state_dict() == {"rank": 0, "step": 10}
+    assert reader.state_dict() == {"service": "demo", "rank": 0, "step": 10}
 
 
 @pytest.mark.parametrize("state", [{"rank": 0, "step": -3}, {"rank": 0, "step": True},
@@ -188,7 +221,7 @@ def test_a_bad_state_is_refused_when_loaded_not_at_iter(state: dict[str, Any]) -
     ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0)
     with pytest.raises(ValueError):
         ds.load_state_dict(state)
-    assert ds.state_dict() == {"rank": 0, "step": None}
+    assert ds.state_dict() == {"service": "demo", "rank": 0, "step": None}
 
 
 def _reader_at(step: int | None, skip: int = -1) -> Any:
@@ -215,17 +248,17 @@ def test_a_reader_that_returned_batches_refuses_an_older_state_naming_both_steps
                        r"of step 1: .* service 'demo' serves each step once; load a state "
                        r"before its first next\(\) .* DataService.state_dict\(1\)"):
         reader.load_state_dict({"rank": 0, "step": 1})
-    assert reader.state_dict() == {"rank": 0, "step": 3}
+    assert reader.state_dict() == {"service": "demo", "rank": 0, "step": 3}
     with pytest.raises(ServiceError, match=r"at step 3 cannot load a state of no step"):
         reader.load_state_dict({"rank": 0, "step": None})
     reader.load_state_dict({"rank": 0, "step": 3})  # its own state: nothing changes
-    assert reader.state_dict() == {"rank": 0, "step": 3}
+    assert reader.state_dict() == {"service": "demo", "rank": 0, "step": 3}
     reader.load_state_dict({"rank": 0, "step": 10})  # later: skips ahead, as documented
-    assert reader.state_dict() == {"rank": 0, "step": 10}
+    assert reader.state_dict() == {"service": "demo", "rank": 0, "step": 10}
     with pytest.raises(ServiceError, match=r"a reader at step 10 cannot load the state of "
                                            r"step 5"):
         reader.load_state_dict({"rank": 0, "step": 5})
-    assert reader.state_dict() == {"rank": 0, "step": 10}
+    assert reader.state_dict() == {"service": "demo", "rank": 0, "step": 10}
 
 
 def test_a_reader_takes_any_state_before_its_first_batch() -> None:
@@ -235,9 +268,9 @@ def test_a_reader_takes_any_state_before_its_first_batch() -> None:
     too."""
     reader = _reader_at(None, skip=9)
     reader.load_state_dict({"rank": 0, "step": 4})
-    assert reader.state_dict() == {"rank": 0, "step": 4}
+    assert reader.state_dict() == {"service": "demo", "rank": 0, "step": 4}
     reader.load_state_dict({"rank": 0, "step": None})
-    assert reader.state_dict() == {"rank": 0, "step": None}
+    assert reader.state_dict() == {"service": "demo", "rank": 0, "step": None}
 
 
 def test_an_older_state_is_refused_and_the_reader_reads_on() -> None:
@@ -278,16 +311,16 @@ def test_a_dataset_that_handed_out_batches_refuses_an_older_state(service: _Serv
         ds.load_state_dict({"rank": 0, "step": 0})
     with pytest.raises(ServiceError, match="at step 2 cannot load a state of no step"):
         ds.load_state_dict({"rank": 0, "step": None})
-    assert ds.state_dict() == {"rank": 0, "step": 2}
+    assert ds.state_dict() == {"service": "demo", "rank": 0, "step": 2}
     ds.load_state_dict(ds.state_dict())
     assert next(it)["step"] == 3
     ds.load_state_dict({"rank": 0, "step": 5})
-    assert ds.state_dict() == {"rank": 0, "step": 5} and next(it)["step"] == 6
+    assert ds.state_dict() == {"service": "demo", "rank": 0, "step": 5} and next(it)["step"] == 6
     ds.close()
     fresh = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0)
     fresh.load_state_dict({"rank": 0, "step": 8})
     fresh.load_state_dict({"rank": 0, "step": 7})  # (not connected: the last one counts)
-    assert fresh.state_dict() == {"rank": 0, "step": 7} and next(iter(fresh))["step"] == 8
+    assert fresh.state_dict() == {"service": "demo", "rank": 0, "step": 7} and next(iter(fresh))["step"] == 8
     fresh.close()
 
 
@@ -333,6 +366,6 @@ def test_an_iter_whose_reader_is_refused_closes_the_handle_it_opened(
         with pytest.raises(ValueError if refused == "reader" else ServiceError):
             next(iter(ds))
     assert len(opened) == 3 and closed == opened
-    assert ds.state_dict() == {"rank": 0, "step": 3}
+    assert ds.state_dict() == {"service": "demo", "rank": 0, "step": 3}
     ds.close()  # (nothing of its own left to close)
     assert closed == opened
