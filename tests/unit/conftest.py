@@ -17,3 +17,12 @@ def _no_dask(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for cls in (Client, LocalCluster, Nanny, Scheduler, Worker):
         monkeypatch.setattr(cls, "__init__", refuse)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the long child process of a collected test that can run while the tests before
+    it do (see ``test_kernels.start_early``)."""
+    for item in session.items:
+        if item.name == "test_kernels_are_compiled_in_a_child_and_loaded_from_its_cache":
+            item.module.start_early()  # type: ignore[attr-defined]
+            return

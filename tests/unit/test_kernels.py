@@ -5,8 +5,12 @@ Python or compiled."""
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
+from typing import Any
 
 import numpy as np
 import pytest
@@ -428,18 +432,39 @@ print(sum(misses.values()), hits, [n for n, m in misses.items() if m])
 """
 
 
+#: the process of :func:`test_kernels_are_compiled_in_a_child_and_loaded_from_its_cache` and
+#: its empty cache, started when the session's tests are collected (:func:`start_early`)
+_EARLY: dict[str, Any] = {}
+
+
+def start_early() -> None:
+    """Start the compiling process of the test below now: it compiles every kernel (25 s
+    of one core), which the tests run before it overlap on this machine's other core
+    (tests/unit/conftest.py calls this once the test is collected)."""
+    cache = tempfile.mkdtemp(prefix="msd-numba-cache-")
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+    _EARLY.update(cache=cache, proc=subprocess.Popen(
+        [sys.executable, "-c", _LOAD_ONLY], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=env))
+
+
 @pytest.mark.slow
-def test_kernels_are_compiled_in_a_child_and_loaded_from_its_cache(tmp_path) -> None:
+def test_kernels_are_compiled_in_a_child_and_loaded_from_its_cache() -> None:
     """With an empty cache, the process that asks for the kernels compiles none of them
     itself (numba's compiler would keep about 200 MiB in it): a child compiles them into
     the cache, and this process loads every one from there."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", _LOAD_ONLY], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    misses, hits, which = res.stdout.split(maxsplit=2)
-    assert (int(misses), which.strip()) == (0, "[]"), res.stdout
-    assert int(hits) > 0 and any(tmp_path.rglob("*.nbi")), res.stdout
+    if "proc" not in _EARLY:  # (not started at collection: run alone, say)
+        start_early()
+    cache = pathlib.Path(_EARLY["cache"])
+    try:
+        out, err = _EARLY["proc"].communicate(timeout=600)
+        assert _EARLY["proc"].returncode == 0, err[-3000:]
+        misses, hits, which = out.split(maxsplit=2)
+        assert (int(misses), which.strip()) == (0, "[]"), out
+        assert int(hits) > 0 and any(cache.rglob("*.nbi")), out
+    finally:
+        _EARLY.clear()
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def test_a_step_of_blocks_compiles_nothing_the_warm_up_did_not() -> None:
