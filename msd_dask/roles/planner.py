@@ -116,8 +116,8 @@ _NOT_READING = ("path", "storage_options", "pad_id")
 def reading(cfg: Any) -> dict[str, Any]:
     """What decides the documents' lengths, and so where a stream's position points: the
     tokenizer's kind and ids (but the padding id) and each source's :data:`READING_KEYS`,
-    as the config says
-    them (another tokenizer file of the same kind, or one changed in place, is not seen)."""
+    as the config says them (another tokenizer file of the same kind, or one changed in
+    place, is not seen)."""
     import json
 
     d = cfg.to_dict()
@@ -1381,8 +1381,8 @@ class PlannerActor:
         ``(source, slot)``): first those whose ask failed (their loader was lost
         meanwhile), then those being read, oldest ask first.  The owner names them if the
         service's workers keep dying (:class:`~msd_dask.service.recovery.PlannerKeeper`)."""
-        failed: list[str] = []
-        waiting: list[str] = []
+        failed: dict[str, None] = {}  # (ordered sets: a file of several units is named once)
+        waiting: dict[str, None] = {}
         for (source, epoch, unit), task in self._meta_tasks.items():
             if slots is not None and (source, self._owner.get((source, epoch, unit))) not in slots:
                 continue
@@ -1392,10 +1392,8 @@ class PlannerActor:
                 into = failed
             else:
                 continue
-            where = f"{source}: {self.units[source][unit].path}"
-            if where not in into:
-                into.append(where)
-        return list(dict.fromkeys(failed + waiting))[:most]
+            into[f"{source}: {self.units[source][unit].path}"] = None
+        return list(dict.fromkeys([*failed, *waiting]))[:most]
 
     async def snapshot(self, since: int = 0, lookahead: int | None = None) -> dict[str, Any]:
         """What the scheduler plugin polls, in one call (each call costs both ends CPU).

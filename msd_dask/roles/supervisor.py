@@ -1157,16 +1157,10 @@ class RoleSupervisor:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._lock.acquire(), CLOSE_WAIT)
             self._lock.release()  # (nothing takes it again: every change checks _closed)
-        async def closed(role: Any, *args: Any) -> None:
-            with contextlib.suppress(Exception):  # best effort (its worker may be gone)
-                # (looked up here: a lost actor's handle raises on the method's lookup)
-                await asyncio.wait_for(role.close(*args), ROLE_CLOSE_WAIT)
 
-        # all at once, the constructors first (they stop fetching from the loaders): one
-        # after the other, the roles of a frozen worker took ROLE_CLOSE_WAIT each, and the
-        # owner's close gave up waiting before the last of them (a review)
-        await asyncio.gather(*(closed(c, notice) for c in self.constructors))
-        await asyncio.gather(*(closed(h) for h, _ in self._all_loaders()))
+        # the constructors first (they stop fetching from the loaders)
+        await _close_all(self.constructors, notice)
+        await _close_all([h for h, _ in self._all_loaders()])
         # the handles' own futures too: released only through the submit futures, the
         # roles' keys stayed on the scheduler and their actors on the workers after close
         _drop(*zip(self.constructors, self._cfuts, strict=True), *self._all_loaders())
@@ -1254,11 +1248,23 @@ def _observe(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+async def _close_all(roles: Sequence[Any], *args: Any) -> None:
+    """``close(*args)`` every role of ``roles`` at once, each waited for up to
+    :data:`ROLE_CLOSE_WAIT` seconds; best effort (a role's worker may be gone, or frozen:
+    one after the other, the roles of a frozen worker took that wait each, and the owner's
+    close gave up before the last of them)."""
+    async def close(role: Any) -> None:
+        with contextlib.suppress(Exception):
+            # (looked up here: a lost actor's handle raises on the method's lookup)
+            await asyncio.wait_for(role.close(*args), ROLE_CLOSE_WAIT)
+
+    await asyncio.gather(*(close(role) for role in roles))
+
+
 async def _close_made(made: list[Any], handles: list[Any]) -> None:
     """Close the roles created of a call that failed (``made``: their futures, ``handles``
     their handles, if fetched) and let Dask forget them (:func:`_drop`)."""
-    await asyncio.gather(*(asyncio.wait_for(h.close(), 5) for h in handles),
-                         return_exceptions=True)
+    await _close_all(handles)
     if handles:
         _drop(*zip(handles, made, strict=True))
 

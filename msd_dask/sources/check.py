@@ -206,7 +206,12 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
         to read: a file that cannot be read, or whose rows were all bad, its first bad
         row's).
     """
-    from msd_dask.sources.documents import again_after_a_blip, source_fields, source_format, with_source
+    from msd_dask.sources.documents import (
+        again_after_a_blip,
+        source_fields,
+        source_format,
+        with_source,
+    )
     from msd_dask.sources.storage import format_paths
 
     firsts = []
@@ -224,11 +229,11 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
         set_aside: list[DataError] = []
         skipped: list[DataError] = []
         for path in tries:
-            bad: list[DataError] = []
             read = functools.partial(_first_record, fmt, files.fs, path, fields, src.name,
-                                     tolerant, bad)
+                                     tolerant)
             try:
-                found = again_after_a_blip(read, src.name, path, "reading its first record")
+                found, bad = again_after_a_blip(read, src.name, path,
+                                                "reading its first record")
             except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
                 err = with_source(e, src.name, path)  # (named by source and file, as a read is)
                 if path != tries[-1]:
@@ -247,23 +252,25 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
     return firsts
 
 
-def _first_record(fmt: Any, fs: Any, path: str, fields: list[str], source: str, tolerant: bool,
-                  bad: list[DataError]) -> bool:
-    """Whether file ``path`` has a record (read with ``fields``, by format ``fmt``).
+def _first_record(fmt: Any, fs: Any, path: str, fields: list[str], source: str,
+                  tolerant: bool) -> tuple[bool, list[DataError]]:
+    """Whether file ``path`` has a record (read with ``fields``, by format ``fmt``), and the
+    bad rows before it.
 
-    ``tolerant``: read with ``errors="yield"``, each bad row before the record appended to
-    ``bad`` (named by ``source``), up to :data:`SKIP_ROWS` of them (then False).
+    ``tolerant``: read with ``errors="yield"``, each bad row before the record named by
+    ``source`` and passed over, up to :data:`SKIP_ROWS` of them (then no record).
     """
     from msd_dask.sources.documents import with_source
 
-    bad.clear()  # (a read cut short by a blip: its rows are read again)
+    bad: list[DataError] = []
     for unit in fmt.units(fs, path):
-        rows = fmt.read(fs, unit, fields, errors="yield") if tolerant else fmt.read(fs, unit, fields)
+        rows = (fmt.read(fs, unit, fields, errors="yield") if tolerant
+                else fmt.read(fs, unit, fields))
         for _row, rec in rows:
             if not isinstance(rec, DataError):
-                return True
+                return True, bad
             bad.append(with_source(rec, source, path))
             if len(bad) >= SKIP_ROWS:
-                return False
+                return False, bad
         # (a unit without rows, or of bad rows alone: the next one's)
-    return False
+    return False, bad

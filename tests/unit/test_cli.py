@@ -255,6 +255,14 @@ def test_a_source_given_twice_to_set_weights_is_refused(capsys: pytest.CaptureFi
     assert "source(s) ['code'] given twice" in capsys.readouterr().err
 
 
+def _config(tmp_path: Path, source: str) -> Path:
+    """``tmp_path/c.yaml``: service ``v`` of rows of 8 tokens over one source, ``source``
+    the entries of its mapping (``name: web, uri: ..., format: jsonl``)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{{source}}}\n")
+    return path
+
+
 def _one_file_source(tmp_path: Path, fmt: str) -> None:
     """``tmp_path/data/a.<fmt>`` of three records with a ``text`` field and an ``id``."""
     records = [{"id": i, "text": f"document {i}"} for i in range(3)]
@@ -278,9 +286,7 @@ def test_validate_reads_the_fields_of_each_sources_first_record(
     _one_file_source(tmp_path, fmt)
     uri = str(tmp_path / "data" / f"*.{fmt}")
     for field in ("txt", "text"):
-        (tmp_path / "c.yaml").write_text(
-            f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: '{uri}', "
-            f"format: {fmt}, text_field: {field}}}\n")
+        _config(tmp_path, f"name: web, uri: '{uri}', format: {fmt}, text_field: {field}")
         code = main(["validate", str(tmp_path / "c.yaml")])
         out, err = capsys.readouterr()
         if field == "txt":
@@ -298,9 +304,7 @@ def test_validate_reads_a_folders_first_file_of_its_format(
     as parquet and failed, where the service reads only the parquet files."""
     _one_file_source(tmp_path, "parquet")
     (tmp_path / "data" / "README.md").write_text("# a dataset card\n")
-    (tmp_path / "c.yaml").write_text(
-        f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: "
-        f"'{tmp_path}/data', format: parquet}}\n")
+    _config(tmp_path, f"name: web, uri: '{tmp_path}/data', format: parquet")
     code = main(["validate", str(tmp_path / "c.yaml")])
     out, err = capsys.readouterr()
     assert code == 0, err
@@ -316,9 +320,8 @@ def test_validate_reads_on_past_a_bad_first_file_of_a_source_that_skips(
     file whose first row alone is bad is not set aside: tests/unit/test_bad_documents.py.)"""
     _one_file_source(tmp_path, "jsonl")
     (tmp_path / "data" / "0.jsonl.gz").write_bytes(b"not gzip\n")  # (sorted first)
-    (tmp_path / "c.yaml").write_text(
-        f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: "
-        f"'{tmp_path}/data/*.jsonl*', format: jsonl, on_error: {on_error}}}\n")
+    _config(tmp_path, f"name: web, uri: '{tmp_path}/data/*.jsonl*', format: jsonl, "
+                      f"on_error: {on_error}")
     code = main(["validate", str(tmp_path / "c.yaml")])
     out, err = capsys.readouterr()
     if on_error == "fail":
@@ -336,9 +339,8 @@ def test_validate_says_when_the_first_file_has_no_record(
     its first record (review)."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_text("")
-    (tmp_path / "c.yaml").write_text(
-        f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: "
-        f"'{tmp_path}/data/*.jsonl', format: jsonl, text_field: txt}}\n")
+    _config(tmp_path, f"name: web, uri: '{tmp_path}/data/*.jsonl', format: jsonl, "
+                      "text_field: txt")
     assert main(["validate", str(tmp_path / "c.yaml")]) == 0
     out = capsys.readouterr().out
     assert f"no record in its first file {tmp_path}/data/a.jsonl: 'txt' not checked" in out, out
@@ -351,9 +353,7 @@ def test_validate_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
     import sys
 
     _one_file_source(tmp_path, "jsonl")
-    (tmp_path / "c.yaml").write_text(
-        f"name: v\nbatch: {{seq_len: 8}}\nsources:\n  - {{name: web, uri: "
-        f"'{tmp_path}/data/*.jsonl', format: jsonl}}\n")
+    _config(tmp_path, f"name: web, uri: '{tmp_path}/data/*.jsonl', format: jsonl")
     read, write = os.pipe()
     os.close(read)  # (the reader is gone before the first line: every write breaks the pipe)
     try:
@@ -368,8 +368,7 @@ def test_validate_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
 def test_a_relative_glob_that_matches_nothing_says_where_it_looked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Run from another directory, validate said only "glob 'data/...' matches no file"."""
-    (tmp_path / "c.yaml").write_text("name: v\nbatch: {seq_len: 8}\nsources:\n  - {name: web, "
-                                     "uri: 'data/web/*.jsonl', format: jsonl}\n")
+    _config(tmp_path, "name: web, uri: 'data/web/*.jsonl', format: jsonl")
     monkeypatch.chdir(tmp_path)
     assert main(["validate", "c.yaml"]) == 2
     err = capsys.readouterr().err
@@ -386,8 +385,7 @@ def test_a_uri_that_matches_nothing_is_called_a_path_or_a_glob(
     """A plain path (no ``*``, ``?``, ``[`` nor braces) that matches nothing was called a
     glob too (a review)."""
     (tmp_path / "data" / "web").mkdir(parents=True)  # (an empty folder: no file either)
-    (tmp_path / "c.yaml").write_text("name: v\nbatch: {seq_len: 8}\nsources:\n  - {name: web, "
-                                     f"uri: '{uri}', format: jsonl}}\n")
+    _config(tmp_path, f"name: web, uri: '{uri}', format: jsonl")
     monkeypatch.chdir(tmp_path)
     assert main(["validate", "c.yaml"]) == 2
     err = capsys.readouterr().err
@@ -406,8 +404,7 @@ def test_validate_names_a_format_that_does_not_read_the_files(
     (tmp_path / "code").mkdir()
     for i in range(2):
         pq.write_table(pa.table({"text": ["x"]}), tmp_path / "code" / f"part-0000{i}.parquet")
-    (tmp_path / "c.yaml").write_text("name: v\nbatch: {seq_len: 8}\nsources:\n  - {name: code, "
-                                     "uri: 'code/*.parquet', format: jsonl}\n")
+    _config(tmp_path, "name: code, uri: 'code/*.parquet', format: jsonl")
     monkeypatch.chdir(tmp_path)
     assert main(["validate", "c.yaml"]) == 2
     assert capsys.readouterr().err == (
