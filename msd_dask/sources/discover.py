@@ -8,6 +8,7 @@ worker check the sources and list their units (:func:`discover_units`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -91,7 +92,12 @@ def discover_units(cfg: Config, threads: int = 8,
     roots: dict[str, str] = {}
     with ThreadPoolExecutor(threads) as ex:
         for i, s in enumerate(cfg.sources):
-            files = open_source(s.uri, s.storage_options)
+            try:  # (the listing of the source's files too: a blip failed the whole start)
+                files = again_after_a_blip(
+                    functools.partial(open_source, s.uri, s.storage_options), s.name, s.uri,
+                    "listing its files")
+            except Exception as e:  # noqa: BLE001 - any storage error, named by its source
+                raise DataError(f"cannot list {s.uri!r}: {e!r}", source=s.name) from e
             fmt = source_format(s, i)
             paths, others = format_paths(files, fmt, s, i)
             if others:

@@ -190,9 +190,9 @@ def again_after_a_blip(fn: Callable[[], _T], source: str, path: str,
     moment (:data:`BLIPS`): a brief failure of the store is not bad input, which
     ``on_error: skip`` would quarantine (a unit for the epoch, a file listed at start for
     the run) and ``fail`` would stop the service on.  The rule of every read of a source's
-    files: :func:`read_unit`, the listing of a file's units when a service starts
-    (:func:`~msd_dask.sources.discover.discover_units`) and ``msd-dask validate``'s first
-    record (:func:`~msd_dask.sources.check.check_fields`).
+    files: :func:`read_unit`, the listing of a source's files and of a file's units when a
+    service starts (:func:`~msd_dask.sources.discover.discover_units`) and ``msd-dask
+    validate``'s listing and first record (:func:`~msd_dask.sources.check.check_fields`).
 
     Parameters
     ----------

@@ -16,7 +16,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from msd_dask import DataError, load_config
+from msd_dask import ConfigError, DataError, load_config
 from msd_dask.sources import documents
 from msd_dask.sources.documents import read_unit
 from msd_dask.sources.tokenizer import ByteTokenizer
@@ -213,10 +213,18 @@ class _BlipsFS(MemoryFileSystem):
     store: dict[str, Any] = {}
     pseudo_dirs = [""]
     fails: dict[str, int] = {}
+    #: globs that fail before one succeeds (a listing's request dropped)
+    glob_fails = 0
 
     @classmethod
     def _strip_protocol(cls, path: str) -> str:
         return MemoryFileSystem._strip_protocol(path.removeprefix(f"{cls.protocol}://"))
+
+    def glob(self, path: str, **kwargs: Any) -> Any:
+        if type(self).glob_fails > 0:
+            type(self).glob_fails -= 1
+            raise ConnectionError(f"connection reset while listing {path}")
+        return super().glob(path, **kwargs)
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if "r" in mode and self.fails.get(path, 0) > 0:
@@ -236,6 +244,7 @@ def blips(monkeypatch: pytest.MonkeyPatch) -> type[_BlipsFS]:
     monkeypatch.setattr(documents, "BLIP_RETRIES", (0.01, 0.01))
     monkeypatch.setattr(_BlipsFS, "store", {})
     monkeypatch.setattr(_BlipsFS, "fails", {})
+    monkeypatch.setattr(_BlipsFS, "glob_fails", 0)
     fsspec.register_implementation(_BlipsFS.protocol, _BlipsFS, clobber=True)
     fs = _BlipsFS()
     for name in ("a", "b"):
@@ -285,6 +294,37 @@ def test_a_storage_blip_while_listing_a_file_is_listed_again(
         assert first.path == "/d/b.parquet" and len(first.set_aside) == 1
     else:
         assert (first.path, first.found, first.set_aside) == ("/d/a.parquet", True, [])
+
+
+@pytest.mark.parametrize("fails", [1, 2, 3])
+def test_a_storage_blip_while_listing_a_source_is_listed_again(
+        blips: type[_BlipsFS], fails: int) -> None:
+    """A source's glob whose listing failed for a moment (a dropped request) failed the
+    service's start, and ``msd-dask validate``, with the storage's bare error (a review):
+    it is listed again as a file's units are, and the third failure is one error naming
+    the source and its glob."""
+    from msd_dask.sources.check import check_fields
+    from msd_dask.sources.discover import discover_units
+
+    uri = f"{blips.protocol}://d/*.parquet"
+    cfg = load_config({"name": "b", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": uri, "format": "parquet"}]})
+    blips.glob_fails = fails
+    if fails == 3:
+        with pytest.raises(DataError, match=rf"source 's': cannot list '{re.escape(uri)}': "
+                                            r"ConnectionError"):
+            discover_units(cfg)
+    else:
+        units, _ = discover_units(cfg)
+        assert sorted({path for path, _, _ in units["s"]}) == ["/d/a.parquet", "/d/b.parquet"]
+    assert blips.glob_fails == 0
+    blips.glob_fails = fails
+    if fails == 3:
+        with pytest.raises(ConfigError, match=r"sources\[0\]\.uri.*cannot list.*connection reset"):
+            check_fields(cfg)
+        return
+    (first,) = check_fields(cfg)
+    assert (first.path, first.found) == ("/d/a.parquet", True)
 
 
 def _skip_source(tmp_path: Path, pattern: str = "*.jsonl*", text_field: str = "text",
