@@ -100,6 +100,15 @@ def _at_least(lo: int) -> Callable[[str], int]:
     return parse
 
 
+def _folder(text: str) -> str:
+    """An argparse type: a folder's path, not empty (``"$OUT"`` with the variable unset
+    wrote into the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (a shell variable not set?); name the "
+                                         "folder to write into")
+    return text
+
+
 def _seconds(text: str, *, zero: bool) -> float:
     """A finite number of seconds ``> 0`` (``>= 0`` if ``zero``), at most a year (as a
     config's ``timeout``: a socket's or a message's wait takes no more), for argparse."""
@@ -177,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo-corpus", help="write the demo corpus (standard-library code "
                        "and docstrings)")
-    d.add_argument("out_dir", help="directory to write into (e.g. data/demo)")
+    d.add_argument("out_dir", type=_folder, help="directory to write into (e.g. data/demo)")
 
     w = sub.add_parser("set-weights", help="change the mix of a running service")
     w.add_argument("name", help="service name")

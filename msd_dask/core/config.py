@@ -760,8 +760,7 @@ def parse_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config) -> Co
         try:
             data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:
-            said = str(e) if path is None else str(e).replace('"<unicode string>"', repr(path))
-            raise ConfigError("<root>", f"not valid YAML: {said}") from e
+            raise ConfigError("<root>", f"not valid YAML: {_yaml_said(e, path)}") from e
         if path is not None and data is None:
             raise _ConfigFileError("<root>", f"config file {path!r} is empty")
         if not from_file and "\n" not in text and not isinstance(data, dict):
@@ -781,6 +780,21 @@ class _ConfigFileError(ConfigError):
     def __init__(self, key: str, reason: str):
         super().__init__(key, reason)
         self.args = (reason,)
+
+
+def _yaml_said(e: yaml.YAMLError, path: str | None) -> str:
+    """What the YAML parser said, on one line: the file, where, the problem and what it
+    was parsing (its own message spans six lines and quotes the text)."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return " ".join(str(e).split())
+    where = (f"{path!r}, " if path is not None else "") + (
+        f"line {mark.line + 1}, column {mark.column + 1}")
+    said = f"{where}: {getattr(e, 'problem', None) or e}"
+    context, at = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context:
+        said += f" ({context}" + (f" from line {at.line + 1}" if at is not None else "") + ")"
+    return said
 
 
 class _YamlLoader(yaml.SafeLoader):

@@ -37,6 +37,9 @@ from msd_dask.cli import main
                             "got 1e10"),
     (["stats", "s", "--scheduler", "tcp://198.18.0.1:8786", "--wait", "1e20"],
      "argument --wait: must be at most 31536000 seconds (a year), got 1e20"),
+    # (demo-corpus "$OUT", the variable unset, wrote the corpus into the current directory)
+    (["demo-corpus", ""], "argument out_dir: an empty path (a shell variable not set?)"),
+    (["demo-corpus", " "], "argument out_dir: an empty path (a shell variable not set?)"),
 ])
 def test_a_bad_argument_is_refused_by_name(argv: list[str], says: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
