@@ -24,7 +24,8 @@ from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
 from msd_dask.formats.registry import register_format
 
-__all__ = ["MAX_LINE_BYTES", "JsonlFormat", "LineTooLong", "compression_of", "file_lines"]
+__all__ = ["MAX_LINE_BYTES", "JsonlFormat", "LineTooLong", "compression_in", "compression_of",
+           "file_lines"]
 
 _BUFFER_SIZE = 1 << 20
 
@@ -50,6 +51,32 @@ def compression_of(path: str) -> str | None:
 
 #: each compressed file's suffix, and its compression (:func:`compression_of`)
 _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bzip2", ".xz": "xz"}
+
+#: the first bytes of each compression's stream (bzip2's with its first block's magic: a
+#: line of text may start with "BZh"); none starts a line of UTF-8 JSON
+_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "xz"}
+_BZIP2 = (b"BZh", b"1AY&SY")
+
+
+def compression_in(head: bytes) -> str | None:
+    """The compression whose stream starts with ``head`` (a file's first 10 bytes or more),
+    if any: a compressed file named as a plain one is refused whole, not read as lines of
+    binary (each one a bad row).
+
+    Parameters
+    ----------
+    head : bytes
+        The file's first bytes.
+
+    Returns
+    -------
+    str or None
+        ``"gzip"``, ``"zstd"``, ``"bzip2"`` or ``"xz"`` (as :func:`compression_of`), or
+        ``None``.
+    """
+    if head[:3] == _BZIP2[0] and head[3:4] in b"123456789" and head[4:10] == _BZIP2[1]:
+        return "bzip2"
+    return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
 
 
 class _LineReader(Protocol):
@@ -89,6 +116,13 @@ def file_lines(fs: fsspec.AbstractFileSystem, path: str,
     with ExitStack() as stack:
         raw = stack.enter_context(fs.open(path, "rb"))
         lines = _open_lines(stack, raw, compression)
+        if compression is None and isinstance(lines, io.BufferedReader):
+            packed = compression_in(lines.peek(10)[:10])
+            if packed is not None:  # (read as lines, each a bad row: under skip, thousands)
+                suffix = next(k for k, v in _COMPRESSIONS.items() if v == packed)
+                raise DataError(f"the file is {packed}-compressed but its name does not end "
+                                f"in {suffix}: rename it so that it is read decompressed",
+                                path=path)
         first = True
         while True:
             # (one byte past the longest line taken, and the first line's byte-order mark)

@@ -5,14 +5,17 @@ up to the first dot of its file name (``shard/000123.jpg`` and
 ``shard/000123.txt`` are the sample ``shard/000123``; its fields are named by
 the rest, ``jpg`` and ``txt``).  Each sample becomes one record:
 
-* ``.jpg`` / ``.jpeg`` / ``.png`` / ``.webp`` → ``"image"`` (the encoded bytes;
-  also under the extension itself);
+* an image (:data:`IMAGE_EXTENSIONS`: ``.jpg``, ``.png``, ``.webp``, ``.gif``, ``.bmp``,
+  ``.tiff``, ``.ppm`` and their other names) → ``"image"`` (the encoded bytes; also under
+  the extension itself);
 * ``.txt`` → ``"text"`` (UTF-8 decoded; also under ``"txt"``);
 * ``.json`` → its keys merged into the record (a JSON object; ``.txt`` and the
   image win over keys of the same name);
 * any other extension → its bytes under the extension.
 
-A sample lacking a field asked for is bad input, save for the image: a sample
+Hidden members (a name starting with a dot: macOS's ``._`` files, ``.DS_Store``) and
+those under ``__MACOSX/`` belong to no sample and are passed over.  A sample lacking a
+field asked for is bad input, save for the image: a sample
 without one is a text document (its image field ``None``).  Rows are sample
 indices in tar order.  The shard is read as a stream of members, never listed
 first; a shard that ends without the tar end-of-archive
@@ -31,26 +34,22 @@ import fsspec
 
 from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
+from msd_dask.formats.jsonl import compression_in
 from msd_dask.formats.registry import register_format
 
 __all__ = ["WebDatasetFormat", "IMAGE_EXTENSIONS", "split_key"]
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+#: a sample's members that are its image: every encoding the image decoder reads
+#: (:data:`msd_dask.sources.vision.IMAGE_FORMATS`); a sample whose image had another of
+#: these was taken for a text document, without a word (a review)
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "pgm",
+                    "pbm", "pnm")
 
 _STORAGE_ERRORS = (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)
 
 #: the fields a sample's image is under (``image``, and its extension): absent, the
 #: sample is a text document (``None``), as a parquet or JSON row whose image is null
 _IMAGE_FIELDS = frozenset(("image", *IMAGE_EXTENSIONS))
-
-#: the first bytes of the compressed files a shard may be by mistake
-_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2",
-          b"\xfd7zXZ": "xz"}
-
-
-def _compression(head: bytes) -> str | None:
-    """The compression whose magic bytes ``head`` starts with, if any."""
-    return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
 
 
 def split_key(name: str) -> tuple[str, str]:
@@ -131,7 +130,7 @@ class WebDatasetFormat:
                 tar = tarfile.open(fileobj=f, mode="r:")
             except tarfile.TarError as exc:
                 f.seek(0)
-                packed = _compression(f.read(6))
+                packed = compression_in(f.read(10))
                 raise DataError(f"cannot read tar: {exc}" + (
                     f" (the shard is {packed}-compressed: shards are read as plain tar "
                     "files, as WebDataset writes them)" if packed else ""), path=path) from None
@@ -142,6 +141,8 @@ class WebDatasetFormat:
                 twice: str | None = None  # the sample's extension that came twice, if any
                 members = _members(tar, f, path)
                 for name, data in members:
+                    if _hidden(name):
+                        continue
                     k, ext = split_key(name)
                     if k != key:
                         if key is not None:
@@ -175,6 +176,14 @@ class WebDatasetFormat:
             if errors == "yield":
                 return exc
             raise
+
+
+def _hidden(name: str) -> bool:
+    """Whether member ``name`` is a file no sample holds: a hidden one (``.DS_Store``, the
+    ``._0001.txt`` AppleDouble file macOS's tar writes before each file with extended
+    attributes) or one under ``__MACOSX/``.  Grouped as samples, each one cut the sample
+    beside it in two (its json from its text, its image from its caption)."""
+    return posixpath.basename(name).startswith(".") or "__MACOSX/" in f"/{name}"
 
 
 def _members(tar: tarfile.TarFile, f: Any, path: str) -> Iterator[tuple[str, bytes]]:

@@ -713,6 +713,30 @@ def test_jsonl_compression_from_suffix(name: str, expected: str | None) -> None:
     assert compression_of(name) == expected
 
 
+@pytest.mark.parametrize("compress, says", [
+    (gzip.compress, "gzip-compressed but its name does not end in .gz"),
+    (zstandard.ZstdCompressor().compress, "zstd-compressed but its name does not end in .zst"),
+    (bz2.compress, "bzip2-compressed but its name does not end in .bz2"),
+    (lzma.compress, "xz-compressed but its name does not end in .xz")])
+def test_jsonl_a_compressed_file_named_plain_is_one_error(
+        tmp_path: Any, compress: Callable[[bytes], bytes], says: str) -> None:
+    """A compressed file named ``x.jsonl`` was read as lines of binary: under ``fail`` "row 0:
+    invalid UTF-8" with no word of the compression, under ``skip`` each newline byte of the
+    compressed data a bad row (175 for 20,000 documents, every epoch; a review)."""
+    content = b"".join(b'{"text": "document %d"}\n' % i for i in range(2000))
+    path = _jsonl_file(tmp_path, compress(content))
+    with pytest.raises(DataError) as info:
+        list(JSONL.read(LOCAL, Unit(path), ["text"], errors="yield"))
+    assert str(info.value) == (f"file '{path}': the file is {says}: rename it so that it is "
+                               "read decompressed")
+    assert info.value.row is None
+    # (a line of text starting as a bzip2 stream does not, by its first three bytes, make
+    # the file one: it is that row's bad input)
+    plain = _jsonl_file(tmp_path, b'BZh9 not json\n{"text": "b"}\n', "bzh.jsonl")
+    got = list(JSONL.read(LOCAL, Unit(plain), ["text"], errors="yield"))
+    assert isinstance(got[0][1], DataError) and got[1] == (1, {"text": "b"})
+
+
 def test_jsonl_is_one_unit(tmp_path: Any) -> None:
     path = _jsonl_file(tmp_path, b'{"text": "a"}\n')
     assert JSONL.units(LOCAL, path) == [Unit(path, 0, 0)]
@@ -1342,6 +1366,43 @@ def test_webdataset_a_missing_field_lists_the_samples_fields(tmp_path: Any) -> N
     with pytest.raises(DataError, match=r"row 0: missing field 'caption' \(the sample's "
                                         r"fields: cls, text, txt\)"):
         list(get_format("webdataset").read(LOCAL, Unit(path), ["caption"]))
+
+
+def test_webdataset_every_image_the_decoder_reads_is_the_samples_image(tmp_path: Any) -> None:
+    """A sample whose image was a ``.gif``, ``.bmp``, ``.tiff`` or ``.ppm`` (formats the image
+    decoder reads) was taken for a text document, its image dropped without a word (a
+    review)."""
+    from msd_dask.formats.webdataset import IMAGE_EXTENSIONS
+    from msd_dask.sources.vision import IMAGE_FORMATS
+
+    exts = ["jpg", "gif", "bmp", "tif", "tiff", "ppm", "pgm", "pbm", "pnm", "png", "webp"]
+    path = str(tmp_path / "images.tar")
+    _write_tar(path, [m for i, ext in enumerate(exts)
+                      for m in ((f"s/{i}.{ext}", ext.encode()), (f"s/{i}.txt", b"caption"))])
+    rows = list(get_format("webdataset").read(LOCAL, Unit(path), ["text", "image"]))
+    assert rows == [(i, {"text": "caption", "image": ext.encode()}) for i, ext in enumerate(exts)]
+    # (one list of each: every format the decoder opens has its names here)
+    named = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp",
+             "TIFF": "tiff", "PPM": "ppm"}
+    assert {named[f] for f in IMAGE_FORMATS} <= set(IMAGE_EXTENSIONS)
+
+
+@pytest.mark.parametrize("hidden", ["./._{k}.json", "._{k}.txt", "s/.DS_Store",
+                                    "__MACOSX/s/._{k}.txt"])
+def test_webdataset_hidden_members_do_not_cut_a_sample(tmp_path: Any, hidden: str) -> None:
+    """macOS's tar writes an AppleDouble ``._0001.txt`` before each file with extended
+    attributes: each one was a sample of its own, cutting its neighbours in two (a json
+    from its text: under ``fail`` the service stopped at row 0, under ``skip`` every sample
+    was set aside; a review)."""
+    members: list[tuple[str, bytes]] = []
+    for k in range(3):
+        for ext, data in (("json", b'{"id": %d}' % k), ("txt", b"doc %d" % k)):
+            members.append((hidden.format(k=k).replace("{k}", str(k)), b"\x00\x05\x16\x07"))
+            members.append((f"./{k}.{ext}" if hidden.startswith("./") else f"{k}.{ext}", data))
+    path = str(tmp_path / "mac.tar")
+    _write_tar(path, members)
+    rows = list(get_format("webdataset").read(LOCAL, Unit(path), ["text", "id"]))
+    assert rows == [(k, {"text": f"doc {k}", "id": k}) for k in range(3)]
 
 
 @pytest.mark.parametrize("compress, says", [(gzip.compress, "gzip"), (bz2.compress, "bzip2"),
