@@ -294,8 +294,12 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
                                f"{self.rank}")
         # an iterator ends once the dataset is closed (checked before each batch it takes):
         # what it would take next belongs to the dataset's next iter(), which goes on after
-        # the last batch handed out
-        generation = self._generation
+        # the last batch handed out.  Its generation is the one of iter()'s call, not of its
+        # first batch (a generator's body runs then): made before a close, it ends too
+        return self._batches(self._generation)
+
+    def _batches(self, generation: int) -> Iterator[dict[str, Any]]:
+        """The batches of an iterator made at ``generation`` (see :meth:`__iter__`)."""
         n = 0
         while self._carried and (self.steps is None or n < self.steps):
             if self._generation != generation:

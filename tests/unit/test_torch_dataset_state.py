@@ -12,6 +12,7 @@ import threading
 import time
 import weakref
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -169,6 +170,23 @@ def test_an_iterator_made_before_a_close_ends_without_another_batch(
     assert ds.state_dict() == {"service": "demo", "rank": 0, "step": 6}
     assert first is not None and first.closed
     ds.close()
+
+
+def test_an_iterator_made_before_a_close_and_first_read_after_it_ends(service: _Service) -> None:
+    """An iterator was of the generation of its first batch, not of its ``iter()``: made
+    before a close and first advanced after it, it connected again and read on beside the
+    next ``iter()``'s (left alone in a review; now it ends as one advanced before)."""
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0)
+    assert next(iter(ds))["step"] == 0
+    early = iter(ds)
+    ds.close()
+    with pytest.raises(StopIteration):
+        next(early)
+    assert [b["step"] for _, b in zip(range(2), ds, strict=False)] == [1, 2]
+    ds.close()
+    with pytest.raises(RuntimeError, match="num_workers=0"):  # (checked at iter(), as before)
+        with mock.patch.object(torch.utils.data, "get_worker_info", return_value=object()):
+            iter(ds)
 
 
 def test_one_timeout_does_not_end_prefetching(service: _Service) -> None:
