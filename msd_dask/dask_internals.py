@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = ["CREATE_CHECK", "actor_address", "bound_actor", "call_actor", "call_remote_actor",
            "has_client", "keys_on", "local_actor", "published_datasets", "release_actor",
+           "scraped_server",
            "scheduler_workers", "stop_identity_refresh", "task_worker", "worker_actors",
            "wrap_scheduler_call"]
 
@@ -332,6 +333,23 @@ def published_datasets(scheduler: Any) -> dict[Any, Any] | None:
     ext = getattr(scheduler, "extensions", {}).get("publish")
     datasets = getattr(ext, "datasets", None)
     return datasets if isinstance(datasets, dict) else None
+
+
+def scraped_server() -> Any | None:
+    """The Dask server whose ``/metrics`` page prometheus_client is rendering now, if known.
+
+    Relies on ``distributed.http.scheduler.prometheus.core.PrometheusHandler._collectors``:
+    each request's handler points Dask's own collectors at its server before it renders
+    the process's one registry (several schedulers in one process, embedded clusters say,
+    share it).  A collector of msd_dask's reads the same, to report the services of that
+    scheduler only.  ``None`` outside such a render, or if Dask changed.
+    """
+    try:
+        from distributed.http.scheduler.prometheus.core import PrometheusHandler
+    except ImportError:  # pragma: no cover - prometheus_client missing
+        return None
+    collectors = getattr(PrometheusHandler, "_collectors", None) or ()
+    return getattr(collectors[0], "server", None) if collectors else None
 
 
 def wrap_scheduler_call(scheduler: Any, name: str, wrap: Callable[..., Any]

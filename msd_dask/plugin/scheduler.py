@@ -1,7 +1,8 @@
 """Scheduler plugin: every msd_dask service's figures on the dashboard and in Prometheus.
 
 Install it at scheduler start with ``dask scheduler --preload msd_dask.plugin``
-(or ``client.register_plugin(MsdSchedulerPlugin())``).  Once a second it polls
+(or ``client.register_plugin(MsdSchedulerPlugin())``; registered again, the new one
+replaces the first, which is closed).  Once a second it polls
 the roles of every service published on the scheduler and serves
 
 * ``/msd/status`` — a live page on the dashboard's own address: per source
@@ -9,7 +10,8 @@ the roles of every service published on the scheduler and serves
   buffer; the ranks' queue depths and claimed steps in quantiles, and the
   slowest ranks (every rank, too, up to ``RANKS_LISTED``); per step imbalance;
 * ``/msd/api/status`` — the same as JSON;
-* ``msd_*`` metrics on the scheduler's ``/metrics`` endpoint.
+* ``msd_*`` metrics on the scheduler's ``/metrics`` endpoint (the services of that
+  scheduler, also where one process holds several).
 
 Both pages go under the dashboard's prefix where it has one (``dask scheduler
 --dashboard-prefix /dask``: ``/dask/msd/status``), as Dask's own pages do.
@@ -42,7 +44,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
 from msd_dask.core.figures import RANKS_LISTED, SLOWEST, source_figures
-from msd_dask.dask_internals import published_datasets, wrap_scheduler_call
+from msd_dask.dask_internals import published_datasets, scraped_server, wrap_scheduler_call
 
 __all__ = ["MsdSchedulerPlugin", "dask_setup"]
 
@@ -75,21 +77,29 @@ async def collect(registry: dict[str, Any], since: int = 0,
 
 
 class _Page(web.RequestHandler):
-    def initialize(self, plugin: MsdSchedulerPlugin) -> None:
-        self.plugin = plugin
-
     def get(self) -> None:
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.write(_page())
 
 
 class _Api(web.RequestHandler):
-    def initialize(self, plugin: MsdSchedulerPlugin) -> None:
-        self.plugin = plugin
+    def initialize(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
 
     def get(self) -> None:
+        # the plugin installed now, not the one that added the route: a plugin registered
+        # again (a preload and a register_plugin) replaces the first, whose route came first
+        plugin = _installed_plugin(self.scheduler)
+        if plugin is None:
+            raise web.HTTPError(404, "the msd_dask plugin is not installed on this scheduler")
         self.set_header("Content-Type", "application/json")
-        self.write(json.dumps(self.plugin.status(), default=str))
+        self.write(json.dumps(plugin.status(), default=str))
+
+
+def _installed_plugin(scheduler: Any) -> MsdSchedulerPlugin | None:
+    """The :class:`MsdSchedulerPlugin` installed on ``scheduler``, if any."""
+    plugin = getattr(scheduler, "plugins", {}).get(MsdSchedulerPlugin.name)
+    return plugin if isinstance(plugin, MsdSchedulerPlugin) else None
 
 
 class MsdSchedulerPlugin(SchedulerPlugin):
@@ -140,14 +150,19 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self._polling: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, scheduler: Any) -> None:
+        # a plugin registered again replaces this scheduler's first (Dask's add_plugin
+        # does not close it): closed, it stops polling every service and steering
+        # Adaptive beside this one, and leaves /metrics
+        for old in [p for p in _LIVE_PLUGINS if p.scheduler is scheduler and p is not self]:
+            await old.close()
         self.scheduler = scheduler
         # under the dashboard's prefix (``dask scheduler --dashboard-prefix``), as Dask's
         # own pages are: the reverse proxy that prefix is for forwards nothing else
         self.http_prefix = _http_prefix(scheduler)
         at = re.escape(self.http_prefix)
         scheduler.http_application.add_handlers(r".*", [
-            (at + r"/msd/status/?", _Page, {"plugin": self}),
-            (at + r"/msd/api/status/?", _Api, {"plugin": self}),
+            (at + r"/msd/status/?", _Page),
+            (at + r"/msd/api/status/?", _Api, {"scheduler": scheduler}),
         ])
         _register_collector(self)
         self._hook(scheduler)
@@ -644,6 +659,25 @@ def _unregister_collector(plugin: MsdSchedulerPlugin) -> None:
         _LIVE_PLUGINS.remove(plugin)
 
 
+def _scraped_status() -> dict[str, Any]:
+    """The services of the plugin of the scheduler whose ``/metrics`` is being rendered:
+    every live plugin's were, so a process with two schedulers (two embedded services)
+    reported each service on both, and a name on both schedulers twice or one over the
+    other.  Outside a render of Dask's (prometheus_client's registry read directly), those
+    of every installed plugin of the process."""
+    server = scraped_server()
+    plugins = [p for p in _LIVE_PLUGINS if p._active() and (server is None
+                                                            or p.scheduler is server)]
+    services: dict[str, Any] = {}
+    unanswered: dict[str, str] = {}
+    for p in plugins:
+        status = p.status()
+        services.update(status["services"])
+        unanswered.update(status["unanswered"])
+    return {"services": services,
+            "unanswered": {k: v for k, v in unanswered.items() if k not in services}}
+
+
 def _register_collector(plugin: MsdSchedulerPlugin) -> None:
     """Expose ``msd_*`` metrics through prometheus_client's default registry: the services
     of every live plugin of this process (the registry is the process's)."""
@@ -658,12 +692,9 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
 
     class _Collector:
         def collect(self) -> Any:
-            st: dict[str, Any] = {}
-            unanswered: dict[str, str] = {}
-            for p in list(_LIVE_PLUGINS):
-                status = p.status()
-                st.update(status["services"])
-                unanswered.update(status["unanswered"])
+            status = _scraped_status()
+            st: dict[str, Any] = status["services"]
+            unanswered: dict[str, str] = status["unanswered"]
             # whether the figures are current: a service whose polls fail keeps its last
             # answered figures (its tokens/s among them), so alert on these, not on a rate
             ok = GaugeMetricFamily("msd_poll_ok", "1 if the service answered the plugin's last "

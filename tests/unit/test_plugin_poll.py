@@ -68,7 +68,8 @@ def _plugin(planners: dict[str, Any]) -> MsdSchedulerPlugin:
     plugin = MsdSchedulerPlugin()
     plugin.scheduler = SimpleNamespace(  # type: ignore[assignment]
         extensions={"publish": SimpleNamespace(datasets={k: object() for k in registries})},
-        tasks={}, workers={}, plugins={})
+        tasks={}, workers={}, plugins={MsdSchedulerPlugin.name: plugin})
+
     async def close() -> None:
         pass
 
