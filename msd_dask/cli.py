@@ -236,6 +236,10 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("stats", help="print the counters of a running service as JSON")
     st.add_argument("name", help="service name")
+    st.add_argument("--ranks", action="store_true",
+                    help="every rank's counters, and each constructor's per rank, however "
+                         "many ranks (default: those of up to 64 ranks, and a summary: "
+                         "quantiles and the slowest ranks)")
     st.add_argument("--scheduler", metavar="ADDR", required=True,
                     help="address of the Dask scheduler")
     _wait_option(st)
@@ -539,11 +543,13 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from msd_dask.core.figures import brief_stats
     from msd_dask.service import DataService
 
     with DataService.connect(args.scheduler, args.name, security=_security(args),
                              agent=False, wait=args.wait) as svc:
-        print(json.dumps(svc.stats(), indent=2, default=str))
+        stats = svc.stats()
+    print(json.dumps(stats if args.ranks else brief_stats(stats), indent=2, default=str))
     return 0
 
 

@@ -149,3 +149,38 @@ def rank_summary(rank: np.ndarray, depth: np.ndarray, claimed: np.ndarray,
         "slowest": [{"rank": int(rank[i]), "last_claimed": int(claimed[i]) if claimed[i] >= 0
                      else None, "queue_depth": int(depth[i])} for i in order.tolist()],
     }
+
+
+#: the fields of a constructor's ``stats()`` that hold a value per rank it serves
+CONSTRUCTOR_PER_RANK = ("queue_depth", "last_claimed", "shown", "returned", "returned_by",
+                        "report_after", "unclaimed")
+
+
+def brief_stats(stats: Mapping[str, Any], listed: int = RANKS_LISTED) -> dict[str, Any]:
+    """:meth:`~msd_dask.DataService.stats` as ``msd-dask stats`` prints it by default: with
+    ``rank_summary`` (:func:`rank_summary`), and beyond ``listed`` ranks without the values
+    per rank (``ranks`` empty, and each constructor's :data:`CONSTRUCTOR_PER_RANK` fields
+    replaced by ``ranks``, how many it serves): at 16,384 ranks those are ten lines of JSON
+    per rank.
+
+    Parameters
+    ----------
+    stats : mapping
+        What :meth:`~msd_dask.DataService.stats` returned.
+    listed : int
+        The most ranks shown one by one.
+
+    Returns
+    -------
+    dict
+        ``stats`` with ``rank_summary`` added (a copy: ``stats`` is left as it is).
+    """
+    cons = stats.get("constructors", [])
+    out = dict(stats, rank_summary=rank_summary(*rank_columns(cons)))
+    if len(stats.get("ranks", {})) > listed:
+        out["ranks"] = {}
+        out["constructors"] = [
+            dict({k: v for k, v in c.items() if k not in CONSTRUCTOR_PER_RANK},
+                 ranks=len(c.get("queue_depth", {})))
+            for c in cons]
+    return out

@@ -414,3 +414,57 @@ def test_validate_names_a_format_that_does_not_read_the_files(
         "msd-dask validate: error: config key 'sources[0].format': source 'code' has format "
         "'jsonl', but its files end in .parquet (e.g. 'part-00000.parquet'), which format "
         "'parquet' reads\n")
+
+
+def _constructor(index: int, ranks: range) -> dict[str, Any]:
+    """A constructor's ``stats()`` as it answers, serving ``ranks`` (rank r claimed step r)."""
+    return {"index": index, "batches_built": 3, "queue_depth": {r: 1 for r in ranks},
+            "last_claimed": {r: r for r in ranks}, "shown": {r: r for r in ranks},
+            "returned": {r: r for r in ranks}, "returned_by": {r: r for r in ranks},
+            "report_after": {}, "unclaimed": {"5/0": list(ranks)}}
+
+
+@pytest.mark.parametrize("n_ranks, every", [(8, False), (200, False), (200, True)])
+def test_stats_prints_a_summary_of_many_ranks(n_ranks: int, every: bool,
+                                              capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``msd-dask stats`` printed every rank and each constructor's six dicts per rank: about
+    ten lines of JSON per rank, 160,000 at 16,384 ranks (a review).  Beyond 64 ranks it
+    prints the summary the dashboard shows (quantiles, the slowest ranks) and how many ranks
+    each constructor serves; ``--ranks`` prints them all."""
+    from msd_dask.core.figures import rank_figures
+    from msd_dask.service import DataService
+
+    half = n_ranks // 2
+    cons = [_constructor(0, range(half)), _constructor(1, range(half, n_ranks))]
+
+    class _Handle:
+        def __enter__(self) -> _Handle:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def stats(self) -> dict[str, Any]:
+            return {"sources": {}, "planner": {"steps_planned": 9},
+                    "ranks": rank_figures(cons), "constructors": cons}
+
+    monkeypatch.setattr(DataService, "connect", lambda *a, **k: _Handle())
+    assert main(["stats", "demo", "--scheduler", "tcp://198.18.0.1:8786",
+                 *(["--ranks"] if every else [])]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["planner"] == {"steps_planned": 9}
+    if every:
+        assert "rank_summary" not in out and len(out["ranks"]) == n_ranks
+        assert out["constructors"] == json.loads(json.dumps(cons))
+        return
+    summary = out["rank_summary"]
+    assert summary["ranks"] == n_ranks and summary["slowest"][0] == {
+        "rank": 0, "last_claimed": 0, "queue_depth": 1}
+    assert summary["last_claimed"]["max"] == n_ranks - 1
+    if n_ranks <= 64:
+        assert len(out["ranks"]) == n_ranks and out["constructors"] == json.loads(json.dumps(cons))
+    else:
+        assert out["ranks"] == {}
+        assert out["constructors"] == [{"index": i, "batches_built": 3, "ranks": half}
+                                       for i in range(2)]
