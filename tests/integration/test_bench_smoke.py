@@ -11,6 +11,7 @@ this machine's two cores well.  Each test then checks its own script's output.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +32,10 @@ SMOKES: dict[str, tuple[str, ...]] = {
     "test_scaling_smoke": ("bench_scaling.py", "--mode", "io", "--seconds", "4",
                            "--no-reference", "--data", "{tmp}/scaling", "--plot",
                            "{tmp}/scaling.png"),
+    # (config read-ahead, directly and through a host agent)
+    "test_memory_agents_smoke": ("bench_memory.py", "--smoke", "--read-ahead", "config",
+                                 "--agents", "0,1", "--json", "{tmp}/memory.json"),
+    "test_many_readers_quick": ("bench_many_readers.py", "--quick", "--json", "{tmp}/many.json"),
     "test_memory_smoke": ("bench_memory.py", "--smoke", "--read-ahead", "nocap"),
     "test_scheduler_bytes_smoke": ("bench_scheduler_bytes.py", "--smoke"),
     "test_reader_memory_smoke": ("bench_reader_memory.py", "--sources", "2"),
@@ -48,12 +53,17 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "test_train_smoke": ("datasets",),
     "test_throughput_smoke": ("datasets", "tokenizers"),
     "test_memory_smoke": ("datasets",),
+    "test_memory_agents_smoke": ("datasets",),
 }
 
 
 def _run(script: str, *args: str, timeout: float = 240) -> str:
+    # (the repository on the path of the processes a script starts: bench_many_readers'
+    # reader processes import it)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
     proc = subprocess.run([sys.executable, os.path.join("scripts", script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+                          env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -108,13 +118,49 @@ def test_scheduler_bytes_smoke(smokes):
 
 
 def test_memory_smoke(smokes):
-    """The ``nocap`` read-ahead (no token cap); test_bench_memory.py runs ``config``, directly and
-    through an agent, and checks its figures (the default ``--read-ahead config,nocap`` ran
-    ``config`` directly in both tests)."""
+    """The ``nocap`` read-ahead (no token cap); :func:`test_memory_agents_smoke` runs
+    ``config``, directly and through an agent, and checks its figures."""
     _needs("test_memory_smoke")
     out = _out(smokes, "test_memory_smoke")
     assert "ratio HF total / msd_dask total" in out and "msd_dask total" in out, out
     assert "8, no token cap" in out and "token buffers" in out, out
+
+
+def test_memory_agents_smoke(smokes):
+    """``--agents 0,1`` measures the readers directly and through a host agent in one run."""
+    _needs("test_memory_agents_smoke")
+    out = _out(smokes, "test_memory_agents_smoke")
+    assert "direct" in out and "1 agent x 2 ranks" in out, out
+    assert "host agents (with their children)" in out, out
+    assert "read_ahead 8 (config)" in out and "token buffers" in out, out
+    assert "ratio HF total / msd_dask total" in out, out
+    with open(os.path.join(smokes["test_memory_agents_smoke"][1], "memory.json")) as f:
+        direct, agent = json.load(f)["msd"]
+    assert (direct["hosts"], direct["agents"], direct["agent_blocks"]) == (0, 0, 0)
+    assert agent["hosts"] == 1 and agent["agents"] > 0 and agent["reader_adds"] > 0
+    for m in (direct, agent):
+        assert m["total"] > 0 and m["scheduler"] > 0 and m["workers"] > 0 and m["serve"] > 0
+    assert agent["total"] == pytest.approx(agent["scheduler"] + agent["workers"] + agent["serve"]
+                                           + agent["agents"] + 2 * agent["reader_adds"])
+
+
+def test_many_readers_quick(smokes):
+    """``bench_many_readers.py --quick`` (N = 16 and 32 ranks): the script works and every rank
+    read every step exactly once (not the figures: docs/many_readers.md)."""
+    out = _out(smokes, "test_many_readers_quick")
+    for column in ("first batch s", "steps/s", "sched CPU/step ms", "svc CPU/rank-step ms",
+                   "sockets sched/worker", "once"):
+        assert column in out, out
+    rows = [line.split() for line in out.splitlines()
+            if line.split()[:2] in (["16", "2"], ["32", "4"])]  # ranks, hosts
+    assert [r[0] for r in rows] == ["16", "32"] and all(r[-1] == "yes" for r in rows), out
+    with open(os.path.join(smokes["test_many_readers_quick"][1], "many.json")) as f:
+        figures = json.load(f)
+    assert [f["ranks"] for f in figures] == [16, 32]
+    for f in figures:
+        assert f["once"] and not f["problems"], f
+        assert f["first_batch_s"] > 0 and f["achieved_steps_per_s"] > 0, f
+        assert f["sockets_scheduler"] > 0 and f["sockets_worker_max"] > 0, f
 
 
 def test_throughput_smoke(smokes):

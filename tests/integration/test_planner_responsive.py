@@ -54,10 +54,10 @@ def _config(root: str, dp: int, micro_batches: int, seq_len: int) -> dict:
                             "format": "parquet", "weight": 1.0, "shuffle_window": 2}])
 
 
-@pytest.mark.parametrize("dp, micro_batches, seq_len", [
-    (16, 16, 8192),
-    (4096, 1, 2048),  # placed as 2 blocks of 2,048 ranks, on threads of their own
-])
+# (placed as 2 blocks of 2,048 ranks, on threads of their own; a step of one block, dp 16 x
+# 16 micro-batches x 8192, planned the same way and answered as quickly: left out for the
+# suite's time)
+@pytest.mark.parametrize("dp, micro_batches, seq_len", [(4096, 1, 2048)])
 def test_the_planner_answers_stats_within_50ms_while_it_plans_a_large_step(
         tmp_path, dp, micro_batches, seq_len):
     root = str(tmp_path)
