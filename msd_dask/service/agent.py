@@ -40,6 +40,7 @@ import os
 import secrets
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -53,7 +54,14 @@ from msd_dask.batch import reader_state
 from msd_dask.core.config import Config
 from msd_dask.errors import TRIAL_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
-from msd_dask.service.agent_client import AGENT_SOCKET, BLOCK_PREFIX, HEADER, SHM_DIR, frame
+from msd_dask.service.agent_client import (
+    AGENT_SOCKET,
+    BLOCK_PREFIX,
+    HEADER,
+    SHM_DIR,
+    check_socket_path,
+    frame,
+)
 
 __all__ = [
     "AgentGroupReader",
@@ -326,6 +334,10 @@ def _watch_blocks() -> None:
     the read ends and the shell removes whatever blocks are left.  Like Python's resource
     tracker, which :class:`~multiprocessing.shared_memory.SharedMemory` starts for this,
     it ignores SIGINT and SIGTERM (and SIGHUP), but it costs a shell, not a python process.
+    It runs in a session of its own: in the process's process group, a kill of the whole
+    group (``kill -9 -PGID``, a launcher ending a job's processes so) killed the watcher
+    with the process, and its blocks stayed in :data:`SHM_DIR` (a review).  A kill of
+    every process of a cgroup (a container stopped, say) still takes it.
     """
     global _watcher
     with _watcher_lock:
@@ -341,10 +353,15 @@ def _watch_blocks() -> None:
             os.close(fd)  # a dead watcher's pipe, or a forked parent's (its watcher stays)
             _watcher = None
         read_end, write_end = os.pipe()
+        argv = ["sh", "-c", _WATCH, "msd-dask-agent-blocks", SHM_DIR, block_prefix()]
+        actions = [(os.POSIX_SPAWN_DUP2, read_end, 0)]
         try:
-            shell = os.posix_spawn("/bin/sh", ["sh", "-c", _WATCH, "msd-dask-agent-blocks", SHM_DIR,
-                                       block_prefix()],
-                           os.environ, file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0)])
+            try:
+                shell = os.posix_spawn("/bin/sh", argv, os.environ, file_actions=actions,
+                                       setsid=True)
+            except NotImplementedError:  # (no POSIX_SPAWN_SETSID: a process group of its own)
+                shell = os.posix_spawn("/bin/sh", argv, os.environ, file_actions=actions,
+                                       setpgroup=0)
         except BaseException:
             os.close(write_end)
             raise
@@ -535,6 +552,49 @@ class _Group:
         return next((b for s, b in self.blocks.items() if s > have), None)
 
 
+#: ``struct ucred`` of ``SO_PEERCRED`` (Linux): the peer's pid, uid and gid
+_CREDS = struct.Struct("iII")
+
+
+@dataclass
+class _Holder:
+    """The connection that reads a rank through the agent (:meth:`HostAgent._hold`)."""
+
+    #: the process that connected (``None``: unknown)
+    pid: int | None
+    stream: asyncio.StreamReader
+
+    def is_open(self) -> bool:
+        """Whether the process has not closed the connection (as far as the agent read)."""
+        return not self.stream.at_eof()
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
+    """The pid of the process at the other end of a Unix socket connection (``SO_PEERCRED``,
+    Linux); ``None`` where that is unknown: another system, or a process in a pid
+    namespace the agent does not see (its pid reads 0)."""
+    sock = writer.get_extra_info("socket")
+    option = getattr(socket, "SO_PEERCRED", None)
+    if sock is None or option is None:
+        return None
+    try:
+        pid = int(_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _CREDS.size))[0])
+    except (OSError, struct.error):
+        return None
+    return pid if pid > 0 else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        pass
+    return True
+
+
 async def _wait_until(changed: asyncio.Condition, predicate: Callable[[], bool],
                       deadline: float) -> bool:
     """Wait on ``changed`` (held) until ``predicate()`` holds, at most until ``deadline``
@@ -601,7 +661,10 @@ class HostAgent:
         rank, the others), e.g. an :class:`AgentGroupReader` of the service's link
         (:meth:`for_service`).
     path : str
-        The Unix domain socket to serve on (replaced if it is a stale socket).
+        The Unix domain socket to serve on (replaced if it is a stale socket); a path
+        longer than a Unix socket's may be is a ``ValueError`` here, naming it
+        (:func:`~msd_dask.service.agent_client.check_socket_path`), before anything is
+        connected or bound.
     prefetch : int, optional
         Steps the agent reads ahead of a group's slowest rank (default: the
         config's ``prefetch``).
@@ -621,7 +684,7 @@ class HostAgent:
         self.name = name
         self._state = state
         self.config = config
-        self.path = path
+        self.path = check_socket_path(path, name)
         #: seconds the agent waits for a step (default: the service's ``timeout``), and its
         #: ranks' default wait: a rank that gave up sooner would fail while the agent waits
         self.timeout = config.timeout if timeout is None else float(timeout)
@@ -631,6 +694,8 @@ class HostAgent:
         self.groups = [_Group(g) for g in local_groups(config, ranks)]
         self.ranks = [r for g in self.groups for r in g.ranks]
         self._group_of = {r: g for g in self.groups for r in g.ranks}
+        #: rank -> the connection that reads it now, and its process (:meth:`_hold`)
+        self._holders: dict[int, _Holder] = {}
         self._open_reader = open_reader
         self._server: asyncio.AbstractServer | None = None
         #: the inode of the socket file this agent bound (it removes only that one)
@@ -875,7 +940,45 @@ class HostAgent:
                                   f"{_ranges(self.ranks)} of service {self.name!r}, not rank "
                                   f"{rank}; start this host's agent with --ranks covering it"})
             return
-        await _asend(writer, info)
+        holder = _Holder(_peer_pid(writer), stream)
+        refusal = self._hold(rank, holder)
+        if refusal is not None:
+            await _asend(writer, {"error": refusal, "kind": "error"})
+            return
+        try:
+            await _asend(writer, info)
+            await self._serve_rank(stream, writer, group, rank)
+        finally:
+            if self._holders.get(rank) is holder:
+                del self._holders[rank]
+
+    def _hold(self, rank: int, holder: _Holder) -> str | None:
+        """Make ``holder`` the connection that reads ``rank``; why not, if another process
+        reads it now.
+
+        The agent keeps what a rank has per rank, not per connection: two processes with
+        one rank (a stale one still running as torchrun starts its replacement, a wrong
+        ``LOCAL_RANK``) both got the same steps, then one failed with a misleading message
+        (a review).  A connection of the same process (a reader that dials again after a
+        timeout, a second reader of the rank) replaces the rank's; so does one of another
+        process once the rank's connection ended, or its process did (a rank restarted).
+        Where the processes are unknown (no ``SO_PEERCRED``; a peer in another pid
+        namespace) the new connection is taken, as before.
+        """
+        held = self._holders.get(rank)
+        if (held is not None and holder.pid is not None and held.pid is not None
+                and held.pid != holder.pid and held.is_open() and _alive(held.pid)):
+            return (f"the agent at {self.path} refuses rank {rank} to pid {holder.pid}: rank "
+                    f"{rank} is already read through this agent by pid {held.pid}, which "
+                    "runs and holds its connection (two processes with one rank: a stale "
+                    "one, or LOCAL_RANK wrong?); stop that process or close its reader "
+                    "first")
+        self._holders[rank] = holder
+        return None
+
+    async def _serve_rank(self, stream: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          group: _Group, rank: int) -> None:
+        """Answer the requests of ``rank``'s connection until it ends."""
         while True:
             try:
                 # (unbounded between messages, as a rank is silent while it computes; a

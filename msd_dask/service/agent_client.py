@@ -13,7 +13,8 @@ JSON object:
 
 * rank → agent ``{"op": "hello", "rank", "service"}``; the agent answers
   ``{"ok", "ranks", "timeout"}`` or ``{"error"}`` (a rank it does not serve, another
-  service).  Without ``rank``: a probe (:meth:`AgentHandle.connect`).
+  service, a rank another running process reads through it).  Without ``rank``: a
+  probe (:meth:`AgentHandle.connect`).
 * ``{"op": "next", "after", "timeout"}``: the first step after ``after`` the rank does
   not have; the agent answers ``{"step", "block", "layout", "meta"}`` once it holds
   one (``block``: the name of a POSIX shared memory block, on Linux the file
@@ -37,6 +38,8 @@ import mmap
 import os
 import socket
 import struct
+import sys
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -64,7 +67,9 @@ __all__ = [
     "AgentHandle",
     "AgentReader",
     "DIRECT_ONLY",
+    "MAX_SOCKET_PATH",
     "agent_path",
+    "check_socket_path",
     "connect_agent",
     "frame",
     "read_block",
@@ -85,6 +90,31 @@ SHM_DIR = "/dev/shm"
 #: answers a wait that timed out itself, saying why, within that ``timeout``: one deadline
 #: for all it waits for, so the margin is only the answer's way back)
 ANSWER_MARGIN = 10.0
+#: the longest path a Unix domain socket may have, in bytes: ``sun_path`` of
+#: ``sockaddr_un`` (108 bytes on Linux, 104 on macOS and the BSDs) less its closing NUL
+MAX_SOCKET_PATH = 107 if sys.platform.startswith("linux") else 103
+
+
+def check_socket_path(path: str, name: str | None = None) -> str:
+    """``path`` if a Unix domain socket may have it, else a ``ValueError`` naming it, its
+    length and the limit (:data:`MAX_SOCKET_PATH`).
+
+    Checked before anything is connected: a path too long failed only once the agent had
+    connected to the service (``AF_UNIX path too long``, no path, no limit, and its
+    ``<path>.lock`` left behind), and a rank took it for an agent not running (a review).
+    ``name``: the service, to say so when ``path`` is its default (:data:`AGENT_SOCKET`).
+    """
+    size = len(os.fsencode(path))
+    if size <= MAX_SOCKET_PATH:
+        return path
+    default = ""
+    if name is not None and path == AGENT_SOCKET.format(name=name):
+        room = MAX_SOCKET_PATH - len(os.fsencode(AGENT_SOCKET.format(name="")))
+        default = (f" (the default socket path of service {name!r}: one of a name longer "
+                   f"than {room} bytes is too long)")
+    raise ValueError(f"the agent's socket path {path} is {size} bytes long{default}; a Unix "
+                     f"domain socket's path may have at most {MAX_SOCKET_PATH} bytes: pass a "
+                     f"shorter `msd-dask agent --socket` and name the same path in {AGENT_ENV}")
 
 
 def agent_path(name: str, agent: str | bool | None = None) -> str | None:
@@ -93,11 +123,17 @@ def agent_path(name: str, agent: str | bool | None = None) -> str | None:
     ``agent``: a socket path, ``True`` (:data:`AGENT_SOCKET` of ``name``), ``False``
     (directly, whatever the environment says) or ``None`` (the path in
     :data:`AGENT_ENV` if set and not empty, else directly).
+
+    Raises
+    ------
+    ValueError
+        The default path of ``name`` is too long for a Unix domain socket
+        (:func:`check_socket_path`).
     """
     if agent is False:
         return None
     if agent is True:
-        return AGENT_SOCKET.format(name=name)
+        return check_socket_path(AGENT_SOCKET.format(name=name), name)
     if agent is None:
         return os.environ.get(AGENT_ENV) or None
     return str(agent)
@@ -112,6 +148,8 @@ def connect_agent(name: str, agent: str | bool | None = None, *,
     ------
     ServiceError
         No agent answers at the socket, or it serves another service.
+    ValueError
+        The socket's path is too long for a Unix domain socket (:func:`check_socket_path`).
     """
     path = agent_path(name, agent)
     return None if path is None else AgentHandle.connect(path, name, timeout=timeout)
@@ -193,7 +231,9 @@ def read_block(msg: Mapping[str, Any], rank: int) -> Batch:
 
 
 def _dial(path: str, timeout: float, what: str) -> socket.socket:
-    """A connection to the agent at ``path``, or a :class:`ServiceError` saying it is not there."""
+    """A connection to the agent at ``path``, or a :class:`ServiceError` saying it is not there
+    (a ``ValueError`` if no Unix domain socket can have that path)."""
+    check_socket_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -253,6 +293,13 @@ class AgentReader:
         #: the step of the last state loaded (:meth:`load_state_dict`)
         self._loaded: int | None = None
         self._closed = False
+        #: guards :attr:`_closed`, :attr:`_sock` and :attr:`_busy` against :meth:`close`
+        #: from another thread, and the ack of a step with its return (a step acked is the
+        #: rank's: the agent serves it no more, so it is returned, or the reader not closed)
+        self._lock = threading.Lock()
+        #: a :meth:`__next__` is under way (a :meth:`close` then sends no ``bye``: the
+        #: agent reads that connection's next message only once it answered the request)
+        self._busy = False
         #: the connection to the agent; ``None`` after a request it may still answer
         #: (:meth:`__next__` timed out or lost it): the next request dials again
         self._sock: socket.socket | None = None
@@ -304,12 +351,37 @@ class AgentReader:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def __next__(self) -> Batch:
+    def _raise_if_closed(self) -> None:
+        """The error a closed direct :class:`~msd_dask.reader.Reader` raises, if closed."""
         if self._closed:
             raise ServiceError(f"rank {self.rank}: the reader is closed")
-        if self._sock is None:
-            self._sock = self._connect()
-        sock = self._sock
+
+    def __next__(self) -> Batch:
+        with self._lock:
+            self._raise_if_closed()
+            sock = self._sock
+        if sock is None:
+            sock = self._connect()
+        with self._lock:
+            if self._closed:  # (by another thread while this one dialled)
+                sock.close()
+                self._raise_if_closed()
+            self._sock, self._busy = sock, True
+        try:
+            return self._next_from(sock)
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def _next_from(self, sock: socket.socket) -> Batch:
+        """:meth:`__next__` on the connection ``sock``.
+
+        A :meth:`close` from another thread (a prefetching thread's reader, closed with
+        its dataset) shuts ``sock`` down, which ends the wait for the agent's answer at
+        once, and this raises what a closed direct reader raises: it waited for the whole
+        answer, and then named a lost agent (a review).  A step answered meanwhile is not
+        acknowledged: the agent keeps it for the rank's next reader.
+        """
         after = max(-1 if self.step is None else self.step,
                     -1 if self._loaded is None else self._loaded)
         waiting = f"step {after + 1}"
@@ -325,14 +397,17 @@ class AgentReader:
                 "running?") from None
         except OSError as e:
             self._drop()
+            self._raise_if_closed()  # (the socket that close() shut and closed)
             raise ServiceError(f"rank {self.rank} lost the agent at {self.path} while asking "
                                f"for {waiting} ({type(e).__name__}: {e}); did `msd-dask agent` "
                                "exit?") from None
         if answer is None:
             self._drop()
+            self._raise_if_closed()  # (the end of the connection close() shut down)
             raise ServiceError(f"rank {self.rank}: the agent at {self.path} closed the "
                                f"connection while rank {self.rank} waited for {waiting}; did "
                                "`msd-dask agent` exit?")
+        self._raise_if_closed()
         if "error" in answer:
             err = ServiceTimeoutError if answer.get("kind") == "timeout" else ServiceError
             raise err(f"service {self.name!r}: {answer['error']}")
@@ -340,17 +415,20 @@ class AgentReader:
             batch = read_block(answer, self.rank)
         except OSError as e:  # (its block gone: the agent stopped, or was killed)
             self._drop()
+            self._raise_if_closed()
             raise ServiceError(f"rank {self.rank} could not copy step {answer.get('step')} "
                                f"from the agent at {self.path} ({type(e).__name__}: {e}); did "
                                "`msd-dask agent` exit?") from None
-        try:
-            send(sock, {"op": "ack", "step": batch.step})
-        except OSError:
-            self._drop()  # the agent learns the step from the next request's ``after``
-        # (the agent refuses a request from before the steps this rank took, before it
-        # hands anything out)
-        self.step = batch.step
-        self._keep_ledger()
+        with self._lock:  # (closed while the block was copied: not acknowledged, not returned)
+            self._raise_if_closed()
+            try:
+                send(sock, {"op": "ack", "step": batch.step})
+            except OSError:
+                self._drop()  # the agent learns the step from the next request's ``after``
+            # (the agent refuses a request from before the steps this rank took, before it
+            # hands anything out)
+            self.step = batch.step
+            self._keep_ledger()
         return batch
 
     def report_step_time(self, seconds: float, step: int | None = None) -> None:
@@ -366,14 +444,27 @@ class AgentReader:
                 pass
 
     def close(self) -> None:
-        """Close the connection to the agent (idempotent)."""
-        self._closed = True
-        sock, self._sock = self._sock, None
+        """Close the connection to the agent (idempotent; from any thread).
+
+        A :meth:`__next__` waiting in another thread ends at once with the error of a
+        closed reader, and the step it waited for is left to the rank's next reader: the
+        socket is shut down, which wakes the thread's wait (closing it alone did not: the
+        thread waited for the agent's answer, up to the reader's ``timeout``).
+        """
+        with self._lock:
+            self._closed = True
+            sock, self._sock = self._sock, None
+            busy = self._busy
         if sock is None:
             return
+        if not busy:  # (a request under way: the agent reads no message before it answers)
+            try:
+                send(sock, {"op": "bye"})
+            except OSError:
+                pass
         try:
-            send(sock, {"op": "bye"})
-        except OSError:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected any more
             pass
         sock.close()
 

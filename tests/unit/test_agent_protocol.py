@@ -36,7 +36,9 @@ from msd_dask.service.agent import (
 )
 from msd_dask.service.agent_client import (
     AGENT_ENV,
+    AGENT_SOCKET,
     BLOCK_PREFIX,
+    MAX_SOCKET_PATH,
     AgentHandle,
     AgentReader,
     agent_path,
@@ -725,20 +727,26 @@ def test_a_stop_before_the_agent_serves_is_not_lost(tmp_path: Any) -> None:
     assert not thread.is_alive() and not os.path.exists(agent.path)
 
 
+def _next_in_a_thread(reader: Any) -> tuple[threading.Thread, list[BaseException]]:
+    """A thread started on ``next(reader)``, and the list of what it raised (empty until)."""
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            next(reader)
+        except BaseException as e:  # noqa: BLE001 - the caller checks it
+            errors.append(e)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    return t, errors
+
+
 def test_a_closing_agent_is_told_to_waiting_ranks(tmp_path: Any) -> None:
     with running_agent(tmp_path, [0, 1]) as (agent, _):
         handle = AgentHandle.connect(agent.path, "agentunit")
         r0 = handle.reader(0, timeout=30)
-        errors: list[BaseException] = []
-
-        def wait() -> None:
-            try:
-                next(r0)
-            except BaseException as e:  # noqa: BLE001 - checked below
-                errors.append(e)
-
-        t = threading.Thread(target=wait)
-        t.start()
+        t, errors = _next_in_a_thread(r0)
         time.sleep(0.3)
         agent.stop()
         t.join(10)
@@ -1566,3 +1574,204 @@ def test_the_agents_socket_is_private_before_it_listens(tmp_path: Any,
     finally:
         os.umask(old)
     assert modes == [0o600]
+
+
+def test_closing_a_reader_that_waits_ends_the_wait_and_leaves_the_step(tmp_path: Any) -> None:
+    """``reader.close()`` from another thread while ``next(reader)`` waited for a slow step
+    (``MsdIterableDataset(prefetch>0).close()``, whose prefetch thread is in ``next()``)
+    only closed the socket, which did not wake the thread: it waited until the agent
+    answered, then failed naming a lost agent ("Bad file descriptor"; a review).  The wait
+    ends at once with the error of a closed direct reader, and the step it waited for
+    stays with the agent for the rank's next reader."""
+    with running_agent(tmp_path, [0], delay=2.0) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        reader = handle.reader(0, timeout=30)
+        t, errors = _next_in_a_thread(reader)
+        time.sleep(0.3)  # (the agent reads step 0 until 2 s)
+        t0 = time.monotonic()
+        reader.close()
+        t.join(10)
+        assert time.monotonic() - t0 < 1.0
+        assert len(errors) == 1 and isinstance(errors[0], ServiceError), errors
+        assert str(errors[0]) == "rank 0: the reader is closed"
+        again = handle.reader(0, timeout=30)
+        assert [next(again).step for _ in range(2)] == [0, 1]
+        handle.close()
+
+
+def test_a_step_that_comes_as_the_reader_closes_is_left_to_the_next_reader(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that came while another thread closed the reader was acknowledged to the
+    agent, which serves it no more, and returned by the closed reader (to a prefetching
+    dataset that dropped it): the rank's next reader was refused, the step lost (a
+    review).  It is not acknowledged; the closed reader raises as a direct one, and the
+    next reader of the rank gets the step."""
+    from msd_dask.service import agent_client
+
+    with running_agent(tmp_path, [0]) as (agent, _):
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        reader = handle.reader(0)
+        copy = agent_client.read_block
+
+        def closed_meanwhile(msg: Mapping[str, Any], rank: int) -> Batch:
+            reader.close()  # (another thread's close, as this one copies the block)
+            return copy(msg, rank)
+
+        monkeypatch.setattr(agent_client, "read_block", closed_meanwhile)
+        with pytest.raises(ServiceError, match=r"^rank 0: the reader is closed$"):
+            next(reader)
+        monkeypatch.setattr(agent_client, "read_block", copy)
+        again = handle.reader(0)
+        assert [next(again).step for _ in range(2)] == [0, 1]
+        handle.close()
+
+
+#: a process that connects to the agent at argv[1] as rank argv[2] (the protocol's hello, no
+#: msd_dask), prints the answer, and holds the connection until a line on stdin
+HOLDER = """
+import json, socket, struct, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+body = json.dumps({"op": "hello", "rank": int(sys.argv[2]), "service": "agentunit"}).encode()
+sock.sendall(struct.pack("!I", len(body)) + body)
+size = struct.unpack("!I", sock.recv(4, socket.MSG_WAITALL))[0]
+print(sock.recv(size, socket.MSG_WAITALL).decode(), flush=True)
+sys.stdin.readline()
+"""
+
+
+def _hold(path: str, rank: int) -> tuple[subprocess.Popen, dict[str, Any]]:
+    """A process that holds a connection of ``rank`` to the agent at ``path``, and the
+    agent's answer to its hello."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, path, str(rank)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())
+
+
+def test_a_rank_read_by_another_running_process_is_refused(tmp_path: Any) -> None:
+    """Two processes with one rank (a stale one still running as torchrun starts its
+    replacement, a wrong ``LOCAL_RANK``) both got the same steps from the agent, which kept
+    what a rank has per rank, not per connection; then one failed with a misleading
+    message (a review).  The second process is refused at once, naming the first; once
+    the first ended (killed: torchrun restarts the rank) or closed its connection, the
+    rank is the next process's.  A second connection of one process (a reader that dials
+    again) is no other process: it is served."""
+    with running_agent(tmp_path, [0]) as (agent, _):
+        stale, answer = _hold(agent.path, 0)
+        procs = [stale]
+        try:
+            assert answer.get("ok"), answer
+            handle = AgentHandle.connect(agent.path, "agentunit")
+            with pytest.raises(ServiceError, match=(
+                    rf"^rank 0: the agent at {re.escape(agent.path)} refuses rank 0 to pid "
+                    rf"{os.getpid()}: rank 0 is already read through this agent by pid "
+                    rf"{stale.pid}, .*\(two processes with one rank: a stale one, or "
+                    r"LOCAL_RANK wrong\?\)")):
+                handle.reader(0)
+            stale.kill()  # (its connection ends with it)
+            stale.wait()
+            readers: list[AgentReader] = []
+
+            def taken() -> bool:
+                try:
+                    readers.append(handle.reader(0))
+                except ServiceError:
+                    return False
+                return True
+
+            assert wait_until(taken, 5)
+            assert next(readers[0]).step == 0
+            again = handle.reader(0)  # this process again: served
+            other, answer = _hold(agent.path, 0)
+            procs.append(other)
+            assert f"by pid {os.getpid()}," in answer.get("error", ""), answer
+            readers[0].close()
+            again.close()
+            assert wait_until(lambda: 0 not in agent._holders, 5)
+            late, answer = _hold(agent.path, 0)  # (this process lives on, its readers closed)
+            procs.append(late)
+            assert answer.get("ok"), answer
+            handle.close()
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+
+
+#: a process writing two blocks as the agent does, then waiting to be killed
+WAITING_WRITER = """
+import sys
+import numpy as np
+from msd_dask.service.agent import WireBatch, new_block_name, write_block
+
+blocks = [write_block(WireBatch({"step": s, "ids": np.arange(8)}), new_block_name())[0]
+          for s in range(2)]
+print(" ".join(b.name for b in blocks), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_kill_of_the_agents_process_group_leaves_no_block() -> None:
+    """A kill of the agent's whole process group (``kill -9 -PGID``, a launcher ending a
+    job's processes so) killed the watcher of its blocks with it, a shell of the same
+    group, and every block stayed in /dev/shm (a review).  The watcher is in a session
+    of its own: it outlives the group and removes them."""
+    proc = subprocess.Popen([sys.executable, "-c", WAITING_WRITER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    names: list[str] = []
+    try:
+        names = proc.stdout.readline().split()
+        assert len(names) == 2
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert wait_until(lambda: not any(os.path.exists(os.path.join("/dev/shm", n))
+                                          for n in names), timeout=10), names
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for n in names:  # (a failed run leaves none behind)
+            if os.path.exists(os.path.join("/dev/shm", n)):
+                os.unlink(os.path.join("/dev/shm", n))
+
+
+def test_a_socket_path_too_long_is_one_error_naming_it(tmp_path: Any) -> None:
+    """A socket path longer than a Unix socket's may be (107 bytes on Linux; the default
+    path of a service name over 82 characters): the agent connected to the service, then
+    exited with "AF_UNIX path too long", naming neither the path nor the limit, and left
+    ``<path>.lock``; a rank said no agent answered there (a review).  The agent refuses it
+    as it is made, before it connects, and a rank as it dials, each naming the path, its
+    length and the limit; the longest path that fits is served."""
+    base = str(tmp_path) + "/"
+    fits = base + "a" * (MAX_SOCKET_PATH - len(base))
+    long = fits + "a"
+
+    def refused(path: str) -> str:
+        return (rf"^the agent's socket path {re.escape(path)} is {len(path)} bytes long.*; a "
+                rf"Unix domain socket's path may have at most {MAX_SOCKET_PATH} bytes: pass a "
+                rf"shorter `msd-dask agent --socket` and name the same path in {AGENT_ENV}$")
+
+    with pytest.raises(ValueError, match=refused(long)):
+        HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]), long)
+    assert not os.path.exists(long + ".lock")
+    with pytest.raises(ValueError, match=refused(long)):
+        AgentHandle.connect(long, "agentunit")
+    name = "n" * 83  # (the default path of a name of 82 characters fits)
+    default = AGENT_SOCKET.format(name=name)
+    with pytest.raises(ValueError, match=rf"\(the default socket path of service '{name}': one "
+                                         r"of a name longer than 82 bytes is too long\)"):
+        agent_path(name, True)
+    with pytest.raises(ValueError, match=refused(default)):
+        HostAgent(name, _config(), [0], lambda f, o: FakeGroupReader(0, [f]), default)
+    assert agent_path("n" * 82, True) == AGENT_SOCKET.format(name="n" * 82)
+    agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]), fits)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        assert agent.ready.wait(10)
+        assert AgentHandle.connect(fits, "agentunit").ranks == [0]
+    finally:
+        agent.stop()
+        thread.join(10)
