@@ -556,9 +556,11 @@ def _stats(args: argparse.Namespace) -> int:
 def _agent(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
     from msd_dask.service.agent import HostAgent, parse_ranks
-    from msd_dask.service.agent_client import AGENT_ENV
+    from msd_dask.service.agent_client import AGENT_ENV, AGENT_SOCKET, check_socket_path
 
     ranks = parse_ranks(args.ranks)
+    # (a socket path too long for a Unix socket is refused before the service is connected)
+    check_socket_path(args.socket or AGENT_SOCKET.format(name=args.name), args.name)
     svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
     with svc:
         agent = HostAgent.for_service(svc, ranks, args.socket, prefetch=args.prefetch,

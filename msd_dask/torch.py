@@ -25,7 +25,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 import torch.utils.data
@@ -69,6 +69,10 @@ def batch_to_dict(batch: Batch) -> dict[str, Any]:
         "pixel_values": batch.pixel_values,
         "image_spans": batch.image_spans,
     }
+
+
+#: seconds :meth:`Prefetcher.close` waits for an item being taken before it wakes the source
+WAKE_AFTER = 0.05
 
 
 class Prefetcher(Generic[T]):
@@ -126,11 +130,20 @@ class Prefetcher(Generic[T]):
         self._run.slots.release()
         return item
 
-    def close(self, timeout: float = 5.0) -> list[T]:
+    def close(self, timeout: float = 5.0, wake: Callable[[], None] | None = None) -> list[T]:
         """Stop taking items (an item being taken is finished first, up to ``timeout``);
         returns the items taken and not returned by :meth:`get`, in order (an error the
-        source raised after them is not raised)."""
+        source raised after them is not raised).
+
+        ``wake``: called if the thread is still taking an item after :data:`WAKE_AFTER`
+        seconds, to end a wait of the source's (a reader's close, which ends its wait for
+        a step): else a thread waiting for a slow step held the close ``timeout`` seconds,
+        and an item it took after them was dropped."""
         self._run.stop.set()
+        if wake is not None:
+            self._thread.join(min(timeout, WAKE_AFTER))
+            if self._thread.is_alive():
+                wake()
         self._thread.join(timeout)
         left = []
         while True:
@@ -440,8 +453,11 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         """
         self._generation += 1
         if self._prefetcher is not None:
-            # (its thread stops first: it reads the reader closed below)
-            self._carried += self._prefetcher.close()
+            # (its thread stops first: it reads the reader closed below; waiting for a step,
+            # the reader's close ends its wait, and a step it took is returned, not dropped)
+            reader = self._reader
+            self._carried += self._prefetcher.close(
+                wake=None if reader is None else reader.close)
             self._prefetcher = None
         position = self._resume_at()  # (kept: a later iter() goes on after it)
         reader, service = self._reader, self._service

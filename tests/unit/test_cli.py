@@ -468,3 +468,20 @@ def test_stats_prints_a_summary_of_many_ranks(n_ranks: int, every: bool,
         assert out["ranks"] == {}
         assert out["constructors"] == [{"index": i, "batches_built": 3, "ranks": half}
                                        for i in range(2)]
+
+
+def test_agent_refuses_a_socket_path_too_long_before_connecting(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``msd-dask agent --socket`` with a path past a Unix socket's 107 bytes connected to the
+    service first (here an address no scheduler answers at), then failed with "AF_UNIX path
+    too long", naming neither the path nor the limit (a review)."""
+    import time
+
+    path = "/tmp/" + "a" * 120 + ".sock"
+    t0 = time.monotonic()
+    code = main(["agent", "--scheduler", "tcp://198.18.0.1:8786", "--name", "x", "--ranks",
+                 "0-7", "--socket", path])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - t0 < 5, err
+    assert f"msd-dask agent: error: the agent's socket path {path} is 130 bytes long" in err
+    assert "at most 107 bytes" in err

@@ -22,6 +22,8 @@ from msd_dask.batch import Batch
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.torch import MsdIterableDataset
 
+from checks import wait_until
+
 
 def _batch(step: int) -> Batch:
     z = torch.zeros(1, 4, dtype=torch.long)
@@ -41,6 +43,8 @@ class _Service:
         #: of serving it the next one
         self.strict = False
         self.readers: list[Any] = []
+        #: a step a reader waits for until it is closed (a slow service), then refuses
+        self.stall_at: int | None = None
 
     def reader(self, rank: int, timeout: float | None = None) -> Any:
         service = self
@@ -50,6 +54,7 @@ class _Service:
                 self.step: int | None = None
                 self.skip = -1
                 self.closed = False
+                self.woken = threading.Event()
 
             def state_dict(self) -> dict[str, Any]:
                 step = max(-1 if self.step is None else self.step, self.skip)
@@ -71,6 +76,9 @@ class _Service:
                 if service.strict and self.step is None and 0 <= self.skip < service.served:
                     raise ServiceError(f"rank {rank} asked for step {self.skip + 1}, but took "
                                        f"the steps up to {service.served} already")
+                if step == service.stall_at:  # (as a real reader: a close ends the wait)
+                    self.woken.wait(10)
+                    raise ServiceError(f"rank {rank}: the reader is closed")
                 if step == service.fail_once_at:
                     service.fail_once_at = None
                     raise ServiceTimeoutError(f"rank {rank} waited 1s for step {step}")
@@ -82,6 +90,7 @@ class _Service:
 
             def close(self) -> None:
                 self.closed = True
+                self.woken.set()
 
         reader = _Reader()
         self.readers.append(weakref.ref(reader))
@@ -187,6 +196,26 @@ def test_an_iterator_made_before_a_close_and_first_read_after_it_ends(service: _
     with pytest.raises(RuntimeError, match="num_workers=0"):  # (checked at iter(), as before)
         with mock.patch.object(torch.utils.data, "get_worker_info", return_value=object()):
             iter(ds)
+
+
+def test_closing_while_the_prefetch_thread_waits_for_a_step_is_prompt(service: _Service) -> None:
+    """The dataset's close stopped its prefetch thread first, waiting up to 5 s for it, then
+    closed the reader: a thread waiting for a slow step held the close for 5 s, and a step
+    that came after that wait, before the reader's close, was taken and then dropped (the
+    next ``iter()`` was refused behind the agent; a review).  The reader is closed as soon
+    as the thread is found waiting, which ends its wait, and no step is lost."""
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=2)
+    it = iter(ds)
+    assert [next(it)["step"] for _ in range(2)] == [0, 1]
+    service.stall_at = 3
+    assert wait_until(lambda: service.served == 2, 5)  # (step 2 taken; it waits for step 3)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    ds.close()
+    assert time.monotonic() - t0 < 2.0
+    service.stall_at = None
+    assert [b["step"] for _, b in zip(range(3), ds, strict=False)] == [2, 3, 4]
+    ds.close()
 
 
 def test_one_timeout_does_not_end_prefetching(service: _Service) -> None:
