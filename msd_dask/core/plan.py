@@ -576,6 +576,7 @@ class Planner:
         is_long = np.array([n in self.long_sources for n in names], dtype=bool)
         if long_budget is not None and n_long >= long_budget:
             el &= ~is_long
+        drawing = el.copy()  # (the sources the mix may draw from at the start of the step)
         # the pieces the mixer takes without asking: shorter than an outlier, and not long
         # while long pieces are counted
         limit = np.array([0 if long_budget is not None and lg else hold or capacity + 1
@@ -635,10 +636,17 @@ class Planner:
             for j, (st, o) in enumerate(zip(streams, offset.tolist(), strict=True)):
                 if j != loading:
                     st.offset = o
+        # the cap, not the mix, kept these sources out: their credit beyond a step's worth
+        # is forgiven, not kept for the steps after a re-mix lowers their weight.  The long
+        # sources at the layout's cap; and sources whose next piece waited for room in a
+        # full hold of outliers (a source of mostly outliers above the share one a row
+        # allows: its credit grew without bound, and after a re-mix it took the backlog
+        # first for hundreds of steps; a review)
+        capped = drawing & ~el
         if long_budget is not None and n_long >= long_budget:
-            # the cap, not the mix, kept the long sources out: their credit beyond a step's
-            # worth is forgiven, not kept for the steps after a re-mix lowers their weight
-            mixer.forgive(is_long, w, float(capacity))
+            capped |= is_long
+        if capped.any():
+            mixer.forgive(capped, w, float(capacity))
         # (a little over this draw's: a next draw that takes a few more does not copy them all)
         self._draw_sizes = (n_taken + n_taken // 16, n_lens + n_lens // 16)
         new_held = _gather(held[:n_new_held], windows, win_src)

@@ -110,3 +110,8 @@ def test_long_context_config_errors_name_the_key():
         make({"mode": "sideways"})
     with pytest.raises(ConfigError, match="long_context.max_per_rank"):
         make({"mode": "spread", "max_per_rank": -1})
+    # (taken and not applied: the plans were the same for 0, 1 and 5; a review)
+    with pytest.raises(ConfigError, match=r"long_context.max_per_rank': applies to mode "
+                                          r"'spread' only .* got 1 with mode 'grouped'"):
+        make({"mode": "grouped", "max_per_rank": 1})
+    make({"mode": "grouped", "max_per_rank": 0})

@@ -328,3 +328,38 @@ def test_auto_never_holds_pieces_below_the_shortest_outlier() -> None:
     assert auto_outlier_length(4096, 1.0, 100.0) == 4
     assert OutlierConfig().threshold(4096, 1.0, 100.0) == shortest_outlier(4096) == 128
     assert OutlierConfig().threshold(4096, 1.0, 0.0) == 0  # (off stays off)
+
+
+def test_a_source_held_back_by_a_full_hold_keeps_no_backlog_for_after_a_re_mix() -> None:
+    """A source of mostly outliers at a weight above the share one outlier a row allows sat
+    out each step once the hold was full, yet kept earning credit: after 600 steps it was
+    owed 49 steps' worth, and after a re-mix to an equal weight it took 0.81-0.88 of the
+    tokens for about 175 steps (a review).  Its credit beyond a step is forgiven, as a
+    layout's cap on long pieces is."""
+    rng = np.random.default_rng(0)
+    lengths = {"short": [rng.integers(1, 100, size=200) for _ in range(10)],
+               "long": [rng.integers(300, 512, size=200) for _ in range(10)]}
+
+    def look(source: str, epoch: int, unit: int) -> np.ndarray:
+        return lengths[source][unit]
+
+    cfg = parse_config({"name": "t", "seed": 11, "batch": {"seq_len": 512, "micro_batches": 2},
+                        "parallel": {"dp": 2}, "outliers": {"min_length": 0.5},
+                        "sources": [{"name": n, "uri": f"mem://{n}/*", "format": "parquet",
+                                     "weight": w, "shuffle_window": 2}
+                                    for n, w in (("short", 0.1), ("long", 0.9))]})
+    from msd_dask.core.units import Unit
+
+    pl = Planner(cfg, {n: [Unit(f"{n}/p{i}.parquet") for i in range(10)] for n in lengths})
+    capacity = 2 * 2 * 512
+    held_back = [pl.plan_step(look) for _ in range(300)]
+    tokens = Counter[str]()
+    for p in held_back[100:]:
+        tokens.update(p.tokens_by_source())
+    assert tokens["long"] / sum(tokens.values()) < 0.85  # (held back: below its 0.9)
+    assert max(abs(c) for c in pl.mixer.credit.values()) <= capacity, pl.mixer.credit
+    pl.set_weights({"short": 0.5, "long": 0.5})
+    tokens = Counter()
+    for p in [pl.plan_step(look) for _ in range(60)][10:]:
+        tokens.update(p.tokens_by_source())
+    assert abs(tokens["long"] / sum(tokens.values()) - 0.5) < 0.05, tokens
