@@ -572,9 +572,51 @@ def _agent(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, _stop)
         threading.Thread(target=_announce, args=(agent, AGENT_ENV), daemon=True).start()
-        agent.run()
+        done = threading.Event()
+        failure: list[str] = []
+        threading.Thread(target=_watch_agent, args=(svc, agent, args.scheduler, done, failure),
+                         daemon=True).start()
+        try:
+            agent.run()
+        finally:
+            done.set()
+        if failure:
+            logging.disable(logging.CRITICAL)  # (Dask's client logs its reconnects as errors)
+            print(f"msd-dask agent: {failure[0]}", file=sys.stderr, flush=True)
+            return 2
         agent.report_returned()
     return 0
+
+
+def _watch_agent(svc: Any, agent: HostAgent, address: str, done: threading.Event,
+                 failure: list[str]) -> None:
+    """Stop ``agent`` once its service is lost for good: its Dask client has not been
+    connected to the scheduler for :data:`SCHEDULER_GRACE` seconds (a scheduler lost takes
+    the service's roles with it), or the planner failed for good.  It kept serving on: a
+    rank waiting then was told only, at its timeout, that the agent waited for its step,
+    the cause in the agent's log (a review); ``msd-dask serve`` exits so too."""
+    since: float | None = None  # (when the client was first seen not connected)
+    while not done.wait(WATCH_EVERY):
+        status = svc.client.status
+        since = None if status == "running" else since or time.monotonic()
+        if since is not None and (status in ("closing", "closed")
+                                  or time.monotonic() - since >= SCHEDULER_GRACE):
+            why = (f"lost the scheduler at {address}; its ranks cannot be served: restart the "
+                   "job from its last checkpoint once the service runs again")
+        elif svc.link.failed:
+            why = f"the service failed: {svc.link.failed}"
+        else:
+            continue
+        failure.append(why)
+        agent.stop(why)
+        return
+
+
+#: seconds between the looks of ``msd-dask agent`` at its service (:func:`_watch_agent`)
+WATCH_EVERY = 1.0
+#: seconds ``msd-dask agent`` waits for its client to reconnect to a scheduler it lost
+#: before it exits (Dask's client tries for ``distributed.comm.timeouts.connect``, 30 s)
+SCHEDULER_GRACE = 10.0
 
 
 def _announce(agent: HostAgent, env: str) -> None:

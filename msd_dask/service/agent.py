@@ -705,6 +705,8 @@ class HostAgent:
         #: :meth:`stop` was called (before :meth:`serve` began, too: a signal right after
         #: ``msd-dask agent`` installed its handlers); with the lock, it is never lost
         self._stop_requested = False
+        #: why the agent stops, told to the ranks waiting then (:meth:`stop`)
+        self.stop_reason: str | None = None
         # (re-entrant: msd-dask agent's signal handler calls stop() in the main thread,
         # which may be inside serve()'s locked section when the signal comes)
         self._stop_lock = threading.RLock()
@@ -772,11 +774,14 @@ class HostAgent:
         """:meth:`serve` in a new event loop (returns once stopped)."""
         asyncio.run(self.serve())
 
-    def stop(self) -> None:
-        """Stop serving (from any thread; the ranks waiting are told the agent closes).
-        Called before :meth:`serve` began, serve returns as soon as it has begun."""
+    def stop(self, reason: str | None = None) -> None:
+        """Stop serving (from any thread; the ranks waiting are told the agent closes, and
+        ``reason``, why, if given).  Called before :meth:`serve` began, serve returns as
+        soon as it has begun."""
         with self._stop_lock:
             self._stop_requested = True
+            if reason is not None and self.stop_reason is None:
+                self.stop_reason = reason
             loop, stopped = self._loop, self._stopped
         if loop is None or stopped is None:
             return
@@ -1098,8 +1103,9 @@ class HostAgent:
                 return {"error": g.error[0], "kind": g.error[1]}
             if g.notices > seen:
                 return {"error": g.notice[0], "kind": g.notice[1]}
+            why = "" if self.stop_reason is None else f": {self.stop_reason}"
             return {"error": f"the agent at {self.path} is closing (rank {rank} waited for step "
-                    f"{g.has.get(rank, -1) + 1})", "kind": "closed"}
+                    f"{g.has.get(rank, -1) + 1}){why}", "kind": "closed"}
 
     def _taken_already(self, rank: int, after: int, had: int) -> str:
         """Why ``rank``, which took every step up to ``had``, is refused the step after

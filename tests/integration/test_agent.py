@@ -22,7 +22,7 @@ from msd_dask.service import DataService
 from msd_dask.service.agent_client import AGENT_ENV, BLOCK_PREFIX, SHM_DIR
 
 from checks import check_content, check_exactly_once, read_steps, record, wait_until
-from cluster import dask_cluster, start_agent, stop_proc
+from cluster import dask_cluster, start_agent, start_serve, stop_proc
 from corpus import config, write_corpus
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: checks.py
@@ -233,3 +233,44 @@ def test_a_group_that_failed_is_read_again_from_a_later_state(tmp_path):
         (rank, s) for rank in (0, 1) for s in range(k + 1, k + 6)]
     check_content(recs + later, texts, 512)
     check_exactly_once(recs + later, texts, 512, min_complete=0)  # (no piece twice)
+
+
+def test_an_agent_whose_scheduler_is_lost_exits_saying_so(tmp_path):
+    """Once its Dask client gave up on the scheduler, the agent served on: a rank waiting
+    then was told only, at its timeout, that the agent waited for its step, the cause in
+    the agent's log (a review).  It exits (status 2) naming the scheduler, as ``msd-dask
+    serve`` does, and tells the ranks waiting why."""
+    import signal
+
+    from msd_dask.errors import ServiceError
+    from msd_dask.service.agent_client import AgentHandle
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    sock = str(tmp_path / "agent.sock")
+    env = dict(os.environ)
+    with dask_cluster(str(tmp_path), n_workers=1) as cl:
+        serve = start_serve(config(root, name="agentlost", timeout=60), str(tmp_path),
+                            cl["address"])
+        agent = start_agent(cl["address"], "agentlost", sock, env, "0", "0")
+        try:
+            with AgentHandle.connect(sock, "agentlost") as h:
+                reader = h.reader(0)
+                read_steps(h, 2, readers=[reader])
+                cl["scheduler"].kill()  # kill -9: no goodbye to the clients
+                cl["scheduler"].wait(10)
+                t0 = time.monotonic()
+                out, _ = agent.communicate(timeout=60)
+                assert time.monotonic() - t0 < 25, out  # (10 s of grace, not Dask's 30)
+                with pytest.raises(ServiceError):  # (its steps read ahead, then the agent gone)
+                    for _ in range(50):
+                        next(reader)
+        finally:
+            stop_proc(agent, signal.SIGKILL)
+            stop_proc(serve, signal.SIGKILL)
+    assert agent.returncode == 2, out
+    last = out.strip().splitlines()[-1]
+    assert last == (f"msd-dask agent: lost the scheduler at {cl['address']}; its ranks cannot be "
+                    "served: restart the job from its last checkpoint once the service runs "
+                    "again"), out
+    assert not _blocks_of(agent.pid)

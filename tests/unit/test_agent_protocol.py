@@ -742,16 +742,22 @@ def _next_in_a_thread(reader: Any) -> tuple[threading.Thread, list[BaseException
     return t, errors
 
 
-def test_a_closing_agent_is_told_to_waiting_ranks(tmp_path: Any) -> None:
+@pytest.mark.parametrize("reason", [None, "lost the scheduler at tcp://198.18.0.1:8786"])
+def test_a_closing_agent_is_told_to_waiting_ranks(tmp_path: Any, reason: str | None) -> None:
+    """...and why, where the agent stops for a reason (``msd-dask agent`` that lost its
+    scheduler: its ranks were told only that the agent waited for their step)."""
     with running_agent(tmp_path, [0, 1]) as (agent, _):
         handle = AgentHandle.connect(agent.path, "agentunit")
         r0 = handle.reader(0, timeout=30)
         t, errors = _next_in_a_thread(r0)
         time.sleep(0.3)
-        agent.stop()
+        agent.stop(reason)
         t.join(10)
         assert len(errors) == 1 and isinstance(errors[0], ServiceError)
-        assert agent.path in str(errors[0]) and "clos" in str(errors[0])
+        said = str(errors[0])
+        assert f"the agent at {agent.path} is closing (rank 0 waited for step 0)" in said
+        assert said.endswith("closing (rank 0 waited for step 0)" if reason is None
+                             else f": {reason}"), said
 
 
 def test_refused_ranks_and_services(tmp_path: Any) -> None:
