@@ -195,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
                    "matter; a source not named gets 0)")
     w.add_argument("--scheduler", metavar="ADDR", required=True,
                    help="address of the Dask scheduler")
-    w.add_argument("--from-step", type=_at_least(0), default=None,
+    w.add_argument("--from-step", type=_at_least(0), default=None, metavar="K",
                    help="first step of the new mix (default: the first unplanned step; a step "
                         "already planned takes the first unplanned one: the command prints the "
                         "step the change takes effect at)")
@@ -450,8 +450,11 @@ def _serve(args: argparse.Namespace) -> int:
     resumed = ("" if resume is None else
                f" from step {int(resume['step']) + 1} (resumed from the state of step "
                f"{int(resume['step'])})")
+    # (on a TLS cluster, the connect needs the client's credentials too)
+    tls = ", security=Security(...)" if args.scheduler.startswith("tls://") else ""
     print(f"serving {svc.name!r} on {args.scheduler}{resumed}; connect with "
-          f"DataService.connect({args.scheduler!r}, {svc.name!r}). Ctrl-C stops.", flush=True)
+          f"DataService.connect({args.scheduler!r}, {svc.name!r}{tls}). Ctrl-C stops.",
+          flush=True)
     try:  # (the scheduler's dashboard: the service's page and its Prometheus metrics)
         print(f"status page: {svc.dashboard_link}", flush=True)
     except Exception:  # noqa: BLE001 - a scheduler without a dashboard: no page to name

@@ -74,9 +74,12 @@ def test_cli_processes_over_tls(tmp_path):
     steps = 20
     with dask_cluster(str(tmp_path), n_workers=2, tls=tls) as cl:
         assert cl["address"].startswith("tls://")
+        # (its connect hint names the credentials: pasted as printed, it was refused)
         serve = start_serve(config(root, name="tlsprocs"), str(tmp_path), cl["address"],
                             "--tls-ca-file", tls["ca"], "--tls-cert", tls["cert"],
-                            "--tls-key", tls["key"])
+                            "--tls-key", tls["key"],
+                            says=f"connect with DataService.connect({cl['address']!r}, "
+                                 "'tlsprocs', security=Security(...))")
         try:
             env = dict(os.environ,
                        PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
