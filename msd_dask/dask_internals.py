@@ -342,14 +342,18 @@ def scraped_server() -> Any | None:
     each request's handler points Dask's own collectors at its server before it renders
     the process's one registry (several schedulers in one process, embedded clusters say,
     share it).  A collector of msd_dask's reads the same, to report the services of that
-    scheduler only.  ``None`` outside such a render, or if Dask changed.
+    scheduler only.  ``None`` if Dask changed, and where the server last rendered has
+    closed since (the registry read directly, after a scheduler of the process closed,
+    is no render of its page).  Outside a render, the last server rendered.
     """
     try:
         from distributed.http.scheduler.prometheus.core import PrometheusHandler
     except ImportError:  # pragma: no cover - prometheus_client missing
         return None
     collectors = getattr(PrometheusHandler, "_collectors", None) or ()
-    return getattr(collectors[0], "server", None) if collectors else None
+    server = getattr(collectors[0], "server", None) if collectors else None
+    status = getattr(getattr(server, "status", None), "name", None)
+    return None if status in ("closing", "closed", "failed") else server
 
 
 def wrap_scheduler_call(scheduler: Any, name: str, wrap: Callable[..., Any]

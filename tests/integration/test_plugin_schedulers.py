@@ -79,6 +79,24 @@ def test_each_schedulers_metrics_report_its_own_services() -> None:
                 assert {"service": "same", "source": src} in _series(text, "msd_source_weight")
                 assert f'service="{other}"' not in text
     asyncio.run(main())
+    # the scheduler last rendered has closed: the registry read directly (no render of a
+    # page) reports every installed plugin, not none (the suite's unit tests after this
+    # one found nothing: the closed scheduler was still taken for the one rendered)
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY, generate_latest
+
+    from msd_dask.plugin import scheduler as module
+
+    plugin = MsdSchedulerPlugin()
+    plugin.scheduler = SimpleNamespace(plugins={MsdSchedulerPlugin.name: plugin})
+    plugin.services["direct"] = _figures("code")
+    module._register_collector(plugin)
+    try:
+        text = generate_latest(REGISTRY).decode()
+        assert [lab["service"] for lab in _series(text, "msd_poll_ok")] == ["direct"], text
+    finally:
+        module._unregister_collector(plugin)
 
 
 def test_a_plugin_registered_again_replaces_the_first_wholly() -> None:
