@@ -297,9 +297,11 @@ def _validate(args: argparse.Namespace) -> int:
     w = cfg.weights_at(0)
     for s, first in zip(cfg.sources, listed, strict=True):
         fields = ", ".join(map(repr, source_fields(s)))
-        which = "its first file" if first.path == first.files[0] else "its first readable file"
+        tried = first.files.index(first.path) + 1 if first.path in first.files else 1
+        which = (f"its first file {first.path}" if tried == 1 else
+                 f"its first {tried} files (the last {first.path})")
         read = (f"{fields} read from the first record of {first.path}" if first.found else
-                f"no record in {which} {first.path}: {fields} not checked")
+                f"no record in {which}: {fields} not checked")
         print(f"\nsource {s.name!r} ({s.format}, weight {w[s.name]:.3f} at step 0, "
               f"{s.loaders} loader(s)): {len(first.files)} file(s); {read}")
         for err in first.set_aside:  # (on_error: skip: the service sets them aside)

@@ -141,8 +141,8 @@ def _source_files(i: int, src: SourceConfig) -> SourceFiles:
     return files
 
 
-#: files :func:`check_fields` tries, one after the other, for a source that skips bad
-#: input (``on_error: skip``) and whose first files are bad
+#: files :func:`check_fields` tries, one after the other, for a source whose first files
+#: have no record, or are bad and the source skips bad input (``on_error: skip``)
 SKIP_LOOK = 8
 
 #: bad rows of one file :func:`check_fields` passes over, for a source that skips bad input
@@ -176,6 +176,8 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
 
     Only the first record of the first file is read (a Parquet file's first row group, of
     those columns): a file further on that lacks the field is found when it is read.  A
+    file without a record (an empty shard) has the next one read, up to :data:`SKIP_LOOK`
+    files (:attr:`FirstRecord.found` is False where none of them has one).  A
     source that skips bad input (``on_error: skip``) whose first file cannot be read has
     the next one read, up to :data:`SKIP_LOOK` files, as the service sets such a file
     aside.  Where its format reads on past a bad row (``errors="yield"``, as JSON lines
@@ -224,7 +226,10 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
         # (a folder's files its format reads, as discovery takes them)
         paths = format_paths(files, fmt, src, i)[0]
         skip = src.on_error == "skip"
-        tries = paths[:SKIP_LOOK] if skip else paths[:1]
+        # (a file without a record says nothing of the fields: the next one is read, as
+        # a file set aside under skip; else the first file of a shard set that starts
+        # with an empty one left every field unchecked)
+        tries = paths[:SKIP_LOOK]
         # a format that reads on past a bad row is read so here too: the service quarantines
         # such a row alone, and the file's next record is its first
         tolerant = skip and "errors" in inspect.signature(fmt.read).parameters
@@ -238,16 +243,16 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
                                                 "reading its first record")
             except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
                 err = with_source(e, src.name, path)  # (named by source and file, as a read is)
-                if path != tries[-1]:
+                if skip and path != tries[-1]:
                     set_aside.append(err)
                     continue
                 if err is e:
                     raise
                 raise err from e
             skipped.extend(bad)  # (msd-dask validate warns of each)
+            if not found and path != tries[-1]:  # (no record, or rows all bad: the next)
+                continue
             if not found and bad:  # (rows, all bad: they say nothing of the fields)
-                if path != tries[-1]:
-                    continue
                 raise bad[0]
             firsts.append(FirstRecord(paths, path, found, set_aside, skipped))
             break

@@ -347,6 +347,20 @@ def test_validate_says_when_the_first_file_has_no_record(
     assert main(["validate", str(tmp_path / "c.yaml")]) == 0
     out = capsys.readouterr().out
     assert f"no record in its first file {tmp_path}/data/a.jsonl: 'txt' not checked" in out, out
+    # the next file's record is read (it stopped at the empty first one, every field
+    # unchecked: a review), and its missing field named
+    (tmp_path / "data" / "b.jsonl").write_text('{"text": "b"}\n')
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"file '{tmp_path}/data/b.jsonl', row 0: missing field 'txt'" in err, err
+    (tmp_path / "data" / "b.jsonl").write_text('{"txt": "b"}\n')
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert f"'txt' read from the first record of {tmp_path}/data/b.jsonl" in out, out
+    (tmp_path / "data" / "b.jsonl").write_text("\n")
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert f"no record in its first 2 files (the last {tmp_path}/data/b.jsonl)" in out, out
 
 
 def test_validate_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
