@@ -349,18 +349,15 @@ def test_validate_says_when_the_first_file_has_no_record(
     assert f"no record in its first file {tmp_path}/data/a.jsonl: 'txt' not checked" in out, out
     # the next file's record is read (it stopped at the empty first one, every field
     # unchecked: a review), and its missing field named
-    (tmp_path / "data" / "b.jsonl").write_text('{"text": "b"}\n')
-    assert main(["validate", str(tmp_path / "c.yaml")]) == 2
-    err = capsys.readouterr().err
-    assert f"file '{tmp_path}/data/b.jsonl', row 0: missing field 'txt'" in err, err
-    (tmp_path / "data" / "b.jsonl").write_text('{"txt": "b"}\n')
-    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
-    out = capsys.readouterr().out
-    assert f"'txt' read from the first record of {tmp_path}/data/b.jsonl" in out, out
-    (tmp_path / "data" / "b.jsonl").write_text("\n")
-    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
-    out = capsys.readouterr().out
-    assert f"no record in its first 2 files (the last {tmp_path}/data/b.jsonl)" in out, out
+    b = tmp_path / "data" / "b.jsonl"
+    for content, code, says in (
+            ('{"text": "b"}\n', 2, f"file '{b}', row 0: missing field 'txt'"),
+            ('{"txt": "b"}\n', 0, f"'txt' read from the first record of {b}"),
+            ("\n", 0, f"no record in its first 2 files (the last {b})")):
+        b.write_text(content)
+        assert main(["validate", str(tmp_path / "c.yaml")]) == code
+        said = capsys.readouterr()
+        assert says in (said.err if code else said.out), said
 
 
 def test_validate_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
