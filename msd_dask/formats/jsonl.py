@@ -140,6 +140,8 @@ def file_lines(fs: fsspec.AbstractFileSystem, path: str,
                     first = False
                     yield too_long
                     continue
+            except _Unsupported as exc:
+                raise DataError(str(exc), path=path) from exc
             except (_Corrupt, gzip.BadGzipFile, zlib.error, EOFError) as exc:
                 raise DataError(f"corrupt {compression} stream: {exc}", path=path) from exc
             if not line:
@@ -163,6 +165,15 @@ def _open_lines(stack: ExitStack, raw: IO[bytes], compression: str | None) -> _L
 
 class _Corrupt(Exception):
     """A compressed stream that does not decompress: bad data, or cut off."""
+
+
+class _Unsupported(Exception):
+    """A compressed stream that is sound but asks for more than the reader allows."""
+
+
+#: what zstd says of a frame whose window is past the decoder's limit (2**27 bytes,
+#: zstandard's default): ``zstd --long=28`` or more writes such frames
+_ZSTD_WINDOW = "Frame requires too much memory for decoding"
 
 
 #: a new decompressor (``decompress``, ``eof``, ``unused_data``) for each compression that
@@ -244,6 +255,12 @@ class _Streams(io.RawIOBase):
             try:
                 out = obj.decompress(data, _BUFFER_SIZE) if self._limited else obj.decompress(data)
             except (OSError, EOFError, lzma.LZMAError, zstandard.ZstdError) as e:
+                if isinstance(e, zstandard.ZstdError) and _ZSTD_WINDOW in str(e):
+                    # (sound data: "corrupt" sent users looking for a bad download)
+                    raise _Unsupported(
+                        "a zstd frame asks for a window over 128 MiB (written with `zstd "
+                        "--long=28` or more), past what each read may hold: recompress with "
+                        "`zstd --long=27` or less (or without --long)") from e
                 raise _Corrupt(str(e)) from e
             if not self._limited:  # the next slice: about _BUFFER_SIZE out
                 lo, hi = _ZSTD_SLICE

@@ -737,6 +737,22 @@ def test_jsonl_a_compressed_file_named_plain_is_one_error(
     assert isinstance(got[0][1], DataError) and got[1] == (1, {"text": "b"})
 
 
+def test_jsonl_a_zstd_window_past_the_limit_is_named_not_corrupt(tmp_path: Any) -> None:
+    """A file written with ``zstd --long=28`` or more (frames with a window over 128 MiB, what
+    the decoder allows) read as "corrupt zstd stream: ... Frame requires too much memory",
+    sending users to look for a bad download (a review)."""
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=28, enable_ldm=True)
+    packer = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    content = b"".join(b'{"text": "d%d"}\n' % i for i in range(100))
+    path = _jsonl_file(tmp_path, packer.compress(content) + packer.flush(), "long.jsonl.zst")
+    with pytest.raises(DataError) as info:
+        _rows(path)
+    assert str(info.value) == (
+        f"file '{path}': a zstd frame asks for a window over 128 MiB (written with `zstd "
+        "--long=28` or more), past what each read may hold: recompress with `zstd --long=27` "
+        "or less (or without --long)")
+
+
 def test_jsonl_is_one_unit(tmp_path: Any) -> None:
     path = _jsonl_file(tmp_path, b'{"text": "a"}\n')
     assert JSONL.units(LOCAL, path) == [Unit(path, 0, 0)]
