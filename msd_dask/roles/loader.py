@@ -179,14 +179,21 @@ class SourceLoader:
         slots = asyncio.Semaphore(self.threads)
         while True:
             key = await self._todo.get()
-            fut = self._ready.get(key)
-            if fut is None or fut.done() or key in self._reading:
+            if not self._wants_read(key):
                 continue
             await slots.acquire()
+            if not self._wants_read(key):  # (released while it waited for a read thread: a
+                slots.release()  # unit read and dropped, the load a scale-up moved off)
+                continue
             self._reading[key] = time.monotonic()
             task = asyncio.create_task(self._read(key))
 
             task.add_done_callback(lambda _t: slots.release())
+
+    def _wants_read(self, key: tuple[int, int]) -> bool:
+        """Whether unit ``key`` is assigned, not read yet and not being read."""
+        fut = self._ready.get(key)
+        return fut is not None and not fut.done() and key not in self._reading
 
     async def _read(self, key: tuple[int, int]) -> None:
         """Read unit ``key`` and settle its future: the one assigned when the read ends (a

@@ -39,7 +39,7 @@ import itertools
 import logging
 import pickle
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -95,6 +95,9 @@ CLOSE_WAIT = 10.0
 ABANDON_WAIT = 5.0
 #: seconds :meth:`RoleSupervisor.close` waits for each role to close (all at once)
 ROLE_CLOSE_WAIT = 5.0
+#: loaders gone from their slots whose counters :meth:`RoleSupervisor.loader_stats` keeps
+#: at hand for an answer of theirs that comes late (a poll under way as they went)
+MOVED_KEPT = 256
 
 #: One planned step as the planner hands it over: ``(step, [each constructor's work, packed
 #: as the planner keeps it])`` (:func:`~msd_dask.roles.constructor.pack_works`)
@@ -191,6 +194,10 @@ class RoleSupervisor:
         #: source -> slot -> the counters (LOADER_COUNTERS) of the loaders gone from the
         #: slot, summed from their last answers (see loader_stats)
         self._gone: dict[str, dict[int, dict[str, float]]] = {}
+        #: the loaders whose counters went into :attr:`_gone` lately: actor key -> (source,
+        #: slot, the counters moved), for an answer of theirs that comes after (a poll
+        #: under way as they were retired), at most :data:`MOVED_KEPT` of them
+        self._moved: OrderedDict[str, tuple[str, int, dict[str, float]]] = OrderedDict()
         #: when the last round of constructor_stats asks started, and its answers
         self._cons_stats: tuple[float, asyncio.Future[list[dict[str, Any]]]] | None = None
         #: source -> retired slot -> slot that took its units over (steps planned before it
@@ -605,6 +612,9 @@ class RoleSupervisor:
         a source's figures, which a dashboard takes rates of, went back.
         """
 
+        def current(source: str, slot: int, h: Any) -> bool:
+            return self._slots.get(source, {}).get(slot, (None, None))[0] is h
+
         async def one(source: str, slot: int, h: Any) -> dict[str, Any]:
             key = str(h.key)
             try:
@@ -613,28 +623,45 @@ class RoleSupervisor:
                 st = loader_role.unanswered_stats(source, slot, self._last_stats.get(key),
                                                   unanswered(e, STATS_WAIT))
             else:
-                self._last_stats[key] = dict(st, slot=slot)
+                # (a loader retired while it answered: its counters went to _gone, by another
+                # call, from its answer before; recorded again they were counted twice, for
+                # good, a review: what it read since goes there, once)
+                if current(source, slot, h) or key in self._last_stats:
+                    self._last_stats[key] = dict(st, slot=slot)
+                elif key in self._moved:
+                    at, into, moved = self._moved[key]
+                    gone = self._gone.get(at, {}).get(into)
+                    for c in LOADER_COUNTERS:
+                        more = max(0, st.get(c, 0) - moved[c])
+                        moved[c] += more
+                        if gone is not None:
+                            gone[c] += more
             return dict(st, slot=slot, worker=actor_address(h))
 
         pairs = [(source, slot, h) for source, slots in self._slots.items()
                  for slot, (h, _) in sorted(slots.items())]
         got = await asyncio.gather(*(one(*p) for p in pairs))
-        keys = {str(h.key) for _, _, h in pairs}
+        keys = {str(h.key) for slots in self._slots.values() for h, _ in slots.values()}
         for key in [k for k in self._last_stats if k not in keys]:
             last = self._last_stats.pop(key)  # a loader replaced or retired: kept counted
             source, slot = str(last["source"]), int(last["slot"])
-            current = sorted(self._slots.get(source, {}))
-            if current and slot not in current and slot not in self._alias.get(source, {}):
+            current_slots = sorted(self._slots.get(source, {}))
+            if (current_slots and slot not in current_slots
+                    and slot not in self._alias.get(source, {})):
                 # a slot forget_retired forgot already: on a live one, or each such retired
                 # loader would stay an entry of its own (one per scale event, a review)
-                slot = current[0]
+                slot = current_slots[0]
             gone = self._gone.setdefault(source, {}).setdefault(
                 slot, dict.fromkeys(LOADER_COUNTERS, 0))
             for c in LOADER_COUNTERS:
                 gone[c] += last.get(c, 0)
+            self._moved[key] = (source, slot, {c: last.get(c, 0) for c in LOADER_COUNTERS})
+            while len(self._moved) > MOVED_KEPT:
+                self._moved.popitem(last=False)
         out: dict[str, list[dict[str, Any]]] = {source: [] for source in self._slots}
-        for (source, _, _), st in zip(pairs, got, strict=True):
-            out[source].append(st)
+        for (source, slot, h), st in zip(pairs, got, strict=True):
+            if current(source, slot, h):  # (one retired meanwhile is counted in _gone)
+                out[source].append(st)
         for source, slots in self._gone.items():
             live = {st["slot"]: st for st in out.get(source, [])}
             for slot, counted in slots.items():

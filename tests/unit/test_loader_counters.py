@@ -90,3 +90,44 @@ def test_a_retired_slot_forgotten_before_its_last_answer_is_counted_on_a_live_on
         sup._slots["a"][newest] = (_Loader(f"l-a-{newest}-g0", "a", newest, 30), None)
         assert _tokens(sup)[0] == 60 + 30 * (cycle + 1)
     assert set(sup._gone["a"]) <= set(sup._slots["a"]), sup._gone
+
+
+def test_a_loader_retired_while_a_poll_awaits_its_answer_is_counted_once(
+        monkeypatch: Any) -> None:
+    """Poll A asks loader 0, slow to answer; meanwhile slot 0 is retired and poll B moves
+    its last answer into the slot's past; then A's answer came and was recorded as the
+    loader's last, and the next poll moved it too: its counters were counted twice, for
+    good (a review: 3,000 tokens where 2,000 were read).  What it read after its last
+    answer goes there once, and a poll does not report a loader retired meanwhile."""
+    import msd_dask.roles.supervisor as module
+
+    monkeypatch.setattr(module, "STATS_WAIT", 5.0)
+    sup = _supervisor()
+
+    class _Slow(_Loader):
+        delay = 0.0
+
+        async def stats(self) -> dict[str, Any]:
+            await asyncio.sleep(self.delay)
+            return await super().stats()
+
+    x, y = _Slow("l-a-0-g0", "a", 0, 1000), _Loader("l-a-1-g0", "a", 1, 500)
+    sup._slots = {"a": {0: (x, None), 1: (y, None)}}
+    sup._alias = {"a": {}}
+
+    def total(stats: dict[str, list[dict[str, Any]]]) -> int:
+        return sum(int(st["tokens_read"]) for st in stats["a"])
+
+    async def run() -> list[int]:
+        seen = [total(await sup.loader_stats())]
+        x.tokens, x.delay = 1500, 0.3  # (it read more; its worker slow to answer)
+        a = asyncio.ensure_future(sup.loader_stats())
+        await asyncio.sleep(0.05)
+        del sup._slots["a"][0]  # retired: its units to slot 1
+        sup._alias["a"][0] = 1
+        seen.append(total(await sup.loader_stats()))  # (its answer before, into the past)
+        seen.append(total(await a))
+        seen += [total(await sup.loader_stats()) for _ in range(2)]
+        return seen
+
+    assert asyncio.run(run()) == [1500, 1500, 2000, 2000, 2000]

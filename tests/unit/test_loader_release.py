@@ -161,3 +161,24 @@ def test_close_ends_a_fetch_of_a_released_unit(corpus, gated) -> None:
 
     err = asyncio.run(run())
     assert isinstance(err, asyncio.CancelledError), repr(err)
+
+
+def test_a_unit_released_while_it_waits_for_a_read_thread_is_not_read(corpus, gated) -> None:
+    """Units queued behind a read and released meanwhile (a scale-up's ``spread_units``
+    moving them to a new loader) were still read in full once a read thread was free, then
+    dropped: on a slow store, the old loader spent a unit's read on exactly the load the new
+    loaders were to take off it (a review).  They are passed over."""
+
+    async def body(loader: SourceLoader, units: Any) -> None:
+        assert loader.threads == 1
+        await loader.assign([(0, 0), (0, 1), (0, 2)])
+        await asyncio.sleep(0.2)  # (unit 0 is read, the gate holds it; 1 and 2 wait)
+        assert list(loader._reading) == [(0, 0)]
+        await loader.release([(0, 1), (0, 2)])
+        gated.set()
+        await asyncio.wait_for(asyncio.shield(loader._ready[(0, 0)]), 30)
+        await asyncio.sleep(0.3)
+        assert loader.units_read == 1 and not loader._reading
+        assert _held(loader) == (1, 1)
+
+    _on_a_loader(corpus, gated, body)
