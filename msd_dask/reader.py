@@ -593,7 +593,7 @@ class Reader:
                         raise self._gone(done, int(answer["handed"]))
                     first_step = int(answer["steps"][0])
                     if done >= 0 and first_step > done + 1:
-                        raise self._gone(done, first_step - 1)
+                        raise self._gone(done, first_step - 1, offered=True)
                     if returned is None:  # it knows the steps before the round
                         self._known = (constructor.key, first_step - 1)
                     return [self._batch(p) for p in answer["payloads"]]
@@ -608,10 +608,12 @@ class Reader:
                     continue
             constructor, call = self._current(c, constructor, call, 0.0, deadline, waiting_for)
 
-    def _gone(self, done: int, handed: int) -> ServiceError:
+    def _gone(self, done: int, handed: int, offered: bool = False) -> ServiceError:
         """The error for a rank restarted from a state (``done``) older than what the
         service handed it (every step up to ``handed``): those steps are gone from the
-        service, which serves each once."""
+        service, which serves each once.  ``offered``: the service offered the rank a
+        round after them (it may have handed them, or been resumed after them: a service
+        resumed from a later state than the rank's never had them)."""
         if done < 0:  # (a reader with no state, after another reader of the rank)
             return ServiceError(
                 f"rank {self.rank}: a new reader with no state asked service "
@@ -622,10 +624,14 @@ class Reader:
                 "(reader.load_state_dict(state), the state_dict() saved with its checkpoint), "
                 "or resume the whole job from DataService.state_dict(step) (docs/resume.md); "
                 f"{TRIAL_HINT}")
+        # (a rank whose own state is older than the state the service resumed from was told
+        # the service had handed it steps it never had: a review)
+        resumed = (f" (or it was resumed from the state of step {handed} or later; this "
+                   f"rank's state is of step {done})") if offered else ""
         return ServiceError(
             f"rank {self.rank} asked service {self.link.name!r} for step {done + 1}, but the "
-            f"service had handed this rank the steps up to {handed} already and serves each "
-            "step once: resume the whole job from DataService.state_dict(step) "
+            f"service had handed this rank the steps up to {handed} already{resumed} and "
+            "serves each step once: resume the whole job from DataService.state_dict(step) "
             f"(docs/resume.md), or load the state of step {handed} or later on this rank")
 
     def _current(self, c: int, constructor: Any, call: Any, max_age: float,

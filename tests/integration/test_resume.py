@@ -86,6 +86,14 @@ def test_refuses_another_seed_and_reader_skips_consumed_steps(baseline):
     with pytest.raises(ServiceError, match="format"):
         DataService.start(cfg, resume={"format": "other/9", "planner": {}})
     with DataService.start(cfg, resume=state, n_workers=1, threads_per_worker=1) as svc:
+        # a rank's own state older than the service's: it was told the service had handed
+        # it the steps up to K - 1, which this service never had (a review)
+        stale = svc.reader(0)
+        stale.load_state_dict({"rank": 0, "step": 2})
+        with pytest.raises(ServiceError, match=rf"for step 3, but the service had handed this "
+                           rf"rank the steps up to {K - 1} already \(or it was resumed from the "
+                           rf"state of step {K - 1} or later; this rank's state is of step 2\)"):
+            next(stale)
         r0, r1 = svc.reader(0), svc.reader(1)
         # rank 0 restarted from its own checkpoint after step K + 2
         r0.load_state_dict({"rank": 0, "step": K + 2})
