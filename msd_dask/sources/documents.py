@@ -16,6 +16,8 @@ import functools
 import inspect
 import logging
 import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -312,18 +314,25 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
 
 
 def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,
-                 tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]]
+                 tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]],
+                 stop: threading.Event | None = None
                  ) -> list[np.ndarray | ImageDoc | DataError]:
     """Preprocess and tokenize ``(row, record)`` items of file ``path``, in order.
 
     Returns one result per item: the tokens, an :class:`ImageDoc`, or the
     :class:`DataError` of a bad document, as a value (:func:`_cpu_timed` times it).  A
     text of no tokens (an empty string) gets the empty placeholder: it is never
-    delivered, as a document a preprocess drops.
+    delivered, as a document a preprocess drops.  Once ``stop`` is set (its
+    :class:`DocPool` closed), :class:`~concurrent.futures.CancelledError` is raised
+    before the next document.
     """
     compact = _compacts(tokenizer)
     out: list[np.ndarray | ImageDoc | DataError] = []
     for row, rec in items:
+        if stop is not None and stop.is_set():
+            # (the loader is gone: its results would be thrown away, and the CPU is
+            # the other loaders')
+            raise CancelledError(f"the preprocessing pool of source {src.name!r} was closed")
         try:
             tokens = _tokenize(src, rec, prep, tokenizer, path, row)
             doc = _with_image(src, rec, tokens, tokenizer, path, row)
@@ -368,8 +377,41 @@ def source_config(source: dict[str, Any]) -> SourceConfig:
     return SourceConfig(**source)
 
 
+def _start_process(source: dict[str, Any], tokenizer: dict[str, Any]) -> None:
+    """Initializer of a pool process: :func:`_exit_with_parent`, then :func:`_init_process`."""
+    _exit_with_parent()
+    _init_process(source, tokenizer)
+
+
+def _exit_with_parent() -> None:
+    """Kill this process when its parent, the process holding the pool, ends: SIGKILLed
+    or killed for memory too.
+
+    Nothing else ends it then (a review of the loaders: the pool's processes waited on
+    their task queue for good, and held the resource tracker up with them).  A thread
+    waits on the parent's sentinel (the pipe the parent spawned this process with, which
+    the kernel closes with the parent), not on Linux's ``PR_SET_PDEATHSIG``, which fires
+    when the parent *thread* that started the process ends (an executor's thread, not
+    the worker).  Nothing is watched outside a process of :mod:`multiprocessing`.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([sentinel])
+        # (at once, no cleanup: the work and its results are nobody's now; SIGKILL, as
+        # user code may handle SIGTERM; TerminateProcess on Windows)
+        os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+
+    threading.Thread(target=watch, name="msd-exit-with-parent", daemon=True).start()
+
+
 def _init_process(source: dict[str, Any], tokenizer: dict[str, Any]) -> None:
-    """Initializer of a pool process: build the tokenizer, import the preprocessor once."""
+    """Build a pool process's tokenizer, import its preprocessor once."""
     src = source_config(source)
     _WORKER["src"] = src
     _WORKER["tokenizer"] = make_tokenizer(TokenizerConfig(**tokenizer))
@@ -414,10 +456,11 @@ def _process_in_worker(path: str, items: list[tuple[int, dict[str, Any]]]) -> _C
 
 
 def _process_in_thread(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,
-                       tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]]
-                       ) -> _Chunk:
-    """Documents processed on this thread: results, busy, CPU and core-wait seconds."""
-    return _cpu_timed(process_docs, src, prep, tokenizer, path, items)
+                       tokenizer: Any, path: str, items: Sequence[tuple[int, dict[str, Any]]],
+                       stop: threading.Event | None = None) -> _Chunk:
+    """Documents processed on this thread: results, busy, CPU and core-wait seconds
+    (``stop``: see :func:`process_docs`)."""
+    return _cpu_timed(process_docs, src, prep, tokenizer, path, items, stop)
 
 
 def _cpu_timed(fn: Callable[..., Any], *args: Any,
@@ -481,6 +524,8 @@ class DocPool:
         #: share this pool, and each sees it broken)
         self._swap = threading.Lock()
         self._closed = False
+        #: set by :meth:`close`: a thread's chunk ends before its next document
+        self._stop = threading.Event()
         if kind == "process":
             if multiprocessing.current_process().daemon:
                 raise RuntimeError(
@@ -491,7 +536,7 @@ class DocPool:
             payload.pop("weight")
             self._processes = functools.partial(
                 ProcessPoolExecutor, self.size, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_process, initargs=(payload, dict(tokenizer)))
+                initializer=_start_process, initargs=(payload, dict(tokenizer)))
             self._ex = self._processes()
         else:
             self._tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
@@ -545,6 +590,8 @@ class DocPool:
             # once: the loader's other read threads see the same pool broken (or their
             # work cancelled with it), and take the new one
             with self._swap:
+                if self._closed:  # (closed since the look above: no new pool to leak)
+                    raise
                 if self._ex is ex:
                     _log.warning("source %r: a process of its pool died; starting a new pool",
                                  self.src.name)
@@ -564,7 +611,7 @@ class DocPool:
             futs = [ex.submit(_process_in_worker, path, c) for c in chunks]
         else:
             futs = [ex.submit(_process_in_thread, self.src, self._prep, self._tokenizer,
-                                    path, c) for c in chunks]
+                              path, c, self._stop) for c in chunks]
         out: list[np.ndarray | ImageDoc | DataError] = []
         busy = used = waited = 0.0
         for f in futs:
@@ -581,9 +628,29 @@ class DocPool:
         return out
 
     def close(self) -> None:
+        """Stop the pool's work now, without waiting for it.
+
+        Work not started is cancelled.  A thread's chunk ends before its next
+        document, and the processes of a process pool are terminated: their chunks
+        and those queued to them ran on for many seconds after a loader was closed
+        (scaled down or retired), on the CPU the other loaders need, for results
+        thrown away (a review of the loaders).  A :meth:`map` waiting on that work
+        raises (:class:`~concurrent.futures.CancelledError` or
+        :class:`~concurrent.futures.process.BrokenProcessPool`).
+        """
         with self._swap:
             self._closed = True
-            self._ex.shutdown(wait=False, cancel_futures=True)
+            self._stop.set()
+            ex = self._ex
+            # (what Python 3.14's terminate_workers does; before it, through the stdlib
+            # executor's private table of its processes, read before shutdown() drops it)
+            procs = list((getattr(ex, "_processes", None) or {}).values())
+            ex.shutdown(wait=False, cancel_futures=True)
+            for p in procs:
+                try:
+                    p.terminate()  # (the executor's thread reaps them: no wait here)
+                except (OSError, ValueError):  # (gone, or its handle closed)
+                    pass
 
 
 def _tokenize(src: SourceConfig, rec: dict[str, Any],
