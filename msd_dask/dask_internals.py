@@ -342,10 +342,14 @@ def scraped_server() -> Any | None:
     each request's handler points Dask's own collectors at its server before it renders
     the process's one registry (several schedulers in one process, embedded clusters say,
     share it).  A collector of msd_dask's reads the same, to report the services of that
-    scheduler only.  ``None`` if Dask changed, and where the server last rendered has
-    closed since (the registry read directly, after a scheduler of the process closed,
-    is no render of its page).  Outside a render, the last server rendered.
+    scheduler only.  ``None`` outside such a render: the handler leaves the collectors
+    pointing at the last server it rendered, so a read of the registry from a thread
+    that runs no event loop (prometheus_client's own HTTP server, a test) or from
+    another loop than that server's is none; so is a server closed since; and ``None``
+    if Dask changed.
     """
+    import asyncio
+
     try:
         from distributed.http.scheduler.prometheus.core import PrometheusHandler
     except ImportError:  # pragma: no cover - prometheus_client missing
@@ -353,7 +357,14 @@ def scraped_server() -> Any | None:
     collectors = getattr(PrometheusHandler, "_collectors", None) or ()
     server = getattr(collectors[0], "server", None) if collectors else None
     status = getattr(getattr(server, "status", None), "name", None)
-    return None if status in ("closing", "closed", "failed") else server
+    if server is None or status in ("closing", "closed", "failed"):
+        return None
+    try:  # (the handler renders on its server's event loop)
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    loop = getattr(getattr(server, "loop", None), "asyncio_loop", None)
+    return server if running is loop else None
 
 
 def wrap_scheduler_call(scheduler: Any, name: str, wrap: Callable[..., Any]

@@ -6,8 +6,8 @@ up to the first dot of its file name (``shard/000123.jpg`` and
 the rest, ``jpg`` and ``txt``).  Each sample becomes one record:
 
 * an image (:data:`IMAGE_EXTENSIONS`: ``.jpg``, ``.png``, ``.webp``, ``.gif``, ``.bmp``,
-  ``.tiff``, ``.ppm`` and their other names) → ``"image"`` (the encoded bytes; also under
-  the extension itself);
+  ``.tiff``, ``.ppm`` and their other names; of several, the first in that order) →
+  ``"image"`` (the encoded bytes; also under the extension itself);
 * ``.txt`` → ``"text"`` (UTF-8 decoded; also under ``"txt"``);
 * ``.json`` → its keys merged into the record (a JSON object; ``.txt`` and the
   image win over keys of the same name);
@@ -41,7 +41,8 @@ __all__ = ["WebDatasetFormat", "IMAGE_EXTENSIONS", "split_key"]
 
 #: a sample's members that are its image: every encoding the image decoder reads
 #: (:data:`msd_dask.sources.vision.IMAGE_FORMATS`); a sample whose image had another of
-#: these was taken for a text document, without a word (a review)
+#: these was taken for a text document, without a word (a review).  Of a sample with
+#: several, the image is the first in this order
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "pgm",
                     "pbm", "pnm")
 
@@ -80,8 +81,11 @@ def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
             except UnicodeDecodeError as exc:
                 raise DataError(f"invalid UTF-8 in .txt member: {exc.reason} at byte "
                                 f"{exc.start}", path=path, row=row) from None
-        elif ext in IMAGE_EXTENSIONS:
-            rec["image"] = data
+    # the sample's image: of several image members (a photo and its depth map as .pgm,
+    # say), the first in IMAGE_EXTENSIONS' order, whatever the tar's
+    image = next((ext for ext in IMAGE_EXTENSIONS if ext in fields), None)
+    if image is not None:
+        rec["image"] = fields[image]
     return rec
 
 
@@ -183,7 +187,7 @@ def _hidden(name: str) -> bool:
     ``._0001.txt`` AppleDouble file macOS's tar writes before each file with extended
     attributes) or one under ``__MACOSX/``.  Grouped as samples, each one cut the sample
     beside it in two (its json from its text, its image from its caption)."""
-    return posixpath.basename(name).startswith(".") or "__MACOSX/" in f"/{name}"
+    return posixpath.basename(name).startswith(".") or "/__MACOSX/" in f"/{name}"
 
 
 def _members(tar: tarfile.TarFile, f: Any, path: str) -> Iterator[tuple[str, bytes]]:

@@ -663,8 +663,9 @@ def _scraped_status() -> dict[str, Any]:
     """The services of the plugin of the scheduler whose ``/metrics`` is being rendered:
     every live plugin's were, so a process with two schedulers (two embedded services)
     reported each service on both, and a name on both schedulers twice or one over the
-    other.  Outside a render of Dask's (prometheus_client's registry read directly), those
-    of every installed plugin of the process."""
+    other.  Outside a render of Dask's (prometheus_client's registry read directly, as
+    :func:`~msd_dask.dask_internals.scraped_server` tells), those of every installed
+    plugin of the process."""
     server = scraped_server()
     plugins = [p for p in _LIVE_PLUGINS if p._active() and (server is None
                                                             or p.scheduler is server)]

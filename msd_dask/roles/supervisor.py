@@ -626,9 +626,10 @@ class RoleSupervisor:
                 # (a loader retired while it answered: its counters went to _gone, by another
                 # call, from its answer before; recorded again they were counted twice, for
                 # good, a review: what it read since goes there, once)
-                if current(source, slot, h) or key in self._last_stats:
+                if current(source, slot, h) or key not in self._moved:
+                    # (one retired before its first answer was recorded: moved below, once)
                     self._last_stats[key] = dict(st, slot=slot)
-                elif key in self._moved:
+                else:
                     at, into, moved = self._moved[key]
                     gone = self._gone.get(at, {}).get(into)
                     for c in LOADER_COUNTERS:

@@ -296,7 +296,8 @@ class AgentReader:
         #: guards :attr:`_closed`, :attr:`_sock` and :attr:`_busy` against :meth:`close`
         #: from another thread, and the ack of a step with its return (a step acked is the
         #: rank's: the agent serves it no more, so it is returned, or the reader not closed)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a signal handler that closes it in the thread
+        # that holds it would wait on itself)
         #: a :meth:`__next__` is under way (a :meth:`close` then sends no ``bye``: the
         #: agent reads that connection's next message only once it answered the request)
         self._busy = False

@@ -78,6 +78,13 @@ def test_each_schedulers_metrics_report_its_own_services() -> None:
                 assert services == sorted([own, "same"]), text
                 assert {"service": "same", "source": src} in _series(text, "msd_source_weight")
                 assert f'service="{other}"' not in text
+            # the registry read outside a render (prometheus_client's own HTTP server, in a
+            # thread of its own): every scheduler's, not the last one rendered (a read-back)
+            from prometheus_client import REGISTRY, generate_latest
+
+            text = (await asyncio.to_thread(generate_latest, REGISTRY)).decode()
+            assert sorted(lab["service"] for lab in _series(text, "msd_poll_ok")) == [
+                "same", "train", "val"], text
     asyncio.run(main())
     # the scheduler last rendered has closed: the registry read directly (no render of a
     # page) reports every installed plugin, not none (the suite's unit tests after this

@@ -1403,6 +1403,20 @@ def test_webdataset_every_image_the_decoder_reads_is_the_samples_image(tmp_path:
     assert {named[f] for f in IMAGE_FORMATS} <= set(IMAGE_EXTENSIONS)
 
 
+def test_webdataset_a_sample_with_two_images_takes_the_first_of_the_list(tmp_path: Any) -> None:
+    """A photo and its depth map as ``.pgm``: with the image names widened, the later member
+    in the tar became the image (a read-back); the first of ``IMAGE_EXTENSIONS`` is, in
+    either order.  A folder whose name merely ends in ``__MACOSX`` is no macOS folder."""
+    path = str(tmp_path / "two.tar")
+    _write_tar(path, [("0.jpg", b"PHOTO"), ("0.pgm", b"DEPTH"), ("0.txt", b"a"),
+                      ("1.pgm", b"DEPTH"), ("1.jpg", b"PHOTO"), ("1.txt", b"b"),
+                      ("x__MACOSX/2.txt", b"c")])
+    rows = list(get_format("webdataset").read(LOCAL, Unit(path), ["text", "image", "pgm"]))
+    assert rows == [(0, {"text": "a", "image": b"PHOTO", "pgm": b"DEPTH"}),
+                    (1, {"text": "b", "image": b"PHOTO", "pgm": b"DEPTH"}),
+                    (2, {"text": "c", "image": None, "pgm": None})]
+
+
 @pytest.mark.parametrize("hidden", ["./._{k}.json", "._{k}.txt", "s/.DS_Store",
                                     "__MACOSX/s/._{k}.txt"])
 def test_webdataset_hidden_members_do_not_cut_a_sample(tmp_path: Any, hidden: str) -> None:

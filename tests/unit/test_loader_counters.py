@@ -131,3 +131,21 @@ def test_a_loader_retired_while_a_poll_awaits_its_answer_is_counted_once(
         return seen
 
     assert asyncio.run(run()) == [1500, 1500, 2000, 2000, 2000]
+
+    # a loader retired during the first poll it answers (added, then soon retired): its
+    # answer was dropped by the first version of this fix, its counters lost for good (a
+    # read-back)
+    z = _Slow("l-a-2-g0", "a", 2, 1000)
+    z.delay = 0.3
+    sup._slots["a"][2] = (z, None)
+
+    async def first_answer() -> list[int]:
+        a = asyncio.ensure_future(sup.loader_stats())
+        await asyncio.sleep(0.05)
+        del sup._slots["a"][2]  # retired: its units to slot 1
+        sup._alias["a"][2] = 1
+        seen = [total(await a)]
+        seen += [total(await sup.loader_stats()) for _ in range(2)]
+        return seen
+
+    assert asyncio.run(first_answer()) == [3000, 3000, 3000]
