@@ -123,13 +123,12 @@ def anchored(uri: str) -> str:
 def _source_files(i: int, src: SourceConfig) -> SourceFiles:
     """The :class:`~msd_dask.sources.storage.SourceFiles` of ``cfg.sources[i]``, ``src``; a
     :class:`ConfigError` naming ``sources[i].uri`` if it cannot be listed or matches no file."""
-    from msd_dask.sources.documents import again_after_a_blip
-    from msd_dask.sources.storage import IGNORED_PREFIXES, is_glob, open_source
+    from msd_dask.sources.documents import listed_files
+    from msd_dask.sources.storage import IGNORED_PREFIXES, is_glob
 
     key = f"sources[{i}].uri"
     try:
-        files = again_after_a_blip(lambda: open_source(src.uri, src.storage_options),
-                                   src.name, src.uri, "listing its files")
+        files = listed_files(src)
     except Exception as e:  # noqa: BLE001 - report any storage error against the key
         raise ConfigError(key, f"cannot list {src.uri!r}: {e}") from e
     if not files.paths:

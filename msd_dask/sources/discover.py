@@ -8,7 +8,6 @@ worker check the sources and list their units (:func:`discover_units`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -85,17 +84,20 @@ def discover_units(cfg: Config, threads: int = 8,
     """
     # imported where units are listed (DataService.start: a worker, see
     # discover_on_worker), never by a reader or the process that starts the service
-    from msd_dask.sources.documents import again_after_a_blip, source_format, with_source
-    from msd_dask.sources.storage import format_paths, open_source
+    from msd_dask.sources.documents import (
+        again_after_a_blip,
+        listed_files,
+        source_format,
+        with_source,
+    )
+    from msd_dask.sources.storage import format_paths
 
     units: Units = {}
     roots: dict[str, str] = {}
     with ThreadPoolExecutor(threads) as ex:
         for i, s in enumerate(cfg.sources):
             try:  # (the listing of the source's files too: a blip failed the whole start)
-                files = again_after_a_blip(
-                    functools.partial(open_source, s.uri, s.storage_options), s.name, s.uri,
-                    "listing its files")
+                files = listed_files(s)
             except Exception as e:  # noqa: BLE001 - any storage error, named by its source
                 raise DataError(f"cannot list {s.uri!r}: {e!r}", source=s.name) from e
             fmt = source_format(s, i)

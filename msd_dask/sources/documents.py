@@ -34,15 +34,16 @@ from msd_dask.sources.tokenizer import make_tokenizer
 if TYPE_CHECKING:
     from msd_dask.core.units import Unit
     from msd_dask.formats import Format
+    from msd_dask.sources.storage import SourceFiles
 
 # formats (fsspec, zstandard, tarfile), storage and vision are imported where a unit is read:
 # a training process imports this module with msd_dask.roles.loader when it unpickles a
 # loader's actor handle, and every module costs each training process memory
 # (tests/unit/test_imports.py)
 
-__all__ = ["BLIPS", "BLIP_RETRIES", "DocPool", "ImageDoc", "again_after_a_blip", "preprocessor",
-           "process_docs", "read_unit", "source_config", "source_fields", "source_format",
-           "with_source"]
+__all__ = ["BLIPS", "BLIP_RETRIES", "DocPool", "ImageDoc", "again_after_a_blip", "listed_files",
+           "preprocessor", "process_docs", "read_unit", "source_config", "source_fields",
+           "source_format", "with_source"]
 
 
 _log = logging.getLogger(__name__)
@@ -225,6 +226,16 @@ def again_after_a_blip(fn: Callable[[], _T], source: str, path: str,
     return fn()
 
 
+def listed_files(src: SourceConfig) -> SourceFiles:
+    """The files of source ``src`` (:func:`~msd_dask.sources.storage.open_source` of its
+    ``uri``), listed again after a blip of the store (:func:`again_after_a_blip`): one
+    dropped request while globbing failed a service's start, or ``msd-dask validate``."""
+    from msd_dask.sources.storage import open_source
+
+    return again_after_a_blip(functools.partial(open_source, src.uri, src.storage_options),
+                              src.name, src.uri, "listing its files")
+
+
 def source_format(src: SourceConfig, index: int) -> Format:
     """The format ``src`` reads (:func:`msd_dask.formats.get_format`), imported here first if
     it is one of your own; ``index``: the source's place in the config.
@@ -377,12 +388,6 @@ def source_config(source: dict[str, Any]) -> SourceConfig:
     return SourceConfig(**source)
 
 
-def _start_process(source: dict[str, Any], tokenizer: dict[str, Any]) -> None:
-    """Initializer of a pool process: :func:`_exit_with_parent`, then :func:`_init_process`."""
-    _exit_with_parent()
-    _init_process(source, tokenizer)
-
-
 def _exit_with_parent() -> None:
     """Kill this process when its parent, the process holding the pool, ends: SIGKILLed
     or killed for memory too.
@@ -411,7 +416,9 @@ def _exit_with_parent() -> None:
 
 
 def _init_process(source: dict[str, Any], tokenizer: dict[str, Any]) -> None:
-    """Build a pool process's tokenizer, import its preprocessor once."""
+    """Initializer of a pool process: end with the process holding the pool
+    (:func:`_exit_with_parent`), build the tokenizer, import the preprocessor once."""
+    _exit_with_parent()
     src = source_config(source)
     _WORKER["src"] = src
     _WORKER["tokenizer"] = make_tokenizer(TokenizerConfig(**tokenizer))
@@ -536,7 +543,7 @@ class DocPool:
             payload.pop("weight")
             self._processes = functools.partial(
                 ProcessPoolExecutor, self.size, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start_process, initargs=(payload, dict(tokenizer)))
+                initializer=_init_process, initargs=(payload, dict(tokenizer)))
             self._ex = self._processes()
         else:
             self._tokenizer = make_tokenizer(TokenizerConfig(**tokenizer))
