@@ -416,12 +416,11 @@ class Reader:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Go on after the step of ``state``: skip every step up to ``state["step"]``.
 
-        Before this reader returns its first batch, any state of its rank (of its service) is
-        taken as its
-        position (``step`` ``None`` included: no step returned): the steps up to it are
-        released without being transferred, so a restarted rank gets no step twice.  (A
-        service that handed this rank later steps already refuses the next ``next()``,
-        naming them: it serves each step once.)  Once the reader has returned a batch, it
+        Before this reader returns its first batch, any state of its rank (of its service)
+        is taken as its position (``step`` ``None`` included: no step returned): the steps
+        up to it are released without being transferred, so a restarted rank gets no step
+        twice.  (A service that handed this rank later steps already refuses the next
+        ``next()``, naming them: it serves each step once.)  Once the reader has returned a batch, it
         takes only a state of the step it is at (:meth:`state_dict`: nothing changes) or
         of a later one (the steps up to it are skipped): it cannot go back.
 

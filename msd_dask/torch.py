@@ -452,15 +452,14 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         last batch handed out).
         """
         self._generation += 1
+        reader, service = self._reader, self._service
         if self._prefetcher is not None:
             # (its thread stops first: it reads the reader closed below; waiting for a step,
             # the reader's close ends its wait, and a step it took is returned, not dropped)
-            reader = self._reader
             self._carried += self._prefetcher.close(
                 wake=None if reader is None else reader.close)
             self._prefetcher = None
         position = self._resume_at()  # (kept: a later iter() goes on after it)
-        reader, service = self._reader, self._service
         self._service = None
         self._reader = None
         self._pending_state = position

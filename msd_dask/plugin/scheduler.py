@@ -456,7 +456,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
 
     def _active(self) -> bool:
         """Whether this plugin is still installed (a removed one must not steer Adaptive)."""
-        return self.scheduler is not None and self.scheduler.plugins.get(self.name) is self
+        return self.scheduler is not None and _installed_plugin(self.scheduler) is self
 
     def role_holders(self) -> set[str]:
         """Addresses of the workers that hold an msd_dask role, or are being given one."""

@@ -623,11 +623,11 @@ class RoleSupervisor:
                 st = loader_role.unanswered_stats(source, slot, self._last_stats.get(key),
                                                   unanswered(e, STATS_WAIT))
             else:
-                # (a loader retired while it answered: its counters went to _gone, by another
-                # call, from its answer before; recorded again they were counted twice, for
-                # good, a review: what it read since goes there, once)
+                # an answer is the loader's last, moved into _gone once it is gone; but one
+                # that comes after another call moved the loader's earlier answer there (it
+                # was retired while this call waited) adds only what it read since: recorded
+                # as its last, it was counted twice, for good (a review)
                 if current(source, slot, h) or key not in self._moved:
-                    # (one retired before its first answer was recorded: moved below, once)
                     self._last_stats[key] = dict(st, slot=slot)
                 else:
                     at, into, moved = self._moved[key]
