@@ -1,5 +1,13 @@
 """Shared fixtures: the small test corpus, a BPE tokenizer trained on it, and a loopback S3
-server (moto's server mode)."""
+server (moto's server mode); and how the suite's two processes share the tests.
+
+``pytest`` runs the suite in two processes (pyproject's ``addopts``: pytest-xdist,
+``--dist loadgroup``): ``tests/integration`` in one, in its order, and ``tests/unit`` in
+the other at a lower CPU priority (``tests/unit/conftest.py``).  The integration tests
+start Dask processes and use about one of this machine's two cores on average, in
+bursts; the unit tests fill what the bursts leave, and the integration tests' timings
+stay what they are alone.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +18,20 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+HERE = Path(__file__).parent
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist's, which reads the groups)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put every test of a folder in one xdist group: each folder's tests run in one process."""
+    for item in items:
+        folder = item.path.relative_to(HERE).parts[0]
+        item.add_marker(pytest.mark.xdist_group(folder))
 
 
 @pytest.fixture(scope="module")
