@@ -499,25 +499,33 @@ class ControlPlaneCosts:
         ``heartbeat_interval(workers)`` s (Dask's rule: about 200 beats a second at most).
     """
 
-    # bench_many_readers.py, queue design (commit 4c9bf24), 1,024 ranks, rounds of 3 steps
+    # bench_many_readers.py, queue design (commit 4c9bf24), 1,024 ranks, rounds of
+    # MEASURED_ROUND_STEPS steps: control_plane scales it to other rounds
     sched_rank_step: float = 250e-6
     # one put or get: the figure above is 2 of them per rank and round, plus the replies
     queue_op: float = 0.3e-3
     # a training process's client; bench_many_readers.py: 4-9 ms per host (client + 8 readers)
     connect: float = 9e-3
-    # bench_balance.py, the planner end to end at dp 16,384 × 8 rows per rank × 4K: 261 ms in a
-    # busy hour (157-219 ms since it places blocks of ranks on threads: an upper bound)
-    plan_rank_step: float = 0.261 / 16384
-    # bench_many_readers.py, every role of the workers net of their idle load, 1,024 ranks
-    constructor_rank_step: float = 1.5e-3
+    # bench_balance.py, the planner end to end at dp 16,384 × 8 rows per rank × 4K: 87-102 ms
+    # (a quiet machine to a busy one), the upper end
+    plan_rank_step: float = 0.102 / 16384
+    # bench_many_readers.py, the direct design at 1,024 ranks: 0.64 ms per rank-step, every
+    # role of the workers (the planner's too) net of their idle load, rounded up: an upper
+    # bound for the constructors (steps of 256-token rows; per message, not per token)
+    constructor_rank_step: float = 0.7e-3
     # bench_idle_clients.py, clients as msd_dask makes them (no periodic identity call):
     # 0.40-0.81 ms per client and interval with 128 and 512 clients (Dask's own clients
     # 0.82-1.16 in the same runs), rounded up
     client_beat: float = 1.0e-3
-    # bench_idle_clients.py: "idle cores" of a scheduler with nothing connected, 0.020-0.032
+    # bench_idle_clients.py: "idle cores" of a scheduler with nothing connected, 0.016-0.022
+    # (docs/many_readers.md), rounded up
     scheduler_idle: float = 0.025
     # bench_idle_clients.py --workers 24 / 48: 0.29 / 0.31 ms per worker heartbeat
     worker_beat: float = 0.30e-3
+
+
+#: the rounds (steps per ticket) :attr:`ControlPlaneCosts.sched_rank_step` was measured with
+MEASURED_ROUND_STEPS = 3
 
 
 def client_interval(clients: int) -> float:
@@ -558,7 +566,9 @@ def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, rou
 
     ``queue``: every rank's reader takes one ticket per round of ``round_steps``
     steps from its ``distributed.Queue`` on the scheduler, which a constructor put
-    there: 2 queue operations per rank and round.  ``direct``: readers ask their
+    there: 2 queue operations per rank and round (``scheduler``), or the measured CPU
+    per rank-step, scaled from its rounds of :data:`MEASURED_ROUND_STEPS` steps to
+    ``round_steps`` (``scheduler_measured``).  ``direct``: readers ask their
     constructor for each round directly (the rank → constructor map is fixed), so
     nothing per step reaches the scheduler; the constructors are charged one more
     request per rank and round, at a queue operation's cost (an upper bound: in
@@ -604,7 +614,8 @@ def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, rou
     connect = clients * costs.connect
     return [
         ControlPlaneRow("queue", ranks, dp, idle + 2 * costs.queue_op * per_round,
-                        idle + costs.sched_rank_step * ranks / step_seconds, planner, packing,
+                        idle + costs.sched_rank_step * MEASURED_ROUND_STEPS / round_steps * ranks
+                        / step_seconds, planner, packing,
                         connect, dask),
         ControlPlaneRow("direct", ranks, dp, idle, idle, planner,
                         packing + costs.queue_op * per_round / constructors, connect, dask),
@@ -672,49 +683,107 @@ def steps_for(dp: int, tokens_per_rank: int, steps: int, token_budget: float) ->
     return int(max(2, min(steps, token_budget // (dp * tokens_per_rank))))
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return v
+
+
+def _natural(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not v > 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not v >= 0 or math.isinf(v):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return v
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from msd_dask.core.balance import STRATEGIES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dp", type=int, nargs="+", default=[64, 1024, 16384])
-    ap.add_argument("--context", type=int, nargs="+", default=[4096, 32768, 131072])
-    ap.add_argument("--seq-len", type=int, default=0, help="row length (0: the context length)")
-    ap.add_argument("--micro-batches", type=int, default=8,
-                    help="rows of seq_len per rank per step (gradient accumulation)")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--token-budget", type=float, default=2.0**33,
-                    help="max tokens simulated per cell (fewer steps for big cells, at least 2)")
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--flops", type=float, default=4e14, help="achieved FLOP/s per rank")
-    ap.add_argument("--workers", type=int, default=4, help="loader workers per rank")
+    ap.add_argument("--dp", type=_positive_int, nargs="+", default=[64, 1024, 16384],
+                    help="DP ranks, one table row each (default 64 1024 16384)")
+    ap.add_argument("--context", type=_positive_int, nargs="+", default=[4096, 32768, 131072],
+                    help="context lengths in tokens (default 4096 32768 131072)")
+    ap.add_argument("--seq-len", type=_natural, default=0,
+                    help="row length (default 0: the context length)")
+    ap.add_argument("--micro-batches", type=_positive_int, default=8,
+                    help="rows of seq_len per rank per step (gradient accumulation; default 8)")
+    ap.add_argument("--steps", type=_positive_int, default=8,
+                    help="steps per cell, before the token budget (default 8)")
+    ap.add_argument("--token-budget", type=_positive_float, default=2.0**33,
+                    help="max tokens simulated per cell (fewer steps for big cells, at least 2; "
+                         "default 2**33)")
+    ap.add_argument("--hidden", type=_positive_int, default=4096,
+                    help="the model's hidden size H (default 4096)")
+    ap.add_argument("--layers", type=_positive_int, default=32,
+                    help="the model's layers (default 32)")
+    ap.add_argument("--flops", type=_positive_float, default=4e14,
+                    help="achieved FLOP/s per rank (default 4e14)")
+    ap.add_argument("--workers", type=_positive_int, default=4,
+                    help="loader workers per rank (default 4)")
     ap.add_argument("--source", type=_parse_source, action="append",
-                    help="name:weight:prep_s_per_token[:median:sigma] (repeat; default text and image)")
-    ap.add_argument("--strategy", default=default_strategy())
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plan-timeout", type=float, default=300.0,
-                    help="seconds one Planner.plan_step call may take before the cell reports it timed out")
+                    help="name:weight:prep_s_per_token[:median:sigma] (repeat; default "
+                         + " and ".join(f"{s.name}:{s.weight:g}:{s.prep:g}:{s.median:g}:{s.sigma:g}"
+                                        for s in DEFAULT_SOURCES) + ")")
+    ap.add_argument("--strategy", default=default_strategy(), choices=sorted(STRATEGIES),
+                    help=f"the planner's balance strategy (default {default_strategy()})")
+    ap.add_argument("--seed", type=int, default=0, help="the corpus's and planner's seed (default 0)")
+    ap.add_argument("--plan-timeout", type=_positive_float, default=300.0,
+                    help="seconds one Planner.plan_step call may take before the cell reports it "
+                         "timed out (default 300)")
     ap.add_argument("--outliers", type=_min_length, default=0.0, metavar="MIN_LENGTH",
                     help="the planner's outlier delay, outliers.min_length: tokens, or a fraction of "
                          "seq_len if < 1 (e.g. 0.5); 0: off (default)")
-    ap.add_argument("--unit-docs", type=int, default=4096, help="documents per unit of the corpus")
+    ap.add_argument("--unit-docs", type=_positive_int, default=4096,
+                    help="documents per unit of the corpus (default 4096)")
     ap.add_argument("--quick", action="store_true",
-                    help="2 steps, a small token budget and a 15 s planner limit")
+                    help="2 steps, a token budget of 2**30 and a 15 s planner limit")
     ap.add_argument("--plot", default="", help="write a PNG of the speedups here")
-    cp = ap.add_argument_group("control plane", "--control-plane prints the control plane's "
-                               "utilisation instead of simulating (see control_plane)")
+    cp = ap.add_argument_group("control plane", "--control-plane prints each role's busy "
+                               "fraction of a step at scale instead of simulating (the "
+                               "per-message costs below; docs/many_readers.md)")
     d = ControlPlaneCosts()
     cp.add_argument("--control-plane", action="store_true", help="print the table and exit")
-    cp.add_argument("--cp-ranks", type=int, nargs="+", default=[4096, 16384],
+    cp.add_argument("--cp-ranks", type=_positive_int, nargs="+", default=[4096, 16384],
                     help="rank counts (default 4096 16384)")
-    cp.add_argument("--cp-step-seconds", type=float, default=1.0, help="step time (default 1)")
-    cp.add_argument("--cp-round-steps", type=int, default=3,
+    cp.add_argument("--cp-step-seconds", type=_positive_float, default=1.0,
+                    help="the training step in seconds (default 1)")
+    cp.add_argument("--cp-round-steps", type=_positive_int, default=3,
                     help="steps per round: one ticket or request per rank and round (default 3)")
-    cp.add_argument("--cp-tp", type=int, default=8, help="ranks per DP group (default 8)")
-    cp.add_argument("--cp-constructors", type=int, default=32,
+    cp.add_argument("--cp-tp", type=_positive_int, default=8, help="ranks per DP group (default 8)")
+    cp.add_argument("--cp-constructors", type=_positive_int, default=32,
                     help="constructors sharing the packing (default 32)")
-    cp.add_argument("--cp-ranks-per-client", type=int, default=1,
+    cp.add_argument("--cp-ranks-per-client", type=_positive_int, default=1,
                     help="ranks per Dask client: 1, one training process per rank (default); "
                          "8, one process per host of 8 GPUs")
-    cp.add_argument("--cp-workers", type=int, default=256,
+    cp.add_argument("--cp-workers", type=_natural, default=256,
                     help="the cluster's workers, whose heartbeats the scheduler handles "
                          "(default 256; 0: leave Dask's own load out)")
     for name, what in (("sched_rank_step", "scheduler CPU s per rank-step, queue design (measured)"),
@@ -725,7 +794,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("client_beat", "scheduler CPU s per client and heartbeat interval"),
                        ("scheduler_idle", "cores of a scheduler with nothing connected"),
                        ("worker_beat", "scheduler CPU s per worker heartbeat")):
-        cp.add_argument("--cp-" + name.replace("_", "-"), type=float, default=getattr(d, name),
+        cp.add_argument("--cp-" + name.replace("_", "-"), type=_non_negative_float,
+                        default=getattr(d, name),
                         help=f"{what} (default {getattr(d, name):.3g})")
     args = ap.parse_args(argv)
     if args.control_plane:

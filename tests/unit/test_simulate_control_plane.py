@@ -21,7 +21,8 @@ def test_utilisation_of_each_role_and_design():
     rounds = 96 / 4 / 2.0                             # 12 rank-rounds per second
     assert queue.dp == direct.dp == 12
     assert math.isclose(queue.scheduler, idle + 2 * 0.25e-3 * rounds)      # 0.0156
-    assert math.isclose(queue.scheduler_measured, idle + 50e-6 * 96 / 2.0)  # 0.012
+    # (measured at rounds of 3 steps: 2 queue operations per rank and 3 steps, here per 4)
+    assert math.isclose(queue.scheduler_measured, idle + 50e-6 * 3 / 4 * 96 / 2.0)  # 0.0098
     assert math.isclose(direct.scheduler, idle) and math.isclose(direct.scheduler_measured, idle)
     assert math.isclose(queue.planner, 1e-3 * 12 / 2.0) and direct.planner == queue.planner
     assert math.isclose(queue.constructor, 2e-3 * 96 / 2.0 / 3)             # 0.032 each
@@ -38,6 +39,30 @@ def test_utilisation_scales_with_ranks_and_step():
     assert math.isclose(slow.planner, big.planner / 4)
     assert math.isclose(slow.scheduler - idle, (big.scheduler - idle) / 4)
     assert big.scheduler > small.scheduler
+
+
+def test_the_measured_scheduler_figure_follows_the_rounds():
+    """The measured CPU per rank-step came from rounds of 3 steps: longer rounds send fewer
+    tickets, so it scales with them as the per-message figure does (it stayed at its
+    rounds-of-3 value, and ``busiest`` called the queue design saturated where it was not;
+    a review)."""
+    rows = {k: sim.control_plane(COSTS, 4096, 1.0, round_steps=k, workers=0)[0] for k in (1, 3, 6)}
+    idle = rows[3].scheduler_measured - 50e-6 * 4096
+    for k, row in rows.items():
+        assert math.isclose(row.scheduler_measured - idle, 50e-6 * 4096 * 3 / k)
+        assert math.isclose((row.scheduler - idle) * k, (rows[1].scheduler - idle))
+
+
+def test_the_cli_refuses_bad_values_naming_them(capsys):
+    for args in (["--control-plane", "--cp-ranks-per-client", "0"],
+                 ["--control-plane", "--cp-step-seconds", "0"],
+                 ["--control-plane", "--cp-workers", "-5"],
+                 ["--workers", "0"], ["--strategy", "nosuch"]):
+        with pytest.raises(SystemExit) as e:
+            sim.main(args)
+        assert e.value.code == 2, args
+        err = capsys.readouterr().err
+        assert args[-2] in err and args[-1] in err, err
 
 
 def test_bad_arguments_are_refused():
