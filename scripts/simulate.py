@@ -683,44 +683,27 @@ def steps_for(dp: int, tokens_per_rank: int, steps: int, token_budget: float) ->
     return int(max(2, min(steps, token_budget // (dp * tokens_per_rank))))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return v
+def _bounded(cast: Callable[[str], Any], least: float, above: bool) -> Callable[[str], Any]:
+    """An argparse type: ``cast(text)``, finite, at least ``least`` (``above``: more than it);
+    else argparse's error naming the option and the value."""
+    what = f"{'a whole number' if cast is int else 'a number'} {'>' if above else '>='} {least:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            v = cast(text)
+        except ValueError:
+            v = math.nan
+        if not (v > least if above else v >= least) or math.isinf(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+
+    return parse
 
 
-def _natural(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not v > 0 or math.isinf(v):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not v >= 0 or math.isinf(v):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+_positive_int = _bounded(int, 0, above=True)
+_natural = _bounded(int, 0, above=False)
+_positive_float = _bounded(float, 0.0, above=True)
+_non_negative_float = _bounded(float, 0.0, above=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
