@@ -119,6 +119,31 @@ class HFTokenizer:
         self.pad_id = self.eod_id if pad < 0 else pad
         self.image_id = None if image_token_id is None else \
             self._pick(image_token_id, (), "image_token_id", required=True)
+        if self.image_id is not None:
+            self._check_image_id(self.image_id)
+
+    def _check_image_id(self, image: int) -> None:
+        """Refuse an image token id a document's own tokens can take: the end-of-document or
+        padding id, or a token a text encodes to (an ordinary token of the vocabulary, or an
+        added token not marked special).  Each image token of a batch stands for a row of
+        ``pixel_values``; a caption's ``<image>`` text encoded to that id gave the batch more
+        image tokens than patches, and the model a label of the image id to learn (a review
+        of the multimodal path)."""
+        for key, other in (("eod_id", self.eod_id), ("pad_id", self.pad_id)):
+            if image == other:
+                raise ConfigError("tokenizer.image_token_id",
+                                  f"id {image} is also the tokenizer's {key} ({self.path}); an "
+                                  "image token needs an id of its own")
+        added = self._tok.get_added_tokens_decoder().get(image)
+        if added is None or not added.special:
+            what = ("an added token not marked special" if added is not None
+                    else "an ordinary token of the vocabulary")
+            raise ConfigError("tokenizer.image_token_id",
+                              f"id {image} ({self._tok.id_to_token(image)!r}) is {what} of "
+                              f"{self.path}: a document's text can encode to it, and its tokens "
+                              "would be taken for image patches; use an added special token "
+                              "(tokenizer.json's \"added_tokens\" with \"special\": true), "
+                              "whose text in a document is encoded as text")
 
     def _pick(self, given: int | None, names: tuple[str, ...], key: str, required: bool) -> int:
         """The id of ``tokenizer.<key>``: ``given``, else the first of ``names`` the

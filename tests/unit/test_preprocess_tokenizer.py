@@ -116,12 +116,47 @@ def test_hf_tokenizer_special_ids_and_round_trip(corpus, bpe, tmp_path):
 
 def test_hf_decode_drops_an_image_token_of_id_0(bpe):
     """``image_token_id: 0`` is a valid id; ``decode`` kept it (``0 or -1`` is -1).  (Id 0
-    is the fixture's end-of-document token: the test moves that to id 1.)"""
-    for image in (0, 5):
-        tok = HFTokenizer(bpe, eod_id=1, pad_id=1, image_token_id=image)
-        assert image not in (tok.eod_id, tok.pad_id)
-        ids = np.concatenate([np.full(4, image, dtype=np.int32), tok.encode("hello")])
-        assert tok.decode(ids) == "hello"
+    is the fixture's end-of-document token, a special one: the test moves end of document
+    and padding to a token of their own.)"""
+    tok = HFTokenizer(bpe, eod_id=5, pad_id=5, image_token_id=0)
+    assert tok.image_id == 0 and 0 not in (tok.eod_id, tok.pad_id)
+    ids = np.concatenate([np.full(4, 0, dtype=np.int32), tok.encode("hello")])
+    assert tok.decode(ids) == "hello"
+
+
+def _with_added(path: str, out: str, special: list[str], plain: list[str]) -> str:
+    """The tokenizer at ``path`` with ``special`` added as special tokens and ``plain`` as
+    added tokens not marked special, saved at ``out``."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+    tok.add_special_tokens(special)
+    tok.add_tokens(plain)
+    tok.save(out)
+    return out
+
+
+def test_an_image_token_id_a_text_can_encode_to_is_refused(bpe, tmp_path):
+    """Each image token of a batch stands for a row of ``pixel_values``.  An image id that
+    is an added token not marked special (``<image>``, as LLaVA-style captions write it),
+    an ordinary token, or the end-of-document or padding id, let a caption's own tokens
+    take it: the batch had more image tokens than patches, and the labels the image id
+    (a review of the multimodal path).  Each is one error naming the key; an added special
+    token is taken, and its text in a caption stays text."""
+    path = _with_added(bpe, str(tmp_path / "t.json"), ["<img>"], ["<image>"])
+    base = HFTokenizer(path)
+    img, image, plain = (base._tok.token_to_id(t) for t in ("<img>", "<image>", "a"))
+    assert plain is not None
+    for given, said in ((image, "an added token not marked special"),
+                        (plain, "an ordinary token of the vocabulary"),
+                        (base.eod_id, "also the tokenizer's eod_id"),
+                        (base.pad_id, "also the tokenizer's pad_id")):
+        with pytest.raises(ConfigError, match=said) as info:
+            HFTokenizer(path, image_token_id=given)
+        assert info.value.key == "tokenizer.image_token_id"
+    tok = HFTokenizer(path, image_token_id=img)
+    ids = tok.encode("a caption with <img> and <image> in it")
+    assert not (ids == img).any() and tok.decode(ids) == "a caption with <img> and <image> in it"
 
 
 def test_hf_special_token_text_in_a_document_is_text(bpe):
@@ -141,9 +176,11 @@ def test_hf_vocab_size_covers_the_largest_id(tmp_path):
     width is taken only when every id fits it (an id of 70,000 was wrapped to 4,464)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<|endoftext|>": 0, "<pad>": 1, "[UNK]": 2, "hello": 3, "world": 70000}
+    vocab = {"<|endoftext|>": 0, "<pad>": 1, "[UNK]": 2, "hello": 3, "world": 69999,
+             "<img>": 70000}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.add_special_tokens(["<img>"])  # (its id in the vocabulary: an image token's)
     raw.save(str(tmp_path / "holes.json"))
     tok = HFTokenizer(str(tmp_path / "holes.json"), image_token_id=70000)
     assert tok.vocab_size == 70001 and tok.image_id == 70000
@@ -154,7 +191,7 @@ def test_hf_vocab_size_covers_the_largest_id(tmp_path):
                                     "format": "jsonl"}]})
     fs, units = source_units(cfg.sources[0])
     docs = read_unit(cfg.sources[0], fs, units[0], tok)
-    assert docs[0].tolist() == [3, 70000, 0]
+    assert docs[0].tolist() == [3, 69999, 0]
 
 
 # --------------------------------------------------------------- preprocess
@@ -234,3 +271,21 @@ def test_a_text_of_no_tokens_is_dropped_not_a_one_token_document(corpus, tmp_pat
             docs_pool.close()
     assert [len(d) for d in docs] == [0, 3, 0, 2]
     np.testing.assert_array_equal(docs[1], tok.encode("ab"))
+
+
+def test_a_text_that_encodes_to_the_image_id_is_bad_input_naming_its_row(tmp_path):
+    """The backstop behind the tokenizer's check: a tokenizer whose text still gives the
+    image id (here one that takes byte ``a`` for it) makes that document bad input, named
+    by its row, not a batch with more image tokens than patches."""
+
+    class Clashing(ByteTokenizer):
+        image_id = ord("a")
+
+    (tmp_path / "d.jsonl").write_text('{"text": "dog"}\n{"text": "cat"}\n')
+    cfg = load_config({"name": "clash", "parallel": {"dp": 1}, "batch": {"seq_len": 16},
+                       "sources": [{"name": "s", "uri": str(tmp_path / "d.jsonl"),
+                                    "format": "jsonl"}]})
+    fs, units = source_units(cfg.sources[0])
+    with pytest.raises(DataError, match=r"encodes to the image token id 97.*row 1|row 1.*"
+                                        r"encodes to the image token id 97"):
+        read_unit(cfg.sources[0], fs, units[0], Clashing())
