@@ -70,7 +70,10 @@ def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
         if not isinstance(obj, dict):
             raise DataError(f".json member is a {type(obj).__name__}, not an object",
                             path=path, row=row)
-        rec.update(obj)
+        # (an image comes from the sample's members only: metadata naming its image, as
+        # {"image": "http://.../x.jpg"}, made a sample with no image member bad input, "field
+        # 'image' is str", where the docs say it is a text document; a review)
+        rec.update((k, v) for k, v in obj.items() if k not in _IMAGE_FIELDS)
     for ext, data in fields.items():
         if ext == "json":
             continue

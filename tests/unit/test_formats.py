@@ -1376,6 +1376,22 @@ def test_webdataset_a_sample_without_an_image_is_a_text_document(tmp_path: Any) 
         list(wds.read(LOCAL, Unit(path), ["text", "png"]))
 
 
+def test_webdataset_an_image_comes_from_members_not_from_the_json(tmp_path: Any) -> None:
+    """A sample's ``.json`` metadata naming its image (a URL, a file name: common in crawled
+    shards) made a sample with no image member bad input ("field 'image' is str") where the
+    docs say it is a text document; with an image member, the member's bytes are the image
+    (a review of the multimodal path).  The json's other keys are fields as before."""
+    meta = json.dumps({"image": "http://x/y.jpg", "jpg": "y.jpg", "url": "http://x"}).encode()
+    path = str(tmp_path / "meta.tar")
+    _write_tar(path, [("s/0.txt", b"text only"), ("s/0.json", meta),
+                      ("s/1.jpg", b"JPEG"), ("s/1.txt", b"one"), ("s/1.json", meta)])
+    wds = get_format("webdataset")
+    rows = list(wds.read(LOCAL, Unit(path), ["text", "image", "url"]))
+    assert rows == [(0, {"text": "text only", "image": None, "url": "http://x"}),
+                    (1, {"text": "one", "image": b"JPEG", "url": "http://x"})]
+    assert [r["jpg"] for _, r in wds.read(LOCAL, Unit(path), ["text", "jpg"])] == [None, b"JPEG"]
+
+
 def test_webdataset_a_missing_field_lists_the_samples_fields(tmp_path: Any) -> None:
     path = str(tmp_path / "s.tar")
     _write_tar(path, [("s/0.txt", b"zero"), ("s/0.cls", b"3")])
