@@ -56,13 +56,16 @@ def _eight_bit(img: Image.Image) -> Image.Image:
     """``img``, a 16-bit grayscale image (a PNG's or TIFF's ``I;16``, or ``I`` holding values
     past 255) scaled to 8 bits: Pillow's conversion to RGB clips it instead, all but its
     darkest pixels white.  An ``I`` image of values up to 255 (a 32-bit TIFF of 8-bit
-    values) is left as it is."""
+    values) is left as it is, but not a PGM's: Pillow opens a 16-bit PGM as ``I`` scaled to
+    16 bits whatever its values, so a dark one came out up to 257 times too bright, where
+    the same pixels in a 16-bit PNG came out right (a review)."""
     from PIL import Image
 
     if img.mode not in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
         return img
     values = np.asarray(img).astype(np.int64)
-    if img.mode == "I" and (values.size == 0 or int(values.max()) <= 255):
+    if img.mode == "I" and img.format != "PPM" and (values.size == 0
+                                                    or int(values.max()) <= 255):
         return img
     return Image.fromarray((np.clip(values, 0, 65535) // 257).astype(np.uint8), "L")
 

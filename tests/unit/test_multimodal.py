@@ -91,6 +91,24 @@ def test_a_16_bit_grayscale_image_is_scaled_not_clipped() -> None:
     assert len(np.unique(rgb)) == 256
 
 
+def test_a_dark_16_bit_pgm_decodes_as_the_same_pixels_in_a_png() -> None:
+    """Pillow opens a 16-bit PGM as mode ``I`` (scaled to 16 bits); the rule that leaves an
+    ``I`` image of values up to 255 unscaled took a dark one for 8-bit: up to 257 times too
+    bright, where the same pixels in a 16-bit PNG came out right (a review)."""
+    import io
+
+    from PIL import Image
+
+    for top in (200, 255, 4000, 65535):
+        dark = np.tile(np.linspace(0, top, 16).astype(np.uint16), (16, 1))
+        pgm = b"P5 16 16 65535\n" + dark.astype(">u2").tobytes()
+        png = io.BytesIO()
+        Image.fromarray(dark).save(png, "PNG")
+        want = (dark // 257).astype(np.uint8)
+        for data in (pgm, png.getvalue()):
+            np.testing.assert_array_equal(np.asarray(decode_image(data))[..., 0], want)
+
+
 def test_a_32_bit_image_of_8_bit_values_is_not_scaled() -> None:
     # (a review of the 16-bit scaling: a 32-bit TIFF of values 0-255 came out black)
     import io
