@@ -155,6 +155,17 @@ def test_config_keys_and_errors(tmp_path: Any) -> None:
     c["sources"][0].update(image_field="x", image={"size": 32, "patch": 16})
     with pytest.raises(ConfigError, match=r"sources\[1\]\.image\.patch"):
         load_config(c)
+    # JSON has no bytes: every row of a jsonl source with an image field was bad input
+    # ("field 'image' is str"), and validate said nothing (a review)
+    (tmp_path / "captions.jsonl").write_text('{"text": "a cat", "jpg": "cat.jpg"}\n')
+    for key, change in (("image_field", {"image_field": "jpg"}),
+                        ("image", {"image": {"size": 32, "patch": 16}})):
+        c = image_config(str(tmp_path), "parquet")
+        c["sources"][1] = {"name": "vis", "uri": str(tmp_path / "captions.jsonl"),
+                           "format": "jsonl", **change}
+        with pytest.raises(ConfigError, match="a jsonl source cannot carry images") as info:
+            load_config(c)
+        assert info.value.key == f"sources[1].{key}"
     # the image field alone gives the defaults: 224 px, patches of 14
     c = image_config(str(tmp_path), "parquet")
     del c["sources"][1]["image"]
