@@ -402,10 +402,15 @@ def auto_outlier_length(seq_len: int, linear: float, quadratic: float) -> int:
     other pieces of a rank can even out (a rank has only ``micro_batches`` rows),
     so it waits until every row gets one.  With the default cost model
     (``1 / (12·4096)``) that is pieces of at least 61% of a row at 32K and 31%
-    at 128K, and none at 4K (where the term stays below 8% of a row).
+    at 128K, and none at 4K (where the term stays below 8% of a row's linear cost).
+    With no linear cost every piece's attention term is over that share (1: the
+    threshold's floor decides); it was 0, the delay off where attention is all the cost
+    (a fit whose linear coefficient reached its bound of 0; a review).
     """
-    if quadratic <= 0 or linear <= 0:
+    if quadratic <= 0:
         return 0
+    if linear <= 0:
+        return 1
     length = math.ceil(math.sqrt(AUTO_OUTLIER_SHARE * linear * seq_len / quadratic))
     return length if length <= seq_len else 0
 

@@ -91,6 +91,11 @@ def _features(lengths: np.ndarray | Sequence[np.ndarray]) -> tuple[float, float]
     return s1, s2
 
 
+#: a rank's time more than this many times above or below the fitted model's prediction is
+#: set aside (:meth:`CostFitter.plausible`)
+IMPLAUSIBLE = 4.0
+
+
 class CostFitter:
     """Online least-squares fit of measured rank times to ``α·ΣL + β·ΣL²``.
 
@@ -199,6 +204,20 @@ class CostFitter:
             raise ValueError(f"{len(feats)} ranks but {len(times)} times")
         for (s1, s2), y in zip(feats, times, strict=True):
             self._add(s1, s2, y)
+
+    def plausible(self, sum_lengths: float, sum_squares: float, seconds: float) -> bool:
+        """Whether a rank's time is one :meth:`observe_sums` should take: always before
+        ``min_observations``; after, within :data:`IMPLAUSIBLE` times the current model's
+        prediction either way.  Least squares let one step that compiled (a first step's
+        torch.compile, a rank that paused) outweigh hundreds: a 20 times slower first step
+        fitted β to 0 for the rest of a run, and the outlier delay went off (a review)."""
+        if self.count < self.min_observations:
+            return True
+        m = self.model()
+        predicted = m.linear * float(sum_lengths) + m.quadratic * float(sum_squares)
+        if not predicted > 0:
+            return True
+        return 1 / IMPLAUSIBLE <= float(seconds) / predicted <= IMPLAUSIBLE
 
     def _add(self, s1: float, s2: float, y: float) -> None:
         _check_seconds(y)

@@ -79,6 +79,10 @@ class PlannedStep:
 #: seconds :meth:`PlannerActor.state_at` waits for a step of the next round to be planned
 STATE_WAIT = 30.0
 
+#: each DP group's first step-time reports after a planner starts, which the cost fit sets
+#: aside: a job's first steps compile and warm up (:meth:`PlannerActor.report_step_time`)
+WARMUP_REPORTS = 2
+
 
 def make_state(cfg: Any, step: int, planner: dict[str, Any],
                units: Mapping[str, int] | None = None,
@@ -276,12 +280,15 @@ def resume_notes(cfg: Any, state: Mapping[str, Any]) -> list[str]:
     notes = []
     planner = state["planner"]
     cost = planner.get("cost")
-    # (with cost.fit the state's model is the fitted one, which the fitter refits anyway)
-    if cost is not None and not cfg.cost.fit and not (
+    if cost is not None and not (
             math.isclose(float(cost[0]), cfg.cost.linear, rel_tol=1e-9)
             and math.isclose(float(cost[1]), cfg.cost.quadratic, rel_tol=1e-9)):
-        notes.append(f"resume: the state's cost model (linear {float(cost[0]):g}, quadratic "
-                     f"{float(cost[1]):g}) plans on, not the config's (linear "
+        # (with cost.fit too: the fit starts from the state's model, the config's was never
+        # used, and a changed cost.model went without a word; a review)
+        what = ("the cost fit starts from the state's model" if cfg.cost.fit
+                else "the state's cost model plans on")
+        notes.append(f"resume: {what} (linear {float(cost[0]):g}, quadratic "
+                     f"{float(cost[1]):g}), not the config's (linear "
                      f"{cfg.cost.linear:g}, quadratic {cfg.cost.quadratic:g}): the steps after "
                      "the state are planned as they were (start without resume to plan with "
                      "the config's)")
@@ -712,6 +719,9 @@ class PlannerActor:
                        if self.cfg.cost.fit else None)
         self._step_features: OrderedDict[int, np.ndarray] = OrderedDict()
         self._reported: set[tuple[int, int]] = set()
+        #: reports counted per DP group, and the reports the fit set aside
+        self._reports_seen: dict[int, int] = {}
+        self.set_aside = 0
         self.imbalance_sum = 0.0
         self.lower_bound_ratio_sum = 0.0
         self.steps_planned = 0
@@ -1444,13 +1454,25 @@ class PlannerActor:
         return out
 
     async def report_step_time(self, step: int, dp_rank: int, seconds: float) -> None:
-        """A DP rank computed on ``step`` for ``seconds`` (the first report of a group counts)."""
+        """A DP rank computed on ``step`` for ``seconds`` (the first report of a group counts).
+
+        Set aside, not fitted: each DP group's first :data:`WARMUP_REPORTS` reports after
+        this planner started (a job's first steps compile and warm up, again after a
+        resume), and a time the fit finds implausible
+        (:meth:`~msd_dask.core.cost.CostFitter.plausible`); ``stats()["cost_model"]``
+        counts them (``set_aside``).
+        """
         key = (int(step), int(dp_rank))
         features = self._step_features.get(int(step))
         if self.fitter is None or features is None or key in self._reported:
             return
         self._reported.add(key)
+        seen = self._reports_seen.get(int(dp_rank), 0)
+        self._reports_seen[int(dp_rank)] = seen + 1
         sum_lengths, sum_squares = features[int(dp_rank)].tolist()
+        if seen < WARMUP_REPORTS or not self.fitter.plausible(sum_lengths, sum_squares, seconds):
+            self.set_aside += 1
+            return
         self.fitter.observe_sums(sum_lengths, sum_squares, float(seconds))
 
     def _keep_features(self, step: int, features: np.ndarray | None) -> None:
@@ -1493,7 +1515,8 @@ class PlannerActor:
             "cost_model": {"linear": self.planner.cost.linear,
                            "quadratic": self.planner.cost.quadratic,
                            "fitted": self.fitter is not None,
-                           "observations": self.fitter.count if self.fitter else 0},
+                           "observations": self.fitter.count if self.fitter else 0,
+                           "set_aside": self.set_aside},
             "uptime": time.time() - self.started,
             "starved_seconds": self._starved_seconds(),
             "loaders": {s: len(a) for s, a in self.roles.active.items()},

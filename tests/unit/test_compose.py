@@ -34,6 +34,11 @@ def test_auto_is_the_default_and_follows_the_cost_model() -> None:
     assert cost.quadratic * (got - 1) ** 2 < AUTO_OUTLIER_SHARE * cost.linear * 32768
     assert auto_outlier_length(4096, cost.linear, cost.quadratic) == 0   # below a row: off
     assert auto_outlier_length(131072, 1.0, 0.0) == 0                    # no attention term
+    # no linear cost: attention is all of it, and the delay holds from the threshold's floor
+    # on (it was off: 0 at linear 0, where linear 1e-12 gave the floor; a review)
+    assert auto_outlier_length(32768, 0.0, 1e-9) == 1
+    assert cfg.outliers.threshold(32768, 0.0, 1e-9) == cfg.outliers.threshold(32768, 1e-12, 1e-9)
+    assert cfg.outliers.threshold(32768, 0.0, 1e-9) > 0
     assert 0 < auto_outlier_length(131072, cost.linear, cost.quadratic) < 131072 // 2
 
 

@@ -221,6 +221,32 @@ def test_fitter_ignores_empty_and_rejects_bad_times() -> None:
         CostFitter(decay=0.0)
 
 
+def test_a_time_far_from_the_fit_is_implausible() -> None:
+    """After ``min_observations``, a time more than IMPLAUSIBLE times from the model's
+    prediction is not one to fit (a rank's compile step, a pause); before, every time is.
+    Taken, one such time among 400 fitted β to 0 (a review); set aside, the fit holds."""
+    from msd_dask.core.cost import IMPLAUSIBLE
+
+    rng = np.random.default_rng(8)
+    fitter = CostFitter(min_observations=8)
+    slow = rank_pieces(rng)
+    s1, s2 = float(np.concatenate(slow).sum()), float((np.concatenate(slow) ** 2.0).sum())
+    assert fitter.plausible(s1, s2, 1e6)                 # nothing to judge by yet
+    for _ in range(40):
+        rows = rank_pieces(rng)
+        fitter.observe(rows, true_seconds(np.concatenate(rows)))
+    truth = true_seconds(np.concatenate(slow))
+    assert fitter.plausible(s1, s2, truth) and fitter.plausible(s1, s2, 2 * truth)
+    assert not fitter.plausible(s1, s2, 1.2 * IMPLAUSIBLE * truth)
+    assert not fitter.plausible(s1, s2, truth / (1.2 * IMPLAUSIBLE))
+    # what taking it would do: a 50 times slower step among the 40
+    taken = CostFitter(min_observations=8)
+    taken.load_state_dict(fitter.state_dict())
+    taken.observe_sums(s1, s2, 50 * truth)
+    assert relative_errors(taken.model(), np.random.default_rng(3)).max() > \
+        10 * relative_errors(fitter.model(), np.random.default_rng(3)).max()
+
+
 def test_fitter_state_round_trip() -> None:
     rng = np.random.default_rng(6)
     a = CostFitter(CostModel(2.0, 1e-3), min_observations=3, decay=0.99)

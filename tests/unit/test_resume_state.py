@@ -135,14 +135,19 @@ def test_a_malformed_reading_is_one_clear_error(reading: Any) -> None:
         planner_state(_cfg(), state)
 
 
-def test_a_fitted_cost_model_is_not_said_to_override_the_configs() -> None:
-    # with cost.fit the state's model is the fitted one, which the fitter refits anyway
+def test_with_a_fit_the_state_model_it_starts_from_is_said() -> None:
+    """With ``cost.fit`` the fit starts from the state's model: a ``cost.model`` changed for
+    the resume was never used, and nothing said so (a review of the cost fit).  The note
+    says where the fit starts; none where the state's model is the config's."""
     from msd_dask.roles.planner import resume_notes
 
     state = _state()
     state["planner"]["cost"] = [1.0, 0.5]
-    assert resume_notes(_cfg(cost={"fit": True}), state) == []
-    assert len(resume_notes(_cfg(), state)) == 1
+    (note,) = resume_notes(_cfg(cost={"fit": True}), state)
+    assert "the cost fit starts from the state's model (linear 1, quadratic 0.5)" in note
+    (note,) = resume_notes(_cfg(), state)
+    assert "the state's cost model plans on" in note
+    assert resume_notes(_cfg(cost={"fit": True, "linear": 1.0, "quadratic": 0.5}), state) == []
 
 
 def test_a_packed_snapshot_unpacks_to_the_same_state_row_by_row() -> None:
