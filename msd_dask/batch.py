@@ -225,3 +225,15 @@ def wait_seconds(timeout: Any, rank: int) -> float:
         raise ValueError(f"rank {rank}: a reader's timeout is a finite number of seconds > 0, "
                          f"got {timeout!r}")
     return float(timeout)
+
+
+def step_time(seconds: Any, rank: int) -> float:
+    """A rank's reported step time as seconds; a ``ValueError`` naming it unless it is a
+    finite number >= 0.  Unchecked, a NaN was dropped without a word on a direct reader
+    (the planner's error lost in a fire-and-forget call) and, through a host agent, ended
+    the rank's connection: its next batch failed naming a malformed message (a review)."""
+    if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
+            or not math.isfinite(seconds) or seconds < 0):
+        raise ValueError(f"rank {rank}: report_step_time takes the step's compute time, a "
+                         f"finite number of seconds >= 0, got {seconds!r}")
+    return float(seconds)

@@ -44,6 +44,7 @@ from msd_dask.batch import (
     no_going_back,
     rank_number,
     reader_state,
+    step_time,
     wait_seconds,
 )
 from msd_dask.core.config import Config
@@ -715,6 +716,7 @@ class Reader:
         With ``cost: {fit: true}`` the planner fits ``α`` and ``β`` to these
         times.  Fire and forget: the call does not wait for the planner.
         """
+        seconds = step_time(seconds, self.rank)
         step = self.step if step is None else step
         if step is None:
             raise ValueError("report_step_time: no step was read yet")

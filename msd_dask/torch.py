@@ -368,7 +368,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         step = self.last_step if step is None else int(step)
         if step is None or self._reader is None:
             raise ValueError("report_step_time: no batch was handed out yet")
-        self._reader.report_step_time(float(seconds), step=step)
+        self._reader.report_step_time(seconds, step=step)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"service", "rank", "step"}``: the service's name, the rank and the last step

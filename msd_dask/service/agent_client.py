@@ -53,6 +53,7 @@ from msd_dask.batch import (
     no_going_back,
     rank_number,
     reader_state,
+    step_time,
     wait_seconds,
 )
 from msd_dask.core.packing import from_wire
@@ -435,6 +436,7 @@ class AgentReader:
     def report_step_time(self, seconds: float, step: int | None = None) -> None:
         """Report how long this rank computed on a step (default: the last one returned);
         the agent forwards it to the planner.  Fire and forget."""
+        seconds = step_time(seconds, self.rank)
         step = self.step if step is None else step
         if step is None:
             raise ValueError("report_step_time: no step was read yet")

@@ -548,11 +548,19 @@ def test_step_times_are_forwarded(tmp_path: Any) -> None:
         t.join(10)
         r0.report_step_time(0.25)
         r1.report_step_time(0.5, step=0)
+        # a time that is no finite number of seconds >= 0 is the caller's error, at the call:
+        # a NaN sent on ended the rank's connection, and its next batch named a malformed
+        # message (a review of the cost fit)
+        for bad in (float("nan"), float("inf"), -1.0, "1.0", True):
+            with pytest.raises(ValueError, match=rf"rank 0: report_step_time takes .* got "
+                                                 rf"{re.escape(repr(bad))}"):
+                r0.report_step_time(bad)  # type: ignore[arg-type]
+        assert r0.step == 0 and r0.report_step_time(0.125) is None
         handle.close()
         deadline = time.monotonic() + 5
-        while len(readers[0].step_times) < 2 and time.monotonic() < deadline:
+        while len(readers[0].step_times) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert sorted(readers[0].step_times) == [(0.25, 0), (0.5, 0)]
+        assert sorted(readers[0].step_times) == [(0.125, 0), (0.25, 0), (0.5, 0)]
 
 
 def test_a_failed_group_reader_is_told_to_its_ranks(tmp_path: Any) -> None:
