@@ -225,9 +225,10 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
     same rank, so iterating in a loader worker raises ``RuntimeError``.
 
     ``DataLoader`` with ``batch_size=None`` converts each batch with torch's
-    ``default_convert``, which makes lists of the tuples in ``documents`` and
-    ``image_spans`` (``["source", "file:row", chunk]``); iterating the dataset
-    itself, or ``DataLoader(..., collate_fn=lambda b: b)``, keeps them tuples.
+    ``default_convert``, which makes lists of the tuples in ``documents``
+    (``["source", "file:row", chunk]``) and ``image_spans`` (``[first patch,
+    patches]``); iterating the dataset itself, or ``DataLoader(...,
+    collate_fn=lambda b: b)``, keeps them tuples.
 
     With ``MSD_DASK_AGENT`` set, the rank reads through the host's agent as
     ``DataService.connect`` does (docs/deployment.md): the process then imports
