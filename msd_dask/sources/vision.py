@@ -29,7 +29,9 @@ IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "PPM")
 
 
 def decode_image(data: bytes) -> Image.Image:
-    """The image encoded in ``data`` (one of :data:`IMAGE_FORMATS`), as RGB.
+    """The image encoded in ``data`` (one of :data:`IMAGE_FORMATS`), as RGB, turned upright
+    as its EXIF orientation says (a phone's photo, stored sideways with an orientation tag,
+    came out sideways: viewers, and Hugging Face ``datasets``, turn it; a review).
 
     Raises
     ------
@@ -39,12 +41,12 @@ def decode_image(data: bytes) -> Image.Image:
         ``struct.error`` ... as well as ``OSError``) is this one error, which the reader
         reports as the row's bad input.
     """
-    from PIL import Image  # here: only processes that decode images load Pillow
+    from PIL import Image, ImageOps  # here: only processes that decode images load Pillow
 
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             img.load()
-            return _eight_bit(img).convert("RGB")
+            return _eight_bit(ImageOps.exif_transpose(img), img.format).convert("RGB")
     except Exception as exc:  # noqa: BLE001 - any failure to decode is the row's bad input
         # (Pillow names the file object it read: an address, other in every run)
         reason = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc))
@@ -52,20 +54,20 @@ def decode_image(data: bytes) -> Image.Image:
                          f"{type(exc).__name__}: {reason}") from None
 
 
-def _eight_bit(img: Image.Image) -> Image.Image:
+def _eight_bit(img: Image.Image, fmt: str | None) -> Image.Image:
     """``img``, a 16-bit grayscale image (a PNG's or TIFF's ``I;16``, or ``I`` holding values
     past 255) scaled to 8 bits: Pillow's conversion to RGB clips it instead, all but its
-    darkest pixels white.  An ``I`` image of values up to 255 (a 32-bit TIFF of 8-bit
-    values) is left as it is, but not a PGM's: Pillow opens a 16-bit PGM as ``I`` scaled to
-    16 bits whatever its values, so a dark one came out up to 257 times too bright, where
-    the same pixels in a 16-bit PNG came out right (a review)."""
+    darkest pixels white.  ``fmt``: the format it was decoded from.  An ``I`` image of
+    values up to 255 (a 32-bit TIFF of 8-bit values) is left as it is, but not a PGM's:
+    Pillow opens a 16-bit PGM as ``I`` scaled to 16 bits whatever its values, so a dark
+    one came out up to 257 times too bright, where the same pixels in a 16-bit PNG came
+    out right (a review)."""
     from PIL import Image
 
     if img.mode not in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
         return img
     values = np.asarray(img).astype(np.int64)
-    if img.mode == "I" and img.format != "PPM" and (values.size == 0
-                                                    or int(values.max()) <= 255):
+    if img.mode == "I" and fmt != "PPM" and (values.size == 0 or int(values.max()) <= 255):
         return img
     return Image.fromarray((np.clip(values, 0, 65535) // 257).astype(np.uint8), "L")
 

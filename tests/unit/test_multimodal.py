@@ -109,6 +109,29 @@ def test_a_dark_16_bit_pgm_decodes_as_the_same_pixels_in_a_png() -> None:
             np.testing.assert_array_equal(np.asarray(decode_image(data))[..., 0], want)
 
 
+def test_a_photo_with_an_exif_orientation_is_decoded_upright() -> None:
+    """A phone stores a portrait photo sideways with an EXIF orientation tag; it came out
+    sideways (64 wide, 32 high) where viewers and Hugging Face ``datasets`` show it upright
+    (a review of the multimodal path)."""
+    import io
+
+    from PIL import Image
+
+    stored = np.zeros((32, 64, 3), dtype=np.uint8)
+    stored[:, :32] = 255                        # left half white, as stored
+    img = Image.fromarray(stored)
+    exif = img.getexif()
+    exif[0x0112] = 6                            # orientation: turn 90° clockwise to view
+    out = io.BytesIO()
+    img.save(out, "JPEG", exif=exif.tobytes(), quality=95)
+    rgb = np.asarray(decode_image(out.getvalue()))
+    assert rgb.shape == (64, 32, 3)             # upright: 32 wide, 64 high
+    assert rgb[:28].mean() > 200 and rgb[36:].mean() < 50  # the white half is on top
+    plain = io.BytesIO()
+    img.save(plain, "JPEG", quality=95)         # no tag: as stored
+    assert np.asarray(decode_image(plain.getvalue())).shape == (32, 64, 3)
+
+
 def test_a_32_bit_image_of_8_bit_values_is_not_scaled() -> None:
     # (a review of the 16-bit scaling: a 32-bit TIFF of values 0-255 came out black)
     import io
