@@ -719,6 +719,14 @@ def _with_image(src: SourceConfig, rec: dict[str, Any], tokens: np.ndarray, toke
     if not src.image_field or len(tokens) == 0:  # a text source, or a dropped document
         return tokens
     data = rec.get(src.image_field)
+    if isinstance(data, dict) and "bytes" in data:
+        # a Hugging Face datasets Image column, as its parquet files hold it: a struct of
+        # the encoded bytes and the file's path (refused as "is dict"; a review)
+        if data["bytes"] is None and data.get("path"):
+            raise DataError(f"field '{src.image_field}' holds the path {data['path']!r}, "
+                            "not the image's bytes (a Hugging Face Image column saved "
+                            "without them)", source=src.name, path=path, row=row)
+        data = data["bytes"]
     if data is None:  # no image: a text document of an image+text source
         return tokens
     if not isinstance(data, bytes | bytearray | memoryview):

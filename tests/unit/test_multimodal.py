@@ -213,6 +213,38 @@ def test_webdataset_groups_members_by_key(tmp_path: Any) -> None:
         list(fmt.read(fs, fmt.units(fs, path)[0], ["text"]))
 
 
+def test_a_hugging_face_image_column_is_read(tmp_path: Any) -> None:
+    """Hugging Face ``datasets`` saves an Image column to parquet as a struct of the encoded
+    bytes and the file's path: every row was bad input, "is dict" (a review).  Its bytes are
+    the image; a row holding only a path is bad input naming it; a null row is a text
+    document."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    img = image_bytes(rng, 1)
+    column = pa.array([{"bytes": img, "path": "cat.jpg"}, {"bytes": None, "path": "dog.jpg"},
+                       None], pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    (tmp_path / "hf").mkdir()
+    path = f"{tmp_path}/hf/h.parquet"
+    pq.write_table(pa.table({"caption": ["a cat", "a dog", "no image"], "image": column}), path)
+    cfg = load_config({"name": "hf", "batch": {"seq_len": SEQ_LEN},
+                       "sources": [{"name": "vis", "uri": path, "format": "parquet",
+                                    "text_field": "caption", "image_field": "image",
+                                    "image": {"size": SIZE, "patch": PATCH},
+                                    "on_error": "skip"}]})
+    src = cfg.source("vis")
+    fmt, fs = get_format("parquet"), __import__("fsspec").filesystem("file")
+    bad: list[DataError] = []
+    docs = read_unit(src, fs, fmt.units(fs, path)[0], ByteTokenizer(), bad)
+    assert len(docs) == 3 and len(docs[1]) == 0  # (the bad row set aside, in its place)
+    assert isinstance(docs[0], ImageDoc)
+    np.testing.assert_array_equal(docs[0].patches, expected_patches(img))
+    np.testing.assert_array_equal(docs[2], ByteTokenizer().encode("no image"))
+    (err,) = bad
+    assert "row 1" in str(err) and "holds the path 'dog.jpg', not the image's bytes" in str(err)
+
+
 def test_read_unit_puts_image_tokens_first(tmp_path: Any) -> None:
     texts, images = write_image_corpus(str(tmp_path), "parquet")
     cfg = load_config(image_config(str(tmp_path), "parquet"))
