@@ -642,14 +642,14 @@ def _image(d: Mapping[str, Any], key: str) -> dict[str, Any]:
     if d.get("image_field") is None and d.get("image") is None:
         return {}
     field_ = _str(d, "image_field", key, "image")
+    img = {} if d.get("image") is None else d["image"]  # (image: false is no mapping)
+    k = f"{key}.image"
+    _check_keys(img, k, _names(ImageConfig))
     if d.get("format") == "jsonl":  # (every row with an image was bad input; a review)
         raise ConfigError(f"{key}.{'image_field' if 'image_field' in d else 'image'}",
                           "a jsonl source cannot carry images: JSON has no bytes (a base64 "
                           "string or a file's path is text); images come from parquet (a "
                           "binary column) or webdataset (image members)")
-    img = {} if d.get("image") is None else d["image"]  # (image: false is no mapping)
-    k = f"{key}.image"
-    _check_keys(img, k, _names(ImageConfig))
     size = _int(img, "size", k, ImageConfig.size)
     patch = _int(img, "patch", k, ImageConfig.patch)
     if size % patch:
