@@ -103,12 +103,15 @@ def test_prefetch_claims_ahead_and_reports_step_times(service):
                 b = next(it)
                 assert (b["step"], b["rank"]) == (first[0] + k, rank)
                 assert b["input_ids"].shape == (2, 512)
-        observed = service.stats()["planner"]["cost_model"]["observations"]
+        def reports() -> int:  # (fitted or set aside: a group's first ones are warm-up)
+            model = service.stats()["planner"]["cost_model"]
+            return int(model["observations"] + model["set_aside"])
+
+        observed = reports()
         for ds in datasets:
             ds.report_step_time(0.25)        # the step of the last batch handed out
             ds.report_step_time(0.25, step=first[0] + 2)
-        assert wait_until(lambda: service.stats()["planner"]["cost_model"]["observations"]
-                      == observed + 4, timeout=30)
+        assert wait_until(lambda: reports() == observed + 4, timeout=30)
         with pytest.raises(RuntimeError, match="before the first iter"):
             datasets[0].load_state_dict({"rank": 0, "step": 0})
     finally:
