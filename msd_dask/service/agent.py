@@ -58,6 +58,7 @@ from msd_dask.service.agent_client import (
     AGENT_SOCKET,
     BLOCK_PREFIX,
     HEADER,
+    PEER_CREDS,
     SHM_DIR,
     check_socket_path,
     frame,
@@ -320,9 +321,11 @@ def block_prefix() -> str:
 
 
 def new_block_name() -> str:
-    """A name for a new block of this process: :func:`block_prefix` and a number no agent
-    of the process used (two agents in one process used the same numbers)."""
-    return f"{block_prefix()}{next(_block_numbers)}"
+    """A name for a new block of this process: :func:`block_prefix`, a number no agent of
+    the process used (two agents in one process used the same numbers) and a random token:
+    another user who listed ``SHM_DIR`` could create the next numbers' files first, and
+    each write failed on them until the group's reading gave up (a review)."""
+    return f"{block_prefix()}{next(_block_numbers)}-{secrets.token_hex(4)}"
 
 
 def _watch_blocks() -> None:
@@ -552,10 +555,6 @@ class _Group:
         return next((b for s, b in self.blocks.items() if s > have), None)
 
 
-#: ``struct ucred`` of ``SO_PEERCRED`` (Linux): the peer's pid, uid and gid
-_CREDS = struct.Struct("iII")
-
-
 @dataclass
 class _Holder:
     """The connection that reads a rank through the agent (:meth:`HostAgent._hold`)."""
@@ -578,7 +577,8 @@ def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
     if sock is None or option is None:
         return None
     try:
-        pid = int(_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, option, _CREDS.size))[0])
+        pid = int(PEER_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, option,
+                                                     PEER_CREDS.size))[0])
     except (OSError, struct.error):
         return None
     return pid if pid > 0 else None
@@ -822,7 +822,9 @@ class HostAgent:
         """Held while an agent binds :attr:`path` or removes it."""
         import fcntl
 
-        lock = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        # (not through a symbolic link another user put in a shared folder; a review)
+        lock = os.open(self.path + ".lock",
+                       os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             deadline = time.monotonic() + BIND_WAIT
             while True:

@@ -203,7 +203,8 @@ def _mapped(name: str, owner: int) -> Iterator[Any]:
     """
     path = os.path.join(SHM_DIR, name)
     if os.path.isdir(SHM_DIR):
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with open(fd, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             yield m
         return
     from multiprocessing import resource_tracker
@@ -221,8 +222,13 @@ def _mapped(name: str, owner: int) -> Iterator[Any]:
 def read_block(msg: Mapping[str, Any], rank: int) -> Batch:
     """The :class:`Batch` of global ``rank`` from a block message of :func:`write_block`
     (the arrays are copied out; the block is left to the agent): the wire form rebuilt,
-    made a batch as a direct :class:`~msd_dask.reader.Reader` makes it."""
-    with _mapped(str(msg["block"]), int(msg["pid"])) as buf:
+    made a batch as a direct :class:`~msd_dask.reader.Reader` makes it.  A block name that
+    is not an agent's (``BLOCK_PREFIX…``, no folder) is refused: the rank opens no other
+    file the message names."""
+    name = str(msg["block"])
+    if not name.startswith(BLOCK_PREFIX) or "/" in name or "\0" in name:
+        raise ValueError(f"field 'block' is {name!r}, not the name of an agent's block")
+    with _mapped(name, int(msg["pid"])) as buf:
         arrays = {key: np.ndarray(shape, np.dtype(dtype), buffer=buf, offset=offset).copy()
                   for key, (offset, dtype, shape) in msg["layout"].items()}
     return Batch.from_payload(from_wire({**msg["meta"], **arrays}), rank)
@@ -245,7 +251,51 @@ def _dial(path: str, timeout: float, what: str) -> socket.socket:
             f"{what}: no msd-dask agent answers at {path} ({type(e).__name__}: {e}); is "
             f"`msd-dask agent` running on this host? ({AGENT_ENV} names its socket; unset it "
             "to read without the agent)") from None
+    uid = peer_uid(sock)
+    if uid is not None and uid not in trusted_uids():
+        sock.close()
+        raise ServiceError(
+            f"{what}: the process that answers at {path} runs as uid {uid}, neither this "
+            f"process's ({os.getuid()}) nor root's: another user's socket, not this job's "
+            f"agent, is refused (its batches would be trained on).  Start the agent on a path "
+            f"of your own (--socket, and {AGENT_ENV} for the ranks), or, where the agent runs "
+            f"as another user on purpose, set {AGENT_UID_ENV}={uid}")
     return sock
+
+
+#: the uid of an agent a rank accepts besides its own and root's (a sidecar container's)
+AGENT_UID_ENV = "MSD_DASK_AGENT_UID"
+
+#: ``struct ucred`` of ``SO_PEERCRED`` (Linux): the peer's pid, uid and gid
+PEER_CREDS = struct.Struct("iII")
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a connected Unix socket
+    (``SO_PEERCRED``, Linux); ``None`` where that is unknown."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    try:
+        return int(PEER_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, option,
+                                                     PEER_CREDS.size))[1])
+    except (OSError, struct.error):
+        return None
+
+
+def trusted_uids() -> set[int]:
+    """The uids whose agent a rank reads from: its own, root's and ``$MSD_DASK_AGENT_UID``'s.
+    Anyone may create a path in a shared ``/tmp``: without this check another user's
+    socket there, bound before the job's agent, fed the job's ranks its own batches and
+    states (a review)."""
+    uids = {os.getuid(), 0}
+    raw = os.environ.get(AGENT_UID_ENV, "").strip()
+    if raw:
+        try:
+            uids.add(int(raw))
+        except ValueError:
+            raise ValueError(f"{AGENT_UID_ENV}={raw!r}: expected a uid (a whole number)") from None
+    return uids
 
 
 def _ask(sock: socket.socket, path: str, msg: Mapping[str, Any], what: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1789,3 +1790,63 @@ def test_a_socket_path_too_long_is_one_error_naming_it(tmp_path: Any) -> None:
     finally:
         agent.stop()
         thread.join(10)
+
+
+def _socket_of_another_user(path: str, uid: int, ready: Any) -> None:
+    """A child that binds ``path`` as ``uid`` and accepts connections (another user's
+    socket in a shared folder)."""
+    os.setgid(uid)
+    os.setuid(uid)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    os.chmod(path, 0o777)
+    srv.listen(8)
+    ready.set()
+    while True:
+        conn, _ = srv.accept()
+        conn.recv(1)  # (holds it; the parent's dial is what the test looks at)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a socket as another user")
+def test_a_socket_of_another_user_is_not_taken_for_the_agent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anyone may bind a path in a shared ``/tmp``: another user's socket at the agent's
+    path, bound before the job's agent, fed the job's ranks its own batches and states (a
+    review).  A rank reads only from an agent of its own uid, root's, or the uid
+    ``MSD_DASK_AGENT_UID`` names (a sidecar's)."""
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    from msd_dask.service.agent_client import AGENT_UID_ENV, AgentHandle
+
+    shared = tempfile.mkdtemp(prefix="msd-shared-")  # (as /tmp is: anyone may bind there)
+    os.chmod(shared, 0o1777)
+    path = os.path.join(shared, "agent.sock")
+    nobody = 65534
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    child = ctx.Process(target=_socket_of_another_user, args=(path, nobody, ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(10)
+        with pytest.raises(ServiceError, match=rf"runs as uid {nobody}, neither this process's "
+                                               rf"\(0\) nor root's.*{AGENT_UID_ENV}={nobody}"):
+            AgentHandle.connect(path, "svc", timeout=2)
+        monkeypatch.setenv(AGENT_UID_ENV, str(nobody))
+        # (accepted at the dial: the silent peer then times out the hello)
+        with pytest.raises(ServiceTimeoutError, match="did not answer within 1s"):
+            AgentHandle.connect(path, "svc", timeout=1)
+    finally:
+        child.kill()
+        child.join(5)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_block_name_that_is_not_an_agents_is_refused() -> None:
+    """A rank opens only an agent's block under SHM_DIR: not another file a message names."""
+    from msd_dask.service.agent_client import read_block
+
+    for name in ("../../etc/passwd", "msd-agent-1/../../x", "other-file"):
+        with pytest.raises(ValueError, match="not the name of an agent's block"):
+            read_block({"block": name, "pid": 1, "layout": {}, "meta": {}}, 0)
