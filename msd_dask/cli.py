@@ -340,6 +340,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.scheduler and args.workers is not None:
         raise ValueError("--workers sizes the embedded cluster; with --scheduler the "
                          "scheduler's workers serve (size that cluster instead)")
+    if not args.scheduler and any(getattr(args, k, None) for k in ("tls_ca_file", "tls_cert", "tls_key")):
+        # (a client's certificate alone cannot start a cluster: it failed deep in Dask)
+        raise ValueError("--tls-* are a client's credentials for a --scheduler started with "
+                         "dask's --tls-* options; the embedded cluster (no --scheduler) "
+                         "listens on 127.0.0.1 only")
     t_start = time.perf_counter()
     svc = DataService.start(_config_file(args.config), args.scheduler,
                             n_workers=args.workers or 2, security=_security(args))

@@ -207,6 +207,10 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         Seconds a reader waits for a batch (default: the service config's).
     connect_timeout : float
         Seconds to wait for the service to appear on the scheduler.
+    security : distributed.security.Security, optional
+        The cluster's TLS settings, as ``DataService.connect`` takes them (a rank
+        reading directly from a TLS cluster; through a host agent it needs none).  It is
+        pickled with the dataset into spawned processes (file paths, as Dask's own).
     prefetch : int
         Batches claimed ahead by a background thread while the model computes
         (``0``, the default: each batch is claimed when asked for).  At most
@@ -244,7 +248,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, address: str, name: str, rank: int, *, steps: int | None = None,
                  timeout: float | None = None, connect_timeout: float = 30.0,
-                 prefetch: int = 0):
+                 prefetch: int = 0, security: Any = None):
         super().__init__()
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
@@ -255,6 +259,7 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.prefetch = int(prefetch)
+        self.security = security
         self._service: Any = None
         self._reader: Any = None
         self._pending_state: Mapping[str, Any] | None = None
@@ -288,7 +293,8 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
                 from msd_dask.service import DataService
 
                 service = DataService.connect(self.address, self.name,
-                                              timeout=self.connect_timeout, agent=False)
+                                              timeout=self.connect_timeout, agent=False,
+                                              security=self.security)
             try:
                 reader = service.reader(self.rank, timeout=self.timeout)
                 if self._pending_state is not None:

@@ -252,20 +252,40 @@ def _check_tls(address: str | None, security: Any) -> None:
                            "--tls-cert, --tls-key) or set distributed.comm.tls.* in Dask's config")
 
 
+def _check_embedded_tls(security: Any) -> None:
+    """Refuse TLS settings an embedded cluster cannot start with: its scheduler and workers
+    need certificates of their own, and a client's alone failed deep in Dask ("Cluster
+    failed to start", or a TypeError about an ssl_context; a review)."""
+    if security is None or not getattr(security, "require_encryption", True):
+        return
+    missing = [name for name in ("tls_scheduler_cert", "tls_worker_cert")
+               if not getattr(security, name, None)]
+    if missing:
+        raise ServiceError(
+            f"an embedded cluster with TLS needs certificates for its scheduler and workers "
+            f"too ({', '.join(missing)} not given): pass Security(tls_ca_file=..., "
+            "tls_scheduler_cert=..., tls_scheduler_key=..., tls_worker_cert=..., "
+            "tls_worker_key=..., tls_client_cert=..., tls_client_key=...), or start it "
+            "without security: its scheduler listens on 127.0.0.1 only")
+
+
 def _embedded_cluster(n_workers: int, threads_per_worker: int, security: Any,
                       cfg: Config | None = None) -> Any:
     """A ``LocalCluster`` for :meth:`DataService.start` without an address; its workers
     are not daemonic where a source preprocesses in a pool of processes (a daemonic
-    process cannot start any: ``msd-dask run`` of such a config failed)."""
+    process cannot start any: ``msd-dask run`` of such a config failed).  Its scheduler
+    and dashboard listen on 127.0.0.1 only (the dashboard listened on every address,
+    over plain HTTP even with TLS; a review)."""
     import dask
     from distributed import LocalCluster
 
+    _check_embedded_tls(security)
     settings = dict(EMBEDDED_DASK_CONFIG)
     if cfg is not None and any(s.pool.kind == "process" for s in cfg.sources):
         settings["distributed.worker.daemon"] = False
     with dask.config.set(settings), _sigint_ignored():  # the workers start inside
         return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
-                            processes=True, dashboard_address=":0", security=security,
+                            processes=True, dashboard_address="127.0.0.1:0", security=security,
                             **({"protocol": "tls://"} if security is not None else {}))
 
 

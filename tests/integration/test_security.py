@@ -40,6 +40,16 @@ def test_service_over_tls(tmp_path):
         with DataService.connect(address, "tls", security=sec) as other:
             readers = [other.reader(r) for r in range(2)]
             recs = read_steps(other, 5, readers=readers)
+        # the torch adapter takes the same credentials (it had no way to: a review)
+        from msd_dask.torch import MsdIterableDataset
+
+        ds = MsdIterableDataset(address, "tls", 0, steps=1, security=sec)
+        ds.load_state_dict({"service": "tls", "rank": 0, "step": 4})  # (rank 0 returned 0-4)
+        try:
+            (batch,) = list(ds)
+            assert batch["rank"] == 0 and batch["step"] == 5
+        finally:
+            ds.close()
         # the scheduler plugin's own client reaches the service over TLS too: it polled
         # nothing (and logged that at DEBUG) on a TLS cluster (a review of the plugin)
         assert wait_until(lambda: "tls" in svc.client.run_on_scheduler(_polled), timeout=30)

@@ -46,6 +46,10 @@ def _dask_periodic(dask_worker=None, dask_scheduler=None):
     return {k: pc.callback_time for k, pc in s.periodic_callbacks.items()}
 
 
+def _dashboard_hosts(dask_scheduler=None):
+    return [sock.getsockname()[0] for sock in dask_scheduler.http_server._sockets.values()]
+
+
 def _heap_environ():
     import os
 
@@ -67,6 +71,10 @@ def test_embedded_cluster_runs_without_dasks_fast_periodic_work(corpus):
     before = {k: dask.config.get(k, None) for k in EMBEDDED_DASK_CONFIG}
     with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
         next(svc.reader(0))
+        # the dashboard on loopback, as the scheduler is (it listened on every address, in
+        # plain HTTP even with TLS; a review)
+        dashboard = svc.client.run_on_scheduler(_dashboard_hosts)
+        assert dashboard and set(dashboard) == {"127.0.0.1"}, dashboard
         workers = svc.client.run(_dask_periodic)
         scheduler = svc.client.run_on_scheduler(_dask_periodic)
         heaps = svc.client.run(_heap_environ)

@@ -141,6 +141,32 @@ def test_run_refuses_workers_with_a_scheduler(capsys: pytest.CaptureFixture[str]
     assert "--workers sizes the embedded cluster" in capsys.readouterr().err
 
 
+def test_run_refuses_tls_options_without_a_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tls-*`` are a client's credentials: an embedded cluster cannot start with them
+    alone, and it failed deep in Dask ("Cluster failed to start"; a review)."""
+    assert main(["run", "c.yaml", "--tls-ca-file", "ca.pem", "--tls-cert", "c.pem",
+                 "--tls-key", "c.key"]) == 2
+    assert "--tls-* are a client's credentials for a --scheduler" in capsys.readouterr().err
+
+
+def test_an_embedded_cluster_with_a_clients_tls_alone_is_refused_naming_what_it_needs(
+        tmp_path: Any) -> None:
+    """A client's certificate alone cannot start an embedded cluster's scheduler and
+    workers: refused, naming the missing settings, before any process starts."""
+    from distributed.security import Security
+
+    from msd_dask import DataService, ServiceError
+
+    cfg = {"name": "tls", "batch": {"seq_len": 16},
+           "sources": [{"name": "s", "uri": str(tmp_path / "d.jsonl"), "format": "jsonl"}]}
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    sec = Security(tls_ca_file=__file__, tls_client_cert=__file__, tls_client_key=__file__,
+                   require_encryption=True)
+    with pytest.raises(ServiceError, match=r"needs certificates for its scheduler and workers "
+                                           r"too \(tls_scheduler_cert, tls_worker_cert"):
+        DataService.start(cfg, security=sec)
+
+
 def test_a_source_whose_name_holds_an_equals_sign_can_be_weighted() -> None:
     """``pro=se=0.5`` split at the first '=': the source could never be weighted from the
     command line (a review)."""
