@@ -141,7 +141,8 @@ class SourceConfig:
     format: str
     weight: WeightSchedule
     text_field: str = "text"
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    # (credentials: left out of the repr, which a log or a traceback may print)
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     loaders: int = 1
     shuffle_window: int = 4
     read_ahead: int = 8
@@ -259,7 +260,8 @@ class TokenizerConfig:
     path: str | None = None
     eod_id: int | None = None
     pad_id: int | None = None
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    # (credentials: left out of the repr, which a log or a traceback may print)
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
     #: ``hf``: the id standing for one image patch in image+text documents (the
     #: byte tokenizer's is 258)
     image_token_id: int | None = None

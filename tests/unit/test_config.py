@@ -673,3 +673,14 @@ def test_a_service_name_that_cannot_name_a_file_is_refused(data_dir: Path, name:
         parse_config(cfg)
     cfg["name"] = "train eval-1.x"  # (anything else goes)
     assert parse_config(cfg).name == "train eval-1.x"
+
+
+def test_the_configs_repr_leaves_the_credentials_out(data_dir: Path) -> None:
+    """A source's and the tokenizer's ``storage_options`` hold credentials: the config's
+    repr, which a log line or a traceback may print, printed them (a security review)."""
+    cfg = base(data_dir)
+    cfg["sources"][0]["storage_options"] = {"key": "AKIA_SECRET", "secret": "s3cr3t"}
+    parsed = parse_config(cfg)
+    assert parsed.sources[0].storage_options["key"] == "AKIA_SECRET"
+    assert "AKIA_SECRET" not in repr(parsed) and "s3cr3t" not in repr(parsed)
+    assert "AKIA_SECRET" not in repr(parsed.sources[0])
