@@ -91,6 +91,11 @@ def _features(lengths: np.ndarray | Sequence[np.ndarray]) -> tuple[float, float]
     return s1, s2
 
 
+#: of the prior's pull, the share in every direction, in units of a normalised feature's
+#: mean square: it decides only directions the observations never separate (every document
+#: of one length: the prior's β/α is kept)
+PRIOR_FLOOR = 1e-9
+
 #: a rank's time more than this many times above or below the fitted model's prediction is
 #: set aside (:meth:`CostFitter.plausible`)
 IMPLAUSIBLE = 4.0
@@ -111,8 +116,9 @@ class CostFitter:
     Until ``min_observations`` have been made, :meth:`model` returns the
     ``prior`` scaled to the observed seconds (only its ratio ``β / α`` is
     kept); after that, the fit, pulled towards that scaled prior with the
-    weight of ``prior_weight`` observations (which keeps it well posed when
-    the observations do not vary enough to separate ``α`` from ``β``).
+    weight of ``prior_weight`` mean observations (as much in each direction of
+    ``(α, β)`` as the observations tell there; where they never separate ``α``
+    from ``β``, the prior's ratio is kept).
     ``decay < 1`` forgets old observations geometrically, to follow drift.
 
     Parameters
@@ -259,16 +265,21 @@ class CostFitter:
         if norm <= 0:
             return self.prior
         d0 = u_dir / norm
-        a0, b0 = p.coefficients(d0, 0.0, np.zeros(2))
+        a0, b0 = p.coefficients(d0, np.zeros((2, 2)), np.zeros(2))
         u0 = d0 * max(0.0, b0 / a0) if a0 > 0 else np.zeros(2)
         if not u0.any():  # (every time measured 0 s: no scale to rescale the prior to)
             return self.prior
         if self.count < self.min_observations or p.y_rms <= 0:
             return p.theta(u0)
-        lam = self.prior_weight
+        # the prior counts as prior_weight observations of the mean one seen (the data's
+        # information per observation, plus PRIOR_FLOOR of a unit in every direction for
+        # directions the data never separates): a pull of prior_weight units in every
+        # direction outweighed hundreds of observations where ranks' ΣL hardly differ,
+        # the usual case (rows are filled), and held β/α near the prior's (a review)
+        lam = self.prior_weight * (p.mean_information() + PRIOR_FLOOR * np.eye(2))
         if not self._steps:
-            # min |yn - Xn u|^2 + lam |u - u0|^2 over u >= 0, in closed form
-            u = _nnls2(p.g + lam * np.eye(2), p.b + lam * u0)
+            # min |yn - Xn u|^2 + (u - u0)ᵀ lam (u - u0) over u >= 0, in closed form
+            u = _nnls2(p.g + lam, p.b + lam @ u0)
             return p.theta(u)
         # a direction search: for u = r·d the objective is const - 2rB + r²A
         def score(phi: float) -> tuple[float, np.ndarray]:
@@ -347,6 +358,8 @@ class _Problem:
 
     def __init__(self, f: CostFitter):
         w = f._w + sum(st[0] for st in f._steps)
+        #: the (decayed) number of rank observations
+        self.rank_weight = f._w
         sq = np.diag(f._xtx).copy()
         yy = f._yty
         for weight, y, pts in f._steps:
@@ -369,10 +382,22 @@ class _Problem:
         self.step_w = np.array([st[0] for st in f._steps])
         self.step_y = np.array([st[1] for st in f._steps]) / yr
 
-    def coefficients(self, d: np.ndarray, lam: float, u0: np.ndarray) -> tuple[float, float]:
-        """``(A, B)`` of the objective ``const − 2rB + r²A`` along ``u = r·d``."""
-        a = float(d @ self.g @ d) + lam
-        b = float(d @ self.b) + lam * float(d @ u0)
+    def mean_information(self) -> np.ndarray:
+        """``x̃x̃ᵀ`` of the mean observation (a step timed as a whole by its candidate rank
+        of largest features, an upper bound)."""
+        total = self.g.copy()
+        n = self.rank_weight
+        for w, pts in zip(self.step_w, self.pts, strict=True):
+            top = pts.max(axis=0)
+            total += w * np.outer(top, top)
+            n += w
+        return total / max(n, 1e-300)
+
+    def coefficients(self, d: np.ndarray, lam: np.ndarray, u0: np.ndarray) -> tuple[float, float]:
+        """``(A, B)`` of the objective ``const − 2rB + r²A`` along ``u = r·d``, with the
+        prior's pull ``(u - u0)ᵀ lam (u - u0)``."""
+        a = float(d @ self.g @ d) + float(d @ lam @ d)
+        b = float(d @ self.b) + float(d @ lam @ u0)
         if len(self.step_w):
             m = (self.pts @ d).max(axis=1)
             a += float(self.step_w @ (m * m))

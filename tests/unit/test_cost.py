@@ -247,6 +247,33 @@ def test_a_time_far_from_the_fit_is_implausible() -> None:
         10 * relative_errors(fitter.model(), np.random.default_rng(3)).max()
 
 
+def test_the_prior_weighs_as_its_share_of_mean_observations_in_every_direction() -> None:
+    """Filled rows give every rank about the same ΣL: β/α is the direction the data tells
+    weakly.  The prior's pull of ``prior_weight`` units in every direction outweighed
+    hundreds of exact observations there (0.09 of the true β/α after 16, 0.58 after 80; a
+    review); as ``prior_weight`` mean observations it is 0.9 of it after 16.  Where the
+    data never separates α from β (one document length), the prior's ratio stays."""
+    from msd_dask.core.balance import assign
+
+    true = CostModel(88.59e-6, 165.49e-9)               # β/α 92 times the prior's
+    rng = np.random.default_rng(0)
+    fitter = CostFitter(CostModel(), prior_weight=0.1)
+    for _ in range(2):                                  # 2 steps of 8 ranks: 16 observations
+        docs = np.minimum(np.rint(rng.lognormal(rng.uniform(6, 9), 1.5, 4000)) + 1,
+                          16384).astype(np.int64)
+        lengths = docs[np.cumsum(docs) <= rng.uniform(0.97, 1.0) * 8 * 2 * 16384]
+        a = assign(lengths, fitter.model()(lengths), 8, 2, 16384, "balanced")
+        for r in range(8):
+            fitter.observe(lengths[a.rank == r], true.total(lengths[a.rank == r]))
+    m = fitter.model()
+    assert (m.quadratic / m.linear) / (true.quadratic / true.linear) > 0.85
+    same = CostFitter(CostModel(), prior_weight=0.1)
+    for n in range(1, 20):                              # every document 512 tokens
+        same.observe(np.full(n, 512), true.total(np.full(n, 512)))
+    m, prior = same.model(), CostModel()
+    assert m.quadratic / m.linear == pytest.approx(prior.quadratic / prior.linear, rel=1e-3)
+
+
 def test_fitter_state_round_trip() -> None:
     rng = np.random.default_rng(6)
     a = CostFitter(CostModel(2.0, 1e-3), min_observations=3, decay=0.99)
