@@ -602,7 +602,8 @@ def _watch_agent(svc: Any, agent: HostAgent, address: str, done: threading.Event
                  failure: list[str]) -> None:
     """Stop ``agent`` once its service is lost for good: its Dask client has not been
     connected to the scheduler for :data:`SCHEDULER_GRACE` seconds (a scheduler lost takes
-    the service's roles with it), or the planner failed for good.  It kept serving on: a
+    the service's roles with it), the planner failed for good, or a group's reader found
+    the service closed by its owner or stopped.  It kept serving on: a
     rank waiting then was told only, at its timeout, that the agent waited for its step,
     the cause in the agent's log (a review); ``msd-dask serve`` exits so too."""
     since: float | None = None  # (when the client was first seen not connected)
@@ -615,6 +616,11 @@ def _watch_agent(svc: Any, agent: HostAgent, address: str, done: threading.Event
                    "job from its last checkpoint once the service runs again")
         elif svc.link.failed:
             why = f"the service failed: {svc.link.failed}"
+        elif agent.service_closed:
+            # (it answered every rank so, and kept the socket from the agent of the
+            # service's next run; a review)
+            why = (f"{agent.service_closed}; start an agent for the service's next run "
+                   "(msd-dask serve --resume)")
         else:
             continue
         failure.append(why)

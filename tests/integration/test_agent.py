@@ -235,6 +235,44 @@ def test_a_group_that_failed_is_read_again_from_a_later_state(tmp_path):
     check_exactly_once(recs + later, texts, 512, min_complete=0)  # (no piece twice)
 
 
+def test_an_agent_whose_service_was_closed_exits_saying_so(tmp_path):
+    """After ``msd-dask serve`` was stopped (its owner closed the service) the agent served
+    on, answering every rank "closed by its owner", and held its socket: the agent of the
+    service's next run was refused, "an agent already serves" (a review of a torchrun job).
+    Once a group's reader finds the service closed, the agent exits (status 2) saying so."""
+    import signal
+
+    from msd_dask.errors import ServiceError
+    from msd_dask.service.agent_client import AgentHandle
+
+    from cluster import interrupt
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    sock = str(tmp_path / "agent.sock")
+    with dask_cluster(str(tmp_path), n_workers=1) as cl:
+        serve = start_serve(config(root, name="agentclosed", timeout=60), str(tmp_path),
+                            cl["address"])
+        agent = start_agent(cl["address"], "agentclosed", sock, dict(os.environ), "0", "0")
+        try:
+            with AgentHandle.connect(sock, "agentclosed") as h:
+                reader = h.reader(0)
+                read_steps(h, 2, readers=[reader])
+                interrupt([serve])  # Ctrl-C: serve closes the service and exits
+                with pytest.raises(ServiceError, match="closed by its owner|stopped"):
+                    for _ in range(50):  # (its steps read ahead, then the closed service)
+                        next(reader)
+            out, _ = agent.communicate(timeout=30)
+        finally:
+            stop_proc(agent, signal.SIGKILL)
+            stop_proc(serve, signal.SIGKILL)
+    assert agent.returncode == 2, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("msd-dask agent: ") and "start an agent for the service's next run" \
+        in last, out
+    assert not os.path.exists(sock) and not _blocks_of(agent.pid)
+
+
 def test_an_agent_whose_scheduler_is_lost_exits_saying_so(tmp_path):
     """Once its Dask client gave up on the scheduler, the agent served on: a rank waiting
     then was told only, at its timeout, that the agent waited for its step, the cause in
