@@ -234,6 +234,23 @@ def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
     return client_id in dask_scheduler.clients
 
 
+async def client_connected(client_id: str) -> bool:
+    """Whether the client ``client_id`` is connected, asked of the scheduler from inside a
+    worker (an actor's method; :func:`has_client` run there through the scheduler's
+    ``run_function`` handler, as ``Client.run_on_scheduler`` runs it).  ``True`` where the
+    scheduler cannot be asked (then nothing is taken from a process that may be there)."""
+    import pickle
+
+    from distributed import get_worker
+
+    try:
+        answer = await get_worker().scheduler.run_function(
+            function=pickle.dumps(has_client), args=pickle.dumps((client_id,)), wait=True)
+        return bool(answer["result"]) if answer.get("status") == "OK" else True
+    except Exception:  # noqa: BLE001 - unknown: assume it is
+        return True
+
+
 #: seconds between two looks at the scheduler's workers while an actor bound to one of them
 #: (``allow_other_workers=False``) is created: Dask holds it for that worker for ever if
 #: the worker leaves first, so a wait for it asks whether the worker is still there

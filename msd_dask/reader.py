@@ -558,7 +558,8 @@ class Reader:
                     call = self.link.send(constructor, DataConstructor.next_round_packed,
                                           self.rank, self._done(), self._view,
                                           report_after=self.report_after, wait=poll,
-                                          ranks=self.ranks, **told)
+                                          ranks=self.ranks, claimant=self.link.client.id,
+                                          **told)
                 answer = pickle.loads(call.result(timeout=POLL + wait))
             except ServiceError:  # closed: nothing was sent
                 raise

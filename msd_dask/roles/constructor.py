@@ -42,7 +42,7 @@ import numpy as np
 
 from msd_dask.core.gcpause import gc_paused
 from msd_dask.core.packing import pack_rows, split_pieces, to_wire
-from msd_dask.dask_internals import call_remote_actor
+from msd_dask.dask_internals import call_remote_actor, client_connected
 from msd_dask.roles.direct import direct
 
 __all__ = ["POLL", "DataConstructor", "StepPieces", "StepWork", "constructor_of", "pack_work",
@@ -403,6 +403,16 @@ async def _reading(loader: Any) -> str:
     return f"; it is reading {r['path']} (epoch {r['epoch']}) for {r['seconds']:.0f}s"
 
 
+def two_readers(rank: int, holder: str, claimant: str) -> str:
+    """What a reader is told whose rank another connected process reads
+    (:meth:`DataConstructor.next_round`)."""
+    return (f"rank {rank} is read by two processes at once: the Dask client {holder} took its "
+            f"last round and is still connected, and {claimant} (this process) asked for it "
+            "again; each rank is read by one process (is RANK computed from LOCAL_RANK, or "
+            "does an earlier process of this rank still run?).  Once that process is gone "
+            "this rank is served again from its last state")
+
+
 class DataConstructor:
     """Dask actor building and serving the batches of a set of DP ranks.
 
@@ -478,6 +488,9 @@ class DataConstructor:
         #: shows it has them (its next claim, report or ``mark_had``): a claim that says
         #: less (the answer was lost on its way) is answered the same round again
         self._last_round: dict[int, tuple[list[int], list[dict[str, Any]]]] = {}
+        #: per rank: the Dask client whose reader took its last round (:meth:`next_round`'s
+        #: ``claimant``), sent again only to it, or once it is gone
+        self._round_holder: dict[int, str] = {}
         #: per rank: its claims so far; a claim still waiting when a newer one of the rank
         #: came takes no round (its reader gave up on it: its answer would go nowhere)
         self._claims: dict[int, int] = {}
@@ -770,7 +783,8 @@ class DataConstructor:
                          view: tuple[int, int, int, int] = (0, 1, 0, 1),
                          report_after: float | None = None, wait: float = POLL,
                          ranks: list[int] | None = None,
-                         returned: int | None = None) -> dict[str, Any] | None:
+                         returned: int | None = None,
+                         claimant: str | None = None) -> dict[str, Any] | None:
         """Global ``rank``'s next round: the batches of its steps after ``done``.
 
         Waits up to ``wait`` seconds for a round to be posted to the rank; ``None``
@@ -808,6 +822,13 @@ class DataConstructor:
         (:class:`~msd_dask.service.agent.AgentGroupReader`).  By default a claim tells
         this actor the ranks returned every step before the round (a reader claims a
         round once it returned the one before).
+
+        ``claimant``: the Dask client id of the reader's process.  The last round is sent
+        again to another process only once the one that took it is gone (a restarted
+        rank): while it is connected, the claim is answered ``{"error": ...}`` naming both.
+        Two processes reading one rank at once (a global rank computed from
+        ``LOCAL_RANK`` on two hosts) both got every step, each answer taken for the other's
+        lost one, and trained on the same batches without a word (a review).
         """
         from msd_dask.core.mesh import view_for_rank
 
@@ -840,8 +861,14 @@ class DataConstructor:
             # have answered nobody)
             again = self._lost_round(rank, done)
             if again is not None:
+                holder = self._round_holder.get(rank)
+                if (claimant is not None and holder is not None and holder != claimant
+                        and await client_connected(holder)):
+                    return {"error": two_readers(rank, holder, claimant), "g": self.generation}
                 steps, batches = again
                 self._check_open()
+                if claimant is not None:
+                    self._round_holder[rank] = claimant
                 self.rounds_resent += 1
                 return {"steps": steps, "g": self.generation,
                         "payloads": [to_wire(view_for_rank(b, *view)) for b in batches]}
@@ -884,6 +911,8 @@ class DataConstructor:
                     batches.append(batch)
                     payloads.append(to_wire(view_for_rank(batch, *view)))
                 self._last_round[rank] = (steps, batches)
+                if claimant is not None:
+                    self._round_holder[rank] = claimant
                 self.batches_sent += len(payloads)
                 for r in others:
                     self._drop_posted(r, steps[-1])
@@ -905,14 +934,16 @@ class DataConstructor:
                                 view: tuple[int, int, int, int] = (0, 1, 0, 1),
                                 report_after: float | None = None, wait: float = POLL,
                                 ranks: list[int] | None = None,
-                                returned: int | None = None) -> bytes:
+                                returned: int | None = None,
+                                claimant: str | None = None) -> bytes:
         """:meth:`next_round`'s answer pickled into one ``bytes``: what a reader asks for.
 
         A Dask message measures the size of every object of an answer and serialises
         each array on its own, with a header of its own; one ``bytes`` costs both ends
         a fraction of that (the copy of the tensors into it is cheap).
         """
-        answer = await self.next_round(rank, done, view, report_after, wait, ranks, returned)
+        answer = await self.next_round(rank, done, view, report_after, wait, ranks, returned,
+                                       claimant)
         return pickle.dumps(answer, protocol=5)
 
     def _lost_round(self, rank: int, done: int) -> tuple[list[int], list[dict[str, Any]]] | None:

@@ -154,6 +154,58 @@ def test_rounds_send_fewer_messages_and_the_same_batches(corpus):
     assert published[1] <= 0.5 * published[0], published
 
 
+def test_one_rank_read_by_two_processes_at_once_is_refused_naming_both(corpus):
+    """Two processes reading one rank at once (a global rank computed from LOCAL_RANK on two
+    hosts) both got every step, each claim taken for a retry of the other's lost answer:
+    they trained on the same batches without a word (a review of a torchrun job).  The
+    second process's claim is refused while the first is connected; once the first is
+    gone, the second, from the first's state, gets the rest of the round."""
+    import threading
+
+    root, _ = corpus
+    with DataService.start(config(root, name="tworeaders"), n_workers=1) as svc:
+        a_handle = DataService.connect(svc.client.scheduler.address, "tworeaders")
+        b_handle = DataService.connect(svc.client.scheduler.address, "tworeaders")
+        try:
+            a, b = a_handle.reader(0), b_handle.reader(0)
+            results: dict[str, object] = {}
+
+            def read(name: str, reader) -> None:
+                try:
+                    results[name] = [next(reader).step for _ in range(2)]
+                except ServiceError as e:
+                    results[name] = e
+
+            threads = [threading.Thread(target=read, args=("a", a)),
+                       threading.Thread(target=read, args=("b", b))]
+            for t in threads:
+                t.start()
+            other = svc.reader(1)  # (rank 1 reads too: the steps go on)
+            for _ in range(2):
+                next(other)
+            for t in threads:
+                t.join(60)
+            refused = [n for n, r in results.items() if isinstance(r, ServiceError)]
+            assert len(refused) == 1, results
+            said = str(results[refused[0]])
+            assert "rank 0 is read by two processes at once" in said and "LOCAL_RANK" in said
+            served = "b" if refused == ["a"] else "a"
+            assert results[served] == [0, 1], results
+            # the serving process gone, a process from its state gets the rest of its round
+            state = (a if served == "a" else b).state_dict()
+            (a_handle if served == "a" else b_handle).close()
+            again = DataService.connect(svc.client.scheduler.address, "tworeaders")
+            try:
+                r = again.reader(0)
+                r.load_state_dict(state)
+                assert next(r).step == 2
+            finally:
+                again.close()
+        finally:
+            a_handle.close()
+            b_handle.close()
+
+
 def test_consumed_step_counts_only_returned_steps(corpus):
     """Readers claim whole rounds: steps a rank holds but has not returned are not consumed,
     and the steps it returned are, once its reader pauses (it reports them)."""
