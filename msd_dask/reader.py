@@ -316,6 +316,14 @@ def _report_dropped(link: ServiceLink, c: int, rank: int, ranks: list[int],
         reports.append(call)
 
 
+def claimant_of(client_id: str) -> str:
+    """``host:pid|client id``: the process a reader's claims come from, and its Dask client
+    (:meth:`~msd_dask.roles.constructor.DataConstructor.next_round`'s ``claimant``)."""
+    import socket
+
+    return f"{socket.gethostname()}:{os.getpid()}|{client_id}"
+
+
 class Reader:
     """Iterator over one global rank's batches (see :meth:`DataService.reader`).
 
@@ -333,11 +341,21 @@ class Reader:
         from msd_dask.roles.constructor import constructor_of
 
         cfg = link.config
+        world, p = cfg.parallel.world_size, cfg.parallel
+        layout = f"dp={p.dp} tp={p.tp} cp={p.cp} pp={p.pp}"
+        job = os.environ.get("WORLD_SIZE", "").strip()
+        # (a job of other ranks than the service's: a smaller one read a round, then every
+        # rank waited out its timeout for ranks that never came; a review)
+        if not also and job.isdigit() and int(job) != world:
+            raise ValueError(f"rank {rank}: service {link.name!r} is laid out for {world} "
+                             f"ranks ({layout}), but this process's WORLD_SIZE is {job}: start "
+                             "the service with the job's layout (its config's parallel:) or "
+                             "the job with the service's")
         for r in (rank, *also):
             rank_number(r)
-            if not 0 <= r < cfg.parallel.world_size:
-                raise ValueError(f"rank {r} is outside [0, {cfg.parallel.world_size}) for "
-                                 f"parallel {cfg.parallel}")
+            if not 0 <= r < world:
+                raise ValueError(f"rank {r} is outside [0, {world}): service {link.name!r} "
+                                 f"is laid out for {world} ranks ({layout})")
         coords = cfg.parallel.coords(rank)
         for r in also:
             other = cfg.parallel.coords(r)
@@ -347,6 +365,8 @@ class Reader:
         #: the service's current planner generation (see :class:`ServiceLink`)
         self.link = link
         self.rank = rank
+        #: this process and its Dask client, as a claim names them (:func:`claimant_of`)
+        self._claimant = claimant_of(link.client.id)
         #: every rank this reader reads for (``rank`` first)
         self.ranks = [rank, *(r for r in also if r != rank)]
         self.coords = coords
@@ -558,8 +578,7 @@ class Reader:
                     call = self.link.send(constructor, DataConstructor.next_round_packed,
                                           self.rank, self._done(), self._view,
                                           report_after=self.report_after, wait=poll,
-                                          ranks=self.ranks, claimant=self.link.client.id,
-                                          **told)
+                                          ranks=self.ranks, claimant=self._claimant, **told)
                 answer = pickle.loads(call.result(timeout=POLL + wait))
             except ServiceError:  # closed: nothing was sent
                 raise

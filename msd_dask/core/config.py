@@ -196,7 +196,8 @@ class ParallelConfig:
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank, e.g. ``{"dp": 1, "tp": 0, ...}``."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size}) (dp={self.dp} "
+                             f"tp={self.tp} cp={self.cp} pp={self.pp})")
         out = {}
         rest = rank
         for axis in self.order.split("-"):

@@ -406,11 +406,13 @@ async def _reading(loader: Any) -> str:
 def two_readers(rank: int, holder: str, claimant: str) -> str:
     """What a reader is told whose rank another connected process reads
     (:meth:`DataConstructor.next_round`)."""
-    return (f"rank {rank} is read by two processes at once: the Dask client {holder} took its "
-            f"last round and is still connected, and {claimant} (this process) asked for it "
-            "again; each rank is read by one process (is RANK computed from LOCAL_RANK, or "
-            "does an earlier process of this rank still run?).  Once that process is gone "
-            "this rank is served again from its last state")
+    held, client = holder.split("|", 1)
+    return (f"rank {rank} is read by two processes at once: process {held} (Dask client "
+            f"{client}) took its last round and is still connected, and this process "
+            f"({claimant.split('|', 1)[0]}) asked for it again; each rank is read by one "
+            "process (is RANK computed from LOCAL_RANK, or does an earlier process of this "
+            "rank still run?).  Once that process is gone this rank is served again from its "
+            "last state")
 
 
 class DataConstructor:
@@ -823,9 +825,11 @@ class DataConstructor:
         this actor the ranks returned every step before the round (a reader claims a
         round once it returned the one before).
 
-        ``claimant``: the Dask client id of the reader's process.  The last round is sent
-        again to another process only once the one that took it is gone (a restarted
-        rank): while it is connected, the claim is answered ``{"error": ...}`` naming both.
+        ``claimant``: the reader's process and Dask client, ``host:pid|client id``
+        (:func:`~msd_dask.reader.claimant_of`).  The last round is sent again to another
+        process only once the client of the one that took it is gone (a restarted rank):
+        while it is connected, the claim is answered ``{"error": ...}`` naming both (a
+        second handle of the same process, another client, is served).
         Two processes reading one rank at once (a global rank computed from
         ``LOCAL_RANK`` on two hosts) both got every step, each answer taken for the other's
         lost one, and trained on the same batches without a word (a review).
@@ -862,8 +866,9 @@ class DataConstructor:
             again = self._lost_round(rank, done)
             if again is not None:
                 holder = self._round_holder.get(rank)
-                if (claimant is not None and holder is not None and holder != claimant
-                        and await client_connected(holder)):
+                if (claimant is not None and holder is not None
+                        and holder.rpartition("|")[0] != claimant.rpartition("|")[0]
+                        and await client_connected(holder.rpartition("|")[2])):
                     return {"error": two_readers(rank, holder, claimant), "g": self.generation}
                 steps, batches = again
                 self._check_open()

@@ -154,56 +154,55 @@ def test_rounds_send_fewer_messages_and_the_same_batches(corpus):
     assert published[1] <= 0.5 * published[0], published
 
 
-def test_one_rank_read_by_two_processes_at_once_is_refused_naming_both(corpus):
+def test_one_rank_read_by_two_processes_at_once_is_refused_naming_both(corpus, tmp_path):
     """Two processes reading one rank at once (a global rank computed from LOCAL_RANK on two
     hosts) both got every step, each claim taken for a retry of the other's lost answer:
     they trained on the same batches without a word (a review of a torchrun job).  The
-    second process's claim is refused while the first is connected; once the first is
-    gone, the second, from the first's state, gets the rest of the round."""
-    import threading
+    second process's claim is refused while the first is connected, naming both; the
+    first reads on.  (A second handle of one process, or a restarted process once the
+    first is gone, is served as before: tests/integration/test_reader_again.py.)"""
+    import os
+    import select
 
     root, _ = corpus
+    here = os.path.dirname(os.path.dirname(__file__))
     with DataService.start(config(root, name="tworeaders"), n_workers=1) as svc:
-        a_handle = DataService.connect(svc.client.scheduler.address, "tworeaders")
-        b_handle = DataService.connect(svc.client.scheduler.address, "tworeaders")
+        procs = [subprocess.Popen(
+            [sys.executable, os.path.join(here, "reader_proc.py"), svc.address, "tworeaders",
+             "0", "0", str(tmp_path / f"r{i}.pkl"), "--driven"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", "")))
+            for i in range(2)]
+
+        def answers() -> list[str]:
+            for p in procs:
+                if p.poll() is None:
+                    p.stdin.write("next\n")
+                    p.stdin.flush()
+            out = []
+            for p in procs:
+                ready, _, _ = select.select([p.stdout], [], [], 90)
+                out.append(p.stdout.readline().strip() if ready else "(no answer)")
+            return out
+
         try:
-            a, b = a_handle.reader(0), b_handle.reader(0)
-            results: dict[str, object] = {}
-
-            def read(name: str, reader) -> None:
-                try:
-                    results[name] = [next(reader).step for _ in range(2)]
-                except ServiceError as e:
-                    results[name] = e
-
-            threads = [threading.Thread(target=read, args=("a", a)),
-                       threading.Thread(target=read, args=("b", b))]
-            for t in threads:
-                t.start()
             other = svc.reader(1)  # (rank 1 reads too: the steps go on)
-            for _ in range(2):
-                next(other)
-            for t in threads:
-                t.join(60)
-            refused = [n for n, r in results.items() if isinstance(r, ServiceError)]
-            assert len(refused) == 1, results
-            said = str(results[refused[0]])
-            assert "rank 0 is read by two processes at once" in said and "LOCAL_RANK" in said
-            served = "b" if refused == ["a"] else "a"
-            assert results[served] == [0, 1], results
-            # the serving process gone, a process from its state gets the rest of its round
-            state = (a if served == "a" else b).state_dict()
-            (a_handle if served == "a" else b_handle).close()
-            again = DataService.connect(svc.client.scheduler.address, "tworeaders")
-            try:
-                r = again.reader(0)
-                r.load_state_dict(state)
-                assert next(r).step == 2
-            finally:
-                again.close()
+            first = answers()
+            next(other)
+            assert sorted(first) == ["", "0"], first  # one read step 0, the other ended
+            refused = procs[first.index("")]
+            refused.wait(30)
+            err = refused.stderr.read()
+            assert refused.returncode != 0 and "rank 0 is read by two processes at once" in err \
+                and "LOCAL_RANK" in err, err
+            served = procs[first.index("0")]
+            served.stdin.write("next\n")
+            served.stdin.flush()
+            assert served.stdout.readline().strip() == "1"
         finally:
-            a_handle.close()
-            b_handle.close()
+            for p in procs:
+                p.kill()
+                p.wait(10)
 
 
 def test_consumed_step_counts_only_returned_steps(corpus):
@@ -260,8 +259,19 @@ def test_connect_by_name_and_errors(corpus):
         with DataService.connect(addr, "named") as other:
             b = next(other.reader(1))
             assert b.step == 0 and b.rank == 1
-            with pytest.raises(ValueError, match="rank 2 is outside"):
+            with pytest.raises(ValueError, match=r"rank 2 is outside \[0, 2\): service 'named' "
+                                                 r"is laid out for 2 ranks \(dp=2 tp=1"):
                 other.reader(2)
+            # a job of another size (torchrun's WORLD_SIZE) is told at once: a smaller one
+            # read a round, then each rank waited out its timeout for ranks that never came
+            # (a review of a torchrun job)
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("WORLD_SIZE", "3")
+                with pytest.raises(ValueError, match=r"rank 0: service 'named' is laid out for "
+                                                     r"2 ranks \(dp=2 .*WORLD_SIZE is 3"):
+                    other.reader(0)
+                env.setenv("WORLD_SIZE", "2")
+                assert other.reader(0).rank == 0
         # rank 0 alone can read up to prefetch steps; then it waits for rank 1 no longer
         # than its timeout and says what it waited for
         r0 = svc.reader(0, timeout=2)

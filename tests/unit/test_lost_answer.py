@@ -10,6 +10,7 @@ import concurrent.futures
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -76,6 +77,7 @@ class _Link:
         self.constructors = [_Handle(con, "con-0")]
         self.handles = (0, self.constructors)
         self.claims = 0
+        self.client = SimpleNamespace(id="Client-of-the-test")  # (a reader names it)
 
     def on_new_generation(self, listener: Any) -> None:
         pass
