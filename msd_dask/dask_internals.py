@@ -236,9 +236,13 @@ def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
 
 async def client_connected(client_id: str) -> bool:
     """Whether the client ``client_id`` is connected, asked of the scheduler from inside a
-    worker (an actor's method; :func:`has_client` run there through the scheduler's
-    ``run_function`` handler, as ``Client.run_on_scheduler`` runs it).  ``True`` where the
-    scheduler cannot be asked (then nothing is taken from a process that may be there)."""
+    worker (an actor's method).  ``True`` where the scheduler cannot be asked (then
+    nothing is taken from a process that may be there).
+
+    Relies on the scheduler's ``run_function`` handler, which ``Client.run_on_scheduler``
+    calls (a pickled function and arguments; the answer ``{"status": "OK", "result"}``),
+    reached through the worker's ``scheduler`` RPC, and on :func:`has_client`.
+    """
     import pickle
 
     from distributed import get_worker
