@@ -365,8 +365,9 @@ class Reader:
         #: the service's current planner generation (see :class:`ServiceLink`)
         self.link = link
         self.rank = rank
-        #: this process and its Dask client, as a claim names them (:func:`claimant_of`)
-        self._claimant = claimant_of(link.client.id)
+        #: this process and its Dask client, as a claim names them (:func:`claimant_of`;
+        #: made at the first claim)
+        self._claimant: str | None = None
         #: every rank this reader reads for (``rank`` first)
         self.ranks = [rank, *(r for r in also if r != rank)]
         self.coords = coords
@@ -575,6 +576,8 @@ class Reader:
                     poll = min(POLL, max(0.1, deadline - time.monotonic()))
                     returned = self._returned_through()
                     told = {} if returned is None else {"returned": returned}
+                    if self._claimant is None:
+                        self._claimant = claimant_of(self.link.client.id)
                     call = self.link.send(constructor, DataConstructor.next_round_packed,
                                           self.rank, self._done(), self._view,
                                           report_after=self.report_after, wait=poll,
