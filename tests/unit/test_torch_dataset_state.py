@@ -205,9 +205,11 @@ def test_closing_while_the_prefetch_thread_waits_for_a_step_is_prompt(service: _
     next ``iter()`` was refused behind the agent; a review).  The reader is closed as soon
     as the thread is found waiting, which ends its wait, and no step is lost."""
     ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=2)
+    # (set before the reads: the prefetch thread may take step 3 as soon as step 1 is
+    # handed out, which in a process at a lower priority it did, before the stall was set)
+    service.stall_at = 3
     it = iter(ds)
     assert [next(it)["step"] for _ in range(2)] == [0, 1]
-    service.stall_at = 3
     assert wait_until(lambda: service.served == 2, 5)  # (step 2 taken; it waits for step 3)
     time.sleep(0.1)
     t0 = time.monotonic()
