@@ -903,11 +903,11 @@ def test_jsonl_truncated_gzip_is_data_error(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize("name, content", [
-    ("empty.jsonl", b""), ("blank.jsonl", b"\n \n"), ("empty.jsonl.gz", gzip.compress(b"")),
+    ("empty.jsonl", b""), ("blank.jsonl", b"\n \n"), ("empty.jsonl.gz", gzip.compress(b"", mtime=0)),
     ("empty.jsonl.zst", zstandard.ZstdCompressor().compress(b"")), ("zero.jsonl.zst", b""),
     ("empty.jsonl.bz2", bz2.compress(b"")), ("zero.jsonl.bz2", b""),
     ("empty.jsonl.xz", lzma.compress(b"")), ("zero.jsonl.xz", b""),
-])
+], ids=lambda v: v if isinstance(v, str) else "")  # (the suite's two processes collect alike)
 def test_jsonl_empty_files_have_no_rows(tmp_path: Any, name: str, content: bytes) -> None:
     assert _rows(_jsonl_file(tmp_path, content, name)) == []
 
