@@ -40,7 +40,6 @@ import os
 import secrets
 import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,10 +57,10 @@ from msd_dask.service.agent_client import (
     AGENT_SOCKET,
     BLOCK_PREFIX,
     HEADER,
-    PEER_CREDS,
     SHM_DIR,
     check_socket_path,
     frame,
+    peer_creds,
 )
 
 __all__ = [
@@ -573,15 +572,8 @@ def _peer_pid(writer: asyncio.StreamWriter) -> int | None:
     Linux); ``None`` where that is unknown: another system, or a process in a pid
     namespace the agent does not see (its pid reads 0)."""
     sock = writer.get_extra_info("socket")
-    option = getattr(socket, "SO_PEERCRED", None)
-    if sock is None or option is None:
-        return None
-    try:
-        pid = int(PEER_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, option,
-                                                     PEER_CREDS.size))[0])
-    except (OSError, struct.error):
-        return None
-    return pid if pid > 0 else None
+    creds = None if sock is None else peer_creds(sock)
+    return creds[0] if creds is not None and creds[0] > 0 else None
 
 
 def _alive(pid: int) -> bool:

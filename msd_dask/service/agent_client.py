@@ -251,7 +251,8 @@ def _dial(path: str, timeout: float, what: str) -> socket.socket:
             f"{what}: no msd-dask agent answers at {path} ({type(e).__name__}: {e}); is "
             f"`msd-dask agent` running on this host? ({AGENT_ENV} names its socket; unset it "
             "to read without the agent)") from None
-    uid = peer_uid(sock)
+    creds = peer_creds(sock)
+    uid = None if creds is None else creds[1]
     if uid is not None and uid not in trusted_uids():
         sock.close()
         raise ServiceError(
@@ -267,20 +268,22 @@ def _dial(path: str, timeout: float, what: str) -> socket.socket:
 AGENT_UID_ENV = "MSD_DASK_AGENT_UID"
 
 #: ``struct ucred`` of ``SO_PEERCRED`` (Linux): the peer's pid, uid and gid
-PEER_CREDS = struct.Struct("iII")
+_PEER_CREDS = struct.Struct("iII")
 
 
-def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a connected Unix socket
-    (``SO_PEERCRED``, Linux); ``None`` where that is unknown."""
+def peer_creds(sock: socket.socket) -> tuple[int, int, int] | None:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket
+    (``SO_PEERCRED``, Linux); ``None`` where that is unknown (another system).  The agent
+    reads the pid of each rank's process, a rank the uid of the agent's."""
     option = getattr(socket, "SO_PEERCRED", None)
     if option is None:
         return None
     try:
-        return int(PEER_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, option,
-                                                     PEER_CREDS.size))[1])
+        pid, uid, gid = _PEER_CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, option,
+                                                          _PEER_CREDS.size))
     except (OSError, struct.error):
         return None
+    return int(pid), int(uid), int(gid)
 
 
 def trusted_uids() -> set[int]:
