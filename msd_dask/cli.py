@@ -606,6 +606,8 @@ def _watch_agent(svc: Any, agent: HostAgent, address: str, done: threading.Event
     the service closed by its owner or stopped.  It kept serving on: a
     rank waiting then was told only, at its timeout, that the agent waited for its step,
     the cause in the agent's log (a review); ``msd-dask serve`` exits so too."""
+    from msd_dask.errors import CLOSED_NOTICES
+
     since: float | None = None  # (when the client was first seen not connected)
     while not done.wait(WATCH_EVERY):
         status = svc.client.status
@@ -616,11 +618,11 @@ def _watch_agent(svc: Any, agent: HostAgent, address: str, done: threading.Event
                    "job from its last checkpoint once the service runs again")
         elif svc.link.failed:
             why = f"the service failed: {svc.link.failed}"
-        elif agent.service_closed:
-            # (it answered every rank so, and kept the socket from the agent of the
-            # service's next run; a review)
-            why = (f"{agent.service_closed}; start an agent for the service's next run "
-                   "(msd-dask serve --resume)")
+        elif svc.link.closed and svc.link.notice in CLOSED_NOTICES:
+            # (a group's reader told so closes the link; the agent answered every rank so,
+            # and kept the socket from the agent of the service's next run; a review)
+            why = (f"service {svc.name!r}: {svc.link.notice}; start an agent for the "
+                   "service's next run (msd-dask serve --resume)")
         else:
             continue
         failure.append(why)

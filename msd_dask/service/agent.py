@@ -51,7 +51,7 @@ import numpy as np
 
 from msd_dask.batch import reader_state
 from msd_dask.core.config import Config
-from msd_dask.errors import CLOSED_NOTICES, TRIAL_HINT, ServiceError, ServiceTimeoutError
+from msd_dask.errors import TRIAL_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
 from msd_dask.service.agent_client import (
     AGENT_SOCKET,
@@ -699,9 +699,6 @@ class HostAgent:
         self._stop_requested = False
         #: why the agent stops, told to the ranks waiting then (:meth:`stop`)
         self.stop_reason: str | None = None
-        #: the notice of a group's reader that found the service closed by its owner or
-        #: stopped: it serves no one again (``msd-dask agent`` exits on it)
-        self.service_closed: str | None = None
         # (re-entrant: msd-dask agent's signal handler calls stop() in the main thread,
         # which may be inside serve()'s locked section when the signal comes)
         self._stop_lock = threading.RLock()
@@ -1267,8 +1264,6 @@ class HostAgent:
         except Exception as e:  # noqa: BLE001 - told to every rank of the group that asks
             kind = "timeout" if isinstance(e, ServiceTimeoutError | TimeoutError) else "error"
             _log.error("msd-dask agent: reading ranks %s failed: %s", g.ranks, e)
-            if isinstance(e, ServiceError) and any(n in str(e) for n in CLOSED_NOTICES):
-                self.service_closed = str(e)
             async with g.changed:
                 g.error = (str(e) if isinstance(e, _WriteFailed) else
                            f"the agent at {self.path} could not read ranks {g.ranks}: "
