@@ -316,12 +316,12 @@ def _report_dropped(link: ServiceLink, c: int, rank: int, ranks: list[int],
         reports.append(call)
 
 
-def claimant_of(client_id: str) -> str:
-    """``host:pid|client id``: the process a reader's claims come from, and its Dask client
-    (:meth:`~msd_dask.roles.constructor.DataConstructor.next_round`'s ``claimant``)."""
+def claimant_of(client_id: str) -> tuple[str, str]:
+    """``("host:pid", client id)``: the process a reader's claims come from, and its Dask
+    client (:meth:`~msd_dask.roles.constructor.DataConstructor.next_round`'s ``claimant``)."""
     import socket
 
-    return f"{socket.gethostname()}:{os.getpid()}|{client_id}"
+    return f"{socket.gethostname()}:{os.getpid()}", client_id
 
 
 class Reader:
@@ -367,7 +367,7 @@ class Reader:
         self.rank = rank
         #: this process and its Dask client, as a claim names them (:func:`claimant_of`;
         #: made at the first claim)
-        self._claimant: str | None = None
+        self._claimant: tuple[str, str] | None = None
         #: every rank this reader reads for (``rank`` first)
         self.ranks = [rank, *(r for r in also if r != rank)]
         self.coords = coords

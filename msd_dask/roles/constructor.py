@@ -403,13 +403,12 @@ async def _reading(loader: Any) -> str:
     return f"; it is reading {r['path']} (epoch {r['epoch']}) for {r['seconds']:.0f}s"
 
 
-def two_readers(rank: int, holder: str, claimant: str) -> str:
-    """What a reader is told whose rank another connected process reads
-    (:meth:`DataConstructor.next_round`)."""
-    held, client = holder.split("|", 1)
-    return (f"rank {rank} is read by two processes at once: process {held} (Dask client "
-            f"{client}) took its last round and is still connected, and this process "
-            f"({claimant.split('|', 1)[0]}) asked for it again; each rank is read by one "
+def two_readers(rank: int, holder: tuple[str, str], process: str) -> str:
+    """What a reader of ``process`` is told whose rank another connected process reads
+    (:meth:`DataConstructor.next_round`; ``holder``: that one's process and client)."""
+    return (f"rank {rank} is read by two processes at once: process {holder[0]} (Dask client "
+            f"{holder[1]}) took its last round and is still connected, and this process "
+            f"({process}) asked for it again; each rank is read by one "
             "process (is RANK computed from LOCAL_RANK, or does an earlier process of this "
             "rank still run?).  Once that process is gone this rank is served again from its "
             "last state")
@@ -490,9 +489,10 @@ class DataConstructor:
         #: shows it has them (its next claim, report or ``mark_had``): a claim that says
         #: less (the answer was lost on its way) is answered the same round again
         self._last_round: dict[int, tuple[list[int], list[dict[str, Any]]]] = {}
-        #: per rank: the Dask client whose reader took its last round (:meth:`next_round`'s
-        #: ``claimant``), sent again only to it, or once it is gone
-        self._round_holder: dict[int, str] = {}
+        #: per rank: the process and Dask client whose reader took its last round
+        #: (:meth:`next_round`'s ``claimant``), sent again to another process only once
+        #: that client is gone
+        self._round_holder: dict[int, tuple[str, str]] = {}
         #: per rank: its claims so far; a claim still waiting when a newer one of the rank
         #: came takes no round (its reader gave up on it: its answer would go nowhere)
         self._claims: dict[int, int] = {}
@@ -786,7 +786,7 @@ class DataConstructor:
                          report_after: float | None = None, wait: float = POLL,
                          ranks: list[int] | None = None,
                          returned: int | None = None,
-                         claimant: str | None = None) -> dict[str, Any] | None:
+                         claimant: Sequence[str] | None = None) -> dict[str, Any] | None:
         """Global ``rank``'s next round: the batches of its steps after ``done``.
 
         Waits up to ``wait`` seconds for a round to be posted to the rank; ``None``
@@ -825,7 +825,7 @@ class DataConstructor:
         this actor the ranks returned every step before the round (a reader claims a
         round once it returned the one before).
 
-        ``claimant``: the reader's process and Dask client, ``host:pid|client id``
+        ``claimant``: the reader's process and Dask client, ``("host:pid", client id)``
         (:func:`~msd_dask.reader.claimant_of`).  The last round is sent again to another
         process only once the client of the one that took it is gone (a restarted rank):
         while it is connected, the claim is answered ``{"error": ...}`` naming both (a
@@ -837,6 +837,8 @@ class DataConstructor:
         from msd_dask.core.mesh import view_for_rank
 
         rank = int(rank)
+        # (a list when the call came as a message)
+        holding = None if claimant is None else (str(claimant[0]), str(claimant[1]))
         others = [int(r) for r in ranks or () if int(r) != rank]
         done = max(int(done), self._had.get(rank, -1))  # what it told this actor it has
         deadline = time.monotonic() + wait
@@ -866,14 +868,14 @@ class DataConstructor:
             again = self._lost_round(rank, done)
             if again is not None:
                 holder = self._round_holder.get(rank)
-                if (claimant is not None and holder is not None
-                        and holder.rpartition("|")[0] != claimant.rpartition("|")[0]
-                        and await client_connected(holder.rpartition("|")[2])):
-                    return {"error": two_readers(rank, holder, claimant), "g": self.generation}
+                if (holding is not None and holder is not None and holder[0] != holding[0]
+                        and await client_connected(holder[1])):
+                    return {"error": two_readers(rank, holder, holding[0]),
+                            "g": self.generation}
                 steps, batches = again
                 self._check_open()
-                if claimant is not None:
-                    self._round_holder[rank] = claimant
+                if holding is not None:
+                    self._round_holder[rank] = holding
                 self.rounds_resent += 1
                 return {"steps": steps, "g": self.generation,
                         "payloads": [to_wire(view_for_rank(b, *view)) for b in batches]}
@@ -916,8 +918,8 @@ class DataConstructor:
                     batches.append(batch)
                     payloads.append(to_wire(view_for_rank(batch, *view)))
                 self._last_round[rank] = (steps, batches)
-                if claimant is not None:
-                    self._round_holder[rank] = claimant
+                if holding is not None:
+                    self._round_holder[rank] = holding
                 self.batches_sent += len(payloads)
                 for r in others:
                     self._drop_posted(r, steps[-1])
@@ -940,7 +942,7 @@ class DataConstructor:
                                 report_after: float | None = None, wait: float = POLL,
                                 ranks: list[int] | None = None,
                                 returned: int | None = None,
-                                claimant: str | None = None) -> bytes:
+                                claimant: Sequence[str] | None = None) -> bytes:
         """:meth:`next_round`'s answer pickled into one ``bytes``: what a reader asks for.
 
         A Dask message measures the size of every object of an answer and serialises
