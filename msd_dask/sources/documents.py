@@ -688,21 +688,14 @@ def _tokenize(src: SourceConfig, rec: dict[str, Any],
                             f"{type(text).__name__}, not str or None",
                             source=src.name, path=path, row=row)
     try:
-        ids = tokenizer.encode(text)
+        return tokenizer.encode(text)
     except (UnicodeError, TypeError, ValueError) as e:
         # e.g. a lone surrogate ("\ud800" is valid JSON, not UTF-8): the byte tokenizer
-        # raises UnicodeEncodeError, a Hugging Face one TypeError (its other failures, a
-        # Rust panic among them, fail the unit: SourceLoader names its file)
+        # raises UnicodeEncodeError, a Hugging Face one TypeError, or ValueError for a text
+        # that encodes to its image id (its other failures, a Rust panic among them, fail
+        # the unit: SourceLoader names its file)
         raise DataError(f"field '{src.text_field}' could not be tokenized: "
                         f"{type(e).__name__}: {e}", source=src.name, path=path, row=row) from e
-    image = tokenizer.image_id
-    # (the tokenizer refuses an image id a text encodes to; a text that still does would
-    # give its batch more image tokens than patches)
-    if image is not None and (ids[:-1] == image).any():
-        raise DataError(f"field '{src.text_field}' encodes to the image token id {image} "
-                        "(tokenizer.image_token_id): each image token stands for an image "
-                        "patch", source=src.name, path=path, row=row)
-    return ids
 
 
 def _users_failure(e: BaseException) -> bool:

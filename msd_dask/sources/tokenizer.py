@@ -167,6 +167,13 @@ class HFTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         out = np.empty(len(ids) + 1, dtype=np.int32)
         out[:-1] = ids
+        # (the image id is refused where a text can encode to it, _check_image_id; a text
+        # that still does, a special token's text that is a word of the vocabulary too,
+        # would give its batch more image tokens than patches: that document is bad input)
+        if self.image_id is not None and (out[:-1] == self.image_id).any():
+            raise ValueError(f"the text encodes to the image token id {self.image_id} "
+                             "(tokenizer.image_token_id): each image token stands for an "
+                             "image patch")
         out[-1] = self.eod_id
         return out
 

@@ -275,17 +275,23 @@ def test_a_text_of_no_tokens_is_dropped_not_a_one_token_document(corpus, tmp_pat
 
 def test_a_text_that_encodes_to_the_image_id_is_bad_input_naming_its_row(tmp_path):
     """The backstop behind the tokenizer's check: a tokenizer whose text still gives the
-    image id (here one that takes byte ``a`` for it) makes that document bad input, named
-    by its row, not a batch with more image tokens than patches."""
+    image id (here a special token's text that is a word of the vocabulary too, under a
+    pre-tokenizer that keeps it whole) makes that document bad input, named by its row,
+    not a batch with more image tokens than patches."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    class Clashing(ByteTokenizer):
-        image_id = ord("a")
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "dog": 2, "cat": 3, "<img>": 97}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.add_special_tokens(["<img>"])
+    raw.save(str(tmp_path / "clash.json"))
+    tok = HFTokenizer(str(tmp_path / "clash.json"), image_token_id=97)  # (special: taken)
 
-    (tmp_path / "d.jsonl").write_text('{"text": "dog"}\n{"text": "cat"}\n')
+    (tmp_path / "d.jsonl").write_text('{"text": "dog"}\n{"text": "cat <img>"}\n')
     cfg = load_config({"name": "clash", "parallel": {"dp": 1}, "batch": {"seq_len": 16},
                        "sources": [{"name": "s", "uri": str(tmp_path / "d.jsonl"),
                                     "format": "jsonl"}]})
     fs, units = source_units(cfg.sources[0])
     with pytest.raises(DataError, match=r"encodes to the image token id 97.*row 1|row 1.*"
                                         r"encodes to the image token id 97"):
-        read_unit(cfg.sources[0], fs, units[0], Clashing())
+        read_unit(cfg.sources[0], fs, units[0], tok)
