@@ -279,6 +279,11 @@ def resolve_import_path(spec: str) -> Any:
     return obj
 
 
+#: the most observations ``cost.prior_weight`` may count the starting model as: beyond, the
+#: fit could never move from it (``fit: false`` says that), and its sums overflow near 1e300
+MAX_PRIOR_WEIGHT = 1e9
+
+
 @dataclass(frozen=True)
 class CostConfig:
     """Per-document cost ``linear·L + quadratic·L²`` (see :mod:`msd_dask.core.cost`).
@@ -907,7 +912,9 @@ def _parse(d: Any) -> Config:
     fit = cost.get("fit", CostConfig.fit)
     if not isinstance(fit, bool):
         raise ConfigError("cost.fit", f"must be true or false, got {fit!r}")
-    prior_weight = _num(cost, "prior_weight", "cost", CostConfig.prior_weight)
+    # (near 1e300 the fit's sums overflowed, a warning and a model of NaNs' making; a review)
+    prior_weight = _num(cost, "prior_weight", "cost", CostConfig.prior_weight,
+                        hi=MAX_PRIOR_WEIGHT)
     shape = cost.get("model")
     if shape is None:
         cost_cfg = CostConfig(

@@ -95,12 +95,20 @@ def make_state(cfg: Any, step: int, planner: dict[str, Any],
     state = {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
              "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
              "shuffle_window": {s.name: s.shuffle_window for s in cfg.sources},
-             "reading": reading(cfg), "step": int(step), "planner": planner}
+             "reading": reading(cfg), "weights": config_weights(cfg), "step": int(step),
+             "planner": planner}
     if units is not None:
         state["units"] = {k: int(v) for k, v in units.items()}
     if tokenizer is not None:
         state["tokenizer_sha256"] = tokenizer
     return state
+
+
+def config_weights(cfg: Any) -> dict[str, Any]:
+    """Each source's ``weight`` as the config writes it (a number or a schedule's points),
+    which a state records so that a resume under other weights is said
+    (:func:`resume_notes`)."""
+    return {s.name: s.weight.to_yaml() for s in cfg.sources}
 
 
 def kept_states(cfg: Any) -> int:
@@ -292,6 +300,16 @@ def resume_notes(cfg: Any, state: Mapping[str, Any]) -> list[str]:
                      f"{cfg.cost.linear:g}, quadratic {cfg.cost.quadratic:g}): the steps after "
                      "the state are planned as they were (start without resume to plan with "
                      "the config's)")
+    # (a state of a version that did not record them: nothing said)
+    was = state.get("weights")
+    if isinstance(was, dict):
+        now = config_weights(cfg)
+        changed = [f"sources[{i}].weight {was[name]!r} -> {now[name]!r} (source {name!r})"
+                   for i, name in enumerate(now) if name in was and was[name] != now[name]]
+        if changed:
+            notes.append(f"resume: the config changes the mix from step {int(state['step']) + 1} "
+                         f"on: {'; '.join(changed)} (the steps up to the state's were planned with "
+                         "the state's)")
     overrides = planner.get("overrides") or []
     if overrides:
         start, weights = overrides[-1]

@@ -113,6 +113,26 @@ def test_what_the_state_keeps_over_the_config_is_said() -> None:
     assert "live weight change of step 3" in note and "stays in force" in note
 
 
+def test_a_weight_the_config_changed_on_resume_is_said() -> None:
+    """A config whose weights changed was resumed under them without a word, where a changed
+    cost model is said (a review): the state records the config's weights, and the note
+    names each changed source's key, both weights and the step from which they apply.  A
+    state of a version that did not record them gets no note."""
+    import json
+
+    from msd_dask.roles.planner import resume_notes
+
+    state = json.loads(json.dumps(_state()))  # (as a checkpoint file gives it back)
+    assert resume_notes(_cfg(), state) == []
+    schedule = [{"until": 100, "weight": 0.9}, {"weight": 0.1}]
+    (note,) = resume_notes(_cfg(source_b={"weight": schedule}), state)
+    assert note.startswith("resume: the config changes the mix from step 1 on: ")
+    assert "sources[1].weight 0.5 -> [{'until': 100, 'weight': 0.9}, {'weight': 0.1}] " \
+           "(source 'b')" in note and "sources[0]" not in note
+    del state["weights"]
+    assert resume_notes(_cfg(source_b={"weight": 0.9}), state) == []
+
+
 def test_the_tokenizers_file_and_credentials_are_not_recorded() -> None:
     """The state recorded the tokenizer's storage_options: credentials written into every
     state, and a resume refused once they rotated (a review of this change)."""
