@@ -247,11 +247,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+#: how long ``stats`` and ``set-weights`` try to reach the scheduler at least (more with a
+#: longer ``--wait``): a mistyped or unreachable address is said in seconds, not in Dask's
+#: 30 s connect timeout whatever ``--wait`` said (a review)
+SCHEDULER_WAIT = 5.0
+
+
 def _wait_option(p: argparse.ArgumentParser) -> None:
     """``--wait``: how long a command for a running service waits for it to appear."""
     p.add_argument("--wait", metavar="SECONDS", type=_non_negative, default=0.0,
-                   help="seconds to wait for the service to start (default 0: it must be "
-                        "running; else the error names the services that are)")
+                   help="seconds to wait for the scheduler and the service to start "
+                        f"(default 0: the service must be running, else the error names the "
+                        f"services that are; the scheduler is tried for {SCHEDULER_WAIT:g} s "
+                        "at least)")
+
+
+def _connect_within(args: argparse.Namespace) -> Any:
+    """The handle of ``args.name`` for a command with :func:`_wait_option`: the scheduler
+    tried for ``--wait`` seconds (at least :data:`SCHEDULER_WAIT`), then the service
+    waited for ``--wait``."""
+    from msd_dask.service import DataService
+
+    return DataService.connect(args.scheduler, args.name, security=_security(args), agent=False,
+                               timeout=max(args.wait, SCHEDULER_WAIT), wait=args.wait)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -526,16 +544,13 @@ def _scheduler_answers(client: Any) -> bool:
 
 
 def _set_weights(args: argparse.Namespace) -> int:
-    from msd_dask.service import DataService
 
     names = [n for n, _ in args.weights]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # (as a config refuses a key given twice)
         raise ValueError(f"source(s) {twice} given twice: give each source once")
     weights = dict(args.weights)
-    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False,
-                              wait=args.wait)
-    with svc:
+    with _connect_within(args) as svc:
         step = svc.set_weights(weights, args.from_step)
         unnamed = [s.name for s in svc.config.sources if s.name not in weights]
         mix = {s.name: weights.get(s.name, 0.0) for s in svc.config.sources}
@@ -554,10 +569,8 @@ def _stop(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     from msd_dask.core.figures import brief_stats
-    from msd_dask.service import DataService
 
-    with DataService.connect(args.scheduler, args.name, security=_security(args),
-                             agent=False, wait=args.wait) as svc:
+    with _connect_within(args) as svc:
         stats = svc.stats()
     print(json.dumps(stats if args.ranks else brief_stats(stats), indent=2, default=str))
     return 0

@@ -81,3 +81,27 @@ def test_connect_to_a_service_that_never_starts_says_so(tmp_path):
         with pytest.raises(ServiceError, match="no service named 'absent'.*after 2s"):
             DataService.connect(cluster["address"], "absent", timeout=2)
         assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("wait", [None, 7.0])
+def test_stats_against_an_unreachable_scheduler_says_so_within_its_wait(wait):
+    """``msd-dask stats`` against a scheduler nobody runs took Dask's 30 s connect timeout
+    whatever ``--wait`` said (a review): it tries the scheduler for ``--wait`` seconds, at
+    least ``SCHEDULER_WAIT``, and says so in one line."""
+    import socket
+    import subprocess
+
+    from msd_dask.cli import SCHEDULER_WAIT
+
+    with socket.socket() as s:  # a port nothing listens on (bound, not listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        argv = [sys.executable, "-m", "msd_dask.cli", "stats", "x", "--scheduler",
+                f"tcp://127.0.0.1:{port}"] + ([] if wait is None else ["--wait", str(wait)])
+        t = time.monotonic()
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t
+    within = SCHEDULER_WAIT if wait is None else wait
+    assert done.returncode == 2, done.stderr
+    assert f"after {within:g} s" in done.stderr.strip().splitlines()[-1], done.stderr
+    assert within <= took < within + 15, took
