@@ -53,9 +53,18 @@ def _tls_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", metavar="PEM", help="this client's private key file")
 
 
+#: the attributes :func:`_tls_options` gives the parsed arguments, in their options' order
+_TLS_ARGS = ("tls_ca_file", "tls_cert", "tls_key")
+
+
+def _tls_given(args: argparse.Namespace) -> list[Any]:
+    """The TLS options' values (``None`` where not given)."""
+    return [getattr(args, k, None) for k in _TLS_ARGS]
+
+
 def _security(args: argparse.Namespace) -> Any:
     """A ``distributed.security.Security`` from the TLS options, ``None`` without them."""
-    given = [getattr(args, k, None) for k in ("tls_ca_file", "tls_cert", "tls_key")]
+    given = _tls_given(args)
     if not any(given):
         return None
     if not all(given):
@@ -358,7 +367,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.scheduler and args.workers is not None:
         raise ValueError("--workers sizes the embedded cluster; with --scheduler the "
                          "scheduler's workers serve (size that cluster instead)")
-    if not args.scheduler and any(getattr(args, k, None) for k in ("tls_ca_file", "tls_cert", "tls_key")):
+    if not args.scheduler and any(_tls_given(args)):
         # (a client's certificate alone cannot start a cluster: it failed deep in Dask)
         raise ValueError("--tls-* are a client's credentials for a --scheduler started with "
                          "dask's --tls-* options; the embedded cluster (no --scheduler) "
