@@ -79,7 +79,7 @@ def _security(args: argparse.Namespace) -> Any:
 
 
 AGENT_EPILOG = """example, on each node of a torchrun job with 8 GPUs per node:
-  export MSD_DASK_AGENT=/tmp/msd-dask-agent-demo.sock
+  export MSD_DASK_AGENT=/tmp/msd-dask-$(id -u)/agent-demo.sock
   msd-dask agent --scheduler tcp://head:8786 --name demo \\
       --ranks $((NODE_RANK*8))-$((NODE_RANK*8+7)) --socket $MSD_DASK_AGENT > agent.log 2>&1 &
   AGENT=$!
@@ -92,7 +92,8 @@ AGENT_EPILOG = """example, on each node of a torchrun job with 8 GPUs per node:
 With MSD_DASK_AGENT set, DataService.connect(address, name).reader(rank) reads
 from the agent (no Dask client in the training process).  SIGTERM or Ctrl-C
 stops the agent: it frees its shared memory and removes its socket.  Its socket
-is --socket, or by default /tmp/msd-dask-agent-NAME.sock (NAME: --name).
+is --socket, or by default /tmp/msd-dask-UID/agent-NAME.sock (UID: the user's
+id, a folder the agent makes with mode 0700; NAME: --name).
 """
 
 
@@ -588,11 +589,11 @@ def _stats(args: argparse.Namespace) -> int:
 def _agent(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
     from msd_dask.service.agent import HostAgent, parse_ranks
-    from msd_dask.service.agent_client import AGENT_ENV, AGENT_SOCKET, check_socket_path
+    from msd_dask.service.agent_client import AGENT_ENV, check_socket_path, default_socket
 
     ranks = parse_ranks(args.ranks)
     # (a socket path too long for a Unix socket is refused before the service is connected)
-    check_socket_path(args.socket or AGENT_SOCKET.format(name=args.name), args.name)
+    check_socket_path(args.socket or default_socket(args.name), args.name)
     svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
     with svc:
         agent = HostAgent.for_service(svc, ranks, args.socket, prefetch=args.prefetch,

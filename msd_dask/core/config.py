@@ -881,7 +881,7 @@ def _parse(d: Any) -> Config:
     _check_keys(d, "", _names(Config), {"name", "sources", "batch"})
     name = _str(d, "name", "")
     if "/" in name or "\0" in name or name != name.strip():
-        # (it names files: the host agent's socket, /tmp/msd-dask-agent-NAME.sock; and a
+        # (it names files: the host agent's socket, /tmp/msd-dask-UID/agent-NAME.sock; and a
         # name with spaces around it is not the one `msd-dask stats NAME` is given)
         raise ConfigError("name", "must hold no '/' and no NUL, nor start or end with "
                           f"blanks, got {name!r}")

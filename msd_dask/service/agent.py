@@ -54,11 +54,12 @@ from msd_dask.core.config import Config
 from msd_dask.errors import TRIAL_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
 from msd_dask.service.agent_client import (
-    AGENT_SOCKET,
+    AGENT_ENV,
     BLOCK_PREFIX,
     HEADER,
     SHM_DIR,
     check_socket_path,
+    default_socket,
     frame,
     peer_creds,
 )
@@ -637,6 +638,31 @@ def _in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     return fut
 
 
+def own_folder(path: str) -> None:
+    """Make ``path`` a folder of this user's own (mode 0700) if it is not there; refuse one
+    another user owns, one other users may enter or write to, and anything not a folder
+    (a symbolic link, say), naming it: the folder of the agent's default socket
+    (:func:`~msd_dask.service.agent_client.default_socket`) is in ``/tmp``, where anyone
+    could have made it first."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    why = None
+    if not stat.S_ISDIR(st.st_mode):
+        why = "is not a folder"
+    elif st.st_uid != os.getuid():
+        why = f"belongs to user id {st.st_uid}, not to this process's ({os.getuid()})"
+    elif st.st_mode & 0o077:
+        why = (f"has mode {stat.S_IMODE(st.st_mode):o}: other users may use it (chmod 700 "
+               "it if it is yours)")
+    if why is not None:
+        raise ServiceError(f"{path}, the folder of the agent's default socket, {why}; pass "
+                           f"--socket a path in a folder of your own, and name it in "
+                           f"{AGENT_ENV} for the ranks")
+
+
 class HostAgent:
     """Serves a host's ranks their batches from one connection to the service.
 
@@ -728,7 +754,7 @@ class HostAgent:
             return AgentGroupReader(service.link, first, timeout=wait, also=others)
 
         return cls(service.name, cfg, ranks, open_reader,
-                   path or AGENT_SOCKET.format(name=service.name), prefetch=prefetch,
+                   path or default_socket(service.name), prefetch=prefetch,
                    timeout=wait, state=service.state_dict)
 
     # ------------------------------------------------------------ serving
@@ -806,6 +832,8 @@ class HostAgent:
         time, under a lock on ``<path>.lock`` (left in place: removing it would let two
         agents lock two files).
         """
+        if self.path == default_socket(self.name):
+            own_folder(os.path.dirname(self.path))
         with self._path_lock():
             return self._bind_locked()
 

@@ -72,6 +72,7 @@ __all__ = [
     "agent_path",
     "check_socket_path",
     "connect_agent",
+    "default_socket",
     "frame",
     "read_block",
     "recv",
@@ -81,8 +82,12 @@ __all__ = [
 #: the environment variable naming the agent's socket: set, ``DataService.connect``
 #: reads through the agent (no Dask client in the training process)
 AGENT_ENV = "MSD_DASK_AGENT"
-#: the agent's socket by default, from the service's name
-AGENT_SOCKET = "/tmp/msd-dask-agent-{name}.sock"
+#: the agent's socket by default, from the user's id and the service's name
+#: (:func:`default_socket`): in a folder of the user's own, which the agent makes with mode
+#: 0700 and refuses if another user owns it or may write to it (as tmux's
+#: ``/tmp/tmux-UID``): in ``/tmp`` itself another user's process could bind the path
+#: first and keep the agent from starting
+AGENT_SOCKET = "/tmp/msd-dask-{uid}/agent-{name}.sock"
 #: the prefix of the agent's shared memory blocks (``/dev/shm/`` on Linux), then its pid
 BLOCK_PREFIX = "msd-agent-"
 #: where POSIX shared memory blocks are files (Linux)
@@ -96,6 +101,12 @@ ANSWER_MARGIN = 10.0
 MAX_SOCKET_PATH = 107 if sys.platform.startswith("linux") else 103
 
 
+def default_socket(name: str) -> str:
+    """The agent socket of service ``name`` by default for this process's user
+    (:data:`AGENT_SOCKET`)."""
+    return AGENT_SOCKET.format(uid=os.getuid(), name=name)
+
+
 def check_socket_path(path: str, name: str | None = None) -> str:
     """``path`` if a Unix domain socket may have it, else a ``ValueError`` naming it, its
     length and the limit (:data:`MAX_SOCKET_PATH`).
@@ -103,14 +114,14 @@ def check_socket_path(path: str, name: str | None = None) -> str:
     Checked before anything is connected: a path too long failed only once the agent had
     connected to the service (``AF_UNIX path too long``, no path, no limit, and its
     ``<path>.lock`` left behind), and a rank took it for an agent not running (a review).
-    ``name``: the service, to say so when ``path`` is its default (:data:`AGENT_SOCKET`).
+    ``name``: the service, to say so when ``path`` is its default (:func:`default_socket`).
     """
     size = len(os.fsencode(path))
     if size <= MAX_SOCKET_PATH:
         return path
     default = ""
-    if name is not None and path == AGENT_SOCKET.format(name=name):
-        room = MAX_SOCKET_PATH - len(os.fsencode(AGENT_SOCKET.format(name="")))
+    if name is not None and path == default_socket(name):
+        room = MAX_SOCKET_PATH - len(os.fsencode(default_socket("")))
         default = (f" (the default socket path of service {name!r}: one of a name longer "
                    f"than {room} bytes is too long)")
     raise ValueError(f"the agent's socket path {path} is {size} bytes long{default}; a Unix "
@@ -121,7 +132,7 @@ def check_socket_path(path: str, name: str | None = None) -> str:
 def agent_path(name: str, agent: str | bool | None = None) -> str | None:
     """The agent socket a process of service ``name`` reads through; ``None``: read directly.
 
-    ``agent``: a socket path, ``True`` (:data:`AGENT_SOCKET` of ``name``), ``False``
+    ``agent``: a socket path, ``True`` (:func:`default_socket` of ``name``), ``False``
     (directly, whatever the environment says) or ``None`` (the path in
     :data:`AGENT_ENV` if set and not empty, else directly).
 
@@ -134,7 +145,7 @@ def agent_path(name: str, agent: str | bool | None = None) -> str | None:
     if agent is False:
         return None
     if agent is True:
-        return check_socket_path(AGENT_SOCKET.format(name=name), name)
+        return check_socket_path(default_socket(name), name)
     if agent is None:
         return os.environ.get(AGENT_ENV) or None
     return str(agent)

@@ -566,7 +566,7 @@ class DataService:
         agent : str or bool, optional
             Read through the host's ``msd-dask agent`` (docs/deployment.md): its socket
             path, ``True`` for the default path of ``name``
-            (:data:`~msd_dask.service.agent_client.AGENT_SOCKET`), ``False`` to connect
+            (:func:`~msd_dask.service.agent_client.default_socket`), ``False`` to connect
             directly whatever the environment says.  Default: the agent whose socket the
             environment variable ``MSD_DASK_AGENT`` names, if set; else directly.
         wait : float, optional

@@ -32,17 +32,18 @@ from msd_dask.service.agent import (
     WireBatch,
     local_groups,
     new_block_name,
+    own_folder,
     parse_ranks,
     write_block,
 )
 from msd_dask.service.agent_client import (
     AGENT_ENV,
-    AGENT_SOCKET,
     BLOCK_PREFIX,
     MAX_SOCKET_PATH,
     AgentHandle,
     AgentReader,
     agent_path,
+    default_socket,
     frame,
     read_block,
     recv,
@@ -254,7 +255,7 @@ def test_parse_ranks_and_groups() -> None:
 def test_agent_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(AGENT_ENV, raising=False)
     assert agent_path("demo") is None
-    assert agent_path("demo", True) == "/tmp/msd-dask-agent-demo.sock"
+    assert agent_path("demo", True) == f"/tmp/msd-dask-{os.getuid()}/agent-demo.sock"
     assert agent_path("demo", "/x.sock") == "/x.sock"
     monkeypatch.setenv(AGENT_ENV, "/y.sock")
     assert agent_path("demo") == "/y.sock"
@@ -1773,14 +1774,15 @@ def test_a_socket_path_too_long_is_one_error_naming_it(tmp_path: Any) -> None:
     assert not os.path.exists(long + ".lock")
     with pytest.raises(ValueError, match=refused(long)):
         AgentHandle.connect(long, "agentunit")
-    name = "n" * 83  # (the default path of a name of 82 characters fits)
-    default = AGENT_SOCKET.format(name=name)
+    room = MAX_SOCKET_PATH - len(default_socket(""))  # (the longest name whose default fits)
+    name = "n" * (room + 1)
+    default = default_socket(name)
     with pytest.raises(ValueError, match=rf"\(the default socket path of service '{name}': one "
-                                         r"of a name longer than 82 bytes is too long\)"):
+                                         rf"of a name longer than {room} bytes is too long\)"):
         agent_path(name, True)
     with pytest.raises(ValueError, match=refused(default)):
         HostAgent(name, _config(), [0], lambda f, o: FakeGroupReader(0, [f]), default)
-    assert agent_path("n" * 82, True) == AGENT_SOCKET.format(name="n" * 82)
+    assert agent_path("n" * room, True) == default_socket("n" * room)
     agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]), fits)
     thread = threading.Thread(target=agent.run, daemon=True)
     thread.start()
@@ -1850,3 +1852,46 @@ def test_a_block_name_that_is_not_an_agents_is_refused() -> None:
     for name in ("../../etc/passwd", "msd-agent-1/../../x", "other-file"):
         with pytest.raises(ValueError, match="not the name of an agent's block"):
             read_block({"block": name, "pid": 1, "layout": {}, "meta": {}}, 0)
+
+
+def test_the_default_socket_is_in_a_folder_of_the_users_own(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default socket was ``/tmp/msd-dask-agent-NAME.sock``: any user's process could bind
+    that path first and keep the agent from starting.  It is in ``msd-dask-UID/`` now, a
+    folder the agent makes with mode 0700 and refuses, naming it, where another user owns
+    it, others may use it, or it is no folder (a link another user put there)."""
+    import stat
+
+    from msd_dask.service import agent_client
+
+    monkeypatch.setattr(agent_client, "AGENT_SOCKET",
+                        str(tmp_path / "msd-dask-{uid}" / "agent-{name}.sock"))
+    folder = tmp_path / f"msd-dask-{os.getuid()}"
+    path = default_socket("agentunit")
+    assert path == str(folder / "agent-agentunit.sock") and agent_path("agentunit", True) == path
+    agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]), path)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        assert agent.ready.wait(10)
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+        assert AgentHandle.connect(path, "agentunit").ranks == [0]
+    finally:
+        agent.stop()
+        thread.join(10)
+    own_folder(str(folder))  # (made already, and the user's: taken as it is)
+    folder.chmod(0o777)
+    with pytest.raises(ServiceError, match=rf"^{folder}, the folder of the agent's default "
+                                           r"socket, has mode 777: other users may use it"):
+        own_folder(str(folder))
+    folder.chmod(0o700)
+    if os.getuid() == 0:  # (only root can give a folder to another user)
+        os.chown(folder, 12345, -1)
+        with pytest.raises(ServiceError, match=r"belongs to user id 12345, not to this "
+                                               rf"process's \(0\); pass --socket"):
+            HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
+                      path).run()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(ServiceError, match="is not a folder"):
+        own_folder(str(link))

@@ -182,7 +182,7 @@ def test_the_agents_help_reads_well(capsys: pytest.CaptureFixture[str]) -> None:
         main(["agent", "--help"])
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 100, out
-    assert "/tmp/msd-dask-agent-NAME.sock" in out
+    assert "/tmp/msd-dask-UID/agent-NAME.sock" in out
 
 
 def test_help_keeps_the_tls_example_on_two_lines(capsys: pytest.CaptureFixture[str]) -> None:

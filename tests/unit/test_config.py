@@ -667,7 +667,7 @@ def test_an_integer_too_long_for_a_float_is_a_config_error(data_dir: Path, where
 @pytest.mark.parametrize("name", ["team/demo", " demo", "demo ", "a\0b"])
 def test_a_service_name_that_cannot_name_a_file_is_refused(data_dir: Path, name: str) -> None:
     """A name holding '/' was taken, then ``msd-dask agent`` failed on its socket's path
-    (/tmp/msd-dask-agent-NAME.sock); one with blanks around it is not the name
+    (/tmp/msd-dask-UID/agent-NAME.sock); one with blanks around it is not the name
     ``msd-dask stats NAME`` is given (a review)."""
     cfg = base(data_dir)
     cfg["name"] = name
