@@ -86,16 +86,17 @@ WARMUP_REPORTS = 2
 
 def make_state(cfg: Any, step: int, planner: dict[str, Any],
                units: Mapping[str, int] | None = None,
-               tokenizer: str | None = None) -> dict[str, Any]:
+               tokenizer: str | None = None, eod_id: int | None = None) -> dict[str, Any]:
     """The service state after ``step``: a versioned, JSON-able wrapper of a planner state,
     with what the stream order depends on besides the seed: each source's ``units`` (how
     many), ``shuffle_window``, how its documents are read and the tokenizer file's
     SHA-256 (``tokenizer``, :attr:`~msd_dask.sources.tokenizer.Tokenizer.sha256`, where
-    the caller has it) (:func:`planner_state` checks them)."""
+    the caller has it) (:func:`planner_state` checks them).  ``eod_id``: the tokenizer's
+    end-of-document id, where the caller has the tokenizer (see :func:`reading`)."""
     state = {"format": STATE_FORMAT, "name": cfg.name, "seed": cfg.seed,
              "seq_len": cfg.batch.seq_len, "sources": [s.name for s in cfg.sources],
              "shuffle_window": {s.name: s.shuffle_window for s in cfg.sources},
-             "reading": reading(cfg), "weights": config_weights(cfg), "step": int(step),
+             "reading": reading(cfg, eod_id), "weights": config_weights(cfg), "step": int(step),
              "planner": planner}
     if units is not None:
         state["units"] = {k: int(v) for k, v in units.items()}
@@ -125,11 +126,13 @@ READING_KEYS = ("format", "text_field", "image_field", "image", "preprocess")
 _NOT_READING = ("path", "storage_options", "pad_id")
 
 
-def reading(cfg: Any) -> dict[str, Any]:
+def reading(cfg: Any, eod_id: int | None = None) -> dict[str, Any]:
     """What decides the documents' lengths, and so where a stream's position points: the
     tokenizer's kind and ids (but the padding id) and each source's :data:`READING_KEYS`,
     as the config says them (another tokenizer file of the same kind, or one changed in
-    place, is not seen)."""
+    place, is not seen); ``eod_id``, where given, in place of the config's ``eod_id``: the
+    id the tokenizer ends documents with, which an ``hf`` tokenizer without one in the
+    config takes from its file's special tokens."""
     import json
 
     d = cfg.to_dict()
@@ -137,6 +140,8 @@ def reading(cfg: Any) -> dict[str, Any]:
     # (which rotate, and would be written into every state), nor the padding id (it fills
     # the rows' free tokens and counts in no document)
     tokenizer = {k: v for k, v in d["tokenizer"].items() if k not in _NOT_READING}
+    if eod_id is not None:
+        tokenizer["eod_id"] = int(eod_id)
     # (as JSON has it: a state is compared after a round trip through JSON)
     return json.loads(json.dumps(
         {"tokenizer": tokenizer,
@@ -154,6 +159,12 @@ def _reading_differs(was: Any, now: dict[str, Any]) -> str | None:
     # (a state of a version that recorded the padding id too: not compared)
     for k in sorted((set(tokenizer) | set(now["tokenizer"])) - set(_NOT_READING)):
         a, b = tokenizer.get(k), now["tokenizer"].get(k)
+        if k == "eod_id" and (a is None or b is None):
+            # none: the one of the file's special tokens, known only where the tokenizer was
+            # made (the planner's actor is given it), not to the config; one spelled out
+            # there equal to the file's was refused (a review).  The file itself is checked
+            # by its SHA-256
+            continue
         if a != b:
             return f"tokenizer.{k} {a!r} but the config has {b!r}"
     index = {name: i for i, name in enumerate(now["sources"])}
@@ -199,10 +210,10 @@ def ahead_within(tokens: list[float | None], cap: float) -> int:
 
 def planner_state(cfg: Any, state: dict[str, Any],
                   units: Mapping[str, int] | None = None,
-                  tokenizer: str | None = None) -> dict[str, Any]:
-    """Check a resume ``state`` against ``cfg`` (and each source's ``units``, how many, and
-    the tokenizer file's SHA-256, ``tokenizer``, where the caller has them: the planner's
-    actor does) and return its planner state.
+                  tokenizer: str | None = None, eod_id: int | None = None) -> dict[str, Any]:
+    """Check a resume ``state`` against ``cfg`` (and each source's ``units``, how many, the
+    tokenizer file's SHA-256, ``tokenizer``, and its end-of-document id, ``eod_id``, where
+    the caller has them: the planner's actor does) and return its planner state.
 
     Raises
     ------
@@ -263,7 +274,7 @@ def planner_state(cfg: Any, state: dict[str, Any],
                 f"the state was taken and has {has} now ({s.uri}); the stream order depends on "
                 "them, so it cannot continue exactly: resume with the same files")
     if "reading" in state:  # (a state of a version that did not record it: not checked)
-        differs = _reading_differs(state["reading"], reading(cfg))
+        differs = _reading_differs(state["reading"], reading(cfg, eod_id))
         if differs is not None:
             raise ServiceError(
                 f"resume: the state was taken with {differs}; the documents' lengths depend "
@@ -618,6 +629,9 @@ class PlannerActor:
         The tokenizer file's SHA-256 (:attr:`~msd_dask.sources.tokenizer.Tokenizer.sha256`,
         read where the service is placed, not on this worker): recorded in the states,
         and a resume ``state`` of another file's refused (:func:`planner_state`).
+    eod_id : int, optional
+        The tokenizer's end-of-document id (read there too): recorded in the states, which
+        a config that spells it out, or leaves it to the file, resumes alike.
 
     Notes
     -----
@@ -652,7 +666,7 @@ class PlannerActor:
                  loader_threads: int = 1, source_payloads: dict[str, dict[str, Any]] | None = None,
                  tokenizer: dict[str, Any] | None = None, generation: int = 0,
                  had: dict[int, int] | None = None, lost: dict[str, Any] | None = None,
-                 tokenizer_sha256: str | None = None):
+                 tokenizer_sha256: str | None = None, eod_id: int | None = None):
         from msd_dask.core.plan import Planner
         from msd_dask.core.row_placement import planner_threads
         from msd_dask.core.units import Unit
@@ -677,12 +691,14 @@ class PlannerActor:
         #: the tokenizer file's SHA-256, which the states record (None: the byte tokenizer,
         #: or not given)
         self.tokenizer_sha256 = tokenizer_sha256
+        #: the tokenizer's end-of-document id, which the states record (None: not given)
+        self.eod_id = eod_id
         if isinstance(state, bytes):  # the checkpoint of the planner this one replaces
             self.planner.load_snapshot(unpack_snapshot(state))
         elif state is not None:
             self.planner.load_state_dict(
                 planner_state(self.cfg, state, {k: len(v) for k, v in self.units.items()},
-                              self.tokenizer_sha256)
+                              self.tokenizer_sha256, self.eod_id)
                 if "format" in state else state)
         #: step the service started at (resumed services do not start at 0)
         self.first_step = self.planner.step
@@ -1320,7 +1336,8 @@ class PlannerActor:
             packed = self._packed_at(step)
         # (a list per carried and held piece: seconds at dp 16,384 x 128K, off the loop)
         return make_state(self.cfg, step, await asyncio.to_thread(_state_of, packed),
-                          {k: len(v) for k, v in self.units.items()}, self.tokenizer_sha256)
+                          {k: len(v) for k, v in self.units.items()}, self.tokenizer_sha256,
+                          self.eod_id)
 
     def _packed_at(self, step: int) -> bytes:
         """The kept snapshot of the state after ``step``, packed."""

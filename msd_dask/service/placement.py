@@ -105,8 +105,8 @@ def place_planner(client: Any, cfg: Config,
         loader_threads=loader_threads,
         source_payloads={s.name: source_payload(cfg, s.name) for s in cfg.sources},
         tokenizer=dataclasses.asdict(cfg.tokenizer), generation=generation, had=had,
-        lost=lost, tokenizer_sha256=tokenizer.sha256, actor=True, workers=[workers[0]],
-        pure=False, key=key)
+        lost=lost, tokenizer_sha256=tokenizer.sha256, eod_id=tokenizer.eod_id, actor=True,
+        workers=[workers[0]], pure=False, key=key)
     return {"config": cfg.to_dict(), "planner": planner, "constructors": n_c,
             "generation": generation, "planner_worker": workers[0]}
 

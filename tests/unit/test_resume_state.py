@@ -254,3 +254,55 @@ def test_a_tokenizer_file_changed_in_place_is_refused(corpus: Any, tmp_path: Any
     old = {k: v for k, v in state.items() if k != "tokenizer_sha256"}
     actor(cfg, old)
     assert actor(load_config(config(root))).tokenizer_sha256 is None
+
+
+def test_an_eod_id_spelled_out_as_the_files_own_resumes(corpus: Any, tmp_path: Any) -> None:
+    """A state taken with no ``tokenizer.eod_id`` (the file's ``<|endoftext|>``, id 0) was
+    refused by a config that spelled out ``eod_id: 0``, the same id ("tokenizer.eod_id None
+    but the config has 0"; a review).  The planner records the id its tokenizer ends
+    documents with, so either spelling resumes, and another id is refused naming the key,
+    before the start (the config's id against the state's) and in the planner (the
+    tokenizer's against the state's)."""
+    import asyncio
+
+    from msd_dask import load_config
+    from msd_dask.roles.planner import PlannerActor
+    from msd_dask.sources.discover import discover_units
+    from msd_dask.sources.tokenizer import make_tokenizer
+
+    from corpus import config, train_bpe
+
+    root, texts = corpus
+    path = train_bpe(list(texts.values()), str(tmp_path / "tok.json"))
+
+    def cfg_of(**ids: int) -> Any:
+        return load_config(config(root, tokenizer={"kind": "hf", "path": path, **ids}))
+
+    cfg = cfg_of()
+    units, roots = discover_units(cfg)
+
+    def actor(c: Any, state: Any = None) -> PlannerActor:
+        async def make() -> PlannerActor:  # (the tokenizer made as place_planner makes it)
+            tok = make_tokenizer(c.tokenizer)
+            return PlannerActor(c.to_dict(), units, roots, state, tokenizer_sha256=tok.sha256,
+                                eod_id=tok.eod_id)
+        return asyncio.run(make())
+
+    first = actor(cfg)
+    assert first.eod_id == 0
+    n_units = {k: len(v) for k, v in units.items()}
+    state = make_state(cfg, -1, first.planner.state_dict(), n_units, first.tokenizer_sha256,
+                       first.eod_id)
+    assert state["reading"]["tokenizer"]["eod_id"] == 0
+    for again in (cfg, cfg_of(eod_id=0)):
+        planner_state(again, state)  # (the check before the start)
+        actor(again, state)
+    # the other way round: a state taken with eod_id spelled out, resumed without it
+    spelled = actor(cfg_of(eod_id=0))
+    actor(cfg, make_state(cfg_of(eod_id=0), -1, spelled.planner.state_dict(), n_units,
+                          spelled.tokenizer_sha256, spelled.eod_id))
+    refusal = r"resume: the state was taken with tokenizer\.eod_id 0 but the config has 1"
+    with pytest.raises(ServiceError, match=refusal):
+        planner_state(cfg_of(eod_id=1, pad_id=0), state)
+    with pytest.raises(ServiceError, match=refusal):
+        actor(cfg_of(eod_id=1, pad_id=0), state)
