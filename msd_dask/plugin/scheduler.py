@@ -293,8 +293,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             rates = {}
             for src, v in snap["sources"].items() if dt > 0 else ():
                 read = v["tokens_read"] - prev["sources"].get(src, {}).get("tokens_read", 0)
-                # (fewer: the planner was re-created since, and its loaders count anew; the
-                # last rate stands for this poll)
+                # (fewer: the planner was re-created since, and its loaders count on from
+                # the owner's last checkpoint, up to a second old; the last rate stands for
+                # this poll)
                 rates[src] = read / dt if read >= 0 else self.rates.get(name, {}).get(src, 0.0)
             self.rates[name] = rates
         self.services[name] = snap

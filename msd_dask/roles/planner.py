@@ -622,9 +622,10 @@ class PlannerActor:
         replaces (the constructors do not send them those).
     lost : dict, optional
         For a re-created planner: ``{"from": worker address of the lost one,
-        "recovered": {...}, "events": [...], "loaders": {source: n}}`` (the lost
-        planner's recovery counters, continued here, and its loaders per source,
-        which this one starts with).
+        "recovered": {...}, "events": [...], "loaders": {source: n}, "counted":
+        {source: {counter: value}}}`` (the lost planner's recovery counters, continued
+        here, its loaders per source, which this one starts with, and their counters,
+        which this one's count on from).
     tokenizer_sha256 : str, optional
         The tokenizer file's SHA-256 (:attr:`~msd_dask.sources.tokenizer.Tokenizer.sha256`,
         read where the service is placed, not on this worker): recorded in the states,
@@ -721,6 +722,7 @@ class PlannerActor:
             self.roles.recovered.update(lost.get("recovered", {}))
             self.roles.events.extend(lost.get("events", []))
             self.roles.loaders_at_setup.update(lost.get("loaders") or {})
+            self.roles.count_from(lost.get("counted") or {})
         #: (source, epoch, unit) -> loader slot that reads it
         self._owner: dict[tuple[str, int, int], int] = {}
         #: (source, epoch, unit) -> last step whose plan used it
@@ -1384,7 +1386,8 @@ class PlannerActor:
             it showed its constructor it has}`` (its claims, its reports: not the steps
             last handed to it, whose answer may never have reached it) as far as the
             constructors answered; ``loaders``:
-            loaders per source (:meth:`RoleSupervisor.loader_counts`);
+            loaders per source (:meth:`RoleSupervisor.loader_counts`); ``counted``: their
+            counters as last seen (:meth:`RoleSupervisor.counted`);
             ``recovered``, ``events``: this planner's recovery counters;
             ``address``: its worker; ``keys``: the Dask keys of its roles;
             ``version``: the live weight changes made so far; ``planned``: the next step
@@ -1415,6 +1418,7 @@ class PlannerActor:
             state = None if same else self._packed_at(step)
             return {"state": state, "step": step, "version": self.weights_version,
                     "had": had, "loaders": self.roles.loader_counts(),
+                    "counted": self.roles.counted(),
                     "recovered": dict(self.roles.recovered), "events": list(self.roles.events),
                     "address": self.roles.own_address(), "keys": self.roles.keys(),
                     "planned": self.planner.step, "reading": self.files_awaited()}

@@ -598,6 +598,34 @@ class RoleSupervisor:
         (:func:`~msd_dask.core.scaling.pick_loader`: fewest ``outstanding`` units, else in turn)."""
         return pick_loader(self.active[source], outstanding, next(self._rr[source]))
 
+    def counted(self) -> dict[str, dict[str, float]]:
+        """Each source's :data:`~msd_dask.core.figures.LOADER_COUNTERS` as :meth:`loader_stats`
+        last saw them (its loaders' last answers and those of the loaders gone): what a
+        planner re-created after this one's loss counts on from (:meth:`count_from`)."""
+        out = {source: dict.fromkeys(LOADER_COUNTERS, 0.0) for source in self._slots}
+        for last in self._last_stats.values():
+            into = out.get(str(last["source"]))
+            if into is not None:
+                for c in LOADER_COUNTERS:
+                    into[c] += last.get(c, 0)
+        for source, slots in self._gone.items():
+            for gone in slots.values():
+                for c in LOADER_COUNTERS:
+                    out.setdefault(source, dict.fromkeys(LOADER_COUNTERS, 0.0))[c] += gone[c]
+        return out
+
+    def count_from(self, counted: Mapping[str, Mapping[str, float]]) -> None:
+        """Count each source's loaders on from ``counted`` (:meth:`counted` of the planner
+        this one replaces): a re-created planner's loaders start from zero, and a source's
+        ``tokens_read`` on ``/metrics``, which dashboards take rates of, went back (a
+        review).  Counted as a slot's loaders gone (:meth:`loader_stats` adds them to a
+        live loader of the source)."""
+        for source, counters in counted.items():
+            gone = self._gone.setdefault(str(source), {}).setdefault(
+                0, dict.fromkeys(LOADER_COUNTERS, 0))
+            for c in LOADER_COUNTERS:
+                gone[c] += counters.get(c, 0)
+
     async def loader_stats(self) -> dict[str, list[dict[str, Any]]]:
         """Every loader's ``stats()`` by source, with its ``slot`` and ``worker``.
 

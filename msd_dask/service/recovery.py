@@ -313,7 +313,8 @@ class PlannerKeeper:
                 # took its number, and processes that adopted it switch only to a higher one)
                 generation=max(link.generation, self._published) + 1, had=had,
                 lost={"from": actor_address(link.planner), "recovered": ck["recovered"],
-                      "events": ck["events"], "loaders": ck.get("loaders", {})})
+                      "events": ck["events"], "loaders": ck.get("loaders", {}),
+                      "counted": ck.get("counted", {})})
             registry["quarantined"] = old.get("quarantined", {})
             registry["owner"] = link.client.id
             self._start_generation(registry)

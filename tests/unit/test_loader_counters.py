@@ -149,3 +149,56 @@ def test_a_loader_retired_while_a_poll_awaits_its_answer_is_counted_once(
         return seen
 
     assert asyncio.run(first_answer()) == [3000, 3000, 3000]
+
+
+def test_a_re_created_planners_loaders_count_on_from_the_lost_ones(monkeypatch: Any) -> None:
+    """A planner re-created after its worker was lost made new loaders that counted from
+    zero: ``msd_source_tokens_read``, which dashboards take rates of, dropped (a review).
+    The lost planner's checkpoint carries its loaders' counters as last seen
+    (``counted``), and the new planner's count on from them."""
+    import msd_dask.roles.supervisor as module
+
+    monkeypatch.setattr(module, "STATS_WAIT", 0.5)
+    lost = _supervisor()
+    lost._slots = {"a": {0: (_Loader("l-a-0-g0", "a", 0, 100), None),
+                         1: (_Loader("l-a-1-g0", "a", 1, 50), None)}}
+    lost._alias = {"a": {}}
+    lost._slots["a"][0] = (_Loader("l-a-0-g0b", "a", 0, 100), None)  # (one re-created before)
+    assert _tokens(lost) == (150, [100, 50])
+    del lost._slots["a"][1]  # slot 1 retired, its units to slot 0
+    lost._alias["a"][1] = 0
+    assert _tokens(lost) == (150, [150])
+    counted = lost.counted()
+    assert counted["a"]["tokens_read"] == 150
+    new = _supervisor()  # (the re-created planner's: its loaders read their units again)
+    new._slots = {"a": {0: (_Loader("l-a-0-g1", "a", 0, 20), None),
+                        1: (_Loader("l-a-1-g1", "a", 1, 10), None)}}
+    new._alias = {"a": {}}
+    new.count_from(counted)
+    assert _tokens(new)[0] == 180
+    new._slots["a"][1][0].tokens = 40
+    assert _tokens(new)[0] == 210
+    assert new.counted()["a"]["tokens_read"] == 210  # (and a second loss counts on again)
+
+
+def test_a_re_created_planner_takes_the_counters_its_owner_kept(corpus: Any) -> None:
+    """The owner passes the lost planner's ``counted`` (from its checkpoint) to the new
+    planner's actor with the rest of what was lost: its loaders count on from them."""
+    from msd_dask import load_config
+    from msd_dask.roles.planner import PlannerActor
+    from msd_dask.sources.discover import discover_units
+
+    from corpus import config
+
+    root, _ = corpus
+    cfg = load_config(config(root))
+    units, roots = discover_units(cfg)
+    counted = {s.name: {c: 7.0 for c in LOADER_COUNTERS} for s in cfg.sources}
+
+    async def make() -> PlannerActor:
+        return PlannerActor(cfg.to_dict(), units, roots, None, generation=1,
+                            lost={"from": "tcp://w:1", "recovered": {"planner": 1},
+                                  "events": [], "loaders": {}, "counted": counted})
+
+    actor = asyncio.run(make())
+    assert actor.roles.counted() == counted
