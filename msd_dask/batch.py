@@ -36,14 +36,18 @@ class Batch:
     input_ids, labels, position_ids : torch.Tensor or None
         ``torch.long``, shape ``[micro_batches, seq_len]``.  Labels are the next
         token inside the same document, ``-100`` at a document's last token and
-        on padding; position ids restart at 0 for every piece.  With context
+        on padding: shifted already (a Hugging Face model's ``labels=`` shifts
+        again; take the loss against its logits); position ids restart at 0 for
+        every piece.  With context
         parallelism ``cp > 1`` a rank holds ``[micro_batches, seq_len / cp]``:
         the positions ``cp_index`` of each row.  With pipeline parallelism only
         the first stage gets ``input_ids``/``position_ids`` and only the last
         ``labels``; the others get ``None``.
     cu_seqlens : list of torch.Tensor or None
         One int32 tensor per micro-batch: piece boundaries from 0 to the used
-        length, of the whole row (``None`` on middle pipeline stages).
+        length, of the whole row (``None`` on middle pipeline stages).  The padding
+        after the used length belongs to no piece: a varlen attention kernel takes
+        the row's first ``cu_seqlens[m][-1]`` tokens.
     documents : list of list of tuple
         For every micro-batch, ``(source, key, chunk)`` of each cu_seqlens
         segment; ``key`` is ``"<path relative to the source root>:<row>"``.
@@ -57,7 +61,9 @@ class Batch:
         Image+text documents: ``torch.uint8 [patches, patch·patch·3]``, the image
         patches of every micro-batch in order (each patch flattened ``(y, x, rgb)``,
         see :mod:`msd_dask.sources.vision`; normalising is the model's business).  Patch
-        ``i`` stands for the ``i``-th image token of ``input_ids`` read row by row.
+        ``i`` stands for the ``i``-th image token of the whole rows read row by row
+        (with ``cp > 1`` a rank's ``input_ids`` hold only its columns, ``cp_index``:
+        ``image_spans`` with ``cu_seqlens`` place each image in the whole row).
         ``None`` when the batch holds no image, and on pipeline stages but the first.
     image_spans : list of list or None
         For every micro-batch, aligned with ``documents`` (the cu_seqlens

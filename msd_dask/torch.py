@@ -11,8 +11,11 @@ Example
 >>> from msd_dask.torch import MsdIterableDataset
 >>> ds = MsdIterableDataset("tcp://head:8786", "demo", rank)        # doctest: +SKIP
 >>> for batch in DataLoader(ds, batch_size=None, num_workers=0):   # doctest: +SKIP
-...     loss = model(batch["input_ids"], position_ids=batch["position_ids"],
-...                  cu_seqlens=batch["cu_seqlens"], labels=batch["labels"])
+...     logits = model(batch["input_ids"], position_ids=batch["position_ids"],
+...                    cu_seqlens=batch["cu_seqlens"])
+...     # labels are shifted already (a Hugging Face model's labels= would shift them again)
+...     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+...                                              batch["labels"].flatten(), ignore_index=-100)
 
 ``prefetch=k`` claims up to ``k`` batches ahead in a background thread while
 the model computes, and :meth:`MsdIterableDataset.report_step_time` passes a
@@ -367,15 +370,20 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         Fire and forget.  Time only the rank's own work (forward and
         backward), not the wait for other ranks at a collective.
 
+        Not connected (after :meth:`close`, or while a new ``iter()`` hands out the
+        batches prefetched before it), the dataset connects as ``iter()`` does.
+
         Raises
         ------
         ValueError
             If no batch was handed out yet and ``step`` is not given.
         """
         step = self.last_step if step is None else int(step)
-        if step is None or self._reader is None:
-            raise ValueError("report_step_time: no batch was handed out yet")
-        self._reader.report_step_time(seconds, step=step)
+        if step is None:
+            raise ValueError("report_step_time: no batch was handed out yet (give step=)")
+        # (it said "no batch was handed out yet" once closed, with a step given too, and
+        # while a new iter() handed out the batches carried from before a close; a review)
+        self._connect().report_step_time(seconds, step=step)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"service", "rank", "step"}``: the service's name, the rank and the last step

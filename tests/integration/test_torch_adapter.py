@@ -114,6 +114,12 @@ def test_prefetch_claims_ahead_and_reports_step_times(service):
         assert wait_until(lambda: reports() == observed + 4, timeout=30)
         with pytest.raises(RuntimeError, match="before the first iter"):
             datasets[0].load_state_dict({"rank": 0, "step": 0})
+        # closed (its prefetched batches carried to the next iter()), it still reports: it
+        # said "no batch was handed out yet", a step given too (a review)
+        datasets[0].close()
+        datasets[0].report_step_time(0.25, step=first[0] + 3)  # (steps not reported yet:
+        datasets[0].report_step_time(0.25, step=first[0] + 1)  # a step's first report counts)
+        assert wait_until(lambda: reports() == observed + 6, timeout=30)
     finally:
         _close(datasets)
     addr = service.client.scheduler.address
