@@ -45,7 +45,9 @@ class Batch:
         ``labels``; the others get ``None``.
     cu_seqlens : list of torch.Tensor or None
         One int32 tensor per micro-batch: piece boundaries from 0 to the used
-        length, of the whole row (``None`` on middle pipeline stages).  The padding
+        length, of the whole row, on every pipeline stage (each runs attention
+        layers); with ``cp > 1`` in whole-row positions (``cp_index`` maps the
+        rank's columns to them).  The padding
         after the used length belongs to no piece: a varlen attention kernel takes
         the row's first ``cu_seqlens[m][-1]`` tokens.
     documents : list of list of tuple
@@ -115,7 +117,7 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens of the DP group's batch that are not padding (0 on middle pipeline stages)."""
+        """Tokens of the DP group's batch that are not padding."""
         if self.cu_seqlens is None:
             return 0
         return int(sum(int(c[-1]) for c in self.cu_seqlens))

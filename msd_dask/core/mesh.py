@@ -10,9 +10,10 @@ A DP group's batch is built once.  Its member ranks then receive:
   stay those of the whole row and ``cp_index`` says which row positions the
   slice holds;
 * pipeline stage ``j`` of ``pp``: the first stage needs ``input_ids``,
-  ``position_ids``, ``cu_seqlens`` and the images (``pixel_values``, whole
-  on every context-parallel rank), the last stage ``labels`` (and
-  ``cu_seqlens``); middle stages get the step's metadata only.
+  ``position_ids`` and the images (``pixel_values``, whole on every
+  context-parallel rank), the last stage ``labels``; every stage gets
+  ``cu_seqlens`` (each runs attention layers, which must not attend across the
+  row's documents) and the step's metadata.
 """
 
 from __future__ import annotations
@@ -76,6 +77,6 @@ def view_for_rank(batch: dict[str, Any], cp_rank: int = 0, cp_size: int = 1, pp_
             out["pixel_values"] = None
     if not last:
         out["labels"] = None
-    if not (first or last):
-        out["cu_seqlens"] = None
+    # (cu_seqlens on every stage: middle stages got None, and their attention layers had
+    # nothing to keep a row's documents apart by; a review)
     return out
