@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,8 +20,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "is_whole", "loaded_step", "no_going_back", "rank_number", "reader_state",
-           "wait_seconds"]
+__all__ = ["Batch", "check_world_size", "is_whole", "loaded_step", "no_going_back", "rank_number",
+           "reader_state", "wait_seconds"]
 
 
 @dataclass
@@ -223,6 +224,20 @@ def rank_number(rank: Any) -> int:
     if not is_whole(rank):
         raise ValueError(f"rank must be an integer, got {rank!r}")
     return int(rank)
+
+
+def check_world_size(rank: int, service: str, world: int, layout: str) -> None:
+    """A ``ValueError`` if this process's ``WORLD_SIZE`` (where its launcher set it) is not
+    the ``world`` ranks service ``service`` is laid out for (``layout``, as
+    ``"dp=… tp=… cp=… pp=…"``): a job of other ranks read a round, then every rank waited
+    out its timeout for ranks that never came (a review).  Every reader checks it,
+    directly or through a host agent."""
+    job = os.environ.get("WORLD_SIZE", "").strip()
+    if job.isdigit() and int(job) != world:
+        raise ValueError(f"rank {rank}: service {service!r} is laid out for {world} ranks "
+                         f"({layout}), but this process's WORLD_SIZE is {job}: start the "
+                         "service with the job's layout (its config's parallel:) or the job "
+                         "with the service's")
 
 
 def wait_seconds(timeout: Any, rank: int) -> float:

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from msd_dask.batch import (
     Batch,
+    check_world_size,
     loaded_step,
     no_going_back,
     rank_number,
@@ -342,15 +343,9 @@ class Reader:
 
         cfg = link.config
         world, p = cfg.parallel.world_size, cfg.parallel
-        layout = f"dp={p.dp} tp={p.tp} cp={p.cp} pp={p.pp}"
-        job = os.environ.get("WORLD_SIZE", "").strip()
-        # (a job of other ranks than the service's: a smaller one read a round, then every
-        # rank waited out its timeout for ranks that never came; a review)
-        if not also and job.isdigit() and int(job) != world:
-            raise ValueError(f"rank {rank}: service {link.name!r} is laid out for {world} "
-                             f"ranks ({layout}), but this process's WORLD_SIZE is {job}: start "
-                             "the service with the job's layout (its config's parallel:) or "
-                             "the job with the service's")
+        layout = p.layout
+        if not also:  # (an agent's group reader runs in the agent, not in the job)
+            check_world_size(rank, link.name, world, layout)
         for r in (rank, *also):
             rank_number(r)
             if not 0 <= r < world:

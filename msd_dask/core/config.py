@@ -193,11 +193,15 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp * self.tp * self.cp * self.pp
 
+    @property
+    def layout(self) -> str:
+        """The mesh's sizes as messages say them: ``"dp=… tp=… cp=… pp=…"``."""
+        return f"dp={self.dp} tp={self.tp} cp={self.cp} pp={self.pp}"
+
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank, e.g. ``{"dp": 1, "tp": 0, ...}``."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {self.world_size}) (dp={self.dp} "
-                             f"tp={self.tp} cp={self.cp} pp={self.pp})")
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size}) ({self.layout})")
         out = {}
         rest = rank
         for axis in self.order.split("-"):

@@ -945,8 +945,10 @@ class HostAgent:
             return
         if hello is None or hello.get("op") != "hello":
             return
+        parallel = self.config.parallel
         info = {"ok": True, "service": self.name, "ranks": self.ranks,
-                "timeout": self.timeout}
+                "timeout": self.timeout, "world_size": parallel.world_size,
+                "layout": parallel.layout}
         if hello.get("service") not in (None, self.name):
             await _asend(writer, {"error": f"the agent at {self.path} serves service "
                                   f"{self.name!r}, not {hello['service']!r}"})

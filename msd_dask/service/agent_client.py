@@ -49,6 +49,7 @@ import numpy as np
 
 from msd_dask.batch import (
     Batch,
+    check_world_size,
     loaded_step,
     no_going_back,
     rank_number,
@@ -567,6 +568,10 @@ class AgentHandle:
         self.ranks: list[int] = [int(r) for r in info["ranks"]]
         #: the service's ``timeout``: a reader's default
         self.timeout = float(info["timeout"])
+        #: the ranks the service is laid out for, and its mesh (``None``: an agent of a
+        #: version that does not say them)
+        self.world_size: int | None = info.get("world_size")
+        self._layout = str(info.get("layout", ""))
         # (weak, as DataService's: a reader dropped without close() lets its socket, and
         # the agent its connection, go)
         self._readers: weakref.WeakSet[AgentReader] = weakref.WeakSet()
@@ -586,7 +591,16 @@ class AgentHandle:
         return cls(path, name, info)
 
     def reader(self, rank: int, *, timeout: float | None = None) -> AgentReader:
-        """An iterator over the batches of global ``rank`` (one of the agent's ranks)."""
+        """An iterator over the batches of global ``rank`` (one of the agent's ranks).
+
+        Raises
+        ------
+        ValueError
+            This process's ``WORLD_SIZE`` is not the service's ranks (as a direct reader
+            refuses it: :func:`~msd_dask.batch.check_world_size`).
+        """
+        if self.world_size is not None:  # (behind an agent, the job was never checked)
+            check_world_size(rank_number(rank), self.name, int(self.world_size), self._layout)
         reader = AgentReader(self.path, self.name, rank, ledger=self._returned,
                              timeout=self.timeout if timeout is None else timeout)
         last = self._returned.get(rank, -1)

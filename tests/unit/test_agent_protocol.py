@@ -1895,3 +1895,30 @@ def test_the_default_socket_is_in_a_folder_of_the_users_own(tmp_path: Path,
     link.symlink_to(tmp_path)
     with pytest.raises(ServiceError, match="is not a folder"):
         own_folder(str(link))
+
+
+def test_a_job_of_another_world_size_is_refused_behind_an_agent(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A direct reader refuses a job whose ``WORLD_SIZE`` is not the service's ranks (a
+    smaller one read a round, then every rank waited out its timeout); behind an agent
+    nothing checked it (a review).  The agent says the service's ranks and mesh in its
+    hello; a rank's reader refuses the job as a direct reader does, with its message."""
+    path = str(tmp_path / "a.sock")
+    agent = HostAgent("agentunit", _config(), [0, 1], lambda f, o: FakeGroupReader(0, [f, *o]),
+                      path)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        assert agent.ready.wait(10)
+        handle = AgentHandle.connect(path, "agentunit")
+        assert handle.world_size == 4
+        monkeypatch.setenv("WORLD_SIZE", "8")
+        with pytest.raises(ValueError, match=r"^rank 1: service 'agentunit' is laid out for 4 "
+                                             r"ranks \(dp=2 tp=2 cp=1 pp=1\), but this "
+                                             r"process's WORLD_SIZE is 8"):
+            handle.reader(1)
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        handle.reader(1).close()
+    finally:
+        agent.stop()
+        thread.join(10)
