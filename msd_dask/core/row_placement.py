@@ -397,55 +397,119 @@ def spread_long(is_long: np.ndarray, n_carried: int, lengths: np.ndarray, costs:
         # those no rank could take wait for the next step, new ones first (cheapest first)
         new = [i for i in mine if i >= n_carried and rank[i] == r]
         for i in new[:len(stuck)]:
-            used[r, micro[i]] -= lengths[i]
-            load[r] -= costs[i]
-            count[r] -= 1
-            rank[i] = micro[i] = -1
+            _unplace(i, lengths, costs, rank, micro, count, used, load)
+        # a carried one still over the limit takes the place of a new long piece of another
+        # rank, which waits instead (it stayed over: a rank with two carried long pieces
+        # where the other ranks were at the limit or full of carried pieces; a review)
+        over = int(count[r]) - max_per_rank
+        for i in [i for i in stuck if i < n_carried and rank[i] == r][:max(over, 0)]:
+            _swap_long(i, n_carried, is_long, lengths, costs, rank, micro, count, used, load,
+                       seq_len)
 
 
 def _move_long(i: int, n_carried: int, is_long: np.ndarray, lengths: np.ndarray,
                costs: np.ndarray, rank: np.ndarray, micro: np.ndarray, count: np.ndarray,
                used: np.ndarray, load: np.ndarray, max_per_rank: int, seq_len: int) -> bool:
-    """Move long piece ``i`` to the cheapest rank under the limit that can take it (see
-    :func:`spread_long`), updating the bookkeeping arrays; whether one could."""
+    """Move long piece ``i`` to the cheapest rank under the limit that can take it, into its
+    emptiest row that can (see :func:`spread_long`), updating the bookkeeping arrays;
+    whether one could.
+
+    Each row of a rank is tried, emptiest first: only the emptiest was, and where it held
+    a piece carried from the last step (which cannot be evicted) the rank was passed over
+    though another row could make room, and a rank with two carried long pieces stayed
+    over the limit (a review)."""
     for t in np.argsort(load, kind="stable"):
         if count[t] >= max_per_rank:
             continue
-        m = int(np.argmin(used[t]))
-        ri, mi = int(rank[i]), int(micro[i])
-        need = int(lengths[i]) - (seq_len - int(used[t, m]))
-        evict: list[int] = []
-        if need > 0:
-            cands = [int(j) for j in np.flatnonzero((rank == t) & (micro == m) & ~is_long)
-                     if j >= n_carried]
-            cands.sort(key=lambda j: -lengths[j])
-            freed = 0
-            for j in cands:
-                if freed >= need:
-                    break
-                evict.append(j)
-                freed += int(lengths[j])
-            if freed < need:
-                continue
-        # move i to (t, m); displaced pieces go to i's old row or are carried
-        for j in evict:
-            used[t, m] -= lengths[j]
-            load[t] -= costs[j]
-            rank[j] = micro[j] = -1
-        rank[i], micro[i] = t, m
-        used[ri, mi] -= lengths[i]
-        used[t, m] += lengths[i]
-        load[ri] -= costs[i]
-        load[t] += costs[i]
-        count[ri] -= 1
-        count[t] += 1
-        for j in evict:
-            if used[ri, mi] + lengths[j] <= seq_len:
-                rank[j], micro[j] = ri, mi
-                used[ri, mi] += lengths[j]
-                load[ri] += costs[j]
-        return True
+        for m in np.argsort(used[t], kind="stable").tolist():
+            evict = _room_for(i, t, m, n_carried, is_long, lengths, rank, micro, used, seq_len)
+            if evict is not None:
+                _move(i, int(t), m, evict, lengths, costs, rank, micro, count, used, load,
+                      seq_len)
+                return True
     return False
+
+
+def _swap_long(i: int, n_carried: int, is_long: np.ndarray, lengths: np.ndarray,
+               costs: np.ndarray, rank: np.ndarray, micro: np.ndarray, count: np.ndarray,
+               used: np.ndarray, load: np.ndarray, seq_len: int) -> bool:
+    """Put carried long piece ``i``, which no rank under the limit can take, in the row of a
+    new long piece of another rank (the cheapest rank first, its longest such piece first)
+    that makes room for it; that piece waits for the next step (see :func:`spread_long`).
+    Whether one did."""
+    ri = int(rank[i])
+    for t in np.argsort(load, kind="stable").tolist():
+        if t == ri:
+            continue
+        mine = [int(j) for j in np.flatnonzero((rank == t) & is_long) if j >= n_carried]
+        for j in sorted(mine, key=lambda j: -int(lengths[j])):
+            m = int(micro[j])
+            _unplace(j, lengths, costs, rank, micro, count, used, load)
+            evict = _room_for(i, t, m, n_carried, is_long, lengths, rank, micro, used, seq_len)
+            if evict is not None:
+                _move(i, t, m, evict, lengths, costs, rank, micro, count, used, load, seq_len)
+                return True
+            _place(j, t, m, lengths, costs, rank, micro, count, used, load)
+    return False
+
+
+def _move(i: int, t: int, m: int, evict: list[int], lengths: np.ndarray, costs: np.ndarray,
+          rank: np.ndarray, micro: np.ndarray, count: np.ndarray, used: np.ndarray,
+          load: np.ndarray, seq_len: int) -> None:
+    """Move long piece ``i`` to row ``(t, m)``, less the short pieces ``evict``, which take
+    its old row where they fit there, else wait for the next step."""
+    ri, mi = int(rank[i]), int(micro[i])
+    for j in evict:
+        used[t, m] -= lengths[j]
+        load[t] -= costs[j]
+        rank[j] = micro[j] = -1
+    _unplace(i, lengths, costs, rank, micro, count, used, load)
+    _place(i, t, m, lengths, costs, rank, micro, count, used, load)
+    for j in evict:
+        if used[ri, mi] + lengths[j] <= seq_len:
+            rank[j], micro[j] = ri, mi
+            used[ri, mi] += lengths[j]
+            load[ri] += costs[j]
+
+
+def _unplace(i: int, lengths: np.ndarray, costs: np.ndarray, rank: np.ndarray,
+             micro: np.ndarray, count: np.ndarray, used: np.ndarray, load: np.ndarray) -> None:
+    """Take long piece ``i`` out of its row (it waits for the next step)."""
+    r, m = int(rank[i]), int(micro[i])
+    used[r, m] -= lengths[i]
+    load[r] -= costs[i]
+    count[r] -= 1
+    rank[i] = micro[i] = -1
+
+
+def _place(i: int, t: int, m: int, lengths: np.ndarray, costs: np.ndarray, rank: np.ndarray,
+           micro: np.ndarray, count: np.ndarray, used: np.ndarray, load: np.ndarray) -> None:
+    """Put long piece ``i`` in row ``(t, m)``."""
+    rank[i], micro[i] = t, m
+    used[t, m] += lengths[i]
+    load[t] += costs[i]
+    count[t] += 1
+
+
+def _room_for(i: int, t: int, m: int, n_carried: int, is_long: np.ndarray, lengths: np.ndarray,
+              rank: np.ndarray, micro: np.ndarray, used: np.ndarray,
+              seq_len: int) -> list[int] | None:
+    """The new short pieces to evict from row ``(t, m)`` (longest first) so that piece ``i``
+    fits there; ``None`` if evicting every such piece would not make room."""
+    need = int(lengths[i]) - (seq_len - int(used[t, m]))
+    evict: list[int] = []
+    if need <= 0:
+        return evict
+    cands = [int(j) for j in np.flatnonzero((rank == t) & (micro == m) & ~is_long)
+             if j >= n_carried]
+    cands.sort(key=lambda j: -lengths[j])
+    freed = 0
+    for j in cands:
+        if freed >= need:
+            break
+        evict.append(j)
+        freed += int(lengths[j])
+    return evict if freed >= need else None
 
 
 def _place_carried(n_carried: int, lengths: np.ndarray, rank: np.ndarray, micro: np.ndarray,

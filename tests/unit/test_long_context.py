@@ -59,6 +59,48 @@ def test_spread_at_most_k_long_pieces_per_rank(balance):
     assert max(seen.values()) == 1
 
 
+@pytest.mark.parametrize("seed, balance", [(28, "balanced"), (7, "sequential"),
+                                           (249, "sequential")])
+def test_spread_keeps_its_limit_where_carried_long_pieces_fill_rows(seed, balance):
+    """Rows of 64 tokens and long pieces of 34-53: a rank often starts a step with two
+    long pieces carried from the last (placed first, never carried again), and moving one
+    away tried only the other ranks' emptiest row, whose carried piece could not make
+    room, and no other way: the rank kept both (a review).  Each row of the other ranks is
+    tried, and where none can take it, it takes the place of a new long piece of another
+    rank, which waits a step.  Every piece is still delivered once."""
+    rng = np.random.default_rng(seed)
+    dp = int(rng.choice([2, 3]))
+    mb = int(rng.choice([1, 2]))
+    rng.choice(["balanced", "lpt", "sequential"])  # (the reviewer's draws, in their order)
+    w_long = float(rng.choice([0.3, 0.5, 0.8]))
+    slo, shi = int(rng.integers(4, 20)), int(rng.integers(21, 64))
+    llo, lhi = int(rng.integers(16, 40)), int(rng.integers(41, 65))
+    lengths = {"short": {u: rng.integers(slo, shi, size=20) for u in range(4)},
+               "long": {u: rng.integers(llo, lhi, size=20) for u in range(4)}}
+    cfg = parse_config({
+        "name": "lc", "seed": seed, "batch": {"seq_len": 64, "micro_batches": mb},
+        "parallel": {"dp": dp}, "balance": balance,
+        "long_context": {"mode": "spread", "max_per_rank": 1},
+        "sources": [{"name": "short", "uri": "m://s", "format": "jsonl", "weight": 1 - w_long},
+                    {"name": "long", "uri": "m://l", "format": "jsonl", "weight": w_long,
+                     "context": "long"}]})
+    pl = Planner(cfg, {s: [Unit(f"{s}{i}") for i in range(4)] for s in lengths})
+    plans = [pl.plan_step(lambda s, e, u: lengths[s][u]) for _ in range(150)]
+    over = [(p.step, r) for p in plans for r, rows in enumerate(p.rows)
+            if sum(q.source == "long" for row in rows for q in row) > 1]
+    assert not over, over
+    assert all(sum(q.length for q in row) <= 64 for p in plans for rows in p.rows for row in rows)
+    seen = Counter(q.to_tuple() for p in plans for q in p.pieces())
+    seen.update(q.to_tuple() for q in pl.pending())
+    assert max(seen.values()) == 1
+    # (and none vanished: each source's first epoch whole, every document of 64 tokens
+    # at most one piece)
+    for source, units in lengths.items():
+        got = {(q.unit, q.row) for p in plans for q in p.pieces()
+               if q.source == source and q.epoch == 0}
+        assert got == {(u, r) for u in units for r in range(len(units[u]))}, source
+
+
 def test_a_binding_cap_keeps_no_backlog_for_after_a_re_mix():
     # weight 0.8 asks for more long pieces than one per rank and step allows: the long
     # source's unmet credit grew every step, and after a re-mix lowering its weight it

@@ -16,7 +16,9 @@ group a step let the others wait longer), and for ``balanced-seq1024`` when it t
 seed where balanced's exchanges change lpt's assignment (at ``lpt-seq1024``'s seed they
 did not, and the two digests were one), and for ``balanced-spread`` when a long piece no
 rank under ``max_per_rank`` could take came to wait a step instead of staying over the
-limit: a change to any decision fails here.
+limit, and for the two ``spread`` specs when such a piece came to try every row of a rank
+(not only its emptiest) and, carried, to take a new long piece's place on another rank: a
+change to any decision fails here.
 If a decision is changed on purpose, recompute them with
 ``python scripts/check_planner_equivalence.py --only golden``.
 """
@@ -62,7 +64,7 @@ GOLDEN = {
     "lpt-seq1024":
         "a0f872a237e341d3e1e84611deb0a2082d01bd95d6e8660b759ac896a4d1b818",
     "lpt-spread":
-        "60b6fd01ba3a390a9ddb7bad792585d53f20ec064d57224fdf4af7ae397253df",
+        "e080ba55c3f1044e87b48ad8e165890efdb1507339ff2d73a35513c363523aba",
     "lpt-grouped":
         "4d629483ae4613f8f8a7b0abd1033cc48d0f1e871f5c1614065254e501b5ce7a",
     "balanced-seq64":
@@ -70,7 +72,7 @@ GOLDEN = {
     "balanced-seq1024":
         "d89638b9664ff2ca97eb2ed50e26a940f8ea3fef68bddc43ef7ca4f1085f5bb3",
     "balanced-spread":
-        "99e01e33d52005e0afb87962651699e50937037cf6252bd89aaccb3b0e25ff4d",
+        "5c5c98a87a88b7b637a4f4ed9a5774aff4c3e72c06fb46d705904e9b81d13083",
     "balanced-grouped":
         "173b45efab8f3497172e110fe43aed1cf9ad2e4f504e2574ddea0f2029ac254d",
     "balanced-big":
