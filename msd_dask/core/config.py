@@ -338,7 +338,8 @@ class LongContextConfig:
     ``mode: spread`` puts at most ``max_per_rank`` long pieces on each DP rank
     per step (0: no limit); ``mode: grouped`` gathers long pieces on dedicated
     steps, taken whenever the long sources are owed a step's worth of tokens,
-    so the token mix still holds over a window of steps.
+    so the token mix still holds over a window of steps (pieces of the other kind
+    carried from the last step wait for a step of their kind).
     """
 
     mode: str = "spread"

@@ -665,14 +665,17 @@ class Planner:
         if cfg.long_context.places_long_pieces() and self.long_sources:
             hold = 0  # held pieces would land against the layout (as parse_config says)
         group = cfg.outliers.group or dp * mb
-        # released outliers (a row each), then carried pieces: placed before anything new
-        first = np.concatenate([self._release(group, HOLD_GROUPS * group), self._carry])
-        n_first = len(first)
         lc = cfg.long_context
-        long_budget = dp * lc.max_per_rank if lc.mode == "spread" and lc.max_per_rank else None
         long_src = np.array([n in self.long_sources for n in self._names], dtype=bool)
-        n_long = int(long_src[first[:, 0]].sum())
         eligible = self._eligible(weights, capacity)
+        waiting = self._waiting(long_src, eligible, weights)
+        # released outliers (a row each), then carried pieces: placed before anything new
+        first = np.concatenate([self._release(group, HOLD_GROUPS * group),
+                                self._carry[~waiting]])
+        waiting_pieces = self._carry[waiting]
+        n_first = len(first)
+        long_budget = dp * lc.max_per_rank if lc.mode == "spread" and lc.max_per_rank else None
+        n_long = int(long_src[first[:, 0]].sum())
         table, held = self._draw(lookup, weights, eligible, capacity, first, n_long, long_budget,
                                  hold, HOLD_GROUPS * group)
         del first  # copied into table
@@ -699,6 +702,9 @@ class Planner:
         # (in the table's type: a step's carried pieces are many short ones; whole rows at a
         # time, where ``table[~placed]`` copies them field by field)
         self._carry = np.compress(~placed, table, axis=0)
+        if len(waiting_pieces):  # (before this step's: they were carried first)
+            self._carry = np.concatenate([waiting_pieces, self._carry])
+        del waiting_pieces
         # (the step's arrays of a value per piece go as soon as they are used: at dp 16,384 and
         # 128K a step holds millions of pieces, and the process's peak is their sum)
         # the placed pieces' lengths, as the floats the costs and sums take (exact: below 2**53)
@@ -751,6 +757,23 @@ class Planner:
         long_step = long_w > 0 and (short_w <= 0 or owed >= capacity * (1 - long_w))
         keep = self.long_sources if long_step else set(weights) - self.long_sources
         return {k: v if k in keep else 0.0 for k, v in weights.items()}
+
+    def _waiting(self, long_src: np.ndarray, eligible: dict[str, float],
+                 weights: dict[str, float]) -> np.ndarray:
+        """Which carried pieces wait for a step of their kind (``long_context: grouped``): a
+        long step's long pieces that found no row wait for the next long step, a short
+        step's short ones for the next short step; placed first in the next step, they put
+        long pieces on short steps, a fifth of them (a review).  Where the other kind has
+        no weight (its steps never come), none waits.  ``long_src``: whether each source
+        is long; ``eligible``: :meth:`_eligible`'s weights of this step."""
+        none = np.zeros(len(self._carry), dtype=bool)
+        if self.cfg.long_context.mode != "grouped" or not self.long_sources or not len(none):
+            return none
+        long_step = any(eligible.get(n, 0.0) > 0 for n in self.long_sources)
+        if not any(weights.get(n, 0.0) > 0 for n in self._names
+                   if (n in self.long_sources) != long_step):
+            return none
+        return np.asarray(long_src[self._carry[:, 0]] != long_step)
 
     def upcoming_units(self, source: str, n: int) -> list[tuple[int, int]]:
         """``(epoch, unit)`` the source's stream needs next (current window + ``n``)."""

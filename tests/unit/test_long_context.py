@@ -125,24 +125,36 @@ def test_without_a_limit_long_pieces_pile_up_somewhere():
     assert most >= 2
 
 
-def test_grouped_long_documents_on_dedicated_steps_keep_the_mix():
-    pl = make({"mode": "grouped"}, w_long=0.25)
+@pytest.mark.parametrize("w_long", [0.25, 0.5])
+def test_grouped_long_documents_on_dedicated_steps_keep_the_mix(w_long):
+    """Every piece of a step is of one kind, the pieces carried from the last step too: a
+    long step's long pieces that found no row were placed first in the next step, a short
+    one, a fifth of the long pieces (the check looked at a step's new pieces only; a
+    review).  They wait for the next step of their kind; none is lost."""
+    pl = make({"mode": "grouped"}, w_long=w_long)
     plans, kinds = [], []
     for _ in range(200):
-        carried = set(pl.carry)
         p = pl.plan_step(lookup)
         plans.append(p)
-        fresh = [q for q in p.pieces() if q not in carried]
-        kind = {q.source for q in fresh}
+        kind = {q.source for q in p.pieces()}
         assert len(kind) == 1, f"step {p.step} mixes long and short pieces: {kind}"
         kinds.append(kind.pop())
-    assert 0.15 < kinds.count("long") / len(kinds) < 0.35
+    seen = Counter(q.to_tuple() for p in plans for q in p.pieces())
+    seen.update(q.to_tuple() for q in pl.pending())
+    assert max(seen.values()) == 1
+    for source, units in LENGTHS.items():  # (each source's first epoch whole: none lost)
+        got = {(q.unit, q.row, q.chunk) for p in plans for q in p.pieces()
+               if q.source == source and q.epoch == 0}
+        assert {(u, r) for u, r, _ in got} == {(u, r) for u in units
+                                               for r in range(len(units[u]))}, source
+    assert w_long - 0.1 < kinds.count("long") / len(kinds) < w_long + 0.1
     got = shares(plans)
-    assert abs(got["long"] - 0.25) < 0.02, got
-    # over every window of 20 steps the mix holds within a few points
+    assert abs(got["long"] - w_long) < 0.02, got
+    # over every window of 20 steps the mix holds within a few points (the first: within
+    # 8, a long step comes once the long sources are owed a step's worth)
     for s in range(0, 180, 20):
         w = shares(plans[s:s + 20])
-        assert abs(w["long"] - 0.25) < 0.06, (s, w)
+        assert abs(w["long"] - w_long) < (0.08 if s == 0 else 0.06), (s, w)
 
 
 def test_long_context_config_errors_name_the_key():

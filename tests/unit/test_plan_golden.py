@@ -17,8 +17,9 @@ seed where balanced's exchanges change lpt's assignment (at ``lpt-seq1024``'s se
 did not, and the two digests were one), and for ``balanced-spread`` when a long piece no
 rank under ``max_per_rank`` could take came to wait a step instead of staying over the
 limit, and for the two ``spread`` specs when such a piece came to try every row of a rank
-(not only its emptiest) and, carried, to take a new long piece's place on another rank: a
-change to any decision fails here.
+(not only its emptiest) and, carried, to take a new long piece's place on another rank,
+and for the two ``grouped`` specs when pieces of the other kind carried from the last step
+came to wait for a step of their kind: a change to any decision fails here.
 If a decision is changed on purpose, recompute them with
 ``python scripts/check_planner_equivalence.py --only golden``.
 """
@@ -66,7 +67,7 @@ GOLDEN = {
     "lpt-spread":
         "e080ba55c3f1044e87b48ad8e165890efdb1507339ff2d73a35513c363523aba",
     "lpt-grouped":
-        "4d629483ae4613f8f8a7b0abd1033cc48d0f1e871f5c1614065254e501b5ce7a",
+        "ecae9a665c17f2432a62729445b3d05ebd1e42d19a1be269b93663e76eebc1da",
     "balanced-seq64":
         "e239ca1d768a936be431660793e2cc17fdb2a27b9047ef7c2c9bf1e9e0e6cc9e",
     "balanced-seq1024":
@@ -74,7 +75,7 @@ GOLDEN = {
     "balanced-spread":
         "5c5c98a87a88b7b637a4f4ed9a5774aff4c3e72c06fb46d705904e9b81d13083",
     "balanced-grouped":
-        "173b45efab8f3497172e110fe43aed1cf9ad2e4f504e2574ddea0f2029ac254d",
+        "75d7c06c1ed81796477475af6de695a54e66107e8ea88010ae73631e627944fe",
     "balanced-big":
         "923f7588141314566393f9c4a6a1d584f77eb2585373a413953049a0bd9dc698",
     "balanced-no-need":
