@@ -169,3 +169,28 @@ def test_long_context_config_errors_name_the_key():
                                           r"'spread' only .* got 1 with mode 'grouped'"):
         make({"mode": "grouped", "max_per_rank": 1})
     make({"mode": "grouped", "max_per_rank": 0})
+
+
+def test_a_limit_that_leaves_rows_empty_is_refused():
+    """Every source long and ``max_per_rank`` below the micro-batches: a rank got at most
+    that many pieces a step, its other rows all padding (half the rows at dp 8 x mb 2 x
+    k 1; a review).  Refused naming the key; with a short source beside, or k >= mb, or
+    no limit, taken."""
+    from msd_dask import ConfigError
+
+    def cfg(k: int, sources: tuple[str, ...]) -> dict:
+        return {"name": "lc", "batch": {"seq_len": SEQ_LEN, "micro_batches": MB},
+                "parallel": {"dp": DP}, "long_context": {"mode": "spread", "max_per_rank": k},
+                "sources": [{"name": n, "uri": f"m://{n}", "format": "jsonl", "weight": 1.0,
+                             "context": "long"} for n in sources]}
+
+    with pytest.raises(ConfigError, match=r"long_context.max_per_rank': every source has "
+                                          r"context: long, so a rank gets at most "
+                                          r"max_per_rank = 1 pieces a step, and 1 of its "
+                                          r"batch.micro_batches = 2 rows would be empty"):
+        parse_config(cfg(1, ("a", "b")))
+    for k in (0, MB):
+        parse_config(cfg(k, ("a", "b")))
+    mixed = cfg(1, ("a", "b"))
+    mixed["sources"][1].pop("context")
+    parse_config(mixed)
