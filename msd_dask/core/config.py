@@ -994,13 +994,13 @@ def _parse(d: Any) -> Config:
         raise ConfigError("long_context.max_per_rank", "applies to mode 'spread' only (mode "
                           "'grouped' places long pieces on steps of their own); got "
                           f"{long_context.max_per_rank} with mode 'grouped'")
-    k = long_context.max_per_rank
-    if 0 < k < batch.micro_batches and all(s.context == "long" for s in sources):
+    cap = long_context.max_per_rank
+    if 0 < cap < batch.micro_batches and all(s.context == "long" for s in sources):
         # (accepted: a rank then got at most k pieces a step, and its other rows were all
         # padding, a loss of 0/0 per micro-batch; a review)
         raise ConfigError("long_context.max_per_rank",
                           f"every source has context: long, so a rank gets at most "
-                          f"max_per_rank = {k} pieces a step, and {batch.micro_batches - k} of "
+                          f"max_per_rank = {cap} pieces a step, and {batch.micro_batches - cap} of "
                           f"its batch.micro_batches = {batch.micro_batches} rows would be "
                           "empty: set it to at least micro_batches, or 0 (no limit)")
     oc = d.get("outliers", {})
