@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -1888,7 +1889,7 @@ def test_the_default_socket_is_in_a_folder_of_the_users_own(tmp_path: Path,
     if os.getuid() == 0:  # (only root can give a folder to another user)
         os.chown(folder, 12345, -1)
         with pytest.raises(ServiceError, match=r"belongs to user id 12345, not to this "
-                                               rf"process's \(0\); pass --socket"):
+                                               r"process's \(0\); pass --socket"):
             HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
                       path).run()
     link = tmp_path / "link"
