@@ -59,8 +59,19 @@ def source_filesystem(uri: str, storage_options: Mapping[str, Any] | None = None
     """The fsspec filesystem of ``uri`` (what a loader reads its units with), without listing
     the source: a loader is made at start, at every scale-up and after every loss, and on
     object storage a listing of a large source is many requests (and one that fails
-    briefly failed the role)."""
-    return url_to_fs(uri, **dict(storage_options or {}))[0]
+    briefly failed the role).  Its listing cache is emptied (:func:`_uncached`)."""
+    return _uncached(url_to_fs(uri, **dict(storage_options or {}))[0])
+
+
+def _uncached(fs: Any) -> Any:
+    """``fs`` with its listing cache emptied.  fsspec hands every caller of one URL and
+    options the same filesystem object, whose listing cache (s3fs, gcsfs...) never
+    expires: a process that listed a source once (a worker that ran a service's start, a
+    notebook) listed it so again after files were added, deleted or rewritten, and read a
+    rewritten file by its old listing's ETag (``FileExpired``), so a service started again
+    over the changed files failed as before (a review)."""
+    fs.invalidate_cache()
+    return fs
 
 
 def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> SourceFiles:
@@ -73,6 +84,7 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
     discovery keeps those its source's format reads.
     """
     fs, path = url_to_fs(uri, **dict(storage_options or {}))
+    _uncached(fs)  # (listed as the storage has it now)
     start = _glob_start(path)
     if start is not None and not fs.isfile(path):  # (a file named "a[0].jsonl")
         root = path[:start].rsplit("/", 1)[0] if "/" in path[:start] else ""

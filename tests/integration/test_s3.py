@@ -116,3 +116,51 @@ def test_s3_folder_keys_and_console_folder_markers_are_no_data_files(s3_server):
             {"name": "s", "uri": uri, "format": "parquet", "storage_options": so}]})
         units, _ = discover_units(cfg)
         assert sorted({path for path, _, _ in units["s"]}) == paths, uri
+
+
+def test_a_source_changed_on_s3_is_listed_and_read_as_it_is_now(s3_server):
+    """fsspec hands every caller of one URL and options the same filesystem object, whose
+    listing cache never expires: a process that had listed a source listed it so again
+    after keys were added, deleted and rewritten, and read a rewritten key by its old
+    ETag (FileExpired, reported as a corrupt parquet file), so a service started again
+    over the changed files failed as before (a review).  Listed and read anew now."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import s3fs
+
+    from msd_dask.core.config import TokenizerConfig
+    from msd_dask.core.units import Unit
+    from msd_dask.sources.discover import discover_units
+    from msd_dask.sources.documents import read_unit
+    from msd_dask.sources.storage import source_filesystem
+    from msd_dask.sources.tokenizer import make_tokenizer
+
+    def parquet(texts: list[str], group: int) -> bytes:
+        out = io.BytesIO()
+        pq.write_table(pa.table({"text": texts}), out, row_group_size=group)
+        return out.getvalue()
+
+    so = s3_server["storage_options"]
+    writer = s3fs.S3FileSystem(skip_instance_cache=True, **so)
+    writer.mkdir("msd-changed")
+    writer.pipe("msd-changed/a.parquet", parquet([f"a{i}" for i in range(10)], 5))
+    writer.pipe("msd-changed/b.parquet", parquet([f"b{i}" for i in range(10)], 5))
+    cfg = load_config({"name": "changed", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": "s3://msd-changed/*.parquet", "format": "parquet",
+         "storage_options": so}]})
+    first, _ = discover_units(cfg)
+    assert sorted(first["s"]) == [("msd-changed/a.parquet", 0, 0), ("msd-changed/a.parquet", 1, 5),
+                                  ("msd-changed/b.parquet", 0, 0), ("msd-changed/b.parquet", 1, 5)]
+    writer.pipe("msd-changed/c.parquet", parquet([f"c{i}" for i in range(10)], 5))
+    writer.rm("msd-changed/b.parquet")
+    writer.pipe("msd-changed/a.parquet", parquet([f"A{i}" for i in range(12)], 4))
+    again, _ = discover_units(cfg)
+    assert sorted(again["s"]) == [("msd-changed/a.parquet", 0, 0), ("msd-changed/a.parquet", 1, 4),
+                                  ("msd-changed/a.parquet", 2, 8), ("msd-changed/c.parquet", 0, 0),
+                                  ("msd-changed/c.parquet", 1, 5)]
+    tok = make_tokenizer(TokenizerConfig())
+    fs = source_filesystem(cfg.sources[0].uri, so)
+    docs = read_unit(cfg.sources[0], fs, Unit("msd-changed/a.parquet", 1, 4), tok, [])
+    assert [tok.decode(d) for d in docs] == ["A4", "A5", "A6", "A7"]
