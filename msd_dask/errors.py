@@ -7,11 +7,13 @@ ran out) without importing this module.
 
 from __future__ import annotations
 
+import errno
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["ConfigError", "DataError", "SHOWN", "ServiceError", "ServiceTimeoutError",
-           "WorkerLeft", "first_of", "unanswered"]
+           "WorkerLeft", "first_of", "storage_blip", "storage_failure", "unanswered"]
 
 
 class ConfigError(ValueError):
@@ -120,3 +122,60 @@ def unanswered(e: BaseException, wait: float) -> str:
     why = (f"did not answer within {wait:.0f}s" if isinstance(e, TimeoutError)
            else f"did not answer ({type(e).__name__}: {e})")
     return f"{why}; its worker may be lost, and the planner re-creates a lost role"
+
+
+#: ``OSError`` numbers object stores give a failure of the store, not of the file: a 503
+#: (``SlowDown``, ``ServiceUnavailable``: s3fs's ``EBUSY``) and a 500 (``InternalError``:
+#: its ``EREMOTEIO``), after their own retries
+_BUSY = frozenset(n for n in (errno.EBUSY, getattr(errno, "EREMOTEIO", None), errno.ETIMEDOUT)
+                  if n is not None)
+
+
+@functools.cache
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """The connection and timeout errors of the HTTP clients object stores read through,
+    those installed (s3fs's botocore and aiohttp; gcsfs's and adlfs' aiohttp)."""
+    found: list[type[BaseException]] = []
+    try:
+        import botocore.exceptions as boto
+
+        found += [boto.HTTPClientError, boto.ConnectionError, boto.IncompleteReadError]
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        found.append(aiohttp.ClientError)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def storage_blip(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from or while handling, says the storage
+    failed for a moment (a dropped connection, a read that timed out, a busy or failing
+    store), not that the file is bad: such a read may be tried again.
+
+    Object stores raise their HTTP clients' errors once their own retries give up
+    (botocore's ``EndpointConnectionError``, ``ResponseStreamingError``, aiohttp's
+    ``ClientPayloadError``), none of them the built-in ``ConnectionError``: a dropped
+    connection on S3 was never tried again, and under ``on_error: skip`` one stopped the
+    service (a review)."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen and len(seen) < 16:
+        seen.add(id(at))
+        if isinstance(at, (ConnectionError, TimeoutError, *_client_errors())):
+            return True
+        if isinstance(at, OSError) and at.errno in _BUSY:
+            return True
+        at = at.__cause__ or at.__context__
+    return False
+
+
+def storage_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says the storage failed to give a file, not that its content is bad:
+    a file missing or not readable, or a :func:`storage_blip`.  A format lets these
+    propagate as they are (its callers try a blip again, and name the file), where it
+    reports any other error of a read as the file's (corrupt, truncated)."""
+    return isinstance(exc, FileNotFoundError | PermissionError) or storage_blip(exc)

@@ -12,14 +12,10 @@ from typing import Any
 import fsspec
 
 from msd_dask.core.units import Unit
-from msd_dask.errors import DataError
+from msd_dask.errors import DataError, storage_failure
 from msd_dask.formats.registry import register_format
 
 __all__ = ["ParquetFormat"]
-
-# Errors that say the storage, not the file's content, failed: they propagate as they are
-# so that callers may retry them.
-_STORAGE_ERRORS = (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)
 
 
 def _arrow_allocates_from_the_c_heap() -> None:
@@ -221,7 +217,7 @@ class ParquetFormat:
                     units.append(Unit(path, part=i, row_offset=offset))
                     offset += meta.row_group(i).num_rows
             except Exception as exc:  # noqa: BLE001 - a corrupt footer raises all kinds
-                if isinstance(exc, _STORAGE_ERRORS):
+                if storage_failure(exc):
                     raise
                 raise _data_error(path, exc) from exc
         return units
@@ -325,7 +321,7 @@ class ParquetFormat:
             except DataError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a corrupt file raises all kinds
-                if isinstance(exc, _STORAGE_ERRORS):
+                if storage_failure(exc):
                     raise
                 raise _data_error(path, exc, where) from exc
         del table

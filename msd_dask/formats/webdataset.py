@@ -33,7 +33,7 @@ from typing import Any
 import fsspec
 
 from msd_dask.core.units import Unit
-from msd_dask.errors import DataError
+from msd_dask.errors import DataError, storage_failure
 from msd_dask.formats.jsonl import compression_in
 from msd_dask.formats.registry import register_format
 
@@ -45,8 +45,6 @@ __all__ = ["WebDatasetFormat", "IMAGE_EXTENSIONS", "split_key"]
 #: several, the image is the first in this order
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff", "ppm", "pgm",
                     "pbm", "pnm")
-
-_STORAGE_ERRORS = (FileNotFoundError, PermissionError, ConnectionError, TimeoutError)
 
 #: the fields a sample's image is under (``image``, and its extension): absent, the
 #: sample is a text document (``None``), as a parquet or JSON row whose image is null
@@ -213,7 +211,7 @@ def _members(tar: tarfile.TarFile, f: Any, path: str) -> Iterator[tuple[str, byt
         f.seek(tar.offset)
         end = f.read(tarfile.BLOCKSIZE)
     except (tarfile.TarError, OSError, EOFError) as exc:
-        if isinstance(exc, _STORAGE_ERRORS):
+        if storage_failure(exc):
             raise
         raise DataError(f"corrupt tar: {exc}", path=path) from None
     if len(end) < tarfile.BLOCKSIZE:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from msd_dask.core.config import SourceConfig, TokenizerConfig, WeightSchedule, resolve_import_path
-from msd_dask.errors import ConfigError, DataError
+from msd_dask.errors import ConfigError, DataError, storage_blip
 from msd_dask.sources.tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 # loader's actor handle, and every module costs each training process memory
 # (tests/unit/test_imports.py)
 
-__all__ = ["BLIPS", "BLIP_RETRIES", "DocPool", "ImageDoc", "again_after_a_blip", "listed_files",
+__all__ = ["BLIP_RETRIES", "DocPool", "ImageDoc", "again_after_a_blip", "listed_files",
            "preprocessor", "process_docs", "read_unit", "source_config", "source_fields",
            "source_format", "with_source"]
 
@@ -69,6 +69,9 @@ def with_source(e: BaseException, source: str, path: str | None = None, *,
     ``whole_file``: the error is the file's (its ``row`` is dropped).
     """
     if not isinstance(e, DataError):
+        if storage_blip(e):  # (tried again already: again_after_a_blip)
+            return DataError(f"cannot read it: the storage failed {len(BLIP_RETRIES) + 1} "
+                             f"times ({type(e).__name__}: {e})", source=source, path=path)
         return DataError(f"cannot read: {e!r}", source=source, path=path)
     if e.source is not None and not (whole_file and e.row is not None):
         return e
@@ -156,7 +159,9 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
             return again_after_a_blip(
                 lambda: _read_rows(src, fs, unit, tokenizer, [], None, pool, timing, cpu),
                 src.name, unit.path)
-        except (DataError, OSError) as e:
+        except Exception as e:
+            if not isinstance(e, DataError | OSError) and not storage_blip(e):
+                raise
             err = with_source(e, src.name, unit.path)
             if err is e:  # (already named: 'raise e from e' would make e its own cause, a
                 raise     # cycle Dask's pickling of the error recursed on without end)
@@ -169,7 +174,11 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
 
     try:
         out = again_after_a_blip(read, src.name, unit.path)
-    except (DataError, OSError) as e:
+    except Exception as e:
+        # (an object store's client errors are no OSError: one escaped the skip and
+        # stopped the service; a review)
+        if not isinstance(e, DataError | OSError) and not storage_blip(e):
+            raise
         if quarantine is not None:
             quarantine.append(with_source(e, src.name, unit.path, whole_file=True))
         return []
@@ -179,18 +188,15 @@ def read_unit(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
 
 
 #: seconds :func:`again_after_a_blip` waits before each new read of a file whose storage
-#: failed for a moment (:data:`BLIPS`); the last failure is the file's
+#: failed for a moment (:func:`~msd_dask.errors.storage_blip`); the last failure is the file's
 BLIP_RETRIES = (0.5, 2.0)
-
-#: storage errors that may pass: a connection dropped, a read that timed out (fsspec's
-#: object stores retry their own calls first; these are what got through)
-BLIPS: tuple[type[OSError], ...] = (ConnectionError, TimeoutError)
-
 
 def again_after_a_blip(fn: Callable[[], _T], source: str, path: str,
                        doing: str = "reading it") -> _T:
     """``fn()``, again after each of :data:`BLIP_RETRIES` where the storage failed for a
-    moment (:data:`BLIPS`): a brief failure of the store is not bad input, which
+    moment (:func:`~msd_dask.errors.storage_blip`: a dropped connection, a read that timed
+    out, a busy store, as the built-in errors or an object store's HTTP client's say it,
+    after the store's own retries): a brief failure of the store is not bad input, which
     ``on_error: skip`` would quarantine (a unit for the epoch, a file listed at start for
     the run) and ``fail`` would stop the service on.  The rule of every read of a source's
     files: :func:`read_unit`, the listing of a source's files and of a file's units when a
@@ -219,7 +225,9 @@ def again_after_a_blip(fn: Callable[[], _T], source: str, path: str,
     for delay in BLIP_RETRIES:
         try:
             return fn()
-        except BLIPS as e:
+        except Exception as e:
+            if not storage_blip(e):
+                raise
             _log.warning("source %r, file %r: %s failed (%s: %s); %s again in %.1fs",
                          source, path, doing, type(e).__name__, e, doing, delay)
             time.sleep(delay)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +97,71 @@ class _FlakyFS(LocalFileSystem):
     """A local filesystem whose first ``fails`` opens time out, as an object store's
     connection may for a moment."""
 
-    def __init__(self, fails: int, error: type[OSError] = TimeoutError) -> None:
+    def __init__(self, fails: int, error: Callable[[], BaseException] | type[OSError] = TimeoutError,
+                 ) -> None:
         super().__init__()
         self.fails, self.error, self.opens = fails, error, 0
 
     def _open(self, path: str, *args: Any, **kwargs: Any) -> Any:
         self.opens += 1
         if self.opens <= self.fails:
-            raise self.error("read timed out (a store's blip)")
+            error = self.error
+            if isinstance(error, type) and issubclass(error, OSError):
+                raise error("read timed out (a store's blip)")
+            raise error()
         return super()._open(path, *args, **kwargs)
+
+
+def _two_documents(tmp_path: Path, on_error: str,
+                   monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """A source of one JSON-lines file of two documents (3 and 4 tokens with their ends) and
+    its one unit; blips waited for 10 ms."""
+    monkeypatch.setattr(documents, "BLIP_RETRIES", (0.01, 0.01))
+    (tmp_path / "f.jsonl").write_text('{"text": "ab"}\n{"text": "cde"}\n')
+    src = load_config({"name": "bad", "batch": {"seq_len": 64}, "sources": [
+        {"name": "s", "uri": str(tmp_path / "f.jsonl"), "format": "jsonl",
+         "on_error": on_error}]}).sources[0]
+    return src, source_units(src)[1][0]
+
+
+def _store_errors() -> dict[str, Callable[[], BaseException]]:
+    """What an object store raises once its own retries give up: s3fs's botocore and aiohttp
+    errors (no built-in ``ConnectionError``), and a 503 ``SlowDown`` (s3fs's ``EBUSY``)."""
+    import errno
+
+    import aiohttp
+    import botocore.exceptions as boto
+
+    return {"EndpointConnectionError": lambda: boto.EndpointConnectionError(endpoint_url="s3://b/f"),
+            "ResponseStreamingError": lambda: boto.ResponseStreamingError(error="broken"),
+            "ClientPayloadError": lambda: aiohttp.ClientPayloadError("payload not completed"),
+            "SlowDown": lambda: OSError(errno.EBUSY, "SlowDown")}
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+@pytest.mark.parametrize("kind", ["EndpointConnectionError", "ResponseStreamingError",
+                                  "ClientPayloadError", "SlowDown"])
+def test_an_object_stores_blip_is_read_again_and_one_that_lasts_is_the_files(
+        tmp_path: Path, on_error: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On S3 a dropped connection or a busy store surfaces as botocore's or aiohttp's errors,
+    none a built-in ``ConnectionError``: never read again, and under ``on_error: skip`` it
+    escaped the quarantine and stopped the service (a review).  Read again now; one that
+    lasts is the file's: refused naming it under ``fail``, quarantined under ``skip``."""
+    src, unit = _two_documents(tmp_path, on_error, monkeypatch)
+    error = _store_errors()[kind]
+    fs = _FlakyFS(2, error)
+    quarantine: list[DataError] = []
+    assert [len(d) for d in read_unit(src, fs, unit, ByteTokenizer(), quarantine)] == [3, 4]
+    assert quarantine == [] and fs.opens == 3
+    lasting = _FlakyFS(100, error)
+    if on_error == "fail":
+        with pytest.raises(DataError, match=r"source 's', file '.*f\.jsonl': cannot read it: "
+                                            r"the storage failed 3 times"):
+            read_unit(src, lasting, unit, ByteTokenizer(), quarantine)
+    else:
+        assert read_unit(src, lasting, unit, ByteTokenizer(), quarantine) == []
+        assert len(quarantine) == 1 and "the storage failed 3 times" in str(quarantine[0])
+    assert lasting.opens == 3
 
 
 @pytest.mark.parametrize("on_error", ["fail", "skip"])
@@ -113,12 +170,7 @@ def test_a_storage_blip_is_read_again_not_bad_input(tmp_path: Path, on_error: st
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # a storage error that passed in a moment stopped the service (fail) or quarantined the
     # whole unit for the epoch (skip), although the next read of it succeeded
-    monkeypatch.setattr(documents, "BLIP_RETRIES", (0.01, 0.01))
-    (tmp_path / "f.jsonl").write_text('{"text": "ab"}\n{"text": "cde"}\n')
-    src = load_config({"name": "bad", "batch": {"seq_len": 64}, "sources": [
-        {"name": "s", "uri": str(tmp_path / "f.jsonl"), "format": "jsonl",
-         "on_error": on_error}]}).sources[0]
-    unit = source_units(src)[1][0]
+    src, unit = _two_documents(tmp_path, on_error, monkeypatch)
     fs = _FlakyFS(fails)
     quarantine: list[DataError] = []
     docs = read_unit(src, fs, unit, ByteTokenizer(), quarantine)
@@ -136,8 +188,9 @@ def test_a_storage_failure_that_lasts_is_the_files(tmp_path: Path, error: type[O
     src = load_config(cfg).sources[0]
     unit = source_units(src)[1][0]
     fs = _FlakyFS(100, error)
-    with pytest.raises(DataError, match=rf"source 's', file '.*f\.jsonl': cannot read: "
-                                        rf"{error.__name__}"):
+    said = ("cannot read it: the storage failed 3 times" if error is TimeoutError
+            else f"cannot read: {error.__name__}")
+    with pytest.raises(DataError, match=rf"source 's', file '.*f\.jsonl': {said}"):
         read_unit(src, fs, unit, ByteTokenizer())
     assert fs.opens == (3 if error is TimeoutError else 1)  # (a missing file is no blip)
     quarantine: list[DataError] = []
@@ -270,7 +323,8 @@ def test_a_storage_blip_while_listing_a_file_is_listed_again(
     cfg = load_config({"name": "b", "batch": {"seq_len": 64}, "sources": [
         {"name": "s", "uri": f"{blips.protocol}://d/*.parquet", "format": "parquet",
          "on_error": on_error}]})
-    says = r"source 's', file '/d/a\.parquet': cannot read: ConnectionError"
+    says = (r"source 's', file '/d/a\.parquet': cannot read it: the storage failed 3 times "
+            r"\(ConnectionError")
     blips.fails["/d/a.parquet"] = fails
     quarantined: dict[str, list[str]] = {}
     if fails == 3 and on_error == "fail":
