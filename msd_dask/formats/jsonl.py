@@ -24,10 +24,14 @@ from msd_dask.core.units import Unit
 from msd_dask.errors import DataError
 from msd_dask.formats.registry import register_format
 
-__all__ = ["MAX_LINE_BYTES", "JsonlFormat", "LineTooLong", "compression_in", "compression_of",
+__all__ = ["MAX_LINE_BYTES", "STREAM_BLOCK", "JsonlFormat", "LineTooLong", "compression_in", "compression_of",
            "file_lines"]
 
 _BUFFER_SIZE = 1 << 20
+#: bytes an object store fetches at a time for a file read from its start to its end (a
+#: JSON-lines file, a webdataset shard): its own default was s3fs's 50 MiB, held by each
+#: read thread (a review)
+STREAM_BLOCK = 8 << 20
 
 
 def compression_of(path: str) -> str | None:
@@ -114,7 +118,7 @@ def file_lines(fs: fsspec.AbstractFileSystem, path: str,
     """
     compression = compression_of(path)
     with ExitStack() as stack:
-        raw = stack.enter_context(fs.open(path, "rb"))
+        raw = stack.enter_context(fs.open(path, "rb", block_size=STREAM_BLOCK))
         lines = _open_lines(stack, raw, compression)
         if compression is None and isinstance(lines, io.BufferedReader):
             packed = compression_in(lines.peek(10)[:10])
@@ -159,7 +163,7 @@ def _open_lines(stack: ExitStack, raw: IO[bytes], compression: str | None) -> _L
     if compression is not None:
         # BufferedReader gives readline() over the reader's readinto().
         return stack.enter_context(io.BufferedReader(_Streams(raw, compression), _BUFFER_SIZE))
-    # Not fsspec's own readline(): it reads a whole block (5 MiB on s3) per line.
+    # Not fsspec's own readline(): it reads a whole block (STREAM_BLOCK) per line.
     return stack.enter_context(io.BufferedReader(raw, _BUFFER_SIZE))  # type: ignore[type-var]
 
 

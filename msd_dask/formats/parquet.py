@@ -208,7 +208,7 @@ class ParquetFormat:
 
         _arrow_allocates_from_the_c_heap()
 
-        with fs.open(path, "rb") as f:
+        with fs.open(path, "rb", cache_type="none") as f:
             try:
                 meta = pq.ParquetFile(f).metadata
                 units = []
@@ -280,7 +280,10 @@ class ParquetFormat:
         # next read, which finds another identity and reads the footer again)
         identity = fs.ukey(path)
         footer = _FOOTERS.get(fs, path, identity)
-        with fs.open(path, "rb") as f:
+        # (no read-ahead cache: pyarrow reads the row group's column chunks, each at once,
+        # where an object store's default cache fetched a block of 50 MiB (s3fs) from the
+        # first one on, whatever their size; a review)
+        with fs.open(path, "rb", cache_type="none") as f:
             try:
                 if footer is None:
                     pf = pq.ParquetFile(f)

@@ -34,7 +34,7 @@ import fsspec
 
 from msd_dask.core.units import Unit
 from msd_dask.errors import DataError, storage_failure
-from msd_dask.formats.jsonl import compression_in
+from msd_dask.formats.jsonl import STREAM_BLOCK, compression_in
 from msd_dask.formats.registry import register_format
 
 __all__ = ["WebDatasetFormat", "IMAGE_EXTENSIONS", "split_key"]
@@ -130,7 +130,7 @@ class WebDatasetFormat:
             truncated or has a corrupt header (naming the file).
         """
         path = unit.path
-        with fs.open(path, "rb") as f:
+        with fs.open(path, "rb", block_size=STREAM_BLOCK) as f:
             try:
                 tar = tarfile.open(fileobj=f, mode="r:")
             except tarfile.TarError as exc:

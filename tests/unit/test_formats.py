@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -855,7 +856,8 @@ class _FailingFs:
     def __init__(self, data: bytes):
         self.data = data
 
-    def open(self, path: str, mode: str = "rb") -> _FailingRead:
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> _FailingRead:
+        # (as fsspec's open: a block size, a cache type, passed on to the file)
         return _FailingRead(self.data)
 
 
@@ -1492,3 +1494,59 @@ def test_jsonl_a_line_too_long_is_its_rows_bad_input(tmp_path: Any, name: str,
     assert f"line of {len(big) + 1} bytes: longer than 100" in str(bad)
     with pytest.raises(DataError, match=r"row 1: line of \d+ bytes: longer than 100"):
         list(JSONL.read(LOCAL, Unit(path), ["text"]))
+
+
+class _RangeFile(fsspec.spec.AbstractBufferedFile):
+    """A file of an object store: each fetch is a ranged GET, recorded by its filesystem."""
+
+    def _fetch_range(self, start: int, end: int) -> bytes:
+        self.fs.fetched.append((start, end))
+        return self.fs.data[start:end]
+
+
+class _RangeFs(fsspec.AbstractFileSystem):
+    """One file read as an object store reads it (fsspec's buffered file with a read-ahead
+    cache of its default block, s3fs's 50 MiB), recording each ranged fetch."""
+
+    protocol = "rangetest"
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(skip_instance_cache=True)
+        self.data, self.fetched = data, []
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        return {"name": path, "size": len(self.data), "type": "file"}
+
+    def _open(self, path: str, mode: str = "rb", block_size: Any = None, autocommit: bool = True,
+              cache_options: Any = None, **kwargs: Any) -> _RangeFile:
+        block = 50 << 20 if block_size in (None, "default") else block_size
+        return _RangeFile(self, path, mode, block_size=block, cache_options=cache_options,
+                          **kwargs)
+
+
+def test_an_object_store_fetches_about_what_a_unit_reads() -> None:
+    """On S3 a parquet unit fetched 50 MiB (s3fs's read-ahead block) from its first column
+    chunk on, whatever the row group's size, and a JSON-lines or webdataset read held 50 MiB
+    per read thread (a review).  A parquet file is opened with no read-ahead (pyarrow
+    reads each column chunk at once); a file read through in blocks of ``STREAM_BLOCK``."""
+    from msd_dask.formats.jsonl import STREAM_BLOCK
+
+    rng = np.random.default_rng(0)
+    texts = [bytes(rng.integers(97, 123, 2000, dtype=np.uint8)).decode() for _ in range(5000)]
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": texts}), buf, row_group_size=500, compression="zstd")
+    fs = _RangeFs(buf.getvalue())
+    fmt = get_format("parquet")
+    units = fmt.units(fs, "f.parquet")
+    chunk = pq.ParquetFile(io.BytesIO(fs.data)).metadata.row_group(3).column(0)
+    fs.fetched.clear()
+    rows = list(fmt.read(fs, units[3], ["text"]))
+    assert [r["text"] for _, r in rows] == texts[1500:2000]
+    fetched = sum(b - a for a, b in fs.fetched)
+    assert fetched <= 2 * chunk.total_compressed_size, (fetched, chunk.total_compressed_size)
+    # a JSON-lines file is fetched a block at a time: the read (a buffer of 1 MiB) and the
+    # STREAM_BLOCK after it
+    lines = _RangeFs(b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts * 2))
+    got = [r["text"] for _, r in get_format("jsonl").read(lines, Unit("f.jsonl", 0, 0), ["text"])]
+    assert got == texts * 2 and len(lines.fetched) >= 2
+    assert max(b - a for a, b in lines.fetched) <= STREAM_BLOCK + (1 << 20)
