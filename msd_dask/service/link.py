@@ -62,6 +62,9 @@ class PlannerLink:
     def __init__(self, client: Any, cfg: Config, registry: dict[str, Any], *,
                  owner: bool = False):
         self.client = client
+        #: the scheduler's address (said where it is lost: a closed client has none)
+        self.scheduler_address: str = getattr(getattr(client, "scheduler", None), "address",
+                                              None) or "?"
         self.config = cfg
         self.name = cfg.name
         self.owner = owner
@@ -246,6 +249,18 @@ class PlannerLink:
             return False
         return lost or actor_address(self.planner) not in workers
 
+    def scheduler_lost(self) -> str | None:
+        """What to say where this process's Dask client is not connected to the scheduler;
+        ``None`` while it is.  A lost scheduler cancels every future of the client, so the
+        planner's looked lost with its worker, and readers and calls said so, naming a
+        worker still alive (a review)."""
+        status = getattr(self.client, "status", "running")  # (no client: nothing to lose)
+        if status == "running":
+            return None
+        return (f"this process lost its connection to the scheduler at {self.scheduler_address} (its Dask "
+                f"client is {status}); a scheduler lost takes the service's roles with it: "
+                f"once it runs again, {RESTART_HINT}")
+
     def owner_alive(self) -> bool:
         """Whether the process that started the service is still connected (True if unknown)."""
         if self.owner:
@@ -293,6 +308,11 @@ class PlannerLink:
         """Raise if the planner is lost for good, or (past ``deadline``, ``within`` seconds
         of the look's start: the config's ``timeout`` if not given) did not answer."""
         within = self.config.timeout if within is None else within
+        gone = self.scheduler_lost()
+        if gone is not None:  # (not the planner's worker: said once the wait is over)
+            if deadline is not None and time.monotonic() > deadline:
+                raise ServiceTimeoutError(f"service {self.name!r}: {gone}") from cause
+            return
         lost = self.planner_lost()
         where = actor_address(self.planner) or "?"
         if lost and self.failed is not None:  # its owner gave up re-creating it

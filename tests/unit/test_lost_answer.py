@@ -106,6 +106,9 @@ class _Link:
     def planner_lost(self, *, confirm: bool = False) -> bool:
         return False
 
+    def scheduler_lost(self) -> str | None:
+        return None
+
 
 @contextmanager
 def _serving_on_a_loop() -> Iterator[_Link]:

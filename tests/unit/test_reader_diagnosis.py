@@ -16,6 +16,9 @@ class _Answer:
     def __init__(self, value: Any, delay: float = 0.0):
         self.value, self.delay = value, delay
 
+    def done(self) -> bool:  # (an answer of no delay is there at once)
+        return self.delay <= 0.0
+
     def result(self, timeout: float | None = None) -> Any:
         if self.delay > (timeout or 0.0):
             time.sleep(timeout or 0.0)
@@ -72,3 +75,28 @@ def test_a_role_that_does_not_answer_is_named_and_the_look_is_bounded(
     assert time.monotonic() - t0 < 1.5, said
     assert said.startswith("planner is planning step 3; constructor 0, constructor 1, "
                            "constructor 2, constructor 3 and 2 more did not answer within 0.3s")
+
+
+def test_roles_that_answered_are_not_named_silent_after_one_that_did_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen planner used up the look's wait, and every constructor asked after it was
+    waited for 0 s, which Dask's wait raises on even for an answer already there: healthy
+    constructors were named as not answering (a review).  Answers there are read."""
+    monkeypatch.setattr(reader_module, "DIAGNOSIS_AGE", 0.0)
+    monkeypatch.setattr(reader_module, "DIAGNOSIS_WAIT", 0.3)
+
+    class _Zero(_Answer):  # (Dask's: a wait of 0 s raises, answer or not)
+        def result(self, timeout: float | None = None) -> Any:
+            if not timeout:
+                raise TimeoutError("timed out after 0 s.")
+            return super().result(timeout)
+
+    class _Healthy(_Role):
+        def stats(self) -> _Answer:
+            return _Zero(self._stats)
+
+    held = _Healthy({"unclaimed": {"5": [1]}, "held_steps": 1})
+    link = _Link(_Role({}, delay=10.0), [_Healthy({}), held])
+    said = _reader(link)._diagnose()
+    assert said == ("constructor 1 holds 1 step(s) not yet claimed by rank(s) [1]; planner did "
+                    "not answer within 0.3s (see DataService.stats())"), said

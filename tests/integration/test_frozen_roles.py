@@ -1,0 +1,93 @@
+"""A worker frozen (``SIGSTOP``) or a scheduler lost: a reader's wait ends near its ``timeout``,
+and its error names what it waited for, not roles that answered nor a worker still alive.
+Real ``dask scheduler``/``dask worker`` processes (no nanny)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from msd_dask import DataService, ServiceTimeoutError
+from msd_dask import reader as reader_module
+
+from cluster import dask_cluster
+from corpus import config, write_corpus
+
+pytestmark = pytest.mark.slow
+
+#: the readers' timeout here
+WAIT = 4.0
+
+
+def _read_until_it_raises(rd, limit: float = 60.0) -> tuple[BaseException, float]:
+    """Read ``rd`` until it raises; the error and how long that last ``next()`` took."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        t0 = time.monotonic()
+        try:
+            next(rd)
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            return e, time.monotonic() - t0
+    raise AssertionError(f"rank {rd.rank} read on for {limit:.0f}s")
+
+
+def test_a_frozen_constructor_is_named_within_the_readers_timeout(tmp_path):
+    """A constructor's worker frozen: the rank's claim was waited for up to 13 s past its
+    timeout (then the diagnosis's 5 s), and the diagnosis, whose wait the first silent role
+    used up, named the healthy roles after it as not answering too (a review)."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="frozen", parallel={"dp": 4})
+    with dask_cluster(str(tmp_path), n_workers=3) as cl, DataService.start(cfg, cl["address"]) as svc:
+        pids = svc.client.run(os.getpid)
+        svc.refresh()
+        planner_at = svc.planner._address
+        frozen = next(i for i, c in enumerate(svc.constructors) if c._address != planner_at)
+        address = svc.constructors[frozen]._address
+        others = [i for i, c in enumerate(svc.constructors) if c._address != address]
+        rank = next(r for r in range(4) if r % len(svc.constructors) == frozen)
+        rd = svc.reader(rank, timeout=WAIT)
+        assert next(rd).step == 0
+        os.kill(pids[address], signal.SIGSTOP)
+        try:
+            error, took = _read_until_it_raises(rd)
+        finally:
+            os.kill(pids[address], signal.SIGCONT)
+        assert isinstance(error, ServiceTimeoutError), repr(error)
+        said = str(error)
+        # the wait, then the look at the roles (the frozen one is waited for): 9 s here,
+        # where the claim's wait ran 3-13 s past the timeout before the look
+        assert took < WAIT + reader_module.DIAGNOSIS_WAIT + 1.5, (took, said)
+        assert f"rank {rank} waited {WAIT:.0f}s for step" in said, said
+        assert f"constructor {frozen}" in said.split(";")[-1] and "did not answer" in said, said
+        silent = said.rsplit(";", 1)[-1]
+        assert not any(f"constructor {i}," in silent or f"constructor {i} did" in silent
+                       for i in others), said
+
+
+def test_a_lost_scheduler_is_named_not_the_planners_worker(tmp_path):
+    """The scheduler killed: its futures cancelled, the planner looked lost with its worker,
+    and readers and ``stats()`` said so, naming a worker still alive (a review).  They say
+    the scheduler is lost."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="nosched", timeout=WAIT)
+    with dask_cluster(str(tmp_path), n_workers=2) as cl:
+        svc = DataService.start(cfg, cl["address"])
+        try:
+            rd = svc.reader(0, timeout=WAIT)
+            assert next(rd).step == 0
+            cl["scheduler"].kill()
+            cl["scheduler"].wait(10)
+            error, took = _read_until_it_raises(rd)
+            said = str(error)
+            assert isinstance(error, ServiceTimeoutError), repr(error)
+            assert f"lost its connection to the scheduler at {cl['address']}" in said, said
+            assert "planner was lost with its worker" not in said, said
+            with pytest.raises(ServiceTimeoutError, match="lost its connection to the scheduler"):
+                svc.stats()
+        finally:
+            svc.close()
