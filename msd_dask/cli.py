@@ -520,7 +520,7 @@ def _watch_served(svc: Any, args: argparse.Namespace, stop: dict[str, bool], los
                     try:  # the planner's own figures: svc.stats() also asks every loader and
                         # constructor, and one on a worker cut off but not yet dropped by the
                         # scheduler hangs or raises until its role is re-created elsewhere
-                        err = svc.link.call(lambda p: p.stats())["error"]
+                        err = svc.link.call(lambda p: p.stats(), "stats()")["error"]
                     except ServiceTimeoutError as e:
                         # the planner did not answer, or was lost and not re-created yet (no
                         # worker to put it on): this process re-creates it once it can

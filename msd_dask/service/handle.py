@@ -744,7 +744,7 @@ class DataService:
 
         def apply() -> int:
             nonlocal at
-            at = int(self.link.call(lambda p: p.set_weights(given, at)))
+            at = int(self.link.call(lambda p: p.set_weights(given, at), "set_weights()"))
             return at  # (applied again, from the same step)
 
         return self._applied(apply, lambda start: f"weights {given} from step {start}")
@@ -802,7 +802,8 @@ class DataService:
         if source not in names:
             raise ValueError(f"scale_loaders: no source {source!r} (the service's sources: "
                              f"{names})")
-        return self._applied(lambda: int(self.link.call(lambda p: p.scale(source, int(n)))),
+        return self._applied(lambda: int(self.link.call(lambda p: p.scale(source, int(n)),
+                                                        "scale_loaders()")),
                              lambda got: f"{got} loaders of {source!r}")
 
     def retire_workers(self, workers: list[str], *, close: bool = True) -> dict[str, int]:
@@ -833,7 +834,7 @@ class DataService:
                     f"{sorted(foreign)} hold actors not of service {self.name!r} (another "
                     f"service's roles, or your own): {foreign}; nothing was moved")
         try:
-            moved = dict(self.link.call(lambda p: p.evacuate(list(workers))))
+            moved = dict(self.link.call(lambda p: p.evacuate(list(workers)), "retire_workers()"))
         except ServiceTimeoutError as e:
             raise ServiceTimeoutError(
                 f"retiring {list(workers)}: moving the roles of service {self.name!r} off them did "
@@ -917,9 +918,9 @@ class DataService:
             answer's (``loaders_unanswered`` of its source counts them), a constructor
             has ``error`` and ``unanswered`` set and its ranks are missing from ``ranks``.
         """
-        planner = self.link.call(lambda p: p.stats())
-        loader_stats = self.link.call(lambda p: p.loader_stats())
-        cons = self.link.call(lambda p: p.constructor_stats())
+        planner = self.link.call(lambda p: p.stats(), "stats()")
+        loader_stats = self.link.call(lambda p: p.loader_stats(), "stats() (the loaders')")
+        cons = self.link.call(lambda p: p.constructor_stats(), "stats() (the constructors')")
         sources = source_figures(planner, loader_stats, self.link.registry.get("quarantined", {}))
         ranks = rank_figures(cons)
         return {"sources": sources, "ranks": ranks, "planner": planner,
@@ -955,7 +956,7 @@ class DataService:
         if not is_whole(step):
             raise ValueError(f"state_dict: step must be a step (an integer), got {step!r}")
         at = int(step)
-        return dict(self.link.call(lambda p: p.state_at(at)))
+        return dict(self.link.call(lambda p: p.state_at(at), f"state_dict({at})"))
 
     def _constructor_stats(self, i: int, c: Any) -> dict[str, Any]:
         """Constructor ``i``'s ``stats()``, where the answer matters (the default
@@ -1000,7 +1001,7 @@ class DataService:
         """
         t0 = time.monotonic()
         self.refresh()  # (a constructor re-created since: ask the new one, not the lost one)
-        first = int(self.link.call(lambda p: p.start_step()))
+        first = int(self.link.call(lambda p: p.start_step(), "consumed_step()"))
         lo, hi, idle = self._returned_bounds(first, trust_pauses=False)
         if min(lo.values()) == min(hi.values()):
             return min(lo.values())

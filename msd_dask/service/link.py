@@ -199,34 +199,46 @@ class PlannerLink:
                     self.handles = (gen, self.constructors)
                     return
 
-    def call(self, request: Callable[[Any], Any]) -> Any:
+    def call(self, request: Callable[[Any], Any], what: str = "a request") -> Any:
         """``request(planner)``'s result (an actor call); once more on its successor if
         the planner was lost (not to the same planner: a request such as ``set_weights``
         must not run twice).  :class:`ServiceError` if the link is closed (nothing sent);
-        :class:`ServiceTimeoutError` if the planner, still the service's, did not answer
-        within the config's ``timeout``."""
+        :class:`ServiceTimeoutError` naming the request (``what``, as ``"set_weights()"``)
+        if the planner, still the service's, did not answer within the config's
+        ``timeout`` (the look for a successor within it too)."""
         self.check_open()
         generation = self.generation
+        timeout = self.config.timeout
+        deadline = time.monotonic() + timeout
         try:
-            return request(self.planner).result(timeout=self.config.timeout)
+            return request(self.planner).result(timeout=timeout)
         except (KeyError, ValueError, ServiceError, ServiceTimeoutError):
             raise  # (the planner's own answer: a ServiceTimeoutError of its own says what for)
         except Exception as e:  # noqa: BLE001 - lost or not answering: find the current one
-            self.refresh()
+            try:
+                # (within what is left: the look waited a whole timeout more, and its error
+                # named neither the request nor that it may still be carried out; a review)
+                self.refresh(timeout=max(0.1, deadline - time.monotonic()))
+            except ServiceTimeoutError as lost:
+                raise ServiceTimeoutError(
+                    f"service {self.name!r}: {what} got no answer within {timeout:.0f}s: "
+                    f"{lost} (a change it asked for may still be made if the planner "
+                    "answers later)") from e
             if self.generation == generation:  # the same planner: it answers, but not this
                 if isinstance(e, TimeoutError):
                     raise ServiceTimeoutError(
-                        f"service {self.name!r}: the planner did not answer within "
-                        f"{self.config.timeout:.0f}s (it answers other calls: a role it "
-                        "waited on may be stuck on a busy or unreachable worker)") from e
+                        f"service {self.name!r}: the planner did not answer {what} within "
+                        f"{timeout:.0f}s (it answers other calls: a role it waited on may "
+                        "be stuck on a busy or unreachable worker; a change it asked for "
+                        "may still be made)") from e
                 raise
             try:  # the planner that replaced the lost one
-                return request(self.planner).result(timeout=self.config.timeout)
+                return request(self.planner).result(timeout=timeout)
             except TimeoutError as again:
                 raise ServiceTimeoutError(
                     f"service {self.name!r}: the planner of generation {self.generation}, "
-                    f"re-created for the lost one, did not answer within "
-                    f"{self.config.timeout:.0f}s") from again
+                    f"re-created for the lost one, did not answer {what} within "
+                    f"{timeout:.0f}s") from again
 
     def planner_lost(self, *, confirm: bool = False) -> bool:
         """Whether the current planner is lost with its worker.

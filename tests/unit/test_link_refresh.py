@@ -134,9 +134,9 @@ def test_a_call_the_same_planner_does_not_answer_is_sent_once() -> None:
 
     planner = _Slow()
     link = _link(planner)
-    with pytest.raises(ServiceTimeoutError, match="service 'link': the planner did not answer "
-                       "within 300s"):
-        link.call(lambda p: p.set_weights({"a": 1.0}))
+    with pytest.raises(ServiceTimeoutError, match=r"service 'link': the planner did not answer "
+                       r"set_weights\(\) within 300s .* a change it asked for may still be made"):
+        link.call(lambda p: p.set_weights({"a": 1.0}), "set_weights()")
     assert planner.sets == 1 and link.generation == 0
 
 
@@ -202,14 +202,44 @@ def test_a_re_created_planner_that_does_not_answer_is_named() -> None:
     link = _link(_LostPlanner(delay=0.0))
     successor = _Slow()
 
-    def refresh(max_age: float = 0.0) -> None:  # (finds the re-created planner)
-        link.planner, link.generation = successor, 1
+    def refresh(max_age: float = 0.0, timeout: float | None = None) -> None:  # (finds the
+        link.planner, link.generation = successor, 1                        # re-created one)
 
     link.refresh = refresh  # type: ignore[method-assign]
-    with pytest.raises(ServiceTimeoutError, match="the planner of generation 1, re-created for "
-                       "the lost one, did not answer within 300s"):
-        link.call(lambda p: p.set_weights({"a": 1.0}))
+    with pytest.raises(ServiceTimeoutError, match=r"the planner of generation 1, re-created for "
+                       r"the lost one, did not answer set_weights\(\) within 300s"):
+        link.call(lambda p: p.set_weights({"a": 1.0}), "set_weights()")
     assert successor.sets == 1
+
+
+class _Frozen(_Planner):
+    """A planner whose worker is frozen: no call of it answers."""
+
+    def handles(self, _with_loaders: bool) -> Any:
+        return _LostFuture()
+
+    def set_weights(self, weights: dict[str, float]) -> Any:
+        return _LostFuture()
+
+
+def test_a_call_to_a_frozen_planner_ends_within_the_timeout_naming_the_request() -> None:
+    """The planner's worker frozen: ``stats()`` and ``set_weights()`` waited the config's
+    timeout for the answer, then as long again looking for a successor, and said only that
+    'the planner did not answer' (the weights were changed once the worker resumed; a
+    review).  One wait of ``timeout`` for both, and the error names the request."""
+    import pytest
+
+    cfg = parse_config({"name": "link", "batch": {"seq_len": 64}, "timeout": 1, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    published = _Done(_Frozen(delay=0.0))
+    published.status = "finished"  # type: ignore[attr-defined]  # (its future: not lost)
+    link = PlannerLink(None, cfg, {"planner": published})
+    link.adopt_published = lambda: False  # type: ignore[method-assign]  # (no scheduler here)
+    t0 = time.monotonic()
+    with pytest.raises(ServiceTimeoutError, match=r"service 'link': set_weights\(\) got no answer "
+                       r"within 1s: .*\(a change it asked for may still be made"):
+        link.call(lambda p: p.set_weights({"a": 1.0}), "set_weights()")
+    assert time.monotonic() - t0 < 2.0
 
 
 class _LostFuture:
