@@ -242,6 +242,10 @@ def _parser() -> argparse.ArgumentParser:
     so.add_argument("name", help="service name")
     so.add_argument("--scheduler", metavar="ADDR", required=True,
                     help="address of the Dask scheduler")
+    so.add_argument("--timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
+                    help="seconds to wait for the scheduler, and for the close of the roles "
+                         "(default 30; a worker that does not answer by then is named, its "
+                         "roles of the service may stay open until it goes)")
     _tls_options(so)
 
     st = sub.add_parser("stats", help="print the counters of a running service as JSON")
@@ -572,8 +576,13 @@ def _set_weights(args: argparse.Namespace) -> int:
 def _stop(args: argparse.Namespace) -> int:
     from msd_dask.service import DataService
 
-    DataService.stop(args.scheduler, args.name, security=_security(args))
+    open_on = DataService.stop(args.scheduler, args.name, timeout=args.timeout,
+                               security=_security(args))
     print(f"stopped service {args.name!r} on {args.scheduler}")
+    if open_on:  # (the name is free; what a frozen worker holds goes with it)
+        print(f"msd-dask stop: warning: worker(s) {', '.join(open_on)} did not answer within "
+              f"{args.timeout:g}s: the service's roles there may stay open until those "
+              "workers go", file=sys.stderr)
     return 0
 
 

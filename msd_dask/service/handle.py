@@ -29,7 +29,13 @@ from typing import Any, Literal, overload
 from msd_dask.batch import is_whole, reader_state
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
-from msd_dask.dask_internals import actors_on, bound_actor, keys_on, stop_identity_refresh
+from msd_dask.dask_internals import (
+    actor_address,
+    actors_on,
+    bound_actor,
+    keys_on,
+    stop_identity_refresh,
+)
 from msd_dask.errors import (
     CLOSED_BY_OWNER,
     STOPPED,
@@ -48,7 +54,11 @@ from msd_dask.service.placement import (
     place_planner,
     published_event,
 )
-from msd_dask.service.recovery import PlannerKeeper, close_roles_everywhere
+from msd_dask.service.recovery import (
+    PlannerKeeper,
+    close_roles_everywhere,
+    unanswered_workers,
+)
 from msd_dask.sources.discover import anchored_config, discover_remote
 
 __all__ = ["DataService"]
@@ -95,7 +105,7 @@ CLOSE_WAIT = 10.0
 
 def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
                    pinned: list[Any] | None, sources: list[str] | None = None,
-                   notice: str = CLOSED_BY_OWNER) -> None:
+                   notice: str = CLOSED_BY_OWNER, timeout: float = 30.0) -> list[str]:
     """Close service ``name``'s roles, unpublish it and make Dask forget its keys: the
     owner's close (:meth:`DataService.close`) and :meth:`DataService.stop`.  ``notice``:
     what its readers are told (:data:`~msd_dask.errors.CLOSED_NOTICES`).
@@ -104,24 +114,37 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
     it knows; ``pinned``: the role keys the owner's keeper published (None: none
     published); ``sources``: where given, the roles of the service left on any worker are
     closed by name as well (:func:`~msd_dask.service.recovery.close_roles_everywhere`:
-    a planner lost with its worker closes nothing).
+    a planner lost with its worker closes nothing).  ``timeout``: the most the roles' close
+    waits (at least 5 s for the workers' answers).  Returns the workers whose roles may
+    stay open (they did not answer), each logged: a frozen planner's or worker's close was
+    given up without a word, and took up to 70 s (a review).
     """
     keys: list[Any] = [*(pinned or ()), planner_key]
+    open_on: list[str] = []
+    deadline = time.monotonic() + timeout
     if planner is not None:
+        where = actor_address(planner) or "?"
         try:
-            keys += planner.role_keys().result(timeout=10)
-        except Exception:  # noqa: BLE001 - best effort: the pinned keys still go
-            pass
-        try:
-            planner.close_roles(notice).result(timeout=30)
-        except Exception:  # noqa: BLE001 - best effort: the cluster may be gone
-            pass
+            keys += planner.role_keys().result(timeout=min(10.0, timeout))
+            planner.close_roles(notice).result(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - the name and the pinned keys still go
+            _log.warning("msd_dask %s: its planner on %s did not close its roles within %gs "
+                         "(%s: %s): they may stay open until their workers go%s", name, where,
+                         timeout, type(e).__name__, e,
+                         "; closing them by name" if sources is not None else "")
+            open_on.append(where)
     if sources is not None:
         try:
-            close_roles_everywhere(client, name, sources)
+            left = max(5.0, deadline - time.monotonic())
+            open_on = unanswered_workers(close_roles_everywhere(client, name, sources, left))
         except Exception as e:  # noqa: BLE001 - the name still goes: said, not raised
             _log.warning("msd_dask %s: could not look for its roles on every worker: %r",
                          name, e)
+        else:
+            if open_on:
+                _log.warning("msd_dask %s: worker(s) %s did not close its roles within %gs: "
+                             "they may stay open until those workers go", name,
+                             first_of(open_on, 8), left)
 
     def on_scheduler() -> None:
         published_event(client, name).clear()
@@ -145,6 +168,7 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
         why = f"did not answer within {CLOSE_WAIT:g}s" if not failed else f"failed: {failed[0]!r}"
         _log.warning("msd_dask %s: the scheduler %s while the service closed: its name may "
                      "stay published until the scheduler restarts", name, why)
+    return open_on
 
 
 def _running_services(client: Any) -> list[str]:
@@ -621,7 +645,7 @@ class DataService:
 
     @classmethod
     def stop(cls, address: str, name: str, *, timeout: float = 30.0,
-             security: Any = None) -> None:
+             security: Any = None) -> list[str]:
         """Stop service ``name`` whose starting process is gone: close its roles, free its
         workers and its name.
 
@@ -641,9 +665,15 @@ class DataService:
         name : str
             The service's ``name``.
         timeout : float
-            Seconds to wait for the scheduler and the planner.
+            Seconds to wait for the scheduler, and for the roles' close.
         security : distributed.security.Security, optional
             TLS settings of the cluster.
+
+        Returns
+        -------
+        list of str
+            The workers that did not answer the close of their roles (a frozen one): the
+            service's roles there may stay open until they go (logged too).
 
         Raises
         ------
@@ -677,10 +707,11 @@ class DataService:
                                      client)
             except Exception:  # noqa: BLE001 - lost with its worker: its roles by name
                 planner = None
-            _close_service(client, name, planner, registry["planner"].key,
-                           None if pinned is None else [f.key for f in pinned],
-                           [s.name for s in cfg.sources], STOPPED)
+            open_on = _close_service(client, name, planner, registry["planner"].key,
+                                     None if pinned is None else [f.key for f in pinned],
+                                     [s.name for s in cfg.sources], STOPPED, timeout)
             _log.warning("msd_dask %s: stopped on %s", name, address)
+            return open_on
         finally:
             client.close()
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from msd_dask.dask_internals import STATS_SHARED, actor_address, bound_actor
+from msd_dask.dask_internals import STATS_SHARED, actor_address, bound_actor, scheduler_workers
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.service.link import PlannerLink
 from msd_dask.service.placement import REGISTRY_PREFIX, ROLES_PREFIX, place_planner
@@ -39,17 +39,45 @@ FUTILE_LIMIT = 5
 SHORT_LIVED = 120.0
 
 
-def close_roles_everywhere(client: Any, name: str, sources: list[str]) -> dict[str, Any]:
+#: seconds each worker's answer to :func:`close_roles_everywhere` is waited for
+CLOSE_ROLES_WAIT = 30.0
+
+
+def close_roles_everywhere(client: Any, name: str, sources: list[str],
+                           timeout: float = CLOSE_ROLES_WAIT) -> dict[str, Any]:
     """Close every role of service ``name`` (of ``sources``' loaders) on every worker, by
     its key (:func:`~msd_dask.roles.supervisor.close_service_roles`): what a planner lost
     with its worker leaves behind.  Returns each worker's answer (an exception where one
-    failed)."""
+    failed, or did not answer within ``timeout`` seconds).
+
+    Each worker is asked on its own, all at once: asked together, one frozen worker made
+    the whole look wait 60 s and fail naming none, the others' answers lost (a review).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     from msd_dask.roles.supervisor import (
         close_service_roles,  # the owner only: readers never import roles
     )
 
-    return dict(client.run(close_service_roles, name, sources, on_error="return",
-                           callback_timeout=60))
+    workers = sorted(scheduler_workers(client, timeout))
+
+    def one(worker: str) -> Any:
+        try:
+            return client.run(close_service_roles, name, sources, workers=[worker],
+                              on_error="return", callback_timeout=timeout)[worker]
+        except Exception as e:  # noqa: BLE001 - said by the caller, naming the worker
+            return e
+
+    if not workers:
+        return {}
+    with ThreadPoolExecutor(min(len(workers), 32), thread_name_prefix="msd-close") as pool:
+        return dict(zip(workers, pool.map(one, workers), strict=True))
+
+
+def unanswered_workers(answers: dict[str, Any]) -> list[str]:
+    """The workers of :func:`close_roles_everywhere`'s ``answers`` that did not answer, or
+    failed: their roles of the service may stay open until they go."""
+    return sorted(w for w, a in answers.items() if isinstance(a, BaseException))
 
 
 class PlannerKeeper:

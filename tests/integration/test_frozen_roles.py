@@ -91,3 +91,45 @@ def test_a_lost_scheduler_is_named_not_the_planners_worker(tmp_path):
                 svc.stats()
         finally:
             svc.close()
+
+
+def test_stop_names_a_frozen_worker_within_its_timeout(tmp_path):
+    """``msd-dask stop`` with a worker frozen: it took 70 s (60 s hard-coded for the roles'
+    close by name, whatever its timeout), named no worker and said the service stopped
+    (a review).  It waits its timeout, frees the name, and says which worker's roles may
+    stay open."""
+    import subprocess
+    import sys
+
+    from cluster import start_serve
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="frozenstop", parallel={"dp": 4})
+    with dask_cluster(str(tmp_path), n_workers=3) as cl:
+        serve = start_serve(cfg, str(tmp_path), cl["address"])
+        try:
+            with DataService.connect(cl["address"], "frozenstop") as svc:
+                pids = svc.client.run(os.getpid)
+                svc.refresh()
+                planner_at = svc.planner._address
+                address = next(c._address for c in svc.constructors if c._address != planner_at)
+            serve.kill()  # (nothing closes the service)
+            serve.wait(30)
+        finally:
+            if serve.poll() is None:
+                serve.kill()
+        os.kill(pids[address], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "msd_dask.cli", "stop", "frozenstop",
+                                   "--scheduler", cl["address"], "--timeout", "8"],
+                                  capture_output=True, text=True, timeout=120)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pids[address], signal.SIGCONT)
+        assert done.returncode == 0 and "stopped service 'frozenstop'" in done.stdout, done
+        assert f"warning: worker(s) {address} did not answer within 8s" in done.stderr, done.stderr
+        assert took < 8 + 10 + 5, took  # (the timeout, the planner's 10 s at most, start-up)
+        with pytest.raises(Exception, match="no service named 'frozenstop'"):
+            DataService.connect(cl["address"], "frozenstop", wait=0)

@@ -203,7 +203,7 @@ class _ServeLink:
         self.calls = 0
         self.failed = None  # (the owner re-creates a lost planner)
 
-    def call(self, request: Any) -> dict[str, Any]:
+    def call(self, request: Any, what: str = "") -> dict[str, Any]:
         import os
         import signal
 

@@ -42,7 +42,7 @@ class _Link:
     def refresh(self) -> None:
         self.refreshed += 1
 
-    def call(self, fn: Any) -> Any:
+    def call(self, fn: Any, what: str = "") -> Any:
         return fn(_Planner())
 
 
@@ -124,7 +124,7 @@ def test_the_owners_set_weights_returns_once_its_kept_checkpoint_has_the_change(
             events.append("keep_checkpoint")
 
     svc = _service([])
-    svc.link.call = lambda fn: fn(_WeightsPlanner())  # type: ignore[method-assign]
+    svc.link.call = lambda fn, what="": fn(_WeightsPlanner())  # type: ignore[method-assign]
     svc.keeper = _Keeper()  # type: ignore[assignment]
     assert svc.set_weights({"a": 1.0}) == 13
     assert events == ["set_weights", "keep_checkpoint"]
@@ -149,7 +149,7 @@ def test_set_weights_applied_returns_when_the_checkpoint_is_not_sent_in_time(cap
             raise ServiceTimeoutError("the planner did not send its checkpoint within 10s")
 
     svc = _service([])
-    svc.link.call = lambda fn: fn(_WeightsPlanner())  # type: ignore[method-assign]
+    svc.link.call = lambda fn, what="": fn(_WeightsPlanner())  # type: ignore[method-assign]
     svc.keeper = _LateKeeper()  # type: ignore[assignment]
     with caplog.at_level(logging.WARNING, logger="msd_dask.service"):
         assert svc.set_weights({"a": 0.25, "b": 0.75}) == 21
@@ -180,7 +180,7 @@ def test_a_change_the_planner_made_just_before_it_was_re_created_is_made_again()
     svc = _service([])
     link = svc.link
 
-    def call(fn: Any) -> Any:
+    def call(fn: Any, what: str = "") -> Any:
         return fn(_Planner2(link.generation))
 
     class _Keeper:

@@ -46,7 +46,7 @@ class _Link:
     def __init__(self) -> None:
         self.evacuated: list[list[str]] = []
 
-    def call(self, fn: Any) -> Any:
+    def call(self, fn: Any, what: str = "") -> Any:
         return fn(self)
 
     def evacuate(self, workers: list[str]) -> dict[str, int]:
