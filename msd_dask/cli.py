@@ -81,13 +81,14 @@ def _security(args: argparse.Namespace) -> Any:
 AGENT_EPILOG = """example, on each node of a torchrun job with 8 GPUs per node:
   export MSD_DASK_AGENT=/tmp/msd-dask-$(id -u)/agent-demo.sock
   msd-dask agent --scheduler tcp://head:8786 --name demo \\
-      --ranks $((NODE_RANK*8))-$((NODE_RANK*8+7)) --socket $MSD_DASK_AGENT > agent.log 2>&1 &
-  AGENT=$!
-  until grep -q "serves ranks" agent.log; do             # connected, serving
-      kill -0 $AGENT 2>/dev/null || { cat agent.log; exit 1; }   # it exited: its error
+      --ranks $((NODE_RANK*8))-$((NODE_RANK*8+7)) --socket $MSD_DASK_AGENT > $LOG 2>&1 &
+  AGENT=$!                              # (LOG: a file of this host's, not a shared one)
+  until grep -q "serves ranks" $LOG; do                  # connected, serving
+      kill -0 $AGENT 2>/dev/null || { cat $LOG; exit 1; }   # it exited: its error
       sleep 1
   done
-  torchrun --nnodes ... --nproc-per-node 8 train.py   # train.py unchanged
+  torchrun --nnodes ... --node-rank $NODE_RANK --nproc-per-node 8 train.py
+  kill $AGENT
 
 With MSD_DASK_AGENT set, DataService.connect(address, name).reader(rank) reads
 from the agent (no Dask client in the training process).  SIGTERM or Ctrl-C
