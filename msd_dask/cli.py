@@ -636,12 +636,16 @@ def _watch_agent(svc: Any, agent: HostAgent, address: str, done: threading.Event
     """Stop ``agent`` once its service is lost for good: its Dask client has not been
     connected to the scheduler for :data:`SCHEDULER_GRACE` seconds (a scheduler lost takes
     the service's roles with it), the planner failed for good, or a group's reader found
-    the service closed by its owner or stopped.  It kept serving on: a
+    the service closed by its owner or stopped, or, every :data:`PUBLISHED_EVERY` seconds,
+    the service is no longer published under its name (an agent whose ranks were gone,
+    so that no reader would find it closed, served on and kept its socket from the agent
+    of the service's next run; a review).  It kept serving on: a
     rank waiting then was told only, at its timeout, that the agent waited for its step,
     the cause in the agent's log (a review); ``msd-dask serve`` exits so too."""
     from msd_dask.errors import CLOSED_NOTICES
 
     since: float | None = None  # (when the client was first seen not connected)
+    looked = time.monotonic()  # (when the agent last looked at the published service)
     while not done.wait(WATCH_EVERY):
         status = svc.client.status
         since = None if status == "running" else since or time.monotonic()
@@ -656,6 +660,13 @@ def _watch_agent(svc: Any, agent: HostAgent, address: str, done: threading.Event
             # and kept the socket from the agent of the service's next run; a review)
             why = (f"service {svc.name!r}: {svc.link.notice}; start an agent for the "
                    "service's next run (msd-dask serve --resume)")
+        elif time.monotonic() - looked >= PUBLISHED_EVERY:
+            looked = time.monotonic()
+            if not svc.link.published_no_more():
+                continue
+            why = (f"service {svc.name!r} is no longer published on {address} (closed by its "
+                   "owner, or stopped); start an agent for the service's next run "
+                   "(msd-dask serve --resume)")
         else:
             continue
         failure.append(why)
@@ -665,6 +676,9 @@ def _watch_agent(svc: Any, agent: HostAgent, address: str, done: threading.Event
 
 #: seconds between the looks of ``msd-dask agent`` at its service (:func:`_watch_agent`)
 WATCH_EVERY = 1.0
+#: seconds between the looks of ``msd-dask agent`` at whether its service is still published
+#: (one scheduler call per host and look: 2,048 hosts make about 140 a second)
+PUBLISHED_EVERY = 15.0
 #: seconds ``msd-dask agent`` waits for its client to reconnect to a scheduler it lost
 #: before it exits (Dask's client tries for ``distributed.comm.timeouts.connect``, 30 s)
 SCHEDULER_GRACE = 10.0

@@ -359,6 +359,16 @@ class PlannerLink:
             return True
         return reg is not None and reg.get("owner") == self.client.id
 
+    def published_no_more(self) -> bool:
+        """Whether the service's name no longer holds this service: closed by its owner,
+        stopped, or another service started under the name since (another owner);
+        ``False`` if the scheduler does not answer."""
+        try:
+            now = self._registry_now()
+        except Exception:  # noqa: BLE001 - unknown: not known to be gone
+            return False
+        return now is None or now.get("owner") != self.registry.get("owner")
+
     def _unpublished(self) -> bool:
         """Whether the service's registry is gone: its owner closed it (one that crashed
         leaves it published); ``False`` if the scheduler does not answer."""

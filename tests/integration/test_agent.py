@@ -273,6 +273,40 @@ def test_an_agent_whose_service_was_closed_exits_saying_so(tmp_path):
     assert not os.path.exists(sock) and not _blocks_of(agent.pid)
 
 
+def test_an_agent_with_no_rank_exits_once_its_service_is_closed(tmp_path):
+    """An agent whose ranks were gone (the job ended, or failed) never learnt that
+    ``msd-dask serve`` closed the service, and held its socket: the crash-recovery wrapper's
+    next agent was refused (a review of the deployment docs).  It looks at whether the
+    service is still published every ``PUBLISHED_EVERY`` seconds, and exits saying so."""
+    import signal
+    import time
+
+    from msd_dask.cli import PUBLISHED_EVERY
+
+    from cluster import interrupt
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    sock = str(tmp_path / "agent.sock")
+    with dask_cluster(str(tmp_path), n_workers=1) as cl:
+        serve = start_serve(config(root, name="agentidle", timeout=60), str(tmp_path),
+                            cl["address"])
+        agent = start_agent(cl["address"], "agentidle", sock, dict(os.environ), "0", "0")
+        try:
+            interrupt([serve])  # Ctrl-C: serve closes the service and exits; no rank reads
+            t0 = time.monotonic()
+            out, _ = agent.communicate(timeout=PUBLISHED_EVERY + 30)
+            took = time.monotonic() - t0
+        finally:
+            stop_proc(agent, signal.SIGKILL)
+            stop_proc(serve, signal.SIGKILL)
+    assert agent.returncode == 2 and took < PUBLISHED_EVERY + 15, (took, out)
+    last = out.strip().splitlines()[-1]
+    assert "service 'agentidle' is no longer published" in last, out
+    assert "start an agent for the service's next run" in last, out
+    assert not os.path.exists(sock) and not _blocks_of(agent.pid)
+
+
 def test_an_agent_whose_scheduler_is_lost_exits_saying_so(tmp_path):
     """Once its Dask client gave up on the scheduler, the agent served on: a rank waiting
     then was told only, at its timeout, that the agent waited for its step, the cause in
