@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -235,37 +237,45 @@ def test_a_group_that_failed_is_read_again_from_a_later_state(tmp_path):
     check_exactly_once(recs + later, texts, 512, min_complete=0)  # (no piece twice)
 
 
+@contextmanager
+def _serving_with_agent(tmp_path: Any, name: str, sock: str) -> Iterator[tuple[Any, Any]]:
+    """``msd-dask serve`` of service ``name`` over the test corpus on a cluster of one
+    worker, and an agent of rank 0 on ``sock``: ``(serve, agent)``, both killed after."""
+    import signal
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    with dask_cluster(str(tmp_path), n_workers=1) as cl:
+        serve = start_serve(config(root, name=name, timeout=60), str(tmp_path), cl["address"])
+        agent = start_agent(cl["address"], name, sock, dict(os.environ), "0", "0")
+        try:
+            yield serve, agent
+        finally:
+            stop_proc(agent, signal.SIGKILL)
+            stop_proc(serve, signal.SIGKILL)
+
+
 def test_an_agent_whose_service_was_closed_exits_saying_so(tmp_path):
     """After ``msd-dask serve`` was stopped (its owner closed the service) the agent served
     on, answering every rank "closed by its owner", and held its socket: the agent of the
     service's next run was refused, "an agent already serves" (a review of a torchrun job).
     Once a group's reader finds the service closed, the agent exits (status 2) saying so."""
-    import signal
 
     from msd_dask.errors import ServiceError
     from msd_dask.service.agent_client import AgentHandle
 
     from cluster import interrupt
 
-    root = str(tmp_path / "corpus")
-    write_corpus(root)
     sock = str(tmp_path / "agent.sock")
-    with dask_cluster(str(tmp_path), n_workers=1) as cl:
-        serve = start_serve(config(root, name="agentclosed", timeout=60), str(tmp_path),
-                            cl["address"])
-        agent = start_agent(cl["address"], "agentclosed", sock, dict(os.environ), "0", "0")
-        try:
-            with AgentHandle.connect(sock, "agentclosed") as h:
-                reader = h.reader(0)
-                read_steps(h, 2, readers=[reader])
-                interrupt([serve])  # Ctrl-C: serve closes the service and exits
-                with pytest.raises(ServiceError, match="closed by its owner|stopped"):
-                    for _ in range(50):  # (its steps read ahead, then the closed service)
-                        next(reader)
-            out, _ = agent.communicate(timeout=30)
-        finally:
-            stop_proc(agent, signal.SIGKILL)
-            stop_proc(serve, signal.SIGKILL)
+    with _serving_with_agent(tmp_path, "agentclosed", sock) as (serve, agent):
+        with AgentHandle.connect(sock, "agentclosed") as h:
+            reader = h.reader(0)
+            read_steps(h, 2, readers=[reader])
+            interrupt([serve])  # Ctrl-C: serve closes the service and exits
+            with pytest.raises(ServiceError, match="closed by its owner|stopped"):
+                for _ in range(50):  # (its steps read ahead, then the closed service)
+                    next(reader)
+        out, _ = agent.communicate(timeout=30)
     assert agent.returncode == 2, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("msd-dask agent: ") and "start an agent for the service's next run" \
@@ -278,28 +288,18 @@ def test_an_agent_with_no_rank_exits_once_its_service_is_closed(tmp_path):
     ``msd-dask serve`` closed the service, and held its socket: the crash-recovery wrapper's
     next agent was refused (a review of the deployment docs).  It looks at whether the
     service is still published every ``PUBLISHED_EVERY`` seconds, and exits saying so."""
-    import signal
     import time
 
     from msd_dask.cli import PUBLISHED_EVERY
 
     from cluster import interrupt
 
-    root = str(tmp_path / "corpus")
-    write_corpus(root)
     sock = str(tmp_path / "agent.sock")
-    with dask_cluster(str(tmp_path), n_workers=1) as cl:
-        serve = start_serve(config(root, name="agentidle", timeout=60), str(tmp_path),
-                            cl["address"])
-        agent = start_agent(cl["address"], "agentidle", sock, dict(os.environ), "0", "0")
-        try:
-            interrupt([serve])  # Ctrl-C: serve closes the service and exits; no rank reads
-            t0 = time.monotonic()
-            out, _ = agent.communicate(timeout=PUBLISHED_EVERY + 30)
-            took = time.monotonic() - t0
-        finally:
-            stop_proc(agent, signal.SIGKILL)
-            stop_proc(serve, signal.SIGKILL)
+    with _serving_with_agent(tmp_path, "agentidle", sock) as (serve, agent):
+        interrupt([serve])  # Ctrl-C: serve closes the service and exits; no rank reads
+        t0 = time.monotonic()
+        out, _ = agent.communicate(timeout=PUBLISHED_EVERY + 30)
+        took = time.monotonic() - t0
     assert agent.returncode == 2 and took < PUBLISHED_EVERY + 15, (took, out)
     last = out.strip().splitlines()[-1]
     assert "service 'agentidle' is no longer published" in last, out
