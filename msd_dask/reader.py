@@ -480,6 +480,13 @@ class Reader:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`close` (``with service.reader(rank) as reader:``)."""
+        self.close()
+
     def _done(self) -> int:
         """The last step this reader has (returned, skipped or claimed and held); -1 if none."""
         done = self._progress.last()

@@ -457,6 +457,13 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         else:  # (its reader, direct or a host agent's, refuses a state it cannot honour)
             self._reader.load_state_dict(state)
 
+    def __enter__(self) -> MsdIterableDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`close` (``with MsdIterableDataset(...) as ds:``)."""
+        self.close()
+
     def close(self) -> None:
         """Stop prefetching and disconnect from the service (the service keeps running).
 

@@ -418,6 +418,13 @@ class AgentReader:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
+    def __enter__(self) -> AgentReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """:meth:`close`, as a direct :class:`~msd_dask.reader.Reader`'s."""
+        self.close()
+
     def _raise_if_closed(self) -> None:
         """The error a closed direct :class:`~msd_dask.reader.Reader` raises, if closed."""
         if self._closed:

@@ -228,12 +228,17 @@ def test_consumed_step_counts_only_returned_steps(corpus):
         assert svc.state_dict()["step"] == step
         # a reader of the asking process counts the last step it returned
         assert other.consumed_step() == step and other.state_dict()["step"] == step
-        # close(), as an agent's reader has it (a script runs the same with and without)
+        # close(), as an agent's reader has it (a script runs the same with and without),
+        # and as a context manager's exit (with svc.reader(rank) as reader:)
+        with readers[0]:
+            pass
+        with pytest.raises(ServiceError, match="rank 0: the reader is closed"):
+            next(readers[0])
         for reader in readers:
             reader.close()
             reader.close()
-        with pytest.raises(ServiceError, match="rank 0: the reader is closed"):
-            next(readers[0])
+        with pytest.raises(ServiceError, match="rank 1: the reader is closed"):
+            next(readers[1])
         assert svc.consumed_step() == step
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from msd_dask import DataService
+from msd_dask import DataService, ServiceError
 from msd_dask.torch import MsdIterableDataset
 
 from checks import wait_until
@@ -123,6 +123,11 @@ def test_prefetch_claims_ahead_and_reports_step_times(service):
     finally:
         _close(datasets)
     addr = service.client.scheduler.address
+    with MsdIterableDataset(addr, "torchtest", 0) as ds:  # (closed on leaving: disconnected)
+        with pytest.raises(ServiceError, match="handed this rank the steps"):  # (connected)
+            next(iter(ds))
+        assert ds._service is not None
+    assert ds._service is None
     with pytest.raises(ValueError, match="no batch"):
         MsdIterableDataset(addr, "torchtest", 0).report_step_time(1.0)
     with pytest.raises(ValueError, match="prefetch"):

@@ -1923,3 +1923,15 @@ def test_a_job_of_another_world_size_is_refused_behind_an_agent(tmp_path: Path,
     finally:
         agent.stop()
         thread.join(10)
+
+
+def test_a_reader_is_a_context_manager_that_closes_it(tmp_path: Any) -> None:
+    """``with handle.reader(rank) as reader:`` closes the reader on leaving, as a file does:
+    the agent learns the last step it returned, and the reader refuses more."""
+    with running_agent(tmp_path, [0]) as (agent, _readers):
+        with AgentHandle.connect(agent.path, "agentunit") as handle:
+            with handle.reader(0) as reader:
+                assert next(reader).step == 0
+            with pytest.raises(ServiceError, match="rank 0: the reader is closed"):
+                next(reader)
+            assert handle.reader(0).state_dict()["step"] == 0  # (the next goes on after it)
