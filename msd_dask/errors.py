@@ -132,44 +132,58 @@ _BUSY = frozenset(n for n in (errno.EBUSY, getattr(errno, "EREMOTEIO", None), er
 
 
 @functools.cache
-def _client_errors() -> tuple[type[BaseException], ...]:
+def _client_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """The connection and timeout errors of the HTTP clients object stores read through,
-    those installed (s3fs's botocore and aiohttp; gcsfs's and adlfs' aiohttp)."""
+    those installed (s3fs's botocore and aiohttp; gcsfs's and adlfs' aiohttp), and those
+    among them that no new try mends (a certificate, a URL)."""
     found: list[type[BaseException]] = []
+    never: list[type[BaseException]] = []
     try:
         import botocore.exceptions as boto
 
         found += [boto.HTTPClientError, boto.ConnectionError, boto.IncompleteReadError]
+        never.append(boto.SSLError)
     except ImportError:
         pass
     try:
         import aiohttp
 
         found.append(aiohttp.ClientError)
+        never += [aiohttp.ClientSSLError, aiohttp.InvalidURL]
     except ImportError:
         pass
-    return tuple(found)
+    return tuple(found), tuple(never)
 
 
 def storage_blip(exc: BaseException) -> bool:
-    """Whether ``exc``, or an error it was raised from or while handling, says the storage
-    failed for a moment (a dropped connection, a read that timed out, a busy or failing
-    store), not that the file is bad: such a read may be tried again.
+    """Whether ``exc``, or an error it was raised from (``raise ... from``), says the
+    storage failed for a moment (a dropped connection, a read that timed out, a busy or
+    failing store), not that the file is bad: such a read may be tried again.
 
     Object stores raise their HTTP clients' errors once their own retries give up
     (botocore's ``EndpointConnectionError``, ``ResponseStreamingError``, aiohttp's
     ``ClientPayloadError``), none of them the built-in ``ConnectionError``: a dropped
     connection on S3 was never tried again, and under ``on_error: skip`` one stopped the
-    service (a review)."""
+    service (a review).  Not a blip: a file missing or refused (an HTTP 404 or 403, which
+    fsspec raises from its client's error), bad input (:class:`DataError`), an HTTP answer
+    below 500 but 429, a certificate or a URL; nor an error raised while handling a blip
+    (a bug in a handler is no blip: only explicit causes are followed)."""
+    blips, never = _client_errors()
+    if isinstance(exc, FileNotFoundError | PermissionError | DataError):
+        return False
     seen: set[int] = set()
     at: BaseException | None = exc
     while at is not None and id(at) not in seen and len(seen) < 16:
         seen.add(id(at))
-        if isinstance(at, (ConnectionError, TimeoutError, *_client_errors())):
+        status = getattr(at, "status", None)  # (aiohttp's ClientResponseError)
+        if isinstance(at, never) or (isinstance(status, int) and status < 500
+                                     and status != 429):
+            return False
+        if isinstance(at, (ConnectionError, TimeoutError, *blips)):
             return True
         if isinstance(at, OSError) and at.errno in _BUSY:
             return True
-        at = at.__cause__ or at.__context__
+        at = at.__cause__
     return False
 
 

@@ -439,3 +439,44 @@ def test_validate_under_skip_passes_over_a_bad_row_not_its_file(
     # under fail, the first bad row stands, as the service stops on it
     with pytest.raises(DataError, match=r"file '.*a\.jsonl', row 0: invalid JSON"):
         check_fields(_skip_source(tmp_path, "a.jsonl", on_error="fail"))
+
+
+def test_what_is_a_storage_blip() -> None:
+    """A missing or refused file over HTTP (fsspec raises ``FileNotFoundError`` from the
+    client's 404 or 403) was read three times and called "the storage failed"; a bug raised
+    while handling a dropped connection was read again and quarantined; a certificate
+    error would have been too (a read-back).  Only explicit causes are followed, and a
+    missing or refused file, bad input, an answer below 500 (but 429), a certificate or a
+    URL are no blip."""
+    import aiohttp
+    import botocore.exceptions as boto
+
+    from msd_dask.errors import storage_blip
+
+    def answer(status: int) -> aiohttp.ClientResponseError:
+        return aiohttp.ClientResponseError(request_info=None, history=(),  # type: ignore[arg-type]
+                                           status=status, message="")
+
+    def raised(error: BaseException, cause: BaseException | None = None,
+               handling: BaseException | None = None) -> BaseException:
+        try:
+            try:
+                if handling is not None:
+                    raise handling
+            except BaseException:  # noqa: BLE001 - the error raised while handling it
+                raise error from cause  # noqa: B904 - (cause None: only the context)
+            raise error from cause
+        except BaseException as e:  # noqa: BLE001 - what the rule looks at
+            return e
+
+    for status, blip in ((503, True), (500, True), (429, True), (404, False), (403, False)):
+        assert storage_blip(raised(OSError("read failed"), answer(status))) is blip, status
+        assert storage_blip(answer(status)) is blip, status
+    assert not storage_blip(raised(FileNotFoundError("x"), answer(503)))
+    assert not storage_blip(raised(PermissionError("x"), ConnectionResetError()))
+    assert not storage_blip(raised(DataError("bad row"), ConnectionResetError()))
+    assert not storage_blip(raised(AttributeError("a bug"), handling=ConnectionResetError()))
+    assert storage_blip(raised(RuntimeError("wrapped"), ConnectionResetError()))
+    assert not storage_blip(aiohttp.ClientSSLError(None, OSError("cert")))  # type: ignore[arg-type]
+    assert not storage_blip(boto.SSLError(endpoint_url="https://s3", error="cert"))
+    assert storage_blip(boto.EndpointConnectionError(endpoint_url="https://s3"))
