@@ -15,7 +15,11 @@ from msd_dask.core.units import Unit
 from msd_dask.errors import DataError, storage_failure
 from msd_dask.formats.registry import register_format
 
-__all__ = ["ParquetFormat"]
+__all__ = ["READ_AHEAD", "ParquetFormat"]
+
+#: bytes an object store fetches beyond what pyarrow reads of a parquet file (its read-ahead
+#: block; s3fs's default was 50 MiB)
+READ_AHEAD = 1 << 20
 
 
 def _arrow_allocates_from_the_c_heap() -> None:
@@ -208,7 +212,7 @@ class ParquetFormat:
 
         _arrow_allocates_from_the_c_heap()
 
-        with fs.open(path, "rb", cache_type="none") as f:
+        with fs.open(path, "rb", block_size=READ_AHEAD) as f:
             try:
                 meta = pq.ParquetFile(f).metadata
                 units = []
@@ -280,10 +284,11 @@ class ParquetFormat:
         # next read, which finds another identity and reads the footer again)
         identity = fs.ukey(path)
         footer = _FOOTERS.get(fs, path, identity)
-        # (no read-ahead cache: pyarrow reads the row group's column chunks, each at once,
-        # where an object store's default cache fetched a block of 50 MiB (s3fs) from the
-        # first one on, whatever their size; a review)
-        with fs.open(path, "rb", cache_type="none") as f:
+        # (a small read-ahead: pyarrow reads the row group's column chunks, each at once,
+        # where an object store's default block fetched 50 MiB (s3fs) from the first one
+        # on, whatever their size; a review.  A block size every fsspec filesystem takes,
+        # not a cache type, which some refuse: a caching one, a user's own)
+        with fs.open(path, "rb", block_size=READ_AHEAD) as f:
             try:
                 if footer is None:
                     pf = pq.ParquetFile(f)
