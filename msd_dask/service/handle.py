@@ -126,6 +126,9 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
         where = actor_address(planner) or "?"
         try:
             keys += planner.role_keys().result(timeout=min(10.0, timeout))
+        except Exception:  # noqa: BLE001 - best effort: the pinned keys still go
+            pass
+        try:  # (its own try: a role_keys that failed skipped the close and its notice)
             planner.close_roles(notice).result(timeout=max(1.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - the name and the pinned keys still go
             _log.warning("msd_dask %s: its planner on %s did not close its roles within %gs "

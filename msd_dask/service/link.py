@@ -232,13 +232,14 @@ class PlannerLink:
                         "be stuck on a busy or unreachable worker; a change it asked for "
                         "may still be made)") from e
                 raise
-            try:  # the planner that replaced the lost one
-                return request(self.planner).result(timeout=timeout)
+            try:  # the planner that replaced the lost one, within what is left of the wait
+                return request(self.planner).result(
+                    timeout=max(0.1, deadline - time.monotonic()))
             except TimeoutError as again:
                 raise ServiceTimeoutError(
                     f"service {self.name!r}: the planner of generation {self.generation}, "
                     f"re-created for the lost one, did not answer {what} within "
-                    f"{timeout:.0f}s") from again
+                    f"{timeout:.0f}s (a change it asked for may still be made)") from again
 
     def planner_lost(self, *, confirm: bool = False) -> bool:
         """Whether the current planner is lost with its worker.

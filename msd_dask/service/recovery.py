@@ -11,6 +11,7 @@ closes the roles the lost planner leaves behind, starts a new planner (a new
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -53,8 +54,6 @@ def close_roles_everywhere(client: Any, name: str, sources: list[str],
     Each worker is asked on its own, all at once: asked together, one frozen worker made
     the whole look wait 60 s and fail naming none, the others' answers lost (a review).
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from msd_dask.roles.supervisor import (
         close_service_roles,  # the owner only: readers never import roles
     )
@@ -70,8 +69,20 @@ def close_roles_everywhere(client: Any, name: str, sources: list[str],
 
     if not workers:
         return {}
-    with ThreadPoolExecutor(min(len(workers), 32), thread_name_prefix="msd-close") as pool:
-        return dict(zip(workers, pool.map(one, workers), strict=True))
+    # (one deadline for all: a pool's queue made it a timeout per 32 frozen workers)
+    deadline = time.monotonic() + timeout
+    pool = concurrent.futures.ThreadPoolExecutor(min(len(workers), 32),
+                                                 thread_name_prefix="msd-close")
+    try:
+        asked = {w: pool.submit(one, w) for w in workers}
+        concurrent.futures.wait(asked.values(), timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    late = TimeoutError(f"did not answer within {timeout:g}s")
+    unasked = TimeoutError(f"not asked within {timeout:g}s (32 workers at a time, and those "
+                           "before it did not answer)")
+    return {w: f.result() if f.done() and not f.cancelled() else unasked if f.cancelled()
+            else late for w, f in asked.items()}
 
 
 def unanswered_workers(answers: dict[str, Any]) -> list[str]:

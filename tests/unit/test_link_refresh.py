@@ -526,3 +526,42 @@ def test_a_re_created_planner_that_does_not_start_is_re_created_again(monkeypatc
     keeper.recover()
     assert link.generation == 2 and client.datasets[REGISTRY_PREFIX + "rct"]["generation"] == 2
     assert not keeper.planner_lost()
+
+
+def test_a_successor_found_late_is_waited_for_what_is_left_of_the_timeout() -> None:
+    """The planner lost at once, its successor found near the end of the one wait and
+    frozen: the successor was waited for a whole timeout more (a read-back: 3.8 s at a
+    timeout of 2).  It gets what is left."""
+    import pytest
+
+    class _Future:
+        def __init__(self, error: BaseException, sleep: bool = False) -> None:
+            self.error, self.sleep = error, sleep
+
+        def result(self, timeout: float | None = None) -> Any:
+            if self.sleep:
+                time.sleep(timeout or 0.0)
+            raise self.error
+
+    class _Gone:
+        def set_weights(self, weights: dict[str, float]) -> _Future:
+            return _Future(ConnectionError("its worker is gone"))
+
+    class _Stuck:
+        def set_weights(self, weights: dict[str, float]) -> _Future:
+            return _Future(TimeoutError("timed out"), sleep=True)
+
+    cfg = parse_config({"name": "link", "batch": {"seq_len": 64}, "timeout": 2, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    link = PlannerLink(None, cfg, {"planner": _Done(_Gone())})
+
+    def refresh(max_age: float = 0.0, timeout: float | None = None) -> None:
+        time.sleep(max(0.0, (timeout or 0.0) - 0.3))  # (the owner re-creates it meanwhile)
+        link.planner, link.generation = _Stuck(), 1
+
+    link.refresh = refresh  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    with pytest.raises(ServiceTimeoutError, match=r"re-created for the lost one, did not "
+                       r"answer set_weights\(\) within 2s \(a change it asked for may still"):
+        link.call(lambda p: p.set_weights({"a": 1.0}), "set_weights()")
+    assert time.monotonic() - t0 < 2.6
