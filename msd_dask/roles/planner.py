@@ -148,9 +148,12 @@ def reading(cfg: Any, eod_id: int | None = None) -> dict[str, Any]:
          "sources": {s["name"]: {k: s.get(k) for k in READING_KEYS} for s in d["sources"]}}))
 
 
-def _reading_differs(was: Any, now: dict[str, Any]) -> str | None:
-    """The first key whose setting differs between a state's ``reading`` and the config's,
-    said as the config names it, with both values; None if none does."""
+def _reading_differs(was: Any, now: dict[str, Any], configured: dict[str, Any]) -> str | None:
+    """The first key whose setting differs between a state's ``reading`` and ``now``'s (the
+    tokenizer's ids where known: :func:`reading`), said as the config names it, with both
+    values; None if none does.  ``configured``: the config's own (:func:`reading` without
+    the tokenizer's ids), which a state of a version that recorded the config's
+    ``eod_id`` is compared with."""
     tokenizer = (was.get("tokenizer") or {}) if isinstance(was, dict) else None
     sources = (was.get("sources") or {}) if isinstance(was, dict) else None
     if (not isinstance(tokenizer, dict) or not isinstance(sources, dict)
@@ -159,7 +162,12 @@ def _reading_differs(was: Any, now: dict[str, Any]) -> str | None:
     # (a state of a version that recorded the padding id too: not compared)
     for k in sorted((set(tokenizer) | set(now["tokenizer"])) - set(_NOT_READING)):
         a, b = tokenizer.get(k), now["tokenizer"].get(k)
-        if k == "eod_id" and (a is None or b is None):
+        if k == "eod_id" and a is None:
+            # a state of a version that recorded the config's (none: the file's): compared
+            # with the config's as it was (a spelled-out id other than the file's was
+            # refused; a read-back)
+            b = configured["tokenizer"].get(k)
+        elif k == "eod_id" and b is None:
             # none: the one of the file's special tokens, known only where the tokenizer was
             # made (the planner's actor is given it), not to the config; one spelled out
             # there equal to the file's was refused (a review).  The file itself is checked
@@ -274,7 +282,7 @@ def planner_state(cfg: Any, state: dict[str, Any],
                 f"the state was taken and has {has} now ({s.uri}); the stream order depends on "
                 "them, so it cannot continue exactly: resume with the same files")
     if "reading" in state:  # (a state of a version that did not record it: not checked)
-        differs = _reading_differs(state["reading"], reading(cfg, eod_id))
+        differs = _reading_differs(state["reading"], reading(cfg, eod_id), reading(cfg))
         if differs is not None:
             raise ServiceError(
                 f"resume: the state was taken with {differs}; the documents' lengths depend "

@@ -306,3 +306,10 @@ def test_an_eod_id_spelled_out_as_the_files_own_resumes(corpus: Any, tmp_path: A
         planner_state(cfg_of(eod_id=1, pad_id=0), state)
     with pytest.raises(ServiceError, match=refusal):
         actor(cfg_of(eod_id=1, pad_id=0), state)
+    # a state of the version that recorded the config's id (none: the file's) resumes
+    # under a config that leaves it to the file, and is refused under another id
+    old = copy.deepcopy(state)
+    old["reading"]["tokenizer"]["eod_id"] = None
+    actor(cfg, old)
+    with pytest.raises(ServiceError, match=r"tokenizer\.eod_id None but the config has 1"):
+        actor(cfg_of(eod_id=1, pad_id=0), old)
