@@ -29,6 +29,7 @@ each training process memory).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
 import threading
@@ -396,6 +397,9 @@ class Reader:
         self.report_after = REPORT_IDLE
         self._gaps: deque[float] = deque(maxlen=IDLE_GAPS)
         self._closed = False
+        #: done once :meth:`close` was called: a claim waited for in another thread ends
+        #: then (:meth:`_answer`)
+        self._closing: concurrent.futures.Future[None] = concurrent.futures.Future()
         link.on_new_generation(self._tell_new_generation)
         if self.REPORT_WHEN_DROPPED:
             # (at garbage collection only: at interpreter exit the client may be gone)
@@ -535,8 +539,24 @@ class Reader:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._closing.set_result(None)
+        except concurrent.futures.InvalidStateError:  # (closed by two threads at once)
+            pass
         self.report_returned()
         self._held.clear()
+
+    def _answer(self, call: concurrent.futures.Future[Any], timeout: float) -> Any:
+        """``call``'s result within ``timeout`` seconds (``TimeoutError`` after), or the
+        closed reader's error as soon as :meth:`close` is called from another thread: a
+        dataset's close while its prefetch thread waited here for a slow step waited the
+        claim's poll, up to 5 s (a review)."""
+        done, _ = concurrent.futures.wait((call, self._closing), timeout=timeout,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        if call in done:
+            return call.result()
+        self._raise_if_closed()
+        raise TimeoutError(f"no answer within {timeout:.1f}s")
 
     def report_returned(self) -> Any:
         """Tell this rank's constructor the last step this reader returned, if it does not
@@ -598,8 +618,8 @@ class Reader:
                 # (at most until the deadline: a slow or frozen constructor's call was waited
                 # for up to 13 s more, and the rank raised 13-18 s after its timeout, behind
                 # an agent after the rank's own wait, without the cause; a review)
-                answer = pickle.loads(call.result(
-                    timeout=min(POLL + wait, max(0.1, deadline - time.monotonic()))))
+                answer = pickle.loads(self._answer(
+                    call, min(POLL + wait, max(0.1, deadline - time.monotonic()))))
             except ServiceError:  # closed: nothing was sent
                 raise
             except TimeoutError:

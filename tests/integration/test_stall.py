@@ -43,3 +43,24 @@ def test_stalled_reader_bounds_memory_and_is_named(tmp_path):
         # and the stalled rank can still read everything, in order
         r0 = svc.reader(0, timeout=30)
         assert [next(r0).step for _ in range(len(got) + 2)] == list(range(len(got) + 2))
+
+
+def test_closing_a_dataset_whose_prefetch_thread_waits_is_prompt(tmp_path):
+    """A dataset's close while its prefetch thread waited in a claim for a step that does
+    not come (rank 0 never reads: rank 1 may run only ``prefetch`` steps ahead) waited the
+    claim's poll, up to 5 s: the reader's close ends the wait at once (a review)."""
+    from msd_dask.torch import MsdIterableDataset
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="stallclose", prefetch=2)
+    with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
+        ds = MsdIterableDataset(svc.client.scheduler.address, "stallclose", 1, prefetch=2,
+                                timeout=60)
+        first = next(iter(ds))["step"]
+        assert first == 0
+        time.sleep(6.0)  # (the prefetch thread took what there is and waits for more)
+        t0 = time.monotonic()
+        ds.close()
+        took = time.monotonic() - t0
+        assert took < 1.5, took
