@@ -670,9 +670,12 @@ class Planner:
         eligible = self._eligible(weights, capacity)
         waiting = self._waiting(long_src, eligible, weights)
         # released outliers (a row each), then carried pieces: placed before anything new
-        first = np.concatenate([self._release(group, HOLD_GROUPS * group),
-                                self._carry[~waiting]])
-        waiting_pieces = self._carry[waiting]
+        # (the carry as it is where none waits: at dp 16,384 x 128K it holds about 10^6
+        # pieces, and a copy of it a step costs time and the planner's peak)
+        carried = self._carry if waiting is None else self._carry[~waiting]
+        waiting_pieces = None if waiting is None else self._carry[waiting]
+        first = np.concatenate([self._release(group, HOLD_GROUPS * group), carried])
+        del carried
         n_first = len(first)
         long_budget = dp * lc.max_per_rank if lc.mode == "spread" and lc.max_per_rank else None
         n_long = int(long_src[first[:, 0]].sum())
@@ -702,8 +705,8 @@ class Planner:
         # (in the table's type: a step's carried pieces are many short ones; whole rows at a
         # time, where ``table[~placed]`` copies them field by field)
         self._carry = np.compress(~placed, table, axis=0)
-        if len(waiting_pieces):  # (before this step's: they were carried first)
-            self._carry = np.concatenate([waiting_pieces, self._carry])
+        if waiting_pieces is not None and len(waiting_pieces):  # (before this step's: they
+            self._carry = np.concatenate([waiting_pieces, self._carry])  # were carried first)
         del waiting_pieces
         # (the step's arrays of a value per piece go as soon as they are used: at dp 16,384 and
         # 128K a step holds millions of pieces, and the process's peak is their sum)
@@ -759,20 +762,21 @@ class Planner:
         return {k: v if k in keep else 0.0 for k, v in weights.items()}
 
     def _waiting(self, long_src: np.ndarray, eligible: dict[str, float],
-                 weights: dict[str, float]) -> np.ndarray:
+                 weights: dict[str, float]) -> np.ndarray | None:
         """Which carried pieces wait for a step of their kind (``long_context: grouped``): a
         long step's long pieces that found no row wait for the next long step, a short
         step's short ones for the next short step; placed first in the next step, they put
         long pieces on short steps, a fifth of them (a review).  Where the other kind has
         no weight (its steps never come), none waits.  ``long_src``: whether each source
-        is long; ``eligible``: :meth:`_eligible`'s weights of this step."""
-        none = np.zeros(len(self._carry), dtype=bool)
-        if self.cfg.long_context.mode != "grouped" or not self.long_sources or not len(none):
-            return none
+        is long; ``eligible``: :meth:`_eligible`'s weights of this step.  ``None`` where
+        none can (not grouped, nothing carried, or the other kind has no weight)."""
+        if (self.cfg.long_context.mode != "grouped" or not self.long_sources
+                or not len(self._carry)):
+            return None
         long_step = any(eligible.get(n, 0.0) > 0 for n in self.long_sources)
         if not any(weights.get(n, 0.0) > 0 for n in self._names
                    if (n in self.long_sources) != long_step):
-            return none
+            return None
         return np.asarray(long_src[self._carry[:, 0]] != long_step)
 
     def upcoming_units(self, source: str, n: int) -> list[tuple[int, int]]:
