@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from msd_dask.core.config import Config, ScalingConfig
 
@@ -196,10 +196,11 @@ def demand(load: SourceLoad, corrected: bool = False) -> float:
 
     ``corrected``: divided by ``1 - starved`` (at most ``MAX_STARVED_BOOST``×).
     """
-    if load.consumption <= 0 or load.weight_ahead <= 0:
-        return 0.0
+    wanted = load.weight_ahead * load.consumption
+    if not (load.consumption > 0 and load.weight_ahead > 0 and math.isfinite(wanted)):
+        return 0.0  # (none, or not a measurement: NaN or inf raised in the rules' rounding)
     busy = max(1.0 - min(max(load.starved, 0.0), 1.0), 1.0 / MAX_STARVED_BOOST)
-    return load.weight_ahead * load.consumption / (busy if corrected else 1.0)
+    return wanted / (busy if corrected else 1.0)
 
 
 def proactive_target(load: SourceLoad, headroom: float) -> int:
@@ -209,9 +210,9 @@ def proactive_target(load: SourceLoad, headroom: float) -> int:
     planner waits for first reads and plans its prefetch in a burst, and the
     correction would push every source to its maximum (the reactive rule uses it).
     """
-    if load.seconds_per_token <= 0:
-        return 0
-    per_loader = load.threads / load.seconds_per_token
+    if not 0 < load.seconds_per_token < math.inf:
+        return 0  # not measured yet
+    per_loader = max(1, load.threads) / load.seconds_per_token
     return math.ceil(headroom * demand(load) / per_loader)
 
 
@@ -355,6 +356,9 @@ class Scaler:
         self.cpu_windows: dict[str, int] = {}
         #: source -> loaders its share of the cluster's cores keeps busy (last decide)
         self.cpu_caps: dict[str, int] = {}
+        #: source -> its last measured CPU seconds per token: taken for a window that
+        #: measured none (a loader just added has not measured yet)
+        self.cpu_per_token: dict[str, float] = {}
 
     def target(self, source: str, load: SourceLoad) -> int:
         """The count the rules ask for now, before hysteresis."""
@@ -412,7 +416,16 @@ class Scaler:
                 del self.saturated[source]
                 self._saturated_cores.pop(source, None)
                 self.capacity.pop(source, None)
-        self.cpu_caps = cpu_caps(loads, self.cpu_fraction, self.cpu_windows, self.cpu_caps)
+        # (a window that measured no CPU per token, one of the loaders just added, read as a
+        # source needing no core: the other sources took every core for a window, grew to
+        # it and were cut back at the next; a review)
+        for source, load in loads.items():
+            if load.cpu_per_token > 0:
+                self.cpu_per_token[source] = load.cpu_per_token
+        measured = {s: ld if ld.cpu_per_token > 0 or s not in self.cpu_per_token
+                    else replace(ld, cpu_per_token=self.cpu_per_token[s])
+                    for s, ld in loads.items()}
+        self.cpu_caps = cpu_caps(measured, self.cpu_fraction, self.cpu_windows, self.cpu_caps)
 
     def decide(self, now: float, loads: Mapping[str, SourceLoad]) -> dict[str, int]:
         """Loader counts to apply at time ``now`` (only sources that change)."""

@@ -627,9 +627,14 @@ def _cpu_fraction(now: dict[str, Any], before: dict[str, Any] | None) -> float:
     The busy seconds do not count the time the loaders waited for a core (other
     threads had them), so a CPU-bound source is near 1 on a contended machine too.
     Unknown when a loader does not measure CPU, when the loaders changed (a removed
-    loader takes its counters with it) or when no unit was read in between.
+    loader takes its counters with it), when one had measured none at the last poll (a
+    loader just added: the source's ``cpu_seconds`` then reads 0, and the window took the
+    other loaders' whole history, a fraction far above 1 that the scaler kept as 1, capping
+    an I/O-bound source at one loader for good; a review) or when no unit was read in
+    between.
     """
-    if before is None or now["loaders"] != before["loaders"] or not now["cpu_seconds"]:
+    if (before is None or now["loaders"] != before["loaders"] or not now["cpu_seconds"]
+            or not before.get("cpu_seconds")):
         return 0.0
     busy = now["read_seconds"] - before["read_seconds"]
     busy -= now["cpu_wait_seconds"] - before.get("cpu_wait_seconds", 0.0)

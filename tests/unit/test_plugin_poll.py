@@ -433,3 +433,42 @@ def test_figures_of_a_service_that_stopped_answering_say_so(
     status = plugin.status()
     assert "lost" not in status["services"] and "OSError" in status["unanswered"]["lost"]
     assert "did not answer its stats" in status["services"]["hangs"]["poll_error"]
+
+
+class _Ranks(_Planner):
+    """:class:`_Planner` with ``n`` ranks behind its constructors (some lagging)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    async def snapshot(self, since: int, lookahead: int | None) -> dict[str, Any]:
+        import numpy as np
+
+        snap = await super().snapshot(since, lookahead)
+        rng = np.random.default_rng(0)
+        snap["rank_summary"] = rank_summary(np.arange(self.n), rng.integers(0, 4, self.n),
+                                            rng.integers(-1, 100, self.n))
+        return snap
+
+
+def test_a_services_metrics_series_do_not_grow_with_its_ranks() -> None:
+    """docs/elastic.md: a service has 26 series plus 7 per source whatever its number of
+    ranks (it said "about 30": 40 with two sources; a review)."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from msd_dask.plugin import scheduler as module
+
+    def series(n_ranks: int) -> int:
+        plugin = _plugin({"many": _Ranks(n_ranks)})
+        asyncio.run(plugin.poll())
+        module._register_collector(plugin)
+        try:
+            families = text_string_to_metric_families(generate_latest(REGISTRY).decode())
+            return sum(1 for f in families for s in f.samples
+                       if s.name.startswith("msd_") and s.labels.get("service") == "many")
+        finally:
+            module._unregister_collector(plugin)
+
+    assert series(16) == series(16_384) == 26 + 7 * 2
