@@ -897,6 +897,13 @@ def _parse(d: Any) -> Config:
         raise ConfigError("parallel.order", f"must order all of tp, cp, dp, pp joined by '-', got {order!r}")
     parallel = ParallelConfig(
         order=order, **{a: _int(par, a, "parallel", getattr(ParallelConfig, a)) for a in MESH_AXES})
+    if parallel.world_size > MAX_INT:
+        # (ranks travel as int32, and start-up lays out every rank: such a world passed
+        # `msd-dask validate` and ran out of memory at start; a review)
+        largest = max(MESH_AXES, key=lambda a: getattr(parallel, a))
+        raise ConfigError(f"parallel.{largest}", "the mesh has "
+                          + " x ".join(f"{a} {getattr(parallel, a)}" for a in MESH_AXES)
+                          + f" = {parallel.world_size} ranks: at most {MAX_INT} (2**31 - 1)")
     b = d["batch"]
     _check_keys(b, "batch", _names(BatchConfig), {"seq_len"})
     batch = BatchConfig(seq_len=_int(b, "seq_len", "batch"),
@@ -1053,6 +1060,10 @@ def _parse(d: Any) -> Config:
         interval=_num(sc, "interval", "scaling", ScalingConfig.interval, lo=0.05),
         roles_per_worker=_int(sc, "roles_per_worker", "scaling", ScalingConfig.roles_per_worker, lo=0),
     )
+    if scaling.starve_fraction >= 1:
+        # (a fraction of the window: 1 or more turned the reactive rule off, silently; a review)
+        raise ConfigError("scaling.starve_fraction", "a fraction of the window the planner "
+                          f"waited for a source: must be below 1, got {scaling.starve_fraction}")
     if scaling.max_loaders < scaling.min_loaders:
         raise ConfigError("scaling.max_loaders", f"must be >= scaling.min_loaders "
                           f"({scaling.min_loaders}), got {scaling.max_loaders}")
@@ -1067,12 +1078,19 @@ def _parse(d: Any) -> Config:
             # (started with it, a planner re-created after a loss clamps it: the count would
             # change on recovery, silently)
             raise ConfigError(f"sources[{i}].loaders", f"must be at most the source's "
-                              f"max_loaders, {hi} (0 takes scaling's), got {src.loaders}")
+                              f"max_loaders, {hi} (0 takes scaling's), got {src.loaders}: "
+                              f"raise sources[{i}].max_loaders or scaling.max_loaders")
     prefetch = _int(d, "prefetch", "", Config.prefetch)
     round_steps = _int(d, "round_steps", "", Config.round_steps, lo=0)
     if round_steps > prefetch:
         raise ConfigError("round_steps", f"must be <= prefetch ({prefetch}): a round is planned "
                           f"only when every constructor has room for it, got {round_steps}")
+    constructors = _int(d, "constructors", "", Config.constructors, lo=0)
+    if constructors > parallel.dp:
+        # (each serves whole DP groups: the ones beyond dp had none and still took a role on
+        # a worker; a review)
+        raise ConfigError("constructors", f"must be at most parallel.dp ({parallel.dp}): a "
+                          f"constructor serves whole DP groups, got {constructors}")
     return Config(
         outliers=outliers,
         scaling=scaling,
@@ -1086,7 +1104,7 @@ def _parse(d: Any) -> Config:
         prefetch=prefetch,
         round_steps=round_steps,
         cost=cost_cfg,
-        constructors=_int(d, "constructors", "", Config.constructors, lo=0),
+        constructors=constructors,
         timeout=_num(d, "timeout", "", Config.timeout, lo=0.001, hi=MAX_TIMEOUT),
         balance=balance,
     )

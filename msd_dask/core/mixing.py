@@ -18,6 +18,7 @@ one piece at a time, are draws too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -120,7 +121,16 @@ class Mixer:
 
     def _weights(self, weights: Mapping[str, float]) -> np.ndarray:
         """``weights`` in source order, scaled to sum to 1 (weights need not sum to 1; the
-        credits balance only for weights that do)."""
+        credits balance only for weights that do).  ``ValueError`` naming the source for a
+        name the mixer does not have, and a weight that is negative or not finite (NaN
+        was passed over, -1 read as 0, inf said every weight was 0; a review)."""
+        for name, weight in weights.items():
+            if name not in self.sources:
+                raise ValueError(f"weights: no source {name!r} (the mixer's sources are "
+                                 f"{list(self.sources)})")
+            if not (math.isfinite(weight) and weight >= 0):
+                raise ValueError(f"weights: source {name!r} has weight {weight!r}; expected a "
+                                 "finite number >= 0")
         w = np.array([weights.get(s, 0.0) for s in self.sources], dtype=np.float64)
         total = float(w.sum())
         return w / total if total > 0 else w

@@ -686,3 +686,42 @@ def test_the_configs_repr_leaves_the_credentials_out(data_dir: Path) -> None:
     assert parsed.sources[0].storage_options["key"] == "AKIA_SECRET"
     assert "AKIA_SECRET" not in repr(parsed) and "s3cr3t" not in repr(parsed)
     assert "AKIA_SECRET" not in repr(parsed.sources[0])
+
+
+# ------------------------------------------- bounds found by a review (each accepted before)
+
+
+def test_a_mesh_of_more_ranks_than_int32_holds_is_refused(data_dir: Path) -> None:
+    """``msd-dask validate`` said OK to 4.6e18 ranks; start-up lays out every rank."""
+    d = base(data_dir)
+    d["parallel"] = {"dp": 2, "tp": 65536, "cp": 1, "pp": 65536}
+    err = refused(d, "parallel.tp")
+    assert "8589934592 ranks" in str(err) and "2**31 - 1" in str(err)
+    d["parallel"] = {"dp": 2, "tp": 32768, "cp": 1, "pp": 32767}  # 2**31 - 2**16: fits
+    assert load_config(d, check_files=False).parallel.world_size == 2 * 32768 * 32767
+
+
+def test_more_constructors_than_dp_groups_are_refused(data_dir: Path) -> None:
+    """Each constructor serves whole DP groups: those beyond ``dp`` served none."""
+    d = base(data_dir)
+    d["constructors"] = 3  # dp 2
+    err = refused(d, "constructors")
+    assert "parallel.dp (2)" in str(err) and "got 3" in str(err)
+    d["constructors"] = 2
+    assert load_config(d, check_files=False).constructors == 2
+
+
+@pytest.mark.parametrize("value", [1, 1.0, 5])
+def test_a_starve_fraction_of_the_whole_window_or_more_is_refused(data_dir: Path,
+                                                                  value: float) -> None:
+    """The planner waits at most the whole window: 1 or more turned the reactive rule off."""
+    d = base(data_dir)
+    d["scaling"] = {"policy": "adaptive", "starve_fraction": value}
+    assert "must be below 1" in str(refused(d, "scaling.starve_fraction"))
+
+
+def test_too_many_loaders_say_which_key_to_raise(data_dir: Path) -> None:
+    d = base(data_dir)
+    d["sources"][0]["loaders"] = 16
+    err = refused(d, "sources[0].loaders")
+    assert "raise sources[0].max_loaders or scaling.max_loaders" in str(err)

@@ -202,3 +202,20 @@ def test_draw_holds_outliers_while_the_hold_has_room() -> None:
     for s, n in (("a", 90), ("b", 20), ("b", 20), ("b", 20), ("b", 20)):
         one.take(s, n, {"a": 0.9, "b": 0.1})
     assert m.state_dict() == one.state_dict()
+
+
+@pytest.mark.parametrize("weights, says", [
+    ({"a": float("nan"), "b": 1.0}, "source 'a' has weight nan"),
+    ({"a": -1.0, "b": 1.0}, "source 'a' has weight -1.0"),
+    ({"a": float("inf"), "b": 1.0}, "source 'a' has weight inf"),
+    ({"x": 1.0}, "no source 'x'"),
+])
+def test_weights_that_are_not_a_mix_are_refused_naming_the_source(weights: dict[str, float],
+                                                                  says: str) -> None:
+    """NaN was passed over, -1 read as 0, inf and an unknown name said "every source weight
+    is 0" (a review)."""
+    mixer = Mixer(["a", "b"])
+    with pytest.raises(ValueError, match=says):
+        mixer.choose(weights)
+    with pytest.raises(ValueError, match=says):
+        mixer.take("a", 10, weights)
