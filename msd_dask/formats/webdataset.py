@@ -62,7 +62,9 @@ def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
     rec: dict[str, Any] = {}
     if "json" in fields:
         try:
-            obj = json.loads(fields["json"].decode("utf-8"))
+            # (utf-8-sig: a byte-order mark made the sample bad input, where the JSON-lines
+            # reader and WebDataset's own take it; a review)
+            obj = json.loads(fields["json"].decode("utf-8-sig"))
         except (ValueError, RecursionError) as exc:  # bad UTF-8, JSON, an int too long
             raise DataError(f"invalid .json member: {exc}", path=path, row=row) from None
         if not isinstance(obj, dict):
@@ -78,7 +80,8 @@ def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
         rec[ext] = data
         if ext == "txt":
             try:
-                rec["text"] = rec["txt"] = data.decode("utf-8")
+                # (a byte-order mark is no text: it was tokenized as 3 tokens of junk)
+                rec["text"] = rec["txt"] = data.decode("utf-8-sig")
             except UnicodeDecodeError as exc:
                 raise DataError(f"invalid UTF-8 in .txt member: {exc.reason} at byte "
                                 f"{exc.start}", path=path, row=row) from None
@@ -126,8 +129,9 @@ class WebDatasetFormat:
         ------
         DataError
             A sample lacking a field (save its image), a ``.txt`` that is not UTF-8, a ``.json`` that is
-            not an object (naming file and row); a shard that is not a tar file, is
-            truncated or has a corrupt header (naming the file).
+            not an object, a member that is a link (naming file and row); a shard that is not
+            a tar file, is truncated, has a corrupt header, data after its end (two tars
+            joined) or a sample whose members are apart (naming the file).
         """
         path = unit.path
         with fs.open(path, "rb", block_size=STREAM_BLOCK) as f:
@@ -143,7 +147,8 @@ class WebDatasetFormat:
                 row = -1
                 key: str | None = None
                 sample: dict[str, bytes] = {}
-                twice: str | None = None  # the sample's extension that came twice, if any
+                bad: str | None = None  # why the sample is bad input, if it is
+                seen: dict[str, int] = {}  # the samples' keys so far, and each one's row
                 members = _members(tar, f, path)
                 for name, data in members:
                     if _hidden(name):
@@ -152,21 +157,35 @@ class WebDatasetFormat:
                     if k != key:
                         if key is not None:
                             row += 1
-                            yield row, self._select(sample, fields, path, row, errors, twice)
-                        key, sample, twice = k, {}, None
+                            yield row, self._select(sample, fields, path, row, errors, bad)
+                        if k in seen:
+                            # (a sample's members apart in the tar, as `tar` writes a folder
+                            # in its directory order: each part was a sample, the caption
+                            # one without its image, without a word; a review).  The whole
+                            # shard: its rows so far are not used (a unit is read whole)
+                            raise DataError(
+                                f"sample {k!r} (row {seen[k]}) has members apart from each "
+                                f"other, {name!r} after other samples' members: a sample's "
+                                "members must follow each other; make shards with `tar "
+                                "--sort=name` or WebDataset's writers", path=path)
+                        key, sample, bad = k, {}, None
+                        seen[k] = row + 1
+                    if isinstance(data, str):  # (a member with no content of its own)
+                        bad = bad or data
+                        continue
                     if ext in sample:  # (a bad sample: the others of the shard still count)
-                        twice = twice or f"sample {k!r} has two '.{ext}' members"
+                        bad = bad or f"sample {k!r} has two '.{ext}' members"
                     sample[ext] = data
                 if key is not None:
                     row += 1
-                    yield row, self._select(sample, fields, path, row, errors, twice)
+                    yield row, self._select(sample, fields, path, row, errors, bad)
 
     @staticmethod
     def _select(sample: dict[str, bytes], fields: Sequence[str], path: str, row: int,
-                errors: str, twice: str | None = None) -> Any:
+                errors: str, bad: str | None = None) -> Any:
         try:
-            if twice is not None:
-                raise DataError(twice, path=path, row=row)
+            if bad is not None:
+                raise DataError(bad, path=path, row=row)
             rec = _record(sample, path, row)
             # a sample without any image is a text document; one whose image is under
             # another extension than the field asked for is the usual missing field
@@ -191,14 +210,26 @@ def _hidden(name: str) -> bool:
     return posixpath.basename(name).startswith(".") or "/__MACOSX/" in f"/{name}"
 
 
-def _members(tar: tarfile.TarFile, f: Any, path: str) -> Iterator[tuple[str, bytes]]:
-    """``(name, content)`` of every regular file member, in order; checks the shard's end."""
+def _members(tar: tarfile.TarFile, f: Any, path: str) -> Iterator[tuple[str, bytes | str]]:
+    """``(name, content)`` of every file member, in order, a link's content why it has none
+    (a ``str``: its sample is bad input); checks the shard's end."""
     try:
         while True:
             m = tar.next()
             if m is None:
                 break
+            if m.isdir():
+                continue
             if not m.isfile():
+                # (passed over, a linked image made its sample a text document and a sample
+                # of links vanished, without a word; a review)
+                kind = ("a hard link" if m.islnk() else "a symbolic link" if m.issym()
+                        else "not a regular file")
+                yield m.name, (f"member {m.name!r} is {kind} (to {m.linkname!r})"
+                               if m.linkname else f"member {m.name!r} is {kind}") + (
+                    ": a shard holds each member's bytes; make it with `tar -h "
+                    "--hard-dereference`")
+                tar.members.clear()  # type: ignore[attr-defined]
                 continue
             fh = tar.extractfile(m)
             assert fh is not None
@@ -219,6 +250,26 @@ def _members(tar: tarfile.TarFile, f: Any, path: str) -> Iterator[tuple[str, byt
                         path=path)
     if end.count(0) != tarfile.BLOCKSIZE:
         raise DataError(f"corrupt tar: invalid member header at byte {tar.offset}", path=path)
+    after = _data_after_end(f)
+    if after is not None:
+        # (tarfile, as WebDataset's reader and GNU tar without -i, stops at the first
+        # archive's end: a second tar after it lost every sample, without a word; a review)
+        raise DataError(f"data after the end-of-archive blocks, at byte {after}: two tars "
+                        "joined (`cat a.tar b.tar`) read as the first alone; write one tar "
+                        "per shard (or join them with `tar -A`)", path=path)
+
+
+def _data_after_end(f: Any) -> int | None:
+    """The offset of the first byte that is not zero from ``f``'s position to its end (a
+    tar's end blocks and their padding to the record, 10 KiB as tar writes them); ``None``
+    where all are zero."""
+    while True:
+        at = f.tell()
+        chunk = f.read(1 << 16)
+        if not chunk:
+            return None
+        if chunk.count(0) != len(chunk):
+            return at + next(i for i, b in enumerate(chunk) if b)
 
 
 register_format(WebDatasetFormat())

@@ -1555,3 +1555,76 @@ def test_an_object_store_fetches_about_what_a_unit_reads() -> None:
     got = [r["text"] for _, r in get_format("jsonl").read(lines, Unit("f.jsonl", 0, 0), ["text"])]
     assert got == texts * 2 and len(lines.fetched) >= 2
     assert max(b - a for a, b in lines.fetched) <= STREAM_BLOCK + (1 << 20)
+
+
+def _shard(path: str, members: list[tuple[str, bytes]],
+           links: tuple[tuple[str, str, bytes], ...] = ()) -> None:
+    """A tar shard of ``members``, then each ``(name, target, type)`` of ``links``."""
+    with tarfile.open(path, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name, target, kind in links:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, target
+            tar.addfile(info)
+
+
+def test_webdataset_a_link_member_makes_its_sample_bad_input(tmp_path: Any) -> None:
+    """``tar cf`` over linked files stores links: passed over, a linked image made its
+    sample a text document and a sample of links vanished, without a word (a review)."""
+    path = str(tmp_path / "links.tar")
+    _shard(path, [("s/0.txt", b"zero"), ("s/0.jpg", b"img"), ("s/1.txt", b"one")],
+           (("s/1.jpg", "s/0.jpg", tarfile.LNKTYPE), ("s/2.txt", "/elsewhere/blob",
+                                                       tarfile.SYMTYPE)))
+    rows = list(get_format("webdataset").read(LOCAL, Unit(path), ["text", "image"],
+                                              errors="yield"))
+    assert [r for r, _ in rows] == [0, 1, 2]
+    assert rows[0][1] == {"text": "zero", "image": b"img"}
+    for row, kind, target in ((1, "a hard link", "s/0.jpg"),
+                              (2, "a symbolic link", "/elsewhere/blob")):
+        bad = rows[row][1]
+        assert isinstance(bad, DataError) and bad.row == row, bad
+        assert f"is {kind} (to {target!r})" in str(bad) and "--hard-dereference" in str(bad)
+
+
+def test_webdataset_two_tars_joined_are_refused_not_read_as_the_first(tmp_path: Any) -> None:
+    """``cat a.tar b.tar``: a tar reader stops at the first one's end, and the second's
+    samples were lost without a word (a review)."""
+    a, b = str(tmp_path / "a.tar"), str(tmp_path / "b.tar")
+    _shard(a, [("s/0.txt", b"zero"), ("s/1.txt", b"one")])
+    _shard(b, [("s/2.txt", b"two")])
+    joined = tmp_path / "ab.tar"
+    joined.write_bytes(open(a, "rb").read() + open(b, "rb").read())
+    wds = get_format("webdataset")
+    with pytest.raises(DataError, match=r"ab\.tar.*data after the end-of-archive blocks, at "
+                                        r"byte \d+: two tars joined"):
+        list(wds.read(LOCAL, Unit(str(joined)), ["text"], errors="yield"))
+    # (a tar's own padding after its end, any record size, is no data)
+    padded = tmp_path / "padded.tar"
+    padded.write_bytes(open(a, "rb").read() + bytes(70_000))
+    assert [r["text"] for _, r in wds.read(LOCAL, Unit(str(padded)), ["text"])] == ["zero", "one"]
+
+
+def test_webdataset_a_sample_whose_members_are_apart_refuses_the_shard(tmp_path: Any) -> None:
+    """``tar`` over a folder in its directory order puts a sample's members apart: each part
+    was a sample of its own, the caption one without its image, without a word (a review).
+    The shard is refused whole (a unit is read whole: none of its rows is used)."""
+    path = str(tmp_path / "apart.tar")
+    _shard(path, [("0001.txt", b"cap one"), ("0002.png", b"p2"), ("0001.png", b"p1"),
+                  ("0002.txt", b"cap two")])
+    with pytest.raises(DataError, match=r"apart\.tar.*sample '0001' \(row 0\) has members "
+                                        r"apart.*'0001\.png'.*--sort=name"):
+        list(get_format("webdataset").read(LOCAL, Unit(path), ["text", "image"],
+                                           errors="yield"))
+
+
+def test_webdataset_a_byte_order_mark_is_not_text(tmp_path: Any) -> None:
+    """A ``.txt`` kept U+FEFF (3 tokens of junk) and a ``.json`` with one was bad input,
+    where the JSON-lines reader takes it (a review)."""
+    path = str(tmp_path / "bom.tar")
+    _shard(path, [("s/0.txt", "\ufeffa caption".encode()),
+                  ("s/1.json", "\ufeff{\"text\": \"from json\"}".encode())])
+    rows = list(get_format("webdataset").read(LOCAL, Unit(path), ["text"]))
+    assert [r["text"] for _, r in rows] == ["a caption", "from json"]
