@@ -522,3 +522,17 @@ def test_agent_refuses_a_socket_path_too_long_before_connecting(
     assert code == 2 and time.monotonic() - t0 < 5, err
     assert f"msd-dask agent: error: the agent's socket path {path} is 130 bytes long" in err
     assert "at most 107 bytes" in err
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "configs/demo.yaml"], ["serve", "configs/demo.yaml"], ["stats", "demo"],
+    ["stop", "demo"], ["set-weights", "demo", "code=1"], ["agent", "demo"]])
+def test_an_empty_scheduler_address_names_the_option(command: list[str],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--scheduler "$SCHED"`` with the variable unset: Dask's "missing port number in
+    address ''" named no option (a review)."""
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--scheduler", " "])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --scheduler: an empty address" in err, err
