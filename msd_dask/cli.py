@@ -111,7 +111,7 @@ def _at_least(lo: int) -> Callable[[str], int]:
     return parse
 
 
-def _address(text: str) -> str:
+def _nonempty_address(text: str) -> str:
     """An argparse type: a scheduler's address, not empty (``--scheduler "$SCHED"`` with the
     variable unset got Dask's "missing port number in address ''", naming no option; a
     review)."""
@@ -184,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="start the service, drive every rank as a consumer, "
                        "print a summary")
     r.add_argument("config", help="service config (YAML)")
-    r.add_argument("--scheduler", metavar="ADDR", type=_address,
+    r.add_argument("--scheduler", metavar="ADDR", type=_nonempty_address,
                    help="address of a running Dask scheduler (default: an embedded LocalCluster)")
     r.add_argument("--steps", type=_at_least(1), default=50, help="steps to consume (default: 50)")
     r.add_argument("--workers", type=_at_least(1), default=None,
@@ -195,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the service until interrupted, for training jobs "
                        "to connect")
     s.add_argument("config", help="service config (YAML)")
-    s.add_argument("--scheduler", metavar="ADDR", type=_address, required=True,
+    s.add_argument("--scheduler", metavar="ADDR", type=_nonempty_address, required=True,
                    help="address of the Dask scheduler")
     s.add_argument("--resume", metavar="STATE_JSON",
                    help="a state file written by `DataService.state_dict()` to continue from")
@@ -214,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("weights", nargs="+", metavar="SOURCE=WEIGHT", type=_source_weight,
                    help="a source's new weight, e.g. code=0.7 prose=0.3 (only the ratios "
                    "matter; a source not named gets 0)")
-    w.add_argument("--scheduler", metavar="ADDR", type=_address, required=True,
+    w.add_argument("--scheduler", metavar="ADDR", type=_nonempty_address, required=True,
                    help="address of the Dask scheduler")
     w.add_argument("--from-step", type=_at_least(0), default=None, metavar="K",
                    help="first step of the new mix (default: the first unplanned step; a step "
@@ -232,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
             "(tensor-parallel peers) once, and serves the host's training processes over a "
             "Unix socket, the tensors in shared memory.", 79),
         epilog=AGENT_EPILOG)
-    a.add_argument("--scheduler", metavar="ADDR", type=_address, required=True,
+    a.add_argument("--scheduler", metavar="ADDR", type=_nonempty_address, required=True,
                    help="address of the Dask scheduler")
     a.add_argument("--name", required=True, help="the service's name")
     a.add_argument("--ranks", required=True, metavar="A-B",
@@ -251,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
         "stop", help="stop a service whose starting process is gone (killed, its node "
         "lost): close its roles, free its workers and its name")
     so.add_argument("name", help="service name")
-    so.add_argument("--scheduler", metavar="ADDR", type=_address, required=True,
+    so.add_argument("--scheduler", metavar="ADDR", type=_nonempty_address, required=True,
                     help="address of the Dask scheduler")
     so.add_argument("--timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                     help="seconds to wait for the scheduler, and for the close of the roles "
@@ -265,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="every rank's counters, and each constructor's per rank, however "
                          "many ranks (default: those of up to 64 ranks, and a summary: "
                          "quantiles and the slowest ranks)")
-    st.add_argument("--scheduler", metavar="ADDR", type=_address, required=True,
+    st.add_argument("--scheduler", metavar="ADDR", type=_nonempty_address, required=True,
                     help="address of the Dask scheduler")
     _wait_option(st)
     _tls_options(st)
