@@ -66,6 +66,13 @@ def test_another_shuffle_window_is_refused_by_key() -> None:
     # served step 0 again instead of step 5 (a review)
     (lambda s: s.update(step="0"), r"'step' is '0', not an integer"),
     (lambda s: s.update(step=4), r"state is of step 4 but its planner's next step is 1"),
+    # (a state without its held outliers was taken, and each of them lost; a review)
+    (lambda s: s["planner"].pop("held"), r"'planner' mapping lacks \['held'\]"),
+    # (a raw ValueError or AttributeError, or "shuffle_window 2 but the config has 2")
+    (lambda s: s.update(units={"a": "x", "b": 10}), r"units\['a'\] is 'x', not an integer"),
+    (lambda s: s.update(units=[10, 10]), r"'units' is \[10, 10\], not a mapping"),
+    (lambda s: s.update(shuffle_window={"a": "4", "b": 4}),
+     r"shuffle_window\['a'\] is '4', not an integer"),
 ])
 def test_a_malformed_state_is_one_clear_error(change: Any, message: str) -> None:
     state = copy.deepcopy(_state())
@@ -313,3 +320,13 @@ def test_an_eod_id_spelled_out_as_the_files_own_resumes(corpus: Any, tmp_path: A
     actor(cfg, old)
     with pytest.raises(ServiceError, match=r"tokenizer\.eod_id None but the config has 1"):
         actor(cfg_of(eod_id=1, pad_id=0), old)
+
+
+def test_the_sources_in_another_order_are_refused_by_position() -> None:
+    """The mix breaks its ties and sums its weights in the sources' order: a config listing
+    them in another order was taken without a word, and planned other steps (a review)."""
+    cfg = _cfg()
+    swapped = parse_config({**cfg.to_dict(), "sources": cfg.to_dict()["sources"][::-1]})
+    with pytest.raises(ServiceError, match=r"sources\[0\] is 'b' but the state's is 'a' \("
+                                           r"the state's order: \['a', 'b'\]\)"):
+        planner_state(swapped, _state())
