@@ -240,6 +240,12 @@ class SourceLoader:
             fut = self._ready.get(key)
             if fut is not None and not fut.done():
                 fut.set_exception(failed)
+            if fut is not None and not isinstance(failed, DataError | ConfigError):
+                # (the calls waiting have the error; the next reads the unit again: a held
+                # unit kept its failed read as its answer for good, and a failure of the
+                # moment, as a pool replaced under the read, failed every later fetch until
+                # the service gave up; a review.  Bad input fails alike every time: kept)
+                del self._ready[key]
             return
         # counted together, so a poll sees a unit's busy and CPU seconds at once
         self.read_seconds += sum(busy)

@@ -182,3 +182,46 @@ def test_a_unit_released_while_it_waits_for_a_read_thread_is_not_read(corpus, ga
         assert _held(loader) == (1, 1)
 
     _on_a_loader(corpus, gated, body)
+
+
+def test_a_held_unit_whose_read_failed_for_a_moment_is_read_again(corpus, monkeypatch) -> None:
+    """A held unit kept its failed read as its answer for good: a read cancelled under it
+    once (a preprocess pool replaced) failed every later fetch, and the constructor retried
+    until the service gave up (a review).  Bad input (a ``DataError``) is not read again."""
+    import concurrent.futures
+
+    from msd_dask.errors import DataError
+    from msd_dask.roles import loader as module
+
+    root, _ = corpus
+    source, units = _loader_inputs(config(root), 0)
+    real, calls = module.read_unit, []
+    failures: list[BaseException] = [concurrent.futures.CancelledError()]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[2])
+        if failures:
+            raise failures.pop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "read_unit", flaky)
+
+    async def run() -> None:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            await loader.assign([(0, 1)])
+            with pytest.raises(RuntimeError, match=r"CancelledError"):
+                await loader.metadata(0, 1)
+            lengths = np.asarray(await loader.metadata(0, 1))  # read again
+            assert len(calls) == 2 and len(lengths)
+            assert split_pieces(await loader.fetch(_requests(loader, lengths, 1)))
+            failures.append(DataError("bad row", path=units[2][0], row=3))
+            await loader.assign([(0, 2)])
+            for _ in range(2):  # the same error, from the one read
+                with pytest.raises(DataError, match="bad row"):
+                    await loader.metadata(0, 2)
+            assert len(calls) == 3
+        finally:
+            await loader.close()
+
+    asyncio.run(run())
