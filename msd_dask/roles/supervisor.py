@@ -255,8 +255,10 @@ class RoleSupervisor:
             self._seq[s.name] = itertools.count()
             units = self._loader_units(s.name)
             lo, hi = self.bounds(s.name)
-            n = s.loaders if s.name not in self.loaders_at_setup else max(
-                lo, min(hi, int(self.loaders_at_setup[s.name])))
+            # (the config's count within the source's bounds, as a re-created planner takes
+            # the lost one's: a count below min_loaders started as given, and rose to the
+            # min on recovery, silently; a review)
+            n = max(lo, min(hi, int(self.loaders_at_setup.get(s.name, s.loaders))))
             for _ in range(n):
                 slot = next(self._seq[s.name])
                 loader_slots.append((s.name, slot))

@@ -1204,3 +1204,20 @@ def test_the_roles_of_a_frozen_worker_are_closed_in_one_wait(
     assert len(constructors) >= 4 and not any(h.closed for h in frozen)
     assert all(h.closed for h in client.handles if h._address == workers[0])
     assert _MOST_CLOSING[0] >= len(constructors)  # (one after the other: 1)
+
+
+def test_a_source_starts_with_at_least_its_min_loaders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``loaders`` (1, the default) below the source's ``min_loaders`` started as given,
+    while a planner re-created after a loss starts the min: the count changed on recovery
+    without a word (a review).  Both start the min."""
+    import asyncio
+    import dataclasses
+
+    workers = [f"tcp://h:{p}" for p in range(5, 9)]
+    sup = _supervisor(monkeypatch, _Client(workers), workers[0], 1, 1)
+    cfg = sup.cfg
+    sup.cfg = dataclasses.replace(cfg, sources=[dataclasses.replace(cfg.sources[0],
+                                                                    min_loaders=3),
+                                                cfg.sources[1]])
+    asyncio.run(sup.setup())
+    assert sorted(sup.active["a"]) == [0, 1, 2] and sup.active["b"] == [0]
