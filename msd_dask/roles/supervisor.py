@@ -1130,8 +1130,10 @@ class RoleSupervisor:
                 act.remove(slot)
                 going.append(slot)
                 load[where[slot] or ""] -= 1
-            for slot in going:
-                await self._retire_slot(source, slot, act[0])
+            # each to the slots that stay in turn (all to the first, 8 -> 4 gave one loader
+            # the units of five, over its memory bound, to read alone; a review)
+            for i, slot in enumerate(going):
+                await self._retire_slot(source, slot, act[i % len(act)])
         return grew or shrank
 
     async def _retire_slot(self, source: str, slot: int, heir: int) -> None:

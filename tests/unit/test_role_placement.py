@@ -1221,3 +1221,27 @@ def test_a_source_starts_with_at_least_its_min_loaders(monkeypatch: pytest.Monke
                                                 cfg.sources[1]])
     asyncio.run(sup.setup())
     assert sorted(sup.active["a"]) == [0, 1, 2] and sup.active["b"] == [0]
+
+
+def test_a_scale_down_hands_the_retired_slots_units_to_the_others_in_turn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 -> 4 handed the four retired slots' units all to the oldest slot: one loader held
+    the units of five, past its memory bound, and read them alone (a review)."""
+    import asyncio
+
+    workers = [f"tcp://h:{i}" for i in range(1, 6)]
+    sup = _supervisor(monkeypatch, _Client(workers), workers[0], 1, 8)
+    heirs: list[tuple[int, int]] = []
+
+    async def hand_over(source: str, slots: list[int], heir: int) -> None:
+        heirs.append((slots[0], heir))
+
+    sup.planner.hand_over = hand_over  # type: ignore[method-assign]
+
+    async def run() -> None:
+        await sup.setup()
+        await sup.scale("a", 4)
+
+    asyncio.run(asyncio.wait_for(run(), 20))
+    assert len(sup.active["a"]) == 4 and len(heirs) == 4
+    assert sorted(h for _, h in heirs) == sorted(sup.active["a"]), heirs
