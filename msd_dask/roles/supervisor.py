@@ -693,6 +693,16 @@ class RoleSupervisor:
         for (source, slot, h), st in zip(pairs, got, strict=True):
             if current(source, slot, h):  # (one retired meanwhile is counted in _gone)
                 out[source].append(st)
+            elif slot in self._slots.get(source, {}):
+                # replaced while asked: its successor, not asked, stands in with zero
+                # counters, which the replaced one's (in _gone) go on from; with none, a
+                # source of one loader read 0 tokens for a poll, and the rates a dashboard
+                # takes of them went back and up again (a review)
+                new = self._slots[source][slot][0]
+                out[source].append(dict(
+                    loader_role.unanswered_stats(source, slot, None,
+                                                 "re-created while its stats were asked"),
+                    slot=slot, worker=actor_address(new)))
         for source, slots in self._gone.items():
             live = {st["slot"]: st for st in out.get(source, [])}
             for slot, counted in slots.items():

@@ -202,3 +202,40 @@ def test_a_re_created_planner_takes_the_counters_its_owner_kept(corpus: Any) -> 
 
     actor = asyncio.run(make())
     assert actor.roles.counted() == counted
+
+
+def test_a_sources_only_loader_replaced_while_asked_keeps_its_count(monkeypatch) -> None:
+    """The one loader of a source re-created (heal, a move) while a poll waited for its
+    answer: the poll had no loader for the source, its ``tokens_read`` read 0 and the next
+    poll's jumped back (a review).  Its successor stands in, the count going on."""
+    from msd_dask.roles import supervisor as module
+
+    monkeypatch.setattr(module, "STATS_WAIT", 5.0)
+    sup = _supervisor()
+
+    class _Slow(_Loader):
+        delay = 0.0
+
+        async def stats(self) -> dict[str, Any]:
+            await asyncio.sleep(self.delay)
+            return await super().stats()
+
+    old = _Slow("l-a-0-g0", "a", 0, 1000)
+    sup._slots = {"a": {0: (old, None)}}
+    sup._alias = {"a": {}}
+
+    def tokens(stats: dict[str, list[dict[str, Any]]]) -> int:
+        planner = {"tokens_planned": {"a": 1}, "weights": {"a": 1.0}}
+        return int(source_figures(planner, stats)["a"]["tokens_read"])
+
+    async def run() -> list[int]:
+        seen = [tokens(await sup.loader_stats())]
+        old.tokens, old.delay = 1200, 0.3
+        asked = asyncio.ensure_future(sup.loader_stats())
+        await asyncio.sleep(0.05)
+        sup._slots["a"][0] = (_Loader("l-a-0-g1", "a", 0, 10), None)  # re-created meanwhile
+        seen.append(tokens(await asked))
+        seen.append(tokens(await sup.loader_stats()))
+        return seen
+
+    assert asyncio.run(run()) == [1000, 1200, 1210]
