@@ -92,6 +92,16 @@ def test_a_retired_slot_forgotten_before_its_last_answer_is_counted_on_a_live_on
     assert set(sup._gone["a"]) <= set(sup._slots["a"]), sup._gone
 
 
+class _Slow(_Loader):
+    """A loader whose answer takes ``delay`` seconds."""
+
+    delay = 0.0
+
+    async def stats(self) -> dict[str, Any]:
+        await asyncio.sleep(self.delay)
+        return await super().stats()
+
+
 def test_a_loader_retired_while_a_poll_awaits_its_answer_is_counted_once(
         monkeypatch: Any) -> None:
     """Poll A asks loader 0, slow to answer; meanwhile slot 0 is retired and poll B moves
@@ -103,13 +113,6 @@ def test_a_loader_retired_while_a_poll_awaits_its_answer_is_counted_once(
 
     monkeypatch.setattr(module, "STATS_WAIT", 5.0)
     sup = _supervisor()
-
-    class _Slow(_Loader):
-        delay = 0.0
-
-        async def stats(self) -> dict[str, Any]:
-            await asyncio.sleep(self.delay)
-            return await super().stats()
 
     x, y = _Slow("l-a-0-g0", "a", 0, 1000), _Loader("l-a-1-g0", "a", 1, 500)
     sup._slots = {"a": {0: (x, None), 1: (y, None)}}
@@ -212,13 +215,6 @@ def test_a_sources_only_loader_replaced_while_asked_keeps_its_count(monkeypatch)
 
     monkeypatch.setattr(module, "STATS_WAIT", 5.0)
     sup = _supervisor()
-
-    class _Slow(_Loader):
-        delay = 0.0
-
-        async def stats(self) -> dict[str, Any]:
-            await asyncio.sleep(self.delay)
-            return await super().stats()
 
     old = _Slow("l-a-0-g0", "a", 0, 1000)
     sup._slots = {"a": {0: (old, None)}}
