@@ -660,9 +660,23 @@ def test_a_state_of_other_sources_is_refused_by_name(names: list[str]) -> None:
      r"overrides\[1\]: the weights must sum to more than 0"),
     (lambda s: s.update(tokens={}), r"a planner state of sources \[\] does not fit"),
     # (and, from a review of this check: a bad value half-loaded the planner first)
-    (lambda s: s["streams"]["web"].update(window="x"), r"invalid literal for int"),
-    (lambda s: s["streams"]["web"].update(offset=None), r"TypeError"),
+    (lambda s: s["streams"]["web"].update(window="x"),
+     r"streams\['web'\]\['window'\]: 'x' is not an integer"),
+    (lambda s: s["streams"]["web"].update(offset=None),
+     r"streams\['web'\]\['offset'\]: None is not an integer"),
     (lambda s: s.update(streams=5), r"TypeError"),
+    # (each said only Python's words, "list index out of range", "too many values to
+    # unpack", "invalid literal for int()": the key is named; a review)
+    (lambda s: s.update(cost="x"), r"cost: 'x' is not \[linear, quadratic\]"),
+    (lambda s: s.update(cost=[1]), r"cost: \[1\] is not \[linear, quadratic\]"),
+    (lambda s: s["tokens"].update(web="x"), r"tokens\['web'\]: 'x' is not an integer"),
+    (lambda s: s.update(held=[["web", 0, 1, 0, 0, 0, 5, 5]]), r"held\[0\]: .* is not \[piece, "
+                                                                r"step\]"),
+    (lambda s: s.update(held=[[["web", 0, 1, 0, 0, 0, 5, 5], "a"]]),
+     r"held\[0\]\[1\]: 'a' is not an integer"),
+    (lambda s: s.update(carry=[["web", 0, 1, 0, 0, 0, 5, 5], ["web", 1, 2]]),
+     r"carry\[1\]: a piece \['web', 1, 2\] is not"),
+    (lambda s: s.update(overrides=[[3]]), r"overrides\[0\]: \[3\] is not \[step, weights\]"),
 ])
 def test_a_state_that_is_not_whole_is_one_clear_error(change: Any, says: str) -> None:
     # each raised a bare KeyError or a numpy error, or (tokens {}) was taken and failed at
