@@ -121,6 +121,18 @@ def _nonempty_address(text: str) -> str:
     return text.strip()
 
 
+def _group_id(text: str) -> int:
+    """An argparse type: a group's id, from its name or number."""
+    import grp
+
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        if text.isdigit():
+            return int(text)
+        raise argparse.ArgumentTypeError(f"no group {text!r} on this host") from None
+
+
 def _folder(text: str) -> str:
     """An argparse type: a folder's path, not empty (``"$OUT"`` with the variable unset
     wrote into the current directory)."""
@@ -239,6 +251,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="the global ranks of this host: A-B (both included), A,B,C or a mix")
     a.add_argument("--socket", metavar="PATH",
                    help="the Unix socket to serve on (default: below)")
+    a.add_argument("--group", type=_group_id, default=None, metavar="GROUP",
+                   help="share the socket and the batches' shared memory with this group "
+                   "(name or id; mode 0660), for ranks of another user in it, as a sidecar "
+                   "container's agent serves (default: the agent's user alone; needs --socket "
+                   "in a folder the group may enter)")
     a.add_argument("--prefetch", type=_at_least(1), default=None, metavar="N",
                    help="steps read ahead of a group's slowest rank (default: the "
                    "service's prefetch)")
@@ -612,12 +629,16 @@ def _agent(args: argparse.Namespace) -> int:
     from msd_dask.service.agent_client import AGENT_ENV, check_socket_path, default_socket
 
     ranks = parse_ranks(args.ranks)
+    if args.group is not None and not args.socket:
+        # (the default folder, /tmp/msd-dask-UID, is the user's alone: mode 0700)
+        raise SystemExit("msd-dask agent: error: --group needs --socket, a path in a folder "
+                         "the group may enter (the default folder is the user's alone)")
     # (a socket path too long for a Unix socket is refused before the service is connected)
     check_socket_path(args.socket or default_socket(args.name), args.name)
     svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
     with svc:
         agent = HostAgent.for_service(svc, ranks, args.socket, prefetch=args.prefetch,
-                                      timeout=args.timeout)
+                                      timeout=args.timeout, group=args.group)
 
         def _stop(_signum: int, _frame: object) -> None:
             agent.stop()

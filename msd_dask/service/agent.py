@@ -265,11 +265,14 @@ class _FileBlock:
     (about 8 MiB) per agent: :func:`_watch_blocks` removes the blocks of a process
     that is killed."""
 
-    def __init__(self, name: str, size: int):
+    def __init__(self, name: str, size: int, group: int | None = None):
         self.name = name
         self._path = os.path.join(SHM_DIR, name)
         fd = os.open(self._path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            if group is not None:  # (the ranks of another user in it map it too)
+                os.fchown(fd, -1, group)
+                os.fchmod(fd, 0o660)
             try:
                 # the pages taken now: a sparse file (ftruncate) on a full tmpfs killed the
                 # process with SIGBUS at the first write through the mapping
@@ -373,26 +376,35 @@ def _watch_blocks() -> None:
         _watcher = (pid, shell, write_end)
 
 
-def _new_block(name: str, size: int) -> SharedBlock:
+def _new_block(name: str, size: int, group: int | None = None) -> SharedBlock:
     """A new shared memory block ``name`` of ``size`` bytes, removed if this process is
     killed: a :class:`_FileBlock` watched by :func:`_watch_blocks` when the name is one of
     this process's (:func:`block_prefix`), blocks are files (Linux) and the watcher
     runs, else a :class:`~multiprocessing.shared_memory.SharedMemory` (its resource
-    tracker)."""
+    tracker).  ``group``: a group id the block is shared with (mode 0660; a
+    :class:`_FileBlock` only)."""
     if name.startswith(block_prefix()) and os.path.isdir(SHM_DIR):
         try:
             _watch_blocks()
         except OSError as e:  # no /bin/sh: Python's resource tracker instead
             _log.debug("msd-dask agent: no watcher of its blocks (%s); SharedMemory instead", e)
+            if group is not None:
+                raise OSError(f"an agent sharing its blocks with a group needs /bin/sh to "
+                              f"watch them ({e})") from None
         else:
-            return _FileBlock(name, size)
+            return _FileBlock(name, size, group)
+    if group is not None:
+        raise OSError(f"an agent sharing its blocks with a group needs them as files of "
+                      f"{SHM_DIR} (Linux)")
     from multiprocessing.shared_memory import SharedMemory
 
     return SharedMemory(name=name, create=True, size=size)
 
 
-def write_block(batch: WireBatch, name: str) -> tuple[SharedBlock, dict[str, Any]]:
-    """Write the numpy arrays of ``batch``'s wire form into a new shared memory block ``name``.
+def write_block(batch: WireBatch, name: str,
+                group: int | None = None) -> tuple[SharedBlock, dict[str, Any]]:
+    """Write the numpy arrays of ``batch``'s wire form into a new shared memory block ``name``
+    (shared with the group id ``group``, where given: :func:`_new_block`).
 
     Returns
     -------
@@ -410,7 +422,7 @@ def write_block(batch: WireBatch, name: str) -> tuple[SharedBlock, dict[str, Any
     for key, a in arrays.items():
         layout[key] = [size, a.dtype.str, list(a.shape)]
         size += -(-a.nbytes // _ALIGN) * _ALIGN
-    shm = _new_block(name, max(size, 1))
+    shm = _new_block(name, max(size, 1), group)
     try:
         assert shm.buf is not None
         for key, a in arrays.items():
@@ -693,13 +705,20 @@ class HostAgent:
         ``state(step)``: the service's :meth:`~msd_dask.service.handle.DataService.state_dict`,
         which the agent answers a rank's :meth:`AgentHandle.state_dict
         <msd_dask.service.agent_client.AgentHandle.state_dict>` with (run in a thread).
+    group : int, optional
+        A group id the agent shares its socket and blocks with (mode 0660; Linux), for
+        ranks of another user in that group (a sidecar container's agent); by default
+        they are the agent's user's alone (mode 0600).
     """
 
     def __init__(self, name: str, config: Config, ranks: Sequence[int],
                  open_reader: Callable[[int, list[int]], GroupReader], path: str, *,
                  prefetch: int | None = None, timeout: float | None = None,
-                 state: Callable[[int | None], dict[str, Any]] | None = None):
+                 state: Callable[[int | None], dict[str, Any]] | None = None,
+                 group: int | None = None):
         self.name = name
+        #: the group id the socket and blocks are shared with (None: the user's alone)
+        self.group = group
         self._state = state
         self.config = config
         self.path = check_socket_path(path, name)
@@ -744,9 +763,11 @@ class HostAgent:
 
     @classmethod
     def for_service(cls, service: Any, ranks: Sequence[int], path: str | None = None, *,
-                    prefetch: int | None = None, timeout: float | None = None) -> HostAgent:
+                    prefetch: int | None = None, timeout: float | None = None,
+                    group: int | None = None) -> HostAgent:
         """An agent of a :class:`~msd_dask.service.handle.DataService` connected directly:
-        each group read by an :class:`AgentGroupReader` of its link."""
+        each group read by an :class:`AgentGroupReader` of its link (``group``: see the
+        class)."""
         cfg = service.config
         wait = cfg.timeout if timeout is None else float(timeout)
 
@@ -755,7 +776,7 @@ class HostAgent:
 
         return cls(service.name, cfg, ranks, open_reader,
                    path or default_socket(service.name), prefetch=prefetch,
-                   timeout=wait, state=service.state_dict)
+                   timeout=wait, state=service.state_dict, group=group)
 
     # ------------------------------------------------------------ serving
     async def serve(self) -> None:
@@ -872,9 +893,12 @@ class HostAgent:
                     raise
                 self._remove_stale_socket()
                 sock.bind(self.path)
-            # the host's ranks run as the agent's user; set before it listens (no other
-            # user's connect is taken while the mode is still the umask's)
-            os.chmod(self.path, 0o600)
+            # the host's ranks run as the agent's user, or in its group where given; set
+            # before it listens (no other user's connect is taken while the mode is still
+            # the umask's)
+            if self.group is not None:
+                os.chown(self.path, -1, self.group)
+            os.chmod(self.path, 0o600 if self.group is None else 0o660)
             sock.listen(100)
             self._socket_inode = os.stat(self.path).st_ino
         except BaseException:
@@ -1342,7 +1366,7 @@ class HostAgent:
                 return None
             self._writing += 1
         try:
-            shm, msg = write_block(batch, name)
+            shm, msg = write_block(batch, name, self.group)
         except BaseException:
             with self._blocks_lock:
                 self._writing -= 1

@@ -257,6 +257,10 @@ def _dial(path: str, timeout: float, what: str) -> socket.socket:
     sock.settimeout(timeout)
     try:
         sock.connect(path)
+    except PermissionError as e:
+        sock.close()
+        # (said as "is the agent running?": it was, as another user; a review)
+        raise ServiceError(f"{what}: {_refused_by_mode(path, e)}") from None
     except OSError as e:
         sock.close()
         raise ServiceError(
@@ -278,6 +282,21 @@ def _dial(path: str, timeout: float, what: str) -> socket.socket:
 
 #: the uid of an agent a rank accepts besides its own and root's (a sidecar container's)
 AGENT_UID_ENV = "MSD_DASK_AGENT_UID"
+
+#: where an agent's blocks are (Linux), named where a rank may not open one
+SHM_BLOCKS = "/dev/shm"
+
+
+def _refused_by_mode(path: str, e: OSError) -> str:
+    """What to say where this process may not use the agent's socket or blocks (``e``)."""
+    try:
+        st = os.stat(e.filename or path)
+        whose = f"owned by uid {st.st_uid}, group {st.st_gid}, mode {st.st_mode & 0o777:o}"
+    except OSError:
+        whose = "not this process's to use"
+    return (f"permission denied on {e.filename or path} ({whose}) to uid {os.getuid()}: an "
+            "agent shares its socket and blocks with its own user only, or with the group "
+            "`msd-dask agent --group` names (this process in it)")
 
 #: ``struct ucred`` of ``SO_PEERCRED`` (Linux): the peer's pid, uid and gid
 _PEER_CREDS = struct.Struct("iII")
@@ -487,6 +506,10 @@ class AgentReader:
             raise err(f"service {self.name!r}: {answer['error']}")
         try:
             batch = read_block(answer, self.rank)
+        except PermissionError as e:
+            self._drop()
+            raise ServiceError(f"rank {self.rank} could not copy step {answer.get('step')}: "
+                               f"{_refused_by_mode(SHM_BLOCKS, e)}") from None
         except OSError as e:  # (its block gone: the agent stopped, or was killed)
             self._drop()
             self._raise_if_closed()

@@ -1413,9 +1413,9 @@ def test_a_block_written_as_the_agent_stops_is_unlinked(tmp_path: Any,
     written, release = threading.Event(), threading.Event()
     write_block = agent_module.write_block
 
-    def slow_write(batch: WireBatch, name: str) -> Any:
+    def slow_write(batch: WireBatch, name: str, group: int | None = None) -> Any:
         names.append(name)
-        out = write_block(batch, name)
+        out = write_block(batch, name, group)
         written.set()  # the block is in /dev/shm; the write is not over
         release.wait(30)
         return out
@@ -1475,13 +1475,13 @@ def _shm_full_at_step_2(monkeypatch: pytest.MonkeyPatch, agent: list[HostAgent],
     write = agent_module.write_block
     refused: list[str] = []
 
-    def full(batch: WireBatch, name: str) -> Any:
+    def full(batch: WireBatch, name: str, group: int | None = None) -> Any:
         if batch.step == 2 and len(refused) < times:
             if not refused:
                 assert wait_until(lambda: agent[0].groups[0].requests >= 3, 10)
             refused.append(name)
             raise OSError(errno.ENOSPC, "no room in /dev/shm for a block (for now)")
-        return write(batch, name)
+        return write(batch, name, group)
 
     monkeypatch.setattr(agent_module, "write_block", full)
     return refused
@@ -1586,7 +1586,7 @@ def test_the_agents_socket_is_private_before_it_listens(tmp_path: Any,
     old = os.umask(0o022)
     try:
         agent = HostAgent.__new__(HostAgent)
-        agent.path = path
+        agent.path, agent.group = path, None
         agent._bind_locked().close()
     finally:
         os.umask(old)
@@ -1935,3 +1935,57 @@ def test_a_reader_is_a_context_manager_that_closes_it(tmp_path: Any) -> None:
             with pytest.raises(ServiceError, match="rank 0: the reader is closed"):
                 next(reader)
             assert handle.reader(0).state_dict()["step"] == 0  # (the next goes on after it)
+
+
+def _read_as(path: str, uid: int, out: Any) -> None:
+    """A child that reads rank 0's first step from the agent at ``path`` as ``uid`` (and its
+    group), and puts the step or the error's words in ``out``."""
+    from msd_dask.service.agent_client import AgentHandle
+
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    try:
+        with AgentHandle.connect(path, "agentunit", timeout=5).reader(0, timeout=5) as reader:
+            out.put(next(reader).step)
+    except Exception as e:  # noqa: BLE001 - said to the parent
+        out.put(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to read as another user")
+@pytest.mark.parametrize("group", [None, 65534])
+def test_an_agent_shares_its_socket_and_blocks_with_the_group_it_is_given(group: int | None
+                                                                          ) -> None:
+    """A rank of another user (an agent in a sidecar container of its own user) could
+    neither connect nor map a block, both mode 0600, and was told the agent was not running
+    or had exited (a review).  ``group`` shares both (``msd-dask agent --group``); without
+    it, the rank is told whose they are."""
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    nobody = 65534
+    shared = tempfile.mkdtemp(prefix="msd-group-")  # (a folder the other user may enter)
+    os.chmod(shared, 0o755)
+    path = os.path.join(shared, "agent.sock")
+    agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]), path,
+                      group=group)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        assert agent.ready.wait(10)
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_read_as, args=(path, nobody, out), daemon=True)
+        child.start()
+        got = out.get(timeout=30)
+        child.join(10)
+    finally:
+        agent.stop()
+        thread.join(10)
+        shutil.rmtree(shared, ignore_errors=True)
+    if group is None:
+        assert isinstance(got, str) and "permission denied on" in got, got
+        assert "owned by uid 0" in got and "mode 600" in got and "--group" in got, got
+    else:
+        assert got == 0, got
