@@ -43,7 +43,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -920,13 +920,26 @@ class HostAgent:
                                "removes only a stale socket there)")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(BIND_WAIT)
+        deadline = time.monotonic() + BIND_WAIT
         try:
-            probe.connect(self.path)
+            while True:
+                try:
+                    probe.connect(self.path)
+                except BlockingIOError:
+                    # (a Unix socket whose backlog is full answers at once, EAGAIN: its
+                    # agent lives, stopped or busy; taken for stale, its socket was removed
+                    # and two agents read the same ranks; a review)
+                    if time.monotonic() < deadline:
+                        time.sleep(0.05)
+                        continue
+                    raise TimeoutError from None
+                break
         except TimeoutError:
             raise ServiceError(f"an agent on {self.path} takes no connection within "
                                f"{BIND_WAIT:g}s; stop it or pass another --socket") from None
-        except OSError:
-            os.unlink(self.path)
+        except (ConnectionRefusedError, FileNotFoundError):  # (no one listens: stale)
+            with suppress(FileNotFoundError):
+                os.unlink(self.path)
         else:
             raise ServiceError(f"an agent already serves on {self.path}; stop it or pass "
                                "another --socket")

@@ -1989,3 +1989,63 @@ def test_an_agent_shares_its_socket_and_blocks_with_the_group_it_is_given(group:
         assert "owned by uid 0" in got and "mode 600" in got and "--group" in got, got
     else:
         assert got == 0, got
+
+
+def test_a_socket_whose_backlog_is_full_is_not_taken_for_a_stale_one(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live agent whose listen backlog is full for a moment (stopped, or busy with a burst
+    of connections) answers a connect at once with EAGAIN: taken for a stale socket, it was
+    removed and a second agent served the same ranks (a review).  It is refused as an agent
+    that takes no connection; a socket no one listens on is still replaced."""
+    import socket as socket_module
+
+    from msd_dask.service import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "BIND_WAIT", 0.5)
+    path = str(tmp_path / "agent.sock")
+    live = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+    live.bind(path)
+    live.listen(0)  # (never accepts: its backlog fills at once)
+    waiting = []
+    try:
+        while True:
+            s = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            waiting.append(s)
+        inode = os.stat(path).st_ino
+        second = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]),
+                           path)
+        refused: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                second.run()
+            except ServiceError as e:
+                refused.append(e)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        assert wait_until(lambda: refused or second.ready.is_set(), 10)
+        if second.ready.is_set():  # (it took the live one's path: stopped, then failed)
+            second.stop()
+            thread.join(10)
+        assert refused and "takes no connection within 0.5s" in str(refused[0]), refused
+        assert os.stat(path).st_ino == inode  # (the live one's socket stays)
+    finally:
+        for s in waiting:
+            s.close()
+        live.close()
+    # no one listens now: a stale socket, replaced
+    agent = HostAgent("agentunit", _config(), [0], lambda f, o: FakeGroupReader(0, [f]), path)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        assert agent.ready.wait(10)
+    finally:
+        agent.stop()
+        thread.join(10)
