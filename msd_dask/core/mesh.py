@@ -35,6 +35,8 @@ def cp_divides(seq_len: int, cp_size: int) -> bool:
 
 def cp_indices(seq_len: int, cp_rank: int, cp_size: int) -> np.ndarray:
     """Row positions held by context-parallel rank ``cp_rank`` of ``cp_size``."""
+    if not 0 <= cp_rank < cp_size:  # (rank cp_size was given rank cp_size - 1's columns)
+        raise ValueError(f"cp_rank {cp_rank} is not a rank of cp {cp_size}")
     if cp_size == 1:
         return np.arange(seq_len)
     if not cp_divides(seq_len, cp_size):
@@ -64,6 +66,8 @@ def view_for_rank(batch: dict[str, Any], cp_rank: int = 0, cp_size: int = 1, pp_
         ``cp_size > 1`` token tensors are ``[micro_batches, seq_len / cp]`` and
         ``cp_index`` holds the row positions of the slice.
     """
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} is not a stage of pp {pp_size}")
     out = dict(batch)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     if cp_size > 1:

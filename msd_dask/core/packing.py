@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["pack_rows", "join_pieces", "split_pieces", "to_wire", "from_wire", "IGNORE_INDEX"]
+__all__ = ["pack_rows", "PieceError", "join_pieces", "split_pieces", "to_wire", "from_wire",
+           "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -134,6 +135,14 @@ def from_wire(wire: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class PieceError(ValueError):
+    """A piece :func:`pack_rows` cannot pack: ``row`` and ``piece`` say which."""
+
+    def __init__(self, row: int, piece: int, message: str):
+        super().__init__(message)
+        self.row, self.piece = row, piece
+
+
 def pack_rows(rows: Sequence[Sequence[tuple[Any, int]]], seq_len: int,
               pad_id: int) -> dict[str, object]:
     """Pack rows of pieces.
@@ -174,21 +183,24 @@ def pack_rows(rows: Sequence[Sequence[tuple[Any, int]]], seq_len: int,
         bounds = [0]
         pos = 0
         row_spans: list[tuple[int, int] | None] = []
-        for tokens, n in pieces:
+        for j, (tokens, n) in enumerate(pieces):
             image = None
             if isinstance(tokens, tuple):
                 tokens, image = tokens
             if pos + n > seq_len:
-                raise ValueError(f"row {m} overflows seq_len {seq_len}")
+                raise PieceError(m, j, f"row {m} overflows seq_len {seq_len}")
             if len(tokens) not in (n, n + 1):
-                raise ValueError(f"piece of {n} tokens given {len(tokens)} token ids")
+                raise PieceError(m, j, f"row {m}, piece {j}: a piece of {n} tokens given "
+                                       f"{len(tokens)} token ids")
             input_ids[m, pos:pos + n] = tokens[:n]
-            labels[m, pos:pos + len(tokens) - 1] = tokens[1:]
+            # (max: an empty piece first in a row made the slice 0:-1, and raised)
+            labels[m, pos:pos + max(len(tokens) - 1, 0)] = tokens[1:]
             position_ids[m, pos:pos + n] = np.arange(n)
             if image is not None and len(image):
                 k = len(image)
                 if k > n:
-                    raise ValueError(f"piece of {n} tokens given {k} image patches")
+                    raise PieceError(m, j, f"row {m}, piece {j}: a piece of {n} tokens given "
+                                           f"{k} image patches")
                 labels[m, pos:pos + k - 1] = IGNORE_INDEX  # the next token is an image token
                 patches.append(image)
                 row_spans.append((n_patches, k))

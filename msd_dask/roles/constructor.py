@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from msd_dask.core.gcpause import gc_paused
-from msd_dask.core.packing import pack_rows, split_pieces, to_wire
+from msd_dask.core.packing import PieceError, pack_rows, split_pieces, to_wire
 from msd_dask.dask_internals import call_remote_actor, client_connected
 from msd_dask.roles.direct import direct
 
@@ -671,6 +671,9 @@ class DataConstructor:
         t1 = time.perf_counter()
         tokens: dict[tuple[int, int, int, int], np.ndarray] = {}
         for k, arrays in zip(keys, results, strict=True):
+            if len(arrays) != len(where[k]):  # (Python's "zip() argument 2 is shorter")
+                raise RuntimeError(f"loader slot {k[0]}#{k[1]} answered {len(arrays)} pieces "
+                                   f"for {len(where[k])} asked of {_steps_named(steps)}")
             for pos, arr in zip(where[k], arrays, strict=True):
                 tokens[pos] = arr
         posts: dict[int, list[int]] = defaultdict(list)  # rank -> steps
@@ -729,7 +732,12 @@ class DataConstructor:
                                     for j, it in enumerate(row)])
                 docs.append([(it[0], it[8], it[7]) for it in row])
                 epochs.append([it[2] for it in row])
-            packed = pack_rows(packed_rows, self.seq_len, self.pad_id)
+            try:
+                packed = pack_rows(packed_rows, self.seq_len, self.pad_id)
+            except PieceError as e:  # (a piece of other tokens than planned: say whose)
+                source, key, chunk = docs[e.row][e.piece]
+                raise RuntimeError(f"step {step}, DP rank {dp}, {e}: source {source!r}, "
+                                   f"document {key!r}, chunk {chunk}") from e
             built += sum(n for row in packed_rows for _, n in row)
             packed.update(step=step, dp=dp, documents=docs, epochs=epochs, cost=cost_of[dp])
             out.append((dp, packed))
@@ -767,7 +775,10 @@ class DataConstructor:
                     task.cancel()
                     replaced = True
                     break
-                if time.monotonic() > deadline:
+                # (only while it has not answered: a loader that answered an error, again
+                # and again, was said not to answer, its error, naming the file, lost; a
+                # review)
+                if not task.done() and time.monotonic() > deadline:
                     task.cancel()
                     raise RuntimeError(f"loader slot {source}#{slot} did not answer within "
                                        f"{self.timeout:.0f}s{await _reading(loader)}")
@@ -776,8 +787,12 @@ class DataConstructor:
             e = task.exception()
             if e is None:
                 return split_pieces(task.result())
-            if isinstance(e, DataError) or time.monotonic() > deadline:
+            if isinstance(e, DataError):
                 raise e
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"loader slot {source}#{slot} answered with an error for "
+                                   f"{self.timeout:.0f}s, the last: {type(e).__name__}: "
+                                   f"{e}") from e
             await asyncio.sleep(0.25)
 
     # ----------------------------------------------------------------- claims

@@ -470,3 +470,65 @@ def test_a_large_step_is_packed_off_the_event_loop(monkeypatch: pytest.MonkeyPat
     assert asyncio.run(run([0, 1], 1)) == [0, 1] and where == [True] * 4  # 2 pieces a step
     where.clear()
     assert asyncio.run(run([0, 1], 2)) == [0, 1] and where == [False] * 4  # 4 pieces a step
+
+
+class _ReadsDifferently:
+    """Answers every fetch with the error a loader gives where a file read differently."""
+
+    key = "r"
+
+    async def fetch(self, requests: np.ndarray) -> Any:
+        raise RuntimeError("source 'toy', file 'f.parquet', row 3 (epoch 0): the file read "
+                           "differently; reading it again")
+
+
+class _Short(ToyLoader):
+    """Answers one piece fewer than asked."""
+
+    async def fetch(self, requests: np.ndarray) -> Any:
+        return join_pieces([])
+
+
+class _WrongLength(ToyLoader):
+    """Answers every piece two tokens short."""
+
+    async def fetch(self, requests: np.ndarray) -> Any:
+        return join_pieces([np.zeros(int(e) - int(s) - 1, dtype=np.uint16)
+                            for _ep, _u, _r, s, e in requests])
+
+
+def _error_of(loader: Any) -> str:
+    """What rank 0 is told where ``loader`` answers its constructor's fetch of step 0."""
+    async def run() -> Any:
+        con = _bare({0: [0]}, timeout=1.0)
+        con.loaders = {"toy": {0: loader}}
+        con._work = asyncio.Queue()
+        con._task = asyncio.create_task(con._builder())
+        try:
+            await con.submit(_toy_round({0: [0]}, [0]))
+            answer = None
+            while answer is None:
+                answer = await con.next_round(0, -1, wait=1)
+            return answer
+        finally:
+            await con.close()
+
+    return str(asyncio.run(asyncio.wait_for(run(), 30)).get("error", ""))
+
+
+def test_a_loader_that_answers_with_an_error_is_said_to_with_its_error() -> None:
+    """A loader that answered every fetch with its error (one naming the file) was said,
+    at the timeout, not to answer, its error lost (a review)."""
+    error = _error_of(_ReadsDifferently())
+    assert "loader slot toy#0 answered with an error for 1s" in error, error
+    assert "file 'f.parquet', row 3 (epoch 0): the file read differently" in error, error
+    assert "did not answer" not in error, error
+
+
+def test_a_loader_answer_that_does_not_fit_names_the_loader_or_document() -> None:
+    """Python's words ("zip() argument 2 is shorter", "piece of 3 tokens given 2 token
+    ids") named neither the loader nor the document (a review)."""
+    assert "loader slot toy#0 answered 0 pieces for 1 asked of step 0" in _error_of(_Short())
+    error = _error_of(_WrongLength())
+    assert ("step 0, DP rank 0, row 0, piece 0: a piece of 3 tokens given 2 token ids: source "
+            "'toy', document 'f:0', chunk 0") in error, error

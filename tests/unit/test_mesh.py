@@ -69,3 +69,11 @@ def test_pp_only_the_first_stage_gets_pixel_values():
     assert last["image_spans"] == b["image_spans"]
     for i in range(2):  # every context-parallel rank gets the whole images
         np.testing.assert_array_equal(view_for_rank(b, i, 2)["pixel_values"], b["pixel_values"])
+
+
+def test_a_rank_outside_the_mesh_is_refused() -> None:
+    """cp_rank 2 of cp 2 was given rank 1's columns (a review)."""
+    with pytest.raises(ValueError, match="cp_rank 2 is not a rank of cp 2"):
+        cp_indices(8, 2, 2)
+    with pytest.raises(ValueError, match="pp_rank 3 is not a stage of pp 3"):
+        view_for_rank({"input_ids": np.zeros((1, 8))}, pp_rank=3, pp_size=3)

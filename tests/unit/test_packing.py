@@ -189,3 +189,21 @@ def test_wire_form_rejects_cu_seqlens_outside_int32_and_keeps_int64_that_fits():
     batch["cu_seqlens"] = [np.array([0.0, 5.0])]
     with pytest.raises(ValueError, match=r"cu_seqlens\[0\] has dtype float64, not integers"):
         to_wire(batch)
+
+
+def test_an_empty_piece_first_in_a_row_packs() -> None:
+    """A piece of no tokens first in a row made its labels' slice ``0:-1`` and raised; later
+    in a row it packed (a review; the planner makes none today)."""
+    packed = pack_rows([[(np.zeros(0, dtype=np.int32), 0), (np.array([5, 6, 7]), 2)]], 4, 0)
+    assert packed["input_ids"][0].tolist() == [5, 6, 0, 0]
+    assert packed["labels"][0].tolist() == [6, 7, -100, -100]
+
+
+def test_a_piece_that_cannot_be_packed_says_its_row_and_place() -> None:
+    """The constructor names the piece's document from them (a review: "piece of 3 tokens
+    given 2 token ids" named none)."""
+    from msd_dask.core.packing import PieceError
+
+    with pytest.raises(PieceError, match=r"row 1, piece 1: a piece of 3 tokens given 2") as e:
+        pack_rows([[(np.arange(3), 2)], [(np.arange(2), 1), (np.arange(2), 3)]], 8, 0)
+    assert (e.value.row, e.value.piece) == (1, 1)
