@@ -133,6 +133,15 @@ def _group_id(text: str) -> int:
         raise argparse.ArgumentTypeError(f"no group {text!r} on this host") from None
 
 
+def _status_page(svc: Any) -> str | None:
+    """The service's status page, or ``None`` where the scheduler serves no dashboard or
+    does not say (a summary names no page rather than failing)."""
+    try:
+        return str(svc.dashboard_link)
+    except Exception:  # noqa: BLE001 - no dashboard, or no answer within its wait
+        return None
+
+
 def _folder(text: str) -> str:
     """An argparse type: a folder's path, not empty (``"$OUT"`` with the variable unset
     wrote into the current directory)."""
@@ -453,7 +462,7 @@ def _run(args: argparse.Namespace) -> int:
             "imbalance_mean": sum(imbalance) / len(imbalance),
             "imbalance_max": max(imbalance),
             # (an embedded cluster closes with the run: no dashboard left to look at)
-            "dashboard": svc.dashboard_link if args.scheduler else None,
+            "dashboard": _status_page(svc) if args.scheduler else None,
         }
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -522,10 +531,9 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"serving {svc.name!r} on {args.scheduler}{resumed}; connect with "
           f"DataService.connect({args.scheduler!r}, {svc.name!r}{tls}). Ctrl-C stops.",
           flush=True)
-    try:  # (the scheduler's dashboard: the service's page and its Prometheus metrics)
-        print(f"status page: {svc.dashboard_link}", flush=True)
-    except Exception:  # noqa: BLE001 - a scheduler without a dashboard: no page to name
-        pass
+    page = _status_page(svc)  # (the scheduler's dashboard: the page and its metrics)
+    if page is not None:
+        print(f"status page: {page}", flush=True)
     lost = ("msd-dask serve: lost the scheduler at {}; restart the service from the last "
             "DataService.state_dict() (msd-dask serve --resume STATE_JSON)")
     failure: list[str] = []  # said once the service is closed: its threads log nothing then

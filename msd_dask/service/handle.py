@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
+import numbers
 import os
 import threading
 import time
@@ -101,6 +103,10 @@ def _install_plugin(client: Any) -> None:
 
 #: seconds :meth:`DataService.close` waits for the scheduler to unpublish the service
 CLOSE_WAIT = 10.0
+
+#: seconds a handle's ask of the scheduler waits (its workers, their actors, its
+#: dashboard), then raises :class:`ServiceTimeoutError` naming what it asked
+SCHEDULER_ASK = 10.0
 
 
 def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
@@ -221,6 +227,17 @@ def _close_unstarted(name: str, planner: Any, future: Any) -> None:
                      "roles: %r", name, e)
     finally:
         future.release()
+
+
+def _seconds(call: str, name: str, value: Any, zero: bool = False) -> float:
+    """``value``, the argument ``name`` of ``DataService.<call>``, as seconds: a finite
+    number > 0 (>= 0 where ``zero``), else a ``ValueError`` naming it (a string reached
+    Dask's time parser, whose ``KeyError`` named no argument; a review)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0 or value == 0 and not zero):
+        raise ValueError(f"DataService.{call}: {name} must be a finite number of seconds "
+                         f"{'>=' if zero else '>'} 0, got {value!r}")
+    return float(value)
 
 
 def _client(address: str, timeout: float, security: Any) -> Any:
@@ -464,7 +481,7 @@ class DataService:
         if resume is not None:
             # refuse a mismatched state before starting (a list, say: not a state at all)
             planner_state(cfg, dict(resume) if isinstance(resume, Mapping) else resume)
-        timeout = cfg.timeout if timeout is None else timeout
+        timeout = cfg.timeout if timeout is None else _seconds("start", "timeout", timeout)
         cluster = None
         if address is None:
             cluster = _embedded_cluster(n_workers, threads_per_worker, security, cfg)
@@ -621,6 +638,9 @@ class DataService:
         ValueError
             No ``address`` (directly).
         """
+        timeout = _seconds("connect", "timeout", timeout)
+        if wait is not None:
+            wait = _seconds("connect", "wait", wait, zero=True)
         handle = connect_agent(name, agent, timeout=timeout)
         if handle is not None:
             return handle
@@ -686,6 +706,7 @@ class DataService:
         """
         from msd_dask.dask_internals import bind_actor, has_client
 
+        timeout = _seconds("stop", "timeout", timeout)
         _check_tls(address, security)
         client = _client(address, timeout, security)
         try:
@@ -752,7 +773,23 @@ class DataService:
         no state of a rank whose earlier reader (in another process, say) had steps is
         refused: load the state of the last step the rank returned
         (:meth:`~msd_dask.reader.Reader.load_state_dict`, docs/resume.md).
+
+        Parameters
+        ----------
+        rank : int
+            A global rank of the service's mesh (``0 <= rank < world_size``).
+        timeout : float, optional
+            Seconds the reader waits for a step before it raises
+            :class:`~msd_dask.errors.ServiceTimeoutError` (default: the config's ``timeout``).
+
+        Raises
+        ------
+        ValueError
+            A rank outside the mesh, or a timeout that is not a number > 0.
+        ServiceError
+            The handle is closed.
         """
+        self.link.check_open()  # (a closed handle's reader failed at its first step only)
         reader = Reader(self.link, rank, ledger=self._returned, reports=self._dropped_reports,
                         timeout=self.config.timeout if timeout is None else timeout)
         # (the reader keeps this handle, and so its client, alive: a handle dropped with a
@@ -772,7 +809,26 @@ class DataService:
         (what a re-created planner starts from) has the change once this returns, unless
         the planner does not send its checkpoint in time (a warning says so; the owner's
         next check, a second later, keeps it); a change made elsewhere reaches it within
-        the owner's next check (a second)."""
+        the owner's next check (a second).
+
+        Parameters
+        ----------
+        weights : mapping
+            ``{source: weight}``, finite numbers >= 0 summing to more than 0; a source not
+            named gets weight 0.
+        from_step : int, optional
+            The first step planned with them (default, or a step planned already: the next
+            step the planner plans).
+
+        Raises
+        ------
+        ValueError
+            A source the service does not have, a weight that is not a finite number >= 0,
+            weights summing to 0, or a ``from_step`` that is not an integer.
+        ServiceError, ServiceTimeoutError
+            The handle is closed, or the planner did not answer within the config's
+            ``timeout``.
+        """
         given = dict(weights) if isinstance(weights, Mapping) else weights
         at = from_step
 
@@ -817,7 +873,7 @@ class DataService:
         return kept is None or int(kept["generation"]) == generation
 
     def scale_loaders(self, source: str, n: int) -> int:
-        """Serve ``source`` with ``n`` loaders (within its bounds); returns the count.
+        """Serve ``source`` with ``n`` loaders; returns the count.
 
         Applied before the next step is planned, or at once while the planner waits for
         the constructors' room (training paused: a scale-down frees its loaders then).
@@ -828,7 +884,15 @@ class DataService:
         planner does not send its checkpoint in time (a warning says so; the owner's next
         check, a second later, keeps it); elsewhere within a second, as for
         :meth:`set_weights`.
+
+        Raises
+        ------
+        ValueError
+            A source the service does not have, or ``n`` outside the source's bounds
+            (``sources[].min_loaders``/``max_loaders``, else ``scaling``'s).
         """
+        from msd_dask.core.scaling import ScalingPolicy
+
         if not is_whole(n) or n < 1:
             raise ValueError(f"scale_loaders({source!r}, n): n must be a number of loaders "
                              f"(an integer >= 1), got {n!r}")
@@ -836,6 +900,12 @@ class DataService:
         if source not in names:
             raise ValueError(f"scale_loaders: no source {source!r} (the service's sources: "
                              f"{names})")
+        lo, hi = ScalingPolicy.from_config(self.config).bounds(source)
+        if not lo <= n <= hi:  # (1000 was taken as 8, the bound, without a word; a review)
+            i = names.index(source)
+            raise ValueError(f"scale_loaders({source!r}, {n}): source {source!r} has between "
+                             f"{lo} and {hi} loaders (sources[{i}].min_loaders/max_loaders, "
+                             "else scaling's)")
         return self._applied(lambda: int(self.link.call(lambda p: p.scale(source, int(n)),
                                                         "scale_loaders()")),
                              lambda got: f"{got} loaders of {source!r}")
@@ -846,8 +916,31 @@ class DataService:
         Dask cannot retire a worker holding actors, and actors cannot move; this
         re-creates the roles elsewhere first (no document lost or repeated).  The
         planner's own worker cannot be retired this way.
+
+        Parameters
+        ----------
+        workers : list of str
+            The workers' addresses or Dask names.
+        close : bool
+            Also close the workers once their roles moved (``False``: they stay, empty).
+
+        Returns
+        -------
+        dict
+            How many loaders and constructors moved.
+
+        Raises
+        ------
+        ValueError
+            A worker the cluster does not have, or the planner's own.
+        ServiceError
+            The handle is closed.
+        ServiceTimeoutError
+            The scheduler did not answer (each ask waits :data:`SCHEDULER_ASK` seconds).
         """
         import gc
+
+        self.link.check_open()  # (closed: Dask's "IOLoop is closed", a review)
 
         from msd_dask.roles.keys import (  # (an operation: ranks import no role)
             not_its_roles,
@@ -885,11 +978,12 @@ class DataService:
         def holding() -> list[str]:
             try:
                 return list(self.client.run_on_scheduler(
-                    keys_on, workers=list(workers), pattern=pattern, callback_timeout=10))
+                    keys_on, workers=list(workers), pattern=pattern,
+                    callback_timeout=SCHEDULER_ASK))
             except TimeoutError:
                 raise ServiceTimeoutError(
-                    f"retiring {list(workers)}: the scheduler did not say within 10s which "
-                    "of this service's roles they still hold") from None
+                    f"retiring {list(workers)}: the scheduler did not say within "
+                    f"{SCHEDULER_ASK:g}s which of this service's roles they still hold") from None
 
         while held := holding():
             if time.monotonic() > deadline:
@@ -916,11 +1010,11 @@ class DataService:
         """The keys of the actors on each of ``workers``, as the scheduler has them."""
         try:
             return dict(self.client.run_on_scheduler(actors_on, workers=list(workers),
-                                                     callback_timeout=10))
+                                                     callback_timeout=SCHEDULER_ASK))
         except TimeoutError:
             raise ServiceTimeoutError(
-                f"retiring {list(workers)}: the scheduler did not say within 10s which "
-                "actors they hold") from None
+                f"retiring {list(workers)}: the scheduler did not say within "
+                f"{SCHEDULER_ASK:g}s which actors they hold") from None
 
     def _worker_addresses(self, workers: list[str]) -> list[str]:
         """The addresses of ``workers`` (addresses or Dask worker names); a
@@ -929,8 +1023,18 @@ class DataService:
         nothing, silently)."""
         if not isinstance(workers, list | tuple):
             raise ValueError(f"retire_workers: workers must be a list of addresses, got {workers!r}")
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
-        by_name = {str(w.get("name")): a for a, w in info.items()}
+        def named(dask_scheduler: Any) -> dict[str, str]:  # (nested: pickled by value)
+            return {a: str(ws.name) for a, ws in dask_scheduler.workers.items()}
+
+        try:
+            # (a bounded ask: the client's scheduler_info() waited for ever on a scheduler
+            # that stopped answering; a review)
+            info = dict(self.client.run_on_scheduler(named, callback_timeout=SCHEDULER_ASK))
+        except TimeoutError:
+            raise ServiceTimeoutError(
+                f"retiring {list(workers)}: the scheduler did not list its workers within "
+                f"{SCHEDULER_ASK:g}s") from None
+        by_name = {name: a for a, name in info.items()}
         addresses = [w if w in info else by_name.get(str(w)) for w in workers]
         unknown = [w for w, a in zip(workers, addresses, strict=True) if a is None]
         if unknown:
@@ -975,7 +1079,9 @@ class DataService:
         Returns
         -------
         dict
-            ``{"format", "name", "seed", "seq_len", "sources", "step", "planner"}``.
+            ``{"format", "name", "seed", "seq_len", "sources", "step", "planner"}`` and what
+            a resume checks against the config (``shuffle_window``, ``units``,
+            ``reading``, ``weights``, ``tokenizer_sha256``: docs/resume.md).
 
         Raises
         ------
@@ -1120,11 +1226,40 @@ class DataService:
         """
         from urllib.parse import urlsplit
 
-        link = str(self.client.dashboard_link)
+        self.link.check_open()  # (closed: "None/msd/status", a review)
+        link = self._dask_dashboard_link()
         base = link[:-len("/status")] if link.endswith("/status") else link.rstrip("/")
         if not urlsplit(base).path.strip("/"):
             base = base.rstrip("/") + self._dashboard_prefix()
         return base + "/msd/status"
+
+    def _dask_dashboard_link(self) -> str:
+        """Dask's link to the scheduler's dashboard (``Client.dashboard_link``), asked of the
+        scheduler within :data:`SCHEDULER_ASK` seconds: the client's own ask waited for ever
+        on a scheduler that stopped answering (a review).  :class:`ServiceError` where it
+        serves none."""
+        from distributed.utils import format_dashboard_link
+
+        cluster = getattr(self.client, "cluster", None)  # (an embedded one knows it)
+        link = None if cluster is None else getattr(cluster, "dashboard_link", None)
+        if link:
+            return str(link)
+
+        def port(dask_scheduler: Any) -> int | None:  # (nested: pickled by value)
+            return getattr(dask_scheduler.services.get("dashboard"), "port", None)
+
+        address = str(self.client.scheduler.address)
+        try:
+            found = self.client.run_on_scheduler(port, callback_timeout=SCHEDULER_ASK)
+        except TimeoutError:
+            raise ServiceTimeoutError(f"the scheduler at {address} did not say its "
+                                      f"dashboard's port within {SCHEDULER_ASK:g}s") from None
+        if found is None:
+            raise ServiceError(f"the scheduler at {address} serves no dashboard (started "
+                               "with --no-dashboard?): the service's page is on it")
+        protocol, rest = address.split("://", 1)
+        host = "localhost" if protocol == "inproc" else rest.rsplit(":", 1)[0]
+        return str(format_dashboard_link(host, found))
 
     def _dashboard_prefix(self) -> str:
         """The prefix the scheduler's plugin serves its pages under (``""``: none, or no
@@ -1137,7 +1272,7 @@ class DataService:
             return str(getattr(dask_scheduler.plugins.get(name), "http_prefix", ""))
 
         try:
-            return str(self.client.run_on_scheduler(prefix, callback_timeout=10))
+            return str(self.client.run_on_scheduler(prefix, callback_timeout=SCHEDULER_ASK))
         except Exception:  # noqa: BLE001 - a link without the prefix beats none
             return ""
 

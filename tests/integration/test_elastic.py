@@ -37,6 +37,9 @@ def test_adding_and_removing_loaders_keeps_every_step(corpus):
             for bad in (2.7, True, float("nan"), "2"):
                 with pytest.raises(ValueError, match=r"n must be a number of loaders"):
                     svc.scale_loaders("code", bad)
+            # past the source's bounds: refused, naming them (1000 was taken as 8)
+            with pytest.raises(ValueError, match=r"source 'code' has between 1 and 8 loaders"):
+                svc.scale_loaders("code", 1000)
 
     with DataService.start(config(root), n_workers=2, threads_per_worker=1) as svc:
         scaled = read_steps(svc, 80, on_step=change)

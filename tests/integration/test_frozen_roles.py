@@ -68,10 +68,15 @@ def test_a_frozen_constructor_is_named_within_the_readers_timeout(tmp_path):
                        for i in others), said
 
 
-def test_a_lost_scheduler_is_named_not_the_planners_worker(tmp_path):
+def test_a_lost_scheduler_is_named_not_the_planners_worker(tmp_path, monkeypatch):
     """The scheduler killed: its futures cancelled, the planner looked lost with its worker,
     and readers and ``stats()`` said so, naming a worker still alive (a review).  They say
-    the scheduler is lost."""
+    the scheduler is lost.  Frozen first (``SIGSTOP``): ``retire_workers`` and
+    ``dashboard_link``, which asked it with no bound, waited for ever (a review); they
+    raise within their wait, naming what they asked."""
+    from msd_dask.service import handle as handle_module
+
+    monkeypatch.setattr(handle_module, "SCHEDULER_ASK", 1.0)
     root = str(tmp_path / "corpus")
     write_corpus(root)
     cfg = config(root, name="nosched", timeout=WAIT)
@@ -80,6 +85,17 @@ def test_a_lost_scheduler_is_named_not_the_planners_worker(tmp_path):
         try:
             rd = svc.reader(0, timeout=WAIT)
             assert next(rd).step == 0
+            worker = sorted(svc.client.scheduler_info()["workers"])[0]
+            os.kill(cl["scheduler"].pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(ServiceTimeoutError, match="did not list its workers within 1s"):
+                    svc.retire_workers([worker])
+                with pytest.raises(ServiceTimeoutError, match="dashboard's port within 1s"):
+                    svc.dashboard_link  # noqa: B018 - the property's ask is the test
+                assert time.monotonic() - t0 < 10
+            finally:
+                os.kill(cl["scheduler"].pid, signal.SIGCONT)
             cl["scheduler"].kill()
             cl["scheduler"].wait(10)
             error, took = _read_until_it_raises(rd)

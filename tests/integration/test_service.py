@@ -277,6 +277,12 @@ def test_connect_by_name_and_errors(corpus):
                     other.reader(0)
                 env.setenv("WORLD_SIZE", "2")
                 assert other.reader(0).rank == 0
+        # a closed handle says so at once (a reader was made and failed at its first step;
+        # the link read "None/msd/status"; a review)
+        for closed_call in (lambda: other.reader(0), lambda: other.dashboard_link,
+                            lambda: other.retire_workers([])):
+            with pytest.raises(ServiceError, match="service 'named': "):
+                closed_call()
         # rank 0 alone can read up to prefetch steps; then it waits for rank 1 no longer
         # than its timeout and says what it waited for
         r0 = svc.reader(0, timeout=2)
