@@ -22,17 +22,14 @@ class _Scheduler:
 
     def __init__(self, actors: dict[str, list[str]]):
         self.workers = {w: types.SimpleNamespace(
-            actors=[types.SimpleNamespace(key=k) for k in keys], has_what=(), processing=())
-            for w, keys in actors.items()}
+            name=w, actors=[types.SimpleNamespace(key=k) for k in keys], has_what=(),
+            processing=()) for w, keys in actors.items()}
 
 
 class _Client:
     def __init__(self, actors: dict[str, list[str]], retires: bool = True):
         self.scheduler, self.retires = _Scheduler(actors), retires
         self.retired: list[str] | None = None
-
-    def scheduler_info(self, n_workers: int = 0) -> dict[str, Any]:
-        return {"workers": {w: {"name": w} for w in self.scheduler.workers}}
 
     def run_on_scheduler(self, fn: Any, callback_timeout: float = 0, **kw: Any) -> Any:
         return fn(self.scheduler, **kw)
@@ -57,6 +54,9 @@ class _Link:
         return n
 
     def refresh(self) -> None:
+        pass
+
+    def check_open(self) -> None:
         pass
 
 
@@ -113,6 +113,8 @@ def test_workers_that_are_not_a_list_are_refused(workers: Any) -> None:
 @pytest.mark.parametrize("source, n, says", [
     ("a", 0, r"an integer >= 1\), got 0"), ("a", -1, r"an integer >= 1\), got -1"),
     ("nope", 2, r"no source 'nope' \(the service's sources: \['a'\]\)"),
+    # (1000 was taken as 8, the bound, without a word; a review)
+    ("a", 1000, r"source 'a' has between 1 and 8 loaders \(sources\[0\]\.min_loaders"),
 ])
 def test_scale_loaders_refuses_what_is_no_count_or_no_source(source: str, n: int,
                                                              says: str) -> None:
