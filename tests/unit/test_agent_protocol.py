@@ -1974,7 +1974,9 @@ def test_an_agent_shares_its_socket_and_blocks_with_the_group_it_is_given(group:
     thread.start()
     try:
         assert agent.ready.wait(10)
-        ctx = multiprocessing.get_context("fork")
+        # (spawned: a fork of this process, whose agent runs in a thread, could inherit a
+        # lock held at the fork)
+        ctx = multiprocessing.get_context("spawn")
         out = ctx.Queue()
         child = ctx.Process(target=_read_as, args=(path, nobody, out), daemon=True)
         child.start()
