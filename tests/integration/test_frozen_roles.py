@@ -68,23 +68,20 @@ def test_a_frozen_constructor_is_named_within_the_readers_timeout(tmp_path):
                        for i in others), said
 
 
-def test_a_lost_scheduler_is_named_not_the_planners_worker(tmp_path, monkeypatch):
-    """The scheduler killed: its futures cancelled, the planner looked lost with its worker,
-    and readers and ``stats()`` said so, naming a worker still alive (a review).  They say
-    the scheduler is lost.  Frozen first (``SIGSTOP``): ``retire_workers`` and
-    ``dashboard_link``, which asked it with no bound, waited for ever (a review); they
-    raise within their wait, naming what they asked."""
+def test_a_frozen_schedulers_asks_end_within_their_wait(tmp_path, monkeypatch):
+    """The scheduler frozen (``SIGSTOP``): ``retire_workers`` and ``dashboard_link``, which
+    asked it with no bound, waited for ever (a review); they raise within their wait,
+    naming what they asked, and the service goes on once it answers again."""
     from msd_dask.service import handle as handle_module
 
     monkeypatch.setattr(handle_module, "SCHEDULER_ASK", 1.0)
     root = str(tmp_path / "corpus")
     write_corpus(root)
-    cfg = config(root, name="nosched", timeout=WAIT)
     with dask_cluster(str(tmp_path), n_workers=2) as cl:
-        svc = DataService.start(cfg, cl["address"])
-        try:
-            rd = svc.reader(0, timeout=WAIT)
-            assert next(rd).step == 0
+        with DataService.start(config(root, name="frozensched", timeout=30),
+                               cl["address"]) as svc:
+            readers = [svc.reader(r) for r in (0, 1)]
+            assert [next(rd).step for rd in readers] == [0, 0]
             worker = sorted(svc.client.scheduler_info()["workers"])[0]
             os.kill(cl["scheduler"].pid, signal.SIGSTOP)
             try:
@@ -96,6 +93,22 @@ def test_a_lost_scheduler_is_named_not_the_planners_worker(tmp_path, monkeypatch
                 assert time.monotonic() - t0 < 10
             finally:
                 os.kill(cl["scheduler"].pid, signal.SIGCONT)
+            assert [next(rd).step for rd in readers] == [1, 1]
+            assert svc.dashboard_link.endswith("/msd/status")
+
+
+def test_a_lost_scheduler_is_named_not_the_planners_worker(tmp_path):
+    """The scheduler killed: its futures cancelled, the planner looked lost with its worker,
+    and readers and ``stats()`` said so, naming a worker still alive (a review).  They say
+    the scheduler is lost."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="nosched", timeout=WAIT)
+    with dask_cluster(str(tmp_path), n_workers=2) as cl:
+        svc = DataService.start(cfg, cl["address"])
+        try:
+            rd = svc.reader(0, timeout=WAIT)
+            assert next(rd).step == 0
             cl["scheduler"].kill()
             cl["scheduler"].wait(10)
             error, took = _read_until_it_raises(rd)
