@@ -20,8 +20,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "check_world_size", "is_whole", "loaded_step", "no_going_back", "rank_number",
-           "reader_state", "wait_seconds"]
+__all__ = ["Batch", "check_world_size", "is_seconds", "is_whole", "loaded_step", "no_going_back",
+           "rank_number", "reader_state", "wait_seconds"]
 
 
 @dataclass
@@ -218,6 +218,15 @@ def is_whole(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def is_seconds(x: Any, zero: bool = False) -> bool:
+    """A finite number of seconds (numpy's too, not a bool) > 0, or >= 0 where ``zero``:
+    every wait ends (``inf`` would hang silently) and says what it waited for."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return False
+    value = float(x)
+    return math.isfinite(value) and (value >= 0 if zero else value > 0)
+
+
 def rank_number(rank: Any) -> int:
     """``rank`` as the ``int`` a reader is made for; a ``ValueError`` naming it if it is no
     integer (a rank read from ``os.environ["RANK"]`` is a str: ``int(...)`` it)."""
@@ -243,8 +252,7 @@ def check_world_size(rank: int, service: str, world: int, layout: str) -> None:
 def wait_seconds(timeout: Any, rank: int) -> float:
     """A reader's ``timeout`` as seconds; a ``ValueError`` naming it unless it is a finite
     number > 0 (every wait ends, saying what it waited for: ``inf`` would hang silently)."""
-    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-            or not math.isfinite(timeout) or timeout <= 0):
+    if not is_seconds(timeout):
         raise ValueError(f"rank {rank}: a reader's timeout is a finite number of seconds > 0, "
                          f"got {timeout!r}")
     return float(timeout)
@@ -255,8 +263,7 @@ def step_time(seconds: Any, rank: int) -> float:
     finite number >= 0.  Unchecked, a NaN was dropped without a word on a direct reader
     (the planner's error lost in a fire-and-forget call) and, through a host agent, ended
     the rank's connection: its next batch failed naming a malformed message (a review)."""
-    if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
-            or not math.isfinite(seconds) or seconds < 0):
+    if not is_seconds(seconds, zero=True):
         raise ValueError(f"rank {rank}: report_step_time takes the step's compute time, a "
                          f"finite number of seconds >= 0, got {seconds!r}")
     return float(seconds)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
-import numbers
 import os
 import threading
 import time
@@ -28,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, overload
 
-from msd_dask.batch import is_whole, reader_state
+from msd_dask.batch import is_seconds, is_whole, reader_state
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import (
@@ -233,8 +231,7 @@ def _seconds(call: str, name: str, value: Any, zero: bool = False) -> float:
     """``value``, the argument ``name`` of ``DataService.<call>``, as seconds: a finite
     number > 0 (>= 0 where ``zero``), else a ``ValueError`` naming it (a string reached
     Dask's time parser, whose ``KeyError`` named no argument; a review)."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(value) or value < 0 or value == 0 and not zero):
+    if not is_seconds(value, zero):
         raise ValueError(f"DataService.{call}: {name} must be a finite number of seconds "
                          f"{'>=' if zero else '>'} 0, got {value!r}")
     return float(value)
