@@ -639,8 +639,8 @@ def _agent(args: argparse.Namespace) -> int:
     ranks = parse_ranks(args.ranks)
     if args.group is not None and not args.socket:
         # (the default folder, /tmp/msd-dask-UID, is the user's alone: mode 0700)
-        raise SystemExit("msd-dask agent: error: --group needs --socket, a path in a folder "
-                         "the group may enter (the default folder is the user's alone)")
+        raise ValueError("--group needs --socket, a path in a folder the group may enter "
+                         "(the default folder is the user's alone)")
     # (a socket path too long for a Unix socket is refused before the service is connected)
     check_socket_path(args.socket or default_socket(args.name), args.name)
     svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)

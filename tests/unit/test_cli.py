@@ -536,3 +536,13 @@ def test_an_empty_scheduler_address_names_the_option(command: list[str],
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "argument --scheduler: an empty address" in err, err
+
+
+def test_an_agent_sharing_with_a_group_needs_a_socket_path(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The default socket folder is the user's alone (mode 0700): ``--group`` without
+    ``--socket`` is an error of the command, said before anything connects."""
+    assert main(["agent", "--scheduler", "tcp://198.18.0.1:8786", "--name", "svc",
+                 "--ranks", "0-7", "--group", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "msd-dask agent: error: --group needs --socket" in err, err
