@@ -973,14 +973,9 @@ class DataService:
         deadline = time.monotonic() + self.config.timeout
 
         def holding() -> list[str]:
-            try:
-                return list(self.client.run_on_scheduler(
-                    keys_on, workers=list(workers), pattern=pattern,
-                    callback_timeout=SCHEDULER_ASK))
-            except TimeoutError:
-                raise ServiceTimeoutError(
-                    f"retiring {list(workers)}: the scheduler did not say within "
-                    f"{SCHEDULER_ASK:g}s which of this service's roles they still hold") from None
+            return list(self._ask_scheduler(
+                keys_on, f"retiring {list(workers)}: the scheduler did not say which of this "
+                "service's roles they still hold", workers=list(workers), pattern=pattern))
 
         while held := holding():
             if time.monotonic() > deadline:
@@ -1005,13 +1000,19 @@ class DataService:
 
     def _actors_on(self, workers: list[str]) -> dict[str, list[str]]:
         """The keys of the actors on each of ``workers``, as the scheduler has them."""
+        return dict(self._ask_scheduler(
+            actors_on, f"retiring {list(workers)}: the scheduler did not say which actors they "
+            "hold", workers=list(workers)))
+
+    def _ask_scheduler(self, fn: Callable[..., Any], what: str, **kwargs: Any) -> Any:
+        """``fn(dask_scheduler, **kwargs)`` run on the scheduler, within
+        :data:`SCHEDULER_ASK` seconds; else :class:`ServiceTimeoutError`, ``what`` and the
+        wait (the client's own asks, ``scheduler_info()`` and ``dashboard_link``, waited for
+        ever on a scheduler that stopped answering; a review)."""
         try:
-            return dict(self.client.run_on_scheduler(actors_on, workers=list(workers),
-                                                     callback_timeout=SCHEDULER_ASK))
+            return self.client.run_on_scheduler(fn, callback_timeout=SCHEDULER_ASK, **kwargs)
         except TimeoutError:
-            raise ServiceTimeoutError(
-                f"retiring {list(workers)}: the scheduler did not say within "
-                f"{SCHEDULER_ASK:g}s which actors they hold") from None
+            raise ServiceTimeoutError(f"{what} within {SCHEDULER_ASK:g}s") from None
 
     def _worker_addresses(self, workers: list[str]) -> list[str]:
         """The addresses of ``workers`` (addresses or Dask worker names); a
@@ -1023,14 +1024,8 @@ class DataService:
         def named(dask_scheduler: Any) -> dict[str, str]:  # (nested: pickled by value)
             return {a: str(ws.name) for a, ws in dask_scheduler.workers.items()}
 
-        try:
-            # (a bounded ask: the client's scheduler_info() waited for ever on a scheduler
-            # that stopped answering; a review)
-            info = dict(self.client.run_on_scheduler(named, callback_timeout=SCHEDULER_ASK))
-        except TimeoutError:
-            raise ServiceTimeoutError(
-                f"retiring {list(workers)}: the scheduler did not list its workers within "
-                f"{SCHEDULER_ASK:g}s") from None
+        info = dict(self._ask_scheduler(
+            named, f"retiring {list(workers)}: the scheduler did not list its workers"))
         by_name = {name: a for a, name in info.items()}
         addresses = [w if w in info else by_name.get(str(w)) for w in workers]
         unknown = [w for w, a in zip(workers, addresses, strict=True) if a is None]
@@ -1232,9 +1227,7 @@ class DataService:
 
     def _dask_dashboard_link(self) -> str:
         """Dask's link to the scheduler's dashboard (``Client.dashboard_link``), asked of the
-        scheduler within :data:`SCHEDULER_ASK` seconds: the client's own ask waited for ever
-        on a scheduler that stopped answering (a review).  :class:`ServiceError` where it
-        serves none."""
+        scheduler (:meth:`_ask_scheduler`); :class:`ServiceError` where it serves none."""
         from distributed.utils import format_dashboard_link
 
         cluster = getattr(self.client, "cluster", None)  # (an embedded one knows it)
@@ -1246,11 +1239,8 @@ class DataService:
             return getattr(dask_scheduler.services.get("dashboard"), "port", None)
 
         address = str(self.client.scheduler.address)
-        try:
-            found = self.client.run_on_scheduler(port, callback_timeout=SCHEDULER_ASK)
-        except TimeoutError:
-            raise ServiceTimeoutError(f"the scheduler at {address} did not say its "
-                                      f"dashboard's port within {SCHEDULER_ASK:g}s") from None
+        found = self._ask_scheduler(port, f"the scheduler at {address} did not say its "
+                                    "dashboard's port")
         if found is None:
             raise ServiceError(f"the scheduler at {address} serves no dashboard (started "
                                "with --no-dashboard?): the service's page is on it")
