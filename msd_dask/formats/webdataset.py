@@ -58,7 +58,9 @@ def split_key(name: str) -> tuple[str, str]:
     return (posixpath.join(d, stem) if d else stem), ext.lower() if dot else ""
 
 
-def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
+def _record(fields: dict[str, bytes], key: str, path: str, row: int) -> dict[str, Any]:
+    """The record of the sample ``key`` (its errors name the key: a row's index alone sent
+    the user counting samples through the tar; a review)."""
     rec: dict[str, Any] = {}
     if "json" in fields:
         try:
@@ -66,9 +68,11 @@ def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
             # reader and WebDataset's own take it; a review)
             obj = json.loads(fields["json"].decode("utf-8-sig"))
         except (ValueError, RecursionError) as exc:  # bad UTF-8, JSON, an int too long
-            raise DataError(f"invalid .json member: {exc}", path=path, row=row) from None
+            raise DataError(f"sample {key!r}: invalid .json member: {exc}", path=path,
+                            row=row) from None
         if not isinstance(obj, dict):
-            raise DataError(f".json member is a {type(obj).__name__}, not an object",
+            raise DataError(f"sample {key!r}: .json member is a {type(obj).__name__}, not "
+                            "an object",
                             path=path, row=row)
         # (an image comes from the sample's members only: metadata naming its image, as
         # {"image": "http://.../x.jpg"}, made a sample with no image member bad input, "field
@@ -83,7 +87,7 @@ def _record(fields: dict[str, bytes], path: str, row: int) -> dict[str, Any]:
                 # (a byte-order mark is no text: it was tokenized as 3 tokens of junk)
                 rec["text"] = rec["txt"] = data.decode("utf-8-sig")
             except UnicodeDecodeError as exc:
-                raise DataError(f"invalid UTF-8 in .txt member: {exc.reason} at byte "
+                raise DataError(f"sample {key!r}: invalid UTF-8 in .txt member: {exc.reason} at byte "
                                 f"{exc.start}", path=path, row=row) from None
     # the sample's image: of several image members (a photo and its depth map as .pgm,
     # say), the first in IMAGE_EXTENSIONS' order, whatever the tar's
@@ -157,7 +161,7 @@ class WebDatasetFormat:
                     if k != key:
                         if key is not None:
                             row += 1
-                            yield row, self._select(sample, fields, path, row, errors, bad)
+                            yield row, self._select(sample, key, fields, path, row, errors, bad)
                         if k in seen:
                             # (a sample's members apart in the tar, as `tar` writes a folder
                             # in its directory order: each part was a sample, the caption
@@ -178,22 +182,22 @@ class WebDatasetFormat:
                     sample[ext] = data
                 if key is not None:
                     row += 1
-                    yield row, self._select(sample, fields, path, row, errors, bad)
+                    yield row, self._select(sample, key, fields, path, row, errors, bad)
 
     @staticmethod
-    def _select(sample: dict[str, bytes], fields: Sequence[str], path: str, row: int,
-                errors: str, bad: str | None = None) -> Any:
+    def _select(sample: dict[str, bytes], key: str, fields: Sequence[str], path: str,
+                row: int, errors: str, bad: str | None = None) -> Any:
         try:
             if bad is not None:
                 raise DataError(bad, path=path, row=row)
-            rec = _record(sample, path, row)
+            rec = _record(sample, key, path, row)
             # a sample without any image is a text document; one whose image is under
             # another extension than the field asked for is the usual missing field
             imageless = not any(k in rec for k in _IMAGE_FIELDS)
             missing = [name for name in fields
                        if name not in rec and not (imageless and name in _IMAGE_FIELDS)]
             if missing:
-                raise DataError(f"missing field '{missing[0]}' (the sample's fields: "
+                raise DataError(f"sample {key!r}: missing field '{missing[0]}' (its fields: "
                                 f"{', '.join(sorted(rec)) or 'none'})", path=path, row=row)
             return {name: rec.get(name) for name in fields}
         except DataError as exc:

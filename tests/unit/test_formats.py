@@ -1374,7 +1374,7 @@ def test_webdataset_a_sample_without_an_image_is_a_text_document(tmp_path: Any) 
                                                                         "jpg": None})
     # an image under another extension than the field asked for is a missing field still
     # (a review of this change: image_field png over .jpg shards made every sample text)
-    with pytest.raises(DataError, match=r"row 0: missing field 'png'"):
+    with pytest.raises(DataError, match=r"row 0: sample 's/0': missing field 'png'"):
         list(wds.read(LOCAL, Unit(path), ["text", "png"]))
 
 
@@ -1397,9 +1397,28 @@ def test_webdataset_an_image_comes_from_members_not_from_the_json(tmp_path: Any)
 def test_webdataset_a_missing_field_lists_the_samples_fields(tmp_path: Any) -> None:
     path = str(tmp_path / "s.tar")
     _write_tar(path, [("s/0.txt", b"zero"), ("s/0.cls", b"3")])
-    with pytest.raises(DataError, match=r"row 0: missing field 'caption' \(the sample's "
+    with pytest.raises(DataError, match=r"row 0: sample 's/0': missing field 'caption' \(its "
                                         r"fields: cls, text, txt\)"):
         list(get_format("webdataset").read(LOCAL, Unit(path), ["caption"]))
+
+
+@pytest.mark.parametrize("members, says", [
+    ([("a/7.txt", b"\xff\xfe")], "invalid UTF-8 in .txt member"),
+    ([("a/7.txt", b"x"), ("a/7.json", b"{")], "invalid .json member"),
+    ([("a/7.txt", b"x"), ("a/7.json", b"[1]")], ".json member is a list, not an object"),
+    ([("a/7.cls", b"3")], "missing field 'text'"),
+])
+def test_webdataset_a_bad_samples_error_names_its_key(tmp_path: Any, members: list[Any],
+                                                      says: str) -> None:
+    """A bad sample's error named its row alone, an index the user had to count through the
+    tar to find: it names the sample's key (the members' common name) too (a review)."""
+    path = str(tmp_path / "k.tar")
+    _write_tar(path, [("a/6.txt", b"fine"), *members, ("a/8.txt", b"fine")])
+    rows = list(get_format("webdataset").read(LOCAL, Unit(path), ["text"], errors="yield"))
+    assert [r for _, r in rows if not isinstance(r, DataError)] == [{"text": "fine"}] * 2
+    bad = rows[1][1]
+    assert isinstance(bad, DataError) and bad.row == 1, rows
+    assert f"row 1: sample 'a/7': {says}" in str(bad), bad
 
 
 def test_webdataset_every_image_the_decoder_reads_is_the_samples_image(tmp_path: Any) -> None:
