@@ -23,6 +23,7 @@ import numpy as np
 
 from msd_dask.core._kernels import best_fit_rows, in_piece_order, stable_argsort
 from msd_dask.core.balance import assign, build_assignment, improve
+from msd_dask.core.scaling import usable_cores
 from msd_dask.core.stream import fits_int32
 
 __all__ = ["kept_rows", "place_step", "planner_threads", "rank_blocks", "row_blocks",
@@ -317,8 +318,7 @@ def planner_threads() -> int:
         if n < 1:
             raise ValueError(f"{THREADS_ENV}={raw!r}: expected a whole number of threads >= 1")
         return n
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-               else os.cpu_count() or 1)
+    return usable_cores()
 
 
 def _map(fn: Callable[[int], _T], items: Iterable[int], threads: int) -> list[_T]:

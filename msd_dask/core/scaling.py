@@ -63,14 +63,15 @@ Every target is clamped to ``[min_loaders, max_loaders]`` of the source.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from msd_dask.core.config import Config, ScalingConfig
 
-__all__ = ["SourceLoad", "ScalingPolicy", "Scaler", "ReadCostAtCount", "proactive_target", "demand",
-           "cpu_caps", "pick_loader", "MAX_STARVED_BOOST", "MIN_EFFICIENCY", "CPU_ROUND",
-           "MIN_CPU_WINDOWS"]
+__all__ = ["usable_cores", "SourceLoad", "ScalingPolicy", "Scaler", "ReadCostAtCount",
+           "proactive_target", "demand", "cpu_caps", "pick_loader", "MAX_STARVED_BOOST",
+           "MIN_EFFICIENCY", "CPU_ROUND", "MIN_CPU_WINDOWS"]
 
 #: The most the starvation correction multiplies a source's measured demand by.
 MAX_STARVED_BOOST = 5.0
@@ -93,6 +94,15 @@ CAP_BAND = 0.25
 #: Windows with a CPU measurement before the cap may exceed what fully CPU-bound loaders
 #: need (``cores / threads``).
 MIN_CPU_WINDOWS = 3
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; every core where the platform
+    has no ``sched_getaffinity``, as macOS and Windows: the loaders' C heap cap raised there
+    before it saw the C library was not glibc, a review)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ import platform
 import threading
 from collections.abc import Callable
 
+from msd_dask.core.scaling import usable_cores
+
 __all__ = ["cap_arenas", "map_large_blocks", "trim_after", "MMAP_THRESHOLD"]
 
 _log = logging.getLogger("msd_dask.heap")
@@ -77,7 +79,7 @@ def cap_arenas(arenas: int | None = None) -> int | None:
     with _lock:
         if _cap is not None:
             return _cap
-        n = max(2, len(os.sched_getaffinity(0))) if arenas is None else int(arenas)
+        n = max(2, usable_cores()) if arenas is None else int(arenas)
         if n < 1:
             raise ValueError(f"arenas must be >= 1, got {arenas}")
         if not _mallopt("MALLOC_ARENA_MAX", _M_ARENA_MAX, n):

@@ -86,7 +86,9 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
     fs, path = url_to_fs(uri, **dict(storage_options or {}))
     _uncached(fs)  # (listed as the storage has it now)
     start = _glob_start(path)
-    if start is not None and not fs.isfile(path):  # (a file named "a[0].jsonl")
+    # (a file or folder named as it is, "a[0].jsonl" or "run[1]", is no glob: a folder
+    # was globbed and matched no file; a review)
+    if start is not None and not fs.exists(path):
         root = path[:start].rsplit("/", 1)[0] if "/" in path[:start] else ""
         found: dict[str, Any] = {}
         for pattern in expand_braces(path):

@@ -990,6 +990,29 @@ def test_open_source_a_file_whose_name_has_glob_characters(tmp_path: Any) -> Non
     assert open_source(str(tmp_path / "part*.jsonl")).paths == [str(path)]
 
 
+def test_open_source_a_folder_whose_name_has_glob_characters(tmp_path: Any) -> None:
+    """A uri naming an existing folder with ``[`` in its name (``run[1]``) is that folder:
+    it was globbed as ``run1`` and the start refused, "matches no file" (a review)."""
+    import fsspec
+    folder = tmp_path / "run[1]"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(b'{"text": "a"}\n')
+    (tmp_path / "run1").mkdir()
+    (tmp_path / "run1" / "b.jsonl").write_bytes(b'{"text": "b"}\n')
+    for uri in (str(folder), f"{folder}/"):
+        found = open_source(uri)
+        assert found.paths == [str(folder / "a.jsonl")] and found.folder, uri
+    mem = fsspec.filesystem("memory")
+    mem.pipe("/globby/run[1]/a.jsonl", b'{"text": "a"}\n')
+    try:
+        assert open_source("memory://globby/run[1]").paths == ["/globby/run[1]/a.jsonl"]
+        # a glob is still a glob
+        assert open_source(f"{tmp_path}/run[1]/*.jsonl").paths == [str(tmp_path / "run1" /
+                                                                      "b.jsonl")]
+    finally:
+        mem.rm("/globby", recursive=True)
+
+
 def _spark_folder(root: Any) -> None:
     """A folder as Spark writes it: data, its markers, checksums and a leftover attempt."""
     files = ["part-00000.jsonl", "part-00001.jsonl", "_SUCCESS", "_committed_123",

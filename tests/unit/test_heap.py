@@ -65,6 +65,26 @@ def test_the_deployments_setting_is_left_alone() -> None:
     assert arenas == 4
 
 
+def test_a_platform_without_cpu_affinity_or_glibc_is_left_alone() -> None:
+    """macOS and Windows have neither ``os.sched_getaffinity`` nor glibc: ``cap_arenas``
+    raised ``AttributeError`` there, in every loader's and the planner's start, before it
+    saw the C library (a review); it leaves the process alone, and the planner's threads
+    count the machine's cores."""
+    probe = (
+        "import os, platform\n"
+        "del os.sched_getaffinity\n"
+        "platform.libc_ver = lambda *a, **k: ('', '')\n"
+        "from msd_dask.core.row_placement import planner_threads\n"
+        "from msd_dask.sources.heap import cap_arenas\n"
+        "print(cap_arenas(), planner_threads() == (os.cpu_count() or 1))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX",
+                                                             "MSD_DASK_PLANNER_THREADS")}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["None", "True"]
+
+
 #: what the processes below share: glibc's malloc and free, and the process's RSS in MiB
 LIBC = """
 import ctypes, sys
