@@ -147,19 +147,35 @@ class HFTokenizer:
 
     def _pick(self, given: int | None, names: tuple[str, ...], key: str, required: bool) -> int:
         """The id of ``tokenizer.<key>``: ``given``, else the first of ``names`` the
-        vocabulary has, else -1 (a :class:`ConfigError` naming the key where ``required``)."""
+        vocabulary has as a special token, else -1 (a :class:`ConfigError` naming the key
+        where ``required``).
+
+        Only a special token is taken by default: an ordinary word (``eos``, ``pad``) or an
+        added token not marked special is also what a document's text encodes to, so a
+        default end of document there put false ends inside documents and ``decode``
+        dropped the word (a review)."""
         if given is not None:
             if not 0 <= given < self.vocab_size:
                 raise ConfigError(f"tokenizer.{key}", f"id {given} is outside the vocabulary "
                                   f"[0, {self.vocab_size}) of {self.path}")
             return int(given)
+        special = self._tok.get_added_tokens_decoder()
+        passed: list[str] = []  # names in the vocabulary, though not as a special token
         for name in names:
             i = self._tok.token_to_id(name)
-            if i is not None:
+            if i is None:
+                continue
+            added = special.get(i)
+            if added is not None and added.special:
                 return int(i)
+            passed.append(name)
         if required:
+            one = len(passed) == 1
+            also = (f" ({', '.join(map(repr, passed))} {'is' if one else 'are'} in it, not as "
+                    f"{'a special token' if one else 'special tokens'}: a document's text can "
+                    f"encode to {'it' if one else 'them'})") if passed else ""
             raise ConfigError(f"tokenizer.{key}", f"{self.path} has none of the special tokens "
-                              f"{list(names)}; set tokenizer.{key}")
+                              f"{list(names)}{also}; set tokenizer.{key}")
         return -1
 
     def encode(self, text: str) -> np.ndarray:

@@ -114,6 +114,38 @@ def test_hf_tokenizer_special_ids_and_round_trip(corpus, bpe, tmp_path):
         HFTokenizer(str(tmp_path / "bare.json"))
 
 
+def test_hf_default_ids_are_special_tokens_only(tmp_path):
+    """An ordinary word ``eos`` or an added ``</s>`` not marked special was taken as the
+    default end of document (and ``pad`` as padding): a document's own text encodes to it,
+    so documents carried false ends and ``decode`` dropped the word (a review).  Only a
+    special token is a default; without one, the error names the key and the word."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    def save(name, vocab, added=(), special=()):
+        raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        raw.add_tokens([AddedToken(t, special=False) for t in added])
+        raw.add_special_tokens(list(special))
+        raw.save(str(tmp_path / name))
+        return str(tmp_path / name)
+
+    words = {"[UNK]": 0, "hello": 1, "eos": 2, "pad": 3}
+    with pytest.raises(ConfigError, match=r"tokenizer\.eod_id.*'eos' is in it, not as a "
+                                          r"special token.*set tokenizer\.eod_id"):
+        HFTokenizer(save("plain.json", words))
+    with pytest.raises(ConfigError, match=r"'</s>', 'eos' are in it, not as special tokens"):
+        HFTokenizer(save("added.json", words, added=["</s>"]))
+    # a special end of document; "pad" is a word of the text, so padding is the end's id
+    tok = HFTokenizer(save("gpt2.json", words, special=["<|endoftext|>"]))
+    eod = tok._tok.token_to_id("<|endoftext|>")
+    assert (tok.eod_id, tok.pad_id) == (eod, eod)
+    ids = tok.encode("hello eos pad hello")
+    assert ids.tolist() == [1, 2, 3, 1, eod] and tok.decode(ids) == "hello eos pad hello"
+    # a special "pad" is padding
+    assert HFTokenizer(save("both.json", {"[UNK]": 0, "hello": 1},
+                            special=["</s>", "pad"])).pad_id == 3
+
+
 def test_hf_decode_drops_an_image_token_of_id_0(bpe):
     """``image_token_id: 0`` is a valid id; ``decode`` kept it (``0 or -1`` is -1).  (Id 0
     is the fixture's end-of-document token, a special one: the test moves end of document
@@ -180,7 +212,8 @@ def test_hf_vocab_size_covers_the_largest_id(tmp_path):
              "<img>": 70000}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.add_special_tokens(["<img>"])  # (its id in the vocabulary: an image token's)
+    # (their ids in the vocabulary: the image token's and the end of document's)
+    raw.add_special_tokens(["<img>", "<|endoftext|>", "<pad>"])
     raw.save(str(tmp_path / "holes.json"))
     tok = HFTokenizer(str(tmp_path / "holes.json"), image_token_id=70000)
     assert tok.vocab_size == 70001 and tok.image_id == 70000
@@ -283,7 +316,7 @@ def test_a_text_that_encodes_to_the_image_id_is_bad_input_naming_its_row(tmp_pat
     vocab = {"<|endoftext|>": 0, "[UNK]": 1, "dog": 2, "cat": 3, "<img>": 97}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    raw.add_special_tokens(["<img>"])
+    raw.add_special_tokens(["<img>", "<|endoftext|>"])
     raw.save(str(tmp_path / "clash.json"))
     tok = HFTokenizer(str(tmp_path / "clash.json"), image_token_id=97)  # (special: taken)
 
