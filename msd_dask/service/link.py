@@ -90,15 +90,31 @@ class PlannerLink:
         self._refreshed_at = float("-inf")
         self._failed: tuple[float, Exception | None, float] = (0.0, None, 0.0)
         self.planner: Any = None
-        try:  # (a published planner's handle is there at once; a lost one's may never come)
-            self.planner = bind_actor(registry["planner"].result(timeout=HANDLE_WAIT), client)
-        except Exception:  # noqa: BLE001 - a lost planner: refresh finds its successor
-            pass
+        self._fetch_planner(HANDLE_WAIT)
         self.constructors: list[Any] = []
         #: (generation, constructors of that generation), replaced together
         self.handles: tuple[int, list[Any]] = (-1, [])
         self._listeners: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._listeners_lock = threading.Lock()
+
+    def _fetch_planner(self, wait: float) -> Any:
+        """The planner's handle, fetched from this link's registry within ``wait`` seconds
+        where it has none yet: a published planner's handle is there at once, a lost one's
+        may never come.  A fetch that timed out (a busy scheduler while many ranks connect)
+        is tried again by the next look: it was never fetched again, and every call of the
+        process failed against a live planner (a review).  ``None`` where it did not come."""
+        with self._swap:
+            planner, registry, gen = self.planner, self.registry, self.generation
+        if planner is not None:
+            return planner
+        try:
+            planner = bind_actor(registry["planner"].result(timeout=wait), self.client)
+        except Exception:  # noqa: BLE001 - a lost planner: refresh finds its successor
+            return None
+        with self._swap:
+            if gen == self.generation and self.planner is None:
+                self.planner = planner
+            return self.planner
 
     def close(self, notice: str) -> None:
         """Send no call to a role any more: this process's handle closed, or the owner
@@ -182,6 +198,9 @@ class PlannerLink:
                 planner, gen = self.planner, self.generation
             try:  # short waits: a call to a lost actor may hang instead of failing
                 if planner is None:  # (its handle did not come: lost with its worker?)
+                    planner = self._fetch_planner(min(HANDLE_WAIT,
+                                                      max(0.1, deadline - time.monotonic())))
+                if planner is None:
                     raise ServiceError("the planner's handle could not be fetched from the "
                                        "scheduler (lost with its worker?)")
                 left = max(0.1, deadline - time.monotonic())

@@ -565,3 +565,32 @@ def test_a_successor_found_late_is_waited_for_what_is_left_of_the_timeout() -> N
                        r"answer set_weights\(\) within 2s \(a change it asked for may still"):
         link.call(lambda p: p.set_weights({"a": 1.0}), "set_weights()")
     assert time.monotonic() - t0 < 2.6
+
+
+class _SlowOnce:
+    """The registry's future of a live planner whose first fetch timed out (a busy
+    scheduler while many ranks connect), then answers."""
+
+    def __init__(self, planner: _Planner):
+        self.planner, self.asked = planner, 0
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.asked += 1
+        if self.asked == 1:
+            raise TimeoutError("the scheduler is busy")
+        return self.planner
+
+
+def test_a_planners_handle_that_did_not_come_at_first_is_fetched_again() -> None:
+    """The link fetched the planner's handle once, when it was made: a fetch that timed out
+    left it without one for good, and every look and call of the process failed against a
+    live planner, "the planner's handle could not be fetched" (a review)."""
+    cfg = parse_config({"name": "link", "batch": {"seq_len": 64}, "timeout": 3, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    planner = _Planner(delay=0.0)
+    future = _SlowOnce(planner)
+    link = _Link(None, cfg, {"planner": future})
+    assert link.planner is None
+    link.refresh()
+    assert link.planner is planner and future.asked == 2
+    assert link.constructors == ["c0", "c1"] and planner.calls == 1
