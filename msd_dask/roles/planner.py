@@ -784,7 +784,8 @@ class PlannerActor:
         self.fitter = (CostFitter(self.planner.cost, prior_weight=self.cfg.cost.prior_weight)
                        if self.cfg.cost.fit else None)
         self._step_features: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._reported: set[tuple[int, int]] = set()
+        #: the DP ranks whose step time came, by step (of the steps in ``_step_features``)
+        self._reported: dict[int, set[int]] = {}
         #: reports counted per DP group, and the reports the fit set aside
         self._reports_seen: dict[int, int] = {}
         self.set_aside = 0
@@ -1531,11 +1532,13 @@ class PlannerActor:
         (:meth:`~msd_dask.core.cost.CostFitter.plausible`); ``stats()["cost_model"]``
         counts them (``set_aside``).
         """
-        key = (int(step), int(dp_rank))
         features = self._step_features.get(int(step))
-        if self.fitter is None or features is None or key in self._reported:
+        if self.fitter is None or features is None:
             return
-        self._reported.add(key)
+        reported = self._reported.setdefault(int(step), set())
+        if int(dp_rank) in reported:
+            return
+        reported.add(int(dp_rank))
         seen = self._reports_seen.get(int(dp_rank), 0)
         self._reports_seen[int(dp_rank)] = seen + 1
         sum_lengths, sum_squares = features[int(dp_rank)].tolist()
@@ -1547,13 +1550,15 @@ class PlannerActor:
     def _keep_features(self, step: int, features: np.ndarray | None) -> None:
         """Keep each DP rank's ``(ΣL, ΣL²)`` of ``step`` (for the cost fitter): 16 bytes
         per rank and step (the pieces' lengths were 3.4M per step at dp 16,384 x 128K,
-        for ``4 ×`` the steps whose snapshots are kept)."""
+        for ``4 ×`` the steps whose snapshots are kept).  The oldest step's reports go with
+        its features: a rebuild of every report kept, per step, held the event loop 0.7 s
+        a step at dp 16,384 (a review)."""
         if features is None:
             return
         self._step_features[step] = features
         while len(self._step_features) > 4 * self._keep:
             old, _ = self._step_features.popitem(last=False)
-            self._reported = {k for k in self._reported if k[0] > old}
+            self._reported.pop(old, None)
 
     async def stats(self) -> dict[str, Any]:
         """Planner counters: steps, tokens per source, imbalance, weights in force.

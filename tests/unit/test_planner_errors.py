@@ -141,3 +141,46 @@ def test_bad_input_is_logged_as_its_message_and_a_bug_with_its_traceback(
         _told(corpus, monkeypatch, bug)
     (rec,) = [r for r in caplog.records if r.name == "msd_dask.roles.planner"]
     assert rec.exc_info is not None
+
+
+def test_step_time_reports_are_kept_by_step_and_go_with_their_features() -> None:
+    """The reports of step times were one set of ``(step, rank)``, rebuilt whole on the
+    planner's event loop at every planned step once the features of ``4 × keep`` steps were
+    held: 0.7 s a step at dp 16,384 (a review).  They are kept by step, and the oldest
+    step's go with its features; a rank's second report of a step still counts once."""
+    from collections import OrderedDict
+
+    class Fitter:
+        observed: list[float] = []
+
+        def plausible(self, *args: Any) -> bool:
+            return True
+
+        def observe_sums(self, sum_lengths: float, sum_squares: float, seconds: float) -> None:
+            self.observed.append(seconds)
+
+    planner = PlannerActor.__new__(PlannerActor)
+    planner._keep, planner.fitter, planner.set_aside = 1, Fitter(), 0
+    planner._step_features, planner._reported, planner._reports_seen = OrderedDict(), {}, {}
+    features = np.ones((2, 2))
+
+    async def run() -> None:
+        for step in range(12):
+            planner._keep_features(step, features)
+            for _ in range(2):  # (a rank's report of a step sent twice)
+                await planner.report_step_time(step, 0, 1.0 + step)
+            await planner.report_step_time(step, 1, 1.0 + step)
+
+    asyncio.run(run())
+    assert list(planner._step_features) == list(range(8, 12))
+    assert sorted(planner._reported) == list(range(8, 12))
+    assert all(ranks == {0, 1} for ranks in planner._reported.values())
+    # each rank's report of each step once: two per step, the first WARMUP_REPORTS of each
+    # rank set aside
+    from msd_dask.roles.planner import WARMUP_REPORTS
+    assert planner._reports_seen == {0: 12, 1: 12}
+    assert len(Fitter.observed) + planner.set_aside == 24
+    assert planner.set_aside == 2 * WARMUP_REPORTS
+    # a late report of a step whose features went is not counted
+    asyncio.run(planner.report_step_time(3, 0, 9.0))
+    assert planner._reports_seen[0] == 12 and 3 not in planner._reported
