@@ -50,8 +50,19 @@ HOLD_GROUPS = 4
 #: its shortest (or once they are held too long, or the hold is full)
 RELEASE_SPREAD = 1.25
 
-__all__ = ["Planner", "PlannerSnapshot", "StepPlan", "NeedMetadata", "distinct", "pieces_of",
-           "unit_keys", "units_of"]
+__all__ = ["Planner", "PlannerSnapshot", "StepPlan", "NeedMetadata", "change_step", "distinct",
+           "pieces_of", "unit_keys", "units_of"]
+
+
+def change_step(from_step: Any) -> int | None:
+    """``from_step`` of a change of the mix (:meth:`Planner.set_weights`) as an ``int``, or
+    ``None`` (the first unplanned step); a :class:`ValueError` naming ``set_weights`` for
+    anything but an integer (a float was cut to a step, a bool taken for 0 or 1)."""
+    if from_step is None:
+        return None
+    if isinstance(from_step, bool) or not isinstance(from_step, numbers.Integral):
+        raise ValueError(f"set_weights: from_step must be a step (an integer), got {from_step!r}")
+    return int(from_step)
 
 
 @dataclass
@@ -458,9 +469,7 @@ class Planner:
 
         Returns the step the change takes effect at.
         """
-        if from_step is not None and (isinstance(from_step, bool)
-                                      or not isinstance(from_step, numbers.Integral)):
-            raise ValueError(f"set_weights: from_step must be a step (an integer), got {from_step!r}")
+        from_step = change_step(from_step)
         w = self._checked_weights(weights, "set_weights")
         start = self.step if from_step is None else max(int(from_step), self.step)
         self.overrides.append((start, w))

@@ -1304,13 +1304,16 @@ class PlannerActor:
         The kept states of the steps planned already take the change too (it starts after
         all of them): a service resumed from one (:meth:`state_at`), or a planner
         re-created from one (:meth:`checkpoint`), makes the change at the same step."""
+        from msd_dask.core.plan import change_step
+
         async with self._plan_lock:  # after the step being planned, which read the weights
             # a re-created planner re-plans steps ranks had from the lost one (``had``): a
             # change starts after them, or ranks of one step would take their shares of
             # it from two different plans (a review)
             after_had = max(self.had.values(), default=-1) + 1
+            from_step = change_step(from_step)  # (refused as the planner refuses it)
             if after_had > self.planner.step:
-                from_step = max(after_had, -1 if from_step is None else int(from_step))
+                from_step = max(after_had, -1 if from_step is None else from_step)
             start = self.planner.set_weights(weights, from_step)
             overrides = tuple((st, dict(w)) for st, w in self.planner.overrides)
             kept = list(self._snapshots.items())

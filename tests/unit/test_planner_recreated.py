@@ -87,6 +87,27 @@ def test_a_weight_change_on_a_re_created_planner_starts_after_what_ranks_had(cor
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("from_step", [12.9, "x", True])
+def test_a_re_created_planner_refuses_a_from_step_that_is_no_step(corpus: Any,
+                                                                   from_step: Any) -> None:
+    """A re-created planner, its ranks' steps ahead of it, took ``int(from_step)`` before the
+    planner's check: 12.9 was taken as step 12, and ``'x'`` raised int()'s own words without
+    naming ``set_weights``; a first planner refuses both (a review)."""
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    units, roots = discover_units(cfg)
+
+    async def run() -> None:
+        for had in (None, {0: 8, 1: 3}):
+            new, _ = _actor(cfg, units, roots, generation=1, had=had)
+            with pytest.raises(ValueError, match=r"set_weights: from_step must be a step \(an "
+                                                 rf"integer\), got {from_step!r}"):
+                await new.set_weights(NEW, from_step)
+            assert new.planner.overrides == []
+
+    asyncio.run(run())
+
+
 def test_the_state_of_a_step_ranks_had_from_the_lost_planner_is_waited_for(corpus: Any) -> None:
     """Right after the re-creation (from the state after step 3, ranks at step 9), the state
     of step 9 was refused at once as 'not planned yet', while it is re-planned within
