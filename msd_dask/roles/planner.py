@@ -1350,7 +1350,9 @@ class PlannerActor:
         """The service state after ``step`` (see :func:`make_state`).
 
         A step of the next round not planned yet is waited for (up to
-        :data:`STATE_WAIT` seconds, or the config's ``timeout`` if shorter).
+        :data:`STATE_WAIT` seconds, or half the config's ``timeout`` if shorter: the
+        caller waits ``timeout`` for the answer, and gave up first, saying the planner did
+        not answer, where the planner's own error says what is wrong; a review).
 
         Raises
         ------
@@ -1360,7 +1362,7 @@ class PlannerActor:
         step = int(step)
         # a step the next round plans (a re-created planner re-plans the few steps after
         # its checkpoint: a rank may be at one of them) is answered once it is planned
-        deadline = time.monotonic() + min(self.cfg.timeout, STATE_WAIT)
+        deadline = time.monotonic() + min(0.5 * self.cfg.timeout, STATE_WAIT)
         # (and, on a re-created planner, a step a rank had from the lost one: re-planned
         # within seconds, though at dp 16,384 many steps behind it: a review)
         ahead = max(self.planner.step + self.cfg.steps_per_round - 1,

@@ -137,6 +137,25 @@ def test_the_state_of_a_step_ranks_had_from_the_lost_planner_is_waited_for(corpu
     asyncio.run(run())
 
 
+def test_a_step_never_planned_is_refused_before_the_caller_gives_up(corpus: Any) -> None:
+    """The planner waited the config's whole ``timeout`` for a step of its next round, as
+    long as its caller (``DataService.state_dict``) waits for the answer: the caller gave up
+    first and said the planner did not answer, where the planner says the step is not
+    planned yet (a review).  It waits half of it."""
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4, timeout=2))
+    units, roots = discover_units(cfg)
+
+    async def run() -> None:
+        actor, _ = _actor(cfg, units, roots)  # (its loop does not run: nothing is planned)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="step 1 is not planned yet"):
+            await actor.state_at(1)
+        assert 0.9 < time.monotonic() - t0 < 2.0
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("prefetch", [4, 18, 32])
 def test_a_checkpoint_while_a_constructor_does_not_answer_finds_its_state(
         corpus: Any, prefetch: int) -> None:
