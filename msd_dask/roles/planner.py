@@ -1202,6 +1202,10 @@ class PlannerActor:
                             f"holds at most prefetch={self.cfg.prefetch} unclaimed steps)")
             await self._room(self.roles.wait_room(k))
             while True:
+                # (the step a failure names: the next one, also where healing, scaling or
+                # the read-ahead fails between steps; the last one planned was named, though
+                # handed over already, a review)
+                planning = self.planner.step
                 await self.roles.heal()
                 await self.roles.apply_scaling()
                 self.waiting = None
@@ -1227,6 +1231,7 @@ class PlannerActor:
                         # back while the planner still waits for room after the round
                         self._record(step.record)
                         self._keep_features(step.step, step.features)
+                        planning = step.step + 1
                     if len(planned) < k:
                         await self._assign_ahead()  # the next step's units and read-ahead
                 if planned:

@@ -18,9 +18,11 @@ from msd_dask.sources.tokenizer import ByteTokenizer
 from corpus import config
 
 
-def _told(corpus: Any, monkeypatch: Any, split: Any) -> list[str]:
+def _told(corpus: Any, monkeypatch: Any, split: Any, scaling_fails: int = 0) -> list[str]:
     """What the readers of a planner are told whose constructors refuse every round, its
-    steps split by ``split`` (in place of ``split_plan``)."""
+    steps split by ``split`` (in place of ``split_plan``); with ``scaling_fails``, whose
+    constructors take every round and whose ``scaling_fails``-th look at the scaling
+    fails."""
     import msd_dask.roles.planner as planner_module
 
     root, _ = corpus
@@ -52,8 +54,12 @@ def _told(corpus: Any, monkeypatch: Any, split: Any) -> list[str]:
         async def heal(self, wait: bool = False) -> bool:
             return False
 
+        looks = 0
+
         async def apply_scaling(self) -> None:
-            pass
+            self.looks += 1
+            if self.looks == scaling_fails:
+                raise RuntimeError(f"scaling look {self.looks} failed")
 
         async def scale_asked(self) -> None:
             await asyncio.Event().wait()  # (no scale change is asked for)
@@ -61,8 +67,12 @@ def _told(corpus: Any, monkeypatch: Any, split: Any) -> list[str]:
         def next_slot(self, source: str, owner: Any = None) -> int:
             return 0
 
+        def forget_retired(self, safe: Any) -> int:
+            return 0
+
         async def submit(self, steps: list[Any], room: int) -> None:
-            raise RuntimeError(f"constructor 0 refused steps {[s for s, *_ in steps]}")
+            if not scaling_fails:
+                raise RuntimeError(f"constructor 0 refused steps {[s for s, *_ in steps]}")
 
         async def notify(self, message: str) -> None:
             told.append(message)
@@ -98,6 +108,13 @@ def test_a_step_that_cannot_be_split_is_named(corpus: Any, monkeypatch: Any) -> 
         return [None]
 
     assert _told(corpus, monkeypatch, split) == ["planner failed at step 1: ('code', 0, 7)"]
+
+
+def test_a_failure_between_rounds_names_the_next_step(corpus: Any, monkeypatch: Any) -> None:
+    """A failure after a round was handed over (healing, scaling, the read-ahead) named the
+    last step planned, which ranks had already (a review): it names the next one."""
+    assert _told(corpus, monkeypatch, lambda plan, *args: [None], scaling_fails=2) == [
+        "planner failed at step 3: scaling look 2 failed"]
 
 
 def test_a_wait_for_a_source_under_way_counts_as_starved_as_it_goes() -> None:
