@@ -1085,6 +1085,21 @@ class PlannerActor:
             out[waiting[0]] += time.monotonic() - waiting[1]
         return out
 
+    def _take_reported_lengths(self) -> None:
+        """Keep for the planning thread's lookup the lengths the loaders have reported
+        (before a step is planned, on the event loop): they reached its table only through
+        a failed attempt (:class:`~msd_dask.core.stream.NeedMetadata`), so every new window
+        threw a planning attempt away and cut its round short, though read-ahead had
+        fetched the lengths long before (a review)."""
+        from msd_dask.core.stream import kept_lengths
+
+        done = [(k, task) for k, task in self._meta_tasks.items()
+                if task.done() and not task.cancelled() and task.exception() is None]
+        for k, task in done:
+            del self._meta_tasks[k]
+            # (a copy: a loader on this worker hands its own)
+            self._meta[k] = kept_lengths(task.result())
+
     async def _await_meta(self, source: str, units: list[tuple[int, int]]) -> None:
         from msd_dask.core.stream import kept_lengths
 
@@ -1218,6 +1233,7 @@ class PlannerActor:
                 while len(planned) < k:
                     async with self._planning():
                         planning = self.planner.step
+                        self._take_reported_lengths()
                         try:
                             step = await self._off_loop(self._plan_next)
                         except NeedMetadata as nm:

@@ -11,11 +11,9 @@ import numpy as np
 from msd_dask import load_config
 from msd_dask.roles.planner import PlannerActor
 from msd_dask.sources.discover import discover_units
-from msd_dask.sources.documents import read_unit
-from msd_dask.sources.storage import open_source
-from msd_dask.sources.tokenizer import ByteTokenizer
 
 from corpus import config
+from planner_roles import FakeRoles, unit_lengths
 
 
 def _told(corpus: Any, monkeypatch: Any, split: Any, scaling_fails: int = 0) -> list[str]:
@@ -28,32 +26,8 @@ def _told(corpus: Any, monkeypatch: Any, split: Any, scaling_fails: int = 0) -> 
     root, _ = corpus
     cfg = load_config(config(root))
     units, roots = discover_units(cfg)
-    told: list[str] = []
 
-    class Roles:  # the roles of a service whose constructors refuse every round
-        active = {s.name: [0] for s in cfg.sources}
-        constructors = [object()]
-        loader_threads = 1
-
-        def loader(self, source: str, slot: int) -> Any:
-            class Loader:
-                async def metadata(self, epoch: int, unit: int) -> np.ndarray:
-                    return np.array([1])
-
-            return Loader()
-
-        async def assign_units(self, *args: Any) -> None:
-            pass
-
-        async def release_units(self, *args: Any) -> None:
-            pass
-
-        async def wait_room(self, k: int) -> None:
-            pass
-
-        async def heal(self, wait: bool = False) -> bool:
-            return False
-
+    class Roles(FakeRoles):  # constructors that refuse every round, or a scaling that fails
         looks = 0
 
         async def apply_scaling(self) -> None:
@@ -61,37 +35,25 @@ def _told(corpus: Any, monkeypatch: Any, split: Any, scaling_fails: int = 0) -> 
             if self.looks == scaling_fails:
                 raise RuntimeError(f"scaling look {self.looks} failed")
 
-        async def scale_asked(self) -> None:
-            await asyncio.Event().wait()  # (no scale change is asked for)
-
-        def next_slot(self, source: str, owner: Any = None) -> int:
-            return 0
-
-        def forget_retired(self, safe: Any) -> int:
-            return 0
-
         async def submit(self, steps: list[Any], room: int) -> None:
             if not scaling_fails:
                 raise RuntimeError(f"constructor 0 refused steps {[s for s, *_ in steps]}")
 
-        async def notify(self, message: str) -> None:
-            told.append(message)
+    roles = Roles(cfg)
 
     async def run() -> None:
         actor = PlannerActor(cfg.to_dict(), units, roots)
-        for s in cfg.sources:  # every unit's lengths known: the loop plans without loaders
-            fs = open_source(s.uri, s.storage_options).fs
-            for i, u in enumerate(actor.units[s.name]):
-                lengths = np.array([len(d) for d in read_unit(s, fs, u, ByteTokenizer())])
-                for epoch in range(3):
-                    actor._meta[(s.name, epoch, i)] = lengths
-        actor.roles = Roles()  # type: ignore[assignment]
+        # every unit's lengths known: the loop plans without loaders
+        for (source, unit), lengths in unit_lengths(cfg, actor.units).items():
+            for epoch in range(3):
+                actor._meta[(source, epoch, unit)] = lengths
+        actor.roles = roles  # type: ignore[assignment]
         monkeypatch.setattr(planner_module, "split_plan", split)
         monkeypatch.setattr(planner_module, "pack_works", lambda works, threads=1: [b""])
         await actor._loop()
 
     asyncio.run(run())
-    return told
+    return roles.told
 
 
 def test_a_round_that_cannot_be_handed_over_is_named(corpus: Any, monkeypatch: Any) -> None:
