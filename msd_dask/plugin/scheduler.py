@@ -356,6 +356,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         # planner may be gone (re-created, or the service closed and started again), and
         # so may any service closed since the poll began
         owner = None if cached is None else cached[1].get("owner")
+        generation = None if cached is None else cached[1].get("generation")
         del cached
         self._registries.pop(name, None)
         if published is not None:
@@ -369,6 +370,13 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             # nothing of the old one's (config, history, policy) stands for it; a planner
             # re-created by the same owner keeps them
             self._forget(name)
+        elif generation is not None and registry.get("generation") != generation:
+            # a re-created planner counts on from the owner's last checkpoint, behind the
+            # lost one's counts, and its waits from 0: the policy's next window would take
+            # the two planners' difference, negative consumption and starvation, which
+            # dropped a source's floor and started its scale-down timer (a review).  The
+            # new planner's first poll starts the next window
+            self._scaled_from.pop(name, None)
         self._registries[name] = (entry, registry)
         return registry
 

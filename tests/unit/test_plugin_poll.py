@@ -471,4 +471,67 @@ def test_a_services_metrics_series_do_not_grow_with_its_ranks() -> None:
         finally:
             module._unregister_collector(plugin)
 
-    assert series(16) == series(16_384) == 26 + 7 * 2
+    assert series(16) == series(16_384) == series(8) == 26 + 7 * 2
+    # below 8 ranks, two fewer per missing place among the slowest; no ranks known, no
+    # queue-depth quantiles either (the doc said 26 + 7 per source at any size; a review)
+    assert [series(n) for n in (4, 1, 0)] == [26 + 14 - 8, 26 + 14 - 14, 26 + 14 - 20]
+
+
+class _Counting(_Planner):
+    """A planner whose ``tokens_planned`` and starved seconds start at ``start`` and grow
+    by 100 a poll."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.start = start
+
+    async def snapshot(self, since: int, lookahead: int | None) -> dict[str, Any]:
+        snap = await super().snapshot(since, lookahead)
+        count = self.start + 100 * self.calls
+        snap["planner"]["tokens_planned"] = {"code": count, "prose": count}
+        snap["planner"]["starved_seconds"] = {"code": count / 100, "prose": count / 100}
+        return snap
+
+
+def test_a_re_created_planners_first_window_is_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planner re-created by the service's owner counts on from the owner's last
+    checkpoint, behind the lost one, and its waits from 0: the adaptive policy's next
+    window spanned the two planners, negative consumption and starvation, which dropped a
+    source's floor and started its scale-down timer (a review).  The new planner's first
+    poll starts the next window."""
+    import msd_dask.plugin.scheduler as module
+
+    clock = [1000.0]
+    monkeypatch.setattr(module, "time", SimpleNamespace(time=lambda: clock[0],
+                                                        monotonic=lambda: clock[0]))
+    plugin = _plugin({"svc": _Planner()})
+    published = plugin.scheduler.extensions["publish"].datasets  # type: ignore[attr-defined]
+    cfg = config("/nonexistent", name="svc", scaling={"policy": "adaptive", "interval": 1.0})
+    registry = {"config": cfg, "planner": _Handle(_Counting(10_000)), "owner": "client-1",
+                "generation": 0}
+
+    async def get_dataset(key: str) -> dict[str, Any]:
+        return registry
+
+    plugin._client.get_dataset = get_dataset  # type: ignore[attr-defined]
+    windows: list[tuple[float, float]] = []  # (tokens planned, starved s) over each window
+
+    async def scale(name: str, reg: Any, snap: dict[str, Any], prev: dict[str, Any]) -> None:
+        now, then = snap["planner"], prev["planner"]
+        windows.append((sum(now["tokens_planned"].values()) - sum(then["tokens_planned"].values()),
+                        now["starved_seconds"]["code"] - then["starved_seconds"]["code"]))
+
+    monkeypatch.setattr(plugin, "_scale", scale)
+
+    async def polls() -> None:
+        nonlocal registry
+        for i in range(8):
+            if i == 4:  # re-created from a checkpoint behind the lost planner's counts
+                registry = dict(registry, planner=_Handle(_Counting(5_000)), generation=1)
+                published["msd-svc"] = object()
+            await plugin.poll()
+            clock[0] += 1.0
+
+    asyncio.run(polls())
+    assert len(windows) == 6  # one a poll, but none across the two planners
+    assert windows == [(200.0, 1.0)] * 6, windows
