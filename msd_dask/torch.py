@@ -157,7 +157,15 @@ class Prefetcher(Generic[T]):
             if not ok:
                 break
             left.append(item)
+        # a get() waiting in another thread (a loop whose dataset a signal handler closed)
+        # took nothing of what was drained, and waited for ever: it, and any later get(),
+        # raises that the prefetcher is closed (a review)
+        self._run.items.put((False, PrefetcherClosed("the prefetcher is closed")))
         return left
+
+
+class PrefetcherClosed(RuntimeError):
+    """What :meth:`Prefetcher.get` raises once the prefetcher is closed."""
 
 
 class _Run:
@@ -341,18 +349,22 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         while self.steps is None or n < self.steps:
             if self._generation != generation:
                 return
-            if self._prefetcher is None:
-                batch = next(reader)
-            else:
-                try:
-                    batch = self._prefetcher.get()
-                except Exception:
+            prefetcher = self._prefetcher
+            try:
+                batch = next(reader) if prefetcher is None else prefetcher.get()
+            except Exception:
+                if self._generation != generation:
+                    # closed while it waited (a signal handler saving a checkpoint, another
+                    # thread): the iterator ends, as close() says, where it raised the
+                    # closed reader's error, or waited for ever behind a prefetcher (a review)
+                    return
+                if prefetcher is not None:
                     # its thread ended on the reader's error (a timeout, say), every batch
                     # it took handed out before: the next iter() reads on with a new one,
                     # as a loop reading the reader directly would
-                    self._prefetcher.close()
+                    prefetcher.close()
                     self._prefetcher = None
-                    raise
+                raise
             self.last_step = batch.step
             yield batch_to_dict(batch)
             n += 1

@@ -220,6 +220,59 @@ def test_closing_while_the_prefetch_thread_waits_for_a_step_is_prompt(service: _
     ds.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_loop_waiting_for_a_step_ends_when_another_thread_closes_the_dataset(
+        service: _Service, prefetch: int) -> None:
+    """A preemption handler (or a watchdog thread) that closes the dataset while the loop
+    waits for a slow step: with prefetch the loop's ``next()`` waited for ever (the close
+    drained the prefetch thread's last word from the queue the loop waited on), without it
+    the loop raised the closed reader's error, where ``close()`` says an iterator made
+    before it ends (a review).  It ends; the next ``iter()`` reads on."""
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=prefetch)
+    service.stall_at = 3
+    it = iter(ds)
+    assert [next(it)["step"] for _ in range(3)] == [0, 1, 2]
+    closer = threading.Timer(0.3, ds.close)
+    closer.start()
+    ended: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            next(it)
+        except BaseException as e:  # noqa: BLE001 - what the loop sees
+            ended.append(e)
+
+    waiting = threading.Thread(target=loop, daemon=True)
+    waiting.start()
+    waiting.join(10)
+    closer.join()
+    assert not waiting.is_alive(), "the loop still waits for a step after the close"
+    assert len(ended) == 1 and isinstance(ended[0], StopIteration), ended
+    service.stall_at = None
+    assert ds.state_dict()["step"] == 2
+    assert [b["step"] for _, b in zip(range(2), ds, strict=False)] == [3, 4]
+    ds.close()
+
+
+def test_a_closed_prefetchers_get_raises_instead_of_waiting() -> None:
+    """A ``get()`` after (or waiting across) ``close()`` raises that the prefetcher is closed
+    (it waited for ever on the queue the close drained)."""
+    from msd_dask.torch import Prefetcher, PrefetcherClosed
+
+    stall = threading.Event()
+
+    def source() -> Any:
+        yield 1
+        stall.wait(10)
+        yield 2
+
+    p = Prefetcher(source(), 2)
+    assert p.get(timeout=5) == 1
+    assert p.close(timeout=0.2, wake=stall.set) in ([], [2])
+    with pytest.raises(PrefetcherClosed):
+        p.get(timeout=5)
+
+
 def test_one_timeout_does_not_end_prefetching(service: _Service) -> None:
     """The reader times out once at step 2: the loop sees the timeout once and reads on
     with the next ``iter()`` (prefetching used to raise it on every later call)."""
