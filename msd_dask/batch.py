@@ -227,6 +227,14 @@ def is_seconds(x: Any, zero: bool = False) -> bool:
     return math.isfinite(value) and (value >= 0 if zero else value > 0)
 
 
+def step_number(step: Any, what: str) -> int:
+    """``step`` as an ``int``; a ``ValueError`` naming ``what`` (the call) if it is no integer
+    (a float was cut to a step, a bool taken for 0 or 1)."""
+    if not is_whole(step):
+        raise ValueError(f"{what}: step must be a step (an integer), got {step!r}")
+    return int(step)
+
+
 def rank_number(rank: Any) -> int:
     """``rank`` as the ``int`` a reader is made for; a ``ValueError`` naming it if it is no
     integer (a rank read from ``os.environ["RANK"]`` is a str: ``int(...)`` it)."""

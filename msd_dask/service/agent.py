@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from msd_dask.batch import reader_state
+from msd_dask.batch import is_whole, reader_state
 from msd_dask.core.config import Config
 from msd_dask.errors import TRIAL_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
@@ -1077,11 +1077,10 @@ class HostAgent:
         if self._state is None:
             return {"error": f"the agent at {self.path} has no service handle to take the "
                     "state from", "kind": "service"}
-        try:
-            want = None if step is None else int(step)
-        except (ValueError, TypeError, OverflowError):  # (OverflowError: Infinity)
+        if step is not None and not is_whole(step):  # (5.7 was taken for step 5)
             return {"error": f"the agent at {self.path} was asked for the state of step "
                     f"{step!r:.40}, not a step number", "kind": "value"}
+        want = None if step is None else int(step)
         try:
             # (a daemon thread: a state that waits on the service, up to several times its
             # timeout, does not hold the agent's stop, as the loop's executor would)

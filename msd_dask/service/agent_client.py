@@ -54,6 +54,7 @@ from msd_dask.batch import (
     no_going_back,
     rank_number,
     reader_state,
+    step_number,
     step_time,
     wait_seconds,
 )
@@ -644,6 +645,10 @@ class AgentHandle:
         taken by the agent (its Dask client): the same state, the same refusals
         (``ValueError`` for a step the service cannot describe)."""
         what = f"the state of service {self.name!r}"
+        # (refused here as the direct handle refuses it: the agent took int(step), 5.7 for
+        # step 5, and a numpy integer failed JSON's encoding; a review)
+        if step is not None:
+            step = step_number(step, "state_dict")
         # (the agent asks the constructors what the ranks returned, then the planner: each
         # within the service's timeout)
         sock = _dial(self.path, 3 * self.timeout + 30, what)

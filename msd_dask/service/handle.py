@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, overload
 
-from msd_dask.batch import is_seconds, is_whole, reader_state
+from msd_dask.batch import is_seconds, is_whole, reader_state, step_number
 from msd_dask.core.config import Config, parse_config
 from msd_dask.core.figures import rank_figures, source_figures
 from msd_dask.dask_internals import (
@@ -1083,11 +1083,7 @@ class DataService:
             ``step``, if the last step every rank returned cannot be known (see
             :meth:`consumed_step`).
         """
-        if step is None:
-            step = self.consumed_step()
-        if not is_whole(step):
-            raise ValueError(f"state_dict: step must be a step (an integer), got {step!r}")
-        at = int(step)
+        at = step_number(self.consumed_step() if step is None else step, "state_dict")
         return dict(self.link.call(lambda p: p.state_at(at), f"state_dict({at})"))
 
     def _constructor_stats(self, i: int, c: Any) -> dict[str, Any]:

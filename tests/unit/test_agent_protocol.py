@@ -48,6 +48,7 @@ from msd_dask.service.agent_client import (
     frame,
     read_block,
     recv,
+    send,
 )
 
 from checks import wait_until
@@ -1158,6 +1159,22 @@ def test_a_rank_takes_the_services_state_through_the_agent(tmp_path: Any) -> Non
                                             rf"agent at .*: .*{says}"):
                 handle.state_dict(step)
         assert asked == [3, None, 99, 7, 8]
+        # the direct handle's refusals: 5.7 was taken for step 5, True for step 1, and a
+        # numpy integer raised JSON's TypeError naming nothing (a review)
+        assert handle.state_dict(np.int64(5)) == {"format": "x", "step": 5}
+        for bad in (5.7, "5", True):
+            with pytest.raises(ValueError, match=r"state_dict: step must be a step \(an "
+                                                 rf"integer\), got {bad!r}"):
+                handle.state_dict(bad)
+        assert asked == [3, None, 99, 7, 8, 5]
+        # and the agent refuses what a client of another version would send it
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(agent.path)
+        send(sock, {"op": "hello", "service": "agentunit", "state_dict": 5.7})
+        answer = recv(sock)
+        sock.close()
+        assert answer["kind"] == "value" and "5.7, not a step number" in answer["error"]
+        assert asked == [3, None, 99, 7, 8, 5]
         handle.close()
     with running_agent(tmp_path, [0, 1]) as (agent, _):  # an agent with no service handle
         with pytest.raises(ServiceError, match="has no service handle"):
