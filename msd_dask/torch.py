@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from msd_dask.batch import Batch, loaded_step, reader_state
+from msd_dask.batch import Batch, loaded_step, rank_number, reader_state
 
 __all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
 
@@ -265,7 +265,8 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.address = address
         self.name = name
-        self.rank = int(rank)
+        # (a reader's rule: int() read rank 3 for 3.7 and rank 1 for True; a review)
+        self.rank = rank_number(rank)
         self.steps = steps
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -462,9 +463,11 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
             self._carried = [b for b in self._carried if b.step > step]
             if self._carried and self._carried[0].step != step + 1:
                 self._carried = []
-            if self._carried:
-                self.last_step = step if step >= 0 else None
-            else:
+            # the last step "handed out" is the state's: the step before the load said it
+            # until the next batch, once prefetching had started (a checkpoint taken then
+            # went back to it; a review)
+            self.last_step = step if step >= 0 else None
+            if not self._carried:
                 self._pending_state = dict(state)
         else:  # (its reader, direct or a host agent's, refuses a state it cannot honour)
             self._reader.load_state_dict(state)

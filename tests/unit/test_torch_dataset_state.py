@@ -273,6 +273,35 @@ def test_a_closed_prefetchers_get_raises_instead_of_waiting() -> None:
         p.get(timeout=5)
 
 
+def test_a_state_loaded_after_a_close_is_the_datasets_until_the_next_batch(
+        service: _Service) -> None:
+    """A prefetching dataset that handed out steps 0-2, was closed and loaded the state of
+    step 10 said step 2 again once its next ``iter()`` had started prefetching, until the
+    next batch came: a checkpoint taken then went back to step 2 (a review)."""
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, prefetch=2)
+    it = iter(ds)
+    assert [next(it)["step"] for _ in range(3)] == [0, 1, 2]
+    ds.close()
+    ds.load_state_dict({"service": "demo", "rank": 0, "step": 10})
+    assert ds.state_dict()["step"] == 10
+    service.stall_at = 11  # (the next step is slow to come: the loop waits for it)
+    loop = threading.Thread(target=lambda: next(iter(ds), None), daemon=True)
+    loop.start()
+    assert wait_until(lambda: ds._prefetcher is not None, 5)
+    assert ds.state_dict()["step"] == 10
+    ds.close()
+    loop.join(10)
+    assert ds.state_dict()["step"] == 10
+
+
+@pytest.mark.parametrize("rank", [3.7, True, "3"])
+def test_a_rank_that_is_no_integer_is_refused(rank: Any) -> None:
+    """``int(rank)`` read rank 3 for 3.7 and rank 1 for True, where a reader refuses both
+    (a review)."""
+    with pytest.raises(ValueError, match=f"rank must be an integer, got {rank!r}"):
+        MsdIterableDataset("tcp://198.18.0.1:8786", "demo", rank)
+
+
 def test_one_timeout_does_not_end_prefetching(service: _Service) -> None:
     """The reader times out once at step 2: the loop sees the timeout once and reads on
     with the next ``iter()`` (prefetching used to raise it on every later call)."""
