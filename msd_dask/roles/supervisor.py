@@ -766,9 +766,12 @@ class RoleSupervisor:
             # inside a coroutine: a lost actor's handle raises on attribute access
             return await call(direct(h))
 
-        deadline = time.monotonic() + self.cfg.timeout
         while True:
             h = self.loader(source, slot)
+            # (each actor asked has the whole timeout: the one re-created for a loader lost
+            # late in the wait was found past the first one's deadline, and named frozen
+            # before it was asked anything; a review)
+            deadline = time.monotonic() + self.cfg.timeout
             task = asyncio.ensure_future(run(h))
             replaced = False
             while not task.done():
@@ -780,8 +783,15 @@ class RoleSupervisor:
                         f"and did not answer within {self.cfg.timeout:g}s (the config's "
                         "timeout); its worker is alive (frozen, or its event loop blocked?)")
                 await asyncio.wait({task}, timeout=1.0)
-                if not task.done() and await self.heal() and self.loader(source, slot) is not h:
+                if task.done():
+                    break
+                await self.heal()
+                # (whoever re-created it: another heal, a move off a retiring worker, found
+                # the loss first, and this call waited on the lost actor until its timeout;
+                # a review)
+                if self.loader(source, slot) is not h:
                     task.cancel()
+                    task.add_done_callback(_observe)
                     replaced = True
                     break
             if replaced or task.cancelled():
@@ -789,7 +799,8 @@ class RoleSupervisor:
             exc = task.exception()
             if exc is None:
                 return task.result()
-            if await self.healed_after(exc) and self.loader(source, slot) is not h:
+            await self.healed_after(exc)
+            if self.loader(source, slot) is not h:
                 continue
             raise exc
 
@@ -1211,8 +1222,12 @@ class RoleSupervisor:
     async def notify(self, message: str) -> None:
         """Have every constructor tell its ranks ``message`` (an error), once they have
         every round posted to them (best effort: a lost constructor tells nothing)."""
-        calls = [asyncio.wait_for(c.notify(message), 5) for c in self.constructors]
-        await asyncio.gather(*calls, return_exceptions=True)
+        async def tell(c: Any) -> None:
+            # (looked up here: a lost actor's handle raises on the method's lookup, and
+            # raised in the list of calls, so that no constructor told its ranks; a review)
+            await asyncio.wait_for(c.notify(message), 5)
+
+        await asyncio.gather(*(tell(c) for c in self.constructors), return_exceptions=True)
 
     async def close(self, notice: str | None = None) -> None:
         """Close every constructor and loader and let Dask forget their actors; ``notice``:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import random
 import sys
+import time
 import types
 from collections import Counter
 from typing import Any
@@ -1245,3 +1246,118 @@ def test_a_scale_down_hands_the_retired_slots_units_to_the_others_in_turn(
     asyncio.run(asyncio.wait_for(run(), 20))
     assert len(sup.active["a"]) == 4 and len(heirs) == 4
     assert sorted(h for _, h in heirs) == sorted(sup.active["a"]), heirs
+
+
+def test_a_loader_re_created_late_in_a_calls_wait_has_the_whole_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call to a loader whose worker left late in the call's wait: the deadline was set
+    once, so the loader re-created in the slot was found past it, and the call raised
+    naming the new loader frozen before it was asked anything (a review).  The new loader
+    is asked, with a timeout of its own."""
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3"]
+    client = _SlowClient(workers)
+    answered: list[str] = []
+
+    async def assign(self: _Handle, keys: object) -> None:
+        answered.append(self._address)
+
+    monkeypatch.setattr(_Handle, "assign", assign, raising=False)
+    sup = _supervisor(monkeypatch, client, workers[0], 1, 1, timeout=1.5)
+
+    async def run() -> None:
+        await sup.setup()
+        old = sup.loader("a", 0)
+
+        async def frozen(keys: object) -> None:
+            await asyncio.Event().wait()  # its worker leaves while the call is under way
+
+        old.assign = frozen
+        asyncio.get_running_loop().call_later(1.05, client.scheduler.workers.remove,
+                                              old._address)
+        client.slow = True  # (the new loader starts a moment after it is submitted)
+        await asyncio.wait_for(sup.assign_units("a", 0, [(0, 1)]), 20)
+        new = sup.loader("a", 0)
+        assert new is not old and answered == [new._address]
+
+    asyncio.run(run())
+
+
+def test_a_call_to_a_loader_another_heal_re_created_goes_to_the_new_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call looked for the loader re-created in its slot only where its own heal did the
+    re-creating: where a move of roles off a retiring worker found the loss first, the call
+    waited on the lost actor until the timeout and raised naming a gone worker "alive
+    (frozen ...)", which ended the planning loop (a review)."""
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
+    client = _Client(workers)
+    answered: list[str] = []
+
+    async def assign(self: _Handle, keys: object) -> None:
+        answered.append(self._address)
+
+    monkeypatch.setattr(_Handle, "assign", assign, raising=False)
+    sup = _supervisor(monkeypatch, client, workers[0], 1, 2, timeout=4.0)
+
+    async def run() -> None:
+        await sup.setup()
+        old = sup.loader("a", 0)
+        dying = old._address
+
+        async def frozen(keys: object) -> None:
+            await asyncio.Event().wait()  # its worker dies while the call is under way
+
+        old.assign = frozen
+        held = {h._address for h, _ in sup._all_loaders()}
+        retire = next(w for w in workers[1:] if w in held and w != dying)
+        handed = [0]
+
+        async def hand_over(source: str, slots: object, heir: object) -> None:
+            handed[0] += 1
+            if handed[0] == 1:  # the dying worker goes while roles are moved off another
+                client.scheduler.workers.remove(dying)
+                raise OSError("Unable to contact Actor's worker")
+
+        monkeypatch.setattr(sup.planner, "hand_over", hand_over, raising=False)
+        call = asyncio.ensure_future(sup.assign_units("a", 0, [(0, 1)]))
+        await asyncio.sleep(0.2)
+        await sup.evacuate([retire])
+        new = sup.loader("a", 0)
+        assert new is not old
+        t0 = time.monotonic()
+        await asyncio.wait_for(call, 10)
+        assert time.monotonic() - t0 < 3.0  # (not the call's whole timeout)
+        assert answered == [new._address]
+
+    asyncio.run(run())
+
+
+def test_every_live_constructor_is_told_when_one_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's failure was told to every constructor through a list of calls made
+    outside a coroutine: a lost constructor's handle raises on the method's lookup, so no
+    constructor told its ranks, whose readers waited out their timeout (a review)."""
+    told: list[str] = []
+
+    async def notify(self: _Handle, message: str) -> None:
+        told.append(self.key)
+
+    monkeypatch.setattr(_Handle, "notify", notify, raising=False)
+
+    class Lost(_Handle):
+        """What a Dask actor's handle does once its future is lost."""
+
+        def __getattribute__(self, name: str) -> Any:
+            if name in ("notify", "close", "stats"):
+                raise RuntimeError("Worker holding Actor was lost.  Status: lost")
+            return object.__getattribute__(self, name)
+
+    workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
+    sup = _supervisor(monkeypatch, _Client(workers), workers[0], 4, 1)
+
+    async def run() -> None:
+        await sup.setup()
+        lost = sup.constructors[1]
+        sup.constructors[1] = Lost(lost._address, lost.key)
+        await sup.notify("planner failed at step 7")
+
+    asyncio.run(run())
+    assert sorted(told) == sorted(c.key for i, c in enumerate(sup.constructors) if i != 1)
