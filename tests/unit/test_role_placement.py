@@ -1248,6 +1248,17 @@ def test_a_scale_down_hands_the_retired_slots_units_to_the_others_in_turn(
     assert sorted(h for _, h in heirs) == sorted(sup.active["a"]), heirs
 
 
+def _answering_assign(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Loaders that take their units at once; the workers of those asked, in order."""
+    answered: list[str] = []
+
+    async def assign(self: _Handle, keys: object) -> None:
+        answered.append(self._address)
+
+    monkeypatch.setattr(_Handle, "assign", assign, raising=False)
+    return answered
+
+
 def test_a_loader_re_created_late_in_a_calls_wait_has_the_whole_timeout(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A call to a loader whose worker left late in the call's wait: the deadline was set
@@ -1256,12 +1267,7 @@ def test_a_loader_re_created_late_in_a_calls_wait_has_the_whole_timeout(
     is asked, with a timeout of its own."""
     workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3"]
     client = _SlowClient(workers)
-    answered: list[str] = []
-
-    async def assign(self: _Handle, keys: object) -> None:
-        answered.append(self._address)
-
-    monkeypatch.setattr(_Handle, "assign", assign, raising=False)
+    answered = _answering_assign(monkeypatch)
     sup = _supervisor(monkeypatch, client, workers[0], 1, 1, timeout=1.5)
 
     async def run() -> None:
@@ -1290,12 +1296,7 @@ def test_a_call_to_a_loader_another_heal_re_created_goes_to_the_new_one(
     (frozen ...)", which ended the planning loop (a review)."""
     workers = ["tcp://h:1", "tcp://h:2", "tcp://h:3", "tcp://h:4"]
     client = _Client(workers)
-    answered: list[str] = []
-
-    async def assign(self: _Handle, keys: object) -> None:
-        answered.append(self._address)
-
-    monkeypatch.setattr(_Handle, "assign", assign, raising=False)
+    answered = _answering_assign(monkeypatch)
     sup = _supervisor(monkeypatch, client, workers[0], 1, 2, timeout=4.0)
 
     async def run() -> None:
