@@ -161,6 +161,14 @@ class SourceLoader:
         if self._closed:  # (its reader is stopped: the call would wait for ever)
             raise RuntimeError(f"loader {self.index} of source {self.src.name!r} was closed; "
                                "ask the loader now in its slot")
+        for epoch, unit in keys:  # (all checked before any is queued)
+            if not 0 <= unit < len(self.units) or epoch < 0:
+                # (a unit past the end raised inside the read's own bookkeeping, which
+                # settled no future: the call waited for ever; a negative one read the
+                # last unit under another key; a review)
+                raise ValueError(f"loader {self.index} of source {self.src.name!r} was asked "
+                                 f"for unit {unit} of epoch {epoch}: the source has units "
+                                 f"0..{len(self.units) - 1}, epochs from 0")
         loop = asyncio.get_running_loop()
         if self._todo is None:
             self._todo = asyncio.Queue()
@@ -206,6 +214,16 @@ class SourceLoader:
         """
         try:
             await self._read_unit(key)
+        except BaseException as e:
+            # (whatever fails in the read's own bookkeeping reaches those who wait for the
+            # unit: they waited for ever, behind a task error nobody read; a review)
+            fut = self._ready.get(key)
+            if fut is not None and not fut.done():
+                fut.set_exception(e if isinstance(e, Exception) else
+                                  RuntimeError(f"the read of unit {key[1]} (epoch {key[0]}) "
+                                               f"of source {self.src.name!r} stopped: {e!r}"))
+                del self._ready[key]
+            raise
         finally:
             self._reading.pop(key, None)
 
@@ -321,6 +339,7 @@ class SourceLoader:
         """:meth:`fetch`; each key it uses is pinned once (counted in ``_pins``) and added
         to ``pinned``, for :meth:`fetch` to unpin."""
         out: list[np.ndarray | tuple[np.ndarray, np.ndarray]] = []
+        tokens = 0  # (counted once the whole fetch is cut: a failed one delivers nothing)
         rows: Sequence[Sequence[int]] = (requests.reshape(-1, 5).tolist()
                                          if isinstance(requests, np.ndarray) else requests)
         for epoch, unit, row, start, end in rows:
@@ -360,7 +379,8 @@ class SourceLoader:
                 out.append(doc.piece(int(start), int(end)))
             else:
                 out.append(doc[int(start):int(end) + 1])
-            self.tokens_fetched += int(end) - int(start)
+            tokens += int(end) - int(start)
+        self.tokens_fetched += tokens
         return join_pieces(out)
 
     async def fetch_packed(self, requests: bytes) -> bytes:

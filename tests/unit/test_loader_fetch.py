@@ -213,6 +213,56 @@ def test_a_unit_read_again_differently_is_read_once_more_not_cut(corpus, tmp_pat
     asyncio.run(run())
 
 
+def test_a_fetch_that_fails_counts_no_token_fetched(corpus, tmp_path) -> None:
+    """A fetch that failed at a later row counted the pieces cut before it as fetched, and
+    its retry counted them again (a review): ``tokens_fetched`` counts what was delivered."""
+    source, units, path = _skipping_copy(corpus, tmp_path)
+
+    async def run() -> None:
+        request, _want = await _planned_then_away(source, units, path)
+        again = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            lengths = np.asarray(await again.metadata(0, 0))
+            first = (0, 0, units[0][2], 0, int(lengths[0]) - 1)  # a piece that is there
+            with pytest.raises(RuntimeError, match="read again"):
+                await again.fetch([first, *request])
+            assert again.tokens_fetched == 0
+            await again.fetch([first])
+            assert again.tokens_fetched == int(lengths[0]) - 1
+        finally:
+            await again.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("key", [(0, 10_000), (0, -1), (-1, 0)])
+def test_a_unit_the_source_does_not_have_is_refused_naming_it(corpus, key) -> None:
+    """A unit past the end raised inside the read's bookkeeping, which settled no future:
+    ``metadata`` and ``fetch`` waited for ever; unit -1 answered the last unit's lengths
+    (a review).  Refused at once, naming the unit and the source's range."""
+    root, _texts = corpus
+    source, units = _loader_inputs(config(root), 0)
+    epoch, unit = key
+
+    async def run() -> None:
+        loader = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            says = (rf"loader 0 of source 'code' was asked for unit {unit} of epoch {epoch}: "
+                    rf"the source has units 0\.\.{len(units) - 1}")
+            with pytest.raises(ValueError, match=says):
+                await asyncio.wait_for(loader.metadata(epoch, unit), 10)
+            with pytest.raises(ValueError, match=says):
+                await asyncio.wait_for(loader.fetch([(epoch, unit, 0, 0, 1)]), 10)
+            with pytest.raises(ValueError, match=says):
+                await loader.assign([(0, 0), key])
+            assert (0, 0) not in loader._ready  # (nothing of the call was queued)
+            assert len(np.asarray(await loader.metadata(0, 0))) > 0  # (it reads on)
+        finally:
+            await loader.close()
+
+    asyncio.run(run())
+
+
 def test_fetches_waiting_together_for_a_unit_read_differently_both_say_so(corpus, tmp_path) -> None:
     """Two fetches wait for one unit (a constructor's round and a retry, say); the first
     to wake finds it read differently and drops it.  The second then took the dropped
