@@ -7,7 +7,10 @@ digits (a service started again under its name never finds the old roles' keys).
 Service names are free text, so a prefix does not tell services apart: every key
 of a service ``train-eval`` starts with ``msd-train-``.  :func:`role_pattern`
 matches a loader's or constructor's whole key, given the service's sources, and
-no key of another service.
+no key of another service.  In a key, a service's or source's ``-`` is written
+``%2D`` (and ``%`` ``%25``): the fields between the dashes are then one split, where
+the loaders of service ``train``'s source ``eval-constructor`` matched the
+constructors of service ``train-loader-eval`` (a review).
 """
 
 from __future__ import annotations
@@ -32,19 +35,25 @@ def lost_reading_key(service: str) -> list[str]:
     return ["msd_dask", service, "lost_reading"]
 
 
+def _field(name: str) -> str:
+    """``name`` as a key writes it: with no ``-``, so that a key's fields split one way."""
+    return name.replace("%", "%25").replace("-", "%2D")
+
+
 def planner_key(service: str, generation: int) -> str:
     """A new key for the planner of ``service`` (generation 0 unnumbered)."""
-    return f"msd-{service}-planner" + (f"-g{generation}" if generation else "") + f"-{_tail()}"
+    return (f"msd-{_field(service)}-planner" + (f"-g{generation}" if generation else "")
+            + f"-{_tail()}")
 
 
 def constructor_key(service: str, index: int) -> str:
     """A new key for constructor ``index`` of ``service``."""
-    return f"msd-{service}-constructor-{index}-{_tail()}"
+    return f"msd-{_field(service)}-constructor-{index}-{_tail()}"
 
 
 def loader_key(service: str, source: str, slot: int) -> str:
     """A new key for the loader in ``slot`` of ``source`` of ``service``."""
-    return f"msd-{service}-loader-{source}-{slot}-{_tail()}"
+    return f"msd-{_field(service)}-loader-{_field(source)}-{slot}-{_tail()}"
 
 
 def role_pattern(service: str, sources: Iterable[str]) -> str:
@@ -52,15 +61,15 @@ def role_pattern(service: str, sources: Iterable[str]) -> str:
     loader and constructor of ``service``, whose sources are ``sources``, and no other
     key: not its planner's, and none of another service (whose name may start with
     ``service``)."""
-    names = "|".join(re.escape(s) for s in sorted(set(sources), key=len, reverse=True))
+    names = "|".join(re.escape(_field(s)) for s in sorted(set(sources), key=len, reverse=True))
     loader = f"|loader-(?:{names})-[0-9]+" if names else ""
-    return f"msd-{re.escape(service)}-(?:constructor-[0-9]+{loader})-[0-9a-f]{{8}}"
+    return f"msd-{re.escape(_field(service))}-(?:constructor-[0-9]+{loader})-[0-9a-f]{{8}}"
 
 
 def planner_pattern(service: str) -> str:
     """A regular expression (for :func:`is_role_of`) that matches the whole key of every
     planner of ``service`` (each generation's, :func:`planner_key`) and no other key."""
-    return f"msd-{re.escape(service)}-planner(?:-g[0-9]+)?-[0-9a-f]{{8}}"
+    return f"msd-{re.escape(_field(service))}-planner(?:-g[0-9]+)?-[0-9a-f]{{8}}"
 
 
 def is_role_of(key: object, pattern: str) -> bool:

@@ -33,6 +33,12 @@ SERVICES = {
     "a.b": ["s+t"],
     "a-b": ["s"],
     "": ["web"],
+    # names whose dashes made the fields split two ways (a review): train's source
+    # eval-constructor against train-loader-eval's constructors, and a-loader-b against
+    # train-loader-a's source b
+    "train2": ["eval-constructor", "a-loader-b", "50%-off"],
+    "train2-loader-eval": ["web"],
+    "train2-loader-a": ["b"],
 }
 
 
