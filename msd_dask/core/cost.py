@@ -154,6 +154,8 @@ class CostFitter:
         #: steps timed as a whole: [weight, seconds, [[ΣL, ΣL²] of candidate ranks]]
         self._steps: list[list[Any]] = []
         self._cached: CostModel | None = None
+        #: times :meth:`plausible` set aside since the last it took
+        self._set_aside_in_a_row = 0
 
     @classmethod
     def from_config(cls, cfg: CostConfig, **kwargs: Any) -> CostFitter:
@@ -208,6 +210,8 @@ class CostFitter:
         times = [float(t) for t in seconds]  # type: ignore[union-attr]
         if len(times) != len(feats):
             raise ValueError(f"{len(feats)} ranks but {len(times)} times")
+        for y in times:  # (all of them first: a bad time of rank k recorded ranks 0..k-1 of
+            _check_seconds(y)  # a step it refused, and a retry counted them twice; a review)
         for (s1, s2), y in zip(feats, times, strict=True):
             self._add(s1, s2, y)
 
@@ -216,17 +220,49 @@ class CostFitter:
         ``min_observations``; after, within :data:`IMPLAUSIBLE` times the current model's
         prediction either way.  Least squares let one step that compiled (a first step's
         torch.compile, a rank that paused) outweigh hundreds: a 20 times slower first step
-        fitted β to 0 for the rest of a run, and the outlier delay went off (a review)."""
+        fitted β to 0 for the rest of a run, and the outlier delay went off (a review).
+
+        Never a time of 0 for some work.  ``min_observations`` times in a row set aside
+        say the level changed (or the times first fitted were off): the fit
+        starts again from its prior (:meth:`restart`) and this time is taken."""
+        if float(seconds) <= 0 < float(sum_lengths):
+            # (no work takes no time: eight zero-second reports fitted the unscaled prior,
+            # and every real time after was set aside for good; a review)
+            return False
         if self.count < self.min_observations:
             return True
         m = self.model()
         predicted = m.linear * float(sum_lengths) + m.quadratic * float(sum_squares)
         if not predicted > 0:
             return True
-        return 1 / IMPLAUSIBLE <= float(seconds) / predicted <= IMPLAUSIBLE
+        if 1 / IMPLAUSIBLE <= float(seconds) / predicted <= IMPLAUSIBLE:
+            self._set_aside_in_a_row = 0
+            return True
+        self._set_aside_in_a_row += 1
+        if self._set_aside_in_a_row < self.min_observations:
+            return False
+        # ``min_observations`` times in a row off the fit: the level changed (or the first
+        # times fitted were off, a long warm-up): the fit starts again from the prior, and
+        # takes the times to come; it rejected every later time for good (a review)
+        self.restart()
+        return True
+
+    def restart(self) -> None:
+        """Forget every observation: the fit starts again from its prior."""
+        self.count = 0
+        self._w = 0.0
+        self._xtx = np.zeros((2, 2))
+        self._xty = np.zeros(2)
+        self._yty = 0.0
+        self._steps = []
+        self._cached = None
+        self._set_aside_in_a_row = 0
 
     def _add(self, s1: float, s2: float, y: float) -> None:
         _check_seconds(y)
+        if not (math.isfinite(s1) and math.isfinite(s2) and s1 >= 0 and s2 >= 0):
+            # (a NaN went into the sums and the fit was the unscaled prior for good; a review)
+            raise ValueError(f"a rank's ΣL and ΣL² must be finite and >= 0, got {s1!r}, {s2!r}")
         if s1 <= 0 and s2 <= 0:
             return                          # nothing processed: says nothing about α, β
         x = np.array([s1, s2])
@@ -276,7 +312,9 @@ class CostFitter:
         # directions the data never separates): a pull of prior_weight units in every
         # direction outweighed hundreds of observations where ranks' ΣL hardly differ,
         # the usual case (rows are filled), and held β/α near the prior's (a review)
-        lam = self.prior_weight * (p.mean_information() + PRIOR_FLOOR * np.eye(2))
+        # (the floor whatever prior_weight is: at 0 equal-length data dropped β to 0, where
+        # the prior's β/α is to be kept; a review)
+        lam = self.prior_weight * p.mean_information() + PRIOR_FLOOR * np.eye(2)
         if not self._steps:
             # min |yn - Xn u|^2 + (u - u0)ᵀ lam (u - u0) over u >= 0, in closed form
             u = _nnls2(p.g + lam, p.b + lam @ u0)
@@ -330,6 +368,7 @@ class CostFitter:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._cached = None
+        self._set_aside_in_a_row = 0
         self.prior = CostModel(*(float(v) for v in state["prior"]))
         self.min_observations = int(state["min_observations"])
         self.prior_weight = float(state["prior_weight"])

@@ -247,6 +247,65 @@ def test_a_time_far_from_the_fit_is_implausible() -> None:
         10 * relative_errors(fitter.model(), np.random.default_rng(3)).max()
 
 
+def _fed(fitter: CostFitter, rng: np.random.Generator, n: int, scale: float = 1.0) -> int:
+    """Offer ``n`` ranks' times (``scale`` times the true ones) as the planner does: each
+    one :meth:`~CostFitter.plausible` takes is observed; returns how many were."""
+    taken = 0
+    for _ in range(n):
+        rows = rank_pieces(rng)
+        flat = np.concatenate(rows).astype(np.float64)
+        s1, s2, y = float(flat.sum()), float((flat * flat).sum()), scale * true_seconds(flat)
+        if fitter.plausible(s1, s2, y):
+            fitter.observe_sums(s1, s2, y)
+            taken += 1
+    return taken
+
+
+@pytest.mark.parametrize("first", ["zero", "slow"])
+def test_a_fit_whose_first_times_were_off_learns_the_real_ones(first: str) -> None:
+    """The first ``min_observations`` times are taken whatever they are, and every later
+    time more than 4x off the fit was set aside for good: after eight zero-second reports,
+    or eight of a warm-up 5 times slow, the fit never learned again (a review).  A time of
+    0 is never taken, and as many times in a row set aside start the fit again."""
+    rng = np.random.default_rng(4)
+    fitter = CostFitter(min_observations=8)
+    if first == "zero":
+        assert not fitter.plausible(1000.0, 1e6, 0.0)
+        fitter.observe_sums(1000.0, 1e6, 0.0)  # (observed anyway, as a caller may)
+    else:
+        assert _fed(fitter, rng, 8, scale=5.0) == 8
+    assert _fed(fitter, rng, 300) > 280
+    assert relative_errors(fitter.model(), np.random.default_rng(3)).max() < 0.01
+
+
+def test_a_rank_with_lengths_that_are_no_numbers_is_refused() -> None:
+    """A NaN or infinite ΣL went into the sums, and the fit was the unscaled prior for good
+    (a review); a step with a bad time of one rank recorded the ranks before it, and a
+    retry counted them twice."""
+    fitter = CostFitter()
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="ΣL and ΣL² must be finite and >= 0"):
+            fitter.observe_sums(bad, 1.0, 1.0)
+    with pytest.raises(ValueError, match="seconds must be finite"):
+        fitter.observe_step([np.array([10]), np.array([20]), np.array([30])],
+                            [1.0, float("nan"), 1.0])
+    assert fitter.count == 0 and fitter.model() == fitter.prior
+
+
+def test_without_a_prior_weight_one_length_keeps_the_priors_ratio() -> None:
+    """With ``prior_weight: 0`` the floor that keeps the prior's β/α in directions the data
+    never separates was 0 too: documents of one length fitted β to 0 (and the outlier
+    delay ``auto`` went off; a review)."""
+    prior = CostModel.from_transformer(4096, 32)
+    for length in (512, 4096, 131072):
+        fitter = CostFitter(prior, prior_weight=0.0)
+        for _ in range(20):
+            fitter.observe([np.full(8, length)], 3.0)
+        m = fitter.model()
+        assert m.quadratic / m.linear == pytest.approx(prior.quadratic / prior.linear, rel=1e-3)
+        assert m.total([np.full(8, length)]) == pytest.approx(3.0, rel=1e-6)
+
+
 def test_the_prior_weighs_as_its_share_of_mean_observations_in_every_direction() -> None:
     """Filled rows give every rank about the same ΣL: β/α is the direction the data tells
     weakly.  The prior's pull of ``prior_weight`` units in every direction outweighed
