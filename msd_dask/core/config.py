@@ -1030,6 +1030,11 @@ def _parse(d: Any) -> Config:
     outliers = OutlierConfig(min_length=ml,
                              group=_int(oc, "group", "outliers", OutlierConfig.group, lo=0),
                              max_wait=_int(oc, "max_wait", "outliers", OutlierConfig.max_wait))
+    if outliers.group > parallel.dp * batch.micro_batches:
+        # (released a row each: the pieces over the rows were carried, behind the next group)
+        raise ConfigError("outliers.group", f"must be at most the step's rows, parallel.dp × "
+                          f"batch.micro_batches = {parallel.dp * batch.micro_batches} (0: that "
+                          f"many), got {outliers.group}")
     if outliers.min_length and outliers.min_length != "auto" and no_hold:
         raise ConfigError("outliers.min_length", "cannot be combined with long_context.mode "
                           "'grouped' or long_context.max_per_rank while a source has context: "

@@ -539,34 +539,55 @@ class Planner:
         without making the pieces (10⁶ of them at dp 16,384 × 128K)."""
         return units_of(self._carry, self._names) | units_of(self._held, self._names)
 
-    def _release(self, group: int, hold_limit: int) -> np.ndarray:
-        """Held outliers that join this step: ``group`` of them, and every one held
-        ``max_wait`` steps.
+    def _release(self, group: int, hold_limit: int, rows: int) -> np.ndarray:
+        """Held outliers that join this step: ``group`` of them, and the oldest pieces that
+        must go now for none to wait more than ``max_wait`` steps at ``rows`` a step
+        (:meth:`_due`); at most ``rows`` in all (a row each), the oldest first.
 
         The group is the run of ``group`` held pieces closest in length
         (:func:`_closest_group`); it is released once its longest is at most
         :data:`RELEASE_SPREAD` times its shortest, or once the hold is half full, and
         must include the oldest piece once that has waited ``max_wait // 2`` steps.
-        Pieces that have waited ``max_wait`` steps go with it (all of them where fewer
-        than ``group`` are held).
+        Where fewer than ``group`` are held, all go once the oldest waited ``max_wait``.
+        (Every piece that had waited ``max_wait`` went with the group, however many: more
+        than a step has rows, and those left over were carried behind the next release,
+        step after step, reaching training long after ``max_wait``; a review.)
         """
         m = len(self._held)
         waited = self.step - int(self._held_step[0]) if m else 0
         max_wait = self.cfg.outliers.max_wait
+        take = np.zeros(m, dtype=bool)
+        take[:self._due(rows)] = True  # (the hold is in the order pieces came)
         if m < group:
             if m and waited >= max_wait:
-                out = self._held
-                self._held, self._held_step = _no_pieces(), self._held_step[:0]
-                return out
-            return _no_pieces()
+                take[:] = True
+            return self._take_held(take, rows)
         lengths = self._held[:, 6] - self._held[:, 5]
         pick = _closest_group(lengths, group, waited >= max_wait // 2)
         spread = float(lengths[pick].max()) / max(float(lengths[pick].min()), 1.0)
         if spread > RELEASE_SPREAD and m < hold_limit // 2 and waited < max_wait // 2:
-            return _no_pieces()
-        # with the group, every piece that has waited max_wait steps (the oldest is in it)
-        take = self.step - self._held_step >= max_wait
+            return self._take_held(take, rows)
         take[pick] = True
+        return self._take_held(take, rows)
+
+    def _due(self, rows: int) -> int:
+        """How many of the oldest held pieces must go this step for none to wait more than
+        ``max_wait`` steps, ``rows`` going a step: the most, over the next ``max_wait``
+        steps ``j``, of the pieces due within ``j`` steps less the ``rows × j`` the steps
+        after this one take."""
+        if not len(self._held):
+            return 0
+        max_wait = self.cfg.outliers.max_wait
+        left = np.clip(self._held_step + max_wait - self.step, 0, max_wait)
+        due = np.cumsum(np.bincount(left, minlength=max_wait + 1))
+        return max(0, int((due - rows * np.arange(max_wait + 1)).max()))
+
+    def _take_held(self, take: np.ndarray, most: int) -> np.ndarray:
+        """The held pieces ``take`` marks, at most ``most`` of them, the oldest first (the
+        hold is in the order pieces came), out of the hold."""
+        if int(take.sum()) > most:
+            take = take.copy()
+            take[np.flatnonzero(take)[most:]] = False
         out = self._held[take]
         self._held, self._held_step = self._held[~take], self._held_step[~take]
         return out
@@ -694,13 +715,23 @@ class Planner:
         # pieces, and a copy of it a step costs time and the planner's peak)
         carried = self._carry if waiting is None else self._carry[~waiting]
         waiting_pieces = None if waiting is None else self._carry[waiting]
-        first = np.concatenate([self._release(group, HOLD_GROUPS * group), carried])
+        # (the hold takes no more than max_wait steps' rows can release, so that _due always
+        # finds a step's rows enough: with max_wait 1 it held 4 groups, a group a step went,
+        # and the rest waited past max_wait; a review)
+        hold_limit = min(HOLD_GROUPS * group, cfg.outliers.max_wait * dp * mb)
+        released = self._release(group, hold_limit, dp * mb)
+        # released outliers first, a row each (best fit puts the carried pieces in the room
+        # beside them); with sequential's next fit the carried pieces first, which it
+        # promises to place: behind a release filling every row they waited (a review)
+        first = np.concatenate([carried, released] if cfg.balance == "sequential"
+                               else [released, carried])
+        del released
         del carried
         n_first = len(first)
         long_budget = dp * lc.max_per_rank if lc.mode == "spread" and lc.max_per_rank else None
         n_long = int(long_src[first[:, 0]].sum())
         table, held = self._draw(lookup, weights, eligible, capacity, first, n_long, long_budget,
-                                 hold, HOLD_GROUPS * group)
+                                 hold, hold_limit)
         del first  # copied into table
         if len(held):
             self._held = np.concatenate([self._held, held])

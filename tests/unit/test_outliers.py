@@ -96,9 +96,9 @@ def test_delay_lets_steps_balance_better() -> None:
 
 
 def test_no_piece_is_held_longer_than_max_wait() -> None:
-    """With a group that never fills, held pieces join a step after ``max_wait`` steps."""
+    """With a group of every row, held pieces join a step within ``max_wait`` steps."""
     pl = planner(make_cfg(WEIGHTS_3, "balanced", cost=COST,
-                          outliers={"min_length": MIN, "group": 1000, "max_wait": 3}))
+                          outliers={"min_length": MIN, "group": ROWS, "max_wait": 3}))
     held_ever: set[tuple] = set()
     delivered: set[tuple] = set()
     for _ in range(60):
@@ -253,6 +253,52 @@ def test_config_errors_name_the_key(outliers: dict, key: str) -> None:
         make_cfg(WEIGHTS_3, outliers=outliers)
 
 
+def test_a_group_over_the_steps_rows_is_refused() -> None:
+    """Released a row each, the pieces of a group over the step's rows were carried, behind
+    the next group released, step after step (a review)."""
+    with pytest.raises(ConfigError, match=rf"outliers\.group.*at most the step's rows, "
+                                          rf"parallel\.dp × batch\.micro_batches = {ROWS} "
+                                          r"\(0: that many\), got 7"):
+        make_cfg(WEIGHTS_3, outliers={"min_length": MIN, "group": 7})
+
+
+@pytest.mark.parametrize("balance", ["sequential", "lpt", "balanced"])
+@pytest.mark.parametrize("max_wait", [1, 2, 4])
+def test_a_held_piece_reaches_training_within_max_wait(balance: str, max_wait: int) -> None:
+    """Every piece held that had waited ``max_wait`` steps was released with the group, more
+    than the step has rows; those left over were carried, behind the next group released
+    before them, and reached training 5-9 steps after they were held at ``max_wait`` 1-4;
+    with ``sequential`` the pieces carried from the last step waited up to 13 steps behind
+    releases that filled every row (a review).  A release takes a row each, the oldest first,
+    and those due soon enough that none waits past ``max_wait``: none is held longer, and a
+    held piece reaches training within ``max_wait`` steps (one more with ``sequential``,
+    which places the carried pieces first); a carried piece, the next step."""
+    pl = planner(make_cfg(WEIGHTS_3, balance, cost=COST,
+                          outliers={"min_length": SEQ_LEN // 3, "max_wait": max_wait}))
+    held_at: dict[tuple, int] = {}
+    carried_at: dict[tuple, int] = {}
+    late_held, late_carried, held_ever = 0, 0, 0
+    for _ in range(240):
+        plan = pl.plan_step(lookup)
+        for q in plan.pieces():
+            key = q.to_tuple()
+            if key in held_at:
+                late_held = max(late_held, plan.step - held_at.pop(key))
+            if key in carried_at:
+                late_carried = max(late_carried, plan.step - carried_at.pop(key))
+        for q, since in pl.held:
+            held_at.setdefault(q.to_tuple(), since)
+            assert pl.step - since <= max_wait
+        held_ever = max(held_ever, len(held_at))
+        for q in pl.carry:
+            if q.to_tuple() not in held_at:
+                carried_at.setdefault(q.to_tuple(), pl.step)
+    assert held_ever >= ROWS  # (as many held as a step has rows, at least: the case)
+    assert late_held <= max_wait + (balance == "sequential"), late_held
+    if balance == "sequential":
+        assert late_carried <= 0, late_carried
+
+
 def test_outliers_refused_with_grouped_long_context() -> None:
     d = make_cfg(WEIGHTS_3).to_dict()
     d["sources"][0]["context"] = "long"
@@ -264,9 +310,11 @@ def test_outliers_refused_with_grouped_long_context() -> None:
 
 @pytest.mark.parametrize("balance", ["sequential", "lpt", "balanced"])
 @pytest.mark.parametrize("outliers", [{"min_length": MIN}, {"min_length": SEQ_LEN // 3},
-                                      {"min_length": MIN, "group": 7}])
+                                      {"min_length": MIN, "group": 3},
+                                      {"min_length": SEQ_LEN // 3, "max_wait": 1}])
 def test_exactly_once_for_every_strategy_and_group(balance: str, outliers: dict) -> None:
-    """Also where outliers can share a row (min_length < seq_len/2) or groups exceed the rows."""
+    """Also where outliers can share a row (min_length < seq_len/2), groups are fewer than
+    the rows, or every held piece is due at the next step."""
     pl = planner(make_cfg(WEIGHTS_3, balance, cost=COST, outliers=outliers))
     plans = run(pl, 200)
     assert all(sum(q.length for q in row) <= SEQ_LEN for p in plans for r in p.rows for row in r)

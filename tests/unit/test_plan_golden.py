@@ -19,7 +19,11 @@ rank under ``max_per_rank`` could take came to wait a step instead of staying ov
 limit, and for the two ``spread`` specs when such a piece came to try every row of a rank
 (not only its emptiest) and, carried, to take a new long piece's place on another rank,
 and for the two ``grouped`` specs when pieces of the other kind carried from the last step
-came to wait for a step of their kind: a change to any decision fails here.
+came to wait for a step of their kind, and for the specs that hold outliers when a release
+came to take at most a step's rows, the oldest first, with the pieces due soon enough that
+none waits more than ``max_wait`` steps (the hold no more than ``max_wait`` steps' rows),
+and ``sequential`` to place the carried pieces before the released ones: a change to any
+decision fails here.
 If a decision is changed on purpose, recompute them with
 ``python scripts/check_planner_equivalence.py --only golden``.
 """
@@ -37,11 +41,11 @@ GOLDEN = {
     "sequential-dp16-mb1-out0.0":
         "f484161b817d1c0d0b3b10b55867240ae60a86d025529a7578cfd503225d2683",
     "sequential-dp16-mb1-out0.5":
-        "8bdd6e069248bca0056286eec26f6dd5bde4fa6951c567aba2b8c464b5b7b41e",
+        "b196854305f7bee0c65ad88122950b78e67f0e5db15f4bb5d32d6fde798ccb47",
     "sequential-dp16-mb8-out0.0":
         "20282fe965eb8f797dc3158573036c0d3f5e817534df769cd533f784585df569",
     "sequential-dp16-mb8-out0.5":
-        "b0413e13050c3728a10a5e5ed24f5de0fa1a36984162a142f6266b0b88f0a45f",
+        "e0df39a7d67b59f7e7ce6d101dabf58ba49180a373b5c112d7130a358c06f1e0",
     "lpt-dp16-mb1-out0.0":
         "a9d163a105e22a838c516a39ed55e159d682c58a9852c0bece1b20c0d0773cda",
     "lpt-dp16-mb1-out0.5":
