@@ -917,10 +917,11 @@ class Planner:
                                self._checked_weights(w, f"overrides[{i}]"))
                               for i, (s, w) in enumerate(state["overrides"]))
             snap = PlannerSnapshot(
-                step=int(state["step"]), sources=tuple(self._names), streams=streams,
+                step=_whole("step", state["step"]), sources=tuple(self._names), streams=streams,
                 mixer=mixer, carry=self._table(state["carry"], "carry"),
                 held=self._table([t for t, _ in held], "held"),
-                held_step=np.array([int(s) for _, s in held], dtype=np.int64),
+                held_step=np.array([_whole(f"held[{i}][1]", s) for i, (_, s) in enumerate(held)],
+                                   dtype=np.int64),
                 overrides=overrides,
                 tokens={k: _whole(f"tokens[{k!r}]", v) for k, v in named["tokens"].items()},
                 pieces={k: _whole(f"pieces[{k!r}]", v) for k, v in named["pieces"].items()},
@@ -931,13 +932,17 @@ class Planner:
 
 
 def _whole(key: str, value: Any) -> int:
-    """``value``, a planner state's integer at ``key``; a ``ValueError`` naming the key."""
+    """``value``, a planner state's integer >= 0 at ``key``; a ``ValueError`` naming the key
+    (a float was cut, 2.7 read as 2, and a step of -4 or True taken; a review)."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"{key}: {value!r} is not an integer")
     try:
-        return int(value)
+        whole = int(value)
     except ValueError:
         raise ValueError(f"{key}: {value!r} is not an integer") from None
+    if whole != value and not isinstance(value, str) or whole < 0:
+        raise ValueError(f"{key}: {value!r} is not an integer >= 0")
+    return whole
 
 
 def _not_whole(e: Exception) -> ValueError:

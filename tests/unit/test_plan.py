@@ -677,6 +677,14 @@ def test_a_state_of_other_sources_is_refused_by_name(names: list[str]) -> None:
     (lambda s: s.update(carry=[["web", 0, 1, 0, 0, 0, 5, 5], ["web", 1, 2]]),
      r"carry\[1\]: a piece \['web', 1, 2\] is not"),
     (lambda s: s.update(overrides=[[3]]), r"overrides\[0\]: \[3\] is not \[step, weights\]"),
+    # (the step was read with int(): 2.7 as step 2, True as 1, -4 taken, None unnamed; and a
+    # float elsewhere was cut, an offset of 2.7 read as 2; a review)
+    (lambda s: s.update(step=2.7), r"step: 2\.7 is not an integer >= 0"),
+    (lambda s: s.update(step=True), r"step: True is not an integer"),
+    (lambda s: s.update(step=-4), r"step: -4 is not an integer >= 0"),
+    (lambda s: s.update(step=None), r"step: None is not an integer"),
+    (lambda s: s["streams"]["web"].update(offset=2.7),
+     r"streams\['web'\]\['offset'\]: 2\.7 is not an integer >= 0"),
 ])
 def test_a_state_that_is_not_whole_is_one_clear_error(change: Any, says: str) -> None:
     # each raised a bare KeyError or a numpy error, or (tokens {}) was taken and failed at
