@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["cp_divides", "cp_indices", "view_for_rank"]
+__all__ = ["check_view", "cp_divides", "cp_indices", "view_for_rank"]
 
 _TOKENS = ("input_ids", "labels", "position_ids")
 
@@ -33,14 +33,28 @@ def cp_divides(seq_len: int, cp_size: int) -> bool:
     return cp_size == 1 or seq_len % (2 * cp_size) == 0
 
 
-def cp_indices(seq_len: int, cp_rank: int, cp_size: int) -> np.ndarray:
-    """Row positions held by context-parallel rank ``cp_rank`` of ``cp_size``."""
+def _check_cp(seq_len: int, cp_rank: int, cp_size: int) -> None:
     if not 0 <= cp_rank < cp_size:  # (rank cp_size was given rank cp_size - 1's columns)
         raise ValueError(f"cp_rank {cp_rank} is not a rank of cp {cp_size}")
-    if cp_size == 1:
-        return np.arange(seq_len)
     if not cp_divides(seq_len, cp_size):
         raise ValueError(f"seq_len {seq_len} is not divisible by 2·cp = {2 * cp_size}")
+
+
+def check_view(seq_len: int, cp_rank: int = 0, cp_size: int = 1, pp_rank: int = 0,
+               pp_size: int = 1) -> None:
+    """A ``ValueError`` where a member's coordinates are no rank of the mesh, or rows of
+    ``seq_len`` tokens cannot be split ``cp_size`` ways (what :func:`view_for_rank`
+    refuses, before a caller hands anything over)."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank {pp_rank} is not a stage of pp {pp_size}")
+    _check_cp(seq_len, cp_rank, cp_size)
+
+
+def cp_indices(seq_len: int, cp_rank: int, cp_size: int) -> np.ndarray:
+    """Row positions held by context-parallel rank ``cp_rank`` of ``cp_size``."""
+    _check_cp(seq_len, cp_rank, cp_size)
+    if cp_size == 1:
+        return np.arange(seq_len)
     c = seq_len // (2 * cp_size)
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
     return np.concatenate([np.arange(first * c, (first + 1) * c),
@@ -66,8 +80,7 @@ def view_for_rank(batch: dict[str, Any], cp_rank: int = 0, cp_size: int = 1, pp_
         ``cp_size > 1`` token tensors are ``[micro_batches, seq_len / cp]`` and
         ``cp_index`` holds the row positions of the slice.
     """
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank {pp_rank} is not a stage of pp {pp_size}")
+    check_view(batch["input_ids"].shape[1], cp_rank, cp_size, pp_rank, pp_size)
     out = dict(batch)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     if cp_size > 1:

@@ -664,10 +664,12 @@ class DataConstructor:
             f"{s}#{li}" for s, li in keys)
         # each request list as one int64 array: Dask serializes a list of tuples element
         # by element, an array as one buffer
-        results = await asyncio.gather(
-            *(self._fetch(src, li, np.asarray(requests[(src, li)], dtype=np.int64))
-              for src, li in keys))
-        self._fetching = None
+        try:
+            results = await asyncio.gather(
+                *(self._fetch(src, li, np.asarray(requests[(src, li)], dtype=np.int64))
+                  for src, li in keys))
+        finally:  # (a failed or cancelled fetch said it fetched for good; a review)
+            self._fetching = None
         t1 = time.perf_counter()
         tokens: dict[tuple[int, int, int, int], np.ndarray] = {}
         for k, arrays in zip(keys, results, strict=True):
@@ -849,8 +851,11 @@ class DataConstructor:
         ``LOCAL_RANK`` on two hosts) both got every step, each answer taken for the other's
         lost one, and trained on the same batches without a word (a review).
         """
-        from msd_dask.core.mesh import view_for_rank
+        from msd_dask.core.mesh import check_view, view_for_rank
 
+        # (before anything is handed over: a view view_for_rank refused, after the round's
+        # steps were marked handed, lost them for the rank; a review)
+        check_view(self.seq_len, *view)
         rank = int(rank)
         # (a list when the call came as a message)
         holding = None if claimant is None else (str(claimant[0]), str(claimant[1]))
@@ -927,14 +932,13 @@ class DataConstructor:
                 through = _at_most(steps[0] - 1, returned)
                 for r in group:
                     self._raise_returned(r, through, claim_by)
-                payloads, batches = [], []
-                for s in steps:
-                    batch = await self._hand_over((s, dp), group)
-                    batches.append(batch)
-                    payloads.append(to_wire(view_for_rank(batch, *view)))
+                batches = [await self._hand_over((s, dp), group) for s in steps]
+                # (kept before the answer is made: one that fails to be made is sent again
+                # at the rank's next claim, as one lost on its way)
                 self._last_round[rank] = (steps, batches)
                 if holding is not None:
                     self._round_holder[rank] = holding
+                payloads = [to_wire(view_for_rank(b, *view)) for b in batches]
                 self.batches_sent += len(payloads)
                 for r in others:
                     self._drop_posted(r, steps[-1])

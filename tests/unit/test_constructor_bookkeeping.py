@@ -532,3 +532,49 @@ def test_a_loader_answer_that_does_not_fit_names_the_loader_or_document() -> Non
     error = _error_of(_WrongLength())
     assert ("step 0, DP rank 0, row 0, piece 0: a piece of 3 tokens given 2 token ids: source "
             "'toy', document 'f:0', chunk 0") in error, error
+
+
+def test_a_claim_with_a_view_of_no_rank_hands_nothing_over() -> None:
+    """A claim whose view is no rank of the mesh (``cp_rank`` 2 of ``cp`` 2) was refused by
+    ``view_for_rank`` after the round's steps were marked handed: the rank's retry with a
+    good view was told they were gone (a review).  It is refused before."""
+    async def run() -> Any:
+        con = await _serving({0: [0, 1]}, 2)
+        try:
+            await _built(con, 2)
+            with pytest.raises(ValueError, match="cp_rank 2 is not a rank of cp 2"):
+                await con.next_round(0, -1, view=(2, 2, 0, 1))
+            with pytest.raises(ValueError, match="pp_rank 1 is not a stage of pp 1"):
+                await con.next_round(0, -1, view=(0, 1, 1, 1))
+            assert (await con.stats())["last_claimed"] == {}
+            return await con.next_round(0, -1, view=(0, 1, 0, 1), wait=1)
+        finally:
+            await con.close()
+
+    answer = asyncio.run(asyncio.wait_for(run(), 30))
+    assert answer is not None and answer["steps"] == [0], answer
+
+
+def test_a_fetch_that_failed_is_not_said_to_go_on() -> None:
+    """``stats()["fetching"]`` was cleared only after a fetch succeeded: one that failed
+    (bad input, a timeout) or was cancelled went on being named for good (a review)."""
+    from msd_dask.errors import DataError
+
+    class Bad(ToyLoader):
+        async def fetch(self, requests: np.ndarray) -> Any:
+            raise DataError("corrupt document at row 0")
+
+    async def run() -> dict[str, Any]:
+        con = _bare({0: [0]}, timeout=5.0)
+        con.loaders = {"toy": {0: Bad()}}
+        con._work = asyncio.Queue()
+        con._task = asyncio.create_task(con._builder())
+        try:
+            await con.submit(_toy_round({0: [0]}, [0]))
+            await asyncio.wait_for(con._task, 10)
+            return await con.stats()
+        finally:
+            await con.close()
+
+    stats = asyncio.run(run())
+    assert "corrupt document at row 0" in stats["error"] and stats["fetching"] is None, stats
