@@ -357,10 +357,13 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
     planner's state after the step packed, the plan and the unpacked work let go as soon
     as they are used), on the planner's threads.
 
-    Returns the seconds of the three parts (planning, splitting, packing), the step's
-    pieces, the packed work and the packed state.  The plan's seconds leave out ``look``'s
-    own (by ``clock``): it makes each unit's lengths, which in the service the loaders read
-    and the actor keeps, so its ``lookup`` is a dict's (``PlannerActor._lookup``)."""
+    Returns the seconds of the three parts (planning, splitting, packing) by ``clock``
+    (wall seconds, or the thread's CPU with ``time.thread_time``: the parts were timed by
+    the wall whatever ``clock`` was, and the small-step table, labelled CPU, read wall
+    time; a review), the step's pieces, the packed work and the packed state.  The plan's
+    seconds leave out ``look``'s own: it makes each unit's lengths, which in the service
+    the loaders read and the actor keeps, so its ``lookup`` is a dict's
+    (``PlannerActor._lookup``)."""
     from msd_dask.core.row_placement import planner_threads
     from msd_dask.roles.planner import plan_for_constructors
 
@@ -375,7 +378,7 @@ def planning_step(pl: Planner, look: Any, constructors: int, relpath: dict[str, 
 
     times: list[float] = []
     step = plan_for_constructors(pl, lookup, constructors, Owner(), relpath,
-                                 threads=planner_threads(), times=times)
+                                 threads=planner_threads(), times=times, clock=clock)
     times[0] -= looking
     return times, step.pieces, step.work, step.after[1]
 

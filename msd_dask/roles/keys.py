@@ -19,8 +19,8 @@ import re
 import uuid
 from collections.abc import Iterable
 
-__all__ = ["constructor_key", "is_role_of", "loader_key", "lost_reading_key", "not_its_roles",
-           "planner_key", "planner_pattern", "role_pattern"]
+__all__ = ["constructor_key", "is_role_of", "key_prefix", "loader_key", "lost_reading_key",
+           "not_its_roles", "planner_key", "planner_pattern", "role_pattern"]
 
 
 def _tail() -> str:
@@ -40,20 +40,26 @@ def _field(name: str) -> str:
     return name.replace("%", "%25").replace("-", "%2D")
 
 
+def key_prefix(service: str) -> str:
+    """What every key of a role of ``service`` starts with (keys of a service whose name
+    starts with ``service`` may too: :func:`role_pattern` tells them apart)."""
+    return f"msd-{_field(service)}-"
+
+
 def planner_key(service: str, generation: int) -> str:
     """A new key for the planner of ``service`` (generation 0 unnumbered)."""
-    return (f"msd-{_field(service)}-planner" + (f"-g{generation}" if generation else "")
-            + f"-{_tail()}")
+    return f"{key_prefix(service)}planner" + (f"-g{generation}" if generation else "") + \
+        f"-{_tail()}"
 
 
 def constructor_key(service: str, index: int) -> str:
     """A new key for constructor ``index`` of ``service``."""
-    return f"msd-{_field(service)}-constructor-{index}-{_tail()}"
+    return f"{key_prefix(service)}constructor-{index}-{_tail()}"
 
 
 def loader_key(service: str, source: str, slot: int) -> str:
     """A new key for the loader in ``slot`` of ``source`` of ``service``."""
-    return f"msd-{_field(service)}-loader-{_field(source)}-{slot}-{_tail()}"
+    return f"{key_prefix(service)}loader-{_field(source)}-{slot}-{_tail()}"
 
 
 def role_pattern(service: str, sources: Iterable[str]) -> str:
@@ -63,13 +69,13 @@ def role_pattern(service: str, sources: Iterable[str]) -> str:
     ``service``)."""
     names = "|".join(re.escape(_field(s)) for s in sorted(set(sources), key=len, reverse=True))
     loader = f"|loader-(?:{names})-[0-9]+" if names else ""
-    return f"msd-{re.escape(_field(service))}-(?:constructor-[0-9]+{loader})-[0-9a-f]{{8}}"
+    return f"{re.escape(key_prefix(service))}(?:constructor-[0-9]+{loader})-[0-9a-f]{{8}}"
 
 
 def planner_pattern(service: str) -> str:
     """A regular expression (for :func:`is_role_of`) that matches the whole key of every
     planner of ``service`` (each generation's, :func:`planner_key`) and no other key."""
-    return f"msd-{re.escape(_field(service))}-planner(?:-g[0-9]+)?-[0-9a-f]{{8}}"
+    return f"{re.escape(key_prefix(service))}planner(?:-g[0-9]+)?-[0-9a-f]{{8}}"
 
 
 def is_role_of(key: object, pattern: str) -> bool:

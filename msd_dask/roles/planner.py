@@ -498,7 +498,8 @@ def _gathered(src: np.ndarray, ends: np.ndarray, delta: np.ndarray, index: np.nd
 def plan_for_constructors(planner: Planner, lookup: MetaLookup, constructors: int,
                           owner: Mapping[tuple[str, int, int], int],
                           relpath: Mapping[str, Sequence[str]], features: bool = False,
-                          threads: int = 1, times: list[float] | None = None) -> PlannedStep:
+                          threads: int = 1, times: list[float] | None = None,
+                          clock: Callable[[], float] = time.perf_counter) -> PlannedStep:
     """The next step of ``planner`` as the planner's actor plans it in its planning thread:
     planned (``plan_step``, which may raise ``NeedMetadata``), split into ``constructors``'
     work (:func:`split_plan`) and packed (:func:`~msd_dask.roles.constructor.pack_works`
@@ -520,10 +521,13 @@ def plan_for_constructors(planner: Planner, lookup: MetaLookup, constructors: in
     times : list, optional
         Appended the seconds of its three parts: planning (with its units and record),
         splitting, packing the work and the state.
+    clock : callable
+        What ``times`` are measured by (default wall seconds; ``time.thread_time`` for the
+        planning thread's CPU).
     """
     from msd_dask.sources.heap import trim_after
 
-    t0 = time.perf_counter()
+    t0 = clock()
     plan = planner.plan_step(lookup)
     used = plan.units()
     record = {
@@ -536,19 +540,19 @@ def plan_for_constructors(planner: Planner, lookup: MetaLookup, constructors: in
     }
     fitted = plan.rank_features() if features else None
     step, pieces, size = plan.step, len(plan.table), plan.table.nbytes
-    t1 = time.perf_counter()
+    t1 = clock()
     # what the placement freed goes back before the split, and the split's after the packing
     trim_after(size)
     work = split_plan(plan, constructors, owner, relpath, [x.name for x in planner.cfg.sources])
     del plan  # (its table: as large as the work's)
-    t2 = time.perf_counter()
+    t2 = clock()
     packed = pack_works(work, threads)
     del work
     # (split and packing change nothing of the planner's)
     after = _packed_state(planner.snapshot())
     trim_after(size)
     if times is not None:
-        times += [t1 - t0, t2 - t1, time.perf_counter() - t2]
+        times += [t1 - t0, t2 - t1, clock() - t2]
     return PlannedStep(step, pieces, used, record, fitted, after, packed)
 
 

@@ -8,6 +8,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 from msd_dask import DataService, ServiceError
+from msd_dask.roles.keys import key_prefix
 from msd_dask.service.placement import REGISTRY_PREFIX
 
 from checks import check_content, record
@@ -38,7 +39,7 @@ def test_close_releases_every_role_and_the_name_starts_again_from_step_0(corpus)
             # the rest are dropped with the closed service's constructors
             recs = []
             with DataService.start(config(root, name="closing"), cl.scheduler_address) as svc:
-                held, _ = _left(client, "msd-closing-")
+                held, _ = _left(client, key_prefix("closing"))
                 assert any("loader" in k for k in held) and any("constructor" in k for k in held)
                 readers = [svc.reader(r) for r in range(svc.config.parallel.world_size)]
                 for step in range(4):
@@ -48,7 +49,7 @@ def test_close_releases_every_role_and_the_name_starts_again_from_step_0(corpus)
                         recs.append(record(b))
             check_content(recs, texts, 512)
             deadline = time.monotonic() + 20
-            while (left := _left(client, "msd-closing-")) != ([], []):
+            while (left := _left(client, key_prefix("closing"))) != ([], []):
                 assert time.monotonic() < deadline, (
                     f"service {round_} closed 20 s ago; still held (actors, keys): {left}")
                 time.sleep(0.25)
@@ -237,7 +238,7 @@ print("read step", next(svc.reader(0)).step, flush=True)
 
 def _until_gone(client: Client, name: str, what: str) -> None:
     deadline = time.monotonic() + 30
-    while (left := _left(client, f"msd-{name}-")) != ([], []) or \
+    while (left := _left(client, key_prefix(name))) != ([], []) or \
             REGISTRY_PREFIX + name in map(str, client.list_datasets()):
         assert time.monotonic() < deadline, f"{what}; still held (actors, keys): {left}"
         time.sleep(0.25)

@@ -20,6 +20,7 @@ import pytest
 from distributed import Client
 
 from msd_dask import DataService, ServiceError
+from msd_dask.roles.keys import key_prefix
 
 from checks import check_content, check_exactly_once, record
 from cluster import dask_cluster
@@ -134,7 +135,7 @@ def _run_with_kill(tmp_path, role, n_workers=4, serve=False):
                 want = _current_keys(svc)
                 deadline = time.monotonic() + 20
                 while (got := svc.client.run_on_scheduler(
-                        _service_keys, prefix=f"msd-{cfg['name']}-")) != want:
+                        _service_keys, prefix=key_prefix(cfg["name"]))) != want:
                     assert time.monotonic() < deadline, (sorted(set(got) - set(want)),
                                                          sorted(set(want) - set(got)))
                     gc.collect()
