@@ -577,22 +577,25 @@ _FIGURE = re.compile(rf"^([a-z][a-z /]*): {_NUMBER}$")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cli_types import natural, positive_int
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 steps per configuration (< 3 min)")
-    p.add_argument("--steps", type=int, default=None, help="steps per configuration (default 8)")
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 1])
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="steps per configuration (default 8)")
+    p.add_argument("--micro-batches", type=positive_int, nargs="+", default=[4, 1])
     p.add_argument("--root", default="data/demo", help="demo corpus (skipped if absent)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--write", metavar="MD",
                    help="put the tables under '## Balance' in MD (a section there already "
                         "keeps its prose: only its tables and command change)")
     p.add_argument("--no-compose", action="store_true", help="skip the default planner's composition table")
-    p.add_argument("--scale-dp", type=int, default=16384,
+    p.add_argument("--scale-dp", type=natural, default=16384,
                    help="DP ranks of the end-to-end planner table (0: skip it; default 16384)")
-    p.add_argument("--scale-steps", type=int, default=16,
+    p.add_argument("--scale-steps", type=positive_int, default=16,
                    help="steps of the end-to-end table (default 16: at 128K the steps' sizes vary "
                         "4-fold, and the peak comes at the largest)")
-    p.add_argument("--small-steps", type=int, default=500,
+    p.add_argument("--small-steps", type=natural, default=500,
                    help="steps of the small-step table (bench_scaling's step, the demo corpus; "
                         "0: skip it)")
     args = p.parse_args(argv)

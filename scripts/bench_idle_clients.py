@@ -104,13 +104,30 @@ def _scheduler(port: int) -> Iterator[Callable[[], float]]:
             return t.user + t.system
 
         time.sleep(3.0)  # the scheduler up
+        # (one that could not take the port exits at once: the clients connected to whatever
+        # held it, and the table measured the dead process's CPU, 0 everywhere; a review)
+        if sched.poll() is not None:
+            raise SystemExit(f"the dask scheduler on port {port} exited at start (status "
+                             f"{sched.returncode}): is the port taken? give another --port")
         yield cpu
+        if sched.poll() is not None:
+            raise SystemExit(f"the dask scheduler on port {port} exited while measured "
+                             f"(status {sched.returncode})")
     finally:
         sched.terminate()
         try:
             sched.wait(10)
         except subprocess.TimeoutExpired:
             sched.kill()
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (the scheduler takes it a moment later)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _rate(cpu: Callable[[], float], seconds: float) -> float:
@@ -157,25 +174,32 @@ def measure_workers(workers: int, settle: float, window: float, port: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cli_types import natural, positive_float, positive_int, positive_list
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", default="128,512", help="comma-separated client counts")
-    p.add_argument("--procs", type=int, default=8, help="processes the clients connect from")
-    p.add_argument("--settle", type=float, default=30.0,
+    p.add_argument("--clients", type=positive_list, default=[128, 512],
+                   help="comma-separated client counts (default 128,512)")
+    p.add_argument("--procs", type=positive_int, default=8,
+                   help="processes the clients connect from")
+    p.add_argument("--settle", type=positive_float, default=30.0,
                    help="seconds after connecting before the window (the intervals adjust)")
-    p.add_argument("--window", type=float, default=90.0, help="seconds measured")
-    p.add_argument("--port", type=int, default=8799)
-    p.add_argument("--workers", default="",
+    p.add_argument("--window", type=positive_float, default=90.0, help="seconds measured")
+    p.add_argument("--port", type=natural, default=0,
+                   help="the scheduler's port (default: a free one)")
+    p.add_argument("--workers", type=positive_list, default=[],
                    help="comma-separated worker counts: measure idle workers' heartbeats instead "
                         "of clients' (one dask worker process each)")
     p.add_argument("--smoke", action="store_true", help="8 clients, 2 processes, a few seconds (CI)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.clients, args.procs, args.settle, args.window = "8", 2, 1.0, 2.0
+        args.clients, args.procs, args.settle, args.window = [8], 2, 1.0, 2.0
+    if not args.port:
+        args.port = _free_port()
     if args.workers:
         print(f"{'workers':>8} {'idle cores':>10} {'busy cores':>10} {'ms/s per worker':>15} "
               f"{'interval s':>10} {'ms per beat':>11}")
-        for n in (int(x) for x in args.workers.split(",")):
+        for n in args.workers:
             r = measure_workers(n, args.settle, args.window, args.port)
             print(f"{n:>8} {r['idle_cores']:>10.4f} {r['busy_cores']:>10.4f} "
                   f"{r['per_worker_ms_s']:>15.4f} {r['interval_s']:>10.1f} "
@@ -183,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{'clients':>8} {'made by':>8} {'connect ms':>10} {'idle cores':>10} "
           f"{'busy cores':>10} {'ms/s per client':>15} {'interval s':>10} {'ms per beat':>11}")
-    for n in (int(x) for x in args.clients.split(",")):
+    for n in args.clients:
         for service in (False, True):  # (side by side: the machine's load drifts)
             r = measure(n, min(args.procs, n), args.settle, args.window, args.port, service)
             print(f"{n:>8} {'msd_dask' if service else 'Dask':>8} {r['connect_ms']:>10.1f} "

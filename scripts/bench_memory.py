@@ -324,6 +324,20 @@ def _variant(v: str) -> tuple[int | None, int | None]:
     return int(v), _NO_CAP
 
 
+def _read_aheads(text: str) -> list[str]:
+    """``--read-ahead``'s values, each ``config``, ``nocap`` or a number of units >= 1: checked
+    before anything runs (a typo failed after the baseline's minutes, and 0 ran the config's
+    read-ahead under a column saying "0, no token cap"; a review)."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    for v in values:
+        if v not in ("config", "nocap") and not (v.isdigit() and int(v) >= 1):
+            raise argparse.ArgumentTypeError(f"expected config, nocap or a number of units "
+                                             f">= 1, got {v!r}")
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return values
+
+
 def _variant_head(v: str, default_ra: int) -> str:
     v = v.strip()
     if v == "config":
@@ -443,7 +457,8 @@ def run_msd(a: argparse.Namespace, common: list[str], timeout: float,
         agent_pids: list[int] = []
         try:
             procs.start("serve", ["--child", "serve", "--address", address, *common,
-                                  *(["--read-ahead-one", str(read_ahead)] if read_ahead else []),
+                                  *(["--read-ahead-one", str(read_ahead)]
+                                    if read_ahead is not None else []),
                                   *(["--read-ahead-tokens-one", str(read_ahead_tokens)]
                                     if read_ahead_tokens is not None else [])])
             procs.wait_ready(["serve"], timeout)
@@ -545,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds every process holds still before the first PSS sample")
     p.add_argument("--samples", type=int, default=3, help="PSS samples, one second apart")
     p.add_argument("--dask-workers", type=int, default=2)
-    p.add_argument("--read-ahead", default="config,nocap",
+    p.add_argument("--read-ahead", type=_read_aheads, default=["config", "nocap"],
                    help="msd_dask runs, one per comma-separated value: 'config' (the sources' "
                         "read_ahead units and read_ahead_tokens cap), 'nocap' (the config's "
                         "units, no token cap), or N (N units, no token cap)")
@@ -601,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--ranks", str(a.ranks), "--workers", str(a.workers), "--sources", str(a.sources),
               "--config", a.config, "--root", a.root, "--seq-len", str(a.seq_len),
               "--micro-batches", str(a.micro_batches), "--warm", str(a.warm)]
-    variants = [v.strip() for v in a.read_ahead.split(",")]
+    variants = a.read_ahead
     default_ra = cfg.sources[0].read_ahead
     t0 = time.perf_counter()
     hf = run_baseline(a, common, a.timeout)

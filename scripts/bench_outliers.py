@@ -108,22 +108,33 @@ def _min_length(text: str) -> int | float | str:
     text = text.strip()
     if text == "auto":
         return text
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:  # (raised ValueError's own words; a review)
+        raise argparse.ArgumentTypeError(f"expected auto, a number of tokens or a fraction "
+                                         f"of seq_len, got {text!r}") from None
     return int(value) if value.is_integer() and value >= 1 else value
+
+
+def _min_lengths(text: str) -> list[int | float | str]:
+    """``--min-lengths``: comma-separated :func:`_min_length` values."""
+    return [_min_length(x) for x in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from cli_types import non_negative_float, positive_int
+
     p.add_argument("--config", default="configs/demo.yaml")
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--ratio", type=float, default=1e-3,
+    p.add_argument("--dp", type=positive_int, default=2)
+    p.add_argument("--micro-batches", type=positive_int, default=2)
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--ratio", type=non_negative_float, default=1e-3,
                    help="β/α of the cost model (default 1e-3: what bench_train measures on its "
                         "ranks, 0.9-1.4e-3)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--min-lengths", default=None,
+    p.add_argument("--steps", type=positive_int, default=300)
+    p.add_argument("--min-lengths", type=_min_lengths, default=None,
                    help="comma-separated outliers.min_length values (default: seq_len × "
                         "3/8, 1/2 + 1, 3/4, 7/8 and 1)")
     p.add_argument("--quick", action="store_true", help="100 steps")
@@ -131,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.steps = 100
     s = a.seq_len
-    mins = ([_min_length(x) for x in a.min_lengths.split(",")] if a.min_lengths
-            else [3 * s // 8, s // 2 + 1, 3 * s // 4, 7 * s // 8, s])
+    mins = a.min_lengths or [3 * s // 8, s // 2 + 1, 3 * s // 4, 7 * s // 8, s]
     cfg0 = make_cfg(a.config, a.dp, a.micro_batches, s, a.ratio, 0)
     raw, _ = discover_units(cfg0)
     units = {k: [Unit(*t) for t in v] for k, v in raw.items()}

@@ -131,19 +131,26 @@ class _Plain:
         pass
 
 
+#: the CPU seconds each process of this one's tree had when last seen, by (pid, start time)
+_CPU_SEEN: dict[tuple[int, float], float] = {}
+
+
 def _cpu_seconds() -> float:
-    """CPU seconds of this process and its children (the cluster's nannies and workers)."""
+    """CPU seconds of this process and its children (the cluster's nannies and workers), a
+    child gone since its last look counted at what it had then: a child that exited within a
+    window took all its CPU out of the sum, and the window's CPU came out negative (a
+    review).  (A child that starts and ends between two looks is not seen.)"""
     import psutil
 
     me = psutil.Process()
-    total = 0.0
     for p in [me, *me.children(recursive=True)]:
         try:
-            t = p.cpu_times()
-            total += t.user + t.system
+            with p.oneshot():
+                t = p.cpu_times()
+                _CPU_SEEN[(p.pid, p.create_time())] = t.user + t.system
         except psutil.Error:
             pass
-    return total
+    return sum(_CPU_SEEN.values())
 
 
 def _policy_state(dask_scheduler: Any) -> dict[str, Any]:
@@ -204,6 +211,9 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
                 conv_time += step
                 conv_tokens += n
         elapsed = time.perf_counter() - t_start
+        if not conv_time:  # (its figures were printed as 0: a 0% wait, 0 us/token; a review)
+            raise SystemExit(f"no step started in the second half of the {seconds:g} s run: "
+                             "give more --seconds (or fewer --step-seconds)")
         cpu = _cpu_seconds() - (cpu0 or 0.0)
         stop.set()
         poller.join(5)
@@ -220,12 +230,12 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
     cost = {s: (sum(x["read_seconds"] for x in ls) / max(sum(x["tokens_read"] for x in ls), 1),
                 ls[0]["threads"] if ls else 1) for s, ls in loaders.items()}
     return {"tokens_per_s": tokens / elapsed, "wait": waited / elapsed,
-            "converged_tokens_per_s": conv_tokens / conv_time if conv_time else 0.0,
-            "converged_wait": conv_wait / conv_time if conv_time else 0.0,
+            "converged_tokens_per_s": conv_tokens / conv_time,
+            "converged_wait": conv_wait / conv_time,
             "timeline": timeline, "cost": cost, "policy": policy,
             "loader_cpu_per_token": loader_cpu_per_token(half, loaders),
             # CPU of every process (consumer, scheduler, workers) after convergence
-            "converged_cores": cpu / conv_time if conv_time else 0.0,
+            "converged_cores": cpu / conv_time,
             "converged_cpu_per_token": cpu / conv_tokens if conv_tokens else 0.0,
             # of that CPU, the loaders' reading, preprocessing and tokenizing
             "converged_read_cpu_per_token":
@@ -390,7 +400,19 @@ def _without_reading(r: dict[str, Any]) -> str:
             "us/token")
 
 
+def _pool(text: str) -> dict[str, Any]:
+    """``--pool``'s ``KIND[:SIZE]`` as a config's ``pool`` (``process:two`` raised
+    ``ValueError`` after the corpus was written; a review)."""
+    kind, _, size = text.partition(":")
+    if kind not in ("thread", "process") or size and not (size.isdigit() and int(size) > 0):
+        raise argparse.ArgumentTypeError(f"expected thread or process[:SIZE], SIZE a whole "
+                                         f"number > 0, got {text!r}")
+    return {"kind": kind, "size": int(size) if size else 1}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from cli_types import natural, non_negative_float, positive_float, positive_int
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/scaling",
@@ -401,27 +423,28 @@ def main(argv: list[str] | None = None) -> int:
                                     "msd_dask.examples.preprocess by its name (e.g. "
                                     "cpu_bound_py) or a full path package.module:function "
                                     "(default: store_20x for io, cpu_bound for cpu)")
-    p.add_argument("--pool", help="the costly source's pool as KIND:SIZE, e.g. process:2 "
+    p.add_argument("--pool", type=_pool,
+                   help="the costly source's pool as KIND:SIZE, e.g. process:2 "
                                   "(default: the loader's one thread)")
-    p.add_argument("--read-ahead-tokens", type=int, default=0,
+    p.add_argument("--read-ahead-tokens", type=natural, default=0,
                    help="variant: sources[].read_ahead_tokens of both sources (default: the "
                         "service's, prefetch whole steps)")
-    p.add_argument("--seconds", type=float, default=60.0, help="per allocation")
-    p.add_argument("--step-seconds", type=float, default=0.04,
+    p.add_argument("--seconds", type=positive_float, default=60.0, help="per allocation")
+    p.add_argument("--step-seconds", type=positive_float, default=0.04,
                    help="emulated compute per step (sets the demand)")
-    p.add_argument("--micro-batches", type=int, default=1,
+    p.add_argument("--micro-batches", type=positive_int, default=1,
                    help="rows of seq_len tokens per rank and step (the demand grows with it; "
                         "scale --step-seconds with it to keep the demand and take fewer, "
                         "larger steps)")
-    p.add_argument("--prefetch", type=int, default=2,
+    p.add_argument("--prefetch", type=natural, default=2,
                    help="batches each rank claims ahead (0: claim in the consumer's thread)")
-    p.add_argument("--service-prefetch", type=int, default=4,
+    p.add_argument("--service-prefetch", type=positive_int, default=4,
                    help="the service's prefetch: unclaimed steps each constructor holds; "
                         "rounds are one step fewer (default 4)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 2)
     p.add_argument("--plot", help="write the loaders-over-time plot here (PNG)")
     p.add_argument("--quick", action="store_true", help="25 s per allocation")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=positive_int, default=1,
                    help="adaptive runs (cpu mode: each between two measurements of what the "
                         "cores allow); the summary gives the median")
     p.add_argument("--no-reference", action="store_true",
@@ -430,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-only", action="store_true",
                    help="only that third run: the service's own CPU per token (cpu mode), "
                         "and what it delivers at this demand")
-    p.add_argument("--idle-seconds", type=float, default=None,
+    p.add_argument("--idle-seconds", type=non_negative_float, default=None,
                    help="with --reference-only: then measure the processes' CPU per second "
                         "with no step taken for this long, and a bare Dask cluster's (0: "
                         "neither; default 10)")
@@ -441,11 +464,6 @@ def main(argv: list[str] | None = None) -> int:
         args.idle_seconds = 10.0
     elif not args.reference_only:  # (the three runs measure no idle time: it would be lost)
         p.error("--idle-seconds applies to --reference-only alone")
-    if not args.idle_seconds >= 0:
-        p.error(f"--idle-seconds {args.idle_seconds}: must be a number of seconds >= 0")
-    for flag in ("micro_batches", "repeat", "service_prefetch"):
-        if getattr(args, flag) < 1:  # before the corpus is written or anything measured
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 1")
     if args.costly:
         try:
             args.costly = preprocess_path(args.costly)
@@ -460,10 +478,7 @@ def main(argv: list[str] | None = None) -> int:
 
         write_demo_corpus(args.data, prose_shards=64, code_shards=16, row_group_size=16)
     seconds = 25.0 if args.quick else args.seconds
-    pool = None
-    if args.pool:
-        kind, _, size = args.pool.partition(":")
-        pool = {"kind": kind, "size": int(size or 1)}
+    pool = args.pool
     cores = os.cpu_count() or 1
     mb = args.micro_batches
     demand = RANKS * SEQ_LEN * mb / args.step_seconds

@@ -225,8 +225,11 @@ def measure(client: Any, address: str, cfg: dict[str, Any], steps: int, warmup: 
     time, not with batches.
     """
     from msd_dask import DataService
+    from msd_dask.core.config import parse_config
 
-    world = cfg["parallel"]["dp"]
+    # (every rank of the mesh: with tp > 1, ranks 0..dp-1 are some groups' ranks only, and
+    # the batches were counted as steps x dp; a review)
+    world = parse_config(cfg).parallel.world_size
     with DataService.start(cfg, address) as svc:
         readers = [svc.reader(r) for r in range(world)]
         tensor_bytes = 0
@@ -270,17 +273,24 @@ def per_batch(d: dict, batches: int, elapsed: float, background_rate: float,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="?", default="configs/demo.yaml")
-    p.add_argument("--seq-lens", default="1024,8192")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--workers", type=int, default=2)
+    from cli_types import natural, positive_int, positive_list
+
+    p.add_argument("config", nargs="?", default="configs/demo.yaml",
+                   help="the service's config (default configs/demo.yaml)")
+    p.add_argument("--seq-lens", type=positive_list, default=[1024, 8192],
+                   help="comma-separated batch.seq_len values, a service each (default "
+                        "1024,8192): the bytes per batch should not grow with them")
+    p.add_argument("--steps", type=positive_int, default=200,
+                   help="steps every rank reads, measured (default 200)")
+    p.add_argument("--warmup", type=natural, default=5,
+                   help="steps every rank reads before (default 5)")
+    p.add_argument("--workers", type=positive_int, default=2, help="dask workers (default 2)")
     p.add_argument("--quick", action="store_true", help="60 steps")
     p.add_argument("--smoke", action="store_true", help="5 steps, seq_len 256 and 1024 (CI)")
     args = p.parse_args(argv)
     from msd_dask import load_config
 
-    steps, seq_lens = args.steps, [int(s) for s in args.seq_lens.split(",")]
+    steps, seq_lens = args.steps, args.seq_lens
     if args.quick:
         steps = 60
     if args.smoke:

@@ -221,13 +221,17 @@ def bpe_tokenizer(root: str, out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cli_types import natural, positive_int
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", default="configs/demo.yaml")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="dask workers")
-    p.add_argument("--threads", type=int, default=1, help="threads per dask worker")
-    p.add_argument("--hf-workers", type=int, default=1, help="DataLoader workers per HF rank")
+    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 2,
+                   help="dask workers")
+    p.add_argument("--threads", type=positive_int, default=1, help="threads per dask worker")
+    p.add_argument("--hf-workers", type=natural, default=1,
+                   help="DataLoader workers per HF rank (0: the rank's own process)")
     p.add_argument("--tokenizer", choices=["bytes", "bpe", "both"], default="both")
     p.add_argument("--tokenizer-file", help="a tokenizer.json for --tokenizer bpe "
                    "(default: train one on --corpus into a temporary file)")

@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import importlib
 import json
+import os
 import sys
 import time
 import zlib
@@ -287,12 +288,21 @@ def main(argv: list[str] | None = None) -> int:
         grid = [s for s in grid if "golden" in s.tags]
     elif args.only:
         grid = [s for s in grid if args.only in s.name]
+    if not grid:  # (a mistyped --only compared nothing and passed; a review)
+        ap.error(f"--only {args.only!r} selects no configuration (names: "
+                 f"{', '.join(s.name for s in specs())})")
     if not args.reference:
         for s in grid:
             print(f"{s.name} {digest(new, s)}", flush=True)
         return 0
     sys.path.insert(0, args.reference)
     ref = importlib.import_module(args.reference_name)
+    if ref is new or os.path.dirname(os.path.abspath(ref.__file__ or "")) == \
+            os.path.dirname(os.path.abspath(new.__file__ or "")):
+        # (--reference-name msd_dask compared the checkout with itself, and passed; a review)
+        ap.error(f"the reference {args.reference_name!r} is the package checked "
+                 f"({new.__file__}): give a copy of another commit under --reference, "
+                 "imported under another --reference-name")
     print(f"new: {new.__file__}\nreference: {ref.__file__}")
     failed = 0
     t_new = t_ref = 0.0

@@ -291,25 +291,27 @@ def _decisions(dask_scheduler: Any) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cli_types import natural, non_negative_float, positive_float, positive_int
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", choices=["fixed", "adaptive"], default="adaptive")
     p.add_argument("--cheap", action="store_true", help="no preprocessing on the costly source")
-    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--seconds", type=positive_float, default=40.0)
     p.add_argument("--data", default="data/scaling")
-    p.add_argument("--read-ahead-tokens", type=int, default=0,
+    p.add_argument("--read-ahead-tokens", type=natural, default=0,
                    help="sources[].read_ahead_tokens of both sources (0: the default)")
-    p.add_argument("--costly-loaders", type=int, default=0,
+    p.add_argument("--costly-loaders", type=natural, default=0,
                    help="loaders of the costly source at the start (0: 1, as the benchmark)")
-    p.add_argument("--round-steps", type=int, default=0,
+    p.add_argument("--round-steps", type=natural, default=0,
                    help="the config's round_steps (0: its default, prefetch - 1)")
     p.add_argument("--nice", type=int, default=0,
                    help="variant: run the loaders' read threads at this nice value")
-    p.add_argument("--watch", type=float, default=0.05,
+    p.add_argument("--watch", type=non_negative_float, default=0.05,
                    help="seconds between two looks at what the planner is blocked on (0: "
                         "none); each look is a message the planner's worker serves, about 1 ms "
                         "of its CPU per step at the default")
-    p.add_argument("--micro-batches", type=int, default=1,
+    p.add_argument("--micro-batches", type=positive_int, default=1,
                    help="rows per rank and step; the consumer's step lasts as many times "
                         "0.04 s (the same demand in fewer, larger steps, as bench_scaling's "
                         "--micro-batches 4 --step-seconds 0.16)")

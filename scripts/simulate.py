@@ -82,6 +82,8 @@ from msd_dask.core.cost import CostModel
 from msd_dask.core.plan import Planner, StepPlan
 from msd_dask.formats import Unit
 
+from cli_types import natural, non_negative_float, positive_float, positive_int
+
 __all__ = ["SourceSpec", "SimConfig", "CellResult", "Corpus", "simulate", "planner_config",
            "default_strategy", "model_coefficients", "balance_bound", "main", "steps_for",
            "ControlPlaneCosts", "ControlPlaneRow", "control_plane"]
@@ -656,10 +658,20 @@ def _parse_source(text: str) -> SourceSpec:
     parts = text.split(":")
     if len(parts) not in (3, 5):
         raise argparse.ArgumentTypeError("source is name:weight:prep_s_per_token[:median:sigma]")
-    name, w, p = parts[0], float(parts[1]), float(parts[2])
-    if len(parts) == 5:
-        return SourceSpec(name, w, p, float(parts[3]), float(parts[4]))
-    return SourceSpec(name, w, p)
+    try:
+        name, w, p = parts[0], float(parts[1]), float(parts[2])
+        extra = [float(x) for x in parts[3:]]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"source is name:weight:prep_s_per_token"
+                                         f"[:median:sigma] of numbers, got {text!r}") from None
+    if not (w >= 0 and p >= 0 and all(map(math.isfinite, (w, p, *extra)))):
+        raise argparse.ArgumentTypeError(f"a source's weight and seconds per token are finite "
+                                         f"numbers >= 0, got {text!r}")
+    if extra and not (extra[0] >= 1 and extra[1] >= 0):
+        # (a median of 0 made 261,881 one-token pieces with only numpy's warning; a review)
+        raise argparse.ArgumentTypeError(f"a source's median length is >= 1 token and its "
+                                         f"sigma >= 0, got {text!r}")
+    return SourceSpec(name, w, p, *extra)
 
 
 def _min_length(text: str) -> float:
@@ -683,53 +695,32 @@ def steps_for(dp: int, tokens_per_rank: int, steps: int, token_budget: float) ->
     return int(max(2, min(steps, token_budget // (dp * tokens_per_rank))))
 
 
-def _bounded(cast: Callable[[str], Any], least: float, above: bool) -> Callable[[str], Any]:
-    """An argparse type: ``cast(text)``, finite, at least ``least`` (``above``: more than it);
-    else argparse's error naming the option and the value."""
-    what = f"{'a whole number' if cast is int else 'a number'} {'>' if above else '>='} {least:g}"
-
-    def parse(text: str) -> Any:
-        try:
-            v = cast(text)
-        except ValueError:
-            v = math.nan
-        if not (v > least if above else v >= least) or math.isinf(v):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return v
-
-    return parse
-
-
-_positive_int = _bounded(int, 0, above=True)
-_natural = _bounded(int, 0, above=False)
-_positive_float = _bounded(float, 0.0, above=True)
-_non_negative_float = _bounded(float, 0.0, above=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from msd_dask.core.balance import STRATEGIES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dp", type=_positive_int, nargs="+", default=[64, 1024, 16384],
+    ap.add_argument("--dp", type=positive_int, nargs="+", default=[64, 1024, 16384],
                     help="DP ranks, one table row each (default 64 1024 16384)")
-    ap.add_argument("--context", type=_positive_int, nargs="+", default=[4096, 32768, 131072],
+    ap.add_argument("--context", type=positive_int, nargs="+", default=[4096, 32768, 131072],
                     help="context lengths in tokens (default 4096 32768 131072)")
-    ap.add_argument("--seq-len", type=_natural, default=0,
+    ap.add_argument("--seq-len", type=natural, default=0,
                     help="row length (default 0: the context length)")
-    ap.add_argument("--micro-batches", type=_positive_int, default=8,
+    ap.add_argument("--micro-batches", type=positive_int, default=8,
                     help="rows of seq_len per rank per step (gradient accumulation; default 8)")
-    ap.add_argument("--steps", type=_positive_int, default=8,
+    ap.add_argument("--steps", type=positive_int, default=8,
                     help="steps per cell, before the token budget (default 8)")
-    ap.add_argument("--token-budget", type=_positive_float, default=2.0**33,
+    ap.add_argument("--token-budget", type=positive_float, default=2.0**33,
                     help="max tokens simulated per cell (fewer steps for big cells, at least 2; "
                          "default 2**33)")
-    ap.add_argument("--hidden", type=_positive_int, default=4096,
+    ap.add_argument("--hidden", type=positive_int, default=4096,
                     help="the model's hidden size H (default 4096)")
-    ap.add_argument("--layers", type=_positive_int, default=32,
+    ap.add_argument("--layers", type=positive_int, default=32,
                     help="the model's layers (default 32)")
-    ap.add_argument("--flops", type=_positive_float, default=4e14,
+    ap.add_argument("--flops", type=positive_float, default=4e14,
                     help="achieved FLOP/s per rank (default 4e14)")
-    ap.add_argument("--workers", type=_positive_int, default=4,
+    ap.add_argument("--workers", type=positive_int, default=4,
                     help="loader workers per rank (default 4)")
     ap.add_argument("--source", type=_parse_source, action="append",
                     help="name:weight:prep_s_per_token[:median:sigma] (repeat; default "
@@ -738,13 +729,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--strategy", default=default_strategy(), choices=sorted(STRATEGIES),
                     help=f"the planner's balance strategy (default {default_strategy()})")
     ap.add_argument("--seed", type=int, default=0, help="the corpus's and planner's seed (default 0)")
-    ap.add_argument("--plan-timeout", type=_positive_float, default=300.0,
+    ap.add_argument("--plan-timeout", type=positive_float, default=300.0,
                     help="seconds one Planner.plan_step call may take before the cell reports it "
                          "timed out (default 300)")
     ap.add_argument("--outliers", type=_min_length, default=0.0, metavar="MIN_LENGTH",
                     help="the planner's outlier delay, outliers.min_length: tokens, or a fraction of "
                          "seq_len if < 1 (e.g. 0.5); 0: off (default)")
-    ap.add_argument("--unit-docs", type=_positive_int, default=4096,
+    ap.add_argument("--unit-docs", type=positive_int, default=4096,
                     help="documents per unit of the corpus (default 4096)")
     ap.add_argument("--quick", action="store_true",
                     help="2 steps, a token budget of 2**30 and a 15 s planner limit")
@@ -754,19 +745,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "per-message costs below; docs/many_readers.md)")
     d = ControlPlaneCosts()
     cp.add_argument("--control-plane", action="store_true", help="print the table and exit")
-    cp.add_argument("--cp-ranks", type=_positive_int, nargs="+", default=[4096, 16384],
+    cp.add_argument("--cp-ranks", type=positive_int, nargs="+", default=[4096, 16384],
                     help="rank counts (default 4096 16384)")
-    cp.add_argument("--cp-step-seconds", type=_positive_float, default=1.0,
+    cp.add_argument("--cp-step-seconds", type=positive_float, default=1.0,
                     help="the training step in seconds (default 1)")
-    cp.add_argument("--cp-round-steps", type=_positive_int, default=3,
+    cp.add_argument("--cp-round-steps", type=positive_int, default=3,
                     help="steps per round: one ticket or request per rank and round (default 3)")
-    cp.add_argument("--cp-tp", type=_positive_int, default=8, help="ranks per DP group (default 8)")
-    cp.add_argument("--cp-constructors", type=_positive_int, default=32,
+    cp.add_argument("--cp-tp", type=positive_int, default=8, help="ranks per DP group (default 8)")
+    cp.add_argument("--cp-constructors", type=positive_int, default=32,
                     help="constructors sharing the packing (default 32)")
-    cp.add_argument("--cp-ranks-per-client", type=_positive_int, default=1,
+    cp.add_argument("--cp-ranks-per-client", type=positive_int, default=1,
                     help="ranks per Dask client: 1, one training process per rank (default); "
                          "8, one process per host of 8 GPUs")
-    cp.add_argument("--cp-workers", type=_natural, default=256,
+    cp.add_argument("--cp-workers", type=natural, default=256,
                     help="the cluster's workers, whose heartbeats the scheduler handles "
                          "(default 256; 0: leave Dask's own load out)")
     for name, what in (("sched_rank_step", "scheduler CPU s per rank-step, queue design (measured)"),
@@ -777,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        ("client_beat", "scheduler CPU s per client and heartbeat interval"),
                        ("scheduler_idle", "cores of a scheduler with nothing connected"),
                        ("worker_beat", "scheduler CPU s per worker heartbeat")):
-        cp.add_argument("--cp-" + name.replace("_", "-"), type=_non_negative_float,
+        cp.add_argument("--cp-" + name.replace("_", "-"), type=non_negative_float,
                         default=getattr(d, name),
                         help=f"{what} (default {getattr(d, name):.3g})")
     args = ap.parse_args(argv)

@@ -16,6 +16,8 @@ def load_script(stem: str, module: str | None = None) -> ModuleType:
     The module is registered in ``sys.modules`` before it runs: its dataclasses
     (with postponed annotations) and a forked child look it up there.
     """
+    if str(SCRIPTS) not in sys.path:  # (what a script imports of its folder: cli_types)
+        sys.path.insert(0, str(SCRIPTS))
     name = module or f"msd_{stem}"
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{stem}.py")
     assert spec is not None and spec.loader is not None
