@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import os
 import statistics
 import sys
@@ -212,8 +213,10 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
                 conv_tokens += n
         elapsed = time.perf_counter() - t_start
         if not conv_time:  # (its figures were printed as 0: a 0% wait, 0 us/token; a review)
-            raise SystemExit(f"no step started in the second half of the {seconds:g} s run: "
-                             "give more --seconds (or fewer --step-seconds)")
+            print(f"warning: no step started in the second half of the {seconds:g} s run: the "
+                  "figures after convergence are not measured (nan); give more --seconds",
+                  file=sys.stderr, flush=True)
+            conv_time = conv_tokens = math.nan
         cpu = _cpu_seconds() - (cpu0 or 0.0)
         stop.set()
         poller.join(5)
@@ -236,10 +239,10 @@ def run(cfg: dict[str, Any], seconds: float, step_seconds: float, workers: int,
             "loader_cpu_per_token": loader_cpu_per_token(half, loaders),
             # CPU of every process (consumer, scheduler, workers) after convergence
             "converged_cores": cpu / conv_time,
-            "converged_cpu_per_token": cpu / conv_tokens if conv_tokens else 0.0,
+            "converged_cpu_per_token": cpu / conv_tokens,
             # of that CPU, the loaders' reading, preprocessing and tokenizing
             "converged_read_cpu_per_token":
-                loader_cpu_seconds(half, loaders) / conv_tokens if conv_tokens else 0.0,
+                loader_cpu_seconds(half, loaders) / conv_tokens,
             "idle_cpu_per_s": idle_cpu}
 
 
