@@ -130,10 +130,11 @@ def _definition_docstrings(node: ast.AST, prefix: str) -> Iterator[tuple[str, st
 
 
 def _remove_stale(directory: Path, suffix: str, keep: int) -> None:
-    """Delete ``part-*<suffix>`` shards left by an earlier run with more shards."""
+    """Delete ``part-NNNNN<suffix>`` shards left by an earlier run with more shards (only
+    those: ``part-notes.parquet``, a file of the user's, went too; a review)."""
     for old in directory.glob(f"part-*{suffix}"):
         number = old.name[len("part-"):-len(suffix)]
-        if not number.isdigit() or int(number) >= keep:
+        if number.isdigit() and int(number) >= keep:
             old.unlink()
 
 

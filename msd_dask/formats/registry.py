@@ -104,6 +104,14 @@ def _imported(spec: str) -> Format:
                          "PYTHONPATH), its class made with no arguments") from e
     missing = [m for m in ("units", "read") if not callable(getattr(obj, m, None))]
     if missing:
-        raise ValueError(f"format {spec!r} names {type(obj).__name__!r}, which has no "
+        # (named by its own name: a function was called 'function'; a review)
+        what = getattr(obj, "__qualname__", None) or type(obj).__name__
+        raise ValueError(f"format {spec!r} names {what!r}, which has no "
                          f"{' or '.join(m + '()' for m in missing)} (see msd_dask.formats.Format)")
+    suffixes = getattr(obj, "suffixes", ())
+    if not (isinstance(suffixes, str) or isinstance(suffixes, tuple | list)
+            and all(isinstance(x, str) for x in suffixes)):
+        # (a None among them failed every listing of a folder with a bare AttributeError)
+        raise ValueError(f"format {spec!r} has suffixes {suffixes!r}: a string, or a tuple "
+                         "of strings (the names a folder's files end with)")
     return obj

@@ -19,10 +19,11 @@ from msd_dask.core.config import Config, SourceConfig, parse_config
 from msd_dask.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
+    from msd_dask.formats import Unit
     from msd_dask.sources.storage import SourceFiles
 
 __all__ = ["FirstRecord", "SKIP_LOOK", "SKIP_ROWS", "anchored", "check_fields",
-           "check_preprocessors", "check_storage", "load_config"]
+           "check_preprocessors", "check_storage", "format_units", "load_config"]
 
 def load_config(cfg: str | os.PathLike[str] | Mapping[str, Any] | Config, *,
                 check_files: bool = True) -> Config:
@@ -209,19 +210,13 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
         to read: a file that cannot be read, or whose rows were all bad, its first bad
         row's).
     """
-    from msd_dask.sources.documents import (
-        again_after_a_blip,
-        source_fields,
-        source_format,
-        with_source,
-    )
+    from msd_dask.sources.documents import again_after_a_blip, source_format, with_source
     from msd_dask.sources.storage import format_paths
 
     firsts = []
     for i, src in enumerate(cfg.sources):
         files = _source_files(i, src)
         fmt = source_format(src, i)
-        fields = source_fields(src)
         # (a folder's files its format reads, as discovery takes them)
         paths = format_paths(files, fmt, src, i)[0]
         skip = src.on_error == "skip"
@@ -235,16 +230,23 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
         set_aside: list[DataError] = []
         skipped: list[DataError] = []
         for path in tries:
-            read = functools.partial(_first_record, fmt, files.fs, path, fields, src.name,
-                                     tolerant)
+            read = functools.partial(_first_record, fmt, files.fs, path, src, i, tolerant)
             try:
                 found, bad = again_after_a_blip(read, src.name, path,
                                                 "reading its first record")
+            except ConfigError:  # (the format broke its contract: no file of it will do)
+                raise
             except Exception as e:  # noqa: BLE001 - a format of the user's raises anything
                 err = with_source(e, src.name, path)  # (named by source and file, as a read is)
                 if skip and path != tries[-1]:
                     set_aside.append(err)
                     continue
+                if skip and len(paths) > len(tries):
+                    # (the service sets these files aside and reads on: the rest are not
+                    # checked; the run's listing of every file says whether any is read)
+                    set_aside.append(err)
+                    firsts.append(FirstRecord(paths, path, False, set_aside, skipped))
+                    break
                 if err is e:
                     raise
                 raise err from e
@@ -253,30 +255,72 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
                 continue
             if not found and bad:  # (rows, all bad: they say nothing of the fields)
                 raise bad[0]
+            if not found and len(tries) == len(paths):
+                # (every file tried, none with a record: the service stops at its first step,
+                # "no documents in a whole epoch", where validate said OK; a review)
+                raise DataError(f"none of its {len(paths)} file(s) holds a record: the source "
+                                "has no document", source=src.name)
             firsts.append(FirstRecord(paths, path, found, set_aside, skipped))
             break
     return firsts
 
 
-def _first_record(fmt: Any, fs: Any, path: str, fields: list[str], source: str,
+def _first_record(fmt: Any, fs: Any, path: str, src: SourceConfig, index: int,
                   tolerant: bool) -> tuple[bool, list[DataError]]:
-    """Whether file ``path`` has a record (read with ``fields``, by format ``fmt``), and the
-    bad rows before it.
+    """Whether file ``path`` has a record with text (read with the fields of ``src``, the
+    config's source ``index``, by format ``fmt``), and the bad rows before it.
 
     ``tolerant``: read with ``errors="yield"``, each bad row before the record named by
-    ``source`` and passed over, up to :data:`SKIP_ROWS` of them (then no record).
+    the source and passed over, up to :data:`SKIP_ROWS` of them (then no record).  A record
+    that is no mapping, or whose text field holds no text, is that row's bad input, as it
+    is to the service (it was taken as the fields read, and the service stopped at its
+    first step; a review).
     """
-    from msd_dask.sources.documents import with_source
+    from msd_dask.sources.documents import source_fields, text_of, with_source
 
+    fields = source_fields(src)
     bad: list[DataError] = []
-    for unit in fmt.units(fs, path):
+    for unit in format_units(fmt.units(fs, path), src, index, path):
         rows = (fmt.read(fs, unit, fields, errors="yield") if tolerant
                 else fmt.read(fs, unit, fields))
-        for _row, rec in rows:
+        for row, rec in rows:
+            if not isinstance(rec, DataError):
+                if not isinstance(rec, Mapping):
+                    raise ConfigError(f"sources[{index}].format", f"format {src.format!r} of "
+                                      f"source {src.name!r} read a {type(rec).__name__} from "
+                                      f"file {path!r}, row {row}, not a record (a mapping of "
+                                      "its fields)")
+                try:
+                    text_of(src, rec, path, row)
+                except DataError as e:
+                    rec = e
             if not isinstance(rec, DataError):
                 return True, bad
-            bad.append(with_source(rec, source, path))
+            if src.on_error != "skip":  # (the service stops at it; under skip, that row alone)
+                raise with_source(rec, src.name, path)
+            bad.append(with_source(rec, src.name, path))
             if len(bad) >= SKIP_ROWS:
                 return False, bad
         # (a unit without rows, or of bad rows alone: the next one's)
     return False, bad
+
+
+def format_units(got: Any, src: SourceConfig, index: int, path: str) -> list[Unit]:
+    """What format ``src.format``'s ``units()`` returned for file ``path``, as a list of
+    :class:`~msd_dask.formats.Unit`; a :class:`ConfigError` naming ``sources[index].format``
+    where it broke the format's contract (None, or tuples, raised a bare ``TypeError`` or
+    ``AttributeError`` in a worker's task, naming neither the source nor the format; a
+    review)."""
+    from msd_dask.formats import Unit
+
+    try:
+        units = list(got)
+    except TypeError:
+        units = None
+    if units is None or not all(isinstance(u, Unit) for u in units):
+        bad = repr(got if units is None else next(u for u in units if not isinstance(u, Unit)))
+        shown = bad if len(bad) <= 200 else bad[:197] + "..."
+        raise ConfigError(f"sources[{index}].format",
+                          f"format {src.format!r} of source {src.name!r}: units() of file "
+                          f"{path!r} gave {shown}, not a list of msd_dask.formats.Unit")
+    return units

@@ -16,7 +16,7 @@ from typing import Any
 from msd_dask.core.config import Config
 from msd_dask.dask_internals import task_worker
 from msd_dask.errors import SHOWN, ConfigError, DataError, ServiceTimeoutError, first_of
-from msd_dask.sources.check import anchored, load_config
+from msd_dask.sources.check import anchored, format_units, load_config
 
 __all__ = ["anchored_config", "discover_on_worker", "discover_remote", "discover_units"]
 
@@ -122,7 +122,7 @@ def discover_units(cfg: Config, threads: int = 8,
                     return with_source(e, name, p)
 
             found, refused = [], []
-            for got in ex.map(listing, paths):
+            for path, got in zip(paths, ex.map(listing, paths), strict=True):
                 if isinstance(got, DataError):
                     if s.on_error != "skip":
                         raise got
@@ -131,7 +131,7 @@ def discover_units(cfg: Config, threads: int = 8,
                     if quarantined is not None:
                         quarantined.setdefault(s.name, []).append(str(got))
                     continue
-                found.append(got)
+                found.append(format_units(got, s, i, path))
             units[s.name] = [(u.path, u.part, u.row_offset) for u in itertools.chain(*found)]
             roots[s.name] = files.root
             if not units[s.name]:

@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BLIP_RETRIES", "DocPool", "ImageDoc", "again_after_a_blip", "listed_files",
            "preprocessor", "process_docs", "read_unit", "source_config", "source_fields",
-           "source_format", "with_source"]
+           "source_format", "text_of", "with_source"]
 
 
 _log = logging.getLogger(__name__)
@@ -668,9 +668,9 @@ class DocPool:
                     pass
 
 
-def _tokenize(src: SourceConfig, rec: dict[str, Any],
-              prep: Callable[[str, dict[str, Any]], str | None] | None, tokenizer: Any,
-              path: str, row: int) -> np.ndarray:
+def text_of(src: SourceConfig, rec: Mapping[str, Any], path: str, row: int) -> str:
+    """The text of record ``rec`` (row ``row`` of file ``path``): its ``text_field``, a str or
+    UTF-8 bytes; a :class:`DataError` naming the field, file and row otherwise."""
     text = rec.get(src.text_field)
     if isinstance(text, bytes):
         try:
@@ -681,20 +681,28 @@ def _tokenize(src: SourceConfig, rec: dict[str, Any],
     if not isinstance(text, str):
         raise DataError(f"field '{src.text_field}' is {type(text).__name__}, not text",
                         source=src.name, path=path, row=row)
+    return text
+
+
+def _tokenize(src: SourceConfig, rec: dict[str, Any],
+              prep: Callable[[str, dict[str, Any]], str | None] | None, tokenizer: Any,
+              path: str, row: int) -> np.ndarray:
+    text = text_of(src, rec, path, row)
     if prep is not None:
         try:
-            text = prep(text, rec)
+            prepared = prep(text, rec)
         except BaseException as e:  # any failure of user code names the row
             if not _users_failure(e):
                 raise
             raise DataError(f"preprocess {src.preprocess!r} raised {type(e).__name__}: {e}",
                             source=src.name, path=path, row=row) from e
-        if text is None:
+        if prepared is None:
             return _EMPTY
-        if not isinstance(text, str):
+        if not isinstance(prepared, str):
             raise DataError(f"preprocess {src.preprocess!r} returned "
-                            f"{type(text).__name__}, not str or None",
+                            f"{type(prepared).__name__}, not str or None",
                             source=src.name, path=path, row=row)
+        text = prepared
     try:
         return tokenizer.encode(text)
     except (UnicodeError, TypeError, ValueError) as e:

@@ -370,20 +370,30 @@ def test_validate_says_when_the_first_file_has_no_record(
     (tmp_path / "data" / "a.jsonl").write_text("")
     _config(tmp_path, f"name: web, uri: '{tmp_path}/data/*.jsonl', format: jsonl, "
                       "text_field: txt")
-    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
-    out = capsys.readouterr().out
-    assert f"no record in its first file {tmp_path}/data/a.jsonl: 'txt' not checked" in out, out
+    # a source whose every file is empty has no document: the start fails at its first step
+    # (validate said OK; a review)
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "source 'web': none of its 1 file(s) holds a record" in err, err
     # the next file's record is read (it stopped at the empty first one, every field
     # unchecked: a review), and its missing field named
     b = tmp_path / "data" / "b.jsonl"
     for content, code, says in (
             ('{"text": "b"}\n', 2, f"file '{b}', row 0: missing field 'txt'"),
             ('{"txt": "b"}\n', 0, f"'txt' read from the first record of {b}"),
-            ("\n", 0, f"no record in its first 2 files (the last {b})")):
+            ('{"txt": 7}\n', 2, f"file '{b}', row 0: field 'txt' is int, not text"),
+            ("\n", 2, "none of its 2 file(s) holds a record")):
         b.write_text(content)
         assert main(["validate", str(tmp_path / "c.yaml")]) == code
         said = capsys.readouterr()
         assert says in (said.err if code else said.out), said
+    # more files than validate reads: the rest are not checked for a record
+    for i in range(8):
+        (tmp_path / "data" / f"c{i}.jsonl").write_text("")
+    (tmp_path / "data" / "z.jsonl").write_text('{"txt": "z"}\n')
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "no record in its first 8 files" in out and "'txt' not checked" in out, out
 
 
 def test_validate_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
@@ -546,3 +556,102 @@ def test_an_agent_sharing_with_a_group_needs_a_socket_path(
                  "--ranks", "0-7", "--group", "0"]) == 2
     err = capsys.readouterr().err
     assert "msd-dask agent: error: --group needs --socket" in err, err
+
+
+_OWN_FORMATS = '''
+from msd_dask.formats import Unit
+
+
+class Rows:
+    suffixes = (".txt",)
+
+    def units(self, fs, path):
+        return [Unit(path)]
+
+    def read(self, fs, unit, fields):
+        yield 0, {"text": "a line"}
+
+
+class TupleUnits(Rows):
+    def units(self, fs, path):
+        return [(path, 0, 0)]
+
+
+class NoneUnits(Rows):
+    def units(self, fs, path):
+        return None
+
+
+class NotARecord(Rows):
+    def read(self, fs, unit, fields):
+        yield 0, "a line"
+
+
+class BadSuffixes(Rows):
+    suffixes = (".txt", None)
+'''
+
+
+@pytest.mark.parametrize("name, says", [
+    ("TupleUnits", "units\\(\\) of file '.*a.txt' gave \\('.*a.txt', 0, 0\\), not a list of "
+                   "msd_dask.formats.Unit"),
+    ("NoneUnits", "units\\(\\) of file '.*a.txt' gave None, not a list of "
+                  "msd_dask.formats.Unit"),
+    ("NotARecord", "read a str from file '.*a.txt', row 0, not a record"),
+    ("BadSuffixes", "has suffixes \\('.txt', None\\): a string, or a tuple of strings"),
+])
+def test_validate_refuses_a_format_that_breaks_its_contract(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        name: str, says: str) -> None:
+    """A format of one's own whose units() gave tuples or None, whose records were no mapping,
+    or whose suffixes held a None passed validate and stopped the start with Python's words
+    in a worker's traceback, naming neither the source nor the format (a review): the key
+    ``sources[0].format`` is named, at validate and at the start's listing."""
+    import re
+
+    from msd_dask.errors import ConfigError
+    from msd_dask.sources.check import load_config
+    from msd_dask.sources.discover import discover_units
+
+    (tmp_path / "ownfmts.py").write_text(_OWN_FORMATS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("a line\n")
+    cfg = _config(tmp_path, f"name: web, uri: '{tmp_path}/data/a.txt', format: 'ownfmts:{name}'")
+    assert main(["validate", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "sources[0].format" in err and re.search(says, err), err
+    if name in ("TupleUnits", "NoneUnits"):
+        with pytest.raises(ConfigError, match=r"sources\[0\]\.format.*" + says):
+            discover_units(load_config(str(cfg)))
+    assert main(["validate", str(_config(tmp_path, f"name: web, uri: '{tmp_path}/data/a.txt', "
+                                                   "format: 'ownfmts:Rows'"))]) == 0
+
+
+def test_validate_lists_every_files_units_as_the_start_does(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """validate read the first file alone: a later file that cannot be read said OK, and the
+    start stopped on it (a review).  Under ``on_error: skip`` such files are set aside, as
+    the service does, and 8 unreadable files before a good one are no error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "data" / "p0.parquet")
+    (tmp_path / "data" / "p1.parquet").write_bytes(b"not parquet")
+    cfg = _config(tmp_path, f"name: web, uri: '{tmp_path}/data/*.parquet', format: parquet")
+    assert main(["validate", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "p1.parquet" in err and "cannot read parquet" in err, err
+    skip = _config(tmp_path, f"name: web, uri: '{tmp_path}/data/*.parquet', format: parquet, "
+                             "on_error: skip")
+    assert main(["validate", str(skip)]) == 0
+    out = capsys.readouterr().out
+    assert "2 file(s), 1 unit(s)" in out and "set aside (on_error: skip)" in out, out
+    # eight unreadable files first: validate refused, where the service sets them aside
+    (tmp_path / "data" / "p0.parquet").rename(tmp_path / "data" / "p9.parquet")
+    for i in range(8):
+        (tmp_path / "data" / f"p{i}.parquet").write_bytes(b"not parquet")
+    assert main(["validate", str(skip)]) == 0
+    out = capsys.readouterr().out
+    assert "9 file(s), 1 unit(s)" in out and out.count("set aside (on_error: skip)") >= 8, out

@@ -201,16 +201,18 @@ def test_deterministic_and_replaces_stale_shards(corpus: Any, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     out, counts = corpus
     stale = [tmp_path / "code" / "part-00009.parquet", tmp_path / "prose" / "part-00002.jsonl.zst"]
-    keep = tmp_path / "code" / "notes.txt"
-    for p in [*stale, keep]:
+    # (a shard's name that is no number is not the demo's: it was deleted too; a review)
+    kept = [tmp_path / "code" / "notes.txt", tmp_path / "code" / "part-notes.parquet"]
+    for p in [*stale, *kept]:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"left over")
     again = write_demo_corpus(tmp_path, code_shards=CODE_SHARDS, prose_shards=PROSE_SHARDS,
                               row_group_size=ROW_GROUP_SIZE, progress=True)
     assert again == counts
     assert "demo corpus" in capsys.readouterr().err
-    assert not any(p.exists() for p in stale) and keep.exists()
-    keep.unlink()
+    assert not any(p.exists() for p in stale) and all(p.exists() for p in kept)
+    for p in kept:
+        p.unlink()
     first = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     second = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*")
               if p.is_file()}

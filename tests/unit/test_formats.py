@@ -271,7 +271,8 @@ def test_a_format_named_by_import_path_is_imported_once_and_not_registered() -> 
     ("msd_dask.core.units:Unit", "TypeError"),  # (a class that needs arguments)
     ("raises_when_imported_xyz:Format", "RuntimeError: broken on purpose"),
     ("msd_dask.examples.text_lines:Nope", "has no attribute 'Nope'"),
-    ("msd_dask.examples.preprocess:drop_short", "'function', which has no units() or read()"),
+    # (named by its own name: it was called 'function'; a review)
+    ("msd_dask.examples.preprocess:drop_short", "'drop_short', which has no units() or read()"),
     ("csv", "unknown format 'csv'"),
 ])
 def test_a_format_that_cannot_be_had_says_why(spec: str, says: str, tmp_path: Any,
