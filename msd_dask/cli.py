@@ -303,6 +303,9 @@ def _parser() -> argparse.ArgumentParser:
 #: 30 s connect timeout whatever ``--wait`` said (a review)
 SCHEDULER_WAIT = 5.0
 
+#: seconds ``msd-dask agent`` waits for the scheduler and its service at its start
+AGENT_CONNECT = 30.0
+
 
 def _wait_option(p: argparse.ArgumentParser) -> None:
     """``--wait``: how long a command for a running service waits for it to appear."""
@@ -652,7 +655,13 @@ def _agent(args: argparse.Namespace) -> int:
                          "(the default folder is the user's alone)")
     # (a socket path too long for a Unix socket is refused before the service is connected)
     check_socket_path(args.socket or default_socket(args.name), args.name)
-    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False)
+    # (said first: a wrong --name, a service not up yet or a scheduler out of reach was 30 s
+    # of silence before the error; a review)
+    print(f"msd-dask agent: connecting to service {args.name!r} on {args.scheduler} (waiting "
+          f"up to {AGENT_CONNECT:g} s for the scheduler and the service)", file=sys.stderr,
+          flush=True)
+    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False,
+                              timeout=AGENT_CONNECT)
     with svc:
         agent = HostAgent.for_service(svc, ranks, args.socket, prefetch=args.prefetch,
                                       timeout=args.timeout, group=args.group)

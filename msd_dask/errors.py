@@ -106,8 +106,12 @@ def first_of(items: Sequence[object], most: int) -> str:
 CLOSED_BY_OWNER = "closed by its owner"
 #: what readers of a service stopped from elsewhere are told (:class:`ServiceError`)
 STOPPED = "stopped with msd-dask stop (DataService.stop): its starting process was gone"
+#: what readers are told where the service's planner and registry are gone with its owner:
+#: closed by it, or stopped from elsewhere (it said the starting process "was gone" after a
+#: clean close, and host agents did not take it for a close; a review)
+CLOSED_OR_STOPPED = "closed by its owner (or stopped with msd-dask stop)"
 #: the notices of a service closed for good: a reader told one tells its process's others
-CLOSED_NOTICES = (CLOSED_BY_OWNER, STOPPED)
+CLOSED_NOTICES = (CLOSED_BY_OWNER, STOPPED, CLOSED_OR_STOPPED)
 #: what a refused new reader after a trial run (a smoke test's readers) does
 TRIAL_HINT = ("after a trial run against the service, start the service again (or another "
               "'name') so that training reads from step 0")

@@ -29,8 +29,8 @@ from msd_dask.dask_internals import (
 )
 from msd_dask.errors import (
     CLOSED_BY_OWNER,
+    CLOSED_OR_STOPPED,
     RESTART_HINT,
-    STOPPED,
     ServiceError,
     ServiceTimeoutError,
 )
@@ -351,7 +351,7 @@ class PlannerLink:
             raise ServiceError(self.failed)
         if lost and not self.owner_alive():
             if self._unpublished():  # (its owner gone: closed at its exit, or stopped)
-                notice = f"{CLOSED_BY_OWNER}, or {STOPPED}"
+                notice = CLOSED_OR_STOPPED
                 self.close(notice)  # this process's other readers call no role
                 raise ServiceError(f"service {self.name!r}: {notice}")
             raise ServiceError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -655,3 +656,29 @@ def test_validate_lists_every_files_units_as_the_start_does(
     assert main(["validate", str(skip)]) == 0
     out = capsys.readouterr().out
     assert "9 file(s), 1 unit(s)" in out and out.count("set aside (on_error: skip)") >= 8, out
+
+
+def test_an_agent_says_what_it_waits_for_before_it_connects(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A wrong ``--name`` or an unreachable scheduler was 30 s of silence before the error (a
+    review): the agent says first what it waits for, and how long."""
+    from msd_dask import cli
+    from msd_dask.errors import ServiceTimeoutError
+    from msd_dask.service import DataService
+
+    asked: list[float] = []
+
+    def connect(address: str, name: str, **kwargs: Any) -> Any:
+        asked.append(kwargs["timeout"])
+        print("(connecting)", file=sys.stderr)
+        raise ServiceTimeoutError(f"no service named {name!r} on {address} after 30s")
+
+    monkeypatch.setattr(DataService, "connect", connect)
+    code = main(["agent", "--scheduler", "tcp://198.18.0.1:8786", "--name", "nosuch",
+                 "--ranks", "0-1"])
+    err = capsys.readouterr().err
+    assert code == 2 and asked == [cli.AGENT_CONNECT], err
+    first, connecting = err.splitlines()[:2]
+    assert first == ("msd-dask agent: connecting to service 'nosuch' on tcp://198.18.0.1:8786 "
+                     "(waiting up to 30 s for the scheduler and the service)"), err
+    assert connecting == "(connecting)" and "no service named 'nosuch'" in err, err

@@ -594,3 +594,38 @@ def test_a_planners_handle_that_did_not_come_at_first_is_fetched_again() -> None
     link.refresh()
     assert link.planner is planner and future.asked == 2
     assert link.constructors == ["c0", "c1"] and planner.calls == 1
+
+
+def test_a_service_gone_with_its_owner_is_a_close_every_reader_and_agent_knows() -> None:
+    """Readers of a service whose planner and registry went with its owner were told it was
+    "closed by its owner, or stopped ...: its starting process was gone", after a clean
+    close, and a host agent, which exits at once on a close it knows, took it for none and
+    read on until its next 15 s look (a review)."""
+    from msd_dask.errors import CLOSED_NOTICES, ServiceError
+
+    class Gone:
+        status = "lost"
+
+        def result(self, timeout: float | None = None) -> Any:
+            raise TimeoutError("lost")
+
+    class Client:
+        status = "running"
+
+        def run_on_scheduler(self, *args: Any, **kwargs: Any) -> bool:
+            return False  # (the owner's client is gone)
+
+        def get_dataset(self, *args: Any, **kwargs: Any) -> None:
+            return None  # (its registry too: closed)
+
+    cfg = parse_config({"name": "link", "batch": {"seq_len": 64}, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    link = PlannerLink(Client(), cfg, {"planner": Gone(), "owner": "client-1"})
+    try:
+        link.raise_if_lost()
+    except ServiceError as e:
+        said = str(e)
+    else:
+        raise AssertionError("a service gone with its owner was not said to be")
+    assert link.closed and link.notice in CLOSED_NOTICES
+    assert said == "service 'link': closed by its owner (or stopped with msd-dask stop)"
