@@ -135,9 +135,11 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
         try:  # (its own try: a role_keys that failed skipped the close and its notice)
             planner.close_roles(notice).result(timeout=max(1.0, deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - the name and the pinned keys still go
-            _log.warning("msd_dask %s: its planner on %s did not close its roles within %gs "
-                         "(%s: %s): they may stay open until their workers go%s", name, where,
-                         timeout, type(e).__name__, e,
+            # ("within 30s" said of a planner lost with its worker, which raised at once)
+            why = (f"within {timeout:g}s" if isinstance(e, TimeoutError) else
+                   f"({type(e).__name__}: {e})")
+            _log.warning("msd_dask %s: its planner on %s did not close its roles %s: they may "
+                         "stay open until their workers go%s", name, where, why,
                          "; closing them by name" if sources is not None else "")
             open_on.append(where)
     if sources is not None:
@@ -399,7 +401,9 @@ class DataService:
     def address(self) -> str:
         """The address of the scheduler the service runs on (for :meth:`connect` from other
         processes; with :meth:`start` without one, its embedded cluster's)."""
-        return str(self.client.scheduler.address)
+        # (recorded by the link: a closed client has no scheduler, and the property raised
+        # AttributeError after close; a review)
+        return self.link.scheduler_address
 
     @property
     def planner(self) -> Any:
@@ -479,6 +483,14 @@ class DataService:
             # refuse a mismatched state before starting (a list, say: not a state at all)
             planner_state(cfg, dict(resume) if isinstance(resume, Mapping) else resume)
         timeout = cfg.timeout if timeout is None else _seconds("start", "timeout", timeout)
+        # (n_workers=0 waited the whole timeout for a worker of an embedded cluster nobody
+        # can join; loader_threads=None raised int()'s words; a review)
+        for arg, value in (("loader_threads", loader_threads),
+                           *((("n_workers", n_workers), ("threads_per_worker", threads_per_worker))
+                             if address is None else ())):
+            if not is_whole(value) or value < 1:
+                raise ValueError(f"DataService.start: {arg} must be a whole number >= 1, "
+                                 f"got {value!r}")
         cluster = None
         if address is None:
             cluster = _embedded_cluster(n_workers, threads_per_worker, security, cfg)
@@ -1330,9 +1342,14 @@ class DataService:
 
     def _close_roles(self) -> None:
         """Owner: close the roles, unpublish the service and make Dask forget its keys."""
+        if self.keeper is not None and self.keeper.stopped_elsewhere:
+            return  # (msd-dask stop closed its roles; the name may be another service's now)
         pinned = self.keeper.pinned if self.keeper is not None else None
+        # (by name too where the planner is lost: the roles it held on the other workers
+        # stayed open, unreachable once their keys went; a review)
+        lost = self.link.planner_lost() or (self.keeper is not None and self.keeper.gave_up)
         _close_service(self.client, self.name, self.planner, self.link.registry["planner"].key,
-                       pinned)
+                       pinned, sources=[s.name for s in self.config.sources] if lost else None)
 
     def __enter__(self) -> DataService:
         return self

@@ -123,6 +123,9 @@ class PlannerKeeper:
         self._watcher: threading.Thread | None = None
         #: why the keeper stopped re-creating the planner (None: it has not)
         self.gave_up: str | None = None
+        #: the service was stopped from elsewhere (or its name taken) while this process was
+        #: out of reach: its owner's close leaves the name and the roles alone
+        self.stopped_elsewhere = False
         #: planners lost in a row short-lived and without progress (:data:`FUTILE_LIMIT`)
         self._futile = 0
         #: files the short-lived planners waited for from their loaders, how often
@@ -327,6 +330,12 @@ class PlannerKeeper:
                 _log.warning("msd_dask %s: the service was stopped from elsewhere (or its name "
                              "taken) while this process was out of reach: not re-creating "
                              "its planner; this process no longer serves it", link.name)
+                # (said to whoever watches the link: msd-dask serve watched on, warning that
+                # a live worker's planner was lost, for ever; a review)
+                link.failed = (f"service {link.name!r} was stopped from elsewhere (msd-dask "
+                               "stop), or its name taken, while this process was out of "
+                               "reach: this process no longer serves it")
+                self.stopped_elsewhere = True
                 self._stop.set()
                 return
             self._count_loss()
