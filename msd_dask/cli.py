@@ -305,6 +305,8 @@ SCHEDULER_WAIT = 5.0
 
 #: seconds ``msd-dask agent`` waits for the scheduler and its service at its start
 AGENT_CONNECT = 30.0
+#: seconds after which ``msd-dask agent`` says what it waits for, if it still does
+AGENT_WAIT_SAID = 2.0
 
 
 def _wait_option(p: argparse.ArgumentParser) -> None:
@@ -655,13 +657,20 @@ def _agent(args: argparse.Namespace) -> int:
                          "(the default folder is the user's alone)")
     # (a socket path too long for a Unix socket is refused before the service is connected)
     check_socket_path(args.socket or default_socket(args.name), args.name)
-    # (said first: a wrong --name, a service not up yet or a scheduler out of reach was 30 s
-    # of silence before the error; a review)
-    print(f"msd-dask agent: connecting to service {args.name!r} on {args.scheduler} (waiting "
-          f"up to {AGENT_CONNECT:g} s for the scheduler and the service)", file=sys.stderr,
-          flush=True)
-    svc = DataService.connect(args.scheduler, args.name, security=_security(args), agent=False,
-                              timeout=AGENT_CONNECT)
+    # (said once the connect takes a while: a wrong --name, a service not up yet or a
+    # scheduler out of reach was 30 s of silence before the error; a review.  Not at once:
+    # the first line an agent prints is that it serves, which wrappers wait for)
+    said = threading.Timer(AGENT_WAIT_SAID, lambda: print(
+        f"msd-dask agent: waiting for service {args.name!r} on {args.scheduler} (up to "
+        f"{AGENT_CONNECT:g} s for the scheduler and the service)", file=sys.stderr,
+        flush=True))
+    said.daemon = True
+    said.start()
+    try:
+        svc = DataService.connect(args.scheduler, args.name, security=_security(args),
+                                  agent=False, timeout=AGENT_CONNECT)
+    finally:
+        said.cancel()
     with svc:
         agent = HostAgent.for_service(svc, ranks, args.socket, prefetch=args.prefetch,
                                       timeout=args.timeout, group=args.group)

@@ -661,7 +661,10 @@ def test_validate_lists_every_files_units_as_the_start_does(
 def test_an_agent_says_what_it_waits_for_before_it_connects(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A wrong ``--name`` or an unreachable scheduler was 30 s of silence before the error (a
-    review): the agent says first what it waits for, and how long."""
+    review): an agent that waits says what for, and how long (not at once: its first line is
+    that it serves, which wrappers wait for)."""
+    import time
+
     from msd_dask import cli
     from msd_dask.errors import ServiceTimeoutError
     from msd_dask.service import DataService
@@ -670,15 +673,17 @@ def test_an_agent_says_what_it_waits_for_before_it_connects(
 
     def connect(address: str, name: str, **kwargs: Any) -> Any:
         asked.append(kwargs["timeout"])
+        time.sleep(0.5)  # (the scheduler or the service does not answer at once)
         print("(connecting)", file=sys.stderr)
         raise ServiceTimeoutError(f"no service named {name!r} on {address} after 30s")
 
     monkeypatch.setattr(DataService, "connect", connect)
+    monkeypatch.setattr(cli, "AGENT_WAIT_SAID", 0.1)
     code = main(["agent", "--scheduler", "tcp://198.18.0.1:8786", "--name", "nosuch",
                  "--ranks", "0-1"])
     err = capsys.readouterr().err
     assert code == 2 and asked == [cli.AGENT_CONNECT], err
     first, connecting = err.splitlines()[:2]
-    assert first == ("msd-dask agent: connecting to service 'nosuch' on tcp://198.18.0.1:8786 "
-                     "(waiting up to 30 s for the scheduler and the service)"), err
+    assert first == ("msd-dask agent: waiting for service 'nosuch' on tcp://198.18.0.1:8786 "
+                     "(up to 30 s for the scheduler and the service)"), err
     assert connecting == "(connecting)" and "no service named 'nosuch'" in err, err
