@@ -277,7 +277,10 @@ def bound_actor(client: Any, future: Any, worker: str, service: str, role: str,
 
     Relies on a task restricted to a worker that left staying ``"pending"`` (Dask
     keeps it for that worker; checked on a real cluster), and on
-    :func:`scheduler_workers`.
+    :func:`scheduler_workers`.  A timed ``Future.result`` whose wait lapses can raise
+    ``UnboundLocalError`` from Dask's ``sync`` on Python 3.11 (``asyncio.wait_for`` lets a
+    ``CancelledError`` out at the timeout's edge, which ``sync``'s ``except Exception``
+    misses; a CI run's service start failed so): taken as the lapsed wait it is.
 
     Raises
     ------
@@ -294,9 +297,11 @@ def bound_actor(client: Any, future: Any, worker: str, service: str, role: str,
         left = deadline - time.monotonic()
         try:
             return future.result(timeout=max(0.01, min(CREATE_CHECK, left)))
-        except TimeoutError:
+        except (TimeoutError, UnboundLocalError) as e:
             if left <= CREATE_CHECK:
-                raise
+                if isinstance(e, TimeoutError):
+                    raise
+                raise TimeoutError(f"timed out after {left:.2f} s.") from None
         if future.status != "pending":
             continue
         try:
