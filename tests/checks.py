@@ -3,6 +3,7 @@ exactly-once, mix; and waiting for a condition."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -188,3 +189,19 @@ def step_pieces(work: dict[int, list[list[tuple[Any, ...]]]]) -> Any:
         pieces=np.asarray(table, dtype=np.int64).reshape(-1, 9),
         sources=tuple(sources), paths=tuple(paths),
         costs=np.asarray(dps, dtype=np.float64) + 1.0)
+
+
+def next_in_a_thread(reader: Any) -> tuple[threading.Thread, list[BaseException]]:
+    """A thread started on ``next(reader)`` (a daemon: one that waits for ever holds no
+    exit), and the list of what it raised (empty until it does)."""
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            next(reader)
+        except BaseException as e:  # noqa: BLE001 - the caller checks it
+            errors.append(e)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    return t, errors

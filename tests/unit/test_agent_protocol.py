@@ -51,7 +51,7 @@ from msd_dask.service.agent_client import (
     send,
 )
 
-from checks import wait_until
+from checks import next_in_a_thread, wait_until
 from corpus import config
 
 
@@ -739,21 +739,6 @@ def test_a_stop_before_the_agent_serves_is_not_lost(tmp_path: Any) -> None:
     assert not thread.is_alive() and not os.path.exists(agent.path)
 
 
-def _next_in_a_thread(reader: Any) -> tuple[threading.Thread, list[BaseException]]:
-    """A thread started on ``next(reader)``, and the list of what it raised (empty until)."""
-    errors: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            next(reader)
-        except BaseException as e:  # noqa: BLE001 - the caller checks it
-            errors.append(e)
-
-    t = threading.Thread(target=wait)
-    t.start()
-    return t, errors
-
-
 @pytest.mark.parametrize("reason", [None, "lost the scheduler at tcp://198.18.0.1:8786"])
 def test_a_closing_agent_is_told_to_waiting_ranks(tmp_path: Any, reason: str | None) -> None:
     """...and why, where the agent stops for a reason (``msd-dask agent`` that lost its
@@ -761,7 +746,7 @@ def test_a_closing_agent_is_told_to_waiting_ranks(tmp_path: Any, reason: str | N
     with running_agent(tmp_path, [0, 1]) as (agent, _):
         handle = AgentHandle.connect(agent.path, "agentunit")
         r0 = handle.reader(0, timeout=30)
-        t, errors = _next_in_a_thread(r0)
+        t, errors = next_in_a_thread(r0)
         time.sleep(0.3)
         agent.stop(reason)
         t.join(10)
@@ -1620,7 +1605,7 @@ def test_closing_a_reader_that_waits_ends_the_wait_and_leaves_the_step(tmp_path:
     with running_agent(tmp_path, [0], delay=2.0) as (agent, _):
         handle = AgentHandle.connect(agent.path, "agentunit")
         reader = handle.reader(0, timeout=30)
-        t, errors = _next_in_a_thread(reader)
+        t, errors = next_in_a_thread(reader)
         time.sleep(0.3)  # (the agent reads step 0 until 2 s)
         t0 = time.monotonic()
         reader.close()

@@ -995,13 +995,10 @@ def test_a_loader_that_does_not_take_its_units_times_out_naming_it(
     workers = ["tcp://h:1", "tcp://h:2"]
     sup = _supervisor(monkeypatch, _Client(workers), workers[0], 1, 1, timeout=0.3)
 
-    async def frozen(keys: object) -> None:
-        await asyncio.Event().wait()  # its worker froze: no answer, no closed comm
-
     async def run() -> None:
         await sup.setup()
         for source in ("a", "b"):
-            sup.loader(source, 0).assign = sup.loader(source, 0).release = frozen
+            sup.loader(source, 0).assign = sup.loader(source, 0).release = _no_answer
         for call, what in ((sup.assign_units, "take 1 unit"), (sup.release_units, "let go of 1")):
             with pytest.raises(ServiceTimeoutError, match=rf"loader a#0 on tcp://h:\d was asked "
                                                           rf"to {what}.* within 0.3s"):
@@ -1248,6 +1245,12 @@ def test_a_scale_down_hands_the_retired_slots_units_to_the_others_in_turn(
     assert sorted(h for _, h in heirs) == sorted(sup.active["a"]), heirs
 
 
+async def _no_answer(keys: object) -> None:
+    """A loader's call whose worker froze, left or died while it was under way: no answer,
+    no closed comm."""
+    await asyncio.Event().wait()
+
+
 def _answering_assign(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Loaders that take their units at once; the workers of those asked, in order."""
     answered: list[str] = []
@@ -1274,10 +1277,7 @@ def test_a_loader_re_created_late_in_a_calls_wait_has_the_whole_timeout(
         await sup.setup()
         old = sup.loader("a", 0)
 
-        async def frozen(keys: object) -> None:
-            await asyncio.Event().wait()  # its worker leaves while the call is under way
-
-        old.assign = frozen
+        old.assign = _no_answer
         asyncio.get_running_loop().call_later(1.05, client.scheduler.workers.remove,
                                               old._address)
         client.slow = True  # (the new loader starts a moment after it is submitted)
@@ -1304,10 +1304,7 @@ def test_a_call_to_a_loader_another_heal_re_created_goes_to_the_new_one(
         old = sup.loader("a", 0)
         dying = old._address
 
-        async def frozen(keys: object) -> None:
-            await asyncio.Event().wait()  # its worker dies while the call is under way
-
-        old.assign = frozen
+        old.assign = _no_answer
         held = {h._address for h, _ in sup._all_loaders()}
         retire = next(w for w in workers[1:] if w in held and w != dying)
         handed = [0]

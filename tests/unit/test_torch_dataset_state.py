@@ -22,7 +22,7 @@ from msd_dask.batch import Batch
 from msd_dask.errors import ServiceError, ServiceTimeoutError
 from msd_dask.torch import MsdIterableDataset
 
-from checks import wait_until
+from checks import next_in_a_thread, wait_until
 
 
 def _batch(step: int) -> Batch:
@@ -234,16 +234,7 @@ def test_a_loop_waiting_for_a_step_ends_when_another_thread_closes_the_dataset(
     assert [next(it)["step"] for _ in range(3)] == [0, 1, 2]
     closer = threading.Timer(0.3, ds.close)
     closer.start()
-    ended: list[BaseException] = []
-
-    def loop() -> None:
-        try:
-            next(it)
-        except BaseException as e:  # noqa: BLE001 - what the loop sees
-            ended.append(e)
-
-    waiting = threading.Thread(target=loop, daemon=True)
-    waiting.start()
+    waiting, ended = next_in_a_thread(it)
     waiting.join(10)
     closer.join()
     assert not waiting.is_alive(), "the loop still waits for a step after the close"
