@@ -309,8 +309,14 @@ class SourceStream:
 
     def current(self, lookup: MetaLookup) -> Window:
         """The window holding the next piece (moving past exhausted windows): its
-        ``offset``-th piece is the next."""
-        empty = 0
+        ``offset``-th piece is the next.
+
+        A ``DataError`` once every window of one epoch is empty (not for empty windows
+        in a row across two epochs: the units are shuffled each epoch, and the empty
+        ones at the end of one and the start of the next were taken for an empty
+        source; a review)."""
+        run = 0  # empty windows in a row from the first window of an epoch
+        counting = self.window == 0
         while True:
             win = self._window(lookup)
             if self.offset < len(win.table):
@@ -320,12 +326,16 @@ class SourceStream:
                     f"the stream of source {self.name!r}: offset {self.offset} is past the "
                     f"{len(win.table)} pieces of window {self.window} of epoch {self.epoch}: "
                     "a state of another config or corpus?")
-            if not len(win.table):
-                empty += 1
-                if empty > self.n_windows:
+            if len(win.table):
+                counting = False
+            elif counting:
+                run += 1
+                if run >= self.n_windows:
                     raise DataError("the source has no documents in a whole epoch",
                                     source=self.name)
             self._next_window()
+            if self.window == 0:
+                counting, run = True, 0
 
     def peek(self, lookup: MetaLookup) -> Piece:
         """The next piece, without consuming it."""

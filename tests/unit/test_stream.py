@@ -179,6 +179,23 @@ def test_source_without_documents_is_a_data_error() -> None:
         SourceStream("none", [], 0, 1, 8)
 
 
+def test_empty_windows_across_an_epochs_end_are_not_an_empty_source() -> None:
+    # one unit of five has documents: the empty windows at the end of one epoch and the
+    # start of the next (the units shuffled each epoch) were counted together and the
+    # source refused as without documents (a review)
+    units = [Unit(f"f{i}") for i in range(5)]
+    lookup = fake_lookup({u: np.array([10, 12]) if u == 0 else np.zeros(0, np.int64)
+                          for u in range(5)})
+    for seed in range(20):
+        s = SourceStream("web", units, seed, 1, 64)
+        got = []
+        for _ in range(6):
+            got.append(s.peek(lookup))
+            s.advance()
+        assert sorted((p.epoch, p.unit, p.row) for p in got) == [
+            (e, 0, r) for e in range(3) for r in range(2)], seed
+
+
 # ----------------------------------------------------------------------- determinism
 
 
