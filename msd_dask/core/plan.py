@@ -423,20 +423,55 @@ class Planner:
             return _no_pieces()
         index = self._index
         try:  # (one pass where every piece is whole: at dp 16,384 x 128K about 10^6)
-            if all(len(t) == 8 and str(t[0]) in index for t in tuples):
-                return np.array([[index[str(t[0])], *(int(x) for x in t[1:])] for t in tuples],
-                                dtype=np.int64).reshape(len(tuples), 8)
-        except (TypeError, ValueError, OverflowError):
+            if all(len(t) == 8 and str(t[0]) in index and all(type(x) is int for x in t[1:])
+                   for t in tuples):
+                table = np.array([[index[str(t[0])], *t[1:]] for t in tuples],
+                                 dtype=np.int64).reshape(len(tuples), 8)
+                self._refuse_pieces(table, what)
+                return table
+        except (TypeError, OverflowError):
             pass
         for i, t in enumerate(tuples):  # the first that is not
             try:
-                ok = len(t) == 8 and str(t[0]) in index and bool([int(x) for x in t[1:]])
-            except (TypeError, ValueError):
+                ok = len(t) == 8 and str(t[0]) in index
+            except TypeError:
                 ok = False
             if not ok:
                 raise ValueError(f"{what}[{i}]: a piece {t!r} is not (source, 7 integers) of "
                                  f"a source of {self._names}")
-        raise ValueError(f"{what}: a piece's integer is out of int64's range")
+            for k, x in enumerate(t[1:], 1):  # (a float was cut, a row of 2.7 read as 2)
+                at = f"{what}[{i}][{k}] ({_PIECE_FIELDS[k]})"
+                if _whole(at, x) >= 2**63:
+                    raise ValueError(f"{at}: {x!r} is out of int64's range")
+        table = np.array([[index[str(t[0])], *map(int, t[1:])] for t in tuples],
+                         dtype=np.int64).reshape(len(tuples), 8)
+        self._refuse_pieces(table, what)
+        return table
+
+    def _refuse_pieces(self, table: np.ndarray, what: str) -> None:
+        """A ``ValueError`` naming the first piece of a state's ``table`` that no stream of
+        this config could have drawn (as ``what[i]``): a unit past its source's units, a
+        negative field, or a token range ``[start, end)`` that is empty, passes its
+        document's length or is longer than a row (a carried piece of a unit that does not
+        exist was taken, and the step that placed it failed at the lookup; a review)."""
+        n_units = np.array([len(self.streams[n].units) for n in self._names], dtype=np.int64)
+        src, unit, start, end, doc_len = (table[:, c] for c in (0, 2, 5, 6, 7))
+        checks = (
+            ("a negative field", (table[:, 1:] < 0).any(axis=1)),
+            ("a unit its source does not have", unit >= n_units[src]),
+            ("an empty token range", end <= start),
+            ("a token range past its document's length", end > doc_len),
+            (f"more tokens than a row of {self.cfg.batch.seq_len}",
+             end - start > self.cfg.batch.seq_len),
+        )
+        for why, bad in checks:
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                piece = Piece(self._names[int(src[i])], *table[i, 1:].tolist())
+                detail = (f" (source {piece.source!r} has {int(n_units[src[i]])} units)"
+                          if why.startswith("a unit") else "")
+                raise ValueError(f"{what}[{i}]: {piece} has {why}{detail}: not a piece of "
+                                 "this config's sources")
 
     @property
     def carry(self) -> list[Piece]:
@@ -926,19 +961,23 @@ class Planner:
                 tokens={k: _whole(f"tokens[{k!r}]", v) for k, v in named["tokens"].items()},
                 pieces={k: _whole(f"pieces[{k!r}]", v) for k, v in named["pieces"].items()},
                 cost=(float(cost[0]), float(cost[1])))
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise _not_whole(e) from e
         self.load_snapshot(snap)
+
+
+#: the names of a piece's fields, as a state's piece lists them
+_PIECE_FIELDS = tuple(Piece.__annotations__)
 
 
 def _whole(key: str, value: Any) -> int:
     """``value``, a planner state's integer >= 0 at ``key``; a ``ValueError`` naming the key
     (a float was cut, 2.7 read as 2, and a step of -4 or True taken; a review)."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral | float | str):
         raise ValueError(f"{key}: {value!r} is not an integer")
     try:
         whole = int(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # (JSON's Infinity: OverflowError named no key)
         raise ValueError(f"{key}: {value!r} is not an integer") from None
     if whole != value and not isinstance(value, str) or whole < 0:
         raise ValueError(f"{key}: {value!r} is not an integer >= 0")

@@ -685,6 +685,29 @@ def test_a_state_of_other_sources_is_refused_by_name(names: list[str]) -> None:
     (lambda s: s.update(step=None), r"step: None is not an integer"),
     (lambda s: s["streams"]["web"].update(offset=2.7),
      r"streams\['web'\]\['offset'\]: 2\.7 is not an integer >= 0"),
+    # (a carried or held piece no stream could have drawn was taken, and the step that
+    # placed it failed at its unit's lookup; a review)
+    (lambda s: s.update(carry=[["web", 0, 1, 0, 0, 0, 5, 5], ["web", 0, 12, 0, 0, 0, 5, 5]]),
+     r"carry\[1\]: .* has a unit its source does not have \(source 'web' has 12 units\)"),
+    (lambda s: s.update(carry=[["code", -1, 1, 0, 0, 0, 5, 5]]),
+     r"carry\[0\]: .*source='code', epoch=-1.* has a negative field"),
+    (lambda s: s.update(held=[[["web", 0, 1, 0, 0, 5, 5, 5], 2]]),
+     r"held\[0\]: .* has an empty token range"),
+    (lambda s: s.update(carry=[["tiny", 0, 1, 0, 0, 0, 9, 5]]),
+     r"carry\[0\]: .* has a token range past its document's length"),
+    (lambda s: s.update(carry=[["tiny", 0, 1, 0, 0, 0, SEQ_LEN + 1, SEQ_LEN + 1]]),
+     rf"carry\[0\]: .* has more tokens than a row of {SEQ_LEN}"),
+    # (JSON's Infinity raised a bare OverflowError naming no key, and a piece's float was
+    # cut, its row 2.7 read as 2: another document; a review)
+    (lambda s: s.update(step=float("inf")), r"step: inf is not an integer"),
+    (lambda s: s["streams"]["web"].update(offset=float("inf")),
+     r"streams\['web'\]\['offset'\]: inf is not an integer"),
+    (lambda s: s.update(carry=[["web", 0, 1, 0, 0, float("inf"), 5, 5]]),
+     r"carry\[0\]\[5\] \(start\): inf is not an integer"),
+    (lambda s: s.update(carry=[["web", 0, 1, 2.7, 0, 0, 5, 5]]),
+     r"carry\[0\]\[3\] \(row\): 2\.7 is not an integer >= 0"),
+    (lambda s: s.update(held=[[["web", 0, 1, 0, 0, 0, 2**70, 2**70], 1]]),
+     r"held\[0\]\[6\] \(end\): \d+ is out of int64's range"),
 ])
 def test_a_state_that_is_not_whole_is_one_clear_error(change: Any, says: str) -> None:
     # each raised a bare KeyError or a numpy error, or (tokens {}) was taken and failed at
