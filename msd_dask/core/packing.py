@@ -188,7 +188,8 @@ def pack_rows(rows: Sequence[Sequence[tuple[Any, int]]], seq_len: int,
             if isinstance(tokens, tuple):
                 tokens, image = tokens
             if pos + n > seq_len:
-                raise PieceError(m, j, f"row {m} overflows seq_len {seq_len}")
+                raise PieceError(m, j, f"row {m}, piece {j}: {n} tokens after {pos} overflow "
+                                       f"seq_len {seq_len}")
             if len(tokens) not in (n, n + 1):
                 raise PieceError(m, j, f"row {m}, piece {j}: a piece of {n} tokens given "
                                        f"{len(tokens)} token ids")

@@ -76,9 +76,10 @@ def test_pad_id_is_used() -> None:
 
 
 def test_overflow_raises() -> None:
-    with pytest.raises(ValueError, match="overflow"):
+    # (the piece and the numbers named: it said only "row 0 overflows seq_len 4"; a review)
+    with pytest.raises(ValueError, match=r"row 0, piece 1: 2 tokens after 3 overflow seq_len 4"):
         pack_rows([[(arr(1, 2, 3), 3), (arr(4, 5), 2)]], seq_len=4, pad_id=PAD)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"row 1, piece 0: 5 tokens after 0 overflow seq_len 4"):
         pack_rows([[], [(arr(1, 2, 3, 4, 5), 5)]], seq_len=4, pad_id=PAD)
 
 
