@@ -79,8 +79,9 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
 
     A glob may hold alternatives in braces (``data/{code,math}/*.parquet``, nested too).
     Where a folder or a glob is expanded, a file is left out if its name, or a folder's
-    on its way from the root, starts with one of :data:`IGNORED_PREFIXES`; a file named
-    alone is always read.  A folder's files are all listed here (``folder=True``):
+    on its way from the root, starts with one of :data:`IGNORED_PREFIXES` where the
+    listing or a wildcard found it; a name the glob spells out (``{_shards,more}``,
+    ``_*.jsonl``) and a file named alone are read.  A folder's files are all listed here (``folder=True``):
     discovery keeps those its source's format reads.
     """
     fs, path = url_to_fs(uri, **dict(storage_options or {}))
@@ -92,9 +93,9 @@ def open_source(uri: str, storage_options: Mapping[str, Any] | None = None) -> S
         root = path[:start].rsplit("/", 1)[0] if "/" in path[:start] else ""
         found: dict[str, Any] = {}
         for pattern in expand_braces(path):
-            found.update(fs.glob(pattern, detail=True))
-        paths = sorted(p for p, info in found.items() if not _ignored(p, root)
-                       and _is_file(fs, p, info))
+            found.update({p: info for p, info in fs.glob(pattern, detail=True).items()
+                          if not _wildcard_ignored(p, pattern, root)})
+        paths = sorted(p for p, info in found.items() if _is_file(fs, p, info))
     elif fs.isdir(path):
         root = path
         paths = sorted(p for p, info in fs.find(path, detail=True).items()
@@ -143,6 +144,30 @@ def _ignored(path: str, root: str) -> bool:
     """Whether a name on ``path``'s way from ``root`` starts with an ignored prefix."""
     rel = path[len(root):] if root and path.startswith(root) else path
     return any(part.startswith(IGNORED_PREFIXES) for part in rel.split("/") if part)
+
+
+def _wildcard_ignored(path: str, pattern: str, root: str) -> bool:
+    """Whether a glob ``pattern`` (no braces) matched ``path`` where a wildcard of it matched
+    a name starting with an ignored prefix: a name the pattern spells out (a folder
+    ``_shards``, one of the alternatives in braces, ``_*.jsonl``) is read (the alternatives
+    were left out without a word where the same folder outside braces was read; a review).
+    Where the names do not line up with the pattern's (a ``**`` within a name), as
+    :func:`_ignored` decides from ``root``."""
+    names, parts = path.split("/"), pattern.split("/")
+    if "**" in parts:  # the names before it and after it line up; it matched those between
+        k = parts.index("**")
+        after = len(parts) - k - 1
+        if len(names) < k + after:
+            return _ignored(path, root)
+        lined = list(zip(parts[:k], names[:k], strict=True))
+        lined += list(zip(parts[k + 1:], names[len(names) - after:], strict=True))
+        if any(n.startswith(IGNORED_PREFIXES) for n in names[k:len(names) - after]):
+            return True
+    elif len(names) == len(parts) and not any("**" in p for p in parts):
+        lined = list(zip(parts, names, strict=True))
+    else:
+        return _ignored(path, root)
+    return any(n.startswith(IGNORED_PREFIXES) and not p.startswith(n[0]) for p, n in lined)
 
 
 def expand_braces(pattern: str) -> list[str]:
