@@ -60,6 +60,9 @@ _COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bzip2"
 #: line of text may start with "BZh"); none starts a line of UTF-8 JSON
 _MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "xz"}
 _BZIP2 = (b"BZh", b"1AY&SY")
+#: the last three bytes of a zstd skippable frame's magic (its first is 0x50 to 0x5F), which
+#: starts a file of pzstd's or of the seekable format (a review)
+_SKIPPABLE = b"\x2a\x4d\x18"
 
 
 def compression_in(head: bytes) -> str | None:
@@ -80,6 +83,8 @@ def compression_in(head: bytes) -> str | None:
     """
     if head[:3] == _BZIP2[0] and head[3:4] in b"123456789" and head[4:10] == _BZIP2[1]:
         return "bzip2"
+    if head[:1] and 0x50 <= head[0] <= 0x5F and head[1:4] == _SKIPPABLE:
+        return "zstd"
     return next((name for magic, name in _MAGIC.items() if head.startswith(magic)), None)
 
 
