@@ -69,6 +69,15 @@ def test_a_parquet_value_that_is_not_utf8_names_its_row(tmp_path: Path) -> None:
     assert [q.row for q in quarantine] == [1]
 
 
+def test_a_byte_order_mark_a_binary_text_starts_with_is_not_text(tmp_path: Path) -> None:
+    # a .txt member's was dropped, a binary column's (or a .caption member's) tokenized as
+    # 3 tokens of junk (a review); one inside the text is kept
+    raw = pa.array(["\ufeffa caption".encode(), "mid\ufeff".encode()], type=pa.binary())
+    pq.write_table(pa.table({"text": raw}), tmp_path / "x.parquet")
+    docs, quarantine = _read(tmp_path, "x.parquet", "parquet", "fail")
+    assert [ByteTokenizer().decode(d) for d in docs] == ["a caption", "mid\ufeff"]
+
+
 def test_good_documents_read_as_before(tmp_path: Path) -> None:
     (tmp_path / "x.jsonl").write_text("\n".join(json.dumps({"text": t})
                                                 for t in ("a", "bc", "déf")) + "\n")
