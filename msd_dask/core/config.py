@@ -621,9 +621,7 @@ def _source(d: Any, key: str) -> SourceConfig:
         # (a format of your own is imported where the source is listed and read, never here)
         raise ConfigError(f"{key}.format", f"unknown format {fmt!r} (known: {', '.join(KNOWN_FORMATS)}; "
                           "or 'package.module:Name' naming a format of your own)")
-    so = d.get("storage_options", {})
-    if not isinstance(so, Mapping):
-        raise ConfigError(f"{key}.storage_options", "must be a mapping")
+    so = _storage_options(d.get("storage_options", {}), f"{key}.storage_options")
     context = d.get("context", SourceConfig.context)
     if context not in ("short", "long"):
         raise ConfigError(f"{key}.context", f"must be 'short' or 'long', got {context!r}")
@@ -633,7 +631,7 @@ def _source(d: Any, key: str) -> SourceConfig:
         format=fmt,
         weight=parse_weight(d.get("weight", 1.0), f"{key}.weight"),
         text_field=_str(d, "text_field", key, SourceConfig.text_field),
-        storage_options=dict(so),
+        storage_options=so,
         loaders=_int(d, "loaders", key, SourceConfig.loaders),
         min_loaders=_int(d, "min_loaders", key, SourceConfig.min_loaders, lo=0),
         max_loaders=_int(d, "max_loaders", key, SourceConfig.max_loaders, lo=0),
@@ -710,9 +708,7 @@ def _tokenizer(tok: Any) -> TokenizerConfig:
     if kind not in KNOWN_TOKENIZERS:
         raise ConfigError("tokenizer.kind",
                           f"unknown tokenizer {kind!r} (known: {', '.join(KNOWN_TOKENIZERS)})")
-    so = tok.get("storage_options", {})
-    if not isinstance(so, Mapping):
-        raise ConfigError("tokenizer.storage_options", "must be a mapping")
+    so = _storage_options(tok.get("storage_options", {}), "tokenizer.storage_options")
     ids: dict[str, int | None] = {}
     for k in ("eod_id", "pad_id", "image_token_id"):
         ids[k] = None if tok.get(k) is None else _int(tok, k, "tokenizer", lo=0)
@@ -723,9 +719,22 @@ def _tokenizer(tok: Any) -> TokenizerConfig:
                                   "tokenizer has fixed ids: 256 ends a document, 257 pads, "
                                   "258 is an image patch)")
         return TokenizerConfig()
-    cfg = TokenizerConfig(kind=kind, path=_str(tok, "path", "tokenizer"), storage_options=dict(so),
+    cfg = TokenizerConfig(kind=kind, path=_str(tok, "path", "tokenizer"), storage_options=so,
                           **ids)
     return cfg
+
+
+def _storage_options(so: Any, key: str) -> dict[str, Any]:
+    """A ``storage_options`` mapping at config key ``key``, as a dict: its type named where
+    it is none (never its value, which may hold credentials), and a key that is not a string
+    refused here (it failed at the listing, "keywords must be strings", blamed on ``uri``;
+    a review)."""
+    if not isinstance(so, Mapping):
+        raise ConfigError(key, f"must be a mapping, got {type(so).__name__}")
+    bad = [k for k in so if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(key, f"its keys are fsspec's option names, strings; got {bad[0]!r}")
+    return dict(so)
 
 
 def _validate_weights(sources: tuple[SourceConfig, ...]) -> None:

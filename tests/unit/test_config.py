@@ -231,6 +231,23 @@ def test_bad_parallel_size(data_dir: Path) -> None:
     refused(d, "parallel.dp")
 
 
+@pytest.mark.parametrize("where", ["sources[0]", "tokenizer"])
+@pytest.mark.parametrize("options, says", [
+    ("anon=true", "must be a mapping, got str"),
+    ({1: 2}, "its keys are fsspec's option names, strings; got 1"),
+])
+def test_bad_storage_options_name_their_key(data_dir: Path, where: str, options: Any,
+                                            says: str) -> None:
+    # a string was refused with no word of what was given, and a key that is not a string
+    # failed at the listing, blamed on the uri (or tokenizer.path; a review)
+    d = base(data_dir)
+    if where == "tokenizer":
+        d["tokenizer"] = {"kind": "hf", "path": "tok.json", "storage_options": options}
+    else:
+        d["sources"][0]["storage_options"] = options
+    assert says in str(refused(d, f"{where}.storage_options"))
+
+
 def test_bad_context(data_dir: Path) -> None:
     d = base(data_dir)
     d["sources"][0]["context"] = "medium"
