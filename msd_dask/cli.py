@@ -118,7 +118,30 @@ def _nonempty_address(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty address (a shell variable not set?); give "
                                          "the scheduler's, as tcp://HOST:8786")
-    return text.strip()
+    address = text.strip()
+    # (a scheme or port Dask cannot dial failed later as a traceback, ucx://, or as Python's
+    # words naming no option, "invalid literal for int()"; a review)
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        scheme, location = parse_address(address)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{address!r}: {e}") from None
+    if scheme not in _SCHEMES:
+        raise argparse.ArgumentTypeError(
+            f"{address!r}: a scheduler is dialled over {', '.join(_SCHEMES)}, not {scheme}://")
+    try:
+        port = parse_host_port(location)[1]
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{address!r}: expected HOST:PORT with a port from 1 to "
+                                         "65535, as tcp://HOST:8786")
+    return address
+
+
+#: the schemes ``--scheduler`` takes (those a Dask client dials with no extra package)
+_SCHEMES = ("tcp", "tls", "ws", "wss")
 
 
 def _group_id(text: str) -> int:

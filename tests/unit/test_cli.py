@@ -549,6 +549,33 @@ def test_an_empty_scheduler_address_names_the_option(command: list[str],
     assert "argument --scheduler: an empty address" in err, err
 
 
+@pytest.mark.parametrize("address, says", [
+    ("ucx://127.0.0.1:1", "a scheduler is dialled over tcp, tls, ws, wss, not ucx://"),
+    ("inproc://x", "not inproc://"),
+    ("tcp://127.0.0.1:notaport", "expected HOST:PORT with a port from 1 to 65535"),
+    ("tcp://127.0.0.1:99999", "expected HOST:PORT with a port from 1 to 65535"),
+    ("tcp://host", "expected HOST:PORT"),
+])
+@pytest.mark.parametrize("command", [["stats", "demo"], ["agent", "demo"]])
+def test_an_address_dask_cannot_dial_names_the_option(command: list[str], address: str, says: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # ucx:// failed as a traceback, a bad port as Python's "invalid literal for int()" or a
+    # wait for a port out of range, naming no option (a review)
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--scheduler", address])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --scheduler: {address!r}: " in err and says in err, err
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:8786", "127.0.0.1:8786", "tls://[::1]:8786",
+                                     " ws://h.example:80 "])
+def test_an_address_dask_dials_is_taken(address: str) -> None:
+    from msd_dask.cli import _nonempty_address
+
+    assert _nonempty_address(address) == address.strip()
+
+
 def test_an_agent_sharing_with_a_group_needs_a_socket_path(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The default socket folder is the user's alone (mode 0700): ``--group`` without
