@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -291,6 +292,44 @@ def _bottleneck(load: SourceLoad, policy: ScalingPolicy) -> bool:
     return capacity < 2 * policy.scaling.headroom * demand(load, corrected=True)
 
 
+class PlannedRate:
+    """A service's consumption (``SourceLoad.consumption``): the tokens/s its planner
+    planned over the last ``span`` seconds of readings.
+
+    The planner plans a round of steps at a time as the constructors make room, so a
+    window of one poll (a second) saw no token or a whole round: with 2 s steps in
+    rounds of 3 the proactive target followed the rounds, scale-ups at once and
+    scale-downs never (a round inside every ``scale_down_after`` kept the higher
+    count; a review: 1 loader's worth held at 5).  The policy passes its
+    ``scale_down_after`` as ``span``: the rate a scale-down waits for.  Until ``span``
+    has passed, the rate since the first reading.
+    """
+
+    def __init__(self, span: float) -> None:
+        self.span = float(span)
+        #: (time, tokens planned) of the readings kept: the newest and those of the span
+        self._seen: deque[tuple[float, float]] = deque()
+
+    def update(self, now: float, planned: float) -> float:
+        """The rate at time ``now`` with ``planned`` tokens planned so far (a count that
+        went back, a re-created planner's, starts the readings again)."""
+        seen = self._seen
+        if seen and (planned < seen[-1][1] or now <= seen[-1][0]):
+            if planned < seen[-1][1]:
+                seen.clear()
+            else:
+                return _rate(seen[0], seen[-1])
+        seen.append((float(now), float(planned)))
+        while len(seen) > 2 and now - seen[1][0] >= self.span:
+            seen.popleft()
+        return _rate(seen[0], seen[-1])
+
+
+def _rate(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Tokens per second between two readings ``(time, tokens)`` (0 at one time)."""
+    return (b[1] - a[1]) / (b[0] - a[0]) if b[0] > a[0] else 0.0
+
+
 class ReadCostAtCount:
     """Each source's loader seconds and core-wait seconds per token read at its current
     loader count (``SourceLoad.seconds_per_token`` and ``core_wait_per_token``).
@@ -411,11 +450,21 @@ class Scaler:
         each = caps[n0] / n0
         added = (caps[n] - caps[n0]) / each
         if added < MIN_EFFICIENCY * (n - n0):
+            # (the most cores it was confirmed on: a window of a worker paused, fewer cores,
+            # then one of them all read as a cluster that grew, and the source was probed
+            # again, 3 -> 6 -> 3 loaders; a review)
+            was = self._saturated_cores.get(source, 0.0) if source in self.saturated else 0.0
             self.saturated[source] = n0 + max(0, math.ceil(added - 1e-9))
-            self._saturated_cores[source] = load.cores
+            self._saturated_cores[source] = max(was, load.cores)
 
     def _measure_cpu(self, loads: Mapping[str, SourceLoad]) -> None:
-        """Keep each source's largest CPU fraction; re-probe saturations on more cores."""
+        """Keep each source's largest CPU fraction; re-probe saturations on more cores.
+
+        A window with no core running (its one worker paused) measures nothing: the caps
+        stay (they went, and a CPU-bound source doubled and came back at each such poll;
+        a review)."""
+        if max((ld.cores for ld in loads.values()), default=0.0) <= 0 and self.cpu_caps:
+            return
         for source, load in loads.items():
             if load.cpu_fraction > 0:
                 f = min(1.0, load.cpu_fraction)

@@ -38,13 +38,16 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado import web
 
 from msd_dask.core.figures import RANKS_LISTED, SLOWEST, source_figures
 from msd_dask.dask_internals import published_datasets, scraped_server, wrap_scheduler_call
+
+if TYPE_CHECKING:
+    from msd_dask.core.scaling import PlannedRate
 
 __all__ = ["MsdSchedulerPlugin", "dask_setup"]
 
@@ -136,6 +139,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         #: per service: the snapshot its adaptive policy was last evaluated from (the next
         #: evaluation comes ``scaling.interval`` seconds after it, over the time between)
         self._scaled_from: dict[str, dict[str, Any]] = {}
+        #: service -> its consumption's readings (the policy's, over scale_down_after)
+        self._planned: dict[str, PlannedRate] = {}
         #: what puts back each scheduler entry point :meth:`_hook` wrapped
         self._unhooks: list[Callable[[], None]] = []
         #: name -> (the scheduler's entry of the published dataset, registry): a registry
@@ -321,7 +326,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         """Every table this plugin keeps per service name."""
         return (self.services, self.rates, self.imbalance, self.decisions, self._configs,
                 self._scalers, self._read_costs, self._targets, self._wanted, self._registries,
-                self.poll_errors, self._scaled_from)
+                self.poll_errors, self._scaled_from, self._planned)
 
     def _known(self) -> set[str]:
         """Names of the services this plugin holds anything for."""
@@ -401,7 +406,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
     async def _scale(self, name: str, registry: dict[str, Any], snap: dict[str, Any],
                      prev: dict[str, Any]) -> None:
         """Apply the adaptive loader policy (``scaling: {policy: adaptive}``) to a service."""
-        from msd_dask.core.scaling import ReadCostAtCount, Scaler, ScalingPolicy, SourceLoad
+        from msd_dask.core.scaling import PlannedRate, ReadCostAtCount, Scaler, ScalingPolicy, SourceLoad
 
         cfg = self._configs[name]
         if cfg.scaling.policy != "adaptive":
@@ -409,8 +414,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         if name not in self._scalers:
             self._scalers[name] = Scaler(ScalingPolicy.from_config(cfg))
         dt = snap["time"] - prev["time"]
-        planned = sum(snap["planner"]["tokens_planned"].values())
-        before = sum(prev["planner"]["tokens_planned"].values())
+        consumption = self._planned.setdefault(
+            name, PlannedRate(cfg.scaling.scale_down_after)).update(
+                snap["time"], sum(snap["planner"]["tokens_planned"].values()))
         planner = await registry["planner"]
         ahead = snap["weights_ahead"]
         cores = float(sum(ws.nthreads for ws in self.scheduler.workers.values()
@@ -426,7 +432,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             spt, wait = costs.update(s, n, v["tokens_read"], v["read_seconds"],
                                      v["cpu_wait_seconds"])
             loads[s] = SourceLoad(
-                loaders=n, weight_ahead=float(ahead[s]), consumption=(planned - before) / dt,
+                loaders=n, weight_ahead=float(ahead[s]), consumption=consumption,
                 seconds_per_token=spt, threads=int(v["threads"]),
                 starved=starved, cpu_per_token=(v["cpu_seconds"] / v["tokens_read"]
                                                 if v["tokens_read"] else 0.0),

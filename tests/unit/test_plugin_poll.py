@@ -535,3 +535,41 @@ def test_a_re_created_planners_first_window_is_its_own(monkeypatch: pytest.Monke
     asyncio.run(polls())
     assert len(windows) == 6  # one a poll, but none across the two planners
     assert windows == [(200.0, 1.0)] * 6, windows
+
+
+def test_rounds_planned_at_once_do_not_ratchet_the_loaders_up() -> None:
+    """2 s steps of 131,072 tokens planned in rounds of 3: the consumption of one poll's
+    window was no token or a whole round, and the proactive target followed the rounds up
+    at once and never down (1 loader's worth held at 5; a review).  Measured over
+    ``scale_down_after``, it is the steps' rate."""
+    from msd_dask.core.config import parse_config
+    from msd_dask.core.figures import source_figures
+
+    class _Scaled:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, int]] = []
+
+        async def scale(self, source: str, n: int) -> int:
+            self.calls.append((source, n))
+            return n
+
+    plugin = _plugin({})
+    plugin._configs["svc"] = parse_config(config("/nonexistent", name="svc",
+                                                 scaling={"policy": "adaptive"}))
+    planner = _Scaled()
+
+    def snap(t: int) -> dict[str, Any]:
+        half = 3 * 131_072 * (t // 6 + 1) // 2  # each source's tokens planned so far
+        figures = {"tokens_planned": {"code": half, "prose": half}, "starved_seconds": {},
+                   "loaders": {"code": 1, "prose": 1}, "weights": {"code": 0.5, "prose": 0.5}}
+        loader = dict(_loader(half), read_seconds=half * 2e-5, cpu_seconds=half * 1e-6,
+                      cpu_wait_seconds=0.0)
+        return {"time": float(t), "planner": figures, "weights_ahead": figures["weights"],
+                "sources": source_figures(figures, {"code": [loader], "prose": [loader]})}
+
+    async def run() -> None:
+        for t in range(1, 120):
+            await plugin._scale("svc", {"planner": _Handle(planner)}, snap(t), snap(t - 1))
+
+    asyncio.run(run())
+    assert planner.calls == [] and plugin._targets["svc"] == {"code": 1, "prose": 1}

@@ -432,6 +432,61 @@ def test_a_worker_paused_for_a_poll_takes_no_loader_off() -> None:
     assert 100 + scale_down_after <= changes[0][0] <= 100 + scale_down_after + 2, changes
 
 
+def test_a_poll_with_no_core_running_keeps_the_cpu_caps() -> None:
+    # the one worker of a cluster paused for a poll: no core counted, the caps went, and a
+    # CPU-bound source at its cap doubled and came back at each such poll (a review)
+    loaders = {"a": 1}
+    changes = _run_cpu_bound(loaders, {"a": 1e-4}, lambda t: 100_000,
+                             lambda t: 0.0 if t % 60 == 30 else 2.0)
+    assert changes == [(0, "a", 1, 2)] and loaders == {"a": 2}
+
+
+def test_a_dip_in_cores_does_not_probe_a_saturation_again() -> None:
+    # a store worth 2.3 loaders on 8 cores, one worker paused for a poll each minute (6
+    # cores): the saturation was re-recorded at 6, and the next poll's 8 read as a cluster
+    # that grew: probed again, 3 -> 6 -> 3, every minute (a review)
+    s = Scaler(ScalingPolicy(ScalingConfig(policy="adaptive"), {"a": (1, 8)}))
+    changes = _drive(s, 1, 600, lambda t, n: load(
+        loaders=n, seconds_per_token=1e-3 * max(1.0, n / 2.3), consumption=5000.0,
+        cores=6.0 if t % 60 == 30 else 8.0))
+    assert changes and all(t < 30 for t, _ in changes), changes
+    assert s.saturated == {"a": 3}
+
+
+def test_rounds_planned_at_once_are_not_taken_for_a_rise_in_consumption() -> None:
+    # 2 s steps of 131,072 tokens planned in rounds of 3: a poll of a second saw no token or
+    # a round, and the proactive target followed the rounds up and never down (1 loader's
+    # worth held at 5; a review).  The rate over scale_down_after is the steps' own
+    from msd_dask.core.scaling import PlannedRate
+
+    cfg = ScalingConfig(policy="adaptive")
+    s = Scaler(ScalingPolicy(cfg, {"a": (1, 8)}))
+    rate = PlannedRate(cfg.scale_down_after)
+    planned, n, changes, rates = 0.0, 1, [], []
+    for t in range(600):
+        if t % 6 == 0:
+            planned += 3 * 131_072
+        rates.append(rate.update(float(t), planned))
+        d = s.decide(float(t), {"a": SourceLoad(n, 0.5, rates[-1], 2e-5)})
+        if d:
+            changes.append((t, n, d["a"]))
+            n = d["a"]
+    assert changes == [] and n == 1
+    assert all(abs(r / 65_536 - 1) < 0.25 for r in rates[60:]), rates[60:]
+
+
+def test_planned_rate_starts_again_when_the_count_goes_back() -> None:
+    from msd_dask.core.scaling import PlannedRate
+
+    rate = PlannedRate(10.0)
+    assert rate.update(0.0, 0.0) == 0.0 and rate.update(2.0, 200.0) == 100.0
+    assert rate.update(2.0, 300.0) == 100.0  # (no time passed: the last rate)
+    assert rate.update(12.0, 1200.0) == 100.0
+    assert rate.update(13.0, 1200.0) == pytest.approx(1000 / 11)  # (the span: from t=2)
+    assert rate.update(14.0, 500.0) == 0.0  # a re-created planner's counts, behind
+    assert rate.update(15.0, 550.0) == 50.0
+
+
 def test_read_costs_are_those_at_the_current_count():
     from msd_dask.core.scaling import ReadCostAtCount
 
