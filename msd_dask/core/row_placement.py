@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from msd_dask.core._kernels import best_fit_rows, in_piece_order, stable_argsort
-from msd_dask.core.balance import assign, build_assignment, improve
+from msd_dask.core.balance import assign, build_assignment, check_piece_lengths, improve
 from msd_dask.core.scaling import usable_cores
 from msd_dask.core.stream import fits_int32
 
@@ -174,9 +174,10 @@ def place_step(lengths: np.ndarray, costs: np.ndarray | Pricing, n_carried: int,
     ``sequential`` the pieces fill rows next fit in order (carried pieces
     first, and always placed).  With the other strategies the pieces the step
     keeps are chosen by :func:`kept_rows`, independently of how the rows are
-    grouped into ranks, and the strategy balances them over the mesh; in the
-    rare case it cannot place them all, the kept rows themselves are dealt to
-    ranks (most costly row first, to the cheapest rank with a free
+    grouped into ranks, and the strategy balances them over the mesh; where it
+    cannot place them all (most steps of a heavy-tailed corpus with nearly full
+    rows below the blocks of ranks: docs/balance.md), the kept rows themselves
+    are dealt to ranks (most costly row first, to the cheapest rank with a free
     micro-batch), which always fits, and with ``balanced`` then evened by its
     exchanges (:func:`~msd_dask.core.balance.improve`).
 
@@ -211,6 +212,7 @@ def place_step(lengths: np.ndarray, costs: np.ndarray | Pricing, n_carried: int,
         int32 where ``dp`` and ``mb`` fit (a config's always do; a step at dp 16,384 ×
         128K holds millions of pieces)
     """
+    check_piece_lengths(lengths, seq_len)
     if strategy == "sequential":  # next fit over the rows: mesh-agnostic already
         costs = _priced(lengths, costs)
         a = assign(lengths, costs, dp, mb, seq_len, strategy)

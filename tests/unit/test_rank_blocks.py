@@ -203,3 +203,15 @@ def test_a_cost_model_in_place_of_costs_places_the_same(small_blocks: None, dp: 
             np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(a, c)
         assert (given[0] >= 0).any()
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "lpt", "balanced"])
+@pytest.mark.parametrize("length", [101, 300, 5000, -3])
+def test_a_piece_no_row_can_hold_is_one_clear_error(strategy: str, length: int) -> None:
+    # with lpt and balanced a piece longer than a row was carried for ever (101), raised a
+    # bare IndexError (300) or, compiled, wrote out of bounds and crashed the process
+    # (5000); only sequential said so (a review).  Checked before any kernel runs
+    lengths = np.array([length, 50, 40], dtype=np.int64)
+    word = "exceeds seq_len 100" if length > 0 else "a piece's length is >= 0"
+    with pytest.raises(ValueError, match=rf"a piece of {length} tokens.*{word}"):
+        place_step(lengths, np.abs(lengths).astype(float), 0, 2, 1, 100, strategy)
