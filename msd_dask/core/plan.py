@@ -499,6 +499,27 @@ class Planner:
         total = sum(raw.values())
         return {k: v / total for k, v in raw.items()}
 
+    def largest_weights(self, lookahead: int) -> dict[str, float]:
+        """Each source's largest normalised weight over the steps from the next to
+        ``lookahead`` steps after it (:meth:`weights_at`).
+
+        Exact: the raw weights are linear or constant between the schedules'
+        breakpoints and the live changes' first steps, so each normalised weight is
+        monotone between them, and the steps around each and at the two ends are enough
+        (21 steps sampled over the window missed a phase shorter than a twentieth of it;
+        a review)."""
+        start, end = self.step, self.step + max(0, int(lookahead))
+        kinks = [b for src in self.cfg.sources for b in src.weight.breakpoints()]
+        kinks += [first for first, _ in self.overrides]
+        steps = {start, end} | {st for b in kinks if math.isfinite(b)
+                                for st in (math.floor(b) - 1, math.floor(b), math.ceil(b))
+                                if start <= st <= end}
+        out = dict.fromkeys(self._names, 0.0)
+        for st in sorted(steps):
+            for k, v in self.weights_at(st).items():
+                out[k] = max(out[k], v)
+        return out
+
     def set_weights(self, weights: Mapping[str, float], from_step: int | None = None) -> int:
         """Replace the weights from ``from_step`` (default: the first unplanned step) on.
 

@@ -1544,14 +1544,9 @@ class PlannerActor:
         return [h for h in self.history if h["step"] >= step]
 
     async def weights_ahead(self, lookahead: int) -> dict[str, float]:
-        """Largest weight of each source over the next ``lookahead`` steps (sampled)."""
-        start = self.planner.step
-        steps = sorted({start + (i * lookahead) // 20 for i in range(21)})
-        out = {s.name: 0.0 for s in self.cfg.sources}
-        for st in steps:
-            for k, v in self.planner.weights_at(st).items():
-                out[k] = max(out[k], v)
-        return out
+        """Largest weight of each source over the next ``lookahead`` steps
+        (:meth:`~msd_dask.core.plan.Planner.largest_weights`)."""
+        return self.planner.largest_weights(lookahead)
 
     async def report_step_time(self, step: int, dp_rank: int, seconds: float) -> None:
         """A DP rank computed on ``step`` for ``seconds`` (the first report of a group counts).

@@ -748,3 +748,34 @@ def test_a_plan_is_the_same_permuted_in_place_or_gathered(monkeypatch: pytest.Mo
             in_place.clear()
     assert not in_place  # (the second run gathered every step)
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_largest_weights_are_the_largest_over_the_window(seed: int) -> None:
+    # the planner's actor sampled 21 steps of the window: a phase shorter than a twentieth
+    # of it (source code at weight 1 over steps 1003-1007 alone) was not seen until the
+    # planner was in it, and no loader was added ahead of it (a review)
+    rng = np.random.default_rng(seed)
+
+    def schedule(kind: str) -> Any:
+        if kind == "piecewise":
+            untils = sorted(rng.choice(np.arange(1, 400), size=4, replace=False).tolist())
+            return [{"until": u, "weight": float(rng.integers(0, 3))} for u in untils] + [
+                {"weight": float(rng.integers(1, 3))}]
+        anchors = sorted(rng.choice(np.arange(0, 400), size=3, replace=False).tolist())
+        return [{"step": a, "weight": float(rng.integers(0, 4))} for a in anchors]
+
+    cfg = make_cfg({"web": 1.0, "code": schedule("piecewise"), "tiny": schedule("linear")})
+    pl = planner(cfg)
+    if seed % 2:
+        pl.set_weights({"web": 1.0, "code": 5.0, "tiny": 0.0}, from_step=int(rng.integers(0, 300)))
+    for pl.step in (0, 37, 150, 390):
+        for lookahead in (0, 1, 50, 200):
+            want = {n: max(pl.weights_at(st)[n] for st in range(pl.step, pl.step + lookahead + 1))
+                    for n in ("web", "code", "tiny")}
+            assert pl.largest_weights(lookahead) == pytest.approx(want, abs=1e-12)
+    short = planner(make_cfg({"web": 1.0, "code": [{"until": 1003, "weight": 0.0},
+                                                    {"until": 1008, "weight": 1.0},
+                                                    {"weight": 0.0}]}))
+    short.step = 1000
+    assert short.largest_weights(200)["code"] == 0.5
