@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import glob
 import io
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -21,21 +22,23 @@ import zstandard
 
 
 def texts(root: str, limit: int) -> Iterator[str]:
-    n = 0
+    """The first ``limit`` documents of each source (the prose took what the code lacked of
+    its share: the mix tilted; a review)."""
+    yield from itertools.islice(_code(root), limit)
+    yield from itertools.islice(_prose(root), limit)
+
+
+def _code(root: str) -> Iterator[str]:
     for path in sorted(glob.glob(os.path.join(root, "code", "*.parquet"))):
-        for t in pq.read_table(path, columns=["text"]).column("text").to_pylist():
-            yield t
-            n += 1
-            if n >= limit:
-                return
+        yield from pq.read_table(path, columns=["text"]).column("text").to_pylist()
+
+
+def _prose(root: str) -> Iterator[str]:
     for path in sorted(glob.glob(os.path.join(root, "prose", "*.jsonl.zst"))):
         with open(path, "rb") as raw:
             reader = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), "utf-8")
             for line in reader:
                 yield json.loads(line)["text"]
-                n += 1
-                if n >= 2 * limit:
-                    return
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -76,7 +76,8 @@ class HFTokenizer:
     The end-of-document id is ``eod_id`` when given, else the first of
     :data:`EOD_TOKENS` the vocabulary has; the padding id is ``pad_id`` when
     given, else the first of :data:`PAD_TOKENS`, else the tokenizer's own
-    padding id, else the end-of-document id.  ``encode`` adds no special
+    padding id where it is a special token of the vocabulary, else the
+    end-of-document id (a default is always a special token).  ``encode`` adds no special
     tokens of the tokenizer's post-processor (BOS etc.), only the EOD id, and
     encodes a special token's text found in a document as text (its ordinary
     pieces).  ``vocab_size`` is the largest id plus one.
@@ -115,7 +116,11 @@ class HFTokenizer:
         self.eod_id = self._pick(eod_id, EOD_TOKENS, "eod_id", required=True)
         pad = self._pick(pad_id, PAD_TOKENS, "pad_id", required=False)
         if pad < 0 and self._tok.padding is not None:
-            pad = int(self._tok.padding["pad_id"])
+            # (its own padding id only where it is a special token of the vocabulary: one
+            # past the vocabulary went into batches, an ordinary token's was dropped from
+            # every document by decode; a review)
+            own = int(self._tok.padding["pad_id"])
+            pad = own if 0 <= own < self.vocab_size and self._special(own) else -1
         self.pad_id = self.eod_id if pad < 0 else pad
         self.image_id = None if image_token_id is None else \
             self._pick(image_token_id, (), "image_token_id", required=True)
@@ -145,6 +150,12 @@ class HFTokenizer:
                               "(tokenizer.json's \"added_tokens\" with \"special\": true), "
                               "whose text in a document is encoded as text")
 
+    def _special(self, i: int) -> bool:
+        """Whether id ``i`` is an added token marked special (no document's text encodes
+        to it: the only kind of token taken as a default id)."""
+        added = self._tok.get_added_tokens_decoder().get(i)
+        return added is not None and bool(added.special)
+
     def _pick(self, given: int | None, names: tuple[str, ...], key: str, required: bool) -> int:
         """The id of ``tokenizer.<key>``: ``given``, else the first of ``names`` the
         vocabulary has as a special token, else -1 (a :class:`ConfigError` naming the key
@@ -159,14 +170,12 @@ class HFTokenizer:
                 raise ConfigError(f"tokenizer.{key}", f"id {given} is outside the vocabulary "
                                   f"[0, {self.vocab_size}) of {self.path}")
             return int(given)
-        special = self._tok.get_added_tokens_decoder()
         passed: list[str] = []  # names in the vocabulary, though not as a special token
         for name in names:
             i = self._tok.token_to_id(name)
             if i is None:
                 continue
-            added = special.get(i)
-            if added is not None and added.special:
+            if self._special(i):
                 return int(i)
             passed.append(name)
         if required:

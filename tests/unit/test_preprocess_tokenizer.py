@@ -144,6 +144,19 @@ def test_hf_default_ids_are_special_tokens_only(tmp_path):
     # a special "pad" is padding
     assert HFTokenizer(save("both.json", {"[UNK]": 0, "hello": 1},
                             special=["</s>", "pad"])).pad_id == 3
+    # the tokenizer's own padding id only where it is a special token: one past the
+    # vocabulary went into batches, an ordinary word's was dropped from documents by decode
+    # (a review)
+    for own, want in ((5000, eod), (1, eod), (eod, eod)):
+        raw = Tokenizer.from_file(save("padded.json", words, special=["<|endoftext|>"]))
+        raw.enable_padding(pad_id=own, pad_token="[PAD]")
+        raw.save(str(tmp_path / "padded.json"))
+        tok = HFTokenizer(str(tmp_path / "padded.json"))
+        assert tok.pad_id == want and tok.decode(tok.encode("hello eos")) == "hello eos"
+    raw = Tokenizer.from_file(save("padded.json", words, special=["<|endoftext|>", "[PAD]"]))
+    raw.enable_padding(pad_id=raw.token_to_id("[PAD]"), pad_token="[PAD]")
+    raw.save(str(tmp_path / "padded.json"))
+    assert HFTokenizer(str(tmp_path / "padded.json")).pad_id == raw.token_to_id("[PAD]")
 
 
 def test_hf_decode_drops_an_image_token_of_id_0(bpe):
@@ -278,6 +291,28 @@ def test_train_demo_tokenizer_script(corpus, tmp_path):
     assert tok.vocab_size == 320 and tok.eod_id == 0 and tok.pad_id == 1
     text = texts[("prose", "part-0.jsonl.zst:3")]
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_train_demo_tokenizer_takes_at_most_limit_documents_of_each_source(tmp_path):
+    # the prose took what the code lacked of a combined 2 x limit: 5 code, 35 prose
+    # documents at --limit 20 (a review)
+    import runpy
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    (tmp_path / "code").mkdir()
+    (tmp_path / "prose").mkdir()
+    pq.write_table(pa.table({"text": [f"code {i}" for i in range(5)]}),
+                   tmp_path / "code" / "part-00000.parquet")
+    lines = b"".join(b'{"text": "prose %d"}\n' % i for i in range(40))
+    (tmp_path / "prose" / "part-00000.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(lines))
+    mod = runpy.run_path(str(__import__("pathlib").Path(__file__).parents[2]
+                             / "scripts" / "train_demo_tokenizer.py"))
+    got = list(mod["texts"](str(tmp_path), 20))
+    assert got == [f"code {i}" for i in range(5)] + [f"prose {i}" for i in range(20)]
 
 
 @pytest.mark.parametrize("pool", ["none", "process"])
