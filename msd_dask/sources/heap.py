@@ -71,8 +71,9 @@ def cap_arenas(arenas: int | None = None) -> int | None:
     Returns
     -------
     int or None
-        The cap in force, ``None`` where it was left alone: ``MALLOC_ARENA_MAX`` set in
-        the environment (the deployment's choice), a C library other than glibc, or
+        The cap in force, ``None`` where it was left alone: ``MALLOC_ARENA_MAX`` (or
+        ``GLIBC_TUNABLES``'s ``glibc.malloc.arena_max``) set in the environment (the
+        deployment's choice), a C library other than glibc, or
         ``mallopt`` refused it.
     """
     global _cap
@@ -103,7 +104,8 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> int | None:
     -------
     int or None
         The threshold set, ``None`` where it was left alone: ``MALLOC_MMAP_THRESHOLD_``
-        set in the environment (the deployment's choice), a C library other than glibc, or
+        (or ``GLIBC_TUNABLES``'s ``glibc.malloc.mmap_threshold``) set in the environment
+        (the deployment's choice), a C library other than glibc, or
         ``mallopt`` refused it.
     """
     global _threshold
@@ -145,18 +147,47 @@ def _threshold_in_force() -> int:
     MiB), else :data:`MMAP_THRESHOLD`."""
     if _threshold is not None:
         return _threshold
-    try:  # (read as glibc reads it: decimal, 0x hex or 0 octal)
-        given = int(os.environ.get("MALLOC_MMAP_THRESHOLD_", ""), 0)
+    try:
+        given = _c_number(_deployments("MALLOC_MMAP_THRESHOLD_") or "")
     except ValueError:  # (unset, or not a number glibc would take either)
         return MMAP_THRESHOLD
     # glibc ignores a threshold above its most (and keeps raising its own)
     return given if 0 <= given <= _MMAP_MAX else MMAP_THRESHOLD
 
 
-def _mallopt(env: str, param: int, value: int) -> bool:
-    """glibc's ``mallopt(param, value)``; whether it took it.  Not where the environment
-    variable ``env`` sets the same (the deployment's choice) or the C library is not glibc."""
+def _c_number(text: str) -> int:
+    """A whole number as glibc reads one (``strtoul`` of base 0): ``0x`` hex, a leading
+    ``0`` octal, else decimal (``int(text, 0)`` refused ``010``, and the threshold in force
+    was taken for the default; a review)."""
+    t = text.strip()
+    base = 16 if t[:2].lower() == "0x" else 8 if len(t) > 1 and t[0] == "0" else 10
+    return int(t, base)
+
+
+#: the GLIBC_TUNABLES name of each environment variable :func:`_mallopt` is told of
+_TUNABLES = {"MALLOC_ARENA_MAX": "glibc.malloc.arena_max",
+             "MALLOC_MMAP_THRESHOLD_": "glibc.malloc.mmap_threshold"}
+
+
+def _deployments(env: str) -> str | None:
+    """The value the deployment gave glibc's setting ``env``: the environment variable, else
+    its entry in ``GLIBC_TUNABLES`` (``glibc.malloc.mmap_threshold=1048576:...``, the form
+    glibc documents, which was overridden as unset; a review); None where neither sets it."""
     if os.environ.get(env):
+        return os.environ[env]
+    tunable = _TUNABLES.get(env)
+    for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, eq, value = item.partition("=")
+        if eq and name.strip() == tunable and value.strip():
+            return value.strip()
+    return None
+
+
+def _mallopt(env: str, param: int, value: int) -> bool:
+    """glibc's ``mallopt(param, value)``; whether it took it.  Not where the deployment sets
+    the same (:func:`_deployments`: ``env`` or ``GLIBC_TUNABLES``) or the C library is not
+    glibc."""
+    if _deployments(env) is not None:
         return False
     return bool(_glibc_call(f"C heap's {env} left alone",
                             lambda libc: libc.mallopt(ctypes.c_int(param), ctypes.c_int(value))))

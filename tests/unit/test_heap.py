@@ -211,13 +211,28 @@ def test_a_step_is_large_from_the_deployments_mmap_threshold(nbytes: int,
 
 
 @pytest.mark.parametrize("value, threshold", [("4194304", 4 << 20), ("0x400000", 4 << 20),
+                                              ("020000000", 4 << 20), ("010", 8),
                                               (str(64 << 20), 16 << 20), ("junk", 16 << 20)])
+@pytest.mark.parametrize("where", ["variable", "tunables"])
 def test_the_deployments_threshold_is_read_as_glibc_reads_it(
-        value: str, threshold: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """glibc takes the variable in hex too, and ignores one above 32 MiB: so does the
-    threshold that decides which steps are large (a review)."""
+        value: str, threshold: int, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc takes the variable in hex and octal too, and ignores one above 32 MiB: so does
+    the threshold that decides which steps are large (reviews: octal was taken for no
+    setting, and GLIBC_TUNABLES, the form glibc documents, was not read)."""
     from msd_dask.sources import heap
 
     monkeypatch.setattr(heap, "_threshold", None)
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", value)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    if where == "variable":
+        monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", value)
+    else:
+        monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.malloc.check=0:glibc.malloc.mmap_threshold"
+                                             f"={value}:glibc.malloc.arena_max=3")
     assert heap._threshold_in_force() == threshold
+
+
+def test_the_deployments_tunables_are_left_alone() -> None:
+    # GLIBC_TUNABLES's threshold was overridden with msd_dask's 16 MiB (a review)
+    printed, kept, _ = _kept_mib("map", GLIBC_TUNABLES=f"glibc.malloc.mmap_threshold={2**20}")
+    assert printed == "None None"
+    assert int(kept) <= 1  # (its threshold, 1 MiB, maps the 20 MiB block)
