@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import sysconfig
 import warnings
 from collections.abc import Iterator
@@ -133,8 +134,10 @@ def _remove_stale(directory: Path, suffix: str, keep: int) -> None:
     """Delete ``part-NNNNN<suffix>`` shards left by an earlier run with more shards (only
     those: ``part-notes.parquet``, a file of the user's, went too; a review)."""
     for old in directory.glob(f"part-*{suffix}"):
-        number = old.name[len("part-"):-len(suffix)]
-        if number.isdigit() and int(number) >= keep:
+        # (the names the writer makes alone: part-10 of the user's went, and "part-²" made
+        # int() raise; a review)
+        number = re.fullmatch(r"[0-9]{5,}", old.name[len("part-"):-len(suffix)], re.ASCII)
+        if number is not None and int(number.group()) >= keep:
             old.unlink()
 
 

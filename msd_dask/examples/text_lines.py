@@ -102,4 +102,14 @@ class TextLinesFormat:
                     yield row, bad
                     continue
                 if text.strip():
-                    yield row, {"text": text.rstrip("\r\n")} if fields else {}
+                    # (the line break alone: a CR of the line's own went too; a review)
+                    yield row, {"text": _without_break(text)} if fields else {}
+
+
+def _without_break(line: str) -> str:
+    """``line`` without its line break: one ``\\n``, and one ``\\r`` before it."""
+    if line.endswith("\n"):
+        line = line[:-1]
+        if line.endswith("\r"):
+            line = line[:-1]
+    return line

@@ -226,3 +226,18 @@ def test_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         write_demo_corpus(tmp_path, **kwargs)
 
+
+def test_only_the_shards_the_writer_names_are_stale(tmp_path: Path) -> None:
+    # part-10.parquet (not a name the writer makes: 5 digits) was deleted, and a name of
+    # digits int() does not read ("part-²") made the writer fail (a review)
+    from msd_dask.examples.demo import _remove_stale
+
+    names = ["part-00001.parquet", "part-00004.parquet", "part-123456.parquet", "part-10.parquet",
+             "part-².parquet", "part-notes.parquet", "part-00004.jsonl"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    _remove_stale(tmp_path, ".parquet", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["part-00001.parquet", "part-10.parquet", "part-².parquet", "part-notes.parquet",
+         "part-00004.jsonl"])
+

@@ -250,6 +250,15 @@ def test_format_names_match_registry() -> None:
 TEXT_LINES = "msd_dask.examples.text_lines:TextLinesFormat"
 
 
+def test_the_example_format_reads_each_line_without_its_break_alone(tmp_path: Any) -> None:
+    # rstrip("\\r\\n") took a CR of the line's own with its break (a review)
+    path = tmp_path / "x.txt"
+    path.write_bytes(b"ends in CR\r\r\nwindows\r\nunix\n\nlast, no break\r")
+    got = list(get_format(TEXT_LINES).read(LOCAL, Unit(str(path)), ["text"]))
+    assert got == [(0, {"text": "ends in CR\r"}), (1, {"text": "windows"}), (2, {"text": "unix"}),
+                   (4, {"text": "last, no break\r"})]
+
+
 def test_a_format_named_by_import_path_is_imported_once_and_not_registered() -> None:
     from msd_dask.examples import text_lines
 
