@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from msd_dask.errors import MAX_TIMEOUT
+
 if TYPE_CHECKING:
     import torch
 
@@ -260,9 +262,9 @@ def check_world_size(rank: int, service: str, world: int, layout: str) -> None:
 def wait_seconds(timeout: Any, rank: int) -> float:
     """A reader's ``timeout`` as seconds; a ``ValueError`` naming it unless it is a finite
     number > 0 (every wait ends, saying what it waited for: ``inf`` would hang silently)."""
-    if not is_seconds(timeout):
-        raise ValueError(f"rank {rank}: a reader's timeout is a finite number of seconds > 0, "
-                         f"got {timeout!r}")
+    if not is_seconds(timeout) or float(timeout) > MAX_TIMEOUT:
+        raise ValueError(f"rank {rank}: a reader's timeout is a finite number of seconds > 0 "
+                         f"and at most {MAX_TIMEOUT:g} (a year), got {timeout!r}")
     return float(timeout)
 
 

@@ -177,7 +177,7 @@ def _folder(text: str) -> str:
 def _seconds(text: str, *, zero: bool) -> float:
     """A finite number of seconds ``> 0`` (``>= 0`` if ``zero``), at most a year (as a
     config's ``timeout``: a socket's or a message's wait takes no more), for argparse."""
-    from msd_dask.core.config import MAX_TIMEOUT
+    from msd_dask.errors import MAX_TIMEOUT
 
     try:
         value = float(text)

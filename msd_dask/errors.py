@@ -12,7 +12,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ConfigError", "DataError", "SHOWN", "ServiceError", "ServiceTimeoutError",
+__all__ = ["MAX_TIMEOUT", "ConfigError", "DataError", "SHOWN", "ServiceError", "ServiceTimeoutError",
            "WorkerLeft", "first_of", "storage_blip", "storage_failure", "unanswered"]
 
 
@@ -72,6 +72,12 @@ def _data_error(cls: type[DataError], message: str, source: str | None, path: st
 
 class ServiceTimeoutError(TimeoutError):
     """A wait inside the service ran past its timeout; the message says what for."""
+
+
+#: the longest timeout of any wait (a year, in seconds): the config's ``timeout``, a
+#: reader's, the command line's.  A longer one raises OverflowError in Python's threading
+#: and a socket's timeout (an agent's reader with 1e10 failed so, naming nothing; a review)
+MAX_TIMEOUT = 365 * 24 * 3600.0
 
 
 class ServiceError(RuntimeError):

@@ -22,7 +22,7 @@ import yaml
 
 from msd_dask.core.flops import transformer_coefficients
 from msd_dask.core.mesh import cp_divides
-from msd_dask.errors import ConfigError
+from msd_dask.errors import MAX_TIMEOUT, ConfigError
 
 __all__ = [
     "BatchConfig",
@@ -522,8 +522,6 @@ MAX_STEP_TOKENS = 2**40
 #: the most a full row may cost under the cost model (a rank's cost sums millions of pieces')
 MAX_COST = 1e200
 
-#: the longest ``timeout`` (a year): a wait of more raises OverflowError in Python's threading
-MAX_TIMEOUT = 365 * 24 * 3600.0
 
 #: the largest integer a config value may be: counts, lengths, steps and ids travel as int32
 #: (a value past it failed deep in the planner with an OverflowError naming no key)

@@ -129,6 +129,9 @@ def parse_ranks(text: str) -> list[int]:
             raise ValueError(f"ranks {text!r}: {part!r} holds {b - a + 1:,} ranks; one host "
                              f"serves at most {MAX_HOST_RANKS:,}")
         out.update(range(a, b + 1))
+        if len(out) > MAX_HOST_RANKS:  # (the parts together: 131,072 in two passed; a review)
+            raise ValueError(f"ranks {text!r}: {len(out):,} ranks up to {part!r}; one host "
+                             f"serves at most {MAX_HOST_RANKS:,}")
     return sorted(out)
 
 

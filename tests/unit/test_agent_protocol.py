@@ -248,6 +248,11 @@ def test_parse_ranks_and_groups() -> None:
     with pytest.raises(ValueError, match="'0-1000000000' holds 1,000,000,001 ranks; one host "
                                          "serves at most 65,536"):
         parse_ranks("0-1000000000")
+    # (the parts together: each under the limit, 131,072 ranks in two passed; a review)
+    with pytest.raises(ValueError, match=r"131,072 ranks up to '65536-131071'; one host serves "
+                                         r"at most 65,536"):
+        parse_ranks("0-65535,65536-131071")
+    assert len(parse_ranks("0-32767,32768-65535,0-9")) == 65_536
     assert local_groups(_config(), [0, 1, 2, 3]) == [[0, 1], [2, 3]]
     assert local_groups(_config(dp=2, tp=2, pp=2), [4, 5, 6, 7]) == [[4, 5], [6, 7]]
     with pytest.raises(ValueError, match="outside"):

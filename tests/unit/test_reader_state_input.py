@@ -3,6 +3,7 @@ what is wrong, the same on the direct reader and on a host agent's (``msd_dask.b
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -84,15 +85,23 @@ def test_both_readers_take_the_same_rule() -> None:
         AgentReader("/nowhere", "svc", "2", timeout=1.0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1.0, "5", None, True])
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1.0, "5", None, True,
+                                     1e10, 365 * 24 * 3600 + 1])
 def test_a_timeout_that_is_no_finite_number_of_seconds_is_named(timeout: Any) -> None:
     """``timeout=float("inf")``: the direct reader took it (a wait with no end), the
-    agent's failed connecting with a bare ``OverflowError`` (a review of the reader path)."""
+    agent's failed connecting with a bare ``OverflowError`` (a review of the reader path);
+    so did 1e10, past what a socket's timeout takes (a review of the agent)."""
     from msd_dask.service.agent_client import AgentReader
 
-    message = rf"rank 2: a reader's timeout is a finite number of seconds > 0, got {timeout!r}"
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    message = ("rank 2: a reader's timeout is a finite number of seconds > 0 and at most "
+               f"3.1536e+07 (a year), got {timeout!r}")
+    with pytest.raises(ValueError, match=re.escape(message)):
         wait_seconds(timeout, 2)
     with pytest.raises(ValueError, match="a reader's timeout is a finite number"):
         AgentReader("/nowhere", "svc", 2, timeout=timeout)
     assert wait_seconds(np.float32(2.5), 2) == 2.5 and wait_seconds(3, 2) == 3.0
+
+
+def test_the_longest_timeout_is_a_reader_timeout() -> None:
+    assert wait_seconds(365 * 24 * 3600, 2) == 365 * 24 * 3600
+
