@@ -11,15 +11,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CREATE_CHECK", "actor_address", "bound_actor", "call_actor", "call_remote_actor",
+__all__ = ["CREATE_CHECK", "actor_address", "actor_counts", "bound_actor", "call_actor", "call_remote_actor",
            "has_client", "keys_on", "local_actor", "published_datasets", "release_actor",
            "scraped_server",
            "scheduler_workers", "stop_identity_refresh", "task_worker", "worker_actors",
            "wrap_scheduler_call"]
+
+_log = logging.getLogger(__name__)
 
 #: what msgpack carries as it is (tuples arrive as tuples, lists too: Dask reads
 #: msgpack arrays as tuples)
@@ -222,6 +225,23 @@ def actors_on(dask_scheduler: Any, workers: list[str]) -> dict[str, list[str]]:
         if ws is not None:
             out[w] = sorted(str(ts.key) for ts in ws.actors)
     return out
+
+
+def actor_counts(client: Any, workers: list[str], timeout: float) -> dict[str, int]:
+    """How many actors (any client's) each of ``workers`` holds, as the scheduler lists them
+    (:func:`actors_on`), asked through the synchronous ``client``; ``{}`` where the scheduler
+    does not answer within ``timeout`` (the caller places by address alone).
+
+    Relies on ``Client.sync`` and ``Client._run_on_scheduler`` (the coroutine behind
+    ``run_on_scheduler``, which takes no timeout).
+    """
+    try:
+        held = client.sync(client._run_on_scheduler, actors_on, workers=list(workers),
+                           callback_timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - best effort: the placement goes on by address
+        _log.warning("msd_dask: could not count the actors on the workers (%r)", e)
+        return {}
+    return {w: len(keys) for w, keys in held.items()}
 
 
 def has_client(client_id: str, dask_scheduler: Any = None) -> bool:

@@ -37,6 +37,8 @@ checked against the new ones on those indices.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import inspect
 import pickle
 import sys
 import time
@@ -69,7 +71,11 @@ class _StandInClient:
 
     def sync(self, fn: Any, *args: Any, callback_timeout: float | None = None,
              **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+    async def _run_on_scheduler(self, fn: Any, *, workers: list[str]) -> dict[str, list[str]]:
+        return {w: [] for w in workers}  # (``actors_on``: a cluster holding no actor yet)
 
     def submit(self, fn: Any, *args: Any, key: str, **kwargs: Any) -> _Future:
         for dask_kw in ("actor", "workers", "pure", "allow_other_workers"):

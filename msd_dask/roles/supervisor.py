@@ -311,8 +311,12 @@ class RoleSupervisor:
         """The workers for ``n`` new roles placed one after the other, each on the live
         worker holding the fewest roles (the planner's own counts as one): one look at the
         scheduler's workers (:func:`pick_workers`)."""
-        workers = [w for w in await self._workers(placeable=True) if w not in self._evacuating]
+        workers = await self._placeable()
         return pick_workers(workers, await self._role_load(workers), n)
+
+    async def _placeable(self) -> list[str]:
+        """The workers a new role may go to: running, and not being emptied."""
+        return [w for w in await self._workers(placeable=True) if w not in self._evacuating]
 
     async def _role_load(self, workers: list[str]) -> Counter[str]:
         """Roles per worker: this service's (the planner's own counts as one), and on
@@ -450,9 +454,24 @@ class RoleSupervisor:
 
     async def _placed(self, name: str, submit: Callable[[str], Any]) -> tuple[Any, Any]:
         """One role (a replacement or an added loader), placed on the live worker with the
-        fewest roles, and placed again if that worker leaves before the role starts."""
+        fewest roles, and placed again if that worker leaves before the role starts.
+
+        Where no worker runs (every one paused, for memory, or being retired), it waits
+        for one up to the config's ``timeout``, then a :class:`ServiceTimeoutError` names
+        the role: a bare ``RuntimeError("no worker left to place a role on")`` ended the
+        service, naming neither, for a pause that would pass (a review)."""
+        since = time.monotonic()
         while True:
-            where = (await self._place())[0]
+            workers = await self._placeable()
+            if not workers:
+                if time.monotonic() - since >= self.cfg.timeout:
+                    raise ServiceTimeoutError(
+                        f"msd_dask {self.cfg.name}: no running worker to re-create {name} on "
+                        f"within {self.cfg.timeout:g}s (the config's timeout): every worker is "
+                        "paused or being retired")
+                await asyncio.sleep(dask_internals.CREATE_CHECK)
+                continue
+            where = pick_workers(workers, await self._role_load(workers), 1)[0]
             try:
                 return (await self._created([(name, where, submit(where))]))[0]
             except WorkerLeft as e:

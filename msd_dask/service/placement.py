@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from msd_dask.core.config import Config
-from msd_dask.dask_internals import scheduler_workers
+from msd_dask.dask_internals import actor_counts, scheduler_workers
 from msd_dask.errors import ServiceError
 
 __all__ = ["REGISTRY_PREFIX", "ROLES_PREFIX", "constructor_members", "forget_keys", "place_planner",
@@ -66,8 +66,15 @@ def place_planner(client: Any, cfg: Config,
                   loader_threads: int, *,
                   constructors: int | None = None,
                   generation: int = 0, had: dict[int, int] | None = None,
-                  lost: dict[str, Any] | None = None) -> dict[str, Any]:
+                  lost: dict[str, Any] | None = None,
+                  avoid: Collection[str] = ()) -> dict[str, Any]:
     """Start the planner; it creates the loaders and constructors itself.
+
+    It goes on the running worker holding the fewest actors (any service's; ties to the
+    lowest address), as a role does (:func:`~msd_dask.roles.supervisor.pick_workers`), and
+    not on a worker of ``avoid`` (one a re-created planner did not start on) while another
+    runs: the lowest address took every planner, of every service and generation, and a
+    retry went back to the worker it had not started on (a review).
 
     ``constructors`` (how many; :func:`constructor_members` gives each its DP
     ranks) is kept across generations, so a constructor index means the same DP
@@ -79,6 +86,7 @@ def place_planner(client: Any, cfg: Config,
     dict
         The registry: ``{"config", "planner" (its future), "constructors", "generation"}``.
     """
+    from msd_dask.roles.supervisor import pick_workers
     from msd_dask.sources.tokenizer import make_tokenizer
 
     # not client.scheduler_info(): the client's periodic identity call (totals only, no
@@ -88,6 +96,8 @@ def place_planner(client: Any, cfg: Config,
     if not workers:
         raise ServiceError(f"no running worker to place the planner of service {cfg.name!r} "
                            "on (every worker is paused or being retired)")
+    choices = [w for w in workers if w not in avoid] or workers
+    worker = pick_workers(choices, actor_counts(client, choices, cfg.timeout), 1)[0]
     n_c = constructors or cfg.constructors or min(cfg.parallel.dp, len(workers))
     members = constructor_members(cfg, n_c)
     from msd_dask.roles.keys import planner_key
@@ -106,9 +116,9 @@ def place_planner(client: Any, cfg: Config,
         source_payloads={s.name: source_payload(cfg, s.name) for s in cfg.sources},
         tokenizer=dataclasses.asdict(cfg.tokenizer), generation=generation, had=had,
         lost=lost, tokenizer_sha256=tokenizer.sha256, eod_id=tokenizer.eod_id, actor=True,
-        workers=[workers[0]], pure=False, key=key)
+        workers=[worker], pure=False, key=key)
     return {"config": cfg.to_dict(), "planner": planner, "constructors": n_c,
-            "generation": generation, "planner_worker": workers[0]}
+            "generation": generation, "planner_worker": worker}
 
 
 def forget_keys(client: Any, name: str, keys: list[Any]) -> None:

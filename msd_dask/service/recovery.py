@@ -117,6 +117,8 @@ class PlannerKeeper:
         self._published = int(link.generation)
         #: the generations whose re-created planner failed to start (their roles closed)
         self._failed: set[int] = set()
+        #: the worker the last re-created planner failed to start on (the next goes elsewhere)
+        self._not_started_on: set[str] = set()
         #: held while a checkpoint is kept or the planner re-created
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -362,10 +364,18 @@ class PlannerKeeper:
                 generation=max(link.generation, self._published) + 1, had=had,
                 lost={"from": actor_address(link.planner), "recovered": ck["recovered"],
                       "events": ck["events"], "loaders": ck.get("loaders", {}),
-                      "counted": ck.get("counted", {})})
+                      "counted": ck.get("counted", {})},
+                avoid=self._not_started_on)
             registry["quarantined"] = old.get("quarantined", {})
             registry["owner"] = link.client.id
-            self._start_generation(registry)
+            try:
+                self._start_generation(registry)
+            except BaseException:
+                # the next attempt goes to another worker while one runs (a running worker
+                # whose threads are all busy took every retry; a review)
+                self._not_started_on = {registry["planner_worker"]}
+                raise
+            self._not_started_on = set()
             self._generation_started()
             old["planner"].release()
             link.announce_generation()
@@ -401,9 +411,11 @@ class PlannerKeeper:
         try:  # (a worker that left first fails this attempt at once: the next places again)
             planner = bound_actor(client, registry["planner"], registry["planner_worker"],
                                   cfg.name, "the re-created planner", cfg.timeout)
-        except BaseException:
+        except BaseException as e:
             registry["planner"].release()
-            raise
+            # (the watcher logged Dask's bare TimeoutError, naming neither the role nor the
+            # worker; a review)
+            raise self._timed_out(registry, f"start on {registry['planner_worker']}", e) from e
         doing = "set up its roles"  # (what a timeout names)
         try:
             planner.setup().result(timeout=cfg.timeout)
@@ -431,13 +443,20 @@ class PlannerKeeper:
             if was is not None:
                 self._failed.add(int(registry["generation"]))
                 self._fall_back(was)
-            if isinstance(e, TimeoutError) and not isinstance(e, ServiceTimeoutError):
-                # (Dask's says only 'timed out after 300 s.'; one of ours names its role)
-                raise ServiceTimeoutError(
-                    f"msd_dask {cfg.name}: the re-created planner (generation "
-                    f"{registry['generation']}) did not {doing} within {cfg.timeout:g}s (the "
-                    "config's timeout)") from e
-            raise
+            raise self._timed_out(registry, doing, e) from e
+
+    def _timed_out(self, registry: dict[str, Any], doing: str,
+                   e: BaseException) -> BaseException:
+        """``e`` as a re-created planner's attempt raises it: a timeout of Dask's (which says
+        only 'timed out after 300 s.') as a :class:`ServiceTimeoutError` naming the role,
+        its generation and what it did not do in time; any other error as it is."""
+        if isinstance(e, TimeoutError) and not isinstance(e, ServiceTimeoutError):
+            cfg = self.link.config
+            return ServiceTimeoutError(
+                f"msd_dask {cfg.name}: the re-created planner (generation "
+                f"{registry['generation']}) did not {doing} within {cfg.timeout:g}s (the "
+                "config's timeout)")
+        return e
 
     def _fall_back(self, was: tuple[Any, ...]) -> None:
         """Publish the lost planner's registry again and switch the link back to it, after

@@ -528,6 +528,48 @@ def test_a_re_created_planner_that_does_not_start_is_re_created_again(monkeypatc
     assert not keeper.planner_lost()
 
 
+def test_a_re_created_planner_that_does_not_start_is_tried_on_another_worker(
+        monkeypatch: Any) -> None:
+    """A re-created planner that did not start on its worker (running, every thread busy)
+    was logged as Dask's bare TimeoutError, and every retry went to the same worker (a
+    review).  The error names the role and the worker; the next attempt goes elsewhere."""
+    import pytest
+
+    from msd_dask.service import recovery
+    from msd_dask.service.placement import REGISTRY_PREFIX
+
+    cfg = parse_config({"name": "rct", "batch": {"seq_len": 64}, "timeout": 1, "sources": [
+        {"name": "a", "uri": "mem://a/*.parquet", "format": "parquet"}]})
+    client = _Owner(["tcp://w:1", "tcp://w:2"])
+    lost = _Generation(client, "tcp://w:0")
+    was = {"planner": _Key(lost), "generation": 0, "owner": client.id, "constructors": 1}
+    client.datasets[REGISTRY_PREFIX + "rct"] = was
+    link = PlannerLink(client, cfg, was, owner=True)
+    keeper = recovery.PlannerKeeper(link, {"units": {}, "roots": {}, "loader_threads": 1})
+    avoided: list[set[str]] = []
+
+    def place(*a: Any, generation: int, avoid: Any = (), **k: Any) -> dict[str, Any]:
+        avoided.append(set(avoid))
+        worker = next(w for w in client.workers if w not in avoid)
+        return {"planner": _Key(_Generation(client, worker)), "planner_worker": worker,
+                "constructors": 1, "generation": generation}
+
+    def bound(client: Any, future: Any, worker: str, *a: Any) -> Any:
+        if worker == "tcp://w:1":
+            raise TimeoutError("Timed out after 1 s.")
+        return future.result()
+
+    monkeypatch.setattr(recovery, "close_roles_everywhere", lambda *a: {})
+    monkeypatch.setattr(recovery, "place_planner", place)
+    monkeypatch.setattr(recovery, "bound_actor", bound)
+    with pytest.raises(ServiceTimeoutError, match=r"the re-created planner \(generation 1\) did "
+                                                  r"not start on tcp://w:1 within 1s"):
+        keeper.recover()
+    keeper.recover()
+    assert avoided == [set(), {"tcp://w:1"}]
+    assert link.generation == 1 and link.planner._address == "tcp://w:2"  # (none published)
+
+
 def test_a_successor_found_late_is_waited_for_what_is_left_of_the_timeout() -> None:
     """The planner lost at once, its successor found near the end of the one wait and
     frozen: the successor was waited for a whole timeout more (a read-back: 3.8 s at a

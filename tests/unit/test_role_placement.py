@@ -1359,3 +1359,43 @@ def test_every_live_constructor_is_told_when_one_is_lost(monkeypatch: pytest.Mon
 
     asyncio.run(run())
     assert sorted(told) == sorted(c.key for i, c in enumerate(sup.constructors) if i != 1)
+
+
+@pytest.mark.parametrize("resumes", [True, False])
+def test_a_role_lost_while_no_worker_runs_waits_for_one(monkeypatch: pytest.MonkeyPatch,
+                                                        resumes: bool) -> None:
+    """Worker h:2 lost while h:1, alive, is paused (memory): heal raised a bare
+    RuntimeError("no worker left to place a role on") that ended the service, naming
+    neither it nor the role (a review).  It waits for a running worker up to the config's
+    timeout, then names the role."""
+    import asyncio
+
+    from msd_dask.errors import ServiceTimeoutError
+
+    a, b = "tcp://h:1", "tcp://h:2"
+    client = _Client([a, b])
+    sup = _supervisor(monkeypatch, client, a, 2, 1, timeout=0.5)
+    running = client.scheduler.ncores_running
+
+    async def run() -> None:
+        await sup.setup()
+        client.scheduler.workers = [a]  # h:2 lost
+        paused = asyncio.get_running_loop().time()
+
+        async def ncores_running() -> dict[str, int]:  # h:1 paused for 0.2 s, or for good
+            if resumes and asyncio.get_running_loop().time() - paused > 0.2:
+                return await running()
+            return {}
+
+        client.scheduler.ncores_running = ncores_running  # type: ignore[method-assign]
+        await sup.heal(wait=True)
+
+    if resumes:
+        asyncio.run(run())
+        assert [c._address for c in sup.constructors] == [a, a]
+        assert all(sup.loader(s, x)._address == a for s in sup.active for x in sup.active[s])
+    else:
+        with pytest.raises(ServiceTimeoutError, match=r"msd_dask p: no running worker to "
+                                                      r"re-create (constructor|loader) .* on "
+                                                      r"within 0\.5s .*paused or being retired"):
+            asyncio.run(run())
