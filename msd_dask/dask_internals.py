@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CREATE_CHECK", "actor_address", "actor_counts", "bound_actor", "call_actor", "call_remote_actor",
+__all__ = ["CREATE_CHECK", "actor_address", "actor_counts", "bound_actor", "event_set",
+           "event_wait", "call_actor", "call_remote_actor",
            "has_client", "keys_on", "local_actor", "published_datasets", "release_actor",
            "scraped_server",
            "scheduler_workers", "stop_identity_refresh", "task_worker", "worker_actors",
@@ -227,17 +228,38 @@ def actors_on(dask_scheduler: Any, workers: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def event_wait(client: Any, name: str, timeout: float, answer: float) -> bool:
+    """Whether the scheduler ``Event`` ``name`` is set within ``timeout`` seconds (as
+    ``Event.wait``), its answer waited for at most ``answer`` seconds more here: Dask's
+    ``Event`` bounds only the scheduler's wait, and a scheduler that stopped answering (its
+    connection open) held ``DataService.connect`` for ever (a review).  A ``TimeoutError``
+    where it did not answer.
+
+    Relies on ``Client.sync`` and the scheduler RPC ``event_wait`` (``Event.wait``'s).
+    """
+    return bool(client.sync(client.scheduler.event_wait, name=name, timeout=timeout,
+                            callback_timeout=timeout + answer))
+
+
+def event_set(client: Any, name: str, timeout: float, on: bool) -> None:
+    """Set (``on``) or clear the scheduler ``Event`` ``name``, its answer waited for at most
+    ``timeout`` seconds (a ``TimeoutError`` after: see :func:`event_wait`).
+
+    Relies on ``Client.sync`` and the scheduler RPCs ``event_set``, ``event_clear``.
+    """
+    rpc = client.scheduler.event_set if on else client.scheduler.event_clear
+    client.sync(rpc, name=name, callback_timeout=timeout)
+
+
 def actor_counts(client: Any, workers: list[str], timeout: float) -> dict[str, int]:
     """How many actors (any client's) each of ``workers`` holds, as the scheduler lists them
     (:func:`actors_on`), asked through the synchronous ``client``; ``{}`` where the scheduler
     does not answer within ``timeout`` (the caller places by address alone).
 
-    Relies on ``Client.sync`` and ``Client._run_on_scheduler`` (the coroutine behind
-    ``run_on_scheduler``, which takes no timeout).
+    Relies on what :func:`actors_on` relies on.
     """
     try:
-        held = client.sync(client._run_on_scheduler, actors_on, workers=list(workers),
-                           callback_timeout=timeout)
+        held = client.run_on_scheduler(actors_on, workers=list(workers), callback_timeout=timeout)
     except Exception as e:  # noqa: BLE001 - best effort: the placement goes on by address
         _log.warning("msd_dask: could not count the actors on the workers (%r)", e)
         return {}
@@ -256,8 +278,9 @@ def has_client(client_id: str, dask_scheduler: Any = None) -> bool:
 
 async def client_connected(client_id: str) -> bool:
     """Whether the client ``client_id`` is connected, asked of the scheduler from inside a
-    worker (an actor's method).  ``True`` where the scheduler cannot be asked (then
-    nothing is taken from a process that may be there).
+    worker (an actor's method).  ``True`` where the scheduler cannot be asked, or does not
+    answer within :data:`ASK_WAIT` seconds (then nothing is taken from a process that may be
+    there; a frozen scheduler held a constructor's claim handler for ever: a review).
 
     Relies on the scheduler's ``run_function`` handler, which ``Client.run_on_scheduler``
     calls (a pickled function and arguments; the answer ``{"status": "OK", "result"}``),
@@ -268,11 +291,16 @@ async def client_connected(client_id: str) -> bool:
     from distributed import get_worker
 
     try:
-        answer = await get_worker().scheduler.run_function(
-            function=pickle.dumps(has_client), args=pickle.dumps((client_id,)), wait=True)
+        answer = await asyncio.wait_for(get_worker().scheduler.run_function(
+            function=pickle.dumps(has_client), args=pickle.dumps((client_id,)), wait=True),
+            ASK_WAIT)
         return bool(answer["result"]) if answer.get("status") == "OK" else True
-    except Exception:  # noqa: BLE001 - unknown: assume it is
+    except Exception:  # noqa: BLE001 - unknown (or no answer in time): assume it is
         return True
+
+
+#: seconds :func:`client_connected` waits for the scheduler's answer
+ASK_WAIT = 5.0
 
 
 #: seconds between two looks at the scheduler's workers while an actor bound to one of them

@@ -37,8 +37,6 @@ checked against the new ones on those indices.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import inspect
 import pickle
 import sys
 import time
@@ -71,10 +69,10 @@ class _StandInClient:
 
     def sync(self, fn: Any, *args: Any, callback_timeout: float | None = None,
              **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
-        return asyncio.run(out) if inspect.iscoroutine(out) else out
+        return fn(*args, **kwargs)
 
-    async def _run_on_scheduler(self, fn: Any, *, workers: list[str]) -> dict[str, list[str]]:
+    def run_on_scheduler(self, fn: Any, *, workers: list[str],
+                         callback_timeout: float | None = None) -> dict[str, list[str]]:
         return {w: [] for w in workers}  # (``actors_on``: a cluster holding no actor yet)
 
     def submit(self, fn: Any, *args: Any, key: str, **kwargs: Any) -> _Future:

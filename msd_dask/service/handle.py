@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -102,6 +103,10 @@ def _install_plugin(client: Any) -> None:
 #: seconds :meth:`DataService.close` waits for the scheduler to unpublish the service
 CLOSE_WAIT = 10.0
 
+#: seconds the owner's :meth:`DataService.close` waits for its client to reconnect before it
+#: closes the roles (else it says how to stop the service)
+RECONNECT_WAIT = 5.0
+
 #: seconds a handle's ask of the scheduler waits (its workers, their actors, its
 #: dashboard), then raises :class:`ServiceTimeoutError` naming what it asked
 SCHEDULER_ASK = 10.0
@@ -156,7 +161,7 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
                              first_of(open_on, 8), left)
 
     def on_scheduler() -> None:
-        published_event(client, name).clear()
+        published_event(client, name).clear(CLOSE_WAIT)
         client.unpublish_dataset(REGISTRY_PREFIX + name)
         if pinned is not None:
             client.unpublish_dataset(ROLES_PREFIX + name)
@@ -180,9 +185,10 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
     return open_on
 
 
-def _running_services(client: Any) -> list[str]:
-    """The names of the services published on ``client``'s scheduler."""
-    return [str(d)[len(REGISTRY_PREFIX):] for d in client.list_datasets()
+def _running_services(client: Any, timeout: float) -> list[str]:
+    """The names of the services published on ``client``'s scheduler (a ``TimeoutError``
+    where it does not answer within ``timeout`` seconds)."""
+    return [str(d)[len(REGISTRY_PREFIX):] for d in client.list_datasets(callback_timeout=timeout)
             if str(d).startswith(REGISTRY_PREFIX)]
 
 
@@ -246,7 +252,14 @@ def _client(address: str, timeout: float, security: Any) -> Any:
     (:func:`~msd_dask.dask_internals.stop_identity_refresh`)."""
     from distributed import Client
 
-    client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
+    try:
+        client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
+    except OSError as e:  # (Dask's own named neither what could not be reached nor why)
+        if isinstance(e, ServiceTimeoutError) or not (
+                isinstance(e, TimeoutError) or str(e).startswith("Timed out trying to connect")):
+            raise
+        raise ServiceTimeoutError(f"the scheduler at {address} could not be reached: {e} (is "
+                                  "it running, and is the address right?)") from e
     stop_identity_refresh(client)
     return client
 
@@ -495,16 +508,26 @@ class DataService:
         if address is None:
             cluster = _embedded_cluster(n_workers, threads_per_worker, security, cfg)
             address = cluster.scheduler_address
-        _check_tls(address, security)
-        client = _client(address, timeout, security)
-        try:
+        client = None
+        try:  # (a client that failed to connect left the embedded cluster running; a review)
+            _check_tls(address, security)
+            client = _client(address, timeout, security)
             return cls._start_on(client, cfg, address, resume=resume, cluster=cluster,
                                  loader_threads=loader_threads, timeout=timeout)
-        except BaseException:
-            client.close()
-            if cluster is not None:
-                cluster.close()
-            raise
+        except TimeoutError as e:
+            if isinstance(e, ServiceTimeoutError):
+                raise
+            # (the scheduler's calls here wait at most the timeout: one that stopped
+            # answering held the start for ever; a review)
+            raise ServiceTimeoutError(f"service {cfg.name!r}: the scheduler at {address} did "
+                                      f"not answer within {timeout:g}s while the service "
+                                      f"started ({e or 'timed out'})") from e
+        finally:
+            if sys.exc_info()[0] is not None:
+                if client is not None:
+                    client.close()
+                if cluster is not None:
+                    cluster.close()
 
     @classmethod
     def _start_on(cls, client: Any, cfg: Config, address: str, *,
@@ -515,7 +538,7 @@ class DataService:
         from msd_dask.roles.planner import planner_state, resume_notes
 
         key = REGISTRY_PREFIX + cfg.name
-        if key in client.list_datasets():
+        if key in client.list_datasets(callback_timeout=timeout):
             raise ServiceError(f"a service named {cfg.name!r} is already running on "
                                f"{address}; pick another 'name' or close it first (from the "
                                "process that started it; if that process is gone: msd-dask "
@@ -556,7 +579,7 @@ class DataService:
         try:
             with _planner_within(cfg.name, "set up", timeout):
                 planner.setup().result(timeout=timeout)
-            client.publish_dataset(registry, name=key)
+            client.publish_dataset(registry, name=key, callback_timeout=timeout)
         except BaseException:
             # a setup that failed part-way (a worker that left, a timeout) leaves the roles
             # it made open on their workers: nothing else knows them
@@ -564,7 +587,7 @@ class DataService:
             raise
         svc = None
         try:  # from here, a failure (or Ctrl-C) leaves nothing published or running
-            published_event(client, cfg.name).set()
+            published_event(client, cfg.name).set(timeout)
             svc = cls(client, cfg, registry, owner=True, cluster=cluster)
             svc.keeper = PlannerKeeper(
                 svc.link, {"units": units, "roots": roots, "loader_threads": loader_threads,
@@ -582,8 +605,11 @@ class DataService:
             if svc is not None:
                 svc.close()  # (the roles closed, the service unpublished)
             else:
-                published_event(client, cfg.name).clear()
-                client.unpublish_dataset(key)
+                # (the handle's own making failed, its first look timed out or Ctrl-C: the
+                # planner's roles stayed open and its key held; a review)
+                _close_unstarted(cfg.name, planner, registry["planner"])
+                published_event(client, cfg.name).clear(timeout)
+                client.unpublish_dataset(key, callback_timeout=timeout)
             raise
         return svc
 
@@ -661,7 +687,7 @@ class DataService:
         client = _client(address, timeout, security)
         try:
             registry = cls._published_registry(client, address, name,
-                                               timeout if wait is None else wait)
+                                               timeout if wait is None else wait, timeout)
             svc = cls(client, parse_config(registry["config"]), registry)
         except BaseException:  # (a planner lost with its owner, say): no client left open
             client.close()
@@ -723,7 +749,7 @@ class DataService:
                                           callback_timeout=timeout)
             if registry is None:
                 raise ServiceError(f"no service named {name!r} on {address} (running: "
-                                   f"{_running_services(client) or 'none'})")
+                                   f"{_running_services(client, timeout) or 'none'})")
             owner = registry.get("owner")
             if owner is not None and client.run_on_scheduler(has_client, owner,
                                                              callback_timeout=timeout):
@@ -749,27 +775,37 @@ class DataService:
             client.close()
 
     @staticmethod
-    def _published_registry(client: Any, address: str, name: str,
-                            timeout: float) -> dict[str, Any]:
+    def _published_registry(client: Any, address: str, name: str, timeout: float,
+                            answer: float) -> dict[str, Any]:
         """The registry service ``name`` published, once it is (``ServiceError`` after
-        ``timeout`` seconds)."""
+        ``timeout`` seconds; :class:`ServiceTimeoutError` where the scheduler does not
+        answer a call within ``answer`` seconds: each call, the wait on the published event
+        too, ran with no end on this side, and a scheduler that stopped answering held
+        every rank's connect for ever; a review)."""
         key = REGISTRY_PREFIX + name
         published = published_event(client, name)
         deadline = time.monotonic() + timeout
         was_set = False
-        while (registry := client.get_dataset(key, default=None)) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                after = f" after {timeout:.0f}s" if timeout > 0 else ""
-                raise ServiceError(f"no service named {name!r} on {address}{after} "
-                                   f"(running: {_running_services(client) or 'none'})")
-            # one call the scheduler answers when the service is published (or at the
-            # deadline); set twice in a row and still not published: the service is
-            # closing, look again in a second
-            if published.wait(timeout=left):
-                if was_set:
-                    time.sleep(min(1.0, left))
-                was_set = True
+        try:
+            while (registry := client.get_dataset(key, default=None,
+                                                  callback_timeout=answer)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    after = f" after {timeout:.0f}s" if timeout > 0 else ""
+                    running = _running_services(client, answer)
+                    raise ServiceError(f"no service named {name!r} on {address}{after} "
+                                       f"(running: {running or 'none'})")
+                # one call the scheduler answers when the service is published (or at the
+                # deadline); set twice in a row and still not published: the service is
+                # closing, look again in a second
+                if published.wait(left, answer):
+                    if was_set:
+                        time.sleep(min(1.0, left))
+                    was_set = True
+        except TimeoutError as e:
+            raise ServiceTimeoutError(f"the scheduler at {address} did not answer within "
+                                      f"{answer:g}s while service {name!r} was looked for "
+                                      "(overloaded or frozen?)") from e
         return dict(registry)
 
     # --------------------------------------------------------------- readers
@@ -1306,12 +1342,29 @@ class DataService:
         if self.keeper is not None:
             self.keeper.stop(self.config.timeout)
         try:
-            if self.link.owner and self.client.status == "running":
-                self._close_roles()
+            if self.link.owner:
+                if self._client_running(RECONNECT_WAIT):
+                    self._close_roles()
+                else:  # (closed nothing and said nothing while the client reconnected)
+                    _log.warning(
+                        "msd_dask %s: the client was not connected to the scheduler at %s "
+                        "(%s) when the service closed: its roles may stay open and its "
+                        "name published; stop it with: msd-dask stop %s --scheduler %s",
+                        self.name, self.address, self.client.status, self.name, self.address)
         finally:
             self.client.close()
             if self._cluster is not None:
                 self._cluster.close()
+
+    def _client_running(self, wait: float) -> bool:
+        """Whether this handle's client is connected, waiting up to ``wait`` seconds for one
+        that is reconnecting (a network blip) to be."""
+        deadline = time.monotonic() + wait
+        while self.client.status != "running":
+            if self.client.status in ("closed", "closing") or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def _close_at_exit(self) -> None:
         """At the exit of the process that started the service without closing it: close

@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from msd_dask.core.config import Config
-from msd_dask.dask_internals import actor_counts, scheduler_workers
+from msd_dask.dask_internals import actor_counts, event_set, event_wait, scheduler_workers
 from msd_dask.errors import ServiceError
 
 __all__ = ["REGISTRY_PREFIX", "ROLES_PREFIX", "constructor_members", "forget_keys", "place_planner",
@@ -30,14 +30,31 @@ PUBLISHED_PREFIX = "msd-published/"
 _log = logging.getLogger("msd_dask.service")
 
 
-def published_event(client: Any, name: str) -> Any:
+class PublishedEvent:
     """The scheduler ``Event`` of service ``name``: set once its registry is published, cleared
     when it closes.  ``DataService.connect`` waits on it, one call the scheduler holds,
     instead of polling the published datasets: thousands of ranks may start before the
-    service."""
-    from distributed import Event
+    service.  Each call's answer is waited for a bounded time here too
+    (:func:`~msd_dask.dask_internals.event_wait`): a ``TimeoutError`` where the scheduler
+    does not answer."""
 
-    return Event(PUBLISHED_PREFIX + name, client=client)
+    def __init__(self, client: Any, name: str):
+        self.client, self.name = client, PUBLISHED_PREFIX + name
+
+    def wait(self, timeout: float, answer: float) -> bool:
+        """Whether it is set within ``timeout`` seconds, the answer awaited ``answer`` more."""
+        return event_wait(self.client, self.name, timeout, answer)
+
+    def set(self, timeout: float) -> None:
+        event_set(self.client, self.name, timeout, on=True)
+
+    def clear(self, timeout: float) -> None:
+        event_set(self.client, self.name, timeout, on=False)
+
+
+def published_event(client: Any, name: str) -> PublishedEvent:
+    """Service ``name``'s :class:`PublishedEvent` on ``client``'s scheduler."""
+    return PublishedEvent(client, name)
 
 
 def source_payload(cfg: Config, name: str) -> dict[str, Any]:

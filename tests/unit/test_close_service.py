@@ -72,3 +72,57 @@ def test_workers_that_do_not_answer_are_named_within_one_timeout(
     assert recovery.unanswered_workers(answers) == sorted(frozen)
     assert all("did not answer within 0.5s" in str(answers[w]) or "not asked within 0.5s"
                in str(answers[w]) for w in frozen)
+
+
+@pytest.mark.parametrize("back_after", [0.2, None])
+def test_the_owners_close_while_its_client_reconnects(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture,
+                                                      back_after: float | None) -> None:
+    """The owner's close while its client reconnected (a network blip) closed nothing and
+    said nothing: the roles stayed open and the name published (a review).  It waits a
+    while for the client; one that does not come back is said, with the command that stops
+    the service."""
+    import logging
+    import weakref
+
+    from msd_dask.core.config import parse_config
+
+    calls: list[str] = []
+    since = time.monotonic()
+
+    class _Client:
+        id = "owner-1"
+
+        @property
+        def status(self) -> str:
+            back = back_after is not None and time.monotonic() - since > back_after
+            return "running" if back else "connecting"
+
+        def close(self, *a: Any, **k: Any) -> None:
+            calls.append("client.close")
+
+    class _Link:
+        owner, scheduler_address = True, "tcp://s:1"
+
+        def close(self, notice: str) -> None:
+            calls.append("link.close")
+
+    class _Keeper:
+        def stop(self, timeout: float) -> None:
+            calls.append("keeper.stop")
+
+    cfg = parse_config({"name": "cw", "batch": {"seq_len": 8}, "sources": [
+        {"name": "a", "uri": "memory://a", "format": "jsonl"}]})
+    svc = object.__new__(handle.DataService)
+    svc.__dict__.update(client=_Client(), config=cfg, name="cw", link=_Link(), keeper=_Keeper(),
+                        _cluster=None, _closed=False, _readers=weakref.WeakSet(), _returned={},
+                        _exit_pid=None, _dropped_reports=[], _finalizer=None)
+    monkeypatch.setattr(handle.DataService, "_close_roles", lambda self: calls.append("roles"))
+    monkeypatch.setattr(handle, "RECONNECT_WAIT", 0.6)
+    with caplog.at_level(logging.WARNING, logger="msd_dask"):
+        svc.close()
+    if back_after is not None:
+        assert calls == ["link.close", "keeper.stop", "roles", "client.close"]
+    else:
+        assert calls == ["link.close", "keeper.stop", "client.close"]
+        assert "msd-dask stop cw --scheduler tcp://s:1" in caplog.text

@@ -59,8 +59,11 @@ class _Client:
     def __init__(self, calls: list[str]):
         self.calls = calls
 
-    def list_datasets(self) -> list[str]:
+    def list_datasets(self, callback_timeout: float | None = None) -> list[str]:
         return []
+
+    def unpublish_dataset(self, name: str, callback_timeout: float | None = None) -> None:
+        self.calls.append("unpublish")
 
     def wait_for_workers(self, n: int, timeout: float) -> None:
         pass
@@ -116,3 +119,26 @@ def test_a_close_that_fails_after_a_failed_setup_is_said_not_raised(
             pytest.raises(WorkerLeft):
         _start(monkeypatch, planner, calls)
     assert any("did not close its roles within 30s" in r.getMessage() for r in caplog.records)
+
+
+def test_a_start_that_fails_after_its_setup_closes_the_roles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handle's own making failed (its first look at the planner timed out, or Ctrl-C)
+    after the planner set up its roles and the registry was published: the service was
+    unpublished but its roles stayed open and the planner's key held (a review)."""
+    import types
+
+    calls: list[str] = []
+    events: list[str] = []
+    monkeypatch.setattr(handle, "published_event", lambda client, name: types.SimpleNamespace(
+        set=lambda timeout: events.append("set"), clear=lambda timeout: events.append("clear")))
+
+    def refused(*a: Any, **k: Any) -> None:
+        raise ServiceTimeoutError("the planner of 'fs' did not answer within 5s")
+
+    monkeypatch.setattr(handle.DataService, "__init__", refused)
+    with pytest.raises(ServiceTimeoutError, match="did not answer"):
+        _start(monkeypatch, _Planner(calls, None), calls)  # type: ignore[arg-type]
+    assert calls == ["setup", "publish", "close_roles", "release", "unpublish"]
+    assert events == ["set", "clear"]
+

@@ -3,8 +3,6 @@ running worker holding the fewest actors, not one a re-created planner did not s
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 from typing import Any
 
 import pytest
@@ -26,15 +24,15 @@ class _Cluster:
     def ncores_running(self) -> dict[str, int]:
         return dict.fromkeys(self.actors, 1)
 
-    async def _run_on_scheduler(self, fn: Any, *, workers: list[str]) -> dict[str, list[str]]:
+    def run_on_scheduler(self, fn: Any, *, workers: list[str],
+                         callback_timeout: float | None = None) -> dict[str, list[str]]:
         if not self.answers:
             raise OSError("the scheduler did not answer")
         return {w: [f"actor-{i}" for i in range(self.actors[w])] for w in workers}
 
     def sync(self, fn: Any, *args: Any, callback_timeout: float | None = None,
              **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
-        return asyncio.run(out) if inspect.iscoroutine(out) else out
+        return fn(*args, **kwargs)
 
     def submit(self, fn: Any, *args: Any, workers: list[str], **kwargs: Any) -> str:
         self.placed.extend(workers)
