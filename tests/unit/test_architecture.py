@@ -249,3 +249,17 @@ def test_readme_layout_names_every_module_of_each_folder() -> None:
         names = {p.stem for p in (PACKAGE.parent / folder).glob("*.py") if p.stem != "__init__"}
         assert {n for n in names if f"`{n}`" not in row} == set(), f"{folder} row misses these"
 
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test modules by their basename (rootdir-relative, no packages): a unit
+    test named as an integration one failed the whole run at collection ("import file
+    mismatch"), in CI only, where both kinds run together."""
+    tests = PACKAGE.parent / "tests"
+    seen: dict[str, Path] = {}
+    twice = []
+    for path in sorted(tests.rglob("test_*.py")):
+        if path.name in seen:
+            twice.append(f"{seen[path.name].relative_to(tests)} and {path.relative_to(tests)}")
+        seen.setdefault(path.name, path)
+    assert not twice, twice
