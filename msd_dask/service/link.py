@@ -45,6 +45,16 @@ _log = logging.getLogger("msd_dask.service")
 #: that lives; a lost one's may never come, and the link looks for its successor)
 HANDLE_WAIT = 5.0
 
+#: seconds an ask of the scheduler waits for its answer, at most (less where a wait with a
+#: deadline has less left: :func:`_ask`)
+ASK_WAIT = 5.0
+
+
+def _ask(deadline: float) -> float:
+    """How long an ask of the scheduler may wait before ``deadline`` (a monotonic time): what
+    is left of it, at least 0.1 s and at most :data:`ASK_WAIT`."""
+    return min(ASK_WAIT, max(0.1, deadline - time.monotonic()))
+
 
 class PlannerLink:
     """The current planner generation of service ``cfg.name``, as seen from this process.
@@ -206,7 +216,10 @@ class PlannerLink:
                 left = max(0.1, deadline - time.monotonic())
                 handles = planner.handles(False).result(timeout=min(5.0, left))
             except Exception as e:  # noqa: BLE001 - lost or busy: look for a successor
-                if self.adopt_published():
+                # (each ask of the scheduler within what is left of the wait: with a lost
+                # planner and a scheduler that did not answer, refresh(timeout=1) raised
+                # after 11 s, saying 1; a review)
+                if self.adopt_published(_ask(deadline)):
                     continue
                 self.raise_if_lost(deadline, e, within=wait)
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
@@ -293,28 +306,32 @@ class PlannerLink:
                 f"client is {status}); a scheduler lost takes the service's roles with it: "
                 f"once it runs again, {RESTART_HINT}")
 
-    def owner_alive(self) -> bool:
-        """Whether the process that started the service is still connected (True if unknown)."""
+    def owner_alive(self, ask: float = ASK_WAIT) -> bool:
+        """Whether the process that started the service is still connected (True if unknown,
+        or the scheduler does not answer within ``ask`` seconds)."""
         if self.owner:
             return not self.closed
         cid = self.registry.get("owner")
         if cid is None:
             return True
         try:
-            return bool(self.client.run_on_scheduler(has_client, cid, callback_timeout=5))
+            return bool(self.client.run_on_scheduler(has_client, cid, callback_timeout=ask))
         except Exception:  # noqa: BLE001 - unknown: assume it is
             return True
 
-    def adopt_published(self) -> bool:
-        """Switch to the published planner if it is a newer generation; returns whether it was."""
+    def adopt_published(self, ask: float = ASK_WAIT) -> bool:
+        """Switch to the published planner if it is a newer generation; returns whether it was
+        (``False`` where the scheduler does not answer within ``ask`` seconds, or the new
+        planner's handle does not come within them)."""
         try:
             reg = self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
-                                          callback_timeout=5)
+                                          callback_timeout=ask)
             if reg is not None and reg.get("failed"):
                 self.failed = str(reg["failed"])
             if reg is None or int(reg.get("generation", 0)) <= self.generation:
                 return False
-            planner = bind_actor(reg["planner"].result(timeout=HANDLE_WAIT), self.client)
+            planner = bind_actor(reg["planner"].result(timeout=min(HANDLE_WAIT, ask)),
+                                 self.client)
         except Exception:  # noqa: BLE001 - not there yet, or unreachable: try again later
             return False
         with self._swap:
@@ -340,6 +357,7 @@ class PlannerLink:
         """Raise if the planner is lost for good, or (past ``deadline``, ``within`` seconds
         of the look's start: the config's ``timeout`` if not given) did not answer."""
         within = self.config.timeout if within is None else within
+        ask = ASK_WAIT if deadline is None else _ask(deadline)
         gone = self.scheduler_lost()
         if gone is not None:  # (not the planner's worker: said once the wait is over)
             if deadline is not None and time.monotonic() > deadline:
@@ -349,8 +367,8 @@ class PlannerLink:
         where = actor_address(self.planner) or "?"
         if lost and self.failed is not None:  # its owner gave up re-creating it
             raise ServiceError(self.failed)
-        if lost and not self.owner_alive():
-            if self._unpublished():  # (its owner gone: closed at its exit, or stopped)
+        if lost and not self.owner_alive(ask):
+            if self._unpublished(ask):  # (its owner gone: closed at its exit, or stopped)
                 notice = CLOSED_OR_STOPPED
                 self.close(notice)  # this process's other readers call no role
                 raise ServiceError(f"service {self.name!r}: {notice}")
@@ -389,19 +407,19 @@ class PlannerLink:
             return False
         return now is None or now.get("owner") != self.registry.get("owner")
 
-    def _unpublished(self) -> bool:
+    def _unpublished(self, ask: float = ASK_WAIT) -> bool:
         """Whether the service's registry is gone: its owner closed it (one that crashed
-        leaves it published); ``False`` if the scheduler does not answer."""
+        leaves it published); ``False`` if the scheduler does not answer within ``ask``."""
         try:
-            return self._registry_now() is None
+            return self._registry_now(ask) is None
         except Exception:  # noqa: BLE001 - unknown: not known to be closed
             return False
 
-    def _registry_now(self) -> dict[str, Any] | None:
+    def _registry_now(self, ask: float = ASK_WAIT) -> dict[str, Any] | None:
         """The registry the service's name holds on the scheduler now (None: none); raises
-        where the scheduler does not answer within 5 s."""
+        where the scheduler does not answer within ``ask`` seconds."""
         return self.client.get_dataset(REGISTRY_PREFIX + self.name, default=None,
-                                       callback_timeout=5)
+                                       callback_timeout=ask)
 
     # ------------------------------------------------------------- readers
     def on_new_generation(self, listener: Callable[[], None]) -> None:

@@ -671,3 +671,52 @@ def test_a_service_gone_with_its_owner_is_a_close_every_reader_and_agent_knows()
         raise AssertionError("a service gone with its owner was not said to be")
     assert link.closed and link.notice in CLOSED_NOTICES
     assert said == "service 'link': closed by its owner (or stopped with msd-dask stop)"
+
+
+def test_a_look_for_a_successor_keeps_to_its_timeout(monkeypatch: Any) -> None:
+    """A lost planner and a scheduler that does not answer: each ask of the scheduler waited
+    its own fixed 5 s, refresh(timeout=1) raised after 11 s saying 1, and a call with the
+    config's timeout of 2 after 12 (a review).  Each ask waits what is left of the wait."""
+    import pytest
+
+    from msd_dask.service import link as link_module
+
+    class _Never:
+        status = "lost"
+
+        def result(self, timeout: float | None = None) -> Any:
+            time.sleep(timeout or 0.0)
+            raise TimeoutError(f"timed out after {timeout} s.")
+
+    class _Lost:
+        def handles(self, _with_loaders: bool) -> _Never:
+            return _Never()
+
+        def set_weights(self, weights: dict[str, float]) -> _Never:
+            return _Never()
+
+    class _Frozen:
+        status, id = "running", "reader-1"
+
+        def get_dataset(self, name: str, default: Any = None,
+                        callback_timeout: float | None = None) -> Any:
+            time.sleep(callback_timeout or 0.0)
+            raise TimeoutError(f"timed out after {callback_timeout} s.")
+
+        def run_on_scheduler(self, fn: Any, *a: Any, callback_timeout: float | None = None,
+                             **k: Any) -> Any:
+            time.sleep(callback_timeout or 0.0)
+            raise TimeoutError(f"timed out after {callback_timeout} s.")
+
+    cfg = parse_config({"name": "ov", "timeout": 2, "batch": {"seq_len": 8}, "sources": [
+        {"name": "a", "uri": "memory://a", "format": "jsonl"}]})
+    monkeypatch.setattr(link_module, "bind_actor", lambda handle, client: handle)
+    link = PlannerLink(_Frozen(), cfg, {"planner": _Done(_Lost()), "owner": "owner-1"})
+    link.registry["planner"] = _Never()  # (its future: lost with its worker)
+    for wait, call in ((1.0, lambda: link.refresh(timeout=1)),
+                       (2.0, lambda: link.call(lambda p: p.set_weights({"a": 1.0}),
+                                               "set_weights()"))):
+        t0 = time.monotonic()
+        with pytest.raises(ServiceTimeoutError, match=rf"within {wait:g}s"):
+            call()
+        assert time.monotonic() - t0 < wait + 1.5
