@@ -118,7 +118,10 @@ class SourceLoader:
         #: documents preprocessed at once (what the adaptive policy counts per loader)
         self.parallel = pool.size or self.threads
         self._docs: DocPool | None = None
-        if pool.kind == "process" or self.parallel > 1:
+        # (a pool of one behind several read threads too: each thread processed its own
+        # unit's documents, 3 at once where the loader said 1, and the policy sized the
+        # source 3x over; a review)
+        if pool.kind == "process" or self.parallel > 1 or self.threads > 1:
             self._docs = DocPool(self.src, tokenizer, self.parallel, pool.kind)
         self._pool = ThreadPoolExecutor(self.threads,
                                         thread_name_prefix=f"msd-load-{self.src.name}")

@@ -16,7 +16,7 @@ planner therefore creates the roles itself and keeps them alive:
 * **scaling** — :meth:`RoleSupervisor.scale` adds slots (each on the worker holding
   the fewest roles) or retires them (the slot on such a worker first, so that a
   worker left with none can go); a retired slot's units move to a remaining slot,
-  which re-reads them on demand.
+  which re-reads them at once.
 * **the planner itself** cannot heal itself: the process that started the
   service re-creates it (:class:`~msd_dask.service.DataService`), after
   closing the roles it leaves behind (:func:`close_service_roles`).

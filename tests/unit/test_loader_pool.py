@@ -346,3 +346,71 @@ def test_a_format_raising_a_base_exception_fails_its_unit_not_the_loader(
             await loader.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("size, threads", [(1, 3), (2, 3), (None, 2)])
+def test_a_loader_processes_as_many_documents_at_once_as_it_says(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, size: int | None, threads: int) -> None:
+    """A thread pool of one behind 3 read threads: each read thread processed its own unit's
+    documents, 3 at once where the loader's stats said 1, and the adaptive policy sized the
+    source 3 times over (a review)."""
+    (tmp_path / "probe_prep.py").write_text(
+        "import threading, time\nlock = threading.Lock()\nnow = peak = 0\n"
+        "def slow(text, rec):\n    global now, peak\n    with lock:\n        now += 1\n"
+        "        peak = max(peak, now)\n    time.sleep(0.01)\n    with lock:\n"
+        "        now -= 1\n    return text\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for f in range(6):
+        (tmp_path / f"f{f}.jsonl").write_text("".join(json.dumps({"text": f"doc {f} {r}"}) + "\n"
+                                                      for r in range(8)))
+    pool = {"kind": "thread"} if size is None else {"kind": "thread", "size": size}
+    src = load_config({"name": "t", "batch": {"seq_len": 64}, "sources": [
+        {"name": "j", "uri": f"{tmp_path}/*.jsonl", "format": "jsonl", "pool": pool,
+         "preprocess": "probe_prep:slow"}]}).sources[0]
+    source = dataclasses.asdict(src)
+    source.pop("weight")
+    units = [(u.path, u.part, u.row_offset) for u in source_units(src)[1]]
+    import probe_prep  # (the first test's module, each later one's too)
+
+    probe_prep.peak = 0
+
+    async def run() -> dict[str, Any]:
+        loader = SourceLoader(source, units, TOK, threads=threads)
+        await loader.assign([(0, u) for u in range(len(units))])
+        for u in range(len(units)):
+            await loader.metadata(0, u)
+        stats = await loader.stats()
+        await loader.close()
+        return stats
+
+    stats = asyncio.run(run())
+    assert stats["threads"] == (size or threads)
+    assert 1 <= probe_prep.peak <= stats["threads"]
+
+
+def test_a_row_group_is_decoded_on_the_read_thread(tmp_path: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arrow decoded a row group on threads of its own, whose CPU the loader's count (the
+    read thread's) left out: a CPU-bound parquet source read as 0.66 busy, and its CPU cap
+    erred high (a review)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from msd_dask.formats import Unit, get_format
+    from msd_dask.sources.storage import source_filesystem
+
+    pq.write_table(pa.table({"text": [f"doc {i}" for i in range(40)]}), tmp_path / "x.parquet",
+                   row_group_size=20)
+    seen: list[bool] = []
+    read = pq.ParquetFile.read_row_group
+
+    def spy(self: Any, i: int, *a: Any, use_threads: bool = True, **k: Any) -> Any:
+        seen.append(use_threads)
+        return read(self, i, *a, use_threads=use_threads, **k)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", spy)
+    fs = source_filesystem(str(tmp_path))
+    rows = list(get_format("parquet").read(fs, Unit(str(tmp_path / "x.parquet"), 1, 20),
+                                           ["text"]))
+    assert [r["text"] for _, r in rows] == [f"doc {i}" for i in range(20, 40)]
+    assert seen == [False]
