@@ -317,7 +317,7 @@ def test_a_failed_connect_leaves_no_client_open():
         owner.publish_dataset({"config": cfg.to_dict(), "planner": planner, "constructors": 1,
                                "generation": 0, "owner": "a client that is gone"},
                               name=REGISTRY_PREFIX + "lost-owner")
-        published_event(owner, "lost-owner").set()
+        published_event(owner, "lost-owner").set(30)
         before = open_clients()
         for _ in range(3):
             with pytest.raises(ServiceError):

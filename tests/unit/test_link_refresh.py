@@ -76,7 +76,7 @@ class _Failing(_Planner):
 class _Link(PlannerLink):
     """No published successor; a look that fails gives up at once (no scheduler here)."""
 
-    def adopt_published(self) -> bool:
+    def adopt_published(self, ask: float = 5.0) -> bool:
         return False
 
     def raise_if_lost(self, deadline: float | None = None, cause: BaseException | None = None,
@@ -234,7 +234,7 @@ def test_a_call_to_a_frozen_planner_ends_within_the_timeout_naming_the_request()
     published = _Done(_Frozen(delay=0.0))
     published.status = "finished"  # type: ignore[attr-defined]  # (its future: not lost)
     link = PlannerLink(None, cfg, {"planner": published})
-    link.adopt_published = lambda: False  # type: ignore[method-assign]  # (no scheduler here)
+    link.adopt_published = lambda ask=5.0: False  # type: ignore[method-assign]  # (no scheduler)
     t0 = time.monotonic()
     with pytest.raises(ServiceTimeoutError, match=r"service 'link': set_weights\(\) got no answer "
                        r"within 1s: .*\(a change it asked for may still be made"):
