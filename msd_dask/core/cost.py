@@ -19,13 +19,14 @@ the units are free: tokens, FLOPs or seconds.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from msd_dask.core.config import CostConfig
+from msd_dask.core.config import MAX_PRIOR_WEIGHT, CostConfig
 from msd_dask.core.flops import transformer_coefficients
 
 __all__ = ["CostModel", "CostFitter", "transformer_coefficients"]
@@ -137,11 +138,19 @@ class CostFitter:
                  prior_weight: float = 0.1, decay: float = 1.0, window: int = 256):
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
-        if min_observations < 1 or prior_weight < 0:
-            raise ValueError("min_observations must be >= 1 and prior_weight >= 0")
-        if window < 1:  # (``del steps[:-0]`` would keep every step, not none)
-            raise ValueError(f"window must be >= 1, got {window}")
+        # (a NaN or infinite prior weight fitted a model of 0 and 0, every piece free; a
+        # float count was cut; a prior of a negative, NaN or no cost was taken; a review)
+        for key, value in (("min_observations", min_observations), ("window", window)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{key} must be a whole number >= 1, got {value!r}")
+        if not 0 <= float(prior_weight) <= MAX_PRIOR_WEIGHT:
+            raise ValueError(f"prior_weight must be a number in [0, {MAX_PRIOR_WEIGHT:g}], got "
+                             f"{prior_weight!r}")
         self.prior = prior if prior is not None else CostModel()
+        a, b = self.prior.linear, self.prior.quadratic
+        if not (math.isfinite(a) and math.isfinite(b) and a >= 0 and b >= 0 and a + b > 0):
+            raise ValueError(f"the prior's coefficients must be finite, >= 0 and not both 0, got "
+                             f"{self.prior}")
         self.min_observations = int(min_observations)
         self.prior_weight = float(prior_weight)
         self.decay = float(decay)
@@ -154,8 +163,9 @@ class CostFitter:
         #: steps timed as a whole: [weight, seconds, [[ΣL, ΣL²] of candidate ranks]]
         self._steps: list[list[Any]] = []
         self._cached: CostModel | None = None
-        #: times :meth:`plausible` set aside since the last it took
-        self._set_aside_in_a_row = 0
+        #: the times :meth:`plausible` set aside since the last it took, ``(ΣL, ΣL², seconds,
+        #: step)``: the fit starts again from them where they say the level changed
+        self._run: list[tuple[float, float, float, int | None]] = []
 
     @classmethod
     def from_config(cls, cfg: CostConfig, **kwargs: Any) -> CostFitter:
@@ -193,6 +203,8 @@ class CostFitter:
         against the rank the current model predicts to be the slowest.
         """
         feats = [_features(r) for r in lengths_per_rank]
+        for s1, s2 in feats:  # (with one time a NaN rank was dropped, a negative one taken)
+            _check_features(s1, s2)
         if np.ndim(seconds) == 0:
             y = float(seconds)  # type: ignore[arg-type]
             _check_seconds(y)
@@ -215,19 +227,26 @@ class CostFitter:
         for (s1, s2), y in zip(feats, times, strict=True):
             self._add(s1, s2, y)
 
-    def plausible(self, sum_lengths: float, sum_squares: float, seconds: float) -> bool:
+    def plausible(self, sum_lengths: float, sum_squares: float, seconds: float,
+                  step: int | None = None) -> bool:
         """Whether a rank's time is one :meth:`observe_sums` should take: always before
         ``min_observations``; after, within :data:`IMPLAUSIBLE` times the current model's
         prediction either way.  Least squares let one step that compiled (a first step's
         torch.compile, a rank that paused) outweigh hundreds: a 20 times slower first step
         fitted β to 0 for the rest of a run, and the outlier delay went off (a review).
 
-        Never a time of 0 for some work.  ``min_observations`` times in a row set aside
-        say the level changed (or the times first fitted were off): the fit
-        starts again from its prior (:meth:`restart`) and this time is taken."""
-        if float(seconds) <= 0 < float(sum_lengths):
+        Never a time of 0 for some work, nor one that is not a finite number >= 0.
+        ``min_observations`` times in a row set aside, of more than one ``step`` (each
+        call its own where none is given), say the level changed (or the times first
+        fitted were off): the fit starts again from its prior (:meth:`restart`) with the
+        times of that run, and this time is taken.  One slow step alone (a pause, a
+        checkpoint in the timed region) gives a time per DP rank, each off the fit: at
+        dp 8 it threw the fit away, and its one slow time fitted β to 0 (a review)."""
+        y = float(seconds)
+        if not math.isfinite(y) or y < 0 or y <= 0 < float(sum_lengths):
             # (no work takes no time: eight zero-second reports fitted the unscaled prior,
-            # and every real time after was set aside for good; a review)
+            # and every real time after was set aside for good; NaN and inf were counted
+            # towards a restart; a review)
             return False
         if self.count < self.min_observations:
             return True
@@ -235,16 +254,21 @@ class CostFitter:
         predicted = m.linear * float(sum_lengths) + m.quadratic * float(sum_squares)
         if not predicted > 0:
             return True
-        if 1 / IMPLAUSIBLE <= float(seconds) / predicted <= IMPLAUSIBLE:
-            self._set_aside_in_a_row = 0
+        if 1 / IMPLAUSIBLE <= y / predicted <= IMPLAUSIBLE:
+            self._run = []
             return True
-        self._set_aside_in_a_row += 1
-        if self._set_aside_in_a_row < self.min_observations:
+        self._run.append((float(sum_lengths), float(sum_squares), y, step))
+        steps = {st if st is not None else -1 - i for i, (*_, st) in enumerate(self._run)}
+        if len(self._run) < self.min_observations or len(steps) < 2:
             return False
-        # ``min_observations`` times in a row off the fit: the level changed (or the first
-        # times fitted were off, a long warm-up): the fit starts again from the prior, and
-        # takes the times to come; it rejected every later time for good (a review)
+        # ``min_observations`` times in a row off the fit, over more than one step: the
+        # level changed (or the first times fitted were off, a long warm-up): the fit starts
+        # again from the prior with that run's times, and takes the times to come; it
+        # rejected every later time for good (a review)
+        run = self._run[:-1]
         self.restart()
+        for s1, s2, t, _ in run:
+            self._add(s1, s2, t)
         return True
 
     def restart(self) -> None:
@@ -256,13 +280,11 @@ class CostFitter:
         self._yty = 0.0
         self._steps = []
         self._cached = None
-        self._set_aside_in_a_row = 0
+        self._run = []
 
     def _add(self, s1: float, s2: float, y: float) -> None:
         _check_seconds(y)
-        if not (math.isfinite(s1) and math.isfinite(s2) and s1 >= 0 and s2 >= 0):
-            # (a NaN went into the sums and the fit was the unscaled prior for good; a review)
-            raise ValueError(f"a rank's ΣL and ΣL² must be finite and >= 0, got {s1!r}, {s2!r}")
+        _check_features(s1, s2)
         if s1 <= 0 and s2 <= 0:
             return                          # nothing processed: says nothing about α, β
         x = np.array([s1, s2])
@@ -364,11 +386,14 @@ class CostFitter:
             "yty": self._yty,
             "window": self.window,
             "steps": [list(st) for st in self._steps],
+            # (a restored fitter restarted later than the one saved; a review)
+            "set_aside": [list(r) for r in self._run],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._cached = None
-        self._set_aside_in_a_row = 0
+        self._run = [(float(a), float(b), float(t), None if st is None else int(st))
+                     for a, b, t, st in state.get("set_aside", [])]
         self.prior = CostModel(*(float(v) for v in state["prior"]))
         self.min_observations = int(state["min_observations"])
         self.prior_weight = float(state["prior_weight"])
@@ -386,6 +411,12 @@ class CostFitter:
 def _check_seconds(y: float) -> None:
     if not math.isfinite(y) or y < 0:
         raise ValueError(f"seconds must be finite and >= 0, got {y}")
+
+
+def _check_features(s1: float, s2: float) -> None:
+    if not (math.isfinite(s1) and math.isfinite(s2) and s1 >= 0 and s2 >= 0):
+        # (a NaN went into the sums and the fit was the unscaled prior for good; a review)
+        raise ValueError(f"a rank's ΣL and ΣL² must be finite and >= 0, got {s1!r}, {s2!r}")
 
 
 class _Problem:

@@ -1567,7 +1567,8 @@ class PlannerActor:
         seen = self._reports_seen.get(int(dp_rank), 0)
         self._reports_seen[int(dp_rank)] = seen + 1
         sum_lengths, sum_squares = features[int(dp_rank)].tolist()
-        if seen < WARMUP_REPORTS or not self.fitter.plausible(sum_lengths, sum_squares, seconds):
+        if seen < WARMUP_REPORTS or not self.fitter.plausible(sum_lengths, sum_squares, seconds,
+                                                              int(step)):
             self.set_aside += 1
             return
         self.fitter.observe_sums(sum_lengths, sum_squares, float(seconds))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -384,7 +385,7 @@ def test_steps_measured_at_zero_seconds_keep_the_prior() -> None:
 
 def test_a_window_of_no_steps_is_refused() -> None:
     """``window=0`` kept every step (``del steps[:-0]`` deletes nothing)."""
-    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="window must be a whole number >= 1, got 0"):
         CostFitter(window=0)
     assert CostFitter(window=1).window == 1
 
@@ -411,3 +412,115 @@ def test_cost_is_the_plain_expression_bit_for_bit_and_leaves_its_input_alone() -
         assert np.array_equal(model(given), want)
         assert np.array_equal(np.asarray(given), before)  # not scaled in place
     assert isinstance(model(4097), np.float64)
+
+
+def _rank(rng: np.random.Generator, scale: float = 1.0) -> tuple[float, float, float]:
+    """A rank's (ΣL, ΣL², seconds ``scale`` times the true ones), of some work."""
+    while True:
+        flat = np.concatenate(rank_pieces(rng)).astype(np.float64)
+        if flat.sum() > 0:
+            return float(flat.sum()), float((flat * flat).sum()), scale * true_seconds(flat)
+
+
+@pytest.mark.parametrize("dp", [8, 16])
+def test_one_slow_step_keeps_the_fit(dp: int) -> None:
+    """One step slow on every DP rank (a pause, a checkpoint in the timed region): at dp 8
+    its reports were eight in a row set aside, the fit started again, its slow time was
+    taken and the times after fitted β to 0 (a review).  One step's run is set aside
+    whole, and the fit keeps what it had."""
+    rng = np.random.default_rng(12)
+    fitter = CostFitter(min_observations=8)
+    for step in range(30):
+        for _ in range(dp):
+            s1, s2, y = _rank(rng)
+            if fitter.plausible(s1, s2, y, step):
+                fitter.observe_sums(s1, s2, y)
+    before = fitter.count
+    assert relative_errors(fitter.model(), np.random.default_rng(3)).max() < 0.01
+    assert not any([fitter.plausible(*_rank(rng, 20.0), 30) for _ in range(dp)])
+    assert fitter.count == before
+    for step in range(31, 34):
+        for _ in range(dp):
+            s1, s2, y = _rank(rng)
+            assert fitter.plausible(s1, s2, y, step)
+            fitter.observe_sums(s1, s2, y)
+    assert relative_errors(fitter.model(), np.random.default_rng(3)).max() < 0.01
+
+
+def test_a_level_that_changed_starts_the_fit_again_from_its_run() -> None:
+    # every time from step 30 on 5 times slower (a new node type): after a run of more
+    # than one step set aside, the fit starts again from that run's times
+    rng = np.random.default_rng(13)
+    fitter = CostFitter(min_observations=8)
+    for step in range(20):
+        for _ in range(4):
+            s1, s2, y = _rank(rng)
+            if fitter.plausible(s1, s2, y, step):
+                fitter.observe_sums(s1, s2, y)
+    taken = []
+    for step in range(20, 60):
+        for _ in range(4):
+            s1, s2, y = _rank(rng, 5.0)
+            taken.append(fitter.plausible(s1, s2, y, step))
+            if taken[-1]:
+                fitter.observe_sums(s1, s2, y)
+    assert taken[:7] == [False] * 7 and all(taken[7:])  # (the 8th, of a second step)
+    scaled = fitter.model()  # (the new level's: 5 times the true model)
+    errors = relative_errors(CostModel(scaled.linear / 5, scaled.quadratic / 5),
+                             np.random.default_rng(3))
+    assert errors.max() < 0.01
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_time_that_is_no_number_is_never_plausible(bad: float) -> None:
+    # NaN was taken before min_observations (then observe raised), and after it counted
+    # towards a restart: eight of them threw the fit away (a review)
+    rng = np.random.default_rng(14)
+    fitter = CostFitter(min_observations=8)
+    assert not fitter.plausible(100.0, 1e4, bad)
+    for _ in range(20):
+        s1, s2, y = _rank(rng)
+        fitter.observe_sums(s1, s2, y)
+    before = fitter.count
+    assert not any([fitter.plausible(100.0, 1e4, bad, step) for step in range(20)])
+    assert fitter.count == before
+
+
+def test_one_time_for_a_step_refuses_a_rank_whose_lengths_are_no_numbers() -> None:
+    # with a single time a NaN rank was dropped and a negative one taken (a review)
+    for bad in (float("nan"), -3.0):
+        with pytest.raises(ValueError, match="ΣL and ΣL² must be finite and >= 0"):
+            CostFitter().observe_step([np.array([bad]), np.array([10.0])], 1.0)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"prior_weight": float("nan")}, "prior_weight must be a number in"),
+    ({"prior_weight": float("inf")}, "prior_weight must be a number in"),
+    ({"min_observations": 2.5}, "min_observations must be a whole number >= 1, got 2.5"),
+    ({"window": 2.5}, "window must be a whole number >= 1, got 2.5"),
+    ({"prior": CostModel(-1.0, 1e-4)}, "the prior's coefficients must be finite, >= 0"),
+    ({"prior": CostModel(1.0, float("nan"))}, "the prior's coefficients must be finite"),
+    ({"prior": CostModel(0.0, 0.0)}, "not both 0"),
+])
+def test_a_fitter_that_would_fit_no_cost_is_refused(kwargs: dict[str, Any], says: str) -> None:
+    # a NaN prior weight fitted CostModel(0, 0): every piece free (a review)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        CostFitter(**kwargs)
+
+
+def test_a_restored_fitter_restarts_where_the_saved_one_does() -> None:
+    # the run of set-aside times was not saved: after 7 in a row, the 8th restarted the
+    # saved fitter and was set aside by the restored one (a review)
+    import json
+
+    rng = np.random.default_rng(15)
+    fitter = CostFitter(min_observations=8)
+    for _ in range(20):
+        fitter.observe_sums(*_rank(rng))
+    for step in range(7):
+        assert not fitter.plausible(*_rank(rng, 20.0), step)
+    restored = CostFitter()
+    restored.load_state_dict(json.loads(json.dumps(fitter.state_dict())))
+    last = _rank(rng, 20.0)
+    assert fitter.plausible(*last, 7) and restored.plausible(*last, 7)
+    assert restored.state_dict() == fitter.state_dict()
