@@ -187,6 +187,9 @@ def pack_rows(rows: Sequence[Sequence[tuple[Any, int]]], seq_len: int,
             image = None
             if isinstance(tokens, tuple):
                 tokens, image = tokens
+            if n < 0:  # (it overwrote the tokens before it, cu_seqlens going back; a review)
+                raise PieceError(m, j, f"row {m}, piece {j}: a piece of {n} tokens (a length "
+                                       "is >= 0)")
             if pos + n > seq_len:
                 raise PieceError(m, j, f"row {m}, piece {j}: {n} tokens after {pos} overflow "
                                        f"seq_len {seq_len}")

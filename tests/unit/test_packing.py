@@ -81,6 +81,9 @@ def test_overflow_raises() -> None:
         pack_rows([[(arr(1, 2, 3), 3), (arr(4, 5), 2)]], seq_len=4, pad_id=PAD)
     with pytest.raises(ValueError, match=r"row 1, piece 0: 5 tokens after 0 overflow seq_len 4"):
         pack_rows([[], [(arr(1, 2, 3, 4, 5), 5)]], seq_len=4, pad_id=PAD)
+    # (a negative length overwrote the piece before it, cu_seqlens going back; a review)
+    with pytest.raises(ValueError, match=r"row 0, piece 1: a piece of -1 tokens"):
+        pack_rows([[(arr(1, 2), 2), (arr(), -1), (arr(3), 1)]], seq_len=8, pad_id=PAD)
 
 
 def test_wrong_number_of_tokens_raises() -> None:
