@@ -179,7 +179,9 @@ def _close_service(client: Any, name: str, planner: Any, planner_key: Any,
     else:
         done.join(CLOSE_WAIT)
     if done.is_alive() or failed:
-        why = f"did not answer within {CLOSE_WAIT:g}s" if not failed else f"failed: {failed[0]!r}"
+        # (its calls are bounded too: one that lapsed is the same silence, said so)
+        silent = not failed or isinstance(failed[0], TimeoutError)
+        why = f"did not answer within {CLOSE_WAIT:g}s" if silent else f"failed: {failed[0]!r}"
         _log.warning("msd_dask %s: the scheduler %s while the service closed: its name may "
                      "stay published until the scheduler restarts", name, why)
     return open_on
