@@ -46,7 +46,15 @@ def decode_image(data: bytes) -> Image.Image:
     try:
         with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             img.load()
-            return _eight_bit(ImageOps.exif_transpose(img), img.format).convert("RGB")
+            # (a TIFF's 0 for white: Pillow turns an 8-bit one, not a 16-bit one, which came
+            # out as its negative; a review)
+            white_is_0 = img.format == "TIFF" and getattr(img, "tag_v2", {}).get(262) == 0
+            ImageOps.exif_transpose(img, in_place=True)  # (no copy of a large image; a review)
+            return _eight_bit(img, img.format, white_is_0).convert("RGB")
+    except (MemoryError, RecursionError):
+        # (the process's, not the data's: a valid image was quarantined as bad input; a
+        # review)
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure to decode is the row's bad input
         # (Pillow names the file object it read: an address, other in every run)
         reason = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc))
@@ -54,22 +62,28 @@ def decode_image(data: bytes) -> Image.Image:
                          f"{type(exc).__name__}: {reason}") from None
 
 
-def _eight_bit(img: Image.Image, fmt: str | None) -> Image.Image:
+def _eight_bit(img: Image.Image, fmt: str | None, white_is_0: bool = False) -> Image.Image:
     """``img``, a 16-bit grayscale image (a PNG's or TIFF's ``I;16``, or ``I`` holding values
     past 255) scaled to 8 bits: Pillow's conversion to RGB clips it instead, all but its
-    darkest pixels white.  ``fmt``: the format it was decoded from.  An ``I`` image of
-    values up to 255 (a 32-bit TIFF of 8-bit values) is left as it is, but not a PGM's:
-    Pillow opens a 16-bit PGM as ``I`` scaled to 16 bits whatever its values, so a dark
-    one came out up to 257 times too bright, where the same pixels in a 16-bit PNG came
-    out right (a review)."""
+    darkest pixels white.  ``fmt``: the format it was decoded from; ``white_is_0``: a
+    TIFF's photometric interpretation says 0 is white (its 16 bits are turned).  An ``I``
+    image of values up to 255 (a 32-bit TIFF of 8-bit values) is left as it is, but not a
+    PGM's: Pillow opens a 16-bit PGM as ``I`` scaled to 16 bits whatever its values, so a
+    dark one came out up to 257 times too bright, where the same pixels in a 16-bit PNG
+    came out right (a review).  In the image's own 16 or 32 bits, no wider copy (int64
+    copies took a 169-megapixel image to 10 times its pixels' memory; a review)."""
     from PIL import Image
 
     if img.mode not in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
         return img
-    values = np.asarray(img).astype(np.int64)
-    if img.mode == "I" and fmt != "PPM" and (values.size == 0 or int(values.max()) <= 255):
-        return img
-    return Image.fromarray((np.clip(values, 0, 65535) // 257).astype(np.uint8), "L")
+    values = np.asarray(img)
+    if img.mode == "I":
+        if fmt != "PPM" and (values.size == 0 or int(values.max()) <= 255):
+            return img
+        values = np.clip(values, 0, 65535)
+    elif white_is_0:
+        values = np.subtract(65535, values, dtype=values.dtype)
+    return Image.fromarray((values // 257).astype(np.uint8), "L")
 
 
 def resize(img: Image.Image, size: int) -> np.ndarray:

@@ -109,6 +109,40 @@ def test_a_dark_16_bit_pgm_decodes_as_the_same_pixels_in_a_png() -> None:
             np.testing.assert_array_equal(np.asarray(decode_image(data))[..., 0], want)
 
 
+@pytest.mark.parametrize("compression", ["raw", "tiff_deflate"])
+def test_a_16_bit_tiff_whose_0_is_white_is_not_its_negative(compression: str) -> None:
+    # Pillow turns an 8-bit MinIsWhite TIFF, not a 16-bit one, which came out as its
+    # negative (a review)
+    import io
+
+    from PIL import Image
+
+    stored = np.tile(np.array([0, 16384, 49152, 65535], dtype=np.uint16), (4, 1))
+    out = io.BytesIO()
+    Image.frombytes("I;16", (4, 4), stored.astype("<u2").tobytes()).save(
+        out, "TIFF", compression=compression, tiffinfo={262: 0})
+    got = np.asarray(decode_image(out.getvalue()))[..., 0]
+    np.testing.assert_array_equal(got, ((65535 - stored) // 257).astype(np.uint8))
+
+
+def test_running_out_of_memory_is_not_the_images_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a valid image that failed for lack of memory was "cannot decode image", and under
+    # on_error: skip a good document was quarantined (a review)
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(out, "PNG")
+
+    def no_memory(*a: Any, **k: Any) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(Image, "open", no_memory)
+    with pytest.raises(MemoryError):
+        decode_image(out.getvalue())
+
+
 def test_a_photo_with_an_exif_orientation_is_decoded_upright() -> None:
     """A phone stores a portrait photo sideways with an EXIF orientation tag; it came out
     sideways (64 wide, 32 high) where viewers and Hugging Face ``datasets`` show it upright
