@@ -450,22 +450,30 @@ def _ranks(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cli_types import bounded, positive_float, positive_int
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=_ranks, default=[16, 64, 256, 1024],
                    help="comma-separated rank counts, multiples of 8 (default 16,64,256,1024); "
                         "one service and N/8 host processes each")
-    p.add_argument("--steps", type=int, default=10, help="steps every rank reads (default 10)")
-    p.add_argument("--step-seconds", type=float, default=6.0,
+    # (each checked here: --idle-seconds -1 failed after the hosts connected, 0 made every
+    # net figure the gross one, --steps 1 printed only nan, --dask-workers 0 a traceback
+    # after the scheduler started; a review)
+    p.add_argument("--steps", type=bounded(int, 2, above=False), default=10,
+                   help="steps every rank reads, at least 2: the figures are over steps 1 on "
+                        "(default 10)")
+    p.add_argument("--step-seconds", type=positive_float, default=6.0,
                    help="the pace: one step per this many seconds (default 6: 1,024 ranks "
                         "kept 95%% of it on a 2-core machine)")
-    p.add_argument("--idle-seconds", type=float, default=8.0,
+    p.add_argument("--idle-seconds", type=positive_float, default=8.0,
                    help="the idle baseline of the scheduler and the workers is measured for this "
                         "long with every host connected, before the reads (default 8)")
-    p.add_argument("--dask-workers", type=int, default=2, help="dask worker processes (default 2)")
+    p.add_argument("--dask-workers", type=positive_int, default=2,
+                   help="dask worker processes (default 2)")
     p.add_argument("--config", default="configs/demo.yaml",
                    help="the sources (default: the demo's; its corpus is written if missing)")
-    p.add_argument("--timeout", type=float, default=300.0,
+    p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds each wait may take beyond what the run needs (default 300)")
     p.add_argument("--quick", action="store_true",
                    help="N = 16 and 32, 4 steps of 0.5 s, 1 s idle baseline (< 60 s)")
@@ -473,8 +481,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.ranks, a.steps, a.step_seconds, a.idle_seconds = [16, 32], 4, 0.5, 1.0
-    if a.steps < 1 or a.step_seconds <= 0:
-        p.error("--steps must be at least 1 and --step-seconds positive")
     from msd_dask import load_config
 
     # the files need not exist yet: they are written below if they are missing

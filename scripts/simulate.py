@@ -601,9 +601,13 @@ def control_plane(costs: ControlPlaneCosts, ranks: int, step_seconds: float, rou
     list of ControlPlaneRow
         ``queue`` then ``direct``.
     """
-    if ranks < 1 or step_seconds <= 0 or round_steps < 1 or tp < 1 or constructors < 1:
-        raise ValueError("ranks, round_steps, tp and constructors must be >= 1, step_seconds > 0")
     clients = ranks if clients is None else clients
+    # (negative workers or clients gave negative loads, a NaN step NaN loads that the
+    # busiest role's max skipped; a review)
+    if ranks < 1 or round_steps < 1 or tp < 1 or constructors < 1 or clients < 0 or \
+            workers < 0 or not (math.isfinite(step_seconds) and step_seconds > 0):
+        raise ValueError("ranks, round_steps, tp and constructors must be >= 1, clients and "
+                         "workers >= 0, step_seconds a finite number > 0")
     dp = max(1, ranks // tp)
     from distributed.scheduler import heartbeat_interval
 
@@ -676,7 +680,7 @@ def _parse_source(text: str) -> SourceSpec:
 
 def _min_length(text: str) -> float:
     v = float(text)
-    if v < 0 or (v >= 1 and not v.is_integer()):
+    if not v >= 0 or math.isinf(v) or (v >= 1 and not v.is_integer()):  # (nan passed; a review)
         raise argparse.ArgumentTypeError("MIN_LENGTH is tokens (an integer), a fraction of seq_len in "
                                          f"(0, 1), or 0 (off), got {text}")
     return v
@@ -779,6 +783,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.steps, args.token_budget = min(args.steps, 2), 2.0**30
         args.plan_timeout = min(args.plan_timeout, 15.0)
     sources = tuple(args.source) if args.source else DEFAULT_SOURCES
+    # (a name given twice, or weights of 0, failed after the header as a traceback naming a
+    # YAML key; a review)
+    names = [s.name for s in sources]
+    if len(set(names)) < len(names):
+        ap.error(f"--source: a source's name is given twice: {names}")
+    if not sum(s.weight for s in sources) > 0:
+        ap.error("--source: the sources' weights sum to 0")
     alpha, beta = model_coefficients(args.hidden, args.layers, args.flops)
 
     print("# msd_dask simulator (issue 7) — parameters")
@@ -864,9 +875,11 @@ def _plot(results: list[CellResult], path: str) -> None:
                      label=f"useful tokens/s, dp={dp}")
         axes[1].plot(x, [r.imb_base for r in rs], "o-", label=f"baseline, dp={dp}")
         axes[1].plot(x, [r.imb_msd for r in rs], "x--", label=f"msd_dask, dp={dp}")
-    ctxs = sorted({r.cfg.context for r in results})
-    axes[0].plot(ctxs, [balance_bound(c, results[0].cfg.hidden) for c in ctxs],
-                 "k:", label="bound 1+L/(12H)")
+    # (each cell's own bound, of its row length: with --seq-len the line took the context
+    # for L, and drew 1.083-1.667 where the table said 1.021; a review)
+    bounds = {r.cfg.context: r.bound for r in results}
+    axes[0].plot(sorted(bounds), [bounds[c] for c in sorted(bounds)], "k:",
+                 label="bound 1+L/(12H)")
     axes[0].plot([4096, 8192, 16384], [1.71, 2.63, 3.09], "rs", label="MegaScale-Data (paper)")
     for ax, t in zip(axes, ("speedup (baseline / msd_dask step time)", "max/mean rank compute"),
                      strict=True):

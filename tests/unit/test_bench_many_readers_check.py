@@ -39,3 +39,21 @@ def test_what_it_catches(bench: Any) -> None:
     assert "rank 2: ServiceTimeoutError: rank 2 waited" in problems
     assert "DP group 1: its ranks got different batches" in problems
     assert len(problems) == 3, problems
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--idle-seconds", "-1"], "argument --idle-seconds: expected a number > 0, got '-1'"),
+    (["--idle-seconds", "0"], "argument --idle-seconds: expected a number > 0, got '0'"),
+    (["--steps", "1"], "argument --steps: expected a whole number >= 2, got '1'"),
+    (["--dask-workers", "0"], "argument --dask-workers: expected a whole number > 0, got '0'"),
+    (["--timeout", "nan"], "argument --timeout: expected a number > 0, got 'nan'"),
+    (["--step-seconds", "inf"], "argument --step-seconds: expected a number > 0, got 'inf'"),
+])
+def test_a_bad_option_is_refused_before_anything_starts(bench: Any, args: list[str], says: str,
+                                                        capsys: Any) -> None:
+    # --idle-seconds -1 failed after every host connected, 0 made each net figure the gross
+    # one, --steps 1 printed only nan, --dask-workers 0 a traceback after the scheduler
+    # started (a review)
+    with pytest.raises(SystemExit):
+        bench.main(args)
+    assert says in capsys.readouterr().err
