@@ -15,7 +15,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from msd_dask.dask_internals import STATS_SHARED, actor_address, bound_actor, scheduler_workers
 from msd_dask.errors import RESTART_HINT, ServiceError, ServiceTimeoutError
@@ -415,7 +415,7 @@ class PlannerKeeper:
             registry["planner"].release()
             # (the watcher logged Dask's bare TimeoutError, naming neither the role nor the
             # worker; a review)
-            raise self._timed_out(registry, f"start on {registry['planner_worker']}", e) from e
+            self._raise_timed_out(registry, f"start on {registry['planner_worker']}", e)
         doing = "set up its roles"  # (what a timeout names)
         try:
             planner.setup().result(timeout=cfg.timeout)
@@ -443,20 +443,21 @@ class PlannerKeeper:
             if was is not None:
                 self._failed.add(int(registry["generation"]))
                 self._fall_back(was)
-            raise self._timed_out(registry, doing, e) from e
+            self._raise_timed_out(registry, doing, e)
 
-    def _timed_out(self, registry: dict[str, Any], doing: str,
-                   e: BaseException) -> BaseException:
-        """``e`` as a re-created planner's attempt raises it: a timeout of Dask's (which says
-        only 'timed out after 300 s.') as a :class:`ServiceTimeoutError` naming the role,
-        its generation and what it did not do in time; any other error as it is."""
+    def _raise_timed_out(self, registry: dict[str, Any], doing: str, e: BaseException) -> NoReturn:
+        """Raise ``e`` as a re-created planner's attempt raises it (from the handler that
+        caught it): a timeout of Dask's (which says only 'timed out after 300 s.') as a
+        :class:`ServiceTimeoutError` naming the role, its generation and what it did not do
+        in time; any other error as it is (not as its own cause, which ``raise e from e``
+        made it)."""
         if isinstance(e, TimeoutError) and not isinstance(e, ServiceTimeoutError):
             cfg = self.link.config
-            return ServiceTimeoutError(
+            raise ServiceTimeoutError(
                 f"msd_dask {cfg.name}: the re-created planner (generation "
                 f"{registry['generation']}) did not {doing} within {cfg.timeout:g}s (the "
-                "config's timeout)")
-        return e
+                "config's timeout)") from e
+        raise e
 
     def _fall_back(self, was: tuple[Any, ...]) -> None:
         """Publish the lost planner's registry again and switch the link back to it, after

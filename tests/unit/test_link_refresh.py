@@ -554,9 +554,13 @@ def test_a_re_created_planner_that_does_not_start_is_tried_on_another_worker(
         return {"planner": _Key(_Generation(client, worker)), "planner_worker": worker,
                 "constructors": 1, "generation": generation}
 
+    refused = RuntimeError("its worker refused the actor")
+
     def bound(client: Any, future: Any, worker: str, *a: Any) -> Any:
         if worker == "tcp://w:1":
             raise TimeoutError("Timed out after 1 s.")
+        if worker == "tcp://w:0":
+            raise refused
         return future.result()
 
     monkeypatch.setattr(recovery, "close_roles_everywhere", lambda *a: {})
@@ -568,6 +572,13 @@ def test_a_re_created_planner_that_does_not_start_is_tried_on_another_worker(
     keeper.recover()
     assert avoided == [set(), {"tcp://w:1"}]
     assert link.generation == 1 and link.planner._address == "tcp://w:2"  # (none published)
+    # any other failure is raised as it is, not as its own cause (it was, a read-back)
+    client.workers.insert(0, "tcp://w:0")
+    link.registry["planner"] = _Key(lost)  # (lost again)
+    keeper._not_started_on = set()
+    with pytest.raises(RuntimeError) as info:
+        keeper.recover()
+    assert info.value is refused and info.value.__cause__ is None
 
 
 def test_a_successor_found_late_is_waited_for_what_is_left_of_the_timeout() -> None:
