@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CREATE_CHECK", "actor_address", "actor_counts", "bound_actor", "event_set",
+__all__ = ["ASK_WAIT", "CREATE_CHECK", "actor_address", "actor_counts", "bound_actor", "event_set",
            "event_wait", "call_actor", "call_remote_actor",
            "has_client", "keys_on", "local_actor", "published_datasets", "release_actor",
            "scraped_server",
@@ -299,7 +299,8 @@ async def client_connected(client_id: str) -> bool:
         return True
 
 
-#: seconds :func:`client_connected` waits for the scheduler's answer
+#: seconds an ask of the scheduler waits for its answer, at most (:func:`client_connected`;
+#: a link's asks, less where its wait has less left)
 ASK_WAIT = 5.0
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -516,20 +515,18 @@ class DataService:
             client = _client(address, timeout, security)
             return cls._start_on(client, cfg, address, resume=resume, cluster=cluster,
                                  loader_threads=loader_threads, timeout=timeout)
-        except TimeoutError as e:
-            if isinstance(e, ServiceTimeoutError):
-                raise
-            # (the scheduler's calls here wait at most the timeout: one that stopped
-            # answering held the start for ever; a review)
-            raise ServiceTimeoutError(f"service {cfg.name!r}: the scheduler at {address} did "
-                                      f"not answer within {timeout:g}s while the service "
-                                      f"started ({e or 'timed out'})") from e
-        finally:
-            if sys.exc_info()[0] is not None:
-                if client is not None:
-                    client.close()
-                if cluster is not None:
-                    cluster.close()
+        except BaseException as e:
+            if client is not None:
+                client.close()
+            if cluster is not None:
+                cluster.close()
+            if isinstance(e, TimeoutError) and not isinstance(e, ServiceTimeoutError):
+                # (the scheduler's calls here wait at most the timeout: one that stopped
+                # answering held the start for ever; a review)
+                raise ServiceTimeoutError(f"service {cfg.name!r}: the scheduler at {address} "
+                                          f"did not answer within {timeout:g}s while the "
+                                          f"service started ({e or 'timed out'})") from e
+            raise
 
     @classmethod
     def _start_on(cls, client: Any, cfg: Config, address: str, *,

@@ -21,6 +21,7 @@ from typing import Any
 
 from msd_dask.core.config import Config
 from msd_dask.dask_internals import (
+    ASK_WAIT,
     actor_address,
     bind_actor,
     call_actor,
@@ -45,14 +46,10 @@ _log = logging.getLogger("msd_dask.service")
 #: that lives; a lost one's may never come, and the link looks for its successor)
 HANDLE_WAIT = 5.0
 
-#: seconds an ask of the scheduler waits for its answer, at most (less where a wait with a
-#: deadline has less left: :func:`_ask`)
-ASK_WAIT = 5.0
-
-
 def _ask(deadline: float) -> float:
     """How long an ask of the scheduler may wait before ``deadline`` (a monotonic time): what
-    is left of it, at least 0.1 s and at most :data:`ASK_WAIT`."""
+    is left of it, at least 0.1 s and at most
+    :data:`~msd_dask.dask_internals.ASK_WAIT`."""
     return min(ASK_WAIT, max(0.1, deadline - time.monotonic()))
 
 
