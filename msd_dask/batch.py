@@ -22,8 +22,8 @@ from msd_dask.errors import MAX_TIMEOUT
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "check_world_size", "is_seconds", "is_whole", "loaded_step", "no_going_back",
-           "rank_number", "reader_state", "wait_seconds"]
+__all__ = ["Batch", "check_rank", "check_world_size", "is_seconds", "is_whole", "loaded_step",
+           "no_going_back", "rank_number", "reader_state", "wait_seconds"]
 
 
 @dataclass
@@ -243,6 +243,17 @@ def rank_number(rank: Any) -> int:
     if not is_whole(rank):
         raise ValueError(f"rank must be an integer, got {rank!r}")
     return int(rank)
+
+
+def check_rank(rank: int, service: str, world: int, layout: str) -> None:
+    """A ``ValueError`` naming ``rank`` and the mesh if it is outside the ``world`` ranks
+    service ``service`` is laid out for (``layout``, as ``"dp=… tp=… cp=… pp=…"``): the one
+    refusal of a direct reader and of a reader through a host agent (which said to start
+    the agent with ``--ranks`` covering it, and that agent refuses ranks outside the
+    world; a review)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside [0, {world}): service {service!r} "
+                         f"is laid out for {world} ranks ({layout})")
 
 
 def check_world_size(rank: int, service: str, world: int, layout: str) -> None:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 from msd_dask.batch import (
     Batch,
+    check_rank,
     check_world_size,
     loaded_step,
     no_going_back,
@@ -356,13 +357,10 @@ class Reader:
         cfg = link.config
         world, p = cfg.parallel.world_size, cfg.parallel
         layout = p.layout
-        if not also:  # (an agent's group reader runs in the agent, not in the job)
+        if self.IN_JOB:
             check_world_size(rank, link.name, world, layout)
         for r in (rank, *also):
-            rank_number(r)
-            if not 0 <= r < world:
-                raise ValueError(f"rank {r} is outside [0, {world}): service {link.name!r} "
-                                 f"is laid out for {world} ranks ({layout})")
+            check_rank(rank_number(r), link.name, world, layout)
         coords = cfg.parallel.coords(rank)
         for r in also:
             other = cfg.parallel.coords(r)
@@ -408,6 +406,11 @@ class Reader:
 
     #: whether a reader dropped without :meth:`close` reports the last step it returned
     REPORT_WHEN_DROPPED = True
+    #: whether this reader runs in the training job, whose ``WORLD_SIZE`` it checks
+    #: (:func:`~msd_dask.batch.check_world_size`); a host agent's group reader does not:
+    #: its ranks are checked where they run (it checked the agent's own environment where
+    #: the group was one rank; a review)
+    IN_JOB = True
     #: the record of the last steps returned this reader keeps up to date (see ``ledger``)
     _ledger: dict[int, int] | None = None
     #: what this reader reads through and keeps alive: the handle that made it (a handle

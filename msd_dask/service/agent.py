@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from msd_dask.batch import is_whole, reader_state
+from msd_dask.batch import check_rank, is_whole, reader_state
 from msd_dask.core.config import Config
 from msd_dask.errors import TRIAL_HINT, ServiceError, ServiceTimeoutError
 from msd_dask.reader import Reader
@@ -477,6 +477,8 @@ class AgentGroupReader(Reader):
     taken: int | None = None
     #: (what it returned is what its ranks took: the agent reports that itself)
     REPORT_WHEN_DROPPED = False
+    #: (it runs in the agent: its ranks check their job's WORLD_SIZE, AgentHandle.reader)
+    IN_JOB = False
 
     def _batch(self, wire: dict[str, Any]) -> WireBatch:  # type: ignore[override]
         """The payload as it came, its wire form (Reader's own code reads only the
@@ -1004,6 +1006,11 @@ class HostAgent:
             return
         rank = _int_field(hello, "rank")
         group = self._group_of.get(rank)
+        try:  # (a rank outside the world: no --ranks can cover it)
+            check_rank(rank, self.name, parallel.world_size, parallel.layout)
+        except ValueError as e:
+            await _asend(writer, {"error": str(e)})
+            return
         if group is None:
             await _asend(writer, {"error": f"the agent at {self.path} serves ranks "
                                   f"{_ranges(self.ranks)} of service {self.name!r}, not rank "

@@ -49,6 +49,7 @@ import numpy as np
 
 from msd_dask.batch import (
     Batch,
+    check_rank,
     check_world_size,
     loaded_step,
     no_going_back,
@@ -627,11 +628,14 @@ class AgentHandle:
         Raises
         ------
         ValueError
-            This process's ``WORLD_SIZE`` is not the service's ranks (as a direct reader
-            refuses it: :func:`~msd_dask.batch.check_world_size`).
+            ``rank`` is outside the service's mesh, or this process's ``WORLD_SIZE`` is not
+            the service's ranks (as a direct reader refuses them:
+            :func:`~msd_dask.batch.check_rank`, :func:`~msd_dask.batch.check_world_size`).
         """
         if self.world_size is not None:  # (behind an agent, the job was never checked)
-            check_world_size(rank_number(rank), self.name, int(self.world_size), self._layout)
+            world = int(self.world_size)
+            check_world_size(rank_number(rank), self.name, world, self._layout)
+            check_rank(rank_number(rank), self.name, world, self._layout)
         reader = AgentReader(self.path, self.name, rank, ledger=self._returned,
                              timeout=self.timeout if timeout is None else timeout)
         last = self._returned.get(rank, -1)

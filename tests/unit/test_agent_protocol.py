@@ -771,6 +771,31 @@ def test_refused_ranks_and_services(tmp_path: Any) -> None:
             AgentHandle.connect(agent.path, "other")
 
 
+@pytest.mark.parametrize("rank", [4, 1000, -1])
+def test_a_rank_outside_the_world_is_refused_behind_an_agent_as_directly(tmp_path: Any,
+                                                                         rank: int) -> None:
+    """A rank outside the mesh, read through an agent that serves the whole world, was told
+    to start the agent with ``--ranks`` covering it, which the agent refuses at start (a
+    review): it gets a direct reader's ``ValueError``, from the rank's handle, and the
+    agent's own refusal of such a hello says the same."""
+    import socket
+
+    with running_agent(tmp_path, [0, 1, 2, 3]) as (agent, _):  # (dp=2 tp=2: 4 ranks)
+        handle = AgentHandle.connect(agent.path, "agentunit")
+        with pytest.raises(ValueError, match=rf"^rank {rank} is outside \[0, 4\): service "
+                                             r"'agentunit' is laid out for 4 ranks "
+                                             r"\(dp=2 tp=2 cp=1 pp=1\)$"):
+            handle.reader(rank)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(agent.path)
+        sock.sendall(frame({"op": "hello", "rank": rank, "service": "agentunit"}))
+        assert recv(sock) == {"error": f"rank {rank} is outside [0, 4): service 'agentunit' "
+                                       "is laid out for 4 ranks (dp=2 tp=2 cp=1 pp=1)"}
+        sock.close()
+        handle.close()
+
+
 def test_no_agent_fails_at_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(AGENT_ENV, str(tmp_path / "none.sock"))
     t0 = time.monotonic()
@@ -1930,6 +1955,34 @@ def test_a_job_of_another_world_size_is_refused_behind_an_agent(tmp_path: Path,
     finally:
         agent.stop()
         thread.join(10)
+
+
+@pytest.mark.parametrize("parallel", [{"dp": 4}, {"dp": 2, "tp": 2}], ids=["tp1", "tp2"])
+def test_an_agent_s_group_reader_never_checks_the_agent_s_world_size(
+        monkeypatch: pytest.MonkeyPatch, parallel: dict[str, int]) -> None:
+    """An agent's reader of a group runs in the agent, whose ``WORLD_SIZE`` (a launcher's,
+    a sidecar's) is not the job's: its ranks check theirs (``AgentHandle.reader``).  It was
+    checked all the same where the group held one rank (tp = 1), which failed the agent
+    (a review); a direct reader in the job still checks it."""
+    from msd_dask.reader import Reader
+    from msd_dask.service.agent import AgentGroupReader
+
+    class Link:  # what a reader uses of its link when it is made
+        config = _config(**parallel)
+        name, closed = "agentunit", False
+        constructors = [type("C", (), {"key": "c0"})()]
+        handles = (0, constructors)
+
+        def on_new_generation(self, f: object) -> None:
+            pass
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    group = [0, 1] if parallel.get("tp") else [0]
+    reader = AgentGroupReader(Link(), 0, timeout=5, also=group[1:])  # type: ignore[arg-type]
+    assert reader.ranks == group
+    with pytest.raises(ValueError, match=r"^rank 0: service 'agentunit' is laid out for 4 "
+                                         r"ranks .*this process's WORLD_SIZE is 2"):
+        Reader(Link(), 0, timeout=5)  # type: ignore[arg-type]
 
 
 def test_a_reader_is_a_context_manager_that_closes_it(tmp_path: Any) -> None:
