@@ -169,6 +169,22 @@ def bind_actor(handle: Any, client: Any) -> Any:
     return handle
 
 
+def actor_on(cls: type, worker: str, key: str, client: Any) -> Any:
+    """The handle of actor ``key`` (of class ``cls``, on ``worker``) bound to ``client``:
+    made from its key and worker, not from its task's result.
+
+    Relies on ``distributed.Actor(cls, address, key)`` making a handle that calls the
+    actor on ``address`` (as a result's handle does), and on :func:`bind_actor`.  The
+    scheduler plugin's client had the planner's published future from a fetch, and on a
+    cluster in the plugin's own process (``LocalCluster(processes=False)``) that is the
+    owner's future, which the plugin's client does not hold: awaiting it raised
+    ``AttributeError`` at every poll (a review).
+    """
+    from distributed.actor import Actor
+
+    return bind_actor(Actor(cls, worker, key), client)
+
+
 def release_actor(handle: Any) -> None:
     """Release the future an actor handle holds on its actor's key, if it holds one.
 

@@ -59,16 +59,26 @@ SCALE_WAIT = 30.0
 POLL_WAIT = 10.0
 
 
-async def collect(registry: dict[str, Any], since: int = 0,
+def planner_of(registry: dict[str, Any], client: Any) -> Any:
+    """The planner's actor handle of a service's published ``registry``, bound to
+    ``client`` (:func:`~msd_dask.dask_internals.actor_on`: from its key and its worker)."""
+    from msd_dask.dask_internals import actor_on
+    from msd_dask.roles.planner import PlannerActor
+
+    return actor_on(PlannerActor, registry["planner_worker"], registry["planner"].key, client)
+
+
+async def collect(planner: Any, registry: dict[str, Any], since: int = 0,
                   lookahead: int | None = None) -> dict[str, Any]:
     """Gather the figures of one service from its roles (async; any client).
 
-    One call to the planner (:meth:`~msd_dask.roles.planner.PlannerActor.snapshot`),
-    which asks its loaders and constructors.  ``history`` holds the planner's per-step
-    records from step ``since`` on; ``weights_ahead`` each source's largest weight
-    over the next ``lookahead`` steps (``None`` without ``lookahead``).
+    One call to the service's ``planner`` (its actor handle, :func:`planner_of`;
+    :meth:`~msd_dask.roles.planner.PlannerActor.snapshot`), which asks its loaders and
+    constructors; its published ``registry`` gives the files quarantined.  ``history``
+    holds the planner's per-step records from step ``since`` on; ``weights_ahead`` each
+    source's largest weight over the next ``lookahead`` steps (``None`` without
+    ``lookahead``).
     """
-    planner = await registry["planner"]
     snap = await planner.snapshot(since, lookahead)
     planner = snap["planner"]
     sources = source_figures(planner, snap["loaders"], registry.get("quarantined", {}))
@@ -143,9 +153,10 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         self._planned: dict[str, PlannedRate] = {}
         #: what puts back each scheduler entry point :meth:`_hook` wrapped
         self._unhooks: list[Callable[[], None]] = []
-        #: name -> (the scheduler's entry of the published dataset, registry): a registry
-        #: is fetched again only when it is published again (a new entry) or a poll fails
-        self._registries: dict[str, tuple[Any, dict[str, Any]]] = {}
+        #: name -> (the scheduler's entry of the published dataset, registry, its planner's
+        #: handle): a registry is fetched again only when it is published again (a new
+        #: entry) or a poll fails
+        self._registries: dict[str, tuple[Any, dict[str, Any], Any]] = {}
         #: registries fetched from the scheduler, and polls done (for tests and the docs)
         self.registry_fetches = 0
         self.polls = 0
@@ -277,7 +288,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
     async def _poll_service(self, key: Any) -> None:
         """Refresh the figures of the service published under ``key``."""
         name = str(key)[len(_PREFIX):]
-        registry = await self._registry(key)
+        registry, planner = await self._registry(key)
         if name not in self._configs:
             from msd_dask.core.config import parse_config
 
@@ -287,7 +298,8 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         sc = self._configs[name].scaling
         try:
             snap = await asyncio.wait_for(
-                collect(registry, since, sc.lookahead if sc.policy == "adaptive" else None),
+                collect(planner, registry, since,
+                        sc.lookahead if sc.policy == "adaptive" else None),
                 POLL_WAIT)
         except TimeoutError:
             raise TimeoutError(f"the planner of {name!r} did not answer its stats within "
@@ -313,7 +325,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             # (bounded: one service's planner that stops answering must not stall the
             # polls, the dashboard and the metrics of every service)
             try:
-                await asyncio.wait_for(self._scale(name, registry, snap, base), SCALE_WAIT)
+                await asyncio.wait_for(self._scale(name, planner, snap, base), SCALE_WAIT)
             except TimeoutError:
                 raise TimeoutError(f"applying the scaling decisions of {name!r} took more than "
                                    f"{SCALE_WAIT:g}s") from None
@@ -345,8 +357,13 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         for table in self._per_service():
             table.pop(name, None)
 
-    async def _registry(self, key: Any) -> dict[str, Any]:
-        """A service's published registry; fetched (≈21 KB) only when published anew.
+    #: a registry's planner handle for this plugin's client (:func:`planner_of`; a test's
+    #: fake registries give their own)
+    planner_of = staticmethod(planner_of)
+
+    async def _registry(self, key: Any) -> tuple[dict[str, Any], Any]:
+        """A service's published registry and its planner's handle; fetched (≈21 KB) only
+        when published anew.
 
         Publishing stores a new entry on the scheduler, so the entry's identity
         tells whether the cached registry is still the published one.
@@ -356,7 +373,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         entry = published.get(key) if published is not None else None
         cached = self._registries.get(name)
         if cached is not None and entry is not None and cached[0] is entry:
-            return cached[1]
+            return cached[1], cached[2]
         # stale registries' handles go before the fetch (see :meth:`poll`): this name's
         # planner may be gone (re-created, or the service closed and started again), and
         # so may any service closed since the poll began
@@ -382,8 +399,9 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             # dropped a source's floor and started its scale-down timer (a review).  The
             # new planner's first poll starts the next window
             self._scaled_from.pop(name, None)
-        self._registries[name] = (entry, registry)
-        return registry
+        planner = self.planner_of(registry, self._client)
+        self._registries[name] = (entry, registry, planner)
+        return registry, planner
 
     async def _release_unknown(self) -> None:
         """Before a fetch: let go of the handles this client holds on keys the scheduler
@@ -403,7 +421,7 @@ class MsdSchedulerPlugin(SchedulerPlugin):
             gc.collect()
             await asyncio.sleep(0)
 
-    async def _scale(self, name: str, registry: dict[str, Any], snap: dict[str, Any],
+    async def _scale(self, name: str, planner: Any, snap: dict[str, Any],
                      prev: dict[str, Any]) -> None:
         """Apply the adaptive loader policy (``scaling: {policy: adaptive}``) to a service."""
         from msd_dask.core.scaling import PlannedRate, ReadCostAtCount, Scaler, ScalingPolicy, SourceLoad
@@ -417,7 +435,6 @@ class MsdSchedulerPlugin(SchedulerPlugin):
         consumption = self._planned.setdefault(
             name, PlannedRate(cfg.scaling.scale_down_after)).update(
                 snap["time"], sum(snap["planner"]["tokens_planned"].values()))
-        planner = await registry["planner"]
         ahead = snap["weights_ahead"]
         cores = float(sum(ws.nthreads for ws in self.scheduler.workers.values()
                           if _running(ws)))
@@ -723,12 +740,18 @@ def _register_collector(plugin: MsdSchedulerPlugin) -> None:
                                    "last poll it answered, if any)", labels=["service"])
             at = GaugeMetricFamily("msd_poll_answered_timestamp_seconds", "Unix time of the "
                                    "last poll the service answered", labels=["service"])
+            # a planner that stopped planning (its error) still answers every poll: its
+            # poll_ok stayed 1 and nothing on /metrics said it had failed (a review)
+            failed = GaugeMetricFamily("msd_planner_failed", "1 if the service's planner "
+                                       "stopped planning (the page and /msd/api/status give "
+                                       "its error), else 0", labels=["service"])
             for svc, d in st.items():
                 ok.add_metric([svc], 0.0 if d["poll_error"] else 1.0)
                 at.add_metric([svc], float(d["answered_at"]))
+                failed.add_metric([svc], 1.0 if d["error"] else 0.0)
             for svc in unanswered:
                 ok.add_metric([svc], 0.0)
-            yield from (ok, at)
+            yield from (ok, at, failed)
             per_source = {
                 "weight": "Configured token share of the source (normalised)",
                 "share": "Delivered (planned) token share of the source",

@@ -63,6 +63,7 @@ def test_status_page_and_metrics(tmp_path):
             for quantile in ("0", "0.5", "0.9", "1"):
                 assert f'msd_rank_queue_depth_quantile{{quantile="{quantile}",service="dash"}}' in metrics
             assert 'msd_rank_lag_steps{service="dash"}' in metrics
+            assert 'msd_planner_failed{service="dash"} 0.0' in metrics  # (it plans)
             # by place among the slowest, not by rank id (each rank that once lagged made a
             # series of its own: a review of the plugin)
             assert 'msd_slowest_rank_last_claimed{place="0",service="dash"}' in metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -357,6 +358,33 @@ def test_start_places_the_planner_on_a_running_worker_and_cleans_up_a_failed_sta
         with DataService.start(cfg, cluster.scheduler_address) as svc:
             assert svc.planner._address == second
             assert next(svc.reader(0)).step == 0
+
+
+def test_the_plugin_polls_a_service_on_a_cluster_in_this_process(corpus):
+    """On a cluster in the owner's process (``LocalCluster(processes=False)``) the plugin's
+    poll awaited the planner's published future, there the owner's, which its client did
+    not hold: every poll failed with ``AttributeError`` and the service never reached the
+    dashboard or ``/metrics`` (a review).  It is polled as on any cluster."""
+    from distributed import LocalCluster
+
+    async def poll(dask_scheduler):  # type: ignore[no-untyped-def]
+        plugin = dask_scheduler.plugins["msd_dask"]
+        t0 = time.monotonic()
+        while plugin._client is None and time.monotonic() - t0 < 30:  # (its first period)
+            await asyncio.sleep(0.1)
+        await plugin.poll()
+        return sorted(plugin.services), dict(plugin.poll_errors), \
+            plugin.services.get("inproc", {}).get("planner", {}).get("steps_planned", 0)
+
+    root, _ = corpus
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
+                      dashboard_address=None) as cluster:
+        with DataService.start(config(root, name="inproc", timeout=30),
+                               cluster.scheduler_address) as svc:
+            assert next(svc.reader(0)).step == 0
+            services, errors, planned = svc.client.run_on_scheduler(poll)
+            assert (services, errors) == (["inproc"], {})
+            assert planned >= 1
 
 
 def test_two_handles_in_one_process_are_independent(corpus):

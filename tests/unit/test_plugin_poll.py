@@ -17,18 +17,6 @@ from msd_dask.plugin.scheduler import MsdSchedulerPlugin
 from corpus import config
 
 
-class _Handle:
-    """What awaiting a registry's ``planner`` gives."""
-
-    def __init__(self, planner: Any):
-        self.planner = planner
-
-    def __await__(self) -> Any:
-        if False:
-            yield
-        return self.planner
-
-
 def _loader(tokens: int) -> dict[str, Any]:
     return dict(tokens_read=tokens, read_seconds=1.0, docs_read=10, tokens_buffered=0,
                 units_buffered=0, tokens_fetched=0)
@@ -59,13 +47,14 @@ class _Lost:
 
 
 def _plugin(planners: dict[str, Any]) -> MsdSchedulerPlugin:
-    registries = {f"msd-{n}": {"config": config("/nonexistent", name=n), "planner": _Handle(p)}
+    registries = {f"msd-{n}": {"config": config("/nonexistent", name=n), "planner": p}
                   for n, p in planners.items()}
 
     async def get_dataset(key: str) -> dict[str, Any]:
         return registries[key]
 
     plugin = MsdSchedulerPlugin()
+    plugin.planner_of = lambda registry, client: registry["planner"]  # type: ignore[method-assign]
     plugin.scheduler = SimpleNamespace(  # type: ignore[assignment]
         extensions={"publish": SimpleNamespace(datasets={k: object() for k in registries})},
         tasks={}, workers={}, plugins={MsdSchedulerPlugin.name: plugin})
@@ -130,7 +119,7 @@ def test_a_service_started_again_under_its_name_between_polls_starts_afresh() ->
     re-created by the same owner keeps them."""
     plugin = _plugin({"svc": _Steps()})
     published = plugin.scheduler.extensions["publish"].datasets  # type: ignore[attr-defined]
-    registry = {"config": config("/nonexistent", name="svc"), "planner": _Handle(_Steps()),
+    registry = {"config": config("/nonexistent", name="svc"), "planner": _Steps(),
                 "owner": "client-1"}
 
     async def get_dataset(key: str) -> dict[str, Any]:
@@ -148,11 +137,11 @@ def test_a_service_started_again_under_its_name_between_polls_starts_afresh() ->
         for _ in range(3):
             await plugin.poll()
         # the same owner re-created the planner: history and config stay
-        await poll_published_anew(dict(registry, planner=_Handle(_Steps())))
+        await poll_published_anew(dict(registry, planner=_Steps()))
         kept = [s for s, _ in plugin.imbalance["svc"]]
         kept_cfg = plugin._configs["svc"]
         cfg = config("/nonexistent", name="svc", scaling={"policy": "adaptive"})
-        await poll_published_anew({"config": cfg, "planner": _Handle(_Steps()), "owner": "client-2"})
+        await poll_published_anew({"config": cfg, "planner": _Steps(), "owner": "client-2"})
         return kept, kept_cfg, [s for s, _ in plugin.imbalance["svc"]], plugin._configs["svc"]
 
     kept, kept_cfg, steps, cfg = asyncio.run(run())
@@ -175,7 +164,7 @@ def test_the_adaptive_policy_is_evaluated_every_scaling_interval(
     cfg = config("/nonexistent", name="svc", scaling={"policy": "adaptive", "interval": interval})
 
     async def get_dataset(key: str) -> dict[str, Any]:
-        return {"config": cfg, "planner": _Handle(_Planner())}
+        return {"config": cfg, "planner": _Planner()}
 
     plugin._client.get_dataset = get_dataset  # type: ignore[attr-defined]
     spans: list[float] = []
@@ -241,8 +230,8 @@ def test_a_planner_that_does_not_apply_its_scaling_stalls_no_other_service(
 
     async def get_dataset(key: str) -> dict[str, Any]:
         if key == "msd-a":
-            return {"config": cfg, "planner": _Handle(_Planner())}
-        return {"config": config("/nonexistent", name="b"), "planner": _Handle(_Planner())}
+            return {"config": cfg, "planner": _Planner()}
+        return {"config": config("/nonexistent", name="b"), "planner": _Planner()}
 
     plugin._client.get_dataset = get_dataset  # type: ignore[attr-defined]
 
@@ -291,7 +280,7 @@ def test_a_decision_is_recorded_while_the_planner_applies_it(
     prev = dict(snap, time=9.0)
 
     async def run() -> None:
-        await asyncio.wait_for(plugin._scale("svc", {"planner": _Handle(_Slow())}, snap, prev),
+        await asyncio.wait_for(plugin._scale("svc", _Slow(), snap, prev),
                                0.2)
 
     with pytest.raises(asyncio.TimeoutError):
@@ -453,8 +442,9 @@ class _Ranks(_Planner):
 
 
 def test_a_services_metrics_series_do_not_grow_with_its_ranks() -> None:
-    """docs/elastic.md: a service has 26 series plus 7 per source whatever its number of
-    ranks (it said "about 30": 40 with two sources; a review)."""
+    """docs/elastic.md: a service has 27 series plus 7 per source whatever its number of
+    ranks (it said "about 30": 40 with two sources, 41 since msd_planner_failed; a
+    review)."""
     from prometheus_client import REGISTRY, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -471,10 +461,42 @@ def test_a_services_metrics_series_do_not_grow_with_its_ranks() -> None:
         finally:
             module._unregister_collector(plugin)
 
-    assert series(16) == series(16_384) == series(8) == 26 + 7 * 2
+    assert series(16) == series(16_384) == series(8) == 27 + 7 * 2
     # below 8 ranks, two fewer per missing place among the slowest; no ranks known, no
     # queue-depth quantiles either (the doc said 26 + 7 per source at any size; a review)
-    assert [series(n) for n in (4, 1, 0)] == [26 + 14 - 8, 26 + 14 - 14, 26 + 14 - 20]
+    assert [series(n) for n in (4, 1, 0)] == [27 + 14 - 8, 27 + 14 - 14, 27 + 14 - 20]
+
+
+class _Failed(_Planner):
+    """A planner that stopped planning at step 5 (its error), and answers every poll."""
+
+    async def snapshot(self, since: int, lookahead: int | None) -> dict[str, Any]:
+        snap = await super().snapshot(since, lookahead)
+        snap["planner"]["error"] = "planner failed at step 5: DataError('bad row')"
+        return snap
+
+
+def test_metrics_say_which_planner_stopped_planning() -> None:
+    """A planner that failed still answers every poll: ``msd_poll_ok`` read 1 and no series
+    said it had stopped, so the alert docs/elastic.md advised never fired (a review).
+    ``msd_planner_failed`` is 1 for it, 0 for a planner that plans."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    from msd_dask.plugin import scheduler as module
+
+    plugin = _plugin({"dead": _Failed(), "alive": _Planner()})
+    asyncio.run(plugin.poll())
+    module._register_collector(plugin)
+    try:
+        lines = generate_latest(REGISTRY).decode().splitlines()
+    finally:
+        module._unregister_collector(plugin)
+    said = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+            if line.startswith(("msd_planner_failed", "msd_poll_ok"))}
+    assert said == {'msd_planner_failed{service="dead"}': 1.0,
+                    'msd_planner_failed{service="alive"}': 0.0,
+                    'msd_poll_ok{service="dead"}': 1.0, 'msd_poll_ok{service="alive"}': 1.0}
+    assert "step 5" in plugin.status()["services"]["dead"]["error"]
 
 
 class _Counting(_Planner):
@@ -507,7 +529,7 @@ def test_a_re_created_planners_first_window_is_its_own(monkeypatch: pytest.Monke
     plugin = _plugin({"svc": _Planner()})
     published = plugin.scheduler.extensions["publish"].datasets  # type: ignore[attr-defined]
     cfg = config("/nonexistent", name="svc", scaling={"policy": "adaptive", "interval": 1.0})
-    registry = {"config": cfg, "planner": _Handle(_Counting(10_000)), "owner": "client-1",
+    registry = {"config": cfg, "planner": _Counting(10_000), "owner": "client-1",
                 "generation": 0}
 
     async def get_dataset(key: str) -> dict[str, Any]:
@@ -527,7 +549,7 @@ def test_a_re_created_planners_first_window_is_its_own(monkeypatch: pytest.Monke
         nonlocal registry
         for i in range(8):
             if i == 4:  # re-created from a checkpoint behind the lost planner's counts
-                registry = dict(registry, planner=_Handle(_Counting(5_000)), generation=1)
+                registry = dict(registry, planner=_Counting(5_000), generation=1)
                 published["msd-svc"] = object()
             await plugin.poll()
             clock[0] += 1.0
@@ -569,7 +591,7 @@ def test_rounds_planned_at_once_do_not_ratchet_the_loaders_up() -> None:
 
     async def run() -> None:
         for t in range(1, 120):
-            await plugin._scale("svc", {"planner": _Handle(planner)}, snap(t), snap(t - 1))
+            await plugin._scale("svc", planner, snap(t), snap(t - 1))
 
     asyncio.run(run())
     assert planner.calls == [] and plugin._targets["svc"] == {"code": 1, "prose": 1}

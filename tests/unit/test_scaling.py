@@ -537,16 +537,7 @@ def test_the_adaptive_policy_finds_a_saturated_store_after_a_long_run(history, m
             self.n = n
             return n
 
-    class _Handle:
-        def __init__(self, planner):
-            self.planner = planner
-
-        def __await__(self):
-            yield from asyncio.sleep(0).__await__()
-            return self.planner
-
     planner = _Planner()
-    registry = {"planner": _Handle(planner)}
     tokens = busy = starved = 0.0
     counts = []
 
@@ -570,7 +561,7 @@ def test_the_adaptive_policy_finds_a_saturated_store_after_a_long_run(history, m
             snap = {"time": clock[0], "planner": pl, "sources": source_figures(pl, {"code": per}),
                     "weights_ahead": {"code": 1.0}}
             if prev is not None:
-                await plugin._scale("svc", registry, snap, prev)
+                await plugin._scale("svc", planner, snap, prev)
             prev = snap
             if t >= history:
                 counts.append(planner.n)
