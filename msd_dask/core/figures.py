@@ -121,9 +121,10 @@ def rank_summary(rank: np.ndarray, depth: np.ndarray, claimed: np.ndarray,
     dict
         ``ranks`` (how many), ``waiting`` (ranks that have claimed no step yet),
         ``queue_depth`` and ``last_claimed`` (``min``, ``p50``, ``p90``, ``max``
-        over the ranks; ``last_claimed`` over those that claimed a step, ``None``
-        if none did), ``lag`` (steps between the most and the least advanced
-        rank, waiting ranks counted at step -1), and ``slowest``: up to
+        over the ranks, the quantiles by nearest rank: at least half, at least 90%
+        of the ranks at or below, each a value some rank has; ``last_claimed`` over
+        those that claimed a step, ``None`` if none did), ``lag`` (steps between the
+        most and the least advanced rank, waiting ranks counted at step -1), and ``slowest``: up to
         ``slowest`` ranks, least advanced first (ties: the deeper queue, then
         the lower rank), each ``{"rank", "last_claimed", "queue_depth"}``
         (``last_claimed`` ``None`` for a waiting rank).
@@ -136,7 +137,10 @@ def rank_summary(rank: np.ndarray, depth: np.ndarray, claimed: np.ndarray,
     def quantiles(x: np.ndarray) -> dict[str, int] | None:
         if not len(x):
             return None
-        q = np.quantile(x, [0.5, 0.9], method="lower")
+        # nearest rank: the least value at or below which are at least half (at least 90%)
+        # of the ranks, a value some rank has ("lower" rounded down: with 2 ranks the p90
+        # was the smaller; a review)
+        q = np.quantile(x, [0.5, 0.9], method="inverted_cdf")
         return {"min": int(x.min()), "p50": int(q[0]), "p90": int(q[1]), "max": int(x.max())}
 
     order = np.lexsort((rank, -depth, claimed))[:slowest]

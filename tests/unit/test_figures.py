@@ -65,13 +65,31 @@ def _summary(depth: dict, claimed: dict, slowest: int = SLOWEST) -> dict:
 def test_rank_summary_small() -> None:
     s = _summary({0: 2, 1: 0, 2: 1, 3: 3}, {0: 7, 1: 9, 3: 7})
     assert s["ranks"] == 4 and s["waiting"] == 1
-    assert s["queue_depth"] == {"min": 0, "p50": 1, "p90": 2, "max": 3}
-    assert s["last_claimed"] == {"min": 7, "p50": 7, "p90": 7, "max": 9}
+    assert s["queue_depth"] == {"min": 0, "p50": 1, "p90": 3, "max": 3}
+    assert s["last_claimed"] == {"min": 7, "p50": 7, "p90": 9, "max": 9}
     assert s["lag"] == 10    # rank 2 has claimed nothing: step -1
     # least advanced first; ties: the deeper queue, then the lower rank
     assert [v["rank"] for v in s["slowest"]] == [2, 3, 0, 1]
     assert s["slowest"][0] == {"rank": 2, "last_claimed": None, "queue_depth": 1}
     assert _summary({}, {})["ranks"] == 0 and rank_summary(*rank_columns([]))["slowest"] == []
+
+
+def test_rank_quantiles_are_what_their_names_say() -> None:
+    """``p50`` and ``p90`` are values some rank has with at least half and at least 90% of
+    the ranks at or below them, and the least such (nearest rank): the p90 of 2 ranks was
+    the smaller, 50% of the ranks at or below it (a review)."""
+    import numpy as np
+
+    assert _summary({0: 0, 1: 5}, {})["queue_depth"] == {"min": 0, "p50": 0, "p90": 5, "max": 5}
+    rng = np.random.default_rng(3)
+    for n in [*range(1, 40), 101, 1000, 4097]:
+        depth = rng.integers(0, rng.integers(1, 20), n)
+        q = _summary(dict(enumerate(depth.tolist())), {})["queue_depth"]
+        for name, share in (("p50", 0.5), ("p90", 0.9)):
+            v = q[name]
+            assert v in depth and (depth <= v).mean() >= share, (n, name)
+            below = depth[depth < v]  # the next lower value has too few ranks at or below
+            assert not len(below) or (depth <= below.max()).mean() < share, (n, name)
 
 
 def test_rank_summary_stays_small_at_16k_ranks() -> None:
