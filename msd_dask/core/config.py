@@ -551,6 +551,22 @@ def _finite(v: Any) -> bool:
         return False
 
 
+def cost_model_problem(linear: float, quadratic: float, seq_len: int) -> str | None:
+    """What makes ``linear·L + quadratic·L²`` (each a finite number >= 0) no cost model for
+    rows of ``seq_len`` tokens, or ``None``: both 0, or a full row costing
+    :data:`MAX_COST` or more (sums of rows' costs must stay finite).  The rule of the
+    config's ``cost`` and of a resume state's cost model, which plans on over the config's
+    (:func:`~msd_dask.core.plan.state_cost`)."""
+    if linear == 0 and quadratic == 0:
+        return "linear and quadratic cannot both be 0"
+    row = linear * seq_len + quadratic * float(seq_len) ** 2
+    if not row < MAX_COST:
+        return (f"a full row of batch.seq_len {seq_len} tokens costs {row:g} under linear "
+                f"{linear:g} and quadratic {quadratic:g}: at most {MAX_COST:g} (the model's "
+                "scale does not matter, only the ratio quadratic/linear)")
+    return None
+
+
 def _num(d: Mapping[str, Any], k: str, key: str, default: float | None = None, lo: float = 0.0,
          hi: float = math.inf) -> float:
     v = d.get(k, default)
@@ -952,15 +968,9 @@ def _parse(d: Any) -> Config:
                                   "(give one or the other)")
         cost_cfg = CostConfig(linear=linear, quadratic=quadratic, model=model, fit=fit,
                               prior_weight=prior_weight)
-    if cost_cfg.linear == 0 and cost_cfg.quadratic == 0:
-        raise ConfigError("cost", "linear and quadratic cannot both be 0")
-    row = cost_cfg.linear * batch.seq_len + cost_cfg.quadratic * float(batch.seq_len) ** 2
-    if not row < MAX_COST:  # (sums of rows' costs must stay finite)
-        raise ConfigError("cost.model" if shape is not None else "cost",
-                          f"a full row of batch.seq_len {batch.seq_len} tokens costs {row:g} "
-                          f"under linear {cost_cfg.linear:g} and quadratic "
-                          f"{cost_cfg.quadratic:g}: at most {MAX_COST:g} (the model's scale "
-                          "does not matter, only the ratio quadratic/linear)")
+    problem = cost_model_problem(cost_cfg.linear, cost_cfg.quadratic, batch.seq_len)
+    if problem is not None:  # (a model's coefficients are never both 0)
+        raise ConfigError("cost.model" if shape is not None else "cost", problem)
     srcs = d["sources"]
     if not isinstance(srcs, list) or not srcs:
         raise ConfigError("sources", "must be a non-empty list of sources")

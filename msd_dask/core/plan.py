@@ -31,7 +31,7 @@ from msd_dask.core._kernels import (
     stable_argsort,
 )
 from msd_dask.core.balance import lower_bound
-from msd_dask.core.config import Config
+from msd_dask.core.config import Config, cost_model_problem
 from msd_dask.core.cost import CostModel
 from msd_dask.core.gcpause import gc_paused
 from msd_dask.core.mixing import Mixer
@@ -954,11 +954,8 @@ class Planner:
                 if not (isinstance(h, list | tuple) and len(h) == 2):
                     raise ValueError(f"held[{i}]: {h!r} is not [piece, step]")
                 _whole(f"held[{i}][1]", h[1])
-            cost = state.get("cost", [self.cost.linear, self.cost.quadratic])
-            if not (isinstance(cost, list | tuple) and len(cost) == 2
-                    and all(isinstance(c, int | float) and not isinstance(c, bool)
-                            for c in cost)):
-                raise ValueError(f"cost: {cost!r} is not [linear, quadratic]")
+            cost = state_cost(state.get("cost", [self.cost.linear, self.cost.quadratic]),
+                              self.cfg.batch.seq_len)
             # the mixer's credit and the weight changes checked before anything is taken (a
             # bad one was taken halfway, a credit of other names read as 0, a change to
             # unknown sources or weights summing to 0 failed steps later: a review)
@@ -966,12 +963,8 @@ class Planner:
             if sorted(mixer) != sorted(self._names) or not all(map(np.isfinite, mixer.values())):
                 raise ValueError(f"mixer: the credit of each of the sources {self._names}, "
                                  f"finite numbers; got {state['mixer']!r}")
-            for i, o in enumerate(state["overrides"]):
-                if not (isinstance(o, list | tuple) and len(o) == 2):
-                    raise ValueError(f"overrides[{i}]: {o!r} is not [step, weights]")
-            overrides = tuple((_whole(f"overrides[{i}][0]", s),
-                               self._checked_weights(w, f"overrides[{i}]"))
-                              for i, (s, w) in enumerate(state["overrides"]))
+            overrides = tuple((s, self._checked_weights(w, f"overrides[{i}]"))
+                              for i, (s, w) in enumerate(state_overrides(state["overrides"])))
             snap = PlannerSnapshot(
                 step=_whole("step", state["step"]), sources=tuple(self._names), streams=streams,
                 mixer=mixer, carry=self._table(state["carry"], "carry"),
@@ -981,10 +974,43 @@ class Planner:
                 overrides=overrides,
                 tokens={k: _whole(f"tokens[{k!r}]", v) for k, v in named["tokens"].items()},
                 pieces={k: _whole(f"pieces[{k!r}]", v) for k, v in named["pieces"].items()},
-                cost=(float(cost[0]), float(cost[1])))
+                cost=cost)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise _not_whole(e) from e
         self.load_snapshot(snap)
+
+
+def state_cost(cost: Any, seq_len: int) -> tuple[float, float]:
+    """A planner state's cost model, ``[linear, quadratic]``, for rows of ``seq_len``
+    tokens; a ``ValueError`` naming ``cost`` unless it holds two finite numbers >= 0 that
+    the config's rule takes (:func:`~msd_dask.core.config.cost_model_problem`).  The
+    state's model plans on over the config's: NaN, infinite, negative or zero models went
+    past every check of the config's (a review)."""
+    if not (isinstance(cost, list | tuple) and len(cost) == 2
+            and all(isinstance(c, int | float) and not isinstance(c, bool) for c in cost)):
+        raise ValueError(f"cost: {cost!r} is not [linear, quadratic]")
+    linear, quadratic = (float(c) for c in cost)
+    if not (math.isfinite(linear) and math.isfinite(quadratic)
+            and linear >= 0 and quadratic >= 0):
+        raise ValueError(f"cost: {cost!r} is not [linear, quadratic] of finite numbers >= 0")
+    problem = cost_model_problem(linear, quadratic, seq_len)
+    if problem is not None:
+        raise ValueError(f"cost: {cost!r}: {problem}")
+    return linear, quadratic
+
+
+def state_overrides(overrides: Any) -> list[tuple[int, Any]]:
+    """A planner state's live weight changes, ``[[step, weights], ...]``, as pairs (their
+    weights unchecked: :meth:`Planner.load_state_dict` checks them against its sources);
+    a ``ValueError`` naming ``overrides`` or the change that is not such a pair."""
+    if not isinstance(overrides, list | tuple):
+        raise ValueError(f"overrides: {overrides!r} is not a list of [step, weights]")
+    pairs = []
+    for i, o in enumerate(overrides):
+        if not (isinstance(o, list | tuple) and len(o) == 2):
+            raise ValueError(f"overrides[{i}]: {o!r} is not [step, weights]")
+        pairs.append((_whole(f"overrides[{i}][0]", o[0]), o[1]))
+    return pairs
 
 
 #: the names of a piece's fields, as a state's piece lists them

@@ -244,6 +244,16 @@ def planner_state(cfg: Any, state: dict[str, Any],
     if lacking:
         raise ServiceError(f"resume: the state's 'planner' mapping lacks {lacking}: not a whole "
                            "DataService.state_dict()")
+    from msd_dask.core.plan import state_cost, state_overrides
+
+    # (what the owner reads of the planner's state before the planner takes it: a malformed
+    # one gave a bare IndexError or TypeError from resume_notes; a review)
+    try:
+        if state["planner"].get("cost") is not None:
+            state_cost(state["planner"]["cost"], cfg.batch.seq_len)
+        state_overrides(state["planner"]["overrides"] or [])
+    except ValueError as e:
+        raise ServiceError(f"resume: the state's planner.{e}") from None
     for key in ("seed", "seq_len", "step"):
         if isinstance(state.get(key), bool) or not isinstance(state.get(key), int):
             raise ServiceError(f"resume: the state's {key!r} is {state.get(key)!r}, not an "
@@ -339,17 +349,26 @@ def resume_notes(cfg: Any, state: Mapping[str, Any]) -> list[str]:
                      f"{cfg.cost.linear:g}, quadratic {cfg.cost.quadratic:g}): the steps after "
                      "the state are planned as they were (start without resume to plan with "
                      "the config's)")
+    from msd_dask.core.plan import state_overrides
+
+    overrides = state_overrides(planner.get("overrides") or [])
+    first = int(state["step"]) + 1
+    # the live change in force at the first step resumed, if any (the last from before it)
+    in_force = [(start, w) for start, w in overrides if start <= first][-1:]
     # (a state of a version that did not record them: nothing said)
     was = state.get("weights")
     if isinstance(was, dict):
         now = config_weights(cfg)
         changed = [f"sources[{i}].weight {was[name]!r} -> {now[name]!r} (source {name!r})"
                    for i, name in enumerate(now) if name in was and was[name] != now[name]]
-        if changed:
-            notes.append(f"resume: the config changes the mix from step {int(state['step']) + 1} "
+        if changed and in_force:  # (it was said to change the mix, which it did not; a review)
+            notes.append(f"resume: the config's weights differ from the state's "
+                         f"({'; '.join(changed)}) but do not change the mix: the state's live "
+                         f"weight change of step {in_force[0][0]} is in force over them")
+        elif changed:
+            notes.append(f"resume: the config changes the mix from step {first} "
                          f"on: {'; '.join(changed)} (the steps up to the state's were planned with "
                          "the state's)")
-    overrides = planner.get("overrides") or []
     if overrides:
         start, weights = overrides[-1]
         notes.append(f"resume: the state's live weight change of step {start} ({weights}) stays "

@@ -73,6 +73,20 @@ def test_another_shuffle_window_is_refused_by_key() -> None:
     (lambda s: s.update(units=[10, 10]), r"'units' is \[10, 10\], not a mapping"),
     (lambda s: s.update(shuffle_window={"a": "4", "b": 4}),
      r"shuffle_window\['a'\] is '4', not an integer"),
+    # the cost model and the live weight changes, read by resume_notes before the planner
+    # takes the state: a bare ValueError, IndexError, TypeError or KeyError (a review)
+    (lambda s: s["planner"].update(cost="x"), r"planner\.cost: 'x' is not \[linear, quadratic\]"),
+    (lambda s: s["planner"].update(cost=[1]), r"planner\.cost: \[1\] is not \[linear, "),
+    (lambda s: s["planner"].update(cost=[float("nan"), 1.0]),
+     r"planner\.cost: \[nan, 1\.0\] is not \[linear, quadratic\] of finite numbers >= 0"),
+    (lambda s: s["planner"].update(cost=[0, 0]),
+     r"planner\.cost: \[0, 0\]: linear and quadratic cannot both be 0"),
+    (lambda s: s["planner"].update(overrides=[5]), r"planner\.overrides\[0\]: 5 is not "
+                                                   r"\[step, weights\]"),
+    (lambda s: s["planner"].update(overrides={"a": 1}), r"planner\.overrides: \{'a': 1\} is "
+                                                        r"not a list of \[step, weights\]"),
+    (lambda s: s["planner"].update(overrides=[[-2, {"a": 1}]]),
+     r"planner\.overrides\[0\]\[0\]: -2 is not an integer >= 0"),
 ])
 def test_a_malformed_state_is_one_clear_error(change: Any, message: str) -> None:
     state = copy.deepcopy(_state())
@@ -118,6 +132,47 @@ def test_what_the_state_keeps_over_the_config_is_said() -> None:
     state["planner"]["overrides"] = [[3, {"a": 0.9, "b": 0.1}]]
     (note,) = resume_notes(_cfg(), state)
     assert "live weight change of step 3" in note and "stays in force" in note
+
+
+@pytest.mark.parametrize("cost, why", [
+    ([float("nan"), 1.0], "of finite numbers >= 0"), ([float("inf"), 0.0], "of finite numbers"),
+    ([-1.0, -0.001], "of finite numbers >= 0"), ([1.0, -5.0], "of finite numbers >= 0"),
+    ([0.0, 0.0], "cannot both be 0"), ([1.0, 1e199], r"at most 1e\+200"),
+])
+def test_a_state_s_cost_model_keeps_the_config_s_rule(cost: list[float], why: str) -> None:
+    """The state's cost model plans on over the config's, and went past every rule of the
+    config's: NaN failed a step later, infinite, negative or zero models planned steps of
+    NaN or negative rank costs (a review).  The planner refuses it, naming ``cost``."""
+    state = _state()["planner"]
+    pl = Planner(_cfg(), {n: [Unit(f"{n}/u{i}.parquet") for i in range(10)] for n in "ab"})
+    with pytest.raises(ValueError, match=rf"cost: .*{why}"):
+        pl.load_state_dict(dict(state, cost=cost))
+    pl.load_state_dict(dict(state, cost=[2.0, 0.5]))  # (another valid model: taken)
+    assert (pl.cost.linear, pl.cost.quadratic) == (2.0, 0.5)
+
+
+def test_a_config_weight_change_under_a_live_change_is_said_to_change_nothing() -> None:
+    """A state whose live weight change is in force, resumed under a config of other
+    weights, was said to change the mix from the next step on, and then said the live
+    change stays in force: the first note was false (a review).  The planner plans with
+    the live change; the notes say the config's weights change nothing.  A live change
+    that starts after the state's step leaves the config's change said."""
+    from msd_dask.roles.planner import resume_notes
+
+    state = _state()
+    state["planner"]["overrides"] = [[0, {"a": 0.9, "b": 0.1}]]
+    changed = _cfg(source_b={"weight": 0.2})
+    first, second = resume_notes(changed, state)
+    assert first.startswith("resume: the config's weights differ from the state's "
+                            "(sources[1].weight 0.5 -> 0.2 (source 'b')) but do not change the "
+                            "mix: the state's live weight change of step 0 is in force"), first
+    assert "live weight change of step 0" in second and "stays in force" in second
+    pl = Planner(changed, {n: [Unit(f"{n}/u{i}.parquet") for i in range(10)] for n in "ab"})
+    pl.load_state_dict(planner_state(changed, state))
+    assert pl.weights_at(pl.step) == pytest.approx({"a": 0.9, "b": 0.1})
+    state["planner"]["overrides"] = [[5, {"a": 0.9, "b": 0.1}]]  # (from step 5: not yet)
+    first, _ = resume_notes(changed, state)
+    assert first.startswith("resume: the config changes the mix from step 1 on: "), first
 
 
 def test_a_weight_the_config_changed_on_resume_is_said() -> None:
