@@ -22,7 +22,7 @@ from msd_dask.errors import MAX_TIMEOUT
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "check_rank", "check_world_size", "is_seconds", "is_whole", "loaded_step",
+__all__ = ["MAX_PREFETCH", "Batch", "check_rank", "check_world_size", "is_seconds", "is_whole", "loaded_step",
            "no_going_back", "rank_number", "reader_state", "wait_seconds"]
 
 
@@ -235,6 +235,13 @@ def step_number(step: Any, what: str) -> int:
     if not is_whole(step):
         raise ValueError(f"{what}: step must be a step (an integer), got {step!r}")
     return int(step)
+
+
+#: the most batches ``MsdIterableDataset(prefetch=...)`` takes ahead of the training loop:
+#: the service keeps the states of this many steps besides those it publishes ahead of its
+#: readers (:func:`~msd_dask.roles.planner.kept_states`), so ``svc.state_dict(ds.last_step)``
+#: finds the step the loop last finished (with ``prefetch=40`` it was gone; a review)
+MAX_PREFETCH = 16
 
 
 def rank_number(rank: Any) -> int:

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from msd_dask.batch import Batch, loaded_step, rank_number, reader_state
+from msd_dask.batch import MAX_PREFETCH, Batch, loaded_step, rank_number, reader_state
 
 __all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
 
@@ -224,7 +224,8 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         pickled with the dataset into spawned processes (file paths, as Dask's own).
     prefetch : int
         Batches claimed ahead by a background thread while the model computes
-        (``0``, the default: each batch is claimed when asked for).  At most
+        (``0``, the default: each batch is claimed when asked for), at most
+        :data:`~msd_dask.batch.MAX_PREFETCH` (16).  At most
         ``prefetch`` batches are taken from the reader and not yet handed out
         (the reader itself claims whole rounds, ``round_steps`` steps, and
         holds the rest of a round until they are taken); they stay with the
@@ -261,8 +262,11 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
                  timeout: float | None = None, connect_timeout: float = 30.0,
                  prefetch: int = 0, security: Any = None):
         super().__init__()
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if not 0 <= prefetch <= MAX_PREFETCH:
+            raise ValueError(f"prefetch must be from 0 to {MAX_PREFETCH}, got {prefetch!r}: the "
+                             f"service keeps the states of {MAX_PREFETCH} steps more than it "
+                             "publishes ahead of its readers, and svc.state_dict(ds.last_step) "
+                             "must find the step the training loop finished")
         self.address = address
         self.name = name
         # (a reader's rule: int() read rank 3 for 3.7 and rank 1 for True; a review)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from msd_dask.batch import MAX_PREFETCH
 from msd_dask.core.config import parse_config
 from msd_dask.core.figures import RANKS_LISTED, rank_columns, rank_figures, rank_summary
 from msd_dask.dask_internals import STATS_SHARED
@@ -113,9 +114,19 @@ def config_weights(cfg: Any) -> dict[str, Any]:
 
 
 def kept_states(cfg: Any) -> int:
-    """How many of the last steps' states the planner's actor keeps (for ``state_dict(step)``
-    and its owner's checkpoints): ``prefetch + 2 × round_steps + 16``."""
-    return int(cfg.prefetch + 2 * cfg.steps_per_round + 16)
+    """How many of the last steps' states the planner's actor keeps at least (for
+    ``state_dict(step)`` and its owner's checkpoints): ``prefetch + 2 × round_steps +``
+    :data:`~msd_dask.batch.MAX_PREFETCH` (the most a dataset prefetches).  It keeps
+    more, up to :data:`KEPT_AT_MOST` times as many, while ranks have not returned them
+    (:meth:`PlannerActor.checkpoint` learns what they returned)."""
+    return int(cfg.prefetch + 2 * cfg.steps_per_round + MAX_PREFETCH)
+
+
+#: how many times :func:`kept_states` the planner's actor keeps at most: the states of the
+#: steps after the last step every rank returned are kept while they are fewer (a host
+#: agent whose ``--prefetch`` is larger than the service's reads that far ahead of its
+#: ranks, and its state of step 2 was gone while its ranks were at step 2; a review)
+KEPT_AT_MOST = 4
 
 
 #: each source's settings that decide its documents' lengths in tokens, besides its files
@@ -763,6 +774,11 @@ class PlannerActor:
         #: round_steps`` behind the last step submitted (:meth:`checkpoint`)
         self._snapshots: OrderedDict[int, bytes] = OrderedDict()
         self._keep = kept_states(self.cfg)
+        #: the last step every rank returned, as the last look at every constructor found
+        #: it (:meth:`checkpoint`): the states after it are kept beyond ``_keep``, up to
+        #: :data:`KEPT_AT_MOST` times as many (ranks behind a host agent that reads far
+        #: ahead, or a service just started: nothing returned yet)
+        self._returned_by_all = self.first_step - 1
         #: live weight changes made so far (each re-packs the kept states: see set_weights)
         self.weights_version = 0
         #: the last snapshot's step (the next to plan), tokens and pieces, for :meth:`stats`
@@ -1374,6 +1390,10 @@ class PlannerActor:
         self._snapshots[step] = packed
         self._counts = counts
         while len(self._snapshots) > self._keep:
+            # (the oldest is a step some rank may not have returned: kept, within bounds)
+            if next(iter(self._snapshots)) >= self._returned_by_all and \
+                    len(self._snapshots) <= KEPT_AT_MOST * self._keep:
+                break
             self._snapshots.popitem(last=False)
         # the oldest kept state resumes after its step: no one asks for older weights (a
         # weight change goes into every kept state, set_weights)
@@ -1429,8 +1449,11 @@ class PlannerActor:
                 raise ValueError(f"state of step {step} is not available: step {step} is not "
                                  f"planned yet (last planned step: {held[-1]})")
             raise ValueError(f"state of step {step} is no longer held (the service keeps the "
-                             f"last {self._keep} steps: {held[0]}..{held[-1]}); take state "
-                             "closer to the readers' position")
+                             f"states of the last {self._keep} steps planned, and of the steps "
+                             f"after the last every rank returned, step "
+                             f"{self._returned_by_all}, up to {KEPT_AT_MOST * self._keep}: "
+                             f"it holds steps {held[0]}..{held[-1]}); ask for a step the "
+                             "training loop finished since")
         return self._snapshots[step]
 
     async def checkpoint(self, have: int | None = None, have_version: int | None = None,
@@ -1491,6 +1514,8 @@ class PlannerActor:
                         self._received_by_all() - self.cfg.steps_per_round)
             world = range(self.cfg.parallel.world_size)
             step = min(returned.get(r, self.first_step - 1) for r in world) if complete else floor
+            if complete:  # (the states after it are kept: some rank may be at any of them)
+                self._returned_by_all = max(self._returned_by_all, step)
             # ranks may have read past what this planner planned (a re-created planner
             # re-plans from its saved state): the state after its last planned step then
             step = min(max(step, floor), next(reversed(self._snapshots)))

@@ -12,11 +12,12 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from msd_dask import DataService
-from msd_dask.service.agent_client import AGENT_ENV
+from msd_dask.service.agent_client import AGENT_ENV, connect_agent
 
 from checks import record
 from cluster import start_agent, stop_proc
@@ -133,6 +134,43 @@ def test_default_state_after_step_k_resumes_with_step_k_plus_1(tmp_path, through
         want = by_step[(g["step"], g["rank"])]
         assert g["documents"] == want["documents"], (g["step"], g["rank"])
         assert (g["input_ids"] == want["input_ids"]).all()
+
+
+def test_default_state_behind_an_agent_reading_far_ahead(tmp_path):
+    """An agent with ``--prefetch 40`` reads 40 steps ahead of its rank, and the planner
+    plans past them: it kept the states of its last 26 steps only, so the state of the
+    step the rank returned was gone, ``state_dict()`` and ``state_dict(k)`` were refused,
+    and the error's advice (a later step) skipped steps never trained on (a review).  The
+    states after the last step every rank returned are kept."""
+    from msd_dask.roles.planner import kept_states
+
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    cfg = config(root, name="farahead", timeout=30, parallel={"dp": 1},
+                 batch={"seq_len": 256, "micro_batches": 1})
+    sock = str(tmp_path / "agent.sock")
+    agent = None
+    with DataService.start(cfg, n_workers=1, threads_per_worker=2) as svc:
+        address = svc.client.scheduler.address
+        try:
+            agent = start_agent(address, "farahead", sock, dict(os.environ), "0-0", "0",
+                                prefetch=40)
+            handle = connect_agent("farahead", sock)
+            reader = handle.reader(0)
+            assert [next(reader).step for _ in range(3)] == [0, 1, 2]
+            # the rank stops after step 2 (a checkpoint); its agent reads on, 40 steps ahead
+            ahead = 2 + kept_states(svc.config) + 5
+            deadline = time.monotonic() + 120
+            while svc.stats()["planner"]["steps_planned"] < ahead:
+                assert time.monotonic() < deadline, svc.stats()["planner"]
+                time.sleep(0.2)
+            assert svc.state_dict()["step"] == 2
+            assert svc.state_dict(2)["step"] == 2 == handle.state_dict()["step"]
+            reader.close()
+            handle.close()
+        finally:
+            if agent is not None:
+                stop_proc(agent)
 
 
 def test_default_state_refuses_when_a_rank_cannot_report(tmp_path):

@@ -62,12 +62,23 @@ def _plans(actor: PlannerActor) -> dict[int, StepPlan]:
 def test_weight_changes_every_step_keep_the_planner_bounded(corpus: Any) -> None:
     """A change made every step was kept for ever (each call one more entry, each step a
     pass over them all); the actor now forgets those no kept state can see, and every kept
-    state still plans the changes the live planner made."""
+    state still plans the changes the live planner made.  The ranks keep up: each step,
+    the owner's checkpoint finds they returned the step before (the states of the steps
+    they have not returned are kept beyond the count, test_kept_states.py)."""
     cfg, actor, lookup = _actor(corpus)
+    world = cfg.parallel.world_size
+
+    async def stats(max_age: float = 0.0) -> list[dict[str, Any]]:
+        step = actor.planner.step - 2
+        return [{"shown": dict.fromkeys(range(world), step),
+                 "returned": dict.fromkeys(range(world), step)}]
+
+    actor.roles.constructor_stats = stats  # type: ignore[method-assign]
 
     async def run() -> None:
         live = _plans(actor)
         for k in range(60):
+            await actor.checkpoint()
             await actor.set_weights({"code": 1.0 + k % 5, "prose": 1.0 + k % 3})
             if k % 7 == 0:  # made ahead, then replaced by the next steps' changes
                 await actor.set_weights({"code": 9.0, "prose": 1.0},

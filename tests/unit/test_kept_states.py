@@ -1,0 +1,89 @@
+"""Which states of its recent steps the planner's actor keeps for ``state_dict(step)``: the
+last ``kept_states`` steps planned, and every step after the last one every rank returned,
+up to ``KEPT_AT_MOST`` times as many.  Behind a host agent with ``--prefetch 40`` the
+planner plans about 44 steps past what the ranks returned, and the state of the step they
+were at was gone (a review)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from test_planner_recreated import _actor, _plan
+
+from msd_dask import load_config
+from msd_dask.batch import MAX_PREFETCH
+from msd_dask.roles.planner import KEPT_AT_MOST, kept_states
+from msd_dask.sources.discover import discover_units
+
+from corpus import config
+
+
+def _returned(actor: Any, step: int) -> None:
+    """Every constructor answers that every rank returned ``step``."""
+    world = actor.cfg.parallel.world_size
+
+    async def stats(max_age: float = 0.0) -> list[dict[str, Any]]:
+        return [{"shown": {r: step for r in range(world)},
+                 "returned": {r: step for r in range(world)}}]
+
+    actor.roles.constructor_stats = stats  # type: ignore[method-assign]
+
+
+def test_the_states_after_what_every_rank_returned_are_kept(corpus: Any) -> None:
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    units, roots = discover_units(cfg)
+    keep = kept_states(cfg)
+    assert keep == 4 + 2 * 3 + MAX_PREFETCH == 26
+
+    async def run() -> None:
+        actor, _ = _actor(cfg, units, roots)
+        await _plan(actor, 3)
+        _returned(actor, 2)  # the ranks stopped after step 2 (a checkpoint) ...
+        assert (await actor.checkpoint())["step"] == 2
+        await _plan(actor, 60)  # ... and their agent read 60 steps ahead of them
+        assert (await actor.state_at(2))["step"] == 2  # (it was gone after 26 steps)
+        assert list(actor._snapshots) == list(range(2, 63))
+        # the ranks go on: what they returned is let go, down to the last 26 steps
+        _returned(actor, 55)
+        await actor.checkpoint()
+        await _plan(actor, 1)
+        assert list(actor._snapshots) == list(range(63 - keep + 1, 64))
+        with pytest.raises(ValueError, match=r"state of step 2 is no longer held .* after the "
+                                             r"last every rank returned, step 55, up to 104: "
+                                             r"it holds steps 38\.\.63\)"):
+            await actor.state_at(2)
+
+    asyncio.run(run())
+
+
+def test_the_states_kept_are_bounded_while_a_rank_returns_nothing(corpus: Any) -> None:
+    """A rank that never returns a step (or a service whose owner never looks) holds the
+    states back to its step only up to ``KEPT_AT_MOST`` times ``kept_states``."""
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    units, roots = discover_units(cfg)
+    most = KEPT_AT_MOST * kept_states(cfg)
+
+    async def run() -> None:
+        actor, _ = _actor(cfg, units, roots)
+        await _plan(actor, most + 10)
+        assert len(actor._snapshots) == most
+        assert next(iter(actor._snapshots)) == 10
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("prefetch", [MAX_PREFETCH + 1, 40, -1])
+def test_a_dataset_prefetching_more_than_the_states_kept_is_refused(prefetch: int) -> None:
+    """``MsdIterableDataset(prefetch=40)``: its reader returns 40 steps ahead of the loop,
+    and ``svc.state_dict(ds.last_step)`` found the loop's step gone (a review)."""
+    pytest.importorskip("torch")
+    from msd_dask.torch import MsdIterableDataset
+
+    with pytest.raises(ValueError, match=rf"prefetch must be from 0 to {MAX_PREFETCH}, got "
+                                         rf"{prefetch}: the service keeps the states of "):
+        MsdIterableDataset("tcp://198.18.0.1:8786", "svc", 0, prefetch=prefetch)
+    MsdIterableDataset("tcp://198.18.0.1:8786", "svc", 0, prefetch=MAX_PREFETCH).close()
