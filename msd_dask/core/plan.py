@@ -526,39 +526,11 @@ class Planner:
         Returns the step the change takes effect at.
         """
         from_step = change_step(from_step)
-        w = self._checked_weights(weights, "set_weights")
+        w = checked_weights(weights, self._names, "set_weights")
         start = self.step if from_step is None else max(int(from_step), self.step)
         self.overrides.append((start, w))
         return start
 
-    def _checked_weights(self, weights: Any, what: str) -> dict[str, float]:
-        """``weights`` as a change of the mix takes them: every source of the config, in its
-        order (a source not named: 0), each a finite number >= 0, summing to more than 0;
-        else a ``ValueError`` that starts with ``what`` (:meth:`set_weights`, or the
-        change of a state being loaded)."""
-        if not isinstance(weights, Mapping):
-            raise ValueError(f"{what}: weights must map source names to numbers, got {weights!r}")
-        # the config's order, not a set's: the mixer sums the weights in this order, and a
-        # set's order depends on the process's hash seed (the same seed and the same
-        # set_weights call must give the same steps in every process)
-        names = [s.name for s in self.cfg.sources]
-        unknown = set(weights) - set(names)
-        if unknown:
-            raise ValueError(f"{what}: unknown source(s) {sorted(unknown)} (known: "
-                             f"{', '.join(names)})")
-        w: dict[str, float] = {}
-        for n in names:
-            v = weights.get(n, 0.0)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
-                    or v < 0:
-                raise ValueError(f"{what}: the weight of source {n!r} must be a finite "
-                                 f"number >= 0, got {v!r}")
-            w[n] = float(v)
-        total = sum(w.values())
-        if not 0 < total < np.inf:
-            raise ValueError(f"{what}: the weights must sum to more than 0 and less than "
-                             f"infinity (only their ratios matter), got {dict(weights)}")
-        return w
 
     # ---------------------------------------------------------------- planning
     def plan_step(self, lookup: MetaLookup) -> StepPlan:
@@ -963,8 +935,7 @@ class Planner:
             if sorted(mixer) != sorted(self._names) or not all(map(np.isfinite, mixer.values())):
                 raise ValueError(f"mixer: the credit of each of the sources {self._names}, "
                                  f"finite numbers; got {state['mixer']!r}")
-            overrides = tuple((s, self._checked_weights(w, f"overrides[{i}]"))
-                              for i, (s, w) in enumerate(state_overrides(state["overrides"])))
+            overrides = tuple(state_overrides(state["overrides"], self._names))
             snap = PlannerSnapshot(
                 step=_whole("step", state["step"]), sources=tuple(self._names), streams=streams,
                 mixer=mixer, carry=self._table(state["carry"], "carry"),
@@ -989,7 +960,10 @@ def state_cost(cost: Any, seq_len: int) -> tuple[float, float]:
     if not (isinstance(cost, list | tuple) and len(cost) == 2
             and all(isinstance(c, int | float) and not isinstance(c, bool) for c in cost)):
         raise ValueError(f"cost: {cost!r} is not [linear, quadratic]")
-    linear, quadratic = (float(c) for c in cost)
+    try:
+        linear, quadratic = (float(c) for c in cost)
+    except OverflowError:  # (an integer JSON reads, too large for a float)
+        linear = quadratic = math.inf
     if not (math.isfinite(linear) and math.isfinite(quadratic)
             and linear >= 0 and quadratic >= 0):
         raise ValueError(f"cost: {cost!r} is not [linear, quadratic] of finite numbers >= 0")
@@ -999,18 +973,48 @@ def state_cost(cost: Any, seq_len: int) -> tuple[float, float]:
     return linear, quadratic
 
 
-def state_overrides(overrides: Any) -> list[tuple[int, Any]]:
-    """A planner state's live weight changes, ``[[step, weights], ...]``, as pairs (their
-    weights unchecked: :meth:`Planner.load_state_dict` checks them against its sources);
-    a ``ValueError`` naming ``overrides`` or the change that is not such a pair."""
+def state_overrides(overrides: Any, names: Sequence[str]) -> list[tuple[int, dict[str, float]]]:
+    """A planner state's live weight changes, ``[[step, weights], ...]``, as pairs, each
+    change's weights checked against the sources ``names`` (:func:`checked_weights`); a
+    ``ValueError`` naming ``overrides`` or the change that is not such a pair."""
     if not isinstance(overrides, list | tuple):
         raise ValueError(f"overrides: {overrides!r} is not a list of [step, weights]")
     pairs = []
     for i, o in enumerate(overrides):
         if not (isinstance(o, list | tuple) and len(o) == 2):
             raise ValueError(f"overrides[{i}]: {o!r} is not [step, weights]")
-        pairs.append((_whole(f"overrides[{i}][0]", o[0]), o[1]))
+        pairs.append((_whole(f"overrides[{i}][0]", o[0]),
+                      checked_weights(o[1], names, f"overrides[{i}]")))
     return pairs
+
+
+def checked_weights(weights: Any, names: Sequence[str], what: str) -> dict[str, float]:
+    """``weights`` as a change of the mix takes them: every source of ``names`` (the
+    config's, in its order; a source not named: 0), each a finite number >= 0, summing to
+    more than 0; else a ``ValueError`` that starts with ``what`` (:meth:`Planner.set_weights`,
+    or the change of a state being loaded: :func:`state_overrides`)."""
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"{what}: weights must map source names to numbers, got {weights!r}")
+    # the config's order, not a set's: the mixer sums the weights in this order, and a
+    # set's order depends on the process's hash seed (the same seed and the same
+    # set_weights call must give the same steps in every process)
+    unknown = set(weights) - set(names)
+    if unknown:
+        raise ValueError(f"{what}: unknown source(s) {sorted(unknown)} (known: "
+                         f"{', '.join(names)})")
+    w: dict[str, float] = {}
+    for n in names:
+        v = weights.get(n, 0.0)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+                or v < 0:
+            raise ValueError(f"{what}: the weight of source {n!r} must be a finite "
+                             f"number >= 0, got {v!r}")
+        w[n] = float(v)
+    total = sum(w.values())
+    if not 0 < total < np.inf:
+        raise ValueError(f"{what}: the weights must sum to more than 0 and less than "
+                         f"infinity (only their ratios matter), got {dict(weights)}")
+    return w
 
 
 #: the names of a piece's fields, as a state's piece lists them

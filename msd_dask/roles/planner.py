@@ -123,10 +123,20 @@ def kept_states(cfg: Any) -> int:
 
 
 #: how many times :func:`kept_states` the planner's actor keeps at most: the states of the
-#: steps after the last step every rank returned are kept while they are fewer (a host
-#: agent whose ``--prefetch`` is larger than the service's reads that far ahead of its
-#: ranks, and its state of step 2 was gone while its ranks were at step 2; a review)
+#: steps from :data:`~msd_dask.batch.MAX_PREFETCH` before the last step every rank
+#: returned on are kept while they are fewer (a host agent whose ``--prefetch`` is larger
+#: than the service's reads that far ahead of its ranks, and its state of step 2 was gone
+#: while its ranks were at step 2; a review)
 KEPT_AT_MOST = 4
+
+
+def agent_prefetch_limit(cfg: Any) -> int:
+    """The most steps a host agent may read ahead of its ranks (``msd-dask agent
+    --prefetch``): the planner plans ``prefetch + round_steps`` past what the agent read,
+    and keeps the states back to :data:`~msd_dask.batch.MAX_PREFETCH` before what its
+    ranks took up to :data:`KEPT_AT_MOST` times :func:`kept_states` (78 at ``prefetch``
+    4), so the state of every step a rank's loop may be at stays held."""
+    return int((KEPT_AT_MOST - 1) * kept_states(cfg))
 
 
 #: each source's settings that decide its documents' lengths in tokens, besides its files
@@ -259,10 +269,12 @@ def planner_state(cfg: Any, state: dict[str, Any],
 
     # (what the owner reads of the planner's state before the planner takes it: a malformed
     # one gave a bare IndexError or TypeError from resume_notes; a review)
+    # (as the planner reads them, Planner.load_state_dict: a None, or a change of a source
+    # the config does not have, passed here and failed there, after a note; a review)
     try:
-        if state["planner"].get("cost") is not None:
+        if "cost" in state["planner"]:
             state_cost(state["planner"]["cost"], cfg.batch.seq_len)
-        state_overrides(state["planner"]["overrides"] or [])
+        state_overrides(state["planner"]["overrides"], [s.name for s in cfg.sources])
     except ValueError as e:
         raise ServiceError(f"resume: the state's planner.{e}") from None
     for key in ("seed", "seq_len", "step"):
@@ -362,7 +374,7 @@ def resume_notes(cfg: Any, state: Mapping[str, Any]) -> list[str]:
                      "the config's)")
     from msd_dask.core.plan import state_overrides
 
-    overrides = state_overrides(planner.get("overrides") or [])
+    overrides = state_overrides(planner.get("overrides", []), [s.name for s in cfg.sources])
     first = int(state["step"]) + 1
     # the live change in force at the first step resumed, if any (the last from before it)
     in_force = [(start, w) for start, w in overrides if start <= first][-1:]
@@ -1390,8 +1402,10 @@ class PlannerActor:
         self._snapshots[step] = packed
         self._counts = counts
         while len(self._snapshots) > self._keep:
-            # (the oldest is a step some rank may not have returned: kept, within bounds)
-            if next(iter(self._snapshots)) >= self._returned_by_all and \
+            # (the oldest is a step some rank's training loop may be at: kept, within
+            # bounds; a dataset's loop is up to MAX_PREFETCH steps behind what its reader
+            # returned, and behind an agent that is what the service learns: a review)
+            if next(iter(self._snapshots)) >= self._returned_by_all - MAX_PREFETCH and \
                     len(self._snapshots) <= KEPT_AT_MOST * self._keep:
                 break
             self._snapshots.popitem(last=False)
@@ -1450,10 +1464,9 @@ class PlannerActor:
                                  f"planned yet (last planned step: {held[-1]})")
             raise ValueError(f"state of step {step} is no longer held (the service keeps the "
                              f"states of the last {self._keep} steps planned, and of the steps "
-                             f"after the last every rank returned, step "
+                             f"from {MAX_PREFETCH} before the last every rank returned, step "
                              f"{self._returned_by_all}, up to {KEPT_AT_MOST * self._keep}: "
-                             f"it holds steps {held[0]}..{held[-1]}); ask for a step the "
-                             "training loop finished since")
+                             f"it holds steps {held[0]}..{held[-1]})")
         return self._snapshots[step]
 
     async def checkpoint(self, have: int | None = None, have_version: int | None = None,

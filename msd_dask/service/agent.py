@@ -730,9 +730,17 @@ class HostAgent:
         #: seconds the agent waits for a step (default: the service's ``timeout``), and its
         #: ranks' default wait: a rank that gave up sooner would fail while the agent waits
         self.timeout = config.timeout if timeout is None else float(timeout)
-        self.prefetch = int(config.prefetch if prefetch is None else prefetch)
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        from msd_dask.roles.planner import agent_prefetch_limit
+
+        # (the service keeps the states of the steps its ranks may be at only so far behind
+        # what the agent reads: past it, state_dict() of a rank's step was refused; a review)
+        most = agent_prefetch_limit(config)
+        given = config.prefetch if prefetch is None else prefetch
+        if not is_whole(given) or not 1 <= given <= most:
+            raise ValueError(f"the agent's prefetch must be a whole number from 1 to {most} "
+                             "(the service keeps the states of the steps its ranks may be at "
+                             f"that far behind what the agent reads), got {given!r}")
+        self.prefetch = int(given)
         self.groups = [_Group(g) for g in local_groups(config, ranks)]
         self.ranks = [r for g in self.groups for r in g.ranks]
         self._group_of = {r: g for g in self.groups for r in g.ranks}

@@ -796,6 +796,27 @@ def test_a_rank_outside_the_world_is_refused_behind_an_agent_as_directly(tmp_pat
         handle.close()
 
 
+@pytest.mark.parametrize("prefetch", [79, 1000, 2.5, 0])
+def test_an_agent_reading_further_ahead_than_the_states_kept_is_refused(tmp_path: Any,
+                                                                        prefetch: Any) -> None:
+    """The service keeps the states of the steps a rank may be at back to what its agent
+    took, up to 4 x kept_states: an agent reading further ahead left its ranks' step with
+    no state, and ``state_dict()`` was refused (a review).  Its ``prefetch`` is at most
+    ``agent_prefetch_limit`` (78 at the service's prefetch 4), a whole number (2.5 was
+    read as 2)."""
+    from msd_dask.roles.planner import agent_prefetch_limit
+
+    cfg = _config()
+    assert agent_prefetch_limit(cfg) == 3 * (4 + 2 * 3 + 16) == 78
+    path = str(tmp_path / "a.sock")
+    with pytest.raises(ValueError, match=rf"^the agent's prefetch must be a whole number from 1 "
+                                         rf"to 78 \(.*\), got {prefetch!r}$"):
+        HostAgent("agentunit", cfg, [0], lambda f, o: FakeGroupReader(0, [f]), path,
+                  prefetch=prefetch)
+    assert HostAgent("agentunit", cfg, [0], lambda f, o: FakeGroupReader(0, [f]), path,
+                     prefetch=78).prefetch == 78
+
+
 def test_no_agent_fails_at_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(AGENT_ENV, str(tmp_path / "none.sock"))
     t0 = time.monotonic()

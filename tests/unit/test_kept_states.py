@@ -40,21 +40,45 @@ def test_the_states_after_what_every_rank_returned_are_kept(corpus: Any) -> None
 
     async def run() -> None:
         actor, _ = _actor(cfg, units, roots)
-        await _plan(actor, 3)
-        _returned(actor, 2)  # the ranks stopped after step 2 (a checkpoint) ...
-        assert (await actor.checkpoint())["step"] == 2
+        await _plan(actor, 21)
+        _returned(actor, 20)  # the ranks stopped after step 20 (a checkpoint) ...
+        assert (await actor.checkpoint())["step"] == 20
         await _plan(actor, 60)  # ... and their agent read 60 steps ahead of them
-        assert (await actor.state_at(2))["step"] == 2  # (it was gone after 26 steps)
-        assert list(actor._snapshots) == list(range(2, 63))
+        assert (await actor.state_at(20))["step"] == 20  # (it was gone after 26 steps)
+        # (and the 16 steps before it: a dataset's loop may be that far behind its reader)
+        assert list(actor._snapshots) == list(range(20 - MAX_PREFETCH, 81))
+        with pytest.raises(ValueError, match="state of step 3 is no longer held"):
+            await actor.state_at(3)
         # the ranks go on: what they returned is let go, down to the last 26 steps
-        _returned(actor, 55)
+        _returned(actor, 75)
         await actor.checkpoint()
         await _plan(actor, 1)
-        assert list(actor._snapshots) == list(range(63 - keep + 1, 64))
-        with pytest.raises(ValueError, match=r"state of step 2 is no longer held .* after the "
-                                             r"last every rank returned, step 55, up to 104: "
-                                             r"it holds steps 38\.\.63\)"):
+        assert list(actor._snapshots) == list(range(81 - keep + 1, 82))
+        with pytest.raises(ValueError, match=r"state of step 2 is no longer held .* from 16 "
+                                             r"before the last every rank returned, step 75, "
+                                             r"up to 104: it holds steps 56\.\.81\)$"):
             await actor.state_at(2)
+
+    asyncio.run(run())
+
+
+def test_a_dataset_s_loop_behind_what_its_agent_took_finds_its_state(corpus: Any) -> None:
+    """Behind an agent the service learns what a rank's reader took; a dataset prefetching
+    ``MAX_PREFETCH`` steps has its loop that far behind, and the agent reads far ahead:
+    the loop's step was gone (a review).  The states from ``MAX_PREFETCH`` before what
+    every rank returned are kept."""
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    units, roots = discover_units(cfg)
+
+    async def run() -> None:
+        actor, _ = _actor(cfg, units, roots)
+        await _plan(actor, 30)
+        _returned(actor, 25)  # the readers took step 25, their loops are at step 9
+        await actor.checkpoint()
+        await _plan(actor, 60)  # the agent reads on
+        assert (await actor.state_at(25 - MAX_PREFETCH))["step"] == 9
+        assert next(iter(actor._snapshots)) == 9
 
     asyncio.run(run())
 

@@ -87,6 +87,14 @@ def test_another_shuffle_window_is_refused_by_key() -> None:
                                                         r"not a list of \[step, weights\]"),
     (lambda s: s["planner"].update(overrides=[[-2, {"a": 1}]]),
      r"planner\.overrides\[0\]\[0\]: -2 is not an integer >= 0"),
+    # read as the planner reads them: None, a source the config does not have, an integer
+    # no float holds passed here and failed later, or raised a bare OverflowError (a review)
+    (lambda s: s["planner"].update(cost=None), r"planner\.cost: None is not \[linear, "),
+    (lambda s: s["planner"].update(overrides=None), r"planner\.overrides: None is not a list"),
+    (lambda s: s["planner"].update(overrides=[[0, {"zz": 1.0}]]),
+     r"planner\.overrides\[0\]: unknown source\(s\) \['zz'\] \(known: a, b\)"),
+    (lambda s: s["planner"].update(cost=[10**400, 1]),
+     r"planner\.cost: .* is not \[linear, quadratic\] of finite numbers >= 0"),
 ])
 def test_a_malformed_state_is_one_clear_error(change: Any, message: str) -> None:
     state = copy.deepcopy(_state())
