@@ -33,7 +33,14 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from msd_dask.batch import MAX_PREFETCH, Batch, loaded_step, rank_number, reader_state
+from msd_dask.batch import (
+    MAX_PREFETCH,
+    Batch,
+    is_whole,
+    loaded_step,
+    rank_number,
+    reader_state,
+)
 
 __all__ = ["MsdIterableDataset", "Prefetcher", "batch_to_dict"]
 
@@ -213,7 +220,9 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
     rank : int
         The global rank whose batches to yield.
     steps : int, optional
-        Stop after this many batches per ``iter()`` (default: never stop).
+        Stop after this many batches per ``iter()`` (default: never stop): a count per
+        ``iter()``, not an epoch's length (torchdata's ``StatefulDataLoader`` restored
+        mid-epoch yields ``steps`` more batches, from the restored step on).
     timeout : float, optional
         Seconds a reader waits for a batch (default: the service config's).
     connect_timeout : float
@@ -262,16 +271,22 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
                  timeout: float | None = None, connect_timeout: float = 30.0,
                  prefetch: int = 0, security: Any = None):
         super().__init__()
-        if not 0 <= prefetch <= MAX_PREFETCH:
-            raise ValueError(f"prefetch must be from 0 to {MAX_PREFETCH}, got {prefetch!r}: the "
-                             f"service keeps the states of {MAX_PREFETCH} steps more than it "
-                             "publishes ahead of its readers, and svc.state_dict(ds.last_step) "
-                             "must find the step the training loop finished")
+        if steps is not None and (not is_whole(steps) or steps < 0):
+            # (-1 yielded nothing, 2.5 three batches, "2" a TypeError at the first batch)
+            raise ValueError(f"steps must be a whole number >= 0 (batches per iter()) or "
+                             f"None, got {steps!r}")
+        if not is_whole(prefetch) or not 0 <= prefetch <= MAX_PREFETCH:
+            why = (f": the service keeps the states of {MAX_PREFETCH} steps more than it "
+                   "publishes ahead of its readers, and svc.state_dict(ds.last_step) must "
+                   "find the step the training loop finished"
+                   if is_whole(prefetch) and prefetch > MAX_PREFETCH else "")
+            raise ValueError(f"prefetch must be a whole number from 0 to {MAX_PREFETCH}, got "
+                             f"{prefetch!r}{why}")
         self.address = address
         self.name = name
         # (a reader's rule: int() read rank 3 for 3.7 and rank 1 for True; a review)
         self.rank = rank_number(rank)
-        self.steps = steps
+        self.steps = None if steps is None else int(steps)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.prefetch = int(prefetch)
@@ -457,24 +472,27 @@ class MsdIterableDataset(torch.utils.data.IterableDataset):
         if self._prefetcher is not None:
             raise RuntimeError("load_state_dict after prefetching started: batches were already "
                                "claimed ahead; load the state before the first iter()")
+        # (checked now, as a reader checks it: else a bad state came back from state_dict()
+        # into a checkpoint, and failed only at iter())
+        loaded = loaded_step(state, self.rank, self.name)
+        step = -1 if loaded is None else loaded
+        # batches carried from before a close stay where the state goes on right before
+        # them, connected again or not; else the state's reader decides (they are dropped:
+        # a reader connected again was handed the state while the carried steps were
+        # handed out after it, and then asked for them again; a review)
+        carried = [b for b in self._carried if b.step > step]
+        if carried and carried[0].step != step + 1:
+            carried = []
         if self._reader is None:
-            # (checked now, as a reader checks it: else a bad state came back from
-            # state_dict() into a checkpoint, and failed only at iter())
-            loaded = loaded_step(state, self.rank, self.name)
-            step = -1 if loaded is None else loaded
-            # batches carried from before a close stay where the state goes on right before
-            # them; else the state's reader decides (they are dropped)
-            self._carried = [b for b in self._carried if b.step > step]
-            if self._carried and self._carried[0].step != step + 1:
-                self._carried = []
-            # the last step "handed out" is the state's: the step before the load said it
-            # until the next batch, once prefetching had started (a checkpoint taken then
-            # went back to it; a review)
-            self.last_step = step if step >= 0 else None
-            if not self._carried:
+            if not carried:
                 self._pending_state = dict(state)
-        else:  # (its reader, direct or a host agent's, refuses a state it cannot honour)
-            self._reader.load_state_dict(state)
+        elif not carried:  # (its reader, direct or a host agent's, refuses a state it
+            self._reader.load_state_dict(state)  # cannot honour: nothing changed then)
+        self._carried = carried
+        # the last step "handed out" is the state's: the step before the load said it until
+        # the next batch, once prefetching had started (a checkpoint taken then went back to
+        # it), and a connected dataset's stayed behind the state it skipped to (a review)
+        self.last_step = step if step >= 0 else None
 
     def __enter__(self) -> MsdIterableDataset:
         return self

@@ -132,3 +132,47 @@ def test_prefetch_claims_ahead_and_reports_step_times(service):
         MsdIterableDataset(addr, "torchtest", 0).report_step_time(1.0)
     with pytest.raises(ValueError, match="prefetch"):
         MsdIterableDataset(addr, "torchtest", 0, prefetch=-1)
+
+
+def test_a_dataset_connected_again_takes_a_state_where_it_is(tmp_path):
+    """A dataset closed with prefetched batches carried, connected again (its
+    ``report_step_time`` does so), took its own state (a ``StatefulDataLoader``'s restore):
+    the state went to the new reader while the carried steps were handed out after it, and
+    the reader then asked for them again, a ``ServiceError``.  A connected dataset that
+    skipped ahead kept its old ``last_step``, which docs/resume.md has rank 0 checkpoint
+    (a review).  Both go on with the next steps, and ``last_step`` is the state's."""
+    root = str(tmp_path / "corpus")
+    write_corpus(root)
+    with DataService.start(config(root, name="torchagain"), n_workers=1,
+                           threads_per_worker=2) as svc:
+        addr = svc.client.scheduler.address
+        datasets = [MsdIterableDataset(addr, "torchagain", r, prefetch=2) for r in range(2)]
+        plain = [MsdIterableDataset(addr, "torchagain", r) for r in range(2)]
+        try:
+            loaders = [iter(DataLoader(ds, batch_size=None)) for ds in datasets]
+            assert [next(it)["step"] for it in loaders] == [0, 0]
+            assert wait_until(lambda: all(ds.ahead == 2 for ds in datasets), timeout=60)
+            for ds in datasets:
+                ds.close()  # (steps 1 and 2 carried)
+                ds.report_step_time(0.25)  # connected again
+                state = ds.state_dict()
+                assert state["step"] == 0
+                ds.load_state_dict(state)  # nothing changes
+                assert ds.last_step == 0 and ds.state_dict() == state
+            loaders = [iter(DataLoader(ds, batch_size=None)) for ds in datasets]
+            for step in range(1, 5):
+                assert [next(it)["step"] for it in loaders] == [step, step]
+            assert wait_until(lambda: all(ds.ahead == 2 for ds in datasets), timeout=60)
+            for ds in datasets:
+                ds.close()  # (steps 5 and 6 carried, never trained on: dropped here)
+            for ds in plain:  # the ranks go on after them
+                ds.load_state_dict({"service": "torchagain", "rank": ds.rank, "step": 6})
+            loaders = [iter(DataLoader(ds, batch_size=None)) for ds in plain]
+            assert [next(it)["step"] for it in loaders] == [7, 7]
+            for ds in plain:  # connected: a later state skips steps 8 and 9
+                ds.load_state_dict({"service": "torchagain", "rank": ds.rank, "step": 9})
+                assert ds.last_step == 9 == ds.state_dict()["step"]
+            assert [next(it)["step"] for it in loaders] == [10, 10]
+        finally:
+            for ds in datasets + plain:
+                ds.close()

@@ -293,6 +293,31 @@ def test_a_rank_that_is_no_integer_is_refused(rank: Any) -> None:
         MsdIterableDataset("tcp://198.18.0.1:8786", "demo", rank)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": -1}, r"steps must be a whole number >= 0 \(batches per iter\(\)\) or None, got -1"),
+    ({"steps": 2.5}, r"steps must be a whole number >= 0 .*, got 2\.5"),
+    ({"steps": "2"}, r"steps must be a whole number >= 0 .*, got '2'"),
+    ({"prefetch": 2.7}, r"prefetch must be a whole number from 0 to 16, got 2\.7$"),
+    ({"prefetch": -1}, r"prefetch must be a whole number from 0 to 16, got -1$"),
+])
+def test_steps_and_prefetch_that_are_no_counts_are_refused(kwargs: dict[str, Any],
+                                                           message: str) -> None:
+    """``steps=-1`` yielded nothing, ``steps=2.5`` three batches, ``steps="2"`` a
+    ``TypeError`` at the first batch naming nothing, ``prefetch=2.7`` was read as 2 (a
+    review): one ``ValueError`` naming the argument, when the dataset is made."""
+    with pytest.raises(ValueError, match=message):
+        MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, **kwargs)
+
+
+def test_steps_counts_the_batches_of_each_iter(service: _Service) -> None:
+    """``steps=2``: two batches per ``iter()``, then the next two (a numpy count too)."""
+    import numpy as np
+
+    ds = MsdIterableDataset("tcp://198.18.0.1:8786", "demo", 0, steps=np.int64(2))
+    assert [b["step"] for b in ds] == [0, 1] and [b["step"] for b in ds] == [2, 3]
+    ds.close()
+
+
 def test_one_timeout_does_not_end_prefetching(service: _Service) -> None:
     """The reader times out once at step 2: the loop sees the timeout once and reads on
     with the next ``iter()`` (prefetching used to raise it on every later call)."""
