@@ -14,7 +14,7 @@ import importlib
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -751,12 +751,35 @@ def _storage_options(so: Any, key: str) -> dict[str, Any]:
     return dict(so)
 
 
-def _validate_weights(sources: tuple[SourceConfig, ...]) -> None:
+def _weight_steps(sources: tuple[SourceConfig, ...]) -> list[int]:
+    """The steps at which the sources' weights take every value they take relative to each
+    other: step 0, each breakpoint, the step before it, and a step after the last."""
     steps = {0.0}
     for s in sources:
         steps.update(s.weight.breakpoints())
         steps.update(b - 1 for b in s.weight.breakpoints() if b >= 1)
-    for st in sorted(steps) + [max(steps) + 1]:
+    return [int(st) for st in sorted(steps) + [max(steps) + 1]]
+
+
+def rows_kept_empty(max_per_rank: int, micro_batches: int, sources: Sequence[SourceConfig],
+                    weights: Mapping[str, float]) -> str | None:
+    """Why ``weights`` (source name -> weight) leave rows empty under ``long_context.
+    max_per_rank``, or ``None``: where every source of weight > 0 has ``context: long`` and
+    ``max_per_rank`` is below ``micro_batches``, a rank gets at most ``max_per_rank``
+    pieces a step and its other rows are all padding.  The rule of the config (at every
+    step of its weights) and of a live change of the mix
+    (:meth:`~msd_dask.core.plan.Planner.set_weights`)."""
+    if not 0 < max_per_rank < micro_batches:
+        return None
+    if any(s.context != "long" and weights.get(s.name, 0.0) > 0 for s in sources):
+        return None
+    return (f"every source of weight > 0 has context: long, so a rank gets at most "
+            f"max_per_rank = {max_per_rank} pieces a step, and {micro_batches - max_per_rank} of "
+            f"its batch.micro_batches = {micro_batches} rows would be empty")
+
+
+def _validate_weights(sources: tuple[SourceConfig, ...]) -> None:
+    for st in _weight_steps(sources):
         total = sum(s.weight.at(int(st)) for s in sources)
         if total <= 0:
             raise ConfigError("sources", f"source weights sum to 0 at step {int(st)}")
@@ -1018,15 +1041,16 @@ def _parse(d: Any) -> Config:
         raise ConfigError("long_context.max_per_rank", "applies to mode 'spread' only (mode "
                           "'grouped' places long pieces on steps of their own); got "
                           f"{long_context.max_per_rank} with mode 'grouped'")
-    cap = long_context.max_per_rank
-    if 0 < cap < batch.micro_batches and all(s.context == "long" for s in sources):
-        # (accepted: a rank then got at most k pieces a step, and its other rows were all
-        # padding, a loss of 0/0 per micro-batch; a review)
-        raise ConfigError("long_context.max_per_rank",
-                          f"every source has context: long, so a rank gets at most "
-                          f"max_per_rank = {cap} pieces a step, and {batch.micro_batches - cap} of "
-                          f"its batch.micro_batches = {batch.micro_batches} rows would be "
-                          "empty: set it to at least micro_batches, or 0 (no limit)")
+    # (accepted where every source was long: a rank then got at most k pieces a step, and
+    # its other rows were all padding, a loss of 0/0 per micro-batch; and where a phase of
+    # the weights gave the short sources 0: a review)
+    for st in _weight_steps(sources):
+        empty = rows_kept_empty(long_context.max_per_rank, batch.micro_batches, sources,
+                                {s.name: s.weight.at(st) for s in sources})
+        if empty is not None:
+            raise ConfigError("long_context.max_per_rank",
+                              f"at step {st}, {empty}: set it to at least micro_batches, or 0 "
+                              "(no limit)")
     oc = d.get("outliers", {})
     _check_keys(oc, "outliers", _names(OutlierConfig))
     no_hold = long_context.places_long_pieces() and any(s.context == "long" for s in sources)

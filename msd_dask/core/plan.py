@@ -31,7 +31,7 @@ from msd_dask.core._kernels import (
     stable_argsort,
 )
 from msd_dask.core.balance import lower_bound
-from msd_dask.core.config import Config, cost_model_problem
+from msd_dask.core.config import Config, cost_model_problem, rows_kept_empty
 from msd_dask.core.cost import CostModel
 from msd_dask.core.gcpause import gc_paused
 from msd_dask.core.mixing import Mixer
@@ -62,6 +62,9 @@ def change_step(from_step: Any) -> int | None:
         return None
     if isinstance(from_step, bool) or not isinstance(from_step, numbers.Integral):
         raise ValueError(f"set_weights: from_step must be a step (an integer), got {from_step!r}")
+    if not from_step < 2**31:  # (steps travel as int32; 10**400 failed every later
+        # largest_weights() with an OverflowError, in the adaptive policy's poll: a review)
+        raise ValueError(f"set_weights: from_step must be a step below 2**31, got {from_step!r}")
     return int(from_step)
 
 
@@ -527,6 +530,11 @@ class Planner:
         """
         from_step = change_step(from_step)
         w = checked_weights(weights, self._names, "set_weights")
+        lc = self.cfg.long_context
+        empty = rows_kept_empty(lc.max_per_rank, self.cfg.batch.micro_batches, self.cfg.sources, w)
+        if empty is not None:  # (accepted, and every step after left rows empty: a review)
+            raise ValueError(f"set_weights: {empty} (long_context.max_per_rank): give a source "
+                             "of context: short weight too")
         start = self.step if from_step is None else max(int(from_step), self.step)
         self.overrides.append((start, w))
         return start

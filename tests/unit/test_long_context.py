@@ -184,13 +184,27 @@ def test_a_limit_that_leaves_rows_empty_is_refused():
                 "sources": [{"name": n, "uri": f"m://{n}", "format": "jsonl", "weight": 1.0,
                              "context": "long"} for n in sources]}
 
-    with pytest.raises(ConfigError, match=r"long_context.max_per_rank': every source has "
-                                          r"context: long, so a rank gets at most "
-                                          r"max_per_rank = 1 pieces a step, and 1 of its "
-                                          r"batch.micro_batches = 2 rows would be empty"):
+    with pytest.raises(ConfigError, match=r"long_context.max_per_rank': at step 0, every "
+                                          r"source of weight > 0 has context: long, so a rank "
+                                          r"gets at most max_per_rank = 1 pieces a step, and 1 "
+                                          r"of its batch.micro_batches = 2 rows would be empty"):
         parse_config(cfg(1, ("a", "b")))
     for k in (0, MB):
         parse_config(cfg(k, ("a", "b")))
     mixed = cfg(1, ("a", "b"))
     mixed["sources"][1].pop("context")
-    parse_config(mixed)
+    planner = Planner(parse_config(mixed), {n: [Unit(f"{n}/0")] for n in "ab"})
+    # a phase, a constant weight 0, or a live change in which only the long sources have
+    # weight: the same layout, accepted (half the rows of every such step empty; a review)
+    for short in (0, [{"until": 20, "weight": 1.0}, {"weight": 0}]):
+        mixed["sources"][1]["weight"] = short
+        with pytest.raises(ConfigError, match=r"long_context.max_per_rank': at step "
+                                              rf"{0 if short == 0 else 20}, every source of "
+                                              r"weight > 0 has context: long"):
+            parse_config(mixed)
+    with pytest.raises(ValueError, match=r"^set_weights: every source of weight > 0 has "
+                                         r"context: long, .* rows would be empty "
+                                         r"\(long_context.max_per_rank\): give a source of "
+                                         r"context: short weight too$"):
+        planner.set_weights({"a": 1.0})
+    assert planner.set_weights({"a": 1.0, "b": 0.1}) == 0

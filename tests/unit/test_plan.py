@@ -388,7 +388,15 @@ def test_set_weights_refusals() -> None:
     for step in ("x", 2.5, True):
         with pytest.raises(ValueError, match="from_step must be a step"):
             pl.set_weights({"web": 1.0}, from_step=step)  # type: ignore[arg-type]
+    # (steps travel as int32: 10**400 was taken, and every later largest_weights() raised
+    # an OverflowError, in the adaptive policy's poll; a review)
+    for step in (2**31, 10**400):
+        with pytest.raises(ValueError, match=r"set_weights: from_step must be a step below "
+                                             r"2\*\*31, got"):
+            pl.set_weights({"web": 1.0}, from_step=step)
     assert pl.overrides == []
+    pl.set_weights({"web": 1.0}, from_step=2**31 - 1)
+    assert pl.largest_weights(8) == {"web": 0.5, "code": 0.5} and pl.overrides.pop()
     assert pl.set_weights({"web": np.float32(1.0), "code": 3}, from_step=np.int64(2)) == 2
 
 
