@@ -14,6 +14,6 @@ from msd_dask.core.units import Unit
 from msd_dask.formats import jsonl as _jsonl  # noqa: F401  (each backend registers itself)
 from msd_dask.formats import parquet as _parquet  # noqa: F401
 from msd_dask.formats import webdataset as _webdataset  # noqa: F401
-from msd_dask.formats.registry import FORMATS, Format, get_format, register_format
+from msd_dask.formats.registry import FORMATS, Format, Record, get_format, register_format
 
-__all__ = ["Format", "Unit", "get_format", "register_format", "FORMATS"]
+__all__ = ["Format", "Record", "Unit", "get_format", "register_format", "FORMATS"]

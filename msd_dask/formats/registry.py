@@ -15,7 +15,17 @@ import fsspec
 
 from msd_dask.core.units import Unit
 
-__all__ = ["Format", "FORMATS", "get_format", "register_format"]
+__all__ = ["Format", "FORMATS", "Record", "get_format", "register_format"]
+
+
+class Record(dict[str, Any]):
+    """A record a format may yield in place of a plain ``dict``, naming its row: ``key``,
+    the sample's name in its file (a WebDataset sample's key), which the error of a bad
+    document names beside its row (a row's index alone sent the user counting samples
+    through a tar; a review)."""
+
+    #: the sample's name in its file (``None``: the row's index names it)
+    key: str | None = None
 
 
 class Format(Protocol):

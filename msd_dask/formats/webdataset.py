@@ -35,7 +35,7 @@ import fsspec
 from msd_dask.core.units import Unit
 from msd_dask.errors import DataError, storage_failure
 from msd_dask.formats.jsonl import STREAM_BLOCK, compression_in
-from msd_dask.formats.registry import register_format
+from msd_dask.formats.registry import Record, register_format
 
 __all__ = ["WebDatasetFormat", "IMAGE_EXTENSIONS", "split_key"]
 
@@ -199,7 +199,9 @@ class WebDatasetFormat:
             if missing:
                 raise DataError(f"sample {key!r}: missing field '{missing[0]}' (its fields: "
                                 f"{', '.join(sorted(rec)) or 'none'})", path=path, row=row)
-            return {name: rec.get(name) for name in fields}
+            out = Record((name, rec.get(name)) for name in fields)
+            out.key = key  # (a bad document's error names it: documents.read_unit)
+            return out
         except DataError as exc:
             if errors == "yield":
                 return exc

@@ -324,12 +324,23 @@ def _read_rows(src: SourceConfig, fs: Any, unit: Unit, tokenizer: Any,
         else:
             res = next(results)
         if isinstance(res, DataError):
+            res = _in_sample(res, rec)
             if bad is None:
                 raise res
             bad.append(with_source(res, src.name, unit.path))
             res = _EMPTY
         out.append(res)
     return out
+
+
+def _in_sample(e: DataError, rec: Any) -> DataError:
+    """``e``, the error of a bad document, naming its sample where its format names the
+    samples (:class:`~msd_dask.formats.Record`'s ``key``): a WebDataset sample's bad
+    image or failed preprocess named its row alone (a review)."""
+    key = getattr(rec, "key", None)
+    if key is None or e.message.startswith(f"sample {key!r}"):
+        return e
+    return type(e)(f"sample {key!r}: {e.message}", source=e.source, path=e.path, row=e.row)
 
 
 def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,

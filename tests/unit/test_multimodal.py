@@ -6,6 +6,7 @@ to end is ``tests/integration/test_multimodal_service.py``.
 
 from __future__ import annotations
 
+import re
 import tarfile
 from typing import Any
 
@@ -277,6 +278,44 @@ def test_a_hugging_face_image_column_is_read(tmp_path: Any) -> None:
     np.testing.assert_array_equal(docs[2], ByteTokenizer().encode("no image"))
     (err,) = bad
     assert "row 1" in str(err) and "holds the path 'dog.jpg', not the image's bytes" in str(err)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "fail"])
+def test_a_bad_image_of_a_webdataset_sample_names_its_key(tmp_path: Any, on_error: str) -> None:
+    """A sample whose image does not decode named its row alone, which sent the user
+    counting samples through the tar (a review; the sample-level errors named the key
+    already).  It names the sample's key too; the other samples are read."""
+    import io
+
+    rng = np.random.default_rng(0)
+    members = [("a/cat.jpg", image_bytes(rng, 1)), ("a/cat.txt", b"a cat"),
+               ("a/broken.jpg", b"not an image"), ("a/broken.txt", b"a broken one"),
+               ("a/note.txt", b"text only")]
+    path = f"{tmp_path}/shard.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    cfg = load_config({"name": "wds", "batch": {"seq_len": SEQ_LEN},
+                       "sources": [{"name": "vis", "uri": path, "format": "webdataset",
+                                    "text_field": "txt", "image_field": "jpg",
+                                    "image": {"size": SIZE, "patch": PATCH},
+                                    "on_error": on_error}]})
+    src = cfg.source("vis")
+    fmt, fs = get_format("webdataset"), __import__("fsspec").filesystem("file")
+    unit = fmt.units(fs, path)[0]
+    where = r"source 'vis', file '.*shard\.tar', row 1: sample 'a/broken': "
+    if on_error == "fail":
+        with pytest.raises(DataError, match=where):
+            read_unit(src, fs, unit, ByteTokenizer())
+        return
+    bad: list[DataError] = []
+    docs = read_unit(src, fs, unit, ByteTokenizer(), bad)
+    assert isinstance(docs[0], ImageDoc) and len(docs[1]) == 0
+    np.testing.assert_array_equal(docs[2], ByteTokenizer().encode("text only"))
+    (err,) = bad
+    assert re.match(where, str(err)), str(err)
 
 
 def test_read_unit_puts_image_tokens_first(tmp_path: Any) -> None:
