@@ -72,6 +72,19 @@ def _security(args: argparse.Namespace) -> Any:
     for option, path in zip(("--tls-ca-file", "--tls-cert", "--tls-key"), given, strict=True):
         if not os.path.isfile(str(path)):  # (Dask's own error named neither file nor option)
             raise ValueError(f"{option} {path}: no such file")
+    import ssl
+
+    # (a key of another certificate, or the key given as the certificate, was a bare
+    # OpenSSL message naming neither option nor file: "[X509: KEY_VALUES_MISMATCH]"; a review)
+    try:
+        ssl.create_default_context(cafile=args.tls_ca_file)
+    except (ssl.SSLError, ValueError) as e:
+        raise ValueError(f"--tls-ca-file {args.tls_ca_file}: not a CA certificate ({e})") from None
+    try:
+        ssl.create_default_context().load_cert_chain(args.tls_cert, args.tls_key)
+    except ssl.SSLError as e:
+        raise ValueError(f"--tls-cert {args.tls_cert} and --tls-key {args.tls_key} are not a "
+                         f"certificate and its key ({e})") from None
     from distributed.security import Security
 
     return Security(tls_ca_file=args.tls_ca_file, tls_client_cert=args.tls_cert,

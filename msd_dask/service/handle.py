@@ -252,10 +252,17 @@ def _client(address: str, timeout: float, security: Any) -> Any:
     ``identity`` call of every Dask client, 15-53% of its idle cost to the scheduler
     (:func:`~msd_dask.dask_internals.stop_identity_refresh`)."""
     from distributed import Client
+    from distributed.comm import CommClosedError
 
     try:
         client = Client(address, direct_to_workers=True, timeout=timeout, security=security)
     except OSError as e:  # (Dask's own named neither what could not be reached nor why)
+        if isinstance(e, CommClosedError) and not str(address).startswith(("tls://", "wss://")):
+            # (a TLS scheduler closes a plain connection: "Connection reset by peer", with
+            # no word of TLS; a review)
+            raise ServiceError(f"the scheduler at {address} closed the connection ({e}): if it "
+                               "uses TLS, give its tls://... address and credentials "
+                               "(security=, CLI: --tls-ca-file, --tls-cert, --tls-key)") from e
         if isinstance(e, ServiceTimeoutError) or not (
                 isinstance(e, TimeoutError) or str(e).startswith("Timed out trying to connect")):
             raise
@@ -298,15 +305,32 @@ def _close_client(client: Any, name: str, reports: list[Any]) -> None:
 
 
 def _check_tls(address: str | None, security: Any) -> None:
-    """Refuse a ``tls://`` address without TLS credentials, with a message that says where to put them."""
-    if not address or not str(address).startswith("tls://") or security is not None:
+    """Refuse TLS settings that do not fit the scheduler's ``address``, each with a message
+    that says what to give: a ``tls://`` address without credentials, credentials that
+    require encryption with another address (a bare Dask ``RuntimeError``, "encryption
+    required by Dask configuration"), or a ``Security`` with no client certificate (a
+    ``TypeError`` about an ``ssl_context``; a review)."""
+    if not address:
         return
     from distributed.security import Security
 
-    if Security().get_connection_args("client").get("ssl_context") is None:
-        raise ServiceError(f"scheduler {address} uses TLS but no credentials were given: pass "
-                           "security=distributed.security.Security(...) (CLI: --tls-ca-file, "
-                           "--tls-cert, --tls-key) or set distributed.comm.tls.* in Dask's config")
+    given = security if security is not None else Security()
+    tls = str(address).split("://", 1)[0] in ("tls", "wss") if "://" in str(address) else False
+    if not tls:
+        if getattr(given, "require_encryption", False):
+            raise ServiceError(f"scheduler {address}: the TLS credentials given require an "
+                               "encrypted connection: give the scheduler's tls://... address "
+                               "(dask scheduler prints it)")
+        return
+    if given.get_connection_args("client").get("ssl_context") is None:
+        if security is None:
+            raise ServiceError(f"scheduler {address} uses TLS but no credentials were given: "
+                               "pass security=distributed.security.Security(...) (CLI: "
+                               "--tls-ca-file, --tls-cert, --tls-key) or set "
+                               "distributed.comm.tls.* in Dask's config")
+        raise ServiceError(f"scheduler {address} uses TLS but the security given has no client "
+                           "certificate: pass tls_client_cert and tls_client_key (CLI: "
+                           "--tls-cert, --tls-key)")
 
 
 def _check_embedded_tls(security: Any) -> None:

@@ -59,6 +59,22 @@ def test_service_over_tls(tmp_path):
         # and a certificate of another authority is refused by the scheduler itself
         with pytest.raises(OSError):
             DataService.connect(address, "tls", security=Security.temporary(), timeout=3)
+        # credentials with a plain address, a plain connection to the TLS scheduler, and a
+        # Security with no client certificate: each a bare Dask RuntimeError, a "Connection
+        # reset by peer" or a TypeError about an ssl_context (a review); each now says what
+        # to give
+        plain = "tcp://" + address.removeprefix("tls://")
+        with pytest.raises(ServiceError, match=r"the TLS credentials given require an "
+                                               r"encrypted connection: give the scheduler's "
+                                               r"tls://\.\.\. address"):
+            DataService.connect(plain, "tls", security=sec, timeout=3)
+        with pytest.raises(ServiceError, match=r"closed the connection .*: if it uses TLS, "
+                                               r"give its tls://\.\.\. address"):
+            DataService.connect(plain, "tls", timeout=3)
+        with pytest.raises(ServiceError, match=r"uses TLS but the security given has no "
+                                               r"client certificate"):
+            DataService.connect(address, "tls", security=Security(tls_ca_file=sec.tls_ca_file),
+                                timeout=3)
     check_content(recs, texts, 512)
 
 

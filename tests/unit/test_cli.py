@@ -107,6 +107,30 @@ def test_a_tls_file_that_is_not_there_is_named(tmp_path: Path,
         "file" in err, err
 
 
+def test_a_tls_certificate_and_a_key_that_do_not_match_are_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A key of another certificate, or the key given as the certificate, gave a bare
+    OpenSSL message naming neither option nor file ("[X509: KEY_VALUES_MISMATCH]", "[SSL]
+    PEM lib"; a review)."""
+    pytest.importorskip("cryptography")
+    from distributed.security import Security
+
+    one, other = Security.temporary(), Security.temporary()
+    files = {"ca": one.tls_ca_file, "cert": one.tls_client_cert, "key": other.tls_client_key,
+             "own_key": one.tls_client_key}
+    for name, pem in files.items():
+        (tmp_path / f"{name}.pem").write_text(pem)
+    p = {name: str(tmp_path / f"{name}.pem") for name in files}
+    for cert, key in ((p["cert"], p["key"]), (p["own_key"], p["own_key"])):
+        code = main(["stats", "demo", "--scheduler", "tls://198.18.0.1:8786", "--tls-ca-file",
+                     p["ca"], "--tls-cert", cert, "--tls-key", key])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"msd-dask stats: error: --tls-cert {cert} and "
+                                            f"--tls-key {key} are not a certificate and its "
+                                            "key ("), err
+        assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("command", [["validate"], ["run"], ["serve", "--scheduler",
                                                            "tcp://198.18.0.1:8786"]])
 @pytest.mark.parametrize("path", ["configs/tyop.yaml", "*.yaml", "!x.yaml", "cfg: x.yaml"])
