@@ -62,10 +62,30 @@ def change_step(from_step: Any) -> int | None:
         return None
     if isinstance(from_step, bool) or not isinstance(from_step, numbers.Integral):
         raise ValueError(f"set_weights: from_step must be a step (an integer), got {from_step!r}")
-    if not from_step < 2**31:  # (steps travel as int32; 10**400 failed every later
-        # largest_weights() with an OverflowError, in the adaptive policy's poll: a review)
+    if not from_step < STEP_LIMIT:  # (10**400 failed every later largest_weights() with
+        # an OverflowError, in the adaptive policy's poll: a review)
         raise ValueError(f"set_weights: from_step must be a step below 2**31, got {from_step!r}")
     return int(from_step)
+
+
+#: steps are below this (they travel as int32): the bound of a change of the mix's step,
+#: given live (:func:`change_step`) or in a state (:func:`state_overrides`)
+STEP_LIMIT = 2**31
+
+
+def checked_change(weights: Any, cfg: Config, what: str) -> dict[str, float]:
+    """The weights of a change of the mix, live (:meth:`Planner.set_weights`) or in a state
+    (:func:`state_overrides`), as the planner takes them (:func:`checked_weights`), and
+    refused where they leave rows empty under ``long_context.max_per_rank``
+    (:func:`~msd_dask.core.config.rows_kept_empty`): a ``ValueError`` that starts with
+    ``what`` (a state's change was taken that ``set_weights`` refuses; a review)."""
+    w = checked_weights(weights, [s.name for s in cfg.sources], what)
+    empty = rows_kept_empty(cfg.long_context.max_per_rank, cfg.batch.micro_batches,
+                            cfg.sources, w)
+    if empty is not None:
+        raise ValueError(f"{what}: {empty} (long_context.max_per_rank): give a source of "
+                         "context: short weight too")
+    return w
 
 
 @dataclass
@@ -529,12 +549,8 @@ class Planner:
         Returns the step the change takes effect at.
         """
         from_step = change_step(from_step)
-        w = checked_weights(weights, self._names, "set_weights")
-        lc = self.cfg.long_context
-        empty = rows_kept_empty(lc.max_per_rank, self.cfg.batch.micro_batches, self.cfg.sources, w)
-        if empty is not None:  # (accepted, and every step after left rows empty: a review)
-            raise ValueError(f"set_weights: {empty} (long_context.max_per_rank): give a source "
-                             "of context: short weight too")
+        # (a change leaving rows empty was taken, and every step after: a review)
+        w = checked_change(weights, self.cfg, "set_weights")
         start = self.step if from_step is None else max(int(from_step), self.step)
         self.overrides.append((start, w))
         return start
@@ -943,7 +959,7 @@ class Planner:
             if sorted(mixer) != sorted(self._names) or not all(map(np.isfinite, mixer.values())):
                 raise ValueError(f"mixer: the credit of each of the sources {self._names}, "
                                  f"finite numbers; got {state['mixer']!r}")
-            overrides = tuple(state_overrides(state["overrides"], self._names))
+            overrides = tuple(state_overrides(state["overrides"], self.cfg))
             snap = PlannerSnapshot(
                 step=_whole("step", state["step"]), sources=tuple(self._names), streams=streams,
                 mixer=mixer, carry=self._table(state["carry"], "carry"),
@@ -981,18 +997,21 @@ def state_cost(cost: Any, seq_len: int) -> tuple[float, float]:
     return linear, quadratic
 
 
-def state_overrides(overrides: Any, names: Sequence[str]) -> list[tuple[int, dict[str, float]]]:
+def state_overrides(overrides: Any, cfg: Config) -> list[tuple[int, dict[str, float]]]:
     """A planner state's live weight changes, ``[[step, weights], ...]``, as pairs, each
-    change's weights checked against the sources ``names`` (:func:`checked_weights`); a
-    ``ValueError`` naming ``overrides`` or the change that is not such a pair."""
+    read as :meth:`Planner.set_weights` reads a change under ``cfg`` (its step below
+    :data:`STEP_LIMIT`, its weights by :func:`checked_change`); a ``ValueError`` naming
+    ``overrides`` or the change that is not such a pair."""
     if not isinstance(overrides, list | tuple):
         raise ValueError(f"overrides: {overrides!r} is not a list of [step, weights]")
     pairs = []
     for i, o in enumerate(overrides):
         if not (isinstance(o, list | tuple) and len(o) == 2):
             raise ValueError(f"overrides[{i}]: {o!r} is not [step, weights]")
-        pairs.append((_whole(f"overrides[{i}][0]", o[0]),
-                      checked_weights(o[1], names, f"overrides[{i}]")))
+        step = _whole(f"overrides[{i}][0]", o[0])
+        if step >= STEP_LIMIT:  # (10**400 failed every later largest_weights(); a review)
+            raise ValueError(f"overrides[{i}][0]: {step!r} is not a step below 2**31")
+        pairs.append((step, checked_change(o[1], cfg, f"overrides[{i}]")))
     return pairs
 
 

@@ -274,7 +274,7 @@ def planner_state(cfg: Any, state: dict[str, Any],
     try:
         if "cost" in state["planner"]:
             state_cost(state["planner"]["cost"], cfg.batch.seq_len)
-        state_overrides(state["planner"]["overrides"], [s.name for s in cfg.sources])
+        state_overrides(state["planner"]["overrides"], cfg)
     except ValueError as e:
         raise ServiceError(f"resume: the state's planner.{e}") from None
     for key in ("seed", "seq_len", "step"):
@@ -374,7 +374,7 @@ def resume_notes(cfg: Any, state: Mapping[str, Any]) -> list[str]:
                      "the config's)")
     from msd_dask.core.plan import state_overrides
 
-    overrides = state_overrides(planner.get("overrides", []), [s.name for s in cfg.sources])
+    overrides = state_overrides(planner.get("overrides", []), cfg)
     first = int(state["step"]) + 1
     # the live change in force at the first step resumed, if any (the last from before it)
     in_force = [(start, w) for start, w in overrides if start <= first][-1:]
@@ -1462,6 +1462,11 @@ class PlannerActor:
             if step > held[-1]:
                 raise ValueError(f"state of step {step} is not available: step {step} is not "
                                  f"planned yet (last planned step: {held[-1]})")
+            if step < self.first_step - 1:  # (it said "no longer held": a review)
+                raise ValueError(f"state of step {step} is not held: this planner started "
+                                 f"from the state of step {self.first_step - 1} (it was "
+                                 "re-created, or the service resumed from it); ask for step "
+                                 f"{self.first_step - 1} or a later one")
             raise ValueError(f"state of step {step} is no longer held (the service keeps the "
                              f"states of the last {self._keep} steps planned, and of the steps "
                              f"from {MAX_PREFETCH} before the last every rank returned, step "

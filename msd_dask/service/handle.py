@@ -1150,7 +1150,9 @@ class DataService:
         ------
         ValueError
             If ``step`` is not planned yet or no longer held (the service keeps
-            the planner state of the last ``prefetch + 2 × round_steps + 16`` steps); without
+            the planner state of the last ``prefetch + 2 × round_steps + 16`` steps, and
+            of the steps from 16 before the last every rank returned, up to 4 times as
+            many: docs/resume.md), or before the state its planner started from; without
             ``step``, if the last step every rank returned cannot be known (see
             :meth:`consumed_step`).
         """

@@ -83,6 +83,29 @@ def test_a_dataset_s_loop_behind_what_its_agent_took_finds_its_state(corpus: Any
     asyncio.run(run())
 
 
+def test_a_re_created_planner_names_the_state_it_started_from(corpus: Any) -> None:
+    """A planner re-created from the owner's checkpoint of step 25 holds the states from
+    step 25 on: a prefetching dataset's loop at step 9 asked for a state it called "no
+    longer held" (a review).  The refusal names the state the planner started from."""
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    units, roots = discover_units(cfg)
+
+    async def run() -> None:
+        old, lengths = _actor(cfg, units, roots)
+        await _plan(old, 30)
+        new, _ = _actor(cfg, units, roots, old._packed_at(25), lengths, generation=1)
+        await _plan(new, 3)
+        assert (await new.state_at(25))["step"] == 25
+        with pytest.raises(ValueError, match=r"^state of step 9 is not held: this planner "
+                                             r"started from the state of step 25 \(it was "
+                                             r"re-created, or the service resumed from it\); "
+                                             r"ask for step 25 or a later one$"):
+            await new.state_at(9)
+
+    asyncio.run(run())
+
+
 def test_the_states_kept_are_bounded_while_a_rank_returns_nothing(corpus: Any) -> None:
     """A rank that never returns a step (or a service whose owner never looks) holds the
     states back to its step only up to ``KEPT_AT_MOST`` times ``kept_states``."""

@@ -208,3 +208,19 @@ def test_a_limit_that_leaves_rows_empty_is_refused():
                                          r"context: short weight too$"):
         planner.set_weights({"a": 1.0})
     assert planner.set_weights({"a": 1.0, "b": 0.1}) == 0
+    # a state's change that leaves the rows empty under the config resumed with: refused
+    # as set_weights refuses it (it was taken, every step after half padding; a review)
+    from msd_dask.errors import ServiceError
+    from msd_dask.roles.planner import make_state, planner_state
+
+    free = dict(mixed, long_context={"mode": "spread", "max_per_rank": 0})
+    free["sources"][1]["weight"] = 1.0
+    taken = Planner(parse_config(free), {n: [Unit(f"{n}/0")] for n in "ab"})
+    taken.set_weights({"a": 1.0})
+    state = make_state(parse_config(free), -1, taken.state_dict())
+    mixed["sources"][1]["weight"] = 1.0
+    with pytest.raises(ServiceError, match=r"^resume: the state's planner\.overrides\[0\]: "
+                                           r"every source of weight > 0 has context: long, .* "
+                                           r"\(long_context\.max_per_rank\)"):
+        planner_state(parse_config(mixed), state)
+    assert planner_state(parse_config(free), state)["overrides"] == [[0, {"a": 1.0, "b": 0.0}]]
