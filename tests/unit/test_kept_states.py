@@ -20,6 +20,13 @@ from msd_dask.sources.discover import discover_units
 from corpus import config
 
 
+def _service(corpus: Any) -> tuple[Any, Any, Any]:
+    """The corpus's config at ``prefetch`` 4 (26 states kept), its units and their roots."""
+    root, _ = corpus
+    cfg = load_config(config(root, prefetch=4))
+    return (cfg, *discover_units(cfg))
+
+
 def _returned(actor: Any, step: int) -> None:
     """Every constructor answers that every rank returned ``step``."""
     world = actor.cfg.parallel.world_size
@@ -32,9 +39,7 @@ def _returned(actor: Any, step: int) -> None:
 
 
 def test_the_states_after_what_every_rank_returned_are_kept(corpus: Any) -> None:
-    root, _ = corpus
-    cfg = load_config(config(root, prefetch=4))
-    units, roots = discover_units(cfg)
+    cfg, units, roots = _service(corpus)
     keep = kept_states(cfg)
     assert keep == 4 + 2 * 3 + MAX_PREFETCH == 26
 
@@ -67,9 +72,7 @@ def test_a_dataset_s_loop_behind_what_its_agent_took_finds_its_state(corpus: Any
     ``MAX_PREFETCH`` steps has its loop that far behind, and the agent reads far ahead:
     the loop's step was gone (a review).  The states from ``MAX_PREFETCH`` before what
     every rank returned are kept."""
-    root, _ = corpus
-    cfg = load_config(config(root, prefetch=4))
-    units, roots = discover_units(cfg)
+    cfg, units, roots = _service(corpus)
 
     async def run() -> None:
         actor, _ = _actor(cfg, units, roots)
@@ -87,9 +90,7 @@ def test_a_re_created_planner_names_the_state_it_started_from(corpus: Any) -> No
     """A planner re-created from the owner's checkpoint of step 25 holds the states from
     step 25 on: a prefetching dataset's loop at step 9 asked for a state it called "no
     longer held" (a review).  The refusal names the state the planner started from."""
-    root, _ = corpus
-    cfg = load_config(config(root, prefetch=4))
-    units, roots = discover_units(cfg)
+    cfg, units, roots = _service(corpus)
 
     async def run() -> None:
         old, lengths = _actor(cfg, units, roots)
@@ -109,9 +110,7 @@ def test_a_re_created_planner_names_the_state_it_started_from(corpus: Any) -> No
 def test_the_states_kept_are_bounded_while_a_rank_returns_nothing(corpus: Any) -> None:
     """A rank that never returns a step (or a service whose owner never looks) holds the
     states back to its step only up to ``KEPT_AT_MOST`` times ``kept_states``."""
-    root, _ = corpus
-    cfg = load_config(config(root, prefetch=4))
-    units, roots = discover_units(cfg)
+    cfg, units, roots = _service(corpus)
     most = KEPT_AT_MOST * kept_states(cfg)
 
     async def run() -> None:
