@@ -80,12 +80,17 @@ def checked_change(weights: Any, cfg: Config, what: str) -> dict[str, float]:
     (:func:`~msd_dask.core.config.rows_kept_empty`): a ``ValueError`` that starts with
     ``what`` (a state's change was taken that ``set_weights`` refuses; a review)."""
     w = checked_weights(weights, [s.name for s in cfg.sources], what)
+    _refuse_empty_rows(w, cfg, what)
+    return w
+
+
+def _refuse_empty_rows(w: dict[str, float], cfg: Config, what: str) -> None:
+    """:func:`checked_change`'s refusal of weights ``w`` that leave rows empty."""
     empty = rows_kept_empty(cfg.long_context.max_per_rank, cfg.batch.micro_batches,
                             cfg.sources, w)
     if empty is not None:
         raise ValueError(f"{what}: {empty} (long_context.max_per_rank): give a source of "
                          "context: short weight too")
-    return w
 
 
 @dataclass
@@ -959,7 +964,8 @@ class Planner:
             if sorted(mixer) != sorted(self._names) or not all(map(np.isfinite, mixer.values())):
                 raise ValueError(f"mixer: the credit of each of the sources {self._names}, "
                                  f"finite numbers; got {state['mixer']!r}")
-            overrides = tuple(state_overrides(state["overrides"], self.cfg))
+            overrides = tuple(state_overrides(state["overrides"], self.cfg,
+                                              _whole("step", state["step"])))
             snap = PlannerSnapshot(
                 step=_whole("step", state["step"]), sources=tuple(self._names), streams=streams,
                 mixer=mixer, carry=self._table(state["carry"], "carry"),
@@ -997,13 +1003,17 @@ def state_cost(cost: Any, seq_len: int) -> tuple[float, float]:
     return linear, quadratic
 
 
-def state_overrides(overrides: Any, cfg: Config) -> list[tuple[int, dict[str, float]]]:
+def state_overrides(overrides: Any, cfg: Config, first: int) -> list[tuple[int, dict[str, float]]]:
     """A planner state's live weight changes, ``[[step, weights], ...]``, as pairs, each
-    read as :meth:`Planner.set_weights` reads a change under ``cfg`` (its step below
-    :data:`STEP_LIMIT`, its weights by :func:`checked_change`); a ``ValueError`` naming
-    ``overrides`` or the change that is not such a pair."""
+    read as :meth:`Planner.set_weights` reads a change under ``cfg``: its step below
+    :data:`STEP_LIMIT`, its weights by :func:`checked_weights`, and those of every change
+    that applies from step ``first`` on (the state's next step) by :func:`checked_change`
+    (a change a later one replaced before ``first`` never applies again: its rows under
+    another layout are no reason to refuse an elastic resume; a review).  A
+    ``ValueError`` naming ``overrides`` or the change that is not such a pair."""
     if not isinstance(overrides, list | tuple):
         raise ValueError(f"overrides: {overrides!r} is not a list of [step, weights]")
+    names = [s.name for s in cfg.sources]
     pairs = []
     for i, o in enumerate(overrides):
         if not (isinstance(o, list | tuple) and len(o) == 2):
@@ -1011,7 +1021,15 @@ def state_overrides(overrides: Any, cfg: Config) -> list[tuple[int, dict[str, fl
         step = _whole(f"overrides[{i}][0]", o[0])
         if step >= STEP_LIMIT:  # (10**400 failed every later largest_weights(); a review)
             raise ValueError(f"overrides[{i}][0]: {step!r} is not a step below 2**31")
-        pairs.append((step, checked_change(o[1], cfg, f"overrides[{i}]")))
+        pairs.append((step, checked_weights(o[1], names, f"overrides[{i}]")))
+    # change i is in force at step t >= first where it starts at or before t and no later
+    # change of the list does (Planner.weights_at: the last that started wins)
+    later = STEP_LIMIT  # (the earliest start of the changes after i)
+    for i in reversed(range(len(pairs))):
+        start, w = pairs[i]
+        if max(start, first) < later:
+            _refuse_empty_rows(w, cfg, f"overrides[{i}]")
+        later = min(later, start)
     return pairs
 
 

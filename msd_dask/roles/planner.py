@@ -265,18 +265,6 @@ def planner_state(cfg: Any, state: dict[str, Any],
     if lacking:
         raise ServiceError(f"resume: the state's 'planner' mapping lacks {lacking}: not a whole "
                            "DataService.state_dict()")
-    from msd_dask.core.plan import state_cost, state_overrides
-
-    # (what the owner reads of the planner's state before the planner takes it: a malformed
-    # one gave a bare IndexError or TypeError from resume_notes; a review)
-    # (as the planner reads them, Planner.load_state_dict: a None, or a change of a source
-    # the config does not have, passed here and failed there, after a note; a review)
-    try:
-        if "cost" in state["planner"]:
-            state_cost(state["planner"]["cost"], cfg.batch.seq_len)
-        state_overrides(state["planner"]["overrides"], cfg)
-    except ValueError as e:
-        raise ServiceError(f"resume: the state's planner.{e}") from None
     for key in ("seed", "seq_len", "step"):
         if isinstance(state.get(key), bool) or not isinstance(state.get(key), int):
             raise ServiceError(f"resume: the state's {key!r} is {state.get(key)!r}, not an "
@@ -310,6 +298,18 @@ def planner_state(cfg: Any, state: dict[str, Any],
                            f"{state['sources'][i]!r} (the state's order: {state['sources']}); "
                            "the mix depends on the sources' order, so it cannot continue "
                            "exactly: list them in the state's order")
+    from msd_dask.core.plan import state_cost, state_overrides
+
+    # (what the owner reads of the planner's state before the planner takes it: a malformed
+    # one gave a bare IndexError or TypeError from resume_notes; a review)
+    # (as the planner reads them, Planner.load_state_dict: a None, or a change of a source
+    # the config does not have, passed here and failed there, after a note; a review)
+    try:
+        if "cost" in state["planner"]:
+            state_cost(state["planner"]["cost"], cfg.batch.seq_len)
+        state_overrides(state["planner"]["overrides"], cfg, inner)
+    except ValueError as e:
+        raise ServiceError(f"resume: the state's planner.{e}") from None
     for key in ("shuffle_window", "units"):  # (mappings of a count per source, where given)
         given = state.get(key)
         if given is None:
@@ -374,8 +374,8 @@ def resume_notes(cfg: Any, state: Mapping[str, Any]) -> list[str]:
                      "the config's)")
     from msd_dask.core.plan import state_overrides
 
-    overrides = state_overrides(planner.get("overrides", []), cfg)
     first = int(state["step"]) + 1
+    overrides = state_overrides(planner.get("overrides", []), cfg, first)
     # the live change in force at the first step resumed, if any (the last from before it)
     in_force = [(start, w) for start, w in overrides if start <= first][-1:]
     # (a state of a version that did not record them: nothing said)
@@ -1462,7 +1462,7 @@ class PlannerActor:
             if step > held[-1]:
                 raise ValueError(f"state of step {step} is not available: step {step} is not "
                                  f"planned yet (last planned step: {held[-1]})")
-            if step < self.first_step - 1:  # (it said "no longer held": a review)
+            if step < self.first_step - 1 == held[0]:  # (it said "no longer held": a review)
                 raise ValueError(f"state of step {step} is not held: this planner started "
                                  f"from the state of step {self.first_step - 1} (it was "
                                  "re-created, or the service resumed from it); ask for step "

@@ -312,15 +312,21 @@ def _check_tls(address: str | None, security: Any) -> None:
     ``TypeError`` about an ``ssl_context``; a review)."""
     if not address:
         return
+    from distributed.comm.addressing import parse_address
     from distributed.security import Security
 
-    given = security if security is not None else Security()
-    tls = str(address).split("://", 1)[0] in ("tls", "wss") if "://" in str(address) else False
-    if not tls:
-        if getattr(given, "require_encryption", False):
-            raise ServiceError(f"scheduler {address}: the TLS credentials given require an "
-                               "encrypted connection: give the scheduler's tls://... address "
-                               "(dask scheduler prints it)")
+    # (a dict, as Dask's Client takes one: Security's arguments)
+    given = (Security(**security) if isinstance(security, Mapping)
+             else security if security is not None else Security())
+    # (the scheme Dask takes: a bare address is distributed.comm.default-scheme's)
+    scheme = parse_address(str(address))[0]
+    if scheme == "tcp" and getattr(given, "require_encryption", False):
+        # (Dask refuses a plain TCP connection then; inproc:// and the others it does not)
+        what = ("the TLS credentials given require" if security is not None else
+                "Dask's config (distributed.comm.require-encryption) requires")
+        raise ServiceError(f"scheduler {address}: {what} an encrypted connection: give the "
+                           "scheduler's tls://... address (dask scheduler prints it)")
+    if scheme not in ("tls", "wss"):
         return
     if given.get_connection_args("client").get("ssl_context") is None:
         if security is None:

@@ -340,7 +340,10 @@ def _in_sample(e: DataError, rec: Any) -> DataError:
     key = getattr(rec, "key", None)
     if key is None or e.message.startswith(f"sample {key!r}"):
         return e
-    return type(e)(f"sample {key!r}: {e.message}", source=e.source, path=e.path, row=e.row)
+    named = type(e)(f"sample {key!r}: {e.message}", source=e.source, path=e.path, row=e.row)
+    # (its cause, a user's preprocess's exception, was lost with its traceback: a review)
+    named.__cause__ = e.__cause__
+    return named
 
 
 def process_docs(src: SourceConfig, prep: Callable[[str, dict[str, Any]], str | None] | None,

@@ -224,3 +224,13 @@ def test_a_limit_that_leaves_rows_empty_is_refused():
                                            r"\(long_context\.max_per_rank\)"):
         planner_state(parse_config(mixed), state)
     assert planner_state(parse_config(free), state)["overrides"] == [[0, {"a": 1.0, "b": 0.0}]]
+    # a change a later one replaced never applies again: an elastic resume under a layout
+    # it would leave rows empty in is taken (it was refused; a review of the change), and
+    # one that applies from the state's next step on is not
+    taken.set_weights({"a": 1.0, "b": 1.0})
+    state = make_state(parse_config(free), -1, taken.state_dict())
+    assert planner_state(parse_config(mixed), state)["overrides"][1] == [0, {"a": 1.0, "b": 1.0}]
+    taken.set_weights({"a": 1.0}, from_step=3)
+    state = make_state(parse_config(free), -1, taken.state_dict())
+    with pytest.raises(ServiceError, match=r"planner\.overrides\[2\]: every source of weight "):
+        planner_state(parse_config(mixed), state)

@@ -318,6 +318,34 @@ def test_a_bad_image_of_a_webdataset_sample_names_its_key(tmp_path: Any, on_erro
     assert re.match(where, str(err)), str(err)
 
 
+def test_a_failed_preprocess_of_a_webdataset_sample_keeps_its_cause(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Naming the sample's key, the error lost its cause, the user's exception and its
+    traceback (a review of the change)."""
+    import io
+
+    (tmp_path / "failing_prep.py").write_text(
+        "def fails(text, record):\n"
+        "    if text == 'broken':\n"
+        "        raise KeyError('no such thing')\n"
+        "    return text\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = f"{tmp_path}/shard.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("s/0.txt", b"fine"), ("s/1.txt", b"broken")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    cfg = load_config({"name": "wds", "batch": {"seq_len": SEQ_LEN},
+                       "sources": [{"name": "t", "uri": path, "format": "webdataset",
+                                    "text_field": "txt", "preprocess": "failing_prep:fails"}]})
+    fmt, fs = get_format("webdataset"), __import__("fsspec").filesystem("file")
+    with pytest.raises(DataError, match=r"row 1: sample 's/1': preprocess 'failing_prep:fails' "
+                                        r"raised KeyError") as raised:
+        read_unit(cfg.source("t"), fs, fmt.units(fs, path)[0], ByteTokenizer())
+    assert isinstance(raised.value.__cause__, KeyError)
+
+
 def test_read_unit_puts_image_tokens_first(tmp_path: Any) -> None:
     texts, images = write_image_corpus(str(tmp_path), "parquet")
     cfg = load_config(image_config(str(tmp_path), "parquet"))
