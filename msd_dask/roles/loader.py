@@ -44,6 +44,12 @@ __all__ = ["SourceLoader", "unanswered_stats"]
 
 
 _KEEP_KEYS = 100  # quarantined keys kept for stats() (all are logged)
+#: reads of a unit that read differently from what its steps were planned with, after
+#: which a fetch of it fails with a DataError naming its file (its constructor then fails
+#: at once): a file that changed or went after it was planned was read again about four
+#: times a second until the constructor's timeout, the service stalled for it, and the
+#: ranks' first error named no file (a review of storage failing mid-run)
+DIFFERENT_READS = 3
 _log = logging.getLogger("msd_dask.roles.loader")
 
 
@@ -133,6 +139,9 @@ class SourceLoader:
         self._held: set[tuple[int, int]] = set()
         #: fetch calls using each key now: its release waits for them (see release)
         self._pins: dict[tuple[int, int], int] = {}
+        #: keys read again that read differently from their plan, and how many times
+        #: (:data:`DIFFERENT_READS`); a key read as planned leaves it
+        self._different: dict[tuple[int, int], int] = {}
         self._todo: asyncio.Queue[tuple[int, int]] | None = None
         #: keys being read now, and when their read began: a key queued twice (released,
         #: then assigned again before its read) is read once
@@ -368,16 +377,27 @@ class SourceLoader:
                 # the unit read again (this loader re-created, or given another's units)
                 # is not what the step was planned from: under on_error: skip a store that
                 # failed for a moment quarantined the file, or a preprocess failed once.
-                # Read again at the next fetch (the constructor asks again until its
-                # timeout), rather than cut a piece of what is not there.
+                # Read again at the next fetch (the constructor asks again), rather than cut
+                # a piece of what is not there; DIFFERENT_READS such reads, and the file
+                # changed or went since it was planned: named, the service cannot go on
                 self._drop(key)
                 what = (f"{len(doc)} tokens" if doc is not None else
                         f"{len(data.docs)} rows in the unit")
+                reads = self._different[key] = self._different.get(key, 0) + 1
+                said = (f"read again, the document has {what}, but the step was planned with "
+                        f"a piece up to token {int(end)}")
+                if reads >= DIFFERENT_READS:
+                    raise DataError(
+                        f"{said}, {reads} times: the file changed, or cannot be read, since its "
+                        "documents were planned (the steps planned with it cannot be served; "
+                        "under on_error: skip too)", source=self.src.name,
+                        path=self.units[key[1]].path, row=int(row))
                 raise RuntimeError(
                     f"source {self.src.name!r}, file {self.units[key[1]].path!r}, row {int(row)} "
-                    f"(epoch {key[0]}): read again, the document has {what}, but the step was "
-                    f"planned with a piece up to token {int(end)}: the file read differently "
-                    "(a read error quarantined under on_error: skip?); reading it again")
+                    f"(epoch {key[0]}): {said}: the file read differently (a read error "
+                    "quarantined under on_error: skip?); reading it again")
+            if self._different:
+                self._different.pop(key, None)
             if isinstance(doc, ImageDoc):
                 out.append(doc.piece(int(start), int(end)))
             else:

@@ -213,6 +213,46 @@ def test_a_unit_read_again_differently_is_read_once_more_not_cut(corpus, tmp_pat
     asyncio.run(run())
 
 
+def test_a_unit_that_keeps_reading_differently_fails_naming_its_file(corpus, tmp_path) -> None:
+    """A file changed or gone since its steps were planned was read again about four
+    times a second until the constructor's timeout (300 s by default), the service
+    stalled, the ranks' first error named no file, and under ``on_error: skip`` each read
+    counted one more quarantine (a review of storage failing mid-run).  Its third read
+    that reads differently is a ``DataError`` naming the source, file and row, which
+    fails the constructor at once; a read as planned in between starts the count again."""
+    import os
+
+    from msd_dask import DataError
+    from msd_dask.roles.loader import DIFFERENT_READS
+
+    source, units, path = _skipping_copy(corpus, tmp_path)
+    row = units[1][2] + 2
+
+    async def run() -> None:
+        request, want = await _planned_then_away(source, units, path)
+        again = SourceLoader(source, units, {"kind": "bytes"})
+        try:
+            for _ in range(DIFFERENT_READS - 1):
+                with pytest.raises(RuntimeError, match="; reading it again$"):
+                    await again.fetch(request)
+            os.rename(path + ".away", path)  # back for a read: the count starts again
+            np.testing.assert_array_equal(split_pieces(await again.fetch(request))[0], want)
+            os.rename(path, path + ".away")
+            await again.release([(0, 1)])  # (the planner released it: read afresh)
+            for _ in range(DIFFERENT_READS - 1):
+                with pytest.raises(RuntimeError, match="; reading it again$"):
+                    await again.fetch(request)
+            with pytest.raises(DataError, match=rf"^source 'prose', file '{path}', row {row}: "
+                                                r"read again, the document has 0 rows in the "
+                                                r"unit, .* 3 times: the file changed, or cannot "
+                                                r"be read, since its documents were planned"):
+                await again.fetch(request)
+        finally:
+            await again.close()
+
+    asyncio.run(run())
+
+
 def test_a_fetch_that_fails_counts_no_token_fetched(corpus, tmp_path) -> None:
     """A fetch that failed at a later row counted the pieces cut before it as fetched, and
     its retry counted them again (a review): ``tokens_fetched`` counts what was delivered."""
