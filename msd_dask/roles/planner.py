@@ -787,9 +787,9 @@ class PlannerActor:
         self._snapshots: OrderedDict[int, bytes] = OrderedDict()
         self._keep = kept_states(self.cfg)
         #: the last step every rank returned, as the last look at every constructor found
-        #: it (:meth:`checkpoint`): the states after it are kept beyond ``_keep``, up to
-        #: :data:`KEPT_AT_MOST` times as many (ranks behind a host agent that reads far
-        #: ahead, or a service just started: nothing returned yet)
+        #: it (:meth:`checkpoint`): the states from MAX_PREFETCH steps before it on are
+        #: kept beyond ``_keep``, up to :data:`KEPT_AT_MOST` times as many (ranks behind a
+        #: host agent that reads far ahead, or a service just started: nothing returned)
         self._returned_by_all = self.first_step - 1
         #: live weight changes made so far (each re-packs the kept states: see set_weights)
         self.weights_version = 0
@@ -1532,7 +1532,7 @@ class PlannerActor:
                         self._received_by_all() - self.cfg.steps_per_round)
             world = range(self.cfg.parallel.world_size)
             step = min(returned.get(r, self.first_step - 1) for r in world) if complete else floor
-            if complete:  # (the states after it are kept: some rank may be at any of them)
+            if complete:  # (the states from MAX_PREFETCH before it on are kept: _snapshot)
                 self._returned_by_all = max(self._returned_by_all, step)
             # ranks may have read past what this planner planned (a re-created planner
             # re-plans from its saved state): the state after its last planned step then
