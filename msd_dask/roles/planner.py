@@ -1462,7 +1462,9 @@ class PlannerActor:
             if step > held[-1]:
                 raise ValueError(f"state of step {step} is not available: step {step} is not "
                                  f"planned yet (last planned step: {held[-1]})")
-            if step < self.first_step - 1 == held[0]:  # (it said "no longer held": a review)
+            # (a planner that started from a state, while that state is held: "no longer
+            # held" said; a review)
+            if 0 < self.first_step and step < self.first_step - 1 == held[0]:
                 raise ValueError(f"state of step {step} is not held: this planner started "
                                  f"from the state of step {self.first_step - 1} (it was "
                                  "re-created, or the service resumed from it); ask for step "

@@ -95,6 +95,8 @@ def test_a_re_created_planner_names_the_state_it_started_from(corpus: Any) -> No
     async def run() -> None:
         old, lengths = _actor(cfg, units, roots)
         await _plan(old, 30)
+        with pytest.raises(ValueError, match=r"^state of step -5 is no longer held"):
+            await old.state_at(-5)  # (a planner that started afresh: no state before it)
         new, _ = _actor(cfg, units, roots, old._packed_at(25), lengths, generation=1)
         await _plan(new, 3)
         assert (await new.state_at(25))["step"] == 25
