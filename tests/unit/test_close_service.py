@@ -72,8 +72,11 @@ def test_workers_that_do_not_answer_are_named_within_one_timeout(
     assert time.monotonic() - t0 < 2.5
     assert all(answers[w] == {"closed": 1, "shown": {}} for w in healthy)
     assert recovery.unanswered_workers(answers) == sorted(frozen)
+    # (or the call's own timeout, where its thread ended before the wait's: a CI run
+    # under load took that path)
     assert all("did not answer within 1s" in str(answers[w]) or "not asked within 1s"
-               in str(answers[w]) for w in frozen)
+               in str(answers[w]) or "timed out after 1.0 s." == str(answers[w])
+               for w in frozen), {w: str(answers[w]) for w in frozen}
 
 
 @pytest.mark.parametrize("back_after", [0.2, None])
