@@ -407,7 +407,8 @@ def _validate(args: argparse.Namespace) -> int:
     # format whose units() breaks its contract) passed validate and stopped the start; a
     # review.  (Under on_error: skip such a file is set aside, as the service does.)
     quarantined: dict[str, list[str]] = {}
-    units, _roots = discover_units(cfg, quarantined=quarantined, skipped={})
+    skipped: dict[str, dict[str, Any]] = {}
+    units, _roots = discover_units(cfg, quarantined=quarantined, skipped=skipped)
     print(f"config {args.config}: OK (service {cfg.name!r}, {cfg.parallel.world_size} ranks, "
           f"seq_len {cfg.batch.seq_len} x {cfg.batch.micro_batches} micro-batches)")
     w = cfg.weights_at(0)
@@ -421,10 +422,16 @@ def _validate(args: argparse.Namespace) -> int:
         print(f"\nsource {s.name!r} ({s.format}, weight {w[s.name]:.3f} at step 0, "
               f"{s.loaders} loader(s)): {len(first.files)} file(s), {len(units[s.name])} "
               f"unit(s); {read}")
-        for why in quarantined.get(s.name, ()):  # (set aside when its units were listed)
+        left = skipped.get(s.name)
+        if left:  # (the start logs it: validate is where a user looks first; a review)
+            print(f"  warning: left out {left['left']} other file(s) of folder {s.uri!r} that "
+                  f"format {s.format!r} does not read: {left['named']} (name them with a "
+                  "glob to read them)")
+        aside = quarantined.get(s.name, [])  # (set aside when its units were listed)
+        # (on_error: skip: the service sets them aside; a file found by both, once)
+        aside += [str(e) for e in first.set_aside if str(e) not in aside]
+        for why in aside:
             print(f"  warning: set aside (on_error: skip): {why}")
-        for err in first.set_aside:  # (on_error: skip: the service sets them aside)
-            print(f"  warning: set aside (on_error: skip): {err}")
         for err in first.skipped:  # (the service quarantines each row alone)
             print(f"  warning: row skipped (on_error: skip): {err}")
         for f in first.files:

@@ -254,6 +254,12 @@ def check_fields(cfg: Config) -> list[FirstRecord]:
             if not found and path != tries[-1]:  # (no record, or rows all bad: the next)
                 continue
             if not found and bad:  # (rows, all bad: they say nothing of the fields)
+                if len(paths) > len(tries):
+                    # (the service skips those rows and reads on, as past a file set aside
+                    # above: 8 files of bad rows failed validate, 8 unreadable ones did not;
+                    # a review)
+                    firsts.append(FirstRecord(paths, path, False, set_aside, skipped))
+                    break
                 raise bad[0]
             if not found and len(tries) == len(paths):
                 # (every file tried, none with a record: the service stops at its first step,

@@ -57,7 +57,8 @@ def discover_units(cfg: Config, threads: int = 8,
     threads : int
         Files listed at once.
     quarantined : dict, optional
-        Filled with ``{source: [error, ...]}`` for the files quarantined.
+        Filled with ``{source: [error, ...]}`` for the files quarantined (each logged here
+        where it is not given).
     skipped : dict, optional
         Filled with ``{source: {"uri", "format", "read", "left", "named"}}`` for each source
         whose folder had files left out: its ``uri`` and ``format``, the number of files
@@ -126,9 +127,10 @@ def discover_units(cfg: Config, threads: int = 8,
                 if isinstance(got, DataError):
                     if s.on_error != "skip":
                         raise got
-                    _log.warning("source %r quarantined %s", s.name, got)
                     refused.append(got)
-                    if quarantined is not None:
+                    if quarantined is None:
+                        _log.warning("set aside (on_error: skip): %s", got)
+                    else:  # (the caller says it: once, not here and there; a review)
                         quarantined.setdefault(s.name, []).append(str(got))
                     continue
                 found.append(format_units(got, s, i, path))
@@ -223,9 +225,9 @@ def discover_remote(client: Any, cfg: Config, timeout: float
         fut.release()
     if "error" in got:
         raise got["error"]
-    for name, entries in got["quarantined"].items():
-        for entry in entries:
-            _log.warning("source %r quarantined %s", name, entry)
+    for entries in got["quarantined"].values():
+        for entry in entries:  # (each names its source and file)
+            _log.warning("set aside (on_error: skip): %s", entry)
     for name, left in got.get("skipped", {}).items():  # (logged here, where the user looks)
         _log_skipped(name, left["uri"], left["format"], left["read"], left["left"],
                      left["named"])

@@ -387,6 +387,55 @@ def test_validate_reads_on_past_a_bad_first_file_of_a_source_that_skips(
             "0.jsonl.gz'") in out, out
 
 
+def test_validate_warns_once_of_a_file_set_aside_when_listed_and_when_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: Any) -> None:
+    """A corrupt first parquet file under ``on_error: skip`` is set aside both where its
+    units are listed and where its first record is read: validate printed it twice, and
+    the listing logged it a third time, "source 'web' quarantined source 'web', ..." (a
+    review).  It is said once."""
+    _one_file_source(tmp_path, "parquet")
+    (tmp_path / "data" / "0.parquet").write_bytes(b"not parquet")  # (sorted first)
+    _config(tmp_path, f"name: web, uri: '{tmp_path}/data/*.parquet', format: parquet, "
+                      "on_error: skip")
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("0.parquet") == 2, out  # (the warning, and the file in the list)
+    assert out.count("warning: set aside (on_error: skip): source 'web', file") == 1, out
+    assert "0.parquet" not in caplog.text, caplog.text
+
+
+def test_validate_warns_of_the_files_a_folder_source_leaves_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The start logs the files of a folder ``uri`` its format does not read; validate,
+    where a user looks first, said nothing of them (a review)."""
+    _one_file_source(tmp_path, "jsonl")
+    (tmp_path / "data" / "b.json").write_text('{"text": "left out"}\n')
+    _config(tmp_path, f"name: web, uri: '{tmp_path}/data', format: jsonl")
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert (f"warning: left out 1 other file(s) of folder '{tmp_path}/data' that format "
+            "'jsonl' does not read: b.json") in out, out
+
+
+@pytest.mark.parametrize("bad", [b"\x1f\x8bnot gzip", b"{not json\n"], ids=["unreadable", "bad-rows"])
+def test_validate_reads_on_past_many_bad_files_of_a_source_that_skips(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: bytes) -> None:
+    """Under ``on_error: skip``, 8 files before a good one: 8 unreadable files were warnings,
+    8 files of one bad row each made validate fail, though the service skips those rows
+    and reads on (a review).  Both are warnings now, and the rest not checked."""
+    (tmp_path / "data").mkdir()
+    gz = b"\x1f\x8b" in bad
+    for i in range(8):
+        (tmp_path / "data" / (f"p{i}.jsonl.gz" if gz else f"p{i}.jsonl")).write_bytes(bad)
+    (tmp_path / "data" / "p9.jsonl").write_text('{"text": "a good document"}\n')
+    _config(tmp_path, f"name: web, uri: '{tmp_path}/data/*.jsonl*', format: jsonl, "
+                      "on_error: skip")
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "no record in its first 8 files" in out, out
+    assert out.count("warning: set aside" if gz else "warning: row skipped") == 8, out
+
+
 def test_validate_says_when_the_first_file_has_no_record(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An empty first file says nothing of the fields: validate said it read them from
