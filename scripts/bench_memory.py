@@ -86,6 +86,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from cli_types import natural, non_negative_float, positive_float, positive_int  # noqa: E402
+
 GiB = 1024 ** 3
 #: the service's name
 _NAME = "benchmem"
@@ -545,21 +547,21 @@ def _compiled_copy(root: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", "-R", type=int, default=16)
-    p.add_argument("--workers", "-W", type=int, default=4, help="DataLoader workers per rank")
-    p.add_argument("--sources", "-S", type=int, default=16, help="even: the demo's 2 sources × S/2")
+    p.add_argument("--ranks", "-R", type=positive_int, default=16)
+    p.add_argument("--workers", "-W", type=positive_int, default=4, help="DataLoader workers per rank")
+    p.add_argument("--sources", "-S", type=positive_int, default=16, help="even: the demo's 2 sources × S/2")
     p.add_argument("--quick", action="store_true", help="(R, W, S) = (8, 2, 8)")
     p.add_argument("--smoke", action="store_true",
                    help="(R, W, S) = (2, 1, 2), 1 warm batch, 1 sample after 0.5 s (CI)")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--root", default="data/demo")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the config's")
-    p.add_argument("--micro-batches", type=int, default=None, help="default: the config's")
-    p.add_argument("--warm", type=int, default=3, help="batches each rank reads before measuring")
-    p.add_argument("--settle", type=float, default=2.0,
+    p.add_argument("--seq-len", type=positive_int, default=None, help="default: the config's")
+    p.add_argument("--micro-batches", type=positive_int, default=None, help="default: the config's")
+    p.add_argument("--warm", type=natural, default=3, help="batches each rank reads before measuring")
+    p.add_argument("--settle", type=non_negative_float, default=2.0,
                    help="seconds every process holds still before the first PSS sample")
-    p.add_argument("--samples", type=int, default=3, help="PSS samples, one second apart")
-    p.add_argument("--dask-workers", type=int, default=2)
+    p.add_argument("--samples", type=positive_int, default=3, help="PSS samples, one second apart")
+    p.add_argument("--dask-workers", type=positive_int, default=2)
     p.add_argument("--read-ahead", type=_read_aheads, default=["config", "nocap"],
                    help="msd_dask runs, one per comma-separated value: 'config' (the sources' "
                         "read_ahead units and read_ahead_tokens cap), 'nocap' (the config's "
@@ -575,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
                         "deployment sets it for `dask scheduler` / `dask worker` (repeatable; "
                         "e.g. ARROW_DEFAULT_MEMORY_POOL=system); the HF side, the starting "
                         "process and the readers do not get it")
-    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--timeout", type=positive_float, default=600)
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--bytecode", action="store_true",
                    help="every process (both sides) loads msd_dask from compiled bytecode, as a "

@@ -467,6 +467,13 @@ def main(argv: list[str] | None = None) -> int:
         args.idle_seconds = 10.0
     elif not args.reference_only:  # (the three runs measure no idle time: it would be lost)
         p.error("--idle-seconds applies to --reference-only alone")
+    if args.reference_only:  # (the run without a costly source, alone: none of these applies)
+        given = [opt for opt, value in (("--plot", args.plot), ("--costly", args.costly),
+                                        ("--pool", args.pool),
+                                        ("--repeat", args.repeat != 1)) if value]
+        if given:
+            p.error(f"{', '.join(given)} do(es) not apply to --reference-only (its one run "
+                    "has no costly source and no adaptive loaders)")
     if args.costly:
         try:
             args.costly = preprocess_path(args.costly)

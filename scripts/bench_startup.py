@@ -155,6 +155,8 @@ def old_vs_new(cfg: Any, sample: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cli_types import natural, positive_int
+
     ap = argparse.ArgumentParser(
         description="Time a service's start-up for a large device mesh, without a cluster: "
                     "parsing the config, mapping ranks to DP groups and constructors, and the "
@@ -162,25 +164,27 @@ def main(argv: list[str] | None = None) -> int:
                     "phase's seconds, the total against the goal (<= 10 s), and the old rank "
                     "mapping's time (a sample of DP indices, extrapolated) beside the new one.",
         epilog="Example: python scripts/bench_startup.py --dp 4096 --tp 8 --pp 4 --repeat 3")
-    ap.add_argument("--dp", type=int, default=16_384, help="data-parallel size (default %(default)s)")
-    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size (default %(default)s)")
-    ap.add_argument("--cp", type=int, default=1, help="context-parallel size (default %(default)s)")
-    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default %(default)s)")
+    ap.add_argument("--dp", type=positive_int, default=16_384,
+                    help="data-parallel size (default %(default)s)")
+    ap.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size (default %(default)s)")
+    ap.add_argument("--cp", type=positive_int, default=1, help="context-parallel size (default %(default)s)")
+    ap.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size (default %(default)s)")
     ap.add_argument("--order", default="tp-cp-dp-pp",
                     help="mesh axes from fastest-varying to slowest, as parallel.order "
                          "(default %(default)s)")
-    ap.add_argument("--workers", type=int, default=256,
+    ap.add_argument("--workers", type=positive_int, default=256,
                     help="Dask workers of the stand-in cluster (default %(default)s); the "
                          "service's default number of constructors is min(dp, workers)")
-    ap.add_argument("--constructors", type=int, default=0,
+    ap.add_argument("--constructors", type=natural, default=0,
                     help="the config's `constructors` (default 0: min(dp, workers))")
-    ap.add_argument("--old-sample", type=int, default=4,
+    ap.add_argument("--old-sample", type=natural, default=4,
                     help="DP indices on which to time the old per-index scan "
                          "(default %(default)s; 0: skip it)")
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--repeat", type=positive_int, default=1,
                     help="runs of the phases, each phase's fastest reported (default %(default)s)")
     ap.add_argument("--quick", action="store_true",
-                    help="a small mesh (dp = 64 × tp = 2, 16 workers): checks the script, not the figure")
+                    help="a small mesh (dp = 64 × tp = 2, 16 workers, in place of --dp, --tp, --cp, --pp "
+                         "and --workers): checks the script, not the figure")
     args = ap.parse_args(argv)
     if args.quick:
         args.dp, args.tp, args.cp, args.pp, args.workers = 64, 2, 1, 1, 16
