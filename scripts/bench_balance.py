@@ -398,10 +398,15 @@ def workers_environ() -> Any:
 def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> dict[str, float]:
     """The planner's work per step at ``dp`` ranks, end to end, and its memory while it keeps
     what its actor keeps: the work of the last ``prefetch`` steps for re-created
-    constructors, the snapshots of its state for the last ``prefetch + 2 × round_steps + 16``
-    steps (from the first step on: copies of the newest) and the lengths of the units in use
-    (:class:`HeldUnits`)."""
+    constructors (:class:`~msd_dask.roles.kept_work.KeptWork`: a large step's in a file of a
+    temporary directory, as the actor's in its worker's local directory; the time writing it
+    takes is the packing's), the snapshots of its state for the last ``prefetch + 2 ×
+    round_steps + 16`` steps (from the first step on: copies of the newest) and the lengths
+    of the units in use (:class:`HeldUnits`)."""
+    import tempfile
+
     from msd_dask.core.row_placement import planner_threads, rank_blocks
+    from msd_dask.roles.kept_work import KeptWork
     from msd_dask.roles.planner import kept_states
     from msd_dask.sources.heap import cap_arenas, map_large_blocks
 
@@ -411,13 +416,16 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
     pl = planner_for(cfg, 1 << 16)
     look = HeldUnits(LognormalUnits(4096))
     relpath = {s.name: [f"u{i:06d}.parquet" for i in range(1 << 16)] for s in cfg.sources}
-    kept: list[list[bytes]] = []
+    kept: list[KeptWork] = []
     snapshots: list[bytes] = []
     keep = kept_states(cfg)  # (the actor's)
     parts, pieces = [], []
-    for _ in range(steps):
+    directory = tempfile.TemporaryDirectory(prefix="msd-bench-kept-")
+    for step in range(steps):
         seconds, n, work, snapshot = planning_step(pl, look, min(constructors, dp), relpath)
-        kept.append(work)
+        t = time.perf_counter()
+        kept.append(KeptWork(step, work, directory.name))
+        seconds[2] += time.perf_counter() - t
         snapshots.append(snapshot)
         parts.append(seconds)
         pieces.append(n)
@@ -428,6 +436,10 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
         snapshots[:0] = [bytes(bytearray(snapshot)) for _ in range(keep - len(snapshots))]
         look.step_done(pl.pending_units(), cfg.prefetch)
     now, peak = rss_mib()
+    in_files = sum(w.nbytes - w.in_memory for w in kept) / 2**20
+    in_memory = (sum(w.in_memory for w in kept) + sum(map(len, snapshots))) / 2**20
+    del kept
+    directory.cleanup()
     plan_s, split_s, pack_s = np.array(parts).T
     return {"dp": dp, "seq_len": seq_len, "pieces": float(np.mean(pieces)),
             "threads": float(planner_threads()) if rank_blocks(dp) > 1 else 1.0,
@@ -435,7 +447,7 @@ def scale_config(dp: int, seq_len: int, steps: int, constructors: int = 256) -> 
             "pack": float(np.median(pack_s)),
             "total": float(np.median(plan_s + split_s + pack_s)),
             "rss": now, "peak": peak,
-            "kept": (sum(len(b) for step in kept for b in step) + sum(map(len, snapshots))) / 2**20}
+            "kept": in_memory, "in_files": in_files}
 
 
 class CorpusUnits:
@@ -490,8 +502,8 @@ def fmt_small(r: dict[str, float]) -> str:
 
 
 SCALE_HEADER = ("| dp × rows per rank | seq_len | pieces/step | threads | plan ms | split ms | keep ms "
-                "| end to end ms | goal ms | kept MiB | RSS MiB | peak RSS MiB |\n"
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                "| end to end ms | goal ms | kept MiB | in files MiB | RSS MiB "
+                "| peak RSS MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def fmt_scale(r: dict[str, float]) -> str:
@@ -499,7 +511,8 @@ def fmt_scale(r: dict[str, float]) -> str:
     return (f"| {int(r['dp']):,} × 8 | {int(r['seq_len'])} | {r['pieces']:,.0f} "
             f"| {int(r['threads'])} | {r['plan'] * 1e3:,.0f} | {r['split'] * 1e3:,.0f} "
             f"| {r['pack'] * 1e3:,.0f} "
-            f"| {r['total'] * 1e3:,.0f} | {goal:,} | {r['kept']:,.0f} | {r['rss']:,.0f} "
+            f"| {r['total'] * 1e3:,.0f} | {goal:,} | {r['kept']:,.0f} | {r['in_files']:,.0f} "
+            f"| {r['rss']:,.0f} "
             f"| {r['peak']:,.0f} |")
 
 

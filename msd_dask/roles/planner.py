@@ -31,6 +31,7 @@ from msd_dask.dask_internals import STATS_SHARED
 from msd_dask.errors import ConfigError, DataError, ServiceError, ServiceTimeoutError
 from msd_dask.roles.constructor import StepPieces, pack_works
 from msd_dask.roles.direct import direct
+from msd_dask.roles.kept_work import KeptWork, local_directory
 
 if TYPE_CHECKING:
     from msd_dask.core.plan import Planner, PlannerSnapshot, StepPlan
@@ -75,6 +76,9 @@ class PlannedStep:
     after: tuple[Counts, bytes]
     #: each constructor's work, packed (:func:`~msd_dask.roles.constructor.pack_works`)
     work: list[bytes]
+    #: the work as the actor keeps it until every rank has received the step, in a file
+    #: where it is large (:class:`~msd_dask.roles.kept_work.KeptWork`; None: as ``work``)
+    kept: KeptWork | None = None
 
 
 #: seconds :meth:`PlannerActor.state_at` waits for a step of the next round to be planned
@@ -809,8 +813,11 @@ class PlannerActor:
         #: (source, epoch, unit) -> last step whose plan used it
         self._last_use: dict[tuple[str, int, int], int] = {}
         #: the steps not every rank may have claimed yet: each constructor's work
-        #: (pack_work), for re-sending to a re-created constructor
-        self._recent: OrderedDict[int, list[bytes]] = OrderedDict()
+        #: (pack_work), for re-sending to a re-created constructor, in a file of the
+        #: worker's local directory where a step's is large (KeptWork)
+        self._recent: OrderedDict[int, KeptWork] = OrderedDict()
+        #: where large kept works go (None: not on a worker, kept in memory)
+        self._kept_directory = local_directory()
         self._last_submitted = self.planner.step - 1
         self._meta_wait = {s.name: 0.0 for s in self.cfg.sources}
         #: (source, when) of the wait for a source's lengths under way: counted as it goes
@@ -930,7 +937,8 @@ class PlannerActor:
         """``(step, constructor i's work packed as kept)`` of the recent steps not every
         rank may have claimed yet, in order (a re-created constructor gets them again)."""
         safe = self._received_by_all()
-        return [(step, work[constructor]) for step, work in self._recent.items() if step > safe]
+        return [(step, work.part(constructor)) for step, work in self._recent.items()
+                if step > safe]
 
     async def hand_over(self, source: str, slots: list[int], heir: int) -> None:
         """Give the live units of loader ``slots`` of ``source`` (a slot whose actor was
@@ -1253,7 +1261,9 @@ class PlannerActor:
                                      self._owner, self._relpath, self.fitter is not None,
                                      planner_threads(), times)
         self.plan_seconds = times[0]
-        return step
+        # (the copy kept for re-created constructors: read only by a recovery)
+        return dataclasses.replace(step, kept=KeptWork(step.step, step.work,
+                                                       self._kept_directory))
 
     async def _loop(self) -> None:
         from msd_dask.core.stream import NeedMetadata
@@ -1324,7 +1334,7 @@ class PlannerActor:
         """Hand a round to the constructors; return once each has room for ``room`` more
         steps (the next round: one message per constructor and round)."""
         for step in planned:
-            self._recent[step.step] = step.work
+            self._recent[step.step] = step.kept or KeptWork(step.step, step.work, None)
         first, last = planned[0].step, planned[-1].step
         span = f"{first}" if first == last else f"{first}-{last}"
         self.waiting = (f"constructors to make room for step {last + 1} (handing over step "

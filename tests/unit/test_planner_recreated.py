@@ -293,8 +293,9 @@ def test_a_resumed_planner_gives_out_the_units_of_its_carried_pieces(corpus: Any
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("in_files", [False, True], ids=["in-memory", "in-files"])
 def test_a_round_lost_on_its_way_with_its_constructor_reaches_the_re_created_one(
-        corpus: Any) -> None:
+        corpus: Any, in_files: bool, tmp_path: Any, monkeypatch: Any) -> None:
     """Rank 0 is handed its first round and the answer is lost on its way (its constructor's
     worker went down, taking the connection with it) while rank 1, of the same DP group,
     reads on.  The planner goes as far as the constructor's room lets it, then the service
@@ -302,7 +303,9 @@ def test_a_round_lost_on_its_way_with_its_constructor_reaches_the_re_created_one
     (:meth:`PlannerActor.unclaimed_steps`): rank 0, asking again for its first step, gets
     the lost round, the same batches, then the steps rank 1 read meanwhile.  The planner
     keeps the steps after ``last submitted - prefetch``: a rank claimed every step up to
-    ``prefetch - round_steps`` behind, and may lack its last round of them."""
+    ``prefetch - round_steps`` behind, and may lack its last round of them.  ``in-files``:
+    each step's work is kept in a file of the worker's local directory, as a large one is
+    (:class:`~msd_dask.roles.kept_work.KeptWork`), and each file goes with its step."""
     from test_constructor_bookkeeping import ToyLoader
 
     from msd_dask.core.packing import from_wire
@@ -324,6 +327,9 @@ def test_a_round_lost_on_its_way_with_its_constructor_reaches_the_re_created_one
 
     async def run() -> None:
         actor, _ = _actor(cfg, units, roots)
+        if in_files:
+            monkeypatch.setattr("msd_dask.roles.kept_work.SPILL_FROM", 1)
+            actor._kept_directory = str(tmp_path)
         old = await constructor()
 
         async def submit(steps: list[tuple[int, list[bytes]]], room: int) -> None:
@@ -344,6 +350,8 @@ def test_a_round_lost_on_its_way_with_its_constructor_reaches_the_re_created_one
                 submitted.cancel()
                 break
         assert lost["steps"] == list(range(k)) and read >= k
+        # a file for each step kept (a step every rank had goes with its file)
+        assert len(list(tmp_path.iterdir())) == (len(actor._recent) if in_files else 0)
         # the worker is lost: the old constructor with it, and the round it handed rank 0
         new = await constructor()
         await new.submit([(s, unpack_work(w)) for s, w in actor.unclaimed_steps(0)], 0,
