@@ -3,11 +3,13 @@
 The planner keeps each step's work (every constructor's, packed) until every rank has
 received the step, so that a constructor re-created after its worker was lost gets the
 steps again (:meth:`~msd_dask.roles.planner.PlannerActor.unclaimed_steps`).  That copy is
-read only on such a recovery.  At dp 16,384 × 128K a step's work takes up to 45 MiB
-packed, and the planner keeps ``prefetch`` of them and more: a sixth of the planner's
-1 GiB.  A step's work of :data:`SPILL_FROM` bytes or more is therefore kept in a file of
-the planner's worker's local directory (where Dask spills its own data), not in memory;
-a smaller one (dp 16,384 × 4K: about 4 MiB a step) stays in memory.
+read on such a recovery, and once to hand the step's round to the constructors: a work
+in a file leaves memory as soon as it is planned, not after its round.  At dp 16,384 ×
+128K a step's work takes up to 45 MiB packed, and the planner keeps ``prefetch`` of them
+and more: a sixth of the planner's 1 GiB.  A step's work of :data:`SPILL_FROM` bytes or
+more is therefore kept in a file of the planner's worker's local directory (where Dask
+spills its own data), not in memory; a smaller one (dp 16,384 × 4K: about 4 MiB a step)
+stays in memory.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class KeptWork:
     Notes
     -----
     A work that cannot be written (the directory gone, the disk full) is kept in memory,
-    with a warning.  The file goes with the object (garbage collected or :meth:`close`\\ d).
+    with a warning (once per directory until a work is written there again).  The file
+    goes with the object (garbage collected or :meth:`close`\\ d).
     """
 
     def __init__(self, step: int, parts: Sequence[bytes], directory: str | None,
@@ -62,8 +65,8 @@ class KeptWork:
         try:
             fd, path = tempfile.mkstemp(prefix=f"msd-kept-step-{step}-", dir=directory)
         except OSError as e:
-            _log.warning("msd_dask: step %d's work (%d bytes) kept in memory: no file in %s: %s",
-                         step, self._bounds[-1], directory, e)
+            _failed(directory, f"step {step}'s work ({self._bounds[-1]} bytes) kept in memory: "
+                               f"no file in {directory}: {e}")
             return
         self._finalizer = weakref.finalize(self, _remove, path)
         try:
@@ -71,9 +74,10 @@ class KeptWork:
                 f.writelines(self._parts)
         except OSError as e:
             self._finalizer()
-            _log.warning("msd_dask: step %d's work (%d bytes) kept in memory: writing %s "
-                         "failed: %s", step, self._bounds[-1], path, e)
+            _failed(directory, f"step {step}'s work ({self._bounds[-1]} bytes) kept in memory: "
+                               f"writing {path} failed: {e}")
             return
+        _failing.discard(directory)
         self.path, self._parts = path, None
 
     def __len__(self) -> int:
@@ -113,10 +117,25 @@ class KeptWork:
                           f"{start + len(data)}")
         return data
 
+    def parts(self) -> list[bytes]:
+        """Every constructor's packed work, in order (read back where it is in a file)."""
+        return [self.part(i) for i in range(len(self))]
+
     def close(self) -> None:
         """Remove the file now (where there is one); idempotent."""
         if self.path is not None:
             self._finalizer()
+
+
+#: the directories where writing a work failed, not warned of again until one is written
+_failing: set[str] = set()
+
+
+def _failed(directory: str, message: str) -> None:
+    if directory not in _failing:
+        _failing.add(directory)
+        _log.warning("msd_dask: %s (said once until a step's work is written there again)",
+                     message)
 
 
 def _remove(path: str) -> None:

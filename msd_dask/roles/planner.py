@@ -74,8 +74,9 @@ class PlannedStep:
     features: np.ndarray | None
     #: the planner's state after it (:func:`_packed_state`)
     after: tuple[Counts, bytes]
-    #: each constructor's work, packed (:func:`~msd_dask.roles.constructor.pack_works`)
-    work: list[bytes]
+    #: each constructor's work, packed (:func:`~msd_dask.roles.constructor.pack_works`;
+    #: None: in ``kept``'s file alone, read back to hand the round over)
+    work: list[bytes] | None
     #: the work as the actor keeps it until every rank has received the step, in a file
     #: where it is large (:class:`~msd_dask.roles.kept_work.KeptWork`; None: as ``work``)
     kept: KeptWork | None = None
@@ -912,6 +913,9 @@ class PlannerActor:
         if self._executor is not None:  # a step in flight ends on its own (its result dropped)
             self._executor.shutdown(wait=False)
             self._executor = None
+        for kept in self._recent.values():  # (their files now, not at a collection of the
+            kept.close()                    # actor's cycles; a review)
+        self._recent.clear()
         await self.roles.close(notice)
 
     async def start(self) -> None:
@@ -1261,9 +1265,12 @@ class PlannerActor:
                                      self._owner, self._relpath, self.fitter is not None,
                                      planner_threads(), times)
         self.plan_seconds = times[0]
-        # (the copy kept for re-created constructors: read only by a recovery)
-        return dataclasses.replace(step, kept=KeptWork(step.step, step.work,
-                                                       self._kept_directory))
+        # the copy kept for re-created constructors; a work written to a file leaves memory
+        # now (the round's earlier steps stayed while its later ones were planned, up to
+        # 45 MiB each at dp 16,384 x 128K; a review) and is read back to hand the round over
+        assert step.work is not None
+        kept = KeptWork(step.step, step.work, self._kept_directory)
+        return dataclasses.replace(step, kept=kept, work=None if kept.path else step.work)
 
     async def _loop(self) -> None:
         from msd_dask.core.stream import NeedMetadata
@@ -1333,14 +1340,19 @@ class PlannerActor:
     async def _submit(self, planned: list[PlannedStep], room: int) -> None:
         """Hand a round to the constructors; return once each has room for ``room`` more
         steps (the next round: one message per constructor and round)."""
+        works = []
         for step in planned:
-            self._recent[step.step] = step.kept or KeptWork(step.step, step.work, None)
+            kept = step.kept or KeptWork(step.step, step.work or [], None)
+            self._recent[step.step] = kept
+            works.append((step.step, step.work if step.work is not None else
+                          await asyncio.to_thread(kept.parts)))
         first, last = planned[0].step, planned[-1].step
         span = f"{first}" if first == last else f"{first}-{last}"
         self.waiting = (f"constructors to make room for step {last + 1} (handing over step "
                         f"{span}; each holds at most prefetch={self.cfg.prefetch} unclaimed "
                         "steps)")
-        await self._room(self.roles.submit([(step.step, step.work) for step in planned], room))
+        await self._room(self.roles.submit(works, room))
+        del works
         self._last_submitted = last
         # every rank has claimed the steps up to _received_by_all(): never sent again
         safe = self._received_by_all()

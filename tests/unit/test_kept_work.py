@@ -57,6 +57,29 @@ def test_a_work_that_cannot_be_written_is_kept_in_memory_with_a_warning(
     assert "step 7's work (1017 bytes) kept in memory" in caplog.text and gone in caplog.text
 
 
+def test_a_directory_that_fails_is_warned_of_once_until_a_write_succeeds(
+        tmp_path: Any, caplog: Any) -> None:
+    """The worker's local directory removed under the planner: every large step warned
+    (at 128K one line every 2 s for the rest of the run; a review)."""
+    gone = tmp_path / "local"
+    with caplog.at_level(logging.WARNING, logger="msd_dask.roles.kept_work"):
+        for step in range(3):
+            KeptWork(step, PARTS, str(gone), spill_from=0)
+        assert caplog.text.count("kept in memory") == 1
+        gone.mkdir()
+        written = KeptWork(3, PARTS, str(gone), spill_from=0)
+        assert written.path is not None
+        written.close()
+        gone.rmdir()
+        KeptWork(4, PARTS, str(gone), spill_from=0)
+    assert caplog.text.count("kept in memory") == 2  # (written again in between)
+
+
+def test_parts_reads_every_part_back(tmp_path: Any) -> None:
+    assert KeptWork(5, PARTS, str(tmp_path), spill_from=0).parts() == PARTS
+    assert KeptWork(5, PARTS, None).parts() == PARTS
+
+
 def test_a_file_removed_under_it_is_named_when_read(tmp_path: Any) -> None:
     kept = KeptWork(9, PARTS, str(tmp_path), spill_from=0)
     assert kept.path is not None

@@ -339,7 +339,11 @@ def test_a_round_lost_on_its_way_with_its_constructor_reaches_the_re_created_one
         lost: dict[str, Any] = {}
         read = -1  # rank 1's last step
         for _ in range(4):  # rounds, each handed over as the planning loop does
-            submitted = asyncio.ensure_future(actor._submit(await _plan(actor, k), k))
+            planned = await _plan(actor, k)
+            # (a work in a file is not held in memory too while the round is planned)
+            assert [p.work is None for p in planned] == [in_files] * k
+            submitted = asyncio.ensure_future(actor._submit(planned, k))
+            del planned
             if not lost:
                 lost = await old.next_round(0, -1, wait=30)  # never reaches rank 0
             got = await old.next_round(1, read, wait=5)
@@ -367,6 +371,13 @@ def test_a_round_lost_on_its_way_with_its_constructor_reaches_the_re_created_one
             task = con._task
             await con.close()
             task.cancel()
+
+        async def closed(notice: Any = None) -> None:
+            pass
+
+        actor.roles.close = closed  # type: ignore[method-assign]
+        await actor.close_roles()  # (the files go with the service, not at a collection)
+        assert not list(tmp_path.iterdir()) and not actor._recent
 
     asyncio.run(run())
 
